@@ -1,0 +1,273 @@
+"""Engine configuration: one dataclass per concern, all validation in one place.
+
+`EngineArgs` is the flat list of user knobs (the offline `LLM(...)` keyword arguments and,
+later, the CLI flags are both generated from it); `EngineArgs.create_engine_config()`
+resolves it into the typed configs the engine uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from shardlm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
+               "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4,
+               "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_size(value: int | float | str) -> int:
+    """Bytes from an int or a string such as '4GiB', '512MB', '1e9'."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"Cannot read the size {value!r}: write bytes or a number with a unit, "
+                         "e.g. 4GiB, 512MiB, 2GB.")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not supported: use 'auto', 'cpu' or 'cuda'.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but torch sees no CUDA device "
+                         f"(torch {torch.__version__}). Use device='cpu' or install a CUDA build of torch.")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None,
+                  device: torch.device) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype (float32 on CPU for float16 checkpoints)."""
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    elif dtype == "auto":
+        resolved = config_dtype or torch.float32
+        if device.type == "cpu" and resolved == torch.float16:
+            logger.info("The checkpoint is float16; using float32 on CPU (float16 is CUDA only).")
+            resolved = torch.float32
+    elif dtype in _DTYPES:
+        resolved = _DTYPES[dtype]
+    else:
+        raise ValueError(f"dtype={dtype!r} is not supported: use auto, float32, bfloat16 or float16.")
+    if resolved == torch.float16 and device.type == "cpu":
+        raise ValueError("dtype float16 is supported on CUDA only; on CPU use bfloat16 or float32.")
+    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype {resolved} is not supported: use float32, bfloat16 or float16.")
+    return resolved
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    tokenizer: str
+    hf_config: object  # transformers.PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int
+    architecture: str
+    served_model_name: str
+    eos_token_ids: list[int] = field(default_factory=list)
+    generation_defaults: dict = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        c = self.hf_config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int = 4 << 30           # CPU: bytes for the KV cache
+    gpu_memory_utilization: float = 0.9      # CUDA: fraction of device memory the engine may use
+    enable_prefix_caching: bool = True
+    num_blocks: int | None = None            # set by the worker after measuring memory
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.block_size % 8:
+            raise ValueError(f"block_size={self.block_size} must be a positive multiple of 8 (default 16).")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1].")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be a positive number of bytes.")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+
+    def __post_init__(self):
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be positive.")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be positive.")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            size = getattr(self, name)
+            if size < 1:
+                raise ValueError(f"{name}={size} must be at least 1.")
+            if size > 1:
+                raise NotImplementedError(
+                    f"{name}={size}: only single-process execution is supported yet in this "
+                    f"version of shardlm; run with {name}=1.")
+        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}: "
+                             "use 'uni', 'mp' or 'ray'.")
+        if self.distributed_executor_backend in ("mp", "ray"):
+            raise NotImplementedError(f"distributed_executor_backend={self.distributed_executor_backend!r} "
+                                      "is not supported yet; use 'uni'.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: torch.device
+
+
+@dataclass
+class EngineArgs:
+    """Every user-facing engine knob, with vLLM's names. `LLM(**kwargs)` and the CLI use this."""
+
+    model: str | None = None           # HF model directory; None = the embedded default model
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    device: str = "auto"
+    served_model_name: str | None = None
+    download_dir: str | None = None
+    block_size: int = 16
+    kv_cache_memory: int | str = 4 << 30
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def create_engine_config(self) -> EngineConfig:
+        from shardlm.model_loader.default_model import resolve_model_path
+        from shardlm.models.registry import resolve_architecture
+
+        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
+                                  self.data_parallel_size, self.distributed_executor_backend)
+        device = resolve_device(self.device)
+        path = resolve_model_path(self.model, self.download_dir)
+        hf_config = load_hf_config(path)
+        architecture = resolve_architecture(hf_config)
+        dtype = resolve_dtype(self.dtype, _config_dtype(hf_config), device)
+        max_model_len = _resolve_max_model_len(hf_config, self.max_model_len)
+        gen_defaults = load_generation_defaults(path)
+        model_cfg = ModelConfig(
+            model=path, tokenizer=self.tokenizer or path, hf_config=hf_config, dtype=dtype,
+            max_model_len=max_model_len, seed=self.seed, architecture=architecture,
+            served_model_name=self.served_model_name or (self.model or "SmolLM2-135M-Instruct"),
+            eos_token_ids=_eos_ids(hf_config, gen_defaults), generation_defaults=gen_defaults)
+        cache = CacheConfig(self.block_size, parse_size(self.kv_cache_memory),
+                            self.gpu_memory_utilization, self.enable_prefix_caching)
+        scheduler = SchedulerConfig(
+            self.max_num_seqs, self.max_num_batched_tokens or max(8192, self.max_num_seqs), max_model_len)
+        return EngineConfig(model_cfg, cache, scheduler, parallel, device)
+
+
+def load_hf_config(path: str):
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{path} has no config.json: pass a Hugging Face model directory "
+                         "(config.json, *.safetensors, tokenizer files).")
+    return AutoConfig.from_pretrained(path)
+
+
+def load_generation_defaults(path: str) -> dict:
+    gen_path = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(gen_path):
+        return {}
+    with open(gen_path) as f:
+        return json.load(f)
+
+
+def _config_dtype(hf_config) -> torch.dtype | None:
+    dt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dt, str):
+        return _DTYPES.get(dt)
+    return dt if isinstance(dt, torch.dtype) else None
+
+
+def _eos_ids(hf_config, gen_defaults: dict) -> list[int]:
+    eos = gen_defaults.get("eos_token_id", getattr(hf_config, "eos_token_id", None))
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def _resolve_max_model_len(hf_config, requested: int | None) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if requested is None:
+        return limit
+    if requested <= 0:
+        raise ValueError(f"max_model_len={requested} must be positive.")
+    if requested > limit:
+        raise ValueError(f"max_model_len={requested} is longer than the model's "
+                         f"max_position_embeddings={limit}; use max_model_len <= {limit}.")
+    return requested

@@ -1,0 +1,75 @@
+"""The engine core: owns the scheduler and the KV block table, drives the executor.
+
+step() = schedule -> execute on the workers -> update requests with the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import time
+
+from shardlm.config import EngineConfig
+from shardlm.engine.messages import EngineCoreOutput
+from shardlm.engine.request import Request
+from shardlm.engine.scheduler import Scheduler
+from shardlm.executor.base import get_executor_class
+from shardlm.logger import init_logger
+from shardlm.utils import cdiv
+
+logger = init_logger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        t0 = time.perf_counter()
+        self.executor = get_executor_class(config)(config)
+        num_blocks = self.executor.determine_num_blocks()
+        self._check_kv_capacity(num_blocks)
+        self.executor.initialize_cache(num_blocks)
+        config.cache.num_blocks = num_blocks
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        logger.info("Engine core ready in %.2f s", time.perf_counter() - t0)
+
+    def _check_kv_capacity(self, num_blocks: int) -> None:
+        bs, max_len = self.config.cache.block_size, self.config.model.max_model_len
+        usable = num_blocks - 1   # block 0 is the null block
+        needed = cdiv(max_len, bs)
+        if usable < needed:
+            raise ValueError(
+                f"The KV cache has room for {max(usable, 0) * bs} tokens ({max(usable, 0)} blocks of {bs}), "
+                f"fewer than one request of max_model_len={max_len} needs ({needed} blocks). "
+                "Give it more memory (kv_cache_memory on CPU, gpu_memory_utilization on CUDA) "
+                f"or lower max_model_len to at most {max(usable, 0) * bs}.")
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens; max concurrency at max_model_len %d: %.2fx",
+                    usable, bs, usable * bs, max_len, usable * bs / max_len)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, req_ids) -> None:
+        self.scheduler.finish_requests(req_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.chunks:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("The scheduler could not schedule any of the unfinished requests; "
+                                   "this is a bug in shardlm, please report it.")
+            return []
+        result = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update(scheduler_output, result)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv.reset_prefix_cache()
+
+    def stats(self) -> dict:
+        return {"num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
+                "kv_cache_usage": self.scheduler.kv.usage(),
+                "prefix_cache_hit_rate": self.scheduler.kv.prefix_cache_hit_rate(),
+                "num_preemptions": self.scheduler.num_preemptions}
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,90 @@
+"""A request as the engine core sees it: token ids, progress, state."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from shardlm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+def hash_block_tokens(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
+    """Prefix-cache key of one full block: depends on every token before it through the chain."""
+    return hash((parent_hash, tokens))
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: list[int], max_model_len: int, block_size: int,
+                 arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = set(eos_token_ids)
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1      # prefix-cache hit at first scheduling (-1: not yet)
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        room = max_model_len - len(prompt_token_ids)
+        self.max_tokens = room if sampling_params.max_tokens is None else min(sampling_params.max_tokens, room)
+        self.block_size = block_size
+        self.block_hashes: list[int] = []
+        self._update_block_hashes()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        bs = self.block_size
+        while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if i else None
+            self.block_hashes.append(hash_block_tokens(parent, tuple(self.all_token_ids[i * bs:(i + 1) * bs])))
+
+    def check_stop(self) -> bool:
+        """After a token was appended: set a finished status if a stop condition holds."""
+        token = self.output_token_ids[-1]
+        sp = self.sampling_params
+        if self.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in sp.stop_token_ids:
+                self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, token
+                return True
+        if self.num_output_tokens >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

@@ -1,0 +1,156 @@
+"""Continuous batching: which requests run this step, and how many tokens each.
+
+Every step has a token budget (max_num_batched_tokens). Running requests go first, oldest
+first: a decode takes one token, an unfinished prompt the next chunk of it (chunked
+prefill). Waiting requests then fill what is left, first come first served, each starting
+after its longest cached prefix. When the KV cache runs out, the newest running request
+is preempted: its blocks are freed and it is recomputed later from its tokens so far,
+which changes no output.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from shardlm.config import CacheConfig, SchedulerConfig
+from shardlm.engine.kv_cache_manager import KVCacheManager
+from shardlm.engine.messages import (EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+                                     ScheduledChunk, SchedulerOutput)
+from shardlm.engine.request import Request, RequestStatus
+from shardlm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int):
+        self.config = config
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._known_to_workers: set[str] = set()
+        self._finished_since_last_step: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- requests in and out ----
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, req_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.status.finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._known_to_workers:
+            self._known_to_workers.discard(request.request_id)
+            self._finished_since_last_step.append(request.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step ----
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        new_requests: list[NewRequestData] = []
+
+        num_preempted_before = self.num_preemptions
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is request:
+                    break
+            else:
+                chunks.append(self._chunk(request, num_new))
+                budget -= num_new
+                i += 1
+
+        # after a preemption the cache is full: admit nobody new this step
+        admit = self.num_preemptions == num_preempted_before
+        while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(request, num_new, hit_blocks):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if request.request_id not in self._known_to_workers:
+                self._known_to_workers.add(request.request_id)
+                new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
+                                                   request.sampling_params))
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+
+        finished, self._finished_since_last_step = self._finished_since_last_step, []
+        return SchedulerOutput(chunks, new_requests, finished)
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        request.num_computed_tokens += num_new
+        return ScheduledChunk(request.request_id, request.all_token_ids[start:start + num_new], start,
+                              self.kv.block_ids(request.request_id),
+                              sample=request.num_computed_tokens == request.num_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        if self.num_preemptions == 1 or self.num_preemptions % 100 == 0:
+            logger.warning("Request %s was preempted (recomputed later) because the KV cache is full; "
+                           "total preemptions: %d. Give the KV cache more memory or lower max_num_seqs "
+                           "for better throughput.", request.request_id, self.num_preemptions)
+
+    def update(self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs = []
+        for chunk in scheduler_output.chunks:
+            request = self.requests.get(chunk.req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            prompt_lp = result.prompt_logprobs.get(chunk.req_id)
+            token = result.sampled.get(chunk.req_id) if chunk.sample else None
+            if token is None:
+                if prompt_lp:
+                    outputs.append(EngineCoreOutput(chunk.req_id, [], prompt_logprobs=prompt_lp))
+                continue
+            request.append_output_token(token)
+            lp = result.logprobs.get(chunk.req_id)
+            out = EngineCoreOutput(chunk.req_id, [token], [lp] if lp else None, prompt_lp,
+                                   num_cached_tokens=request.num_cached_tokens)
+            if request.check_stop():
+                out.finish_reason, out.stop_reason = request.status.value, request.stop_reason
+                self.running.remove(request)
+                self._free(request)
+            outputs.append(out)
+        return outputs

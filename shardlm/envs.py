@@ -1,0 +1,10 @@
+"""Every environment variable shardlm reads, in one place (debugging knobs only; user-facing
+settings are config fields with flags)."""
+
+import os
+
+# Log level of the `shardlm` loggers (DEBUG, INFO, WARNING, ...).
+SHARDLM_LOG_LEVEL = os.environ.get("SHARDLM_LOG_LEVEL", "INFO")
+# Where the embedded default model is converted to a Hugging Face directory.
+SHARDLM_CACHE_DIR = os.environ.get(
+    "SHARDLM_CACHE_DIR", os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "shardlm"))

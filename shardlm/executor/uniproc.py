@@ -1,0 +1,21 @@
+"""The executor for one rank in the engine core's own process."""
+
+from __future__ import annotations
+
+from shardlm.engine.messages import ModelRunnerOutput, SchedulerOutput
+from shardlm.executor.base import Executor
+from shardlm.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config):
+        super().__init__(config)
+        self.worker = Worker(config, rank=0)
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def collective_rpc(self, method, args=(), kwargs=None):
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)

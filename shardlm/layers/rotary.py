@@ -1,0 +1,50 @@
+"""Rotary position embedding (neox style, as Llama/Mistral/Qwen2 use), with HF's rope scaling."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _rope_parameters(hf_config) -> dict:
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    return dict(params)
+
+
+def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = _rope_parameters(hf_config)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(_STATIC_ROPE_TYPES)}.")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, hf_config, head_dim: int, max_position: int, dtype: torch.dtype):
+        super().__init__()
+        inv_freq, scaling = compute_inv_freq(hf_config, head_dim)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # [max_position, head_dim] each, in the model dtype (as HF casts them)
+        self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hk, D] -> rotated copies."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

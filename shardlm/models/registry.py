@@ -1,0 +1,24 @@
+"""Hugging Face architecture name -> shardlm model class."""
+
+from __future__ import annotations
+
+from shardlm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+
+
+def resolve_architecture(hf_config) -> str:
+    archs = getattr(hf_config, "architectures", None) or []
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return arch
+    raise ValueError(f"Model architecture(s) {archs or '(none in config.json)'} are not supported. "
+                     f"Supported architectures: {', '.join(sorted(MODEL_REGISTRY))}.")
+
+
+def get_model_class(architecture: str):
+    return MODEL_REGISTRY[architecture]

@@ -1,0 +1,5 @@
+"""Small helpers used across the package."""
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,157 @@
+"""Runs one scheduler step on this rank: build the batch tensors, run the model, sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shardlm.config import EngineConfig
+from shardlm.engine.messages import ModelRunnerOutput, SchedulerOutput
+from shardlm.layers.attention import Attention, build_attention_metadata
+from shardlm.layers.sampler import Sampler, SamplingBatch, token_logprobs
+from shardlm.model_loader.weights import load_model
+from shardlm.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    """What the worker remembers of a request between steps."""
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device):
+        self.config = config
+        self.device = device
+        self.block_size = config.cache.block_size
+        self.model: torch.nn.Module | None = None
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+        self.stop_ids_for_min_tokens = list(config.model.eos_token_ids)
+
+    def load_model(self) -> None:
+        self.model = load_model(self.config.model, self.device)
+
+    def attention_layers(self) -> list[Attention]:
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def kv_cache_bytes_per_block(self) -> int:
+        m = self.config.model
+        dtype_size = torch.empty((), dtype=m.dtype).element_size()
+        return 2 * len(self.attention_layers()) * self.block_size * m.num_kv_heads * m.head_dim * dtype_size
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        m = self.config.model
+        for attn in self.attention_layers():
+            for name in ("k_cache", "v_cache"):
+                cache = torch.empty(num_blocks * self.block_size, m.num_kv_heads, m.head_dim,
+                                    dtype=m.dtype, device=self.device)
+                cache[:self.block_size].zero_()   # the null block, read as padding
+                setattr(attn, name, cache)
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    # ---- one step ----
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.new_requests:
+            sp = new.sampling_params
+            gen = None
+            if sp.seed is not None and not sp.greedy:
+                gen = torch.Generator(device=self.device).manual_seed(sp.seed)
+            self.requests[new.req_id] = RequestState(new.prompt_token_ids, sp, gen)
+        if not so.chunks:
+            return ModelRunnerOutput({})
+
+        input_ids, positions, query_lens = [], [], []
+        for c in so.chunks:
+            input_ids.extend(c.token_ids)
+            positions.extend(range(c.start_pos, c.start_pos + len(c.token_ids)))
+            query_lens.append(len(c.token_ids))
+        meta = build_attention_metadata(query_lens, [c.start_pos for c in so.chunks],
+                                        [c.block_ids for c in so.chunks], self.block_size, self.device)
+        hidden = self.model(torch.tensor(input_ids, device=self.device),
+                            torch.tensor(positions, device=self.device), meta)
+
+        # rows whose logits are needed: the last token of each sampling chunk, then prompt positions
+        sample_chunks, rows, end = [], [], 0
+        prompt_rows: list[tuple[str, int, int]] = []   # (req_id, first row, count)
+        for c in so.chunks:
+            end += len(c.token_ids)
+            if c.sample:
+                sample_chunks.append(c)
+                rows.append(end - 1)
+        for c, off in zip(so.chunks, _offsets(query_lens)):
+            state = self.requests[c.req_id]
+            if state.sampling_params.prompt_logprobs is not None:
+                n = min(c.start_pos + len(c.token_ids), len(state.prompt_token_ids) - 1) - c.start_pos
+                if n > 0:
+                    prompt_rows.append((c.req_id, len(rows), n))
+                    rows.extend(range(off, off + n))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+
+        out = ModelRunnerOutput({})
+        if sample_chunks:
+            states = [self.requests[c.req_id] for c in sample_chunks]
+            tokens, logprobs = self.sampler(logits[:len(sample_chunks)], self._sampling_batch(states))
+            for i, (c, state, token) in enumerate(zip(sample_chunks, states, tokens)):
+                state.output_token_ids.append(token)
+                out.sampled[c.req_id] = token
+                if i in logprobs:
+                    out.logprobs[c.req_id] = logprobs[i]
+        for req_id, first, n in prompt_rows:
+            state = self.requests[req_id]
+            chunk = next(c for c in so.chunks if c.req_id == req_id)
+            lps = torch.log_softmax(logits[first:first + n].float(), dim=-1)
+            k = state.sampling_params.prompt_logprobs
+            targets = state.prompt_token_ids[chunk.start_pos + 1:chunk.start_pos + 1 + n]
+            out.prompt_logprobs[req_id] = [token_logprobs(lps[i], t, k) for i, t in enumerate(targets)]
+        return out
+
+    def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
+        params = [s.sampling_params for s in states]
+        dev = self.device
+        batch = SamplingBatch(temperature=None, greedy=None)
+        if not all(p.greedy for p in params):
+            batch.temperature = torch.tensor([p.temperature for p in params], device=dev)
+            batch.greedy = torch.tensor([p.greedy for p in params], device=dev)
+            vocab = self.config.model.vocab_size
+            if any(p.top_k > 0 for p in params):
+                batch.top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+            if any(p.top_p < 1 for p in params):
+                batch.top_p = torch.tensor([p.top_p for p in params], device=dev)
+            if any(p.min_p > 0 for p in params):
+                batch.min_p = torch.tensor([p.min_p for p in params], device=dev)
+            batch.generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        if any(p.uses_penalties for p in params):
+            batch.penalties = (torch.tensor([p.presence_penalty for p in params], device=dev),
+                               torch.tensor([p.frequency_penalty for p in params], device=dev),
+                               torch.tensor([p.repetition_penalty for p in params], device=dev),
+                               [s.prompt_token_ids if s.sampling_params.repetition_penalty != 1.0 else []
+                                for s in states],
+                               [s.output_token_ids for s in states])
+        banned = []
+        for i, (s, p) in enumerate(zip(states, params)):
+            if len(s.output_token_ids) < p.min_tokens:
+                ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.stop_ids_for_min_tokens)
+                if ids:
+                    banned.append((i, ids))
+        batch.banned = banned or None
+        if any(p.logprobs is not None for p in params):
+            batch.logprobs_k = [p.logprobs for p in params]
+        return batch
+
+
+def _offsets(lengths: list[int]) -> list[int]:
+    out, t = [], 0
+    for n in lengths:
+        out.append(t)
+        t += n
+    return out
