@@ -1,10 +1,13 @@
-"""Paged attention over a KV cache laid out as slots: [num_blocks * block_size, kv_heads, head_dim].
+"""Paged attention over a KV cache of blocks, head-major: [kv_heads, num_blocks, block_size, head_dim].
 
 One forward step runs every scheduled token at once. Tokens are grouped into two buckets,
-decodes (one query each) and prefill chunks (many queries each); per bucket, the keys and
-values of every sequence's context are gathered through its block table into a padded
-[batch, context, heads, dim] tensor and one scaled_dot_product_attention call does the rest.
-Padding reads the null block (block 0), never stale memory.
+decodes (one query each) and prefill chunks (many queries each). Per bucket, the blocks of
+every sequence are gathered through its block table into a padded [batch, context, heads,
+dim] tensor (whole blocks with index_select: few large copies; head-major so that decode
+attention is two plain batched matmuls over kv_heads x batch with no further copy), and
+the bucket is attended in one go: decodes by those matmuls, prefills by
+scaled_dot_product_attention (memory-efficient for long prompts). Masked positions get exactly zero weight; padding reads the null block
+(block 0), and the cache starts zeroed, so no stale memory is ever a NaN.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from torch import nn
 @dataclass
 class AttentionBucket:
     token_index: torch.Tensor   # [B, Q] rows of the step's tokens (padding repeats a valid row)
-    kv_slots: torch.Tensor      # [B, K] cache slots of each sequence's context (padding: null slot)
-    mask: torch.Tensor          # [B, 1, Q, K] True where a query may attend
+    block_table: torch.Tensor   # [B, N] blocks of each sequence's context (padding: null block)
+    mask: torch.Tensor          # [B, 1, Q, N * block_size] True where a query may attend
+    is_decode: bool
     out_rows: torch.Tensor | None = None   # valid entries of token_index.flatten() (None: all)
 
 
@@ -49,45 +53,62 @@ def _bucket(rows, query_lens, starts, tables, offsets, block_size, device) -> At
     qlens = torch.tensor([query_lens[i] for i in rows])
     start = torch.tensor([starts[i] for i in rows])
     ctx = start + qlens
-    max_q, max_k = int(qlens.max()), int(ctx.max())
+    max_q = int(qlens.max())
     max_blocks = max(len(tables[i]) for i in rows)
     table = torch.tensor([tables[i] + [0] * (max_blocks - len(tables[i])) for i in rows])
 
     qi = torch.arange(max_q)
     token_index = torch.tensor([offsets[i] for i in rows])[:, None] + torch.minimum(qi[None, :], qlens[:, None] - 1)
-    kj = torch.arange(max_k)
-    blocks = table.gather(1, (kj // block_size).clamp(max=max_blocks - 1).expand(len(rows), -1))
-    kv_slots = torch.where(kj[None, :] < ctx[:, None], blocks * block_size + kj % block_size, 0)
+    kj = torch.arange(max_blocks * block_size)
     q_pos = start[:, None] + qi[None, :]                                   # [B, Q]
     mask = (kj[None, None, :] <= q_pos[:, :, None]) & (kj[None, None, :] < ctx[:, None, None])
     out_rows = None
     if max_q > 1 and bool((qlens != max_q).any()):
         out_rows = (qi[None, :] < qlens[:, None]).flatten().nonzero().squeeze(1).to(device)
-    return AttentionBucket(token_index.to(device), kv_slots.to(device), mask.unsqueeze(1).to(device), out_rows)
+    return AttentionBucket(token_index.to(device), table.to(device), mask.unsqueeze(1).to(device),
+                           max_q == 1, out_rows)
 
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
-        self.k_cache: torch.Tensor | None = None   # bound by the model runner
+        self.k_cache: torch.Tensor | None = None   # [Hkv, num_blocks, block_size, D], bound by the runner
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]"""
-        T = q.shape[0]
-        self.k_cache.index_copy_(0, meta.slot_mapping, k)
-        self.v_cache.index_copy_(0, meta.slot_mapping, v)
-        out = q.new_empty(T, self.num_heads, self.head_dim)
+        T, Hkv, D = q.shape[0], self.num_kv_heads, self.head_dim
+        self.k_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        self.v_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        out = q.new_empty(T, self.num_heads, D)
         for b in meta.buckets:
-            qb = q[b.token_index].transpose(1, 2)               # [B, H, Q, D]
-            kb = self.k_cache[b.kv_slots].transpose(1, 2)       # [B, Hkv, K, D]
-            vb = self.v_cache[b.kv_slots].transpose(1, 2)
-            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask, scale=self.scale,
-                                                enable_gqa=self.num_heads != self.num_kv_heads)
-            ob = ob.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
+            B = b.block_table.shape[0]
+            blocks = b.block_table.flatten()
+            kb = self.k_cache.index_select(1, blocks).view(Hkv, B, -1, D)   # [Hkv, B, K, D]
+            vb = self.v_cache.index_select(1, blocks).view(Hkv, B, -1, D)
+            if b.is_decode:
+                ob = self._decode(q[b.token_index[:, 0]], kb, vb, b.mask)
+            else:
+                qb = q[b.token_index].transpose(1, 2)               # [B, H, Q, D]
+                kb, vb = kb.transpose(0, 1), vb.transpose(0, 1)     # [B, Hkv, K, D]
+                ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask, scale=self.scale,
+                                                    enable_gqa=self.num_heads != self.num_kv_heads)
+                ob = ob.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
             rows = b.token_index.flatten()
             if b.out_rows is not None:
                 ob, rows = ob[b.out_rows], rows[b.out_rows]
             out[rows] = ob
         return out.view(T, -1)
+
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One query per sequence. q: [B, H, D]; k, v: [Hkv, B, K, D]; mask [B, 1, 1, K] -> [B, H, D]"""
+        Hkv, B, K, D = k.shape
+        group = self.num_heads // Hkv
+        # query heads grouped by their KV head, batched over (KV head, sequence)
+        qg = q.view(B, Hkv, group, D).transpose(0, 1).reshape(Hkv * B, group, D)
+        scores = torch.bmm(qg, k.view(Hkv * B, K, D).transpose(1, 2)).float() * self.scale
+        scores = scores.view(Hkv, B, group, K).masked_fill_(~mask.view(1, B, 1, K), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv * B, group, K)
+        out = torch.bmm(probs, v.view(Hkv * B, K, D))                       # [Hkv * B, G, D]
+        return out.view(Hkv, B, group, D).transpose(0, 1).reshape(B, self.num_heads, D)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from shardlm.config import EngineConfig
@@ -46,12 +47,10 @@ class ModelRunner:
 
     def initialize_cache(self, num_blocks: int) -> None:
         m = self.config.model
+        shape = (m.num_kv_heads, num_blocks, self.block_size, m.head_dim)
         for attn in self.attention_layers():
-            for name in ("k_cache", "v_cache"):
-                cache = torch.empty(num_blocks * self.block_size, m.num_kv_heads, m.head_dim,
-                                    dtype=m.dtype, device=self.device)
-                cache[:self.block_size].zero_()   # the null block, read as padding
-                setattr(attn, name, cache)
+            attn.k_cache = zeros_lazily(shape, m.dtype, self.device)
+            attn.v_cache = zeros_lazily(shape, m.dtype, self.device)
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -147,6 +146,16 @@ class ModelRunner:
         if any(p.logprobs is not None for p in params):
             batch.logprobs_k = [p.logprobs for p in params]
         return batch
+
+
+def zeros_lazily(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On CPU the memory comes from calloc (numpy), so pages are zeroed by the
+    OS on first touch: a large KV cache costs no start-up time or resident memory until used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32}[itemsize])
+    return torch.from_numpy(raw).view(dtype)
 
 
 def _offsets(lengths: list[int]) -> list[int]:

@@ -9,6 +9,7 @@ import torch
 from shardlm.config import EngineConfig, format_bytes
 from shardlm.engine.messages import ModelRunnerOutput, SchedulerOutput
 from shardlm.logger import init_logger
+from shardlm.worker.cpu_tuning import keep_freed_memory_in_heap
 from shardlm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -24,6 +25,8 @@ class Worker:
     def init_device(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        else:
+            keep_freed_memory_in_heap()
         torch.manual_seed(self.config.model.seed)
 
     def load_model(self) -> None:

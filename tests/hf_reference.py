@@ -1,0 +1,45 @@
+"""Hugging Face transformers as the correctness reference, and the comparison rule:
+outputs equal, or where they diverge each side's token is in the other's top-5 logprobs
+(after which that sequence is not compared further)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[set[int]]]]:
+    """Per prompt (no padding): generated ids and the top-5 ids at every step."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    results = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 do_sample=False, output_scores=True, return_dict_in_generate=True,
+                                 eos_token_id=None, pad_token_id=0)
+            gen = out.sequences[0, len(ids):].tolist()
+            top5 = [set(s[0].topk(5).indices.tolist()) for s in out.scores]
+            results.append((gen, top5))
+    return results
+
+
+def top5_sets(completion) -> list[set[int]]:
+    return [{t for t, lp in d.items() if lp.rank <= 5} for d in completion.logprobs]
+
+
+def assert_close(ref: list[tuple[list[int], list[set[int]]]], ours, label: str = "") -> int:
+    """ours: RequestOutputs with logprobs>=5. Returns how many sequences matched exactly."""
+    exact = 0
+    for i, ((ref_ids, ref_top), out) in enumerate(zip(ref, ours)):
+        comp = out.outputs[0]
+        our_ids, our_top = comp.token_ids, top5_sets(comp)
+        assert len(our_ids) == len(ref_ids), f"{label} prompt {i}: {len(our_ids)} tokens vs HF {len(ref_ids)}"
+        for pos, (a, b) in enumerate(zip(ref_ids, our_ids)):
+            if a != b:
+                assert a in our_top[pos] and b in ref_top[pos], (
+                    f"{label} prompt {i} diverged at token {pos}: HF {a} (ours top-5 {our_top[pos]}), "
+                    f"shardlm {b} (HF top-5 {ref_top[pos]})")
+                break
+        else:
+            exact += 1
+    return exact

@@ -1,0 +1,28 @@
+"""The embedded default model (SmolLM2-135M-Instruct) in float32: shardlm's greedy outputs
+equal transformers' token for token over 128 tokens, 8 prompts submitted as one batch."""
+
+import json
+import os
+
+from shardlm import LLM, SamplingParams
+
+PROMPTS = json.load(open(os.path.join(os.path.dirname(__file__), "..", "data", "default_model_prompts.json")))
+
+
+def test_default_model_matches_hf_token_for_token(default_model_dir, hf):
+    prompts = [p["token_ids"] for p in PROMPTS["prompts"]]
+    ref = hf.greedy(default_model_dir, prompts, 128)
+    llm = LLM(dtype="float32")
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, logprobs=5),
+                        use_tqdm=False)
+    exact = hf.assert_close(ref, outs, "default model")
+    assert exact == 8, f"{exact}/8 prompts equal transformers token for token"
+    assert all(o.outputs[0].text for o in outs)
+
+
+def test_default_model_chat_is_coherent():
+    llm = LLM(dtype="float32")
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason in ("stop", "length")

@@ -1,0 +1,77 @@
+"""Greedy outputs of tiny random-weight models equal Hugging Face transformers' (float32)."""
+
+import random
+
+import pytest
+
+from shardlm import LLM, SamplingParams
+
+MAX_TOKENS = 24
+
+
+def _prompts(n=6, seed=1):
+    rng = random.Random(seed)
+    lengths = [3, 17, 40, 64, 95, 130][:n]
+    return [[rng.randrange(100, 40000) for _ in range(L)] for L in lengths]
+
+
+PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dir, hf):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = hf.greedy(tiny_model_dir(name), _prompts(), MAX_TOKENS)
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-tied-llama3rope", "qwen2-bias", "mistral"])
+def test_batch_matches_hf(name, tiny_model_dir, references, hf):
+    llm = LLM(tiny_model_dir(name), dtype="float32", kv_cache_memory="64MiB")
+    outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+    exact = hf.assert_close(references(name), outs, name)
+    assert exact >= 4, f"only {exact}/6 sequences equal HF exactly"
+
+
+ENGINE_VARIANTS = {
+    "no-prefix-caching": dict(enable_prefix_caching=False),
+    "small-prefill-chunks": dict(max_num_batched_tokens=16),
+    "preemption": dict(kv_cache_memory=0, max_model_len=256),   # kv size set in the test
+}
+
+
+@pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
+def test_engine_variants_give_identical_outputs(variant, tiny_model_dir, references, hf):
+    """Prefix caching, chunked prefill and preemption must not change any output."""
+    path = tiny_model_dir("llama-gqa")
+    kwargs = dict(ENGINE_VARIANTS[variant])
+    if variant == "preemption":
+        # 2 layers x 2 kv heads x 16 dims x 4 bytes x 2 (K, V) x 16 tokens = 8 KiB per block;
+        # 20 blocks hold one 256-token request but not all six prompts with their outputs.
+        kwargs["kv_cache_memory"] = 8192 * 21
+    baseline = LLM(path, dtype="float32", kv_cache_memory="64MiB").generate(_prompts(), PARAMS, use_tqdm=False)
+    llm = LLM(path, dtype="float32", **{"kv_cache_memory": "64MiB", **kwargs})
+    outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+    if variant == "preemption":
+        assert llm.engine.core.stats()["num_preemptions"] > 0
+    hf.assert_close(references("llama-gqa"), outs, variant)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in baseline]
+
+
+def test_prefix_cache_hits_keep_outputs(tiny_model_dir):
+    path = tiny_model_dir("qwen2-bias")
+    llm = LLM(path, dtype="float32", kv_cache_memory="64MiB")
+    prompts = _prompts()
+    shared = prompts[5][:100]
+    with_prefix = [shared + p[:20] for p in prompts]
+    first = llm.generate(with_prefix, PARAMS, use_tqdm=False)
+    again = llm.generate(with_prefix, PARAMS, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 96 for o in again)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+    cold = LLM(path, dtype="float32", enable_prefix_caching=False, kv_cache_memory="64MiB")
+    ref = cold.generate(with_prefix, PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ref] == [o.outputs[0].token_ids for o in first]
