@@ -48,4 +48,7 @@ def load_model(model_config: ModelConfig, device: torch.device) -> torch.nn.Modu
     if missing:
         raise ValueError(f"The checkpoint in {model_config.model} lacks weights for: {', '.join(sorted(missing)[:8])}"
                          f"{' ...' if len(missing) > 8 else ''}")
+    for module in model.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
     return model.eval()
