@@ -26,6 +26,7 @@ class AttentionBucket:
     mask: torch.Tensor          # [B, 1, Q, N * block_size] True where a query may attend
     is_decode: bool
     out_rows: torch.Tensor | None = None   # valid entries of token_index.flatten() (None: all)
+    in_order: bool = False                 # the bucket's outputs are the step's rows 0..T-1, in order
 
 
 @dataclass
@@ -65,8 +66,9 @@ def _bucket(rows, query_lens, starts, tables, offsets, block_size, device) -> At
     out_rows = None
     if max_q > 1 and bool((qlens != max_q).any()):
         out_rows = (qi[None, :] < qlens[:, None]).flatten().nonzero().squeeze(1).to(device)
+    in_order = len(rows) == len(query_lens) and max_q == 1
     return AttentionBucket(token_index.to(device), table.to(device), mask.unsqueeze(1).to(device),
-                           max_q == 1, out_rows)
+                           max_q == 1, out_rows, in_order)
 
 
 class Attention(nn.Module):
@@ -81,12 +83,12 @@ class Attention(nn.Module):
         T, Hkv, D = q.shape[0], self.num_kv_heads, self.head_dim
         self.k_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         self.v_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        if len(meta.buckets) == 1 and meta.buckets[0].in_order:   # a pure decode step
+            b = meta.buckets[0]
+            return self._decode(q, *self._gather(b), b.mask).view(T, -1)
         out = q.new_empty(T, self.num_heads, D)
         for b in meta.buckets:
-            B = b.block_table.shape[0]
-            blocks = b.block_table.flatten()
-            kb = self.k_cache.index_select(1, blocks).view(Hkv, B, -1, D)   # [Hkv, B, K, D]
-            vb = self.v_cache.index_select(1, blocks).view(Hkv, B, -1, D)
+            kb, vb = self._gather(b)
             if b.is_decode:
                 ob = self._decode(q[b.token_index[:, 0]], kb, vb, b.mask)
             else:
@@ -100,6 +102,13 @@ class Attention(nn.Module):
                 ob, rows = ob[b.out_rows], rows[b.out_rows]
             out[rows] = ob
         return out.view(T, -1)
+
+    def _gather(self, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket's K and V, [Hkv, B, K, D]: whole blocks, in block-table order."""
+        B, blocks = b.block_table.shape[0], b.block_table.flatten()
+        kb = self.k_cache.index_select(1, blocks).view(self.num_kv_heads, B, -1, self.head_dim)
+        vb = self.v_cache.index_select(1, blocks).view(self.num_kv_heads, B, -1, self.head_dim)
+        return kb, vb
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One query per sequence. q: [B, H, D]; k, v: [Hkv, B, K, D]; mask [B, 1, 1, K] -> [B, H, D]"""

@@ -15,27 +15,26 @@ from shardlm.layers.activation import SiluAndMul
 from shardlm.layers.attention import Attention, AttentionMetadata
 from shardlm.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
 from shardlm.layers.norm import RMSNorm
-from shardlm.layers.rotary import RotaryEmbedding
+from shardlm.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
-        self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
         self._split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                        self.num_kv_heads * self.head_dim]
 
-    def forward(self, positions, x, meta: AttentionMetadata):
+    def forward(self, cos_sin, x, meta: AttentionMetadata):
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self._split, dim=-1)
-        q, k = self.rotary(positions, q.view(T, self.num_heads, self.head_dim),
-                           k.view(T, self.num_kv_heads, self.head_dim))
+        qk, v = self.qkv_proj(x).split([self._split[0] + self._split[1], self._split[2]], dim=-1)
+        qk = apply_rotary(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.attn(q, k, v.view(T, self.num_kv_heads, self.head_dim), meta)
         return self.o_proj(out)
 
@@ -54,19 +53,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool):
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias)
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias)
         self.mlp = LlamaMLP(config, bias=getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, meta):
+    def forward(self, cos_sin, hidden, residual, meta):
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
+        hidden = self.self_attn(cos_sin, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -75,16 +74,17 @@ class LlamaModel(nn.Module):
     def __init__(self, config, max_position: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(config, head_dim, max_position, dtype)
+        self.rotary = RotaryEmbedding(config, head_dim, max_position, dtype)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, qkv_bias, o_bias)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
         hidden, residual = self.embed_tokens(input_ids), None
+        cos_sin = self.rotary.lookup(positions)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
+            hidden, residual = layer(cos_sin, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
