@@ -201,6 +201,30 @@ class EngineArgs:
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
 
+    HELP = {
+        "model": "Hugging Face model directory (config.json, safetensors, tokenizer); "
+                 "leave out for the embedded default model, SmolLM2-135M-Instruct",
+        "tokenizer": "tokenizer directory, if not the model's",
+        "dtype": "auto (the checkpoint's; float32 on CPU for float16 checkpoints), float32, bfloat16, "
+                 "float16 (CUDA only)",
+        "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's maximum",
+        "seed": "random seed for sampling without a per-request seed",
+        "device": "auto, cpu or cuda",
+        "served_model_name": "model name reported by the server",
+        "download_dir": "directory to look for the model in",
+        "block_size": "tokens per KV cache block",
+        "kv_cache_memory": "CPU: memory for the KV cache, bytes or e.g. 4GiB",
+        "gpu_memory_utilization": "CUDA: fraction of device memory for weights, activations and KV cache",
+        "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
+        "max_num_seqs": "most sequences in one step",
+        "max_num_batched_tokens": "most tokens in one step (long prompts are prefilled in chunks)",
+        "tensor_parallel_size": "number of tensor parallel ranks",
+        "pipeline_parallel_size": "number of pipeline stages",
+        "data_parallel_size": "number of data parallel replicas",
+        "distributed_executor_backend": "uni (one process), mp (processes on this node) or ray (nodes)",
+    }
+    SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}

@@ -1,0 +1,93 @@
+"""`shardlm bench throughput` and `shardlm bench latency`: the offline engine on a workload.
+
+Throughput: every prompt submitted at once, exactly output_len new tokens each (greedy, EOS
+ignored), repeated after a warm-up with the prefix cache cleared between runs; medians.
+Latency: one prompt alone; batch-1 decode tok/s = (n - 1) / (T(n tokens) - T(1 token)).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+import time
+
+from shardlm.bench.workload import load_workload
+from shardlm.sampling_params import SamplingParams
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _start(engine_args):
+    from shardlm.llm import LLM
+    t0 = time.perf_counter()
+    llm = LLM(**vars(engine_args))
+    return llm, time.perf_counter() - t0
+
+
+def _timed(llm, prompts, n) -> float:
+    llm.reset_prefix_cache()
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    assert all(len(o.outputs[0].token_ids) == n for o in outs)
+    return elapsed
+
+
+def run_throughput(engine_args, workload_path, num_prompts, output_len, reps) -> dict:
+    llm, startup_s = _start(engine_args)
+    w = load_workload(workload_path, llm.get_tokenizer(), num_prompts, output_len)
+    _timed(llm, w.prompts[:4], 8)   # warm-up
+    times = [_timed(llm, w.prompts, w.output_len) for _ in range(reps)]
+    out_tokens = len(w.prompts) * w.output_len
+    med = statistics.median(times)
+    return {"benchmark": "throughput", "workload": w.source, "num_prompts": len(w.prompts),
+            "prompt_tokens": w.num_prompt_tokens, "output_tokens": out_tokens, "reps": reps,
+            "elapsed_s": times, "output_tok_s": out_tokens / med,
+            "total_tok_s": (out_tokens + w.num_prompt_tokens) / med,
+            "output_tok_s_all": [out_tokens / t for t in times], "startup_s": startup_s,
+            "peak_rss_bytes": _peak_rss_bytes(), "dtype": str(llm.engine.config.model.dtype).replace("torch.", "")}
+
+
+def run_latency(engine_args, workload_path, output_len, reps) -> dict:
+    t0 = time.perf_counter()
+    llm, startup_s = _start(engine_args)
+    w = load_workload(workload_path, llm.get_tokenizer(), None, output_len)
+    prompt = [w.prompts[w.latency_prompt_index]]
+    first = _timed(llm, prompt, 1)
+    startup_to_first_token = time.perf_counter() - t0
+    _timed(llm, prompt, 8)   # warm-up
+    t1 = [_timed(llm, prompt, 1) for _ in range(reps)]
+    tn = [_timed(llm, prompt, w.output_len) for _ in range(reps)]
+    n = w.output_len
+    return {"benchmark": "latency", "workload": w.source, "prompt_tokens": len(prompt[0]), "output_tokens": n,
+            "reps": reps, "t_1tok_s": t1, "t_ntok_s": tn,
+            "time_to_first_token_s": statistics.median(t1),
+            "decode_tok_s": (n - 1) / (statistics.median(tn) - statistics.median(t1)),
+            "startup_s": startup_s, "startup_to_first_token_s": startup_to_first_token,
+            "cold_first_request_s": first, "peak_rss_bytes": _peak_rss_bytes(),
+            "dtype": str(llm.engine.config.model.dtype).replace("torch.", "")}
+
+
+def report(result: dict, as_json: bool) -> None:
+    if as_json:
+        json.dump(result, sys.stdout, indent=1)
+        print()
+        return
+    gib = result["peak_rss_bytes"] / (1 << 30)
+    if result["benchmark"] == "throughput":
+        print(f"Throughput ({result['workload']}, {result['num_prompts']} prompts, {result['prompt_tokens']} prompt "
+              f"tokens, {result['output_tokens']} output tokens, dtype {result['dtype']}, median of {result['reps']}):\n"
+              f"  output tokens/s: {result['output_tok_s']:.1f}\n  total tokens/s:  {result['total_tok_s']:.1f}\n"
+              f"  start-up: {result['startup_s']:.1f} s, peak memory (RSS): {gib:.2f} GiB")
+    else:
+        print(f"Latency (batch 1, {result['prompt_tokens']} prompt tokens, {result['output_tokens']} new tokens, "
+              f"dtype {result['dtype']}, median of {result['reps']}):\n"
+              f"  decode tokens/s: {result['decode_tok_s']:.1f}\n"
+              f"  time to first token: {result['time_to_first_token_s'] * 1000:.0f} ms\n"
+              f"  start-up to first token: {result['startup_to_first_token_s']:.1f} s "
+              f"(engine start-up {result['startup_s']:.1f} s)\n  peak memory (RSS): {gib:.2f} GiB")

@@ -1,0 +1,59 @@
+"""The offline benchmark workload: a JSON file in the shared format, or a synthetic one.
+
+File format: {"output_len": 128, "latency_prompt_index": 0,
+              "prompts": [{"token_ids": [...]} or {"text": "..."}, ...]}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+_TOPICS = ["the ocean", "volcanoes", "the moon", "honeybees", "rainforests", "electricity", "the Roman Empire",
+           "black holes", "photosynthesis", "the human heart", "glaciers", "the internet", "dinosaurs",
+           "chess", "music theory", "bread baking"]
+_TASKS = ["Explain {} to a ten-year-old.", "Write a short poem about {}.",
+          "Give three surprising facts about {}.", "Summarize the history of {} in a paragraph."]
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_len: int
+    latency_prompt_index: int = 0
+    source: str = "synthetic"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def load_workload(path: str | None, tokenizer, num_prompts: int | None = None,
+                  output_len: int | None = None) -> Workload:
+    if path:
+        with open(path) as f:
+            data = json.load(f)
+        prompts = [p["token_ids"] if "token_ids" in p else tokenizer(p["text"]).input_ids for p in data["prompts"]]
+        w = Workload(prompts, data.get("output_len", 128), data.get("latency_prompt_index", 0), path)
+    else:
+        w = Workload(synthetic_prompts(tokenizer), 128)
+    if num_prompts:
+        w.prompts = (w.prompts * (num_prompts // len(w.prompts) + 1))[:num_prompts]
+    if output_len:
+        w.output_len = output_len
+    return w
+
+
+def synthetic_prompts(tokenizer) -> list[list[int]]:
+    """64 chat prompts (16 topics x 4 tasks), rendered with the model's chat template if it has one."""
+    prompts = []
+    for topic in _TOPICS:
+        for task in _TASKS:
+            text = task.format(topic)
+            if getattr(tokenizer, "chat_template", None):
+                text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                     add_generation_prompt=True)
+                prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
+            else:
+                prompts.append(tokenizer(text).input_ids)
+    return prompts
