@@ -24,6 +24,7 @@ class AttentionBucket:
     token_index: torch.Tensor   # [B, Q] rows of the step's tokens (padding repeats a valid row)
     block_table: torch.Tensor   # [B, N] blocks of each sequence's context (padding: null block)
     mask: torch.Tensor          # [B, 1, Q, N * block_size] True where a query may attend
+    masked_out: torch.Tensor    # ~mask, shaped [1, B, 1, N * block_size] for decode
     is_decode: bool
     out_rows: torch.Tensor | None = None   # valid entries of token_index.flatten() (None: all)
     in_order: bool = False                 # the bucket's outputs are the step's rows 0..T-1, in order
@@ -67,7 +68,9 @@ def _bucket(rows, query_lens, starts, tables, offsets, block_size, device) -> At
     if max_q > 1 and bool((qlens != max_q).any()):
         out_rows = (qi[None, :] < qlens[:, None]).flatten().nonzero().squeeze(1).to(device)
     in_order = len(rows) == len(query_lens) and max_q == 1
-    return AttentionBucket(token_index.to(device), table.to(device), mask.unsqueeze(1).to(device),
+    mask = mask.unsqueeze(1).to(device)
+    masked_out = ~mask.view(1, len(rows), 1, -1) if max_q == 1 else None
+    return AttentionBucket(token_index.to(device), table.to(device), mask, masked_out,
                            max_q == 1, out_rows, in_order)
 
 
@@ -85,12 +88,12 @@ class Attention(nn.Module):
         self.v_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         if len(meta.buckets) == 1 and meta.buckets[0].in_order:   # a pure decode step
             b = meta.buckets[0]
-            return self._decode(q, *self._gather(b), b.mask).view(T, -1)
+            return self._decode(q, *self._gather(b), b.masked_out).view(T, -1)
         out = q.new_empty(T, self.num_heads, D)
         for b in meta.buckets:
             kb, vb = self._gather(b)
             if b.is_decode:
-                ob = self._decode(q[b.token_index[:, 0]], kb, vb, b.mask)
+                ob = self._decode(q[b.token_index[:, 0]], kb, vb, b.masked_out)
             else:
                 qb = q[b.token_index].transpose(1, 2)               # [B, H, Q, D]
                 kb, vb = kb.transpose(0, 1), vb.transpose(0, 1)     # [B, Hkv, K, D]
@@ -110,14 +113,15 @@ class Attention(nn.Module):
         vb = self.v_cache.index_select(1, blocks).view(self.num_kv_heads, B, -1, self.head_dim)
         return kb, vb
 
-    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """One query per sequence. q: [B, H, D]; k, v: [Hkv, B, K, D]; mask [B, 1, 1, K] -> [B, H, D]"""
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked_out: torch.Tensor) -> torch.Tensor:
+        """One query per sequence. q: [B, H, D]; k, v: [Hkv, B, K, D]; masked_out [1, B, 1, K] -> [B, H, D]"""
         Hkv, B, K, D = k.shape
         group = self.num_heads // Hkv
-        # query heads grouped by their KV head, batched over (KV head, sequence)
-        qg = q.view(B, Hkv, group, D).transpose(0, 1).reshape(Hkv * B, group, D)
-        scores = torch.bmm(qg, k.view(Hkv * B, K, D).transpose(1, 2)).float() * self.scale
-        scores = scores.view(Hkv, B, group, K).masked_fill_(~mask.view(1, B, 1, K), float("-inf"))
+        # query heads grouped by their KV head, batched over (KV head, sequence); scaled in the copy
+        qg = torch.empty(Hkv, B, group, D, dtype=q.dtype, device=q.device)
+        torch.mul(q.view(B, Hkv, group, D).transpose(0, 1), self.scale, out=qg)
+        scores = torch.bmm(qg.view(Hkv * B, group, D), k.view(Hkv * B, K, D).transpose(1, 2)).float()
+        scores = scores.view(Hkv, B, group, K).masked_fill_(masked_out, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv * B, group, K)
         out = torch.bmm(probs, v.view(Hkv * B, K, D))                       # [Hkv * B, G, D]
         return out.view(Hkv, B, group, D).transpose(0, 1).reshape(B, self.num_heads, D)

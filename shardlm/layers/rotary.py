@@ -33,18 +33,20 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        # [max_position, head_dim] each, in the model dtype (as HF casts them)
+        # [max_position, head_dim] each, in the model dtype (as HF casts them); the first half of
+        # sin is negated so that rotate_half(x) * sin == cat(x2, x1) * signed_sin
+        sin = (emb.sin() * scaling).to(dtype)
+        sin[:, :head_dim // 2].neg_()
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+        self.register_buffer("signed_sin", sin, persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for a step's positions, [T, 1, D]: computed once per step, used by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """x: [T, heads, D] (q and k heads together) -> rotated copy."""
-    cos, sin = cos_sin
+    cos, signed_sin = cos_sin
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), signed_sin)

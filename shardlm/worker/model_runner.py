@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from shardlm.config import EngineConfig
@@ -13,6 +12,7 @@ from shardlm.layers.attention import Attention, build_attention_metadata
 from shardlm.layers.sampler import Sampler, SamplingBatch, token_logprobs
 from shardlm.model_loader.weights import load_model
 from shardlm.sampling_params import SamplingParams
+from shardlm.worker.cpu_tuning import zeroed_buffer
 
 
 @dataclass
@@ -49,8 +49,13 @@ class ModelRunner:
         m = self.config.model
         shape = (m.num_kv_heads, num_blocks, self.block_size, m.head_dim)
         for attn in self.attention_layers():
-            attn.k_cache = zeros_lazily(shape, m.dtype, self.device)
-            attn.v_cache = zeros_lazily(shape, m.dtype, self.device)
+            attn.k_cache = self._zeros(shape, m.dtype)
+            attn.v_cache = self._zeros(shape, m.dtype)
+
+    def _zeros(self, shape, dtype) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return zeroed_buffer(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -146,16 +151,6 @@ class ModelRunner:
         if any(p.logprobs is not None for p in params):
             batch.logprobs_k = [p.logprobs for p in params]
         return batch
-
-
-def zeros_lazily(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor. On CPU the memory comes from calloc (numpy), so pages are zeroed by the
-    OS on first touch: a large KV cache costs no start-up time or resident memory until used."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32}[itemsize])
-    return torch.from_numpy(raw).view(dtype)
 
 
 def _offsets(lengths: list[int]) -> list[int]:

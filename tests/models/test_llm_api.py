@@ -1,0 +1,153 @@
+"""The offline API on a tiny model: request options, outputs, and clear errors for bad input."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from shardlm import LLM, SamplingParams
+
+PROMPTS = [[5, 900, 17, 3000, 42], list(range(1000, 1040)), [77] * 3]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory="64MiB", max_model_len=256)
+
+
+def test_outputs_in_input_order_with_metadata(llm):
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == PROMPTS
+    for o in outs:
+        c = o.outputs[0]
+        assert o.finished and len(c.token_ids) == 5 and c.finish_reason == "length"
+        assert o.metrics.first_token_time >= o.metrics.arrival_time and o.metrics.e2e_latency > 0
+
+
+def test_text_prompts_and_token_prompts_agree(llm):
+    tok = llm.get_tokenizer()
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    by_text = llm.generate("The capital of", sp, use_tqdm=False)[0]
+    by_ids = llm.generate({"prompt_token_ids": tok("The capital of").input_ids}, sp, use_tqdm=False)[0]
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
+    assert by_text.prompt == "The capital of"
+    assert by_text.outputs[0].text == tok.decode(by_text.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_n_samples_share_prompt_blocks_and_differ(llm):
+    out = llm.generate(PROMPTS[1], SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=1, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs) == 4 and [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert llm.engine.core.scheduler.kv.prefix_hits > 0    # samples 1..3 reused sample 0's prompt blocks
+
+
+def test_seed_gives_same_output_whatever_the_batch(llm):
+    sp = SamplingParams(temperature=1.0, max_tokens=10, seed=123, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0].token_ids
+    other = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    crowd = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [other, sp, other], use_tqdm=False)
+    assert crowd[1].outputs[0].token_ids == alone
+
+
+def test_stop_string_is_cut_and_reported(llm):
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    full = llm.generate(PROMPTS[1], sp, use_tqdm=False)[0].outputs[0]
+    text = full.text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), "need a non-blank stop string"
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:text.index(stop)] and stop not in out.text
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = ids[3]
+    first = ids.index(stop_id)
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                  stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_id
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, min_tokens=first + 2,
+                                                  stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert stop_id not in out.token_ids[:first + 2]
+
+
+def test_logprobs_match_hf(llm, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=3, logprobs=3, prompt_logprobs=2,
+                                                  ignore_eos=True), use_tqdm=False)[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama-gqa"), dtype=torch.float32)
+    ids = PROMPTS[1] + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    # prompt logprobs: position i scores prompt token i given the tokens before it
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPTS[1])
+    for i in range(1, len(PROMPTS[1])):
+        lp = out.prompt_logprobs[i][PROMPTS[1][i]].logprob
+        assert abs(lp - float(ref[i - 1, PROMPTS[1][i]])) < 1e-3
+    c = out.outputs[0]
+    assert len(c.logprobs) == 3
+    for j, (tok, pos) in enumerate(zip(c.token_ids, range(len(PROMPTS[1]) - 1, len(ids) - 1))):
+        assert abs(c.logprobs[j][tok].logprob - float(ref[pos, tok])) < 1e-3
+        assert c.logprobs[j][tok].rank == 1
+        assert set(ref[pos].topk(3).indices.tolist()) <= set(c.logprobs[j])
+    assert abs(c.cumulative_logprob - sum(c.logprobs[j][t].logprob for j, t in enumerate(c.token_ids))) < 1e-5
+
+
+def test_chat_accepts_one_or_many_conversations(llm):
+    conv = [{"role": "user", "content": "hi"}]
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    one = llm.chat(conv, sp, use_tqdm=False)
+    many = llm.chat([conv, conv], sp, use_tqdm=False)
+    assert len(one) == 1 and len(many) == 2
+    assert one[0].prompt.endswith("<|im_start|>assistant\n")
+    assert many[0].outputs[0].token_ids == one[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("prompt, params, error, match", [
+    (list(range(300)), SamplingParams(), ValueError, "max_model_len=256"),
+    ([], SamplingParams(), ValueError, "at least one prompt"),
+    ("", SamplingParams(), ValueError, "empty"),
+    ([10 ** 9], SamplingParams(), ValueError, "vocabulary"),
+    ("x", "not params", TypeError, "SamplingParams"),
+])
+def test_bad_input_gives_clear_errors(llm, prompt, params, error, match):
+    with pytest.raises(error, match=match):
+        llm.generate(prompt, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_engine_errors(tiny_model_dir, tmp_path):
+    path = tiny_model_dir("llama-gqa")
+    with pytest.raises(TypeError, match="kv_cache_memory"):
+        LLM(path, kv_cache_memroy="1GiB")
+    with pytest.raises(ValueError, match="float16 is supported on CUDA only"):
+        LLM(path, dtype="float16", device="cpu")
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(path, dtype="float32", kv_cache_memory=8192 * 4, max_model_len=512)
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2"):
+        LLM(path, tensor_parallel_size=2)
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["architectures"] = ["FancyNewForCausalLM"]
+    os.makedirs(tmp_path / "m")
+    json.dump(cfg, open(tmp_path / "m" / "config.json", "w"))
+    with pytest.raises(ValueError, match="Supported architectures: LlamaForCausalLM"):
+        LLM(str(tmp_path / "m"))
+
+
+def test_generation_config_defaults_apply(tiny_model_dir, tmp_path):
+    import shutil
+    src = tiny_model_dir("llama-gqa")
+    dst = tmp_path / "m"
+    shutil.copytree(src, dst)
+    json.dump({"eos_token_id": [7, 8], "temperature": 0.6, "top_p": 0.9, "max_new_tokens": 5},
+              open(dst / "generation_config.json", "w"))
+    llm = LLM(str(dst), dtype="float32", kv_cache_memory="16MiB", max_model_len=128)
+    assert llm.engine.config.model.eos_token_ids == [7, 8]
+    sp = llm.get_default_sampling_params()
+    assert (sp.temperature, sp.top_p, sp.max_tokens) == (0.6, 0.9, 5)
+    assert len(llm.generate(PROMPTS[0], use_tqdm=False)[0].outputs[0].token_ids) <= 5

@@ -1,0 +1,72 @@
+import torch
+
+from shardlm.layers.sampler import Sampler, SamplingBatch, apply_penalties
+
+V = 50
+
+
+def batch_for(n, temperature=1.0, **kw):
+    return SamplingBatch(temperature=torch.full((n,), temperature), greedy=torch.zeros(n, dtype=torch.bool), **kw)
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(4, V)
+    tokens, _ = Sampler()(logits, SamplingBatch(None, None))
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    logits = torch.randn(1, V)
+    alone, _ = Sampler()(logits, batch_for(1, generators={0: torch.Generator().manual_seed(42)}))
+    crowd = torch.cat([torch.randn(3, V), logits])
+    others, _ = Sampler()(crowd, batch_for(4, generators={3: torch.Generator().manual_seed(42)}))
+    assert others[3] == alone[0]
+
+
+def test_top_k_only_samples_the_top_k():
+    torch.manual_seed(0)
+    logits = torch.randn(1, V).repeat(200, 1)
+    tokens, _ = Sampler()(logits, batch_for(200, temperature=5.0, top_k=torch.full((200,), 3)))
+    assert set(tokens) <= set(logits[0].topk(3).indices.tolist()) and len(set(tokens)) > 1
+
+
+def test_top_p_keeps_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05] + [1e-9] * (V - 4)])).repeat(300, 1)
+    tokens, _ = Sampler()(logits, batch_for(300, top_p=torch.full((300,), 0.7)))
+    assert set(tokens) == {0, 1}     # 0.5 < 0.7 needs token 1 too; 0.8 >= 0.7 stops there
+
+
+def test_min_p_drops_unlikely_tokens():
+    logits = torch.log(torch.tensor([[0.6, 0.35, 0.05] + [1e-9] * (V - 3)])).repeat(300, 1)
+    tokens, _ = Sampler()(logits, batch_for(300, min_p=torch.full((300,), 0.1)))
+    assert set(tokens) == {0, 1}
+
+
+def test_greedy_and_random_rows_mix():
+    logits = torch.randn(2, V)
+    b = batch_for(2)
+    b.greedy = torch.tensor([True, False])
+    tokens, _ = Sampler()(logits, b)
+    assert tokens[0] == int(logits[0].argmax())
+
+
+def test_penalties():
+    logits = torch.zeros(1, V)
+    logits[0, 1] = 2.0
+    logits[0, 2] = -2.0
+    out = apply_penalties(logits.clone(), torch.tensor([0.5]), torch.tensor([0.25]), torch.tensor([2.0]),
+                          [[2]], [[1, 1]])
+    assert out[0, 1] == 2.0 / 2.0 - 0.25 * 2 - 0.5   # repetition, then frequency x2 and presence
+    assert out[0, 2] == -2.0 * 2.0                    # prompt token: repetition only
+    assert out[0, 3] == 0.0
+
+
+def test_banned_tokens_and_logprobs():
+    logits = torch.tensor([[5.0, 1.0, 0.0] + [-10.0] * (V - 3)])
+    b = SamplingBatch(None, None, banned=[(0, [0])], logprobs_k=[2])
+    tokens, lps = Sampler()(logits, b)
+    assert tokens == [1]
+    lp = lps[0]
+    raw = torch.log_softmax(logits[0], -1)
+    assert lp.token_id == 1 and lp.rank == 2 and abs(lp.logprob - float(raw[1])) < 1e-6
+    assert lp.top_ids == [0, 1]      # logprobs are of the raw model output

@@ -1,0 +1,112 @@
+from shardlm.config import CacheConfig, SchedulerConfig
+from shardlm.engine.messages import ModelRunnerOutput
+from shardlm.engine.request import Request, RequestStatus
+from shardlm.engine.scheduler import Scheduler
+from shardlm.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_scheduler(num_blocks=64, max_num_seqs=8, max_tokens=64, caching=True):
+    return Scheduler(SchedulerConfig(max_num_seqs, max_tokens, 1000),
+                     CacheConfig(block_size=BS, enable_prefix_caching=caching), num_blocks)
+
+
+def req(rid, n_prompt, max_tokens=4, first=0, **sp):
+    return Request(rid, list(range(first, first + n_prompt)), SamplingParams(max_tokens=max_tokens, **sp),
+                   eos_token_ids=[99], max_model_len=1000, block_size=BS)
+
+
+def step(s, token=7):
+    out = s.schedule()
+    res = ModelRunnerOutput({c.req_id: token for c in out.chunks if c.sample})
+    return out, s.update(out, res)
+
+
+def test_continuous_batching_joins_and_leaves():
+    s = make_scheduler()
+    s.add_request(req("a", 5, max_tokens=2))
+    out, _ = step(s)
+    assert [(c.req_id, len(c.token_ids)) for c in out.chunks] == [("a", 5)]
+    s.add_request(req("b", 3, max_tokens=3, first=50))
+    out, res = step(s)
+    assert [(c.req_id, len(c.token_ids)) for c in out.chunks] == [("a", 1), ("b", 3)]
+    assert res[0].finish_reason == "length"       # a: 2 tokens
+    out, _ = step(s)
+    assert [c.req_id for c in out.chunks] == ["b"]
+    assert out.finished_req_ids == ["a"]          # workers are told to drop a's state
+
+
+def test_chunked_prefill_respects_token_budget_and_decodes_first():
+    s = make_scheduler(max_tokens=8)
+    s.add_request(req("a", 3, max_tokens=10))
+    step(s)
+    s.add_request(req("long", 20, first=100))
+    out, _ = step(s)
+    assert [(c.req_id, len(c.token_ids), c.sample) for c in out.chunks] == [("a", 1, True), ("long", 7, False)]
+    out, _ = step(s)
+    assert [(c.req_id, len(c.token_ids), c.start_pos) for c in out.chunks] == [("a", 1, 4), ("long", 7, 7)]
+    out, _ = step(s)
+    assert [(c.req_id, len(c.token_ids), c.sample) for c in out.chunks] == [("a", 1, True), ("long", 6, True)]
+
+
+def test_max_num_seqs_limits_running():
+    s = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 2, first=10 * i))
+    out, _ = step(s)
+    assert [c.req_id for c in out.chunks] == ["r0", "r1"] and s.num_waiting == 1
+
+
+def test_preempts_newest_first_and_recomputes():
+    s = make_scheduler(num_blocks=5, max_tokens=64)   # 4 usable blocks of 4 tokens
+    s.add_request(req("old", 7, max_tokens=8))          # 15 tokens at most: fits the cache alone
+    s.add_request(req("new", 7, max_tokens=8, first=50))
+    step(s)                                            # 2 blocks each
+    out, _ = step(s)                                   # both at 8 tokens: still 2 blocks each
+    out, _ = step(s)                                   # token 9 needs a third block: "new" is preempted
+    assert [c.req_id for c in out.chunks] == ["old"]
+    new = s.requests["new"]
+    assert new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0
+    assert s.num_preemptions == 1 and s.waiting[0] is new
+    while "old" in s.requests:
+        out, _ = step(s)
+    out, _ = step(s)                                   # "new" resumes with all its tokens so far
+    chunk = out.chunks[0]
+    assert chunk.req_id == "new" and chunk.token_ids == new.all_token_ids[:len(chunk.token_ids)]
+
+
+def test_stop_conditions():
+    s = make_scheduler()
+    s.add_request(req("eos", 2, max_tokens=10))
+    _, res = step(s, token=99)
+    assert res[0].finish_reason == "stop" and res[0].stop_reason is None
+    s.add_request(req("ign", 2, max_tokens=2, ignore_eos=True, first=20))
+    _, res = step(s, token=99)
+    assert res[0].finish_reason is None
+    s.add_request(req("stopid", 2, max_tokens=10, stop_token_ids=[5], first=40))
+    _, res = step(s, token=5)
+    assert [(r.req_id, r.finish_reason, r.stop_reason) for r in res] == [("ign", "length", None), ("stopid", "stop", 5)]
+    s.add_request(req("min", 2, max_tokens=10, min_tokens=2, first=60))
+    _, res = step(s, token=99)
+    assert res[0].finish_reason is None              # eos before min_tokens does not stop
+    _, res = step(s, token=99)
+    assert res[0].finish_reason == "stop"
+
+
+def test_abort_frees_blocks():
+    s = make_scheduler(num_blocks=10)
+    s.add_request(req("a", 9))
+    step(s)
+    assert s.kv.pool.num_free_blocks < 9
+    s.finish_requests(["a"])
+    assert s.kv.pool.num_free_blocks == 9 and not s.has_unfinished()
+
+
+def test_shared_prefix_is_computed_once_in_the_same_step():
+    s = make_scheduler()
+    s.add_request(req("a", 9))
+    s.add_request(req("b", 9))
+    out, _ = step(s)
+    assert [(c.req_id, c.start_pos, len(c.token_ids)) for c in out.chunks] == [("a", 0, 9), ("b", 8, 1)]
+    assert out.chunks[0].block_ids[:2] == out.chunks[1].block_ids[:2]
