@@ -8,3 +8,5 @@ SHARDLM_LOG_LEVEL = os.environ.get("SHARDLM_LOG_LEVEL", "INFO")
 # Where the embedded default model is converted to a Hugging Face directory.
 SHARDLM_CACHE_DIR = os.environ.get(
     "SHARDLM_CACHE_DIR", os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "shardlm"))
+# Set to 1 to use torch ops instead of shardlm's compiled CPU kernels (for comparison and debugging).
+SHARDLM_DISABLE_KERNELS = os.environ.get("SHARDLM_DISABLE_KERNELS", "0") not in ("", "0")

@@ -25,6 +25,7 @@ class AttentionBucket:
     block_table: torch.Tensor   # [B, N] blocks of each sequence's context (padding: null block)
     mask: torch.Tensor          # [B, 1, Q, N * block_size] True where a query may attend
     masked_out: torch.Tensor    # ~mask, shaped [1, B, 1, N * block_size] for decode
+    context_lens: torch.Tensor  # [B] int64: tokens of context after this step
     is_decode: bool
     out_rows: torch.Tensor | None = None   # valid entries of token_index.flatten() (None: all)
     in_order: bool = False                 # the bucket's outputs are the step's rows 0..T-1, in order
@@ -70,7 +71,7 @@ def _bucket(rows, query_lens, starts, tables, offsets, block_size, device) -> At
     in_order = len(rows) == len(query_lens) and max_q == 1
     mask = mask.unsqueeze(1).to(device)
     masked_out = ~mask.view(1, len(rows), 1, -1) if max_q == 1 else None
-    return AttentionBucket(token_index.to(device), table.to(device), mask, masked_out,
+    return AttentionBucket(token_index.to(device), table.to(device), mask, masked_out, ctx.to(device),
                            max_q == 1, out_rows, in_order)
 
 
@@ -80,6 +81,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.k_cache: torch.Tensor | None = None   # [Hkv, num_blocks, block_size, D], bound by the runner
         self.v_cache: torch.Tensor | None = None
+        self.decode_kernel = None                   # shardlm.kernels.paged_decode_attention on CPU
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]"""
@@ -88,13 +90,13 @@ class Attention(nn.Module):
         self.v_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         if len(meta.buckets) == 1 and meta.buckets[0].in_order:   # a pure decode step
             b = meta.buckets[0]
-            return self._decode(q, *self._gather(b), b.masked_out).view(T, -1)
+            return self._decode_step(q, b).view(T, -1)
         out = q.new_empty(T, self.num_heads, D)
         for b in meta.buckets:
-            kb, vb = self._gather(b)
             if b.is_decode:
-                ob = self._decode(q[b.token_index[:, 0]], kb, vb, b.masked_out)
+                ob = self._decode_step(q[b.token_index[:, 0]], b)
             else:
+                kb, vb = self._gather(b)
                 qb = q[b.token_index].transpose(1, 2)               # [B, H, Q, D]
                 kb, vb = kb.transpose(0, 1), vb.transpose(0, 1)     # [B, Hkv, K, D]
                 ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask, scale=self.scale,
@@ -105,6 +107,21 @@ class Attention(nn.Module):
                 ob, rows = ob[b.out_rows], rows[b.out_rows]
             out[rows] = ob
         return out.view(T, -1)
+
+    def _decode_step(self, q: torch.Tensor, b: AttentionBucket) -> torch.Tensor:
+        """q: [B, H, D] (rows may be strided) -> [B, H, D]"""
+        if self.decode_kernel is None:
+            return self._decode(q, *self._gather(b), b.masked_out)
+        B, H, D = q.shape
+        out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+        Hkv, num_blocks, block_size, _ = self.k_cache.shape
+        rc = self.decode_kernel(out.data_ptr(), q.data_ptr(), q.stride(0), self.k_cache.data_ptr(),
+                                self.v_cache.data_ptr(), b.block_table.data_ptr(), b.context_lens.data_ptr(),
+                                B, H, Hkv, D, num_blocks, block_size, b.block_table.shape[1], self.scale,
+                                0 if q.dtype == torch.float32 else 1)
+        if rc != 0:
+            raise MemoryError("paged attention kernel could not allocate its work buffers")
+        return out
 
     def _gather(self, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
         """The bucket's K and V, [Hkv, B, K, D]: whole blocks, in block-table order."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardlm import kernels
 from shardlm.config import EngineConfig
 from shardlm.engine.messages import ModelRunnerOutput, SchedulerOutput
 from shardlm.layers.attention import Attention, build_attention_metadata
@@ -48,9 +49,13 @@ class ModelRunner:
     def initialize_cache(self, num_blocks: int) -> None:
         m = self.config.model
         shape = (m.num_kv_heads, num_blocks, self.block_size, m.head_dim)
+        kernel = None
+        if self.device.type == "cpu" and m.dtype in (torch.float32, torch.bfloat16):
+            kernel = kernels.paged_decode_attention()
         for attn in self.attention_layers():
             attn.k_cache = self._zeros(shape, m.dtype)
             attn.v_cache = self._zeros(shape, m.dtype)
+            attn.decode_kernel = kernel
 
     def _zeros(self, shape, dtype) -> torch.Tensor:
         if self.device.type == "cpu":

@@ -1,0 +1,79 @@
+"""shardlm's own CPU kernels: small C files compiled once per machine and called via ctypes.
+
+No torch headers, so a kernel builds in about a second with the system C compiler. The
+shared library is cached under the shardlm cache directory, keyed by the source, the
+compiler and this CPU's instruction set. Without a compiler the engine uses its torch path.
+OpenMP resolves to torch's own libgomp (same soname, already loaded): one thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+
+from shardlm import envs
+from shardlm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# fast-math for vectorized expf (glibc's libmvec); finite-math stays off: -inf is used as a mask value
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-strict-aliasing",
+          "-ffast-math", "-fno-finite-math-only"]
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled kernel library `name` (kernels/<name>.c), or None if it cannot be built."""
+    if name in _loaded:
+        return _loaded[name]
+    _loaded[name] = lib = None if envs.SHARDLM_DISABLE_KERNELS else _build(name)
+    return lib
+
+
+def _build(name: str) -> ctypes.CDLL | None:
+    src = os.path.join(_HERE, f"{name}.c")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        logger.info("No C compiler found: using torch ops for %s (slower on CPU).", name)
+        return None
+    with open(src, "rb") as f:
+        key = hashlib.sha256(f.read() + cc.encode() + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    out_dir = os.path.join(envs.SHARDLM_CACHE_DIR, "kernels")
+    path = os.path.join(out_dir, f"{name}-{key}.so")
+    if not os.path.exists(path):
+        os.makedirs(out_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        result = subprocess.run([cc, *_FLAGS, src, "-o", tmp, "-lm"], capture_output=True, text=True)
+        if result.returncode != 0:
+            os.unlink(tmp)
+            logger.warning("Could not compile the %s kernel (%s); using torch ops instead:\n%s",
+                           name, cc, result.stderr[-2000:])
+            return None
+        os.replace(tmp, path)   # atomic: concurrent builders agree
+    return ctypes.CDLL(path)
+
+
+def paged_decode_attention():
+    """The paged decode attention function, or None."""
+    lib = load("paged_attention")
+    if lib is None:
+        return None
+    fn = lib.paged_decode_attention
+    ptr, i, i64p = ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ctypes.c_int64, ptr, ptr, i64p, i64p, i, i, i, i, i, i, i, ctypes.c_float, i]
+    fn.restype = ctypes.c_int
+    return fn

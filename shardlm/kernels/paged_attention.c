@@ -1,0 +1,121 @@
+// Paged attention for decode steps (one query per sequence), on CPU.
+//
+// Reads each sequence's keys and values straight from the paged KV cache through its block
+// table, once, with float32 accumulation: no gathered copy of the context. Parallel over
+// (sequence, KV head); the query heads sharing a KV head are done together (GQA).
+//
+// Layouts: q [B, H, D] with row stride q_stride (elements between sequences), out [B, H, D]; k_cache, v_cache [Hkv, num_blocks, block_size, D];
+// block_tables [B, max_blocks] (int64); context_lens [B] (int64). dtype 0 = float32, 1 = bfloat16.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);                                           // round to nearest even
+    return (uint16_t)(u >> 16);
+}
+
+// row of D values -> float32
+static inline void load_row(const void *base, int64_t index, int D, int dtype, float *dst) {
+    if (dtype == 0) {
+        memcpy(dst, (const float *)base + index * D, sizeof(float) * D);
+    } else {
+        const uint16_t *src = (const uint16_t *)base + index * D;
+        uint32_t *d32 = (uint32_t *)dst;
+        #pragma omp simd
+        for (int d = 0; d < D; d++) d32[d] = (uint32_t)src[d] << 16;
+    }
+}
+
+int paged_decode_attention(void *out, const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                           const int64_t *block_tables, const int64_t *context_lens,
+                           int B, int H, int Hkv, int D, int num_blocks, int block_size,
+                           int max_blocks, float scale, int dtype) {
+    const int G = H / Hkv;
+    int64_t max_ctx = 0;
+    for (int b = 0; b < B; b++) if (context_lens[b] > max_ctx) max_ctx = context_lens[b];
+    int failed = 0;
+
+    #pragma omp parallel
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)G * (size_t)(max_ctx > 0 ? max_ctx : 1));
+        float *qf = (float *)malloc(sizeof(float) * (size_t)G * D);
+        float *acc = (float *)malloc(sizeof(float) * (size_t)G * D);
+        float *row = (float *)malloc(sizeof(float) * (size_t)D);
+        if (!scores || !qf || !acc || !row) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < B * Hkv; task++) {
+            if (failed) continue;
+            const int b = task / Hkv, h = task % Hkv;
+            const int64_t ctx = context_lens[b];
+            const int64_t *table = block_tables + (int64_t)b * max_blocks;
+            for (int g = 0; g < G; g++) load_row((const char *)q + (b * q_stride + (int64_t)(h * G + g) * D) * (dtype ? 2 : 4), 0, D, dtype, qf + g * D);
+
+            // scores = q . k * scale, for every context position, block by block
+            for (int64_t blk = 0, t0 = 0; t0 < ctx; blk++, t0 += block_size) {
+                const int64_t first = ((int64_t)h * num_blocks + table[blk]) * block_size;
+                const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
+                for (int i = 0; i < n; i++) {
+                    load_row(k_cache, first + i, D, dtype, row);
+                    for (int g = 0; g < G; g++) {
+                        const float *qg = qf + g * D;
+                        float s = 0.f;
+                        #pragma omp simd reduction(+:s)
+                        for (int d = 0; d < D; d++) s += qg[d] * row[d];
+                        scores[g * ctx + t0 + i] = s * scale;
+                    }
+                }
+            }
+            // softmax per query head
+            for (int g = 0; g < G; g++) {
+                float *s = scores + g * ctx, m = -INFINITY, sum = 0.f;
+                for (int64_t t = 0; t < ctx; t++) m = s[t] > m ? s[t] : m;
+                #pragma omp simd reduction(+:sum)
+                for (int64_t t = 0; t < ctx; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
+                const float inv = 1.f / sum;
+                #pragma omp simd
+                for (int64_t t = 0; t < ctx; t++) s[t] *= inv;
+            }
+            // out = probs . v
+            memset(acc, 0, sizeof(float) * (size_t)G * D);
+            for (int64_t blk = 0, t0 = 0; t0 < ctx; blk++, t0 += block_size) {
+                const int64_t first = ((int64_t)h * num_blocks + table[blk]) * block_size;
+                const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
+                for (int i = 0; i < n; i++) {
+                    load_row(v_cache, first + i, D, dtype, row);
+                    for (int g = 0; g < G; g++) {
+                        const float p = scores[g * ctx + t0 + i];
+                        float *a = acc + g * D;
+                        #pragma omp simd
+                        for (int d = 0; d < D; d++) a[d] += p * row[d];
+                    }
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                const int64_t o = ((int64_t)b * H + h * G + g) * D;
+                if (dtype == 0) {
+                    memcpy((float *)out + o, acc + g * D, sizeof(float) * D);
+                } else {
+                    uint16_t *dst = (uint16_t *)out + o;
+                    for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(acc[g * D + d]);
+                }
+            }
+        }
+        free(scores); free(qf); free(acc); free(row);
+    }
+    return failed ? -1 : 0;
+}
