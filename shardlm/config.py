@@ -120,8 +120,8 @@ class CacheConfig:
     num_blocks: int | None = None            # set by the worker after measuring memory
 
     def __post_init__(self):
-        if self.block_size <= 0 or self.block_size % 8:
-            raise ValueError(f"block_size={self.block_size} must be a positive multiple of 8 (default 16).")
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"block_size={self.block_size} must be a positive integer (default 16).")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1].")
         if self.kv_cache_memory <= 0:

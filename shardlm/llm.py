@@ -39,7 +39,7 @@ class LLM:
         items = _normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(items)
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(items)
         if len(params) != len(items):
             raise ValueError(f"Got {len(items)} prompts but {len(params)} sampling params: give one, or one per prompt.")
         ids = []

@@ -38,6 +38,7 @@ class Sampler:
         if batch.penalties is not None:
             logits = apply_penalties(logits, *batch.penalties)
         if batch.banned:
+            logits = logits.clone()   # never write into the caller's logits
             for row, ids in batch.banned:
                 logits[row, ids] = float("-inf")
         sampled = logits.argmax(dim=-1)
