@@ -56,6 +56,10 @@ class ModelRunner:
             attn.k_cache = self._zeros(shape, m.dtype)
             attn.v_cache = self._zeros(shape, m.dtype)
             attn.decode_kernel = kernel
+        self.num_blocks = num_blocks
+        # CPU: blocks below this id have had their memory faulted in (block 0 is read as padding)
+        self._faulted_blocks = 1 if self.device.type == "cpu" else num_blocks
+        self._fault_chunk = max(1, (64 << 20) // max(1, self.kv_cache_bytes_per_block()))
 
     def _zeros(self, shape, dtype) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -78,6 +82,7 @@ class ModelRunner:
             self.requests[new.req_id] = RequestState(new.prompt_token_ids, sp, gen)
         if not so.chunks:
             return ModelRunnerOutput({})
+        self._fault_in_blocks(max(max(c.block_ids) for c in so.chunks))
 
         input_ids, positions, query_lens = [], [], []
         for c in so.chunks:
@@ -123,6 +128,21 @@ class ModelRunner:
             targets = state.prompt_token_ids[chunk.start_pos + 1:chunk.start_pos + 1 + n]
             out.prompt_logprobs[req_id] = [token_logprobs(lps[i], t, k) for i, t in enumerate(targets)]
         return out
+
+    def _fault_in_blocks(self, top_block: int) -> None:
+        """Touch KV memory ahead of use, in large sequential chunks.
+
+        The CPU cache is faulted in lazily by the OS; faults taken one page at a time inside
+        attention cost ~16 us each on a VM (10-15% of a decode step), while touching whole
+        ranges costs ~0.2 s per GiB. Fresh blocks are handed out in increasing id order, so one
+        high-water mark tells which memory is still untouched."""
+        if top_block < self._faulted_blocks:
+            return
+        hi = min(self.num_blocks, max(top_block + 1, self._faulted_blocks + self._fault_chunk))
+        for attn in self.attention_layers():
+            attn.k_cache[:, self._faulted_blocks:hi].zero_()
+            attn.v_cache[:, self._faulted_blocks:hi].zero_()
+        self._faulted_blocks = hi
 
     def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
         params = [s.sampling_params for s in states]
