@@ -34,6 +34,9 @@ class Sampler:
         raw_logprobs = None
         if batch.logprobs_k and any(k is not None for k in batch.logprobs_k):
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        elif batch.temperature is None and batch.penalties is None and not batch.banned:
+            # all greedy: argmax of the model's own dtype equals argmax of its exact float32 copy
+            return logits.argmax(dim=-1).tolist(), {}
         logits = logits.float()
         if batch.penalties is not None:
             logits = apply_penalties(logits, *batch.penalties)

@@ -75,3 +75,24 @@ def test_prefix_cache_hits_keep_outputs(tiny_model_dir):
     cold = LLM(path, dtype="float32", enable_prefix_caching=False, kv_cache_memory="64MiB")
     ref = cold.generate(with_prefix, PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in ref] == [o.outputs[0].token_ids for o in first]
+
+
+def test_sharded_checkpoint_loads_the_same(tiny_model_dir, tmp_path):
+    """A checkpoint split over several safetensors files with an index loads like a single file."""
+    import os
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    src = tiny_model_dir("qwen2-bias")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.save_pretrained(tmp_path, max_shard_size="2MB")
+    for f in os.listdir(src):
+        if f.startswith("tokenizer") or f.endswith(".jinja"):
+            shutil.copy(os.path.join(src, f), tmp_path)
+    assert os.path.exists(tmp_path / "model.safetensors.index.json")
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 1
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    a = LLM(src, dtype="float32", kv_cache_memory="16MiB").generate(_prompts(3), sp, use_tqdm=False)
+    b = LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB").generate(_prompts(3), sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
