@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -58,4 +58,3 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    extra: dict = field(default_factory=dict, repr=False)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -28,7 +28,6 @@ class SamplingParams:
     logprobs: int | None = None         # top-k logprobs per generated token (plus the sampled one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    extra: dict = field(default_factory=dict, repr=False)  # engine-internal per-request data
 
     def __post_init__(self):
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -87,16 +86,15 @@ class SamplingParams:
     def clone(self, **changes) -> SamplingParams:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
-        values["extra"] = dict(self.extra)
         return SamplingParams(**values)
 
 
-_FIELDS = [f.name for f in fields(SamplingParams) if f.name != "extra"]
+_FIELDS = [f.name for f in fields(SamplingParams)]
 _dataclass_init = SamplingParams.__init__
 
 
 def _checked_init(self, *args, **kwargs):
-    unknown = sorted(set(kwargs) - set(_FIELDS) - {"extra"})
+    unknown = sorted(set(kwargs) - set(_FIELDS))
     if unknown:
         raise TypeError(f"SamplingParams got unknown parameter(s) {', '.join(unknown)}; "
                         f"valid parameters are: {', '.join(_FIELDS)}.")

@@ -7,8 +7,9 @@ import time
 import torch
 
 from shardlm.config import EngineConfig, format_bytes
-from shardlm.engine.messages import ModelRunnerOutput, SchedulerOutput
+from shardlm.engine.messages import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 from shardlm.logger import init_logger
+from shardlm.sampling_params import SamplingParams
 from shardlm.worker.cpu_tuning import keep_freed_memory_in_heap
 from shardlm.worker.model_runner import ModelRunner
 
@@ -46,14 +47,13 @@ class Worker:
         return max(budget, 0) // per_block
 
     def _cuda_kv_budget(self) -> int:
-        from shardlm.engine.messages import ScheduledChunk
         sched = self.config.scheduler
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         # profile the largest step: max_num_batched_tokens prompt tokens, logits for max_num_seqs rows
         bs = self.config.cache.block_size
         num_seqs = min(sched.max_num_seqs, sched.max_num_batched_tokens)
-        per_seq = max(1, sched.max_num_batched_tokens // num_seqs)
+        per_seq = max(1, min(sched.max_num_batched_tokens // num_seqs, self.config.model.max_model_len - 1))
         num_blocks = num_seqs * (per_seq // bs + 2) + 1
         self.runner.initialize_cache(num_blocks)
         chunks, next_block = [], 1
@@ -61,8 +61,6 @@ class Worker:
             n = per_seq // bs + 1
             chunks.append(ScheduledChunk(f"profile-{i}", [0] * per_seq, 0, list(range(next_block, next_block + n)), True))
             next_block += n
-        from shardlm.engine.messages import NewRequestData
-        from shardlm.sampling_params import SamplingParams
         new = [NewRequestData(c.req_id, c.token_ids, SamplingParams(temperature=0)) for c in chunks]
         self.runner.execute_model(SchedulerOutput(chunks, new))
         torch.cuda.synchronize()
