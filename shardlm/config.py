@@ -251,7 +251,10 @@ class EngineArgs:
                             self.gpu_memory_utilization, self.enable_prefix_caching)
         scheduler = SchedulerConfig(
             self.max_num_seqs, self.max_num_batched_tokens or max(8192, self.max_num_seqs), max_model_len)
-        return EngineConfig(model_cfg, cache, scheduler, parallel, device)
+        config = EngineConfig(model_cfg, cache, scheduler, parallel, device)
+        from shardlm.planner.startup import check_fits
+        check_fits(config)   # before any weights are loaded
+        return config
 
 
 def load_hf_config(path: str):

@@ -102,6 +102,30 @@ def cmd_bench(ns) -> None:
     report(result, ns.json)
 
 
+def cmd_plan(ns) -> None:
+    from shardlm.config import parse_size
+    from shardlm.planner import ModelShape, Workload, load_config, recommend
+    from shardlm.planner.hardware import detect_hardware
+    from shardlm.planner.report import render, to_json
+    name, cfg = load_config(ns.model)
+    shape = ModelShape.from_config(name, cfg)
+    hw = detect_hardware(ns.gpu_memory_utilization)
+    if ns.gpus_per_node or ns.nodes or ns.gpu_memory:
+        on_gpu = hw.kind == "gpu"
+        hw.kind = "gpu"
+        hw.devices_per_node = ns.gpus_per_node or (hw.devices_per_node if on_gpu else 1)
+        hw.nodes = ns.nodes or 1
+        hw.device_memory = parse_size(ns.gpu_memory) if ns.gpu_memory else (hw.device_memory if on_gpu else 80 << 30)
+    hw.interconnect = ns.interconnect
+    dtype = ns.dtype or {"float32": "float32", "float16": "float16"}.get(cfg.get("torch_dtype") or cfg.get("dtype"),
+                                                                      "bfloat16")
+    max_len = ns.max_model_len or min(shape.max_position, 8192)
+    workload = Workload(dtype=dtype, quantization_bits=ns.quantization_bits, max_model_len=max_len,
+                        concurrency=ns.concurrency)
+    rec = recommend(shape, hw, workload, ns.model)
+    print(to_json(rec) if ns.json else render(rec))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardlm", description="Serve large language models split across "
                                      "processes, devices and machines.")
@@ -119,6 +143,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--message", action="append", help="a user message (repeat for several turns)")
     p.add_argument("--system", default=None, help="system prompt")
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("plan", help="will a model fit, and how to split it: from config.json, nothing loaded")
+    p.add_argument("model", help="model directory, config.json, or a preset: Llama-3.1-8B, Llama-3.1-70B, "
+                   "Llama-3.1-405B, Mixtral-8x7B, Qwen2.5-7B, Qwen2.5-72B, DeepSeek-V3")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="default: the GPUs of this machine")
+    p.add_argument("--nodes", type=int, default=None, help="default: 1")
+    p.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GiB (default: this machine's)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="default: the checkpoint's (bfloat16 unless it says float32/float16)")
+    p.add_argument("--quantization-bits", type=int, choices=[2, 3, 4, 8], default=None,
+                   help="weight quantization width for linear layers")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's maximum, at most 8192")
+    p.add_argument("--concurrency", type=int, default=None, help="requests of max_model_len to serve at once")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--interconnect", choices=["nvlink", "pcie"], default="nvlink")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("bench", help="offline benchmarks")
     bsub = p.add_subparsers(dest="bench_kind", required=True)

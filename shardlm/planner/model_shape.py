@@ -1,0 +1,183 @@
+"""A model's shape from its config.json, and the parameter and KV cache sizes that follow.
+
+Works on the plain config dict (no model code, no download): standard and grouped-query
+attention (with q/k/v and o biases), DeepSeek's multi-head latent attention (MLA), dense
+and mixture-of-experts MLPs, tied or untied LM heads. Counts match `sum(p.numel())` of the
+transformers model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+_PRESETS_FILE = os.path.join(os.path.dirname(__file__), "presets.json")
+
+
+def load_presets() -> dict[str, dict]:
+    with open(_PRESETS_FILE) as f:
+        return {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+
+
+def load_config(model: str) -> tuple[str, dict]:
+    """(name, config dict) from a preset name, a model directory or a config.json path."""
+    presets = load_presets()
+    by_lower = {k.lower(): k for k in presets}
+    key = by_lower.get(model.lower()) or by_lower.get(model.split("/")[-1].lower())
+    if key:
+        return key, presets[key]
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if not os.path.isfile(path):
+        raise ValueError(f"{model!r} is neither a model directory, a config.json, nor a preset. "
+                         f"Presets: {', '.join(presets)}.")
+    with open(path) as f:
+        cfg = json.load(f)
+    return os.path.basename(os.path.dirname(os.path.abspath(path))) or model, cfg
+
+
+@dataclass
+class ModelShape:
+    name: str
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    tied: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    max_position: int
+    num_experts: int = 0              # routed experts per MoE layer (0: dense)
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_experts: int = 0
+    first_dense_layers: int = 0       # DeepSeek: the first k layers are dense
+    q_lora_rank: int = 0              # MLA (DeepSeek); kv_lora_rank > 0 means MLA
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+
+    @classmethod
+    def from_config(cls, name: str, c: dict) -> ModelShape:
+        text = c.get("text_config")
+        if isinstance(text, dict):   # multimodal wrappers keep the language model here
+            c = {**c, **text}
+        heads = c["num_attention_heads"]
+        arch = (c.get("architectures") or [""])[0]
+        experts = c.get("num_local_experts") or c.get("n_routed_experts") or c.get("num_experts") or 0
+        return cls(
+            name=name, vocab=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
+            heads=heads, kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            intermediate=c.get("intermediate_size", 0), tied=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=bool(c.get("attention_bias", False)) or arch.startswith("Qwen2"),
+            o_bias=bool(c.get("attention_bias", False)) and not arch.startswith("Qwen2"),
+            mlp_bias=bool(c.get("mlp_bias", False)),
+            max_position=c.get("max_position_embeddings") or 2048,
+            num_experts=experts, experts_per_token=c.get("num_experts_per_tok", 0) if experts else 0,
+            expert_intermediate=(c.get("moe_intermediate_size") or c.get("intermediate_size", 0)) if experts else 0,
+            shared_experts=c.get("n_shared_experts") or 0,
+            first_dense_layers=c.get("first_k_dense_replace", 0) if experts else 0,
+            q_lora_rank=c.get("q_lora_rank") or 0, kv_lora_rank=c.get("kv_lora_rank") or 0,
+            qk_nope_dim=c.get("qk_nope_head_dim") or 0, qk_rope_dim=c.get("qk_rope_head_dim") or 0,
+            v_head_dim=c.get("v_head_dim") or 0)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    # ---- parameters of one layer, split by tensor parallel size tp ----
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """KV heads are split when tp divides them, replicated (one per rank) when tp exceeds them."""
+        return max(1, self.kv_heads // tp)
+
+    def attention_params(self, tp: int = 1) -> int:
+        h, hd = self.hidden, self.head_dim
+        if self.is_mla:
+            qk = self.qk_nope_dim + self.qk_rope_dim
+            q = (h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * self.heads * qk // tp
+                 if self.q_lora_rank else h * self.heads * qk // tp)
+            kv = (h * (self.kv_lora_rank + self.qk_rope_dim) + self.kv_lora_rank
+                  + self.kv_lora_rank * self.heads * (self.qk_nope_dim + self.v_head_dim) // tp)
+            return q + kv + self.heads * self.v_head_dim * h // tp
+        q, kv = self.heads * hd // tp, self.kv_heads_per_rank(tp) * hd
+        params = h * (q + 2 * kv) + q * h
+        if self.qkv_bias:
+            params += q + 2 * kv
+        if self.o_bias:
+            params += h
+        return params
+
+    def dense_mlp_params(self, tp: int = 1) -> int:
+        inter = self.intermediate // tp
+        return 3 * self.hidden * inter + (2 * inter + self.hidden if self.mlp_bias else 0)
+
+    def moe_params(self, tp: int = 1) -> int:
+        """Experts are split across the tp (or expert parallel) ranks; the router is replicated."""
+        expert = 3 * self.hidden * self.expert_intermediate
+        return (self.num_experts + self.shared_experts) * expert // tp + self.hidden * self.num_experts
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.is_moe and i >= self.first_dense_layers
+
+    def layer_params(self, i: int, tp: int = 1) -> int:
+        mlp = self.moe_params(tp) if self.is_moe_layer(i) else self.dense_mlp_params(tp)
+        return self.attention_params(tp) + mlp + 2 * self.hidden   # + two norms
+
+    def embedding_params(self, tp: int = 1) -> int:
+        padded = -(-self.vocab // tp) * tp    # vocab padded to a multiple of tp
+        return padded * self.hidden // tp
+
+    def total_params(self) -> int:
+        lm_head = 0 if self.tied else self.vocab * self.hidden
+        return (self.vocab * self.hidden + lm_head + self.hidden
+                + sum(self.layer_params(i) for i in range(self.layers)))
+
+    def active_params(self) -> int:
+        """Parameters used per token (MoE: only the routed experts)."""
+        if not self.is_moe:
+            return self.total_params()
+        unused = (self.num_experts - self.experts_per_token) * 3 * self.hidden * self.expert_intermediate
+        return self.total_params() - unused * sum(self.is_moe_layer(i) for i in range(self.layers))
+
+    # ---- KV cache ----
+    def kv_bytes_per_token(self, dtype_bytes: float, layers: int | None = None, tp: int = 1) -> float:
+        """Standard attention: 2 (K and V) x layers x kv_heads x head_dim x bytes. MLA caches one
+        compressed latent (kv_lora_rank + rope dims) per layer, the same on every TP rank."""
+        layers = self.layers if layers is None else layers
+        if self.is_mla:
+            return layers * (self.kv_lora_rank + self.qk_rope_dim) * dtype_bytes
+        return 2 * layers * self.kv_heads_per_rank(tp) * self.head_dim * dtype_bytes
+
+    def linear_params_share(self) -> float:
+        """Share of the parameters in linear layers (what weight quantization compresses)."""
+        total = self.total_params()
+        other = self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden * (2 * self.layers + 1)
+        return (total - other) / total
+
+    # ---- tensor parallel validity ----
+    def tp_problems(self, tp: int) -> list[str]:
+        """Why tensor parallel size tp cannot split this model (empty: it can)."""
+        problems = []
+        if self.heads % tp:
+            problems.append(f"{self.heads} attention heads are not divisible by {tp}")
+        if not self.is_mla and self.kv_heads % tp and tp % self.kv_heads:
+            problems.append(f"{self.kv_heads} KV heads neither divide by {tp} nor divide it")
+        if self.intermediate and not (self.is_moe and self.first_dense_layers == 0) and self.intermediate % tp:
+            problems.append(f"the MLP size {self.intermediate} is not divisible by {tp}")
+        if self.is_moe and self.expert_intermediate % tp:
+            problems.append(f"the expert MLP size {self.expert_intermediate} is not divisible by {tp}")
+        return problems
+
+    def valid_tp_sizes(self, limit: int | None = None) -> list[int]:
+        limit = limit or self.heads
+        return [tp for tp in range(1, limit + 1) if not self.tp_problems(tp)]

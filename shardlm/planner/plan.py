@@ -1,0 +1,268 @@
+"""Will a model fit, and how should it be split: per-rank memory for a parallel layout and the
+recommendation that follows the usual guide (one device; else tensor parallel inside a node;
+else tensor parallel = devices per node and pipeline parallel = nodes)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from shardlm.distributed.utils import pp_layer_partition
+from shardlm.planner.model_shape import ModelShape
+
+GiB = 1 << 30
+KV_ROOM_FOR_TIGHT = 0.20      # below this share of usable memory left for KV cache: "tight"
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class Hardware:
+    kind: str                      # "gpu" or "cpu"
+    devices_per_node: int
+    nodes: int
+    device_memory: int             # bytes per device
+    utilization: float = 0.9       # share of device memory the engine may use
+    interconnect: str = "nvlink"
+
+    @property
+    def usable(self) -> float:
+        return self.device_memory * self.utilization
+
+    @property
+    def total_devices(self) -> int:
+        return self.devices_per_node * self.nodes
+
+
+@dataclass
+class Workload:
+    dtype: str = "bfloat16"
+    quantization_bits: int | None = None
+    max_model_len: int = 8192
+    concurrency: int | None = None            # wanted concurrent requests at max_model_len
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    block_size: int = 16
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+
+@dataclass
+class SplitPlan:
+    tp: int
+    pp: int
+    dp: int = 1
+    weights_per_device: float = 0.0           # bytes, the fullest stage
+    reserve_per_device: float = 0.0           # activations + runtime overhead
+    kv_bytes_per_token: float = 0.0           # per device, the fullest stage
+    kv_blocks: int = 0
+    kv_tokens: int = 0
+    max_concurrency: float = 0.0              # KV tokens / max_model_len
+    status: str = "no"                        # "yes", "tight" or "no"
+    reason: str = ""
+    stages: list[dict] = field(default_factory=list)
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def label(self) -> str:
+        parts = [f"TP={self.tp}"] + ([f"PP={self.pp}"] if self.pp > 1 else []) + ([f"DP={self.dp}"] if self.dp > 1 else [])
+        return " ".join(parts) if (self.tp, self.pp, self.dp) != (1, 1, 1) else "single device"
+
+
+def weight_bytes(shape: ModelShape, params: float, linear_params: float, w: Workload) -> float:
+    """Linear layers at the quantization width (if any); embeddings and norms at the dtype."""
+    if w.quantization_bits is None:
+        return params * w.dtype_bytes
+    return linear_params * w.quantization_bits / 8 + (params - linear_params) * w.dtype_bytes
+
+
+def activation_reserve(shape: ModelShape, tp: int, w: Workload, hw: Hardware) -> float:
+    """Peak activations of the largest step (max_num_batched_tokens tokens through one layer,
+    float32 logits for max_num_seqs rows) plus runtime overhead (1 GiB on GPUs for the CUDA
+    context and communication buffers, 0.5 GiB on CPU)."""
+    inter = max(shape.intermediate, shape.expert_intermediate * max(1, shape.experts_per_token))
+    per_token = (6 * shape.hidden + (shape.heads + 2 * shape.kv_heads) * shape.head_dim / tp + 3 * inter / tp)
+    acts = w.max_num_batched_tokens * per_token * w.dtype_bytes
+    logits = w.max_num_seqs * shape.vocab * 4
+    return acts + logits + (GiB if hw.kind == "gpu" else GiB // 2)
+
+
+def evaluate(shape: ModelShape, tp: int, pp: int, hw: Hardware, w: Workload) -> SplitPlan:
+    plan = SplitPlan(tp, pp)
+    problems = shape.tp_problems(tp)
+    if problems:
+        plan.reason = "; ".join(problems)
+        return plan
+    if pp > shape.layers:
+        plan.reason = f"more stages than the {shape.layers} layers"
+        return plan
+    reserve = activation_reserve(shape, tp, w, hw)
+    worst_weights, worst_kv = 0.0, 0.0
+    for s, (start, end) in enumerate(pp_layer_partition(shape.layers, pp)):
+        params = sum(shape.layer_params(i, tp) for i in range(start, end))
+        linear = params - 2 * shape.hidden * (end - start)
+        extra = []
+        if s == 0:
+            params += shape.embedding_params(tp)
+            extra.append("embed")
+        if s == pp - 1:
+            params += shape.hidden                       # final norm
+            lm_head = 0 if (shape.tied and pp == 1) else shape.embedding_params(tp)
+            params += lm_head
+            extra += ["norm", "lm_head"]
+        wb = weight_bytes(shape, params, linear, w)
+        kv = shape.kv_bytes_per_token(w.dtype_bytes, end - start, tp)
+        plan.stages.append({"stage": s, "layers": [start, end - 1], "holds": extra, "weights_bytes": wb,
+                            "kv_bytes_per_token": kv})
+        worst_weights, worst_kv = max(worst_weights, wb), max(worst_kv, kv)
+    plan.weights_per_device, plan.reserve_per_device, plan.kv_bytes_per_token = worst_weights, reserve, worst_kv
+    # the stage with the least room sets the KV cache size (all ranks allocate the same block count)
+    room = min(hw.usable - st["weights_bytes"] - reserve for st in plan.stages)
+    per_block = max(st["kv_bytes_per_token"] for st in plan.stages) * w.block_size
+    plan.kv_blocks = max(0, int(room // per_block)) if room > 0 else 0
+    plan.kv_tokens = plan.kv_blocks * w.block_size
+    plan.max_concurrency = plan.kv_tokens / w.max_model_len
+    if room <= 0:
+        plan.reason = (f"weights {worst_weights / GiB:.1f} GiB + reserve {reserve / GiB:.1f} GiB exceed the "
+                       f"{hw.usable / GiB:.1f} GiB usable per device")
+    elif plan.kv_tokens < w.max_model_len:
+        plan.reason = f"KV cache room for {plan.kv_tokens} tokens, less than one {w.max_model_len}-token request"
+    elif w.concurrency and plan.max_concurrency < w.concurrency:
+        plan.status = "tight"
+        plan.reason = f"{plan.max_concurrency:.1f} requests of {w.max_model_len} tokens fit, fewer than the {w.concurrency} wanted"
+    elif room < KV_ROOM_FOR_TIGHT * hw.usable:
+        plan.status = "tight"
+        plan.reason = f"only {room / GiB:.1f} GiB ({room / hw.usable:.0%}) of each device left for the KV cache"
+    else:
+        plan.status = "yes"
+    return plan
+
+
+def candidate_splits(shape: ModelShape, hw: Hardware) -> list[tuple[int, int]]:
+    """Layouts worth comparing: inside one node every TP x PP that fits the node's devices;
+    across nodes, TP = devices per node (TP never spans nodes) and PP = nodes used."""
+    out = []
+    for tp in range(1, hw.devices_per_node + 1):
+        for pp in range(1, hw.devices_per_node // tp + 1):
+            out.append((tp, pp))
+    valid_tp = [t for t in shape.valid_tp_sizes(hw.devices_per_node)]
+    node_tp = max(valid_tp) if valid_tp else 1
+    for nodes in range(2, hw.nodes + 1):
+        out.append((node_tp, nodes * (hw.devices_per_node // node_tp)))
+    return sorted(set(out), key=lambda s: (s[0] * s[1], s[1]))
+
+
+@dataclass
+class Recommendation:
+    model: str
+    params: int
+    active_params: int
+    weights_bytes: float
+    rule_of_thumb_bytes: float
+    kv_bytes_per_token: float
+    hardware: Hardware
+    workload: Workload
+    plan: SplitPlan | None
+    reasons: list[str]
+    notes: list[str]
+    alternatives: list[SplitPlan]
+    command: str | None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["plan"] = asdict(self.plan) if self.plan else None
+        d["alternatives"] = [asdict(a) | {"label": a.label} for a in self.alternatives]
+        if self.plan:
+            d["plan"]["label"] = self.plan.label
+        return d
+
+
+def _choose(plans: list[SplitPlan], hw: Hardware) -> SplitPlan | None:
+    """The guide's order: one device; tensor parallel inside a node (smallest size); tensor x
+    pipeline inside a node; whole-node tensor parallel with pipeline stages across nodes.
+    The first layout with room wins; failing that, the first that fits at all ("tight")."""
+    groups = [[p for p in plans if (p.tp, p.pp) == (1, 1)],
+              [p for p in plans if p.pp == 1 and p.tp > 1 and p.tp <= hw.devices_per_node],
+              [p for p in plans if p.pp > 1 and p.tp * p.pp <= hw.devices_per_node],
+              [p for p in plans if p.tp * p.pp > hw.devices_per_node]]
+    for wanted in ("yes", "tight"):
+        for group in groups:
+            pick = next((p for p in group if p.status == wanted), None)
+            if pick:
+                return pick
+    return None
+
+
+def recommend(shape: ModelShape, hw: Hardware, w: Workload, model_arg: str | None = None) -> Recommendation:
+    plans = [evaluate(shape, tp, pp, hw, w) for tp, pp in candidate_splits(shape, hw)]
+    params = shape.total_params()
+    weights = weight_bytes(shape, params, params * shape.linear_params_share(), w)
+    reasons, notes = [], []
+    pick = _choose(plans, hw)
+    one = plans[0]
+    if pick is one:
+        reasons.append(f"The model fits on one device ({one.weights_per_device / GiB:.1f} GiB of weights, "
+                       f"{one.kv_tokens} tokens of KV cache): no parallelism needed.")
+    elif pick is not None:
+        reasons.append(f"One device is not enough: {one.reason}.")
+        valid = ", ".join(map(str, shape.valid_tp_sizes(hw.devices_per_node)))
+        if pick.pp == 1:
+            reasons.append(f"Tensor parallel inside one node: TP={pick.tp} is the smallest valid size with room "
+                           f"for the KV cache (valid sizes up to {hw.devices_per_node} devices: {valid}).")
+        elif pick.tp * pick.pp <= hw.devices_per_node:
+            reasons.append(f"No valid tensor parallel size up to {hw.devices_per_node} devices ({valid}) leaves room "
+                           f"for the KV cache; inside one node {pick.label} does.")
+        else:
+            reasons.append(f"One node ({hw.devices_per_node} x {hw.device_memory / GiB:.0f} GiB) is not enough: "
+                           f"TP={pick.tp} inside each node and PP={pick.pp} across nodes. Tensor parallel never "
+                           "spans nodes: it all-reduces every layer, which the network between nodes cannot keep up with.")
+        if pick.status == "tight":
+            reasons.append(f"It is tight: {pick.reason}.")
+        if w.quantization_bits is None:
+            q4 = evaluate(shape, 1, 1, hw, Workload(**{**asdict(w), "quantization_bits": 4}))
+            if q4.status != "no":
+                notes.append("With 4-bit weight quantization it would fit on one device "
+                             f"({q4.weights_per_device / GiB:.1f} GiB of weights).")
+    else:
+        reasons.append(f"No layout of {hw.total_devices} device(s) x {hw.device_memory / GiB:.0f} GiB fits "
+                       f"(single device: {one.reason}).")
+        if w.quantization_bits is None:
+            for bits in (8, 4):
+                qw = Workload(**{**asdict(w), "quantization_bits": bits})
+                qpick = _choose([evaluate(shape, tp, pp, hw, qw) for tp, pp in candidate_splits(shape, hw)], hw)
+                if qpick:
+                    reasons.append(f"With {bits}-bit weight quantization it fits as {qpick.label}.")
+                    break
+        needed = weights / hw.usable
+        reasons.append(f"The weights alone need {weights / GiB:.0f} GiB: at least {needed:.1f} devices of this size.")
+    if hw.devices_per_node > 1 and shape.tp_problems(hw.devices_per_node):
+        notes.append(f"TP={hw.devices_per_node} (all devices of a node) is not valid: "
+                     f"{'; '.join(shape.tp_problems(hw.devices_per_node))}. Valid TP sizes: "
+                     f"{', '.join(map(str, shape.valid_tp_sizes()))}. Use PP={hw.devices_per_node}, or TP with a valid size.")
+    if pick is not None:
+        dp = hw.total_devices // pick.devices
+        if dp > 1:
+            notes.append(f"For more throughput, data parallel: -dp {dp} runs {dp} replicas of {pick.label} "
+                         f"on the {hw.total_devices} devices.")
+        if hw.interconnect == "pcie" and pick.tp > 1:
+            notes.append("Without NVLink, tensor parallel all-reduces cross PCIe every layer: expect less speed-up "
+                         "than on NVLink; pipeline parallel sends far less data between devices.")
+        if shape.is_moe:
+            notes.append(f"Mixture of experts ({shape.num_experts} experts, {shape.experts_per_token} per token): "
+                         "add --enable-expert-parallel to place whole experts on ranks instead of slicing each one.")
+    command = None
+    if pick is not None:
+        command = f"shardlm serve {model_arg or shape.name}"
+        command += f" -tp {pick.tp}" if pick.tp > 1 else ""
+        command += f" -pp {pick.pp}" if pick.pp > 1 else ""
+        command += f" --max-model-len {w.max_model_len}"
+        if shape.is_moe and pick.devices > 1:
+            command += " --enable-expert-parallel"
+    shown = [p for p in plans if not shape.tp_problems(p.tp)][:10]
+    if pick is not None and pick not in shown:
+        shown.append(pick)
+    return Recommendation(shape.name, params, shape.active_params(), weights, params * w.dtype_bytes * 1.2,
+                          shape.kv_bytes_per_token(w.dtype_bytes), hw, w, pick, reasons, notes, shown, command)

@@ -1,0 +1,48 @@
+"""The same memory math, run by LLM and serve before anything is loaded: an impossible layout
+fails at once with the numbers and a split that works, instead of running out of memory later."""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from shardlm.config import EngineConfig
+from shardlm.logger import init_logger
+from shardlm.planner.hardware import detect_hardware
+from shardlm.planner.model_shape import ModelShape
+from shardlm.planner.plan import GiB, Workload, evaluate, recommend
+
+logger = init_logger(__name__)
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def check_fits(config: EngineConfig) -> None:
+    m, par = config.model, config.parallel
+    shape = ModelShape.from_config(m.served_model_name, m.hf_config.to_dict())
+    workload = Workload(dtype=_DTYPE_NAMES[m.dtype], max_model_len=m.max_model_len,
+                        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                        max_num_seqs=config.scheduler.max_num_seqs, block_size=config.cache.block_size)
+    hw = detect_hardware(config.cache.gpu_memory_utilization)
+    if config.device.type == "cpu":
+        hw.device_memory, hw.utilization = psutil.virtual_memory().available, 1.0
+    plan = evaluate(shape, par.tensor_parallel_size, par.pipeline_parallel_size, hw, workload)
+    if config.device.type == "cpu":
+        needed = plan.weights_per_device + plan.reserve_per_device
+        if needed > hw.device_memory:
+            _fail(shape, plan.label, f"its weights ({plan.weights_per_device / GiB:.1f} GiB) and working memory "
+                  f"({plan.reserve_per_device / GiB:.1f} GiB) need more than the {hw.device_memory / GiB:.1f} GiB "
+                  "of memory available on this machine", recommend(shape, hw, workload, m.model))
+        if needed + config.cache.kv_cache_memory > hw.device_memory:
+            logger.warning("Weights (%.1f GiB) plus kv_cache_memory (%.1f GiB) exceed the %.1f GiB of free memory: "
+                           "a full KV cache would swap or be killed; lower kv_cache_memory.",
+                           plan.weights_per_device / GiB, config.cache.kv_cache_memory / GiB, hw.device_memory / GiB)
+        return
+    if plan.status == "no":
+        _fail(shape, plan.label, plan.reason, recommend(shape, hw, workload, m.model))
+
+
+def _fail(shape: ModelShape, label: str, reason: str, rec) -> None:
+    advice = f" Recommended: {rec.plan.label} ({rec.command})." if rec.plan else ""
+    advice += " " + " ".join(rec.reasons[1:] if rec.plan else rec.reasons)
+    raise ValueError(f"{shape.name} ({shape.total_params() / 1e9:.2f}B parameters) cannot run as {label} here: "
+                     f"{reason}.{advice} `shardlm plan` shows the options.")

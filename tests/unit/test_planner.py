@@ -1,0 +1,140 @@
+"""`shardlm plan`: parameter counts, KV sizes, per-rank memory and the recommendations of the
+worked examples users know; the start-up check refuses impossible launches fast."""
+
+import json
+import os
+import time
+
+import pytest
+
+from shardlm.distributed.utils import pp_layer_partition
+from shardlm.planner import Hardware, ModelShape, Workload, evaluate, load_config, load_presets, recommend
+from shardlm.planner.plan import GiB
+
+
+def shape(name):
+    return ModelShape.from_config(*load_config(name))
+
+
+@pytest.mark.parametrize("name, published", [("Llama-3.1-8B", 8.03e9), ("Llama-3.1-70B", 70.6e9),
+                                             ("Llama-3.1-405B", 405.9e9), ("Mixtral-8x7B", 46.7e9),
+                                             ("Qwen2.5-7B", 7.62e9), ("Qwen2.5-72B", 72.7e9), ("DeepSeek-V3", 671e9)])
+def test_preset_parameter_counts_match_published_sizes(name, published):
+    assert abs(shape(name).total_params() - published) / published < 0.01
+
+
+def _tiny_cases():
+    import transformers as T
+    common = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2)
+    return [
+        (T.LlamaForCausalLM, T.LlamaConfig(**common, tie_word_embeddings=True)),
+        (T.LlamaForCausalLM, T.LlamaConfig(**common, attention_bias=True, mlp_bias=True)),
+        (T.Qwen2ForCausalLM, T.Qwen2Config(**common, tie_word_embeddings=False)),
+        (T.MistralForCausalLM, T.MistralConfig(**common)),
+        (T.MixtralForCausalLM, T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)),
+        (T.DeepseekV3ForCausalLM, T.DeepseekV3Config(**{**common, "num_hidden_layers": 4, "num_key_value_heads": 4},
+                                                      moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                                                      num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=24,
+                                                      kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                                                      v_head_dim=8, n_group=2, topk_group=1)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_parameter_count_is_exact_for_transformers_models(index):
+    cls, cfg = _tiny_cases()[index]
+    model = cls(cfg)
+    d = cfg.to_dict()
+    d["architectures"] = [cls.__name__]
+    assert ModelShape.from_config("tiny", d).total_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_kv_bytes_per_token_by_hand():
+    s = shape("Llama-3.1-70B")
+    assert s.kv_bytes_per_token(2) == 2 * 80 * 8 * 128 * 2              # 327,680 bytes
+    assert s.kv_bytes_per_token(2, tp=4) == 2 * 80 * 2 * 128 * 2         # KV heads split
+    assert s.kv_bytes_per_token(2, tp=16) == 2 * 80 * 1 * 128 * 2        # replicated past 8 KV heads
+    assert shape("DeepSeek-V3").kv_bytes_per_token(2) == 61 * (512 + 64) * 2   # MLA latent
+
+
+def test_per_rank_weights_follow_the_split():
+    s = shape("Llama-3.1-70B")
+    hw = Hardware("gpu", 8, 1, 80 * GiB)
+    one, tp4 = evaluate(s, 1, 1, hw, Workload()), evaluate(s, 4, 1, hw, Workload())
+    assert abs(tp4.weights_per_device * 4 / one.weights_per_device - 1) < 0.01
+    pp2 = evaluate(s, 1, 2, hw, Workload())
+    first, last = pp2.stages
+    assert first["holds"] == ["embed"] and last["holds"] == ["norm", "lm_head"]
+    assert first["layers"] == [0, 39] and last["layers"] == [40, 79]
+
+
+def test_pp_layer_partition():
+    assert pp_layer_partition(30, 2) == [(0, 15), (15, 30)]
+    assert pp_layer_partition(10, 3) == [(0, 4), (4, 7), (7, 10)]     # remainder away from the last stage
+    assert pp_layer_partition(30, 2, [16, 14]) == [(0, 16), (16, 30)]
+    with pytest.raises(ValueError, match="summing to 30"):
+        pp_layer_partition(30, 2, [16, 13])
+
+
+def _rec(name, gpn, nodes, mem=80, **w):
+    return recommend(shape(name), Hardware("gpu", gpn, nodes, mem * GiB), Workload(**w))
+
+
+def test_70b_on_four_80gb_gpus_is_tp4_and_tp2_is_tight():
+    r = _rec("Llama-3.1-70B", 4, 1)
+    assert (r.plan.tp, r.plan.pp) == (4, 1) and r.command.endswith("-tp 4 --max-model-len 8192")
+    tp2 = next(a for a in r.alternatives if (a.tp, a.pp) == (2, 1))
+    assert tp2.status == "tight"
+
+
+def test_405b_on_two_nodes_is_tp8_pp2_never_tp_across_nodes():
+    r = _rec("Llama-3.1-405B", 8, 2)
+    assert (r.plan.tp, r.plan.pp) == (8, 2) and "-tp 8 -pp 2" in r.command
+    assert any("never spans nodes" in x for x in r.reasons)
+    assert all(a.tp <= 8 for a in r.alternatives)
+
+
+def test_8b_on_one_gpu_needs_no_parallelism():
+    r = _rec("Llama-3.1-8B", 1, 1)
+    assert (r.plan.tp, r.plan.pp) == (1, 1) and "no parallelism" in r.reasons[0]
+
+
+def test_70b_on_three_gpus_explains_tp3_and_offers_pp3_or_tp2_4():
+    r = _rec("Llama-3.1-70B", 3, 1)
+    text = " ".join(r.reasons + r.notes)
+    assert "64 attention heads are not divisible by 3" in text and "1, 2, 4, 8" in text
+    assert (r.plan.tp, r.plan.pp) == (1, 3)
+    assert any((a.tp, a.pp) == (2, 1) and a.status != "no" for a in r.alternatives)
+
+
+def test_moe_gets_expert_parallel_and_dp_when_memory_allows():
+    r = _rec("Mixtral-8x7B", 8, 1)
+    assert "--enable-expert-parallel" in r.command
+    assert any("-dp" in n for n in r.notes)
+
+
+def test_nothing_fits_suggests_quantization():
+    r = _rec("DeepSeek-V3", 8, 2)
+    assert r.plan is None and any("8-bit" in x for x in r.reasons)
+
+
+def test_plan_command_json(capsys):
+    from shardlm.entrypoints.cli import main
+    main(["plan", "Llama-3.1-70B", "--gpus-per-node", "4", "--gpu-memory", "80GiB", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert d["plan"]["tp"] == 4 and d["command"].startswith("shardlm serve Llama-3.1-70B -tp 4")
+    main(["plan", "Llama-3.1-70B", "--gpus-per-node", "4", "--gpu-memory", "80GiB"])
+    out = capsys.readouterr().out
+    assert "Recommended: TP=4" in out and "rule of thumb" in out and "Alternatives:" in out
+
+
+def test_startup_check_refuses_an_impossible_model_fast(tmp_path):
+    from shardlm import LLM
+    cfg = dict(load_presets()["Llama-3.1-70B"], model_type="llama")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"cannot run as single device here: .*GiB.*shardlm plan"):
+        LLM(str(tmp_path), device="cpu")
+    assert time.perf_counter() - t0 < 5      # no weights, no tokenizer touched
+    assert not os.path.exists(tmp_path / "model.safetensors")
