@@ -13,6 +13,7 @@ from shardlm.engine.request import Request
 from shardlm.engine.scheduler import Scheduler
 from shardlm.executor.base import get_executor_class
 from shardlm.logger import init_logger
+from shardlm.sampling_params import SamplingParams
 from shardlm.utils import cdiv
 
 logger = init_logger(__name__)
@@ -43,8 +44,11 @@ class EngineCore:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens; max concurrency at max_model_len %d: %.2fx",
                     usable, bs, usable * bs, max_len, usable * bs / max_len)
 
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float) -> None:
+        m = self.config.model
+        self.scheduler.add_request(Request(request_id, prompt_token_ids, params, m.eos_token_ids, m.max_model_len,
+                                           self.config.cache.block_size, arrival_time))
 
     def abort_requests(self, req_ids) -> None:
         self.scheduler.finish_requests(req_ids)

@@ -12,7 +12,6 @@ import time
 from shardlm.config import EngineArgs, EngineConfig
 from shardlm.engine.engine_core import EngineCore
 from shardlm.engine.output_processor import OutputProcessor, ParentRequest
-from shardlm.engine.request import Request
 from shardlm.logger import init_logger
 from shardlm.outputs import RequestMetrics, RequestOutput
 from shardlm.sampling_params import SamplingParams
@@ -30,11 +29,13 @@ def load_tokenizer(path: str):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, core=None):
+        """`core`: the engine core to drive; by default one in this process (EngineCore). The
+        server passes a client of an engine core in its own process (same methods)."""
         t0 = time.perf_counter()
         self.config = config
         self.tokenizer = load_tokenizer(config.model.tokenizer)
-        self.core = EngineCore(config)
+        self.core = core if core is not None else EngineCore(config)
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info("Engine started in %.2f s (model %s)", time.perf_counter() - t0, config.model.model)
 
@@ -70,10 +71,8 @@ class LLMEngine:
             child_params = [params.clone(n=1, seed=None if params.seed is None else params.seed + i)
                             for i in range(params.n)]
         self.output_processor.add_request(parent, child_ids, child_params)
-        m = self.config.model
         for cid, sp in zip(child_ids, child_params):
-            self.core.add_request(Request(cid, prompt_token_ids, sp, m.eos_token_ids, m.max_model_len,
-                                          self.config.cache.block_size, arrival_time))
+            self.core.add_request(cid, list(prompt_token_ids), sp, arrival_time)
 
     def _validate(self, ids: list[int]) -> None:
         max_len = self.config.model.max_model_len
@@ -95,7 +94,12 @@ class LLMEngine:
         return self.output_processor.has_unfinished()
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
-        outputs, to_abort = self.output_processor.process(self.core.step(), final_only)
+        return self.process_core_outputs(self.core.step(), final_only)
+
+    def process_core_outputs(self, core_outputs, final_only: bool = False) -> list[RequestOutput]:
+        """Detokenize and gather the core's token deltas; requests that hit a stop string are
+        aborted in the core."""
+        outputs, to_abort = self.output_processor.process(core_outputs, final_only)
         if to_abort:
             self.core.abort_requests(to_abort)
         return outputs
