@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from shardlm.config import EngineArgs
@@ -102,6 +103,15 @@ def cmd_bench(ns) -> None:
     report(result, ns.json)
 
 
+def cmd_serve(ns) -> None:
+    from shardlm.entrypoints.openai.server import run_server
+    chat_template = ns.chat_template
+    if chat_template and os.path.isfile(chat_template):
+        with open(chat_template) as f:
+            chat_template = f.read()
+    run_server(engine_args_from(ns), ns.host, ns.port, ns.api_key, chat_template, ns.uvicorn_log_level)
+
+
 def cmd_plan(ns) -> None:
     from shardlm.config import parse_size
     from shardlm.planner import ModelShape, Workload, load_config, recommend
@@ -130,6 +140,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardlm", description="Serve large language models split across "
                                      "processes, devices and machines.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible server (the engine core runs in its own process)")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all routes but "
+                   "/health, /metrics, /version)")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="complete prompts with a model and print the results")
     add_engine_args(p)

@@ -1,0 +1,275 @@
+"""OpenAI completions and chat completions on top of AsyncLLM: requests to SamplingParams,
+RequestOutputs to response bodies and server-sent-event chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from shardlm.engine.async_llm import AsyncLLM
+from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from shardlm.outputs import RequestOutput
+from shardlm.sampling_params import SamplingParams
+
+_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, llm: AsyncLLM, served_model_names: list[str], chat_template: str | None = None):
+        self.llm = llm
+        self.model_names = served_model_names
+        self.chat_template = chat_template
+        self.max_model_len = llm.config.model.max_model_len
+        self.defaults = llm.engine.default_sampling_params()
+
+    # ---- shared ----
+    def check_model(self, name: str | None) -> str:
+        if name is not None and name not in self.model_names:
+            raise OpenAIError(f"The model `{name}` does not exist. Served: {', '.join(self.model_names)}.", 404,
+                              "model", "NotFoundError")
+        return self.model_names[0]
+
+    def sampling_params(self, req, max_tokens: int | None, prompt_len: int, **extra) -> SamplingParams:
+        if max_tokens is not None and prompt_len + max_tokens > self.max_model_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+                "Please reduce the length of the prompt or the completion.", 400, "max_tokens")
+        values = {f: getattr(req, f) if getattr(req, f) is not None else getattr(self.defaults, f) for f in _DEFAULTED}
+        try:
+            return SamplingParams(
+                n=req.n, seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+                max_tokens=max_tokens, skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output, **values, **extra)
+        except ValueError as e:
+            m = re.search(r"SamplingParams\.(\w+)=", str(e))
+            raise OpenAIError(str(e).replace("SamplingParams.", ""), 400, m.group(1) if m else None) from e
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        ids = self.llm.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise OpenAIError("The prompt is empty.", 400, "prompt")
+        if len(ids) >= self.max_model_len:
+            raise OpenAIError(f"The prompt is {len(ids)} tokens long; this model's maximum context length is "
+                              f"{self.max_model_len} tokens.", 400, "prompt")
+        return ids
+
+    async def _generate(self, prompt_ids: list[int], text: str | None, params: SamplingParams, rid: str
+                        ) -> AsyncIterator[RequestOutput]:
+        try:
+            async for out in self.llm.generate({"prompt": text, "prompt_token_ids": prompt_ids}, params, rid):
+                yield out
+        except ValueError as e:
+            raise OpenAIError(str(e), 400) from e
+
+    # ---- /v1/completions ----
+    async def completions(self, req: CompletionRequest):
+        model = self.check_model(req.model)
+        prompts = _completion_prompts(req.prompt)
+        ids = [self.tokenize(p) for p in prompts]
+        params = [self.sampling_params(req, req.max_tokens, len(i), logprobs=req.logprobs,
+                                       prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
+                  for i in ids]
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        streams = [self._generate(i, t, sp, f"{rid}-{k}") for k, (i, t, sp) in enumerate(zip(ids, texts, params))]
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+        if req.stream:
+            return self._stream_completions(req, head, streams, ids)
+        finals = await _last_outputs(streams)
+        choices = []
+        for k, out in enumerate(finals):
+            for c in out.outputs:
+                text, lps = c.text, c.logprobs
+                if req.echo:
+                    prompt_text = out.prompt if out.prompt is not None else self.llm.tokenizer.decode(out.prompt_token_ids)
+                    text = prompt_text + text
+                    if lps is not None and out.prompt_logprobs is not None:
+                        lps = _prompt_position_logprobs(out) + lps
+                choices.append({"index": k * req.n + c.index, "text": text, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason,
+                                "logprobs": _completion_logprobs(lps) if req.logprobs is not None else None})
+        return {**head, "choices": choices, "usage": _usage(finals)}
+
+    async def _stream_completions(self, req, head, streams, prompt_ids) -> AsyncIterator[str]:
+        sent_text: dict[int, int] = {}
+        sent_lp: dict[int, int] = {}
+        finals: dict[int, RequestOutput] = {}
+        async for k, out in _merge(streams):
+            for c in out.outputs:
+                idx = k * req.n + c.index
+                start = sent_text.get(idx, 0)
+                delta = c.text[start:]
+                if req.echo and idx not in sent_text:
+                    delta = (out.prompt or self.llm.tokenizer.decode(out.prompt_token_ids)) + delta
+                new_lps = c.logprobs[sent_lp.get(idx, 0):] if c.logprobs is not None else None
+                if not delta and not c.finish_reason and not new_lps:
+                    continue
+                sent_text[idx], sent_lp[idx] = len(c.text), len(c.logprobs or [])
+                yield sse({**head, "choices": [{
+                    "index": idx, "text": delta, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    "logprobs": _completion_logprobs(new_lps) if req.logprobs is not None else None}]})
+            if out.finished:
+                finals[k] = out
+        if req.stream_options and req.stream_options.include_usage:
+            yield sse({**head, "choices": [], "usage": _usage(list(finals.values()))})
+        yield sse("[DONE]")
+
+    # ---- /v1/chat/completions ----
+    async def chat(self, req: ChatCompletionRequest):
+        model = self.check_model(req.model)
+        tok = self.llm.tokenizer
+        try:
+            text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
+                                           tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                                           chat_template=self.chat_template, **(req.chat_template_kwargs or {}))
+        except Exception as e:   # a template that rejects the conversation is the client's error
+            raise OpenAIError(f"The chat template could not render these messages: {e}", 400, "messages") from e
+        ids = self.tokenize(tok(text, add_special_tokens=False).input_ids)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs=true.", 400, "top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self.sampling_params(req, max_tokens, len(ids),
+                                      logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": model}
+        stream = self._generate(ids, text, params, rid)
+        if req.stream:
+            return self._stream_chat(req, {**head, "object": "chat.completion.chunk"}, stream)
+        (final,) = await _last_outputs([stream])
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    "logprobs": _chat_logprobs(c.logprobs, req.top_logprobs or 0) if req.logprobs else None}
+                   for c in final.outputs]
+        return {**head, "choices": choices, "usage": _usage([final])}
+
+    async def _stream_chat(self, req, head, stream) -> AsyncIterator[str]:
+        sent_text: dict[int, int] = {}
+        sent_lp: dict[int, int] = {}
+        final = None
+        async for _, out in _merge([stream]):
+            for c in out.outputs:
+                if c.index not in sent_text:
+                    sent_text[c.index] = sent_lp[c.index] = 0
+                    yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]})
+                delta = c.text[sent_text[c.index]:]
+                new_lps = c.logprobs[sent_lp[c.index]:] if c.logprobs is not None else None
+                if not delta and not c.finish_reason and not new_lps:
+                    continue
+                sent_text[c.index], sent_lp[c.index] = len(c.text), len(c.logprobs or [])
+                yield sse({**head, "choices": [{
+                    "index": c.index, "delta": {"content": delta} if delta else {},
+                    "logprobs": _chat_logprobs(new_lps, req.top_logprobs or 0) if req.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+            if out.finished:
+                final = out
+        if req.stream_options and req.stream_options.include_usage and final is not None:
+            yield sse({**head, "choices": [], "usage": _usage([final])})
+        yield sse("[DONE]")
+
+
+def _completion_prompts(prompt) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    if not prompt:
+        raise OpenAIError("The prompt is empty.", 400, "prompt")
+    return list(prompt)
+
+
+async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several request streams as they come; closing this closes (aborts) them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(k, stream):
+        try:
+            async for out in stream:
+                await queue.put((k, out))
+        except BaseException as e:   # noqa: BLE001 - re-raised by the consumer
+            await queue.put((k, e))
+        finally:
+            await queue.put((k, done))
+
+    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            k, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            await s.aclose()
+
+
+async def _last_outputs(streams) -> list[RequestOutput]:
+    finals: dict[int, RequestOutput] = {}
+    async for k, out in _merge(streams):
+        finals[k] = out
+    return [finals[k] for k in range(len(streams))]
+
+
+def _usage(finals: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _prompt_position_logprobs(out: RequestOutput) -> list:
+    """Prompt logprobs in the per-position form of generated tokens (the first position: no logprob)."""
+    result = []
+    for tid, pos in zip(out.prompt_token_ids, out.prompt_logprobs):
+        result.append(pos if pos is not None else {tid: None})
+    return result
+
+
+def _chosen(position: dict):
+    """The token a position's entry is for: the one listed first (then come the top-k)."""
+    tid = next(iter(position))
+    return tid, position[tid]
+
+
+def _completion_logprobs(positions) -> dict | None:
+    if positions is None:
+        return None
+    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+    for pos in positions:
+        tid, lp = _chosen(pos)
+        text = lp.decoded_token if lp is not None else ""
+        tokens.append(text)
+        token_lps.append(lp.logprob if lp is not None else None)
+        tops.append({v.decoded_token: v.logprob for v in pos.values() if v is not None} if lp is not None else None)
+        offsets.append(offset)
+        offset += len(text or "")
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(positions, k: int) -> dict | None:
+    if positions is None:
+        return None
+    content = []
+    for pos in positions:
+        _, lp = _chosen(pos)
+        top = sorted((v for v in pos.values() if v.rank is not None and v.rank <= k), key=lambda v: v.rank)
+        content.append({"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode()),
+                        "top_logprobs": [{"token": v.decoded_token, "logprob": v.logprob,
+                                          "bytes": list(v.decoded_token.encode())} for v in top]})
+    return {"content": content}

@@ -1,0 +1,166 @@
+"""A real `shardlm serve` on a free loopback port, used through the official openai client."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from shardlm import LLM, SamplingParams
+
+KEY = "test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(model_dir, *extra):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "shardlm.entrypoints.cli", "serve", model_dir, "--port", str(port),
+                             "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "256",
+                             "--served-model-name", "tiny", "--uvicorn-log-level", "warning", *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("server did not become healthy in 60 s")
+
+
+def _stop(proc) -> None:
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"processes left after SIGTERM: {[p.pid for p in alive]}"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    path = tiny_model_dir("llama-gqa")
+    proc, url = _start(path, "--api-key", KEY)
+    yield path, url
+    _stop(proc)                       # SIGTERM leaves no child process
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key=KEY, max_retries=0)
+
+
+PROMPTS = ["The capital of", "One two three"]
+
+
+def test_completions_equal_offline_greedy(server, client):
+    path, _ = server
+    ref = LLM(path, dtype="float32", kv_cache_memory="64MiB", max_model_len=256).generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    resp = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == [r.outputs[0].text for r in ref]
+    assert resp.usage.completion_tokens == 20
+    assert resp.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in ref)
+    assert all(c.finish_reason == "length" for c in resp.choices)
+
+
+def test_chat_stream_equals_non_stream(client):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12 == full.usage.completion_tokens
+
+
+def test_n_seed_logprobs_and_stop(client):
+    a = client.completions.create(model="tiny", prompt="Seeds", max_tokens=8, n=2, temperature=1.0, seed=7)
+    b = client.completions.create(model="tiny", prompt="Seeds", max_tokens=8, n=2, temperature=1.0, seed=7)
+    assert len(a.choices) == 2 and [c.text for c in a.choices] == [c.text for c in b.choices]
+    lp = client.completions.create(model="tiny", prompt="Seeds", max_tokens=4, temperature=0, logprobs=2)
+    info = lp.choices[0].logprobs
+    assert len(info.tokens) == 4 and all(x <= 0 for x in info.token_logprobs) and len(info.top_logprobs[0]) >= 2
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    assert len(chat.choices[0].logprobs.content) == 3
+    assert len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
+    full = client.completions.create(model="tiny", prompt="Stop", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    cut = client.completions.create(model="tiny", prompt="Stop", max_tokens=12, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 300}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
+    ("/v1/nothing", {}, 404, None),
+])
+def test_bad_input_gets_openai_errors(server, path, body, status, param):
+    url = server[1]
+    r = httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["code"] == status and err["param"] == param
+    if path == "/v1/completions" and body.get("max_tokens") == 300:
+        assert "256" in err["message"] and "300" in err["message"]
+    assert httpx.get(url + "/health").status_code == 200       # still serving
+
+
+def test_malformed_json_and_api_key(server):
+    url = server[1]
+    r = httpx.post(url + "/v1/completions", content=b"{bad", headers={"Authorization": f"Bearer {KEY}",
+                                                                      "content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    assert httpx.get(url + "/v1/models").status_code == 401
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/version").status_code == 200
+    models = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert models["data"][0]["id"] == "tiny"
+    tok = httpx.post(url + "/tokenize", json={"prompt": "hello world"}, headers={"Authorization": f"Bearer {KEY}"}).json()
+    text = httpx.post(url + "/detokenize", json={"tokens": tok["tokens"]},
+                      headers={"Authorization": f"Bearer {KEY}"}).json()["prompt"]
+    assert tok["count"] == len(tok["tokens"]) and "hello world" in text
+
+
+def test_dead_engine_turns_health_503_and_ends_the_server(tiny_model_dir):
+    proc, url = _start(tiny_model_dir("llama-gqa"))
+    engine = [p for p in psutil.Process(proc.pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+    assert engine, "the engine core runs in its own process"
+    os.kill(engine[0].pid, signal.SIGKILL)
+    deadline, seen_503 = time.time() + 10, False
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            seen_503 |= httpx.get(url + "/health", timeout=1).status_code == 503
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    assert proc.wait(timeout=20) != 0
+    assert "died" in proc.stderr.read()
+    assert seen_503
