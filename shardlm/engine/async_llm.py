@@ -34,6 +34,7 @@ class AsyncLLM:
         self._utility_futures: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self.dead_reason: str | None = None
+        self.on_finished = None   # called with each finished RequestOutput (server metrics)
         self.core = EngineCoreClient(engine_args, self._outputs_from_thread, self._utility_from_thread,
                                      self._dead_from_thread)
         config.cache.num_blocks = self.core.num_blocks
@@ -110,6 +111,8 @@ class AsyncLLM:
 
     def _on_outputs(self, core_outputs) -> None:
         for out in self.engine.process_core_outputs(core_outputs):
+            if out.finished and self.on_finished is not None:
+                self.on_finished(out)
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)

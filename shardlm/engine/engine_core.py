@@ -29,6 +29,9 @@ class EngineCore:
         self.executor.initialize_cache(num_blocks)
         config.cache.num_blocks = num_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        par = config.parallel
+        logger.info("Parallel layout: TP=%d PP=%d DP=%d, executor %s", par.tensor_parallel_size,
+                    par.pipeline_parallel_size, par.data_parallel_size, type(self.executor).__name__)
         logger.info("Engine core ready in %.2f s", time.perf_counter() - t0)
 
     def _check_kv_capacity(self, num_blocks: int) -> None:
@@ -73,7 +76,10 @@ class EngineCore:
         return {"num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
                 "kv_cache_usage": self.scheduler.kv.usage(),
                 "prefix_cache_hit_rate": self.scheduler.kv.prefix_cache_hit_rate(),
-                "num_preemptions": self.scheduler.num_preemptions}
+                "prefix_cache_queries": self.scheduler.kv.prefix_queries,
+                "prefix_cache_hits": self.scheduler.kv.prefix_hits,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "num_aborted": self.scheduler.num_aborted}
 
     def shutdown(self) -> None:
         self.executor.shutdown()

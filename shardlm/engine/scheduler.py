@@ -32,6 +32,7 @@ class Scheduler:
         self._known_to_workers: set[str] = set()
         self._finished_since_last_step: list[str] = []
         self.num_preemptions = 0
+        self.num_aborted = 0
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -48,6 +49,7 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             request.status = status
+            self.num_aborted += status == RequestStatus.FINISHED_ABORTED
             self._free(request)
 
     def _free(self, request: Request) -> None:

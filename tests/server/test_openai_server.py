@@ -164,3 +164,56 @@ def test_dead_engine_turns_health_503_and_ends_the_server(tiny_model_dir):
     assert proc.wait(timeout=20) != 0
     assert "died" in proc.stderr.read()
     assert seen_503
+
+
+def _metric(url, name) -> float:
+    text = httpx.get(url + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_64_concurrent_streams_complete_correctly_and_free_the_cache(server):
+    import asyncio
+    path, url = server
+    prompts = [f"Story number {i} begins" for i in range(64)]
+    ref = LLM(path, dtype="float32", kv_cache_memory="64MiB", max_model_len=256).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+
+    async def one(client, prompt):
+        text = ""
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            text += chunk.choices[0].text if chunk.choices else ""
+        return text
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    texts = asyncio.run(main())
+    assert texts == [r.outputs[0].text for r in ref]
+    assert _metric(url, "shardlm:num_requests_running") == 0
+    assert _metric(url, "shardlm:kv_cache_usage_perc") == 0.0
+    assert _metric(url, "shardlm:generation_tokens_total") >= 64 * 16
+    assert "shardlm:time_to_first_token_seconds_bucket" in httpx.get(url + "/metrics").text
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
+    url = server[1]
+    aborted_before = _metric(url, "shardlm:num_requests_aborted")
+    body = {"model": "tiny", "prompt": "A long story", "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(4)]          # a few chunks, then the client goes away
+    assert any(line.startswith("data: {") for line in got)
+    deadline = time.time() + 10
+    while time.time() < deadline and (_metric(url, "shardlm:num_requests_running") != 0
+                                      or _metric(url, "shardlm:kv_cache_usage_perc") != 0.0):
+        time.sleep(0.1)
+    assert _metric(url, "shardlm:num_requests_running") == 0
+    assert _metric(url, "shardlm:kv_cache_usage_perc") == 0.0
+    assert _metric(url, "shardlm:num_requests_aborted") == aborted_before + 1   # stopped, not run to the end

@@ -12,7 +12,8 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import shardlm
@@ -21,6 +22,7 @@ from shardlm.engine.async_llm import AsyncLLM
 from shardlm.engine.core_process import EngineDeadError
 from shardlm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  OpenAIError, TokenizeRequest)
+from shardlm.entrypoints.openai.metrics import ServerMetrics
 from shardlm.entrypoints.openai.serving import OpenAIServing
 from shardlm.logger import init_logger
 
@@ -37,6 +39,8 @@ def build_app(engine_args: EngineArgs, api_key: str | None = None, chat_template
         llm = AsyncLLM(engine_args)
         names = [llm.config.model.served_model_name]
         state["llm"], state["serving"] = llm, OpenAIServing(llm, names, chat_template)
+        state["metrics"] = metrics = ServerMetrics(names[0])
+        llm.on_finished = metrics.observe_finished
         logger.info("Serving %s (dtype %s) after %.1f s", names[0], str(llm.config.model.dtype).replace("torch.", ""),
                     time.perf_counter() - t0)
         try:
@@ -85,6 +89,12 @@ def build_app(engine_args: EngineArgs, api_key: str | None = None, chat_template
         if llm is None or not llm.is_running:
             return JSONResponse({"status": "unhealthy", "reason": llm.dead_reason if llm else "starting"}, 503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics():
+        llm = state["llm"]
+        stats = await llm.stats() if llm.is_running else None
+        return Response(state["metrics"].render(stats), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version():
