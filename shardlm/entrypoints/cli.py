@@ -94,6 +94,11 @@ def cmd_chat(ns) -> None:
 
 
 def cmd_bench(ns) -> None:
+    if ns.bench_kind == "serve":
+        from shardlm.bench.serve import report as report_serve, run_serve_bench
+        report_serve(run_serve_bench(ns.base_url, ns.model, ns.api_key, ns.concurrency, ns.num_prompts, ns.workload,
+                                     ns.output_len), ns.json)
+        return
     from shardlm.bench.offline import report, run_latency, run_throughput
     args = engine_args_from(ns)
     if ns.bench_kind == "throughput":
@@ -196,6 +201,16 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--reps", type=int, default=3)
         b.add_argument("--json", action="store_true", help="print JSON")
         b.set_defaults(func=cmd_bench)
+    b = bsub.add_parser("serve", help="load an OpenAI-compatible server (shardlm, vLLM, ...) with streaming requests")
+    b.add_argument("--base-url", default="http://127.0.0.1:8000")
+    b.add_argument("--model", default=None, help="default: the server's first model")
+    b.add_argument("--api-key", default=None)
+    b.add_argument("--concurrency", type=int, default=8)
+    b.add_argument("--num-prompts", type=int, default=64)
+    b.add_argument("--workload", default=None, help="workload JSON (shared format; token ids are sent as they are)")
+    b.add_argument("--output-len", type=int, default=None, help="new tokens per request (default: workload's, 128)")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -118,6 +118,7 @@ def test_n_seed_logprobs_and_stop(client):
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 300}, 400, "max_tokens"),
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
     ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [5, 10 ** 9], "stream": True}, 400, "prompt"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
     ("/v1/nothing", {}, 404, None),
@@ -217,3 +218,12 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     assert _metric(url, "shardlm:num_requests_running") == 0
     assert _metric(url, "shardlm:kv_cache_usage_perc") == 0.0
     assert _metric(url, "shardlm:num_requests_aborted") == aborted_before + 1   # stopped, not run to the end
+
+
+def test_bench_serve_reports_latencies(server):
+    from shardlm.bench.serve import run_serve_bench
+    r = run_serve_bench(server[1], None, KEY, concurrency=2, num_prompts=4, workload=None, output_len=8)
+    assert r["model"] == "tiny" and r["completed"] == 4 and r["failed"] == 0
+    assert r["output_tok_s"] > 0 and r["ttft_ms"]["p50"] > 0 and r["itl_ms"]["p99"] >= r["itl_ms"]["p50"] > 0
+    bad = run_serve_bench(server[1], "tiny", "wrong-key", concurrency=1, num_prompts=2, workload=None, output_len=4)
+    assert bad["completed"] == 0 and bad["failed"] == 2 and "401" in bad["errors"][0]

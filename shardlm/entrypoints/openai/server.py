@@ -28,6 +28,7 @@ from shardlm.logger import init_logger
 
 logger = init_logger(__name__)
 _OPEN_ROUTES = ("/health", "/metrics", "/version")
+_UNHEALTHY_GRACE_S = 2.0   # how long /health reports 503 after the engine died, before exiting
 
 
 def build_app(engine_args: EngineArgs, api_key: str | None = None, chat_template: str | None = None) -> FastAPI:
@@ -154,13 +155,15 @@ def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | Non
     failed = {}
 
     async def watch_engine():
-        """If the engine process dies, stop serving and exit non-zero."""
+        """If the engine process dies: /health answers 503 for a moment (so health checkers see
+        it), then the server stops and exits non-zero."""
         while not server.should_exit:
             llm = app.state.shardlm.get("llm")
             if llm is not None and not llm.is_running:
                 failed["reason"] = llm.dead_reason
+                await asyncio.sleep(_UNHEALTHY_GRACE_S)
                 server.should_exit = True
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.2)
 
     async def main():
         watcher = asyncio.ensure_future(watch_engine())

@@ -58,6 +58,10 @@ class OpenAIServing:
         ids = self.llm.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise OpenAIError("The prompt is empty.", 400, "prompt")
+        vocab = self.llm.config.model.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:   # checked before any response starts, so a stream never breaks on it
+            raise OpenAIError(f"Token ids {bad[:5]} are outside the vocabulary [0, {vocab}).", 400, "prompt")
         if len(ids) >= self.max_model_len:
             raise OpenAIError(f"The prompt is {len(ids)} tokens long; this model's maximum context length is "
                               f"{self.max_model_len} tokens.", 400, "prompt")
