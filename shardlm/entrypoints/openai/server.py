@@ -150,6 +150,7 @@ def build_app(engine_args: EngineArgs, api_key: str | None = None, chat_template
 
 def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | None = None,
                chat_template: str | None = None, log_level: str = "info") -> None:
+    engine_args.create_engine_config()   # bad settings fail here, with a plain message, before any process starts
     app = build_app(engine_args, api_key, chat_template)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
     failed = {}
