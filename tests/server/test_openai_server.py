@@ -111,6 +111,16 @@ def test_n_seed_logprobs_and_stop(client):
     assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
 
 
+def test_echo_with_logprobs(client):
+    tok_prompt = "Echo this"
+    r = client.completions.create(model="tiny", prompt=tok_prompt, max_tokens=3, temperature=0, logprobs=1, echo=True,
+                                  extra_body={"ignore_eos": True}).choices[0]
+    assert r.text.startswith(tok_prompt)
+    assert r.logprobs.token_logprobs[0] is None and r.logprobs.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in r.logprobs.token_logprobs[1:])
+    assert "".join(r.logprobs.tokens) == r.text
+
+
 @pytest.mark.parametrize("path, body, status, param", [
     ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),

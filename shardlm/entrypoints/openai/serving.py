@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from shardlm.engine.async_llm import AsyncLLM
 from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
-from shardlm.outputs import RequestOutput
+from shardlm.outputs import Logprob, RequestOutput
 from shardlm.sampling_params import SamplingParams
 
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -98,7 +98,7 @@ class OpenAIServing:
                     prompt_text = out.prompt if out.prompt is not None else self.llm.tokenizer.decode(out.prompt_token_ids)
                     text = prompt_text + text
                     if lps is not None and out.prompt_logprobs is not None:
-                        lps = _prompt_position_logprobs(out) + lps
+                        lps = _prompt_position_logprobs(out, self.llm.tokenizer) + lps
                 choices.append({"index": k * req.n + c.index, "text": text, "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason,
                                 "logprobs": _completion_logprobs(lps) if req.logprobs is not None else None})
@@ -237,12 +237,10 @@ def _usage(finals: list[RequestOutput]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _prompt_position_logprobs(out: RequestOutput) -> list:
+def _prompt_position_logprobs(out: RequestOutput, tokenizer) -> list:
     """Prompt logprobs in the per-position form of generated tokens (the first position: no logprob)."""
-    result = []
-    for tid, pos in zip(out.prompt_token_ids, out.prompt_logprobs):
-        result.append(pos if pos is not None else {tid: None})
-    return result
+    return [pos if pos is not None else {tid: Logprob(None, None, tokenizer.decode([tid]))}
+            for tid, pos in zip(out.prompt_token_ids, out.prompt_logprobs)]
 
 
 def _chosen(position: dict):
@@ -256,13 +254,12 @@ def _completion_logprobs(positions) -> dict | None:
         return None
     tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
     for pos in positions:
-        tid, lp = _chosen(pos)
-        text = lp.decoded_token if lp is not None else ""
-        tokens.append(text)
-        token_lps.append(lp.logprob if lp is not None else None)
-        tops.append({v.decoded_token: v.logprob for v in pos.values() if v is not None} if lp is not None else None)
+        _, lp = _chosen(pos)
+        tokens.append(lp.decoded_token)
+        token_lps.append(lp.logprob)
+        tops.append({v.decoded_token: v.logprob for v in pos.values()} if lp.logprob is not None else None)
         offsets.append(offset)
-        offset += len(text or "")
+        offset += len(lp.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
