@@ -15,7 +15,7 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator
 
-from shardlm.config import EngineArgs
+from shardlm.config import EngineArgs, EngineConfig
 from shardlm.engine.core_process import EngineCoreClient, EngineDeadError
 from shardlm.engine.llm_engine import LLMEngine
 from shardlm.logger import init_logger
@@ -26,9 +26,11 @@ logger = init_logger(__name__)
 
 
 class AsyncLLM:
-    def __init__(self, engine_args: EngineArgs, loop: asyncio.AbstractEventLoop | None = None):
-        # validated here first (fast, with the start-up memory check), then in the engine process
-        config = engine_args.create_engine_config()
+    def __init__(self, engine_args: EngineArgs, loop: asyncio.AbstractEventLoop | None = None,
+                 config: EngineConfig | None = None):
+        # validated here (fast, with the start-up memory check) unless the caller already did;
+        # the engine process resolves its own copy from the same arguments
+        config = config or engine_args.create_engine_config()
         self.loop = loop or asyncio.get_event_loop()
         self._queues: dict[str, asyncio.Queue] = {}
         self._utility_futures: dict[int, asyncio.Future] = {}

@@ -8,7 +8,7 @@ import torch
 
 from shardlm import kernels
 from shardlm.config import EngineConfig
-from shardlm.engine.messages import ModelRunnerOutput, SchedulerOutput
+from shardlm.engine.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from shardlm.layers.attention import Attention, build_attention_metadata
 from shardlm.layers.sampler import Sampler, SamplingBatch, token_logprobs
 from shardlm.model_loader.weights import load_model
@@ -31,6 +31,7 @@ class ModelRunner:
         self.device = device
         self.block_size = config.cache.block_size
         self.model: torch.nn.Module | None = None
+        self._attention_layers: list[Attention] | None = None
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.stop_ids_for_min_tokens = list(config.model.eos_token_ids)
@@ -39,7 +40,9 @@ class ModelRunner:
         self.model = load_model(self.config.model, self.device)
 
     def attention_layers(self) -> list[Attention]:
-        return [m for m in self.model.modules() if isinstance(m, Attention)]
+        if self._attention_layers is None:
+            self._attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        return self._attention_layers
 
     def kv_cache_bytes_per_block(self) -> int:
         m = self.config.model
@@ -96,7 +99,7 @@ class ModelRunner:
 
         # rows whose logits are needed: the last token of each sampling chunk, then prompt positions
         sample_chunks, rows, end = [], [], 0
-        prompt_rows: list[tuple[str, int, int]] = []   # (req_id, first row, count)
+        prompt_rows: list[tuple[ScheduledChunk, int, int]] = []   # (chunk, first row, count)
         for c in so.chunks:
             end += len(c.token_ids)
             if c.sample:
@@ -107,7 +110,7 @@ class ModelRunner:
             if state.sampling_params.prompt_logprobs is not None:
                 n = min(c.start_pos + len(c.token_ids), len(state.prompt_token_ids) - 1) - c.start_pos
                 if n > 0:
-                    prompt_rows.append((c.req_id, len(rows), n))
+                    prompt_rows.append((c, len(rows), n))
                     rows.extend(range(off, off + n))
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
 
@@ -120,13 +123,12 @@ class ModelRunner:
                 out.sampled[c.req_id] = token
                 if i in logprobs:
                     out.logprobs[c.req_id] = logprobs[i]
-        for req_id, first, n in prompt_rows:
-            state = self.requests[req_id]
-            chunk = next(c for c in so.chunks if c.req_id == req_id)
+        for chunk, first, n in prompt_rows:
+            state = self.requests[chunk.req_id]
             lps = torch.log_softmax(logits[first:first + n].float(), dim=-1)
             k = state.sampling_params.prompt_logprobs
             targets = state.prompt_token_ids[chunk.start_pos + 1:chunk.start_pos + 1 + n]
-            out.prompt_logprobs[req_id] = [token_logprobs(lps[i], t, k) for i, t in enumerate(targets)]
+            out.prompt_logprobs[chunk.req_id] = [token_logprobs(lps[i], t, k) for i, t in enumerate(targets)]
         return out
 
     def _fault_in_blocks(self, top_block: int) -> None:

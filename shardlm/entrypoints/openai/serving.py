@@ -243,10 +243,9 @@ def _prompt_position_logprobs(out: RequestOutput, tokenizer) -> list:
             for tid, pos in zip(out.prompt_token_ids, out.prompt_logprobs)]
 
 
-def _chosen(position: dict):
-    """The token a position's entry is for: the one listed first (then come the top-k)."""
-    tid = next(iter(position))
-    return tid, position[tid]
+def _chosen(position: dict) -> Logprob:
+    """The entry of the token a position is for: listed first (then come the top-k)."""
+    return next(iter(position.values()))
 
 
 def _completion_logprobs(positions) -> dict | None:
@@ -254,7 +253,7 @@ def _completion_logprobs(positions) -> dict | None:
         return None
     tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
     for pos in positions:
-        _, lp = _chosen(pos)
+        lp = _chosen(pos)
         tokens.append(lp.decoded_token)
         token_lps.append(lp.logprob)
         tops.append({v.decoded_token: v.logprob for v in pos.values()} if lp.logprob is not None else None)
@@ -268,7 +267,7 @@ def _chat_logprobs(positions, k: int) -> dict | None:
         return None
     content = []
     for pos in positions:
-        _, lp = _chosen(pos)
+        lp = _chosen(pos)
         top = sorted((v for v in pos.values() if v.rank is not None and v.rank <= k), key=lambda v: v.rank)
         content.append({"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode()),
                         "top_logprobs": [{"token": v.decoded_token, "logprob": v.logprob,
