@@ -146,27 +146,43 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
+    distributed_executor_backend: str | None = None    # None: uni for one rank, else mp
+    distributed_init_timeout: float = 300.0
+    cpu_threads_bind: str = "auto"
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             size = getattr(self, name)
-            if size < 1:
-                raise ValueError(f"{name}={size} must be at least 1.")
-            if size > 1:
-                raise NotImplementedError(
-                    f"{name}={size}: only single-process execution is supported yet in this "
-                    f"version of shardlm; run with {name}=1.")
-        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
-            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}: "
-                             "use 'uni', 'mp' or 'ray'.")
-        if self.distributed_executor_backend in ("mp", "ray"):
-            raise NotImplementedError(f"distributed_executor_backend={self.distributed_executor_backend!r} "
-                                      "is not supported yet; use 'uni'.")
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name}={size} must be a positive integer.")
+        for name in ("pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) > 1:
+                raise NotImplementedError(f"{name}={getattr(self, name)}: this version of shardlm runs tensor "
+                                          f"parallel only; run with {name}=1.")
+        backend = self.distributed_executor_backend
+        if backend not in (None, "uni", "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend={backend!r}: use 'uni', 'mp' or 'ray'.")
+        if backend == "ray":
+            raise NotImplementedError("distributed_executor_backend='ray' is not supported yet; use 'mp' "
+                                      "(every rank on this node).")
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor x pipeline parallel "
+                             f"is {self.world_size} ranks: use 'mp' (or leave it out).")
+        if backend is None:
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+        if self.distributed_init_timeout <= 0:
+            raise ValueError(f"distributed_init_timeout={self.distributed_init_timeout} must be positive seconds.")
+        from shardlm.worker.cpu_binding import validate_binding
+        validate_binding(self.cpu_threads_bind, self.world_size)
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def output_rank(self) -> int:
+        """The rank that samples and answers the engine core: the first of the last stage."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
 
 @dataclass
@@ -200,6 +216,8 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    distributed_init_timeout: float = 300.0
+    cpu_threads_bind: str = "auto"
 
     HELP = {
         "model": "Hugging Face model directory (config.json, safetensors, tokenizer); "
@@ -221,7 +239,11 @@ class EngineArgs:
         "tensor_parallel_size": "number of tensor parallel ranks",
         "pipeline_parallel_size": "number of pipeline stages",
         "data_parallel_size": "number of data parallel replicas",
-        "distributed_executor_backend": "uni (one process), mp (processes on this node) or ray (nodes)",
+        "distributed_executor_backend": "uni (one process), mp (processes on this node) or ray (nodes); "
+                                        "default: uni for one rank, mp for more",
+        "distributed_init_timeout": "seconds to wait for every rank to join before failing with the missing ones",
+        "cpu_threads_bind": "CPU: 'auto' (share this machine's cores evenly among ranks), 'nobind', or one core "
+                            "list per rank separated by '|', e.g. '0-3|4-7' (pins each rank to its cores)",
     }
     SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
 
@@ -234,7 +256,8 @@ class EngineArgs:
         from shardlm.models.registry import resolve_architecture
 
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                  self.data_parallel_size, self.distributed_executor_backend)
+                                  self.data_parallel_size, self.distributed_executor_backend,
+                                  self.distributed_init_timeout, self.cpu_threads_bind)
         device = resolve_device(self.device)
         path = resolve_model_path(self.model, self.download_dir)
         hf_config = load_hf_config(path)
@@ -252,7 +275,8 @@ class EngineArgs:
         scheduler = SchedulerConfig(
             self.max_num_seqs, self.max_num_batched_tokens or max(8192, self.max_num_seqs), max_model_len)
         config = EngineConfig(model_cfg, cache, scheduler, parallel, device)
-        from shardlm.planner.startup import check_fits
+        from shardlm.planner.startup import check_fits, check_parallel_layout
+        check_parallel_layout(config)
         check_fits(config)   # before any weights are loaded
         return config
 

@@ -8,6 +8,7 @@ so the caller's event loop never waits on model work.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import multiprocessing
 import signal
@@ -54,6 +55,11 @@ class StartupFailed(msgspec.Struct, tag=True):
     error: str
 
 
+class Failed(msgspec.Struct, tag=True):
+    """The engine core stopped on an error (a worker died, ...); it exits after sending this."""
+    error: str
+
+
 class StepOutputs(msgspec.Struct, tag=True):
     outputs: list[EngineCoreOutput]
 
@@ -64,7 +70,7 @@ class UtilityResult(msgspec.Struct, tag=True):
 
 
 Inbound = AddRequest | AbortRequests | UtilityCall | Shutdown
-Outbound = Ready | StartupFailed | StepOutputs | UtilityResult
+Outbound = Ready | StartupFailed | Failed | StepOutputs | UtilityResult
 _UTILITIES = {"stats": lambda core: core.stats(),
               "reset_prefix_cache": lambda core: {"reset": core.reset_prefix_cache()}}
 
@@ -86,10 +92,14 @@ def run_engine_core(engine_args: dict, requests: Connection, outputs: Connection
         outputs.send_bytes(encode(StartupFailed(f"{type(e).__name__}: {e}")))
         return
     outputs.send_bytes(encode(Ready(core.config.cache.num_blocks)))
+    worker_sentinels = core.executor.sentinels()
     try:
         while True:
-            block = not core.has_unfinished_requests()
-            while requests.poll(None if block else 0):
+            if not core.has_unfinished_requests():
+                # idle: sleep until a request comes or a worker dies
+                wait([requests, *worker_sentinels])
+                core.executor.check_health()
+            while requests.poll(0):
                 msg = decode(requests.recv_bytes())
                 if isinstance(msg, Shutdown):
                     return
@@ -99,13 +109,18 @@ def run_engine_core(engine_args: dict, requests: Connection, outputs: Connection
                     core.abort_requests(msg.request_ids)
                 elif isinstance(msg, UtilityCall):
                     outputs.send_bytes(encode(UtilityResult(msg.call_id, _UTILITIES[msg.method](core))))
-                block = False
             if core.has_unfinished_requests():
                 step_outputs = core.step()
                 if step_outputs:
                     outputs.send_bytes(encode(StepOutputs(step_outputs)))
     except (EOFError, BrokenPipeError):   # the parent is gone
         return
+    except Exception as e:
+        logger.error("The engine core stopped: %s: %s", type(e).__name__, e)
+        try:
+            outputs.send_bytes(encode(Failed(f"{type(e).__name__}: {e}")))
+        except (BrokenPipeError, OSError):
+            pass
     finally:
         core.shutdown()
 
@@ -123,9 +138,11 @@ class EngineCoreClient:
         self._out_recv, out_send = ctx.Pipe(duplex=False)
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(Outbound).decode
+        # not daemonic: it starts the worker processes itself; atexit stops it if nobody else did
         self.process = ctx.Process(target=run_engine_core, name="shardlm-engine-core",
-                                   args=(dataclasses.asdict(engine_args), req_recv, out_send), daemon=True)
+                                   args=(dataclasses.asdict(engine_args), req_recv, out_send))
         self.process.start()
+        atexit.register(self.shutdown)
         req_recv.close()
         out_send.close()
         self._send_lock = threading.Lock()
@@ -164,6 +181,9 @@ class EngineCoreClient:
                 if isinstance(msg, UtilityResult):
                     self._on_utility(msg.call_id, msg.result)
                     continue
+                if isinstance(msg, Failed):
+                    self._on_dead(f"The engine core stopped: {msg.error}")
+                    return
             if not self._closing:
                 self.process.join(1)
                 self._on_dead(f"The engine core process (pid {self.process.pid}) died "
@@ -191,6 +211,9 @@ class EngineCoreClient:
         self._send(UtilityCall(call_id, method))
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        if self._closing:
+            return
+        atexit.unregister(self.shutdown)
         self._closing = True
         if self.process.is_alive():
             try:

@@ -94,6 +94,11 @@ def cmd_chat(ns) -> None:
 
 
 def cmd_bench(ns) -> None:
+    if ns.bench_kind == "make-model":
+        from shardlm.bench.random_model import make_random_llama
+        make_random_llama(ns.out_dir, ns.hidden_size, ns.num_layers, ns.num_heads, ns.num_kv_heads,
+                          ns.intermediate_size)
+        return
     if ns.bench_kind == "serve":
         from shardlm.bench.serve import report as report_serve, run_serve_bench
         report_serve(run_serve_bench(ns.base_url, ns.model, ns.api_key, ns.concurrency, ns.num_prompts, ns.workload,
@@ -210,6 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workload", default=None, help="workload JSON (shared format; token ids are sent as they are)")
     b.add_argument("--output-len", type=int, default=None, help="new tokens per request (default: workload's, 128)")
     b.add_argument("--json", action="store_true", help="print JSON")
+    b.set_defaults(func=cmd_bench)
+    b = bsub.add_parser("make-model", help="write a random-weight Llama (default ~113M parameters) for benchmarks")
+    b.add_argument("out_dir")
+    b.add_argument("--hidden-size", type=int, default=768)
+    b.add_argument("--num-layers", type=int, default=12)
+    b.add_argument("--num-heads", type=int, default=12)
+    b.add_argument("--num-kv-heads", type=int, default=4)
+    b.add_argument("--intermediate-size", type=int, default=2048)
     b.set_defaults(func=cmd_bench)
     return parser
 

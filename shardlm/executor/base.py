@@ -6,6 +6,13 @@ from abc import ABC, abstractmethod
 
 from shardlm.config import EngineConfig
 from shardlm.engine.messages import ModelRunnerOutput, SchedulerOutput
+from shardlm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process is gone (or failed); the engine cannot continue."""
 
 
 class Executor(ABC):
@@ -21,13 +28,21 @@ class Executor(ABC):
         """Run one step on every worker; the output rank's result."""
 
     def determine_num_blocks(self) -> int:
-        return min(self.collective_rpc("determine_num_blocks"))
+        """KV blocks every rank can hold: the minimum over ranks."""
+        per_rank = self.collective_rpc("determine_num_blocks")
+        if len(per_rank) > 1:
+            logger.info("KV cache blocks per rank: %s; using the minimum, %d", per_rank, min(per_rank))
+        return min(per_rank)
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_cache", (num_blocks,))
 
     def check_health(self) -> None:
-        """Raise if a worker is gone."""
+        """Raise WorkerDiedError if a worker is gone."""
+
+    def sentinels(self) -> list:
+        """Handles that become ready when a worker dies (for multiprocessing.connection.wait)."""
+        return []
 
     def shutdown(self) -> None:
         pass
@@ -38,5 +53,9 @@ class Executor(ABC):
 
 
 def get_executor_class(config: EngineConfig) -> type[Executor]:
+    backend = config.parallel.distributed_executor_backend
+    if backend == "mp":
+        from shardlm.executor.multiproc import MultiprocExecutor
+        return MultiprocExecutor
     from shardlm.executor.uniproc import UniProcExecutor
     return UniProcExecutor

@@ -1,8 +1,15 @@
-"""Linear layers whose parameters know how to load themselves from checkpoint tensors.
+"""Linear layers split across the tensor parallel group (Megatron-LM), whose parameters know how
+to load their own slice from the checkpoint.
 
-A checkpoint may store one matrix as several (q_proj, k_proj, v_proj; gate_proj, up_proj);
-the merged layers here hold them as one matrix for one large matmul, and each parameter's
-`weight_loader(param, tensor, shard_id)` copies a checkpoint tensor into its place.
+- ColumnParallelLinear: each rank holds a slice of the output rows; no communication.
+- MergedColumnParallelLinear: several column-parallel matrices stacked (gate_proj, up_proj).
+- QKVParallelLinear: q, k, v by heads; KV heads are replicated when tp exceeds them.
+- RowParallelLinear: each rank holds a slice of the input columns; the partial outputs are
+  summed by an all-reduce, and the bias is added once, after it.
+
+Each parameter's `weight_loader(param, loaded, shard_id)` copies its part of a checkpoint tensor.
+`loaded` may be a safetensors slice: only the rows or columns this rank keeps are read from
+disk, never the whole tensor. At tp=1 the layers are plain linears with no collectives.
 
 On CPU, weights are repacked once after loading into oneDNN's blocked layout and multiplied
 by oneDNN (as torch.compile's CPU backend does): 1.6x faster than torch's default GEMM in
@@ -15,12 +22,38 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlm.distributed.parallel_state import get_tp_group
 
-def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"Checkpoint tensor has shape {tuple(loaded.shape)}, "
+
+def checkpoint_shape(loaded) -> tuple[int, ...]:
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def read_checkpoint(loaded, dim: int | None = None, start: int = 0, size: int | None = None) -> torch.Tensor:
+    """`loaded` (a tensor or a safetensors slice), or only [start, start + size) along `dim`."""
+    if dim is None:
+        return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, size)
+    return loaded[(slice(None),) * dim + (slice(start, start + size),)]
+
+
+def default_weight_loader(param: torch.Tensor, loaded, shard_id=None) -> None:
+    shape = checkpoint_shape(loaded)
+    if tuple(param.shape) != shape:
+        raise ValueError(f"Checkpoint tensor has shape {shape}, "
                          f"the model expects {tuple(param.shape)}: the config does not match the weights.")
-    param.data.copy_(loaded)
+    param.data.copy_(read_checkpoint(loaded))
+
+
+def load_slice(param: torch.Tensor, loaded, dim: int, start: int, size: int) -> None:
+    """Copy rows/columns [start, start + size) along `dim` of the checkpoint tensor into param."""
+    full = checkpoint_shape(loaded)
+    expected = tuple(param.shape[:dim]) + (full[dim],) + tuple(param.shape[dim + 1:])
+    if full != expected or start + size > full[dim] or size != param.shape[dim]:
+        raise ValueError(f"Checkpoint tensor has shape {full}; this rank expects {size} of dimension {dim} "
+                         f"starting at {start} into {tuple(param.shape)}: the config does not match the weights.")
+    param.data.copy_(read_checkpoint(loaded, dim, start, size))
 
 
 _onednn_ok: bool | None = None
@@ -50,7 +83,15 @@ def _onednn_self_test() -> bool:
         return False
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Module):
+    """A replicated linear (every rank holds all of it); the base of the parallel ones."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -68,31 +109,82 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(packed, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.is_mkldnn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
-class MergedLinear(Linear):
-    """Several output matrices stacked: shard_id k fills rows of output_sizes[k]."""
+class ColumnParallelLinear(Linear):
+    """Output rows split across ranks: rank r holds rows [r * out/tp, (r + 1) * out/tp)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
-        super().__init__(in_features, sum(output_sizes), bias)
-        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
-        self.output_sizes = output_sizes
+    def __init__(self, in_features: int, output_sizes: list[int] | int, bias: bool = False):
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
+        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        # (offset in this rank's weight, rows per rank, index of this rank's slice in the checkpoint)
+        self.shards = self._shard_layout()
+        super().__init__(in_features, sum(rows for _, rows, _ in self.shards), bias)
+
+    def _shard_layout(self) -> list[tuple[int, int, int]]:
+        layout, offset = [], 0
+        for size in self.output_sizes:
+            if size % self.tp_size:
+                raise ValueError(f"output size {size} is not divisible by tensor parallel size {self.tp_size}")
+            layout.append((offset, size // self.tp_size, self.tp_rank))
+            offset += size // self.tp_size
+        return layout
 
     def weight_loader(self, param, loaded, shard_id=None):
-        if shard_id is None:
-            return default_weight_loader(param, loaded)
-        start, size = self.offsets[shard_id], self.output_sizes[shard_id]
-        default_weight_loader(param.data.narrow(0, start, size), loaded)
+        shards = self.shards if shard_id is None else [self.shards[shard_id]]
+        if shard_id is None and len(self.shards) > 1:   # a checkpoint that stores the merged matrix
+            raise ValueError("a merged checkpoint tensor needs a shard id")
+        offset, rows, index = shards[0]
+        load_slice(param.data.narrow(0, offset, rows), loaded, 0, index * rows, rows)
 
 
-class QKVLinear(MergedLinear):
-    _SHARDS = {"q": 0, "k": 1, "v": 2}
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices stacked (gate_proj and up_proj): shard_id k is the k-th."""
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections split by heads. With tp > num_kv_heads each KV head is replicated
+    on tp / num_kv_heads ranks (as Megatron and vLLM do)."""
+
+    _SHARD_IDS = {"q": 0, "k": 1, "v": 2}
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool):
-        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias)
+        tp = get_tp_group().world_size
+        self.num_heads = num_heads // tp
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.kv_replicas = max(1, tp // num_kv_heads)
+        super().__init__(hidden_size, [num_heads * head_dim, self.num_kv_heads * head_dim * tp,
+                                       self.num_kv_heads * head_dim * tp], bias)
+
+    def _shard_layout(self):
+        q, k, v = super()._shard_layout()
+        kv_index = self.tp_rank // self.kv_replicas
+        return [q, (k[0], k[1], kv_index), (v[0], v[1], kv_index)]
 
     def weight_loader(self, param, loaded, shard_id=None):
-        super().weight_loader(param, loaded, self._SHARDS.get(shard_id, shard_id))
+        super().weight_loader(param, loaded, self._SHARD_IDS.get(shard_id, shard_id))
+
+
+class RowParallelLinear(Linear):
+    """Input columns split across ranks; partial outputs summed by an all-reduce, bias added after."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        self.tp = get_tp_group()
+        if in_features % self.tp.world_size:
+            raise ValueError(f"input size {in_features} is not divisible by tensor parallel size "
+                             f"{self.tp.world_size}")
+        super().__init__(in_features // self.tp.world_size, out_features, bias)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if param.dim() == 1:     # the bias: whole on every rank
+            return default_weight_loader(param, loaded)
+        cols = param.shape[1]
+        load_slice(param, loaded, 1, self.tp.rank_in_group * cols, cols)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(linear(x, self.weight, None))
+        return out + self.bias if self.bias is not None else out

@@ -27,11 +27,13 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(model_dir: str) -> Iterator[tuple[str, object]]:
+    """(name, lazy tensor): a safetensors slice, read from disk only where a weight loader
+    indexes it, so each tensor parallel rank reads just its own part."""
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 def load_model(model_config: ModelConfig, device: torch.device) -> torch.nn.Module:

@@ -13,19 +13,22 @@ from torch import nn
 
 from shardlm.layers.activation import SiluAndMul
 from shardlm.layers.attention import Attention, AttentionMetadata
-from shardlm.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
+from shardlm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                   default_weight_loader)
 from shardlm.layers.norm import RMSNorm
 from shardlm.layers.rotary import RotaryEmbedding, apply_rotary
+from shardlm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, heads, kv_heads, qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads   # this rank's
+        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias=o_bias)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
         self._split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                        self.num_kv_heads * self.head_dim]
@@ -42,8 +45,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config, bias: bool):
         super().__init__()
-        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only silu).")
         self.act = SiluAndMul()
@@ -75,7 +78,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(config, head_dim, max_position, dtype)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -103,14 +106,15 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
         self.model = LlamaModel(config, max_position, dtype, qkv_bias, o_bias=attention_bias)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie(self.model.embed_tokens)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits on the tensor parallel group's first rank; None on the others."""
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -3,6 +3,8 @@ fails at once with the numbers and a split that works, instead of running out of
 
 from __future__ import annotations
 
+import os
+
 import psutil
 import torch
 
@@ -14,6 +16,23 @@ from shardlm.planner.plan import GiB, Workload, evaluate, recommend
 
 logger = init_logger(__name__)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def check_parallel_layout(config: EngineConfig) -> None:
+    """Can this model be split this way on this machine? If not, say which splits work."""
+    m, par = config.model, config.parallel
+    shape = ModelShape.from_config(os.path.basename(m.served_model_name.rstrip("/")), m.hf_config.to_dict())
+    tp = par.tensor_parallel_size
+    problems = shape.tp_problems(tp)
+    if problems:
+        valid = ", ".join(map(str, shape.valid_tp_sizes(limit=max(shape.heads, tp))))
+        raise ValueError(f"{shape.name} has {shape.heads} attention heads and {shape.kv_heads} KV heads: "
+                         f"tensor parallel size {tp} cannot split it ({'; '.join(problems)}). "
+                         f"Valid tensor parallel sizes are {valid}.")
+    if config.device.type == "cuda" and par.world_size > torch.cuda.device_count():
+        raise ValueError(f"tensor x pipeline parallel = {par.world_size} ranks needs {par.world_size} GPUs, but "
+                         f"{torch.cuda.device_count()} are visible on this node (CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Lower the parallel sizes.")
 
 
 def check_fits(config: EngineConfig) -> None:

@@ -45,19 +45,19 @@ class ModelRunner:
         return self._attention_layers
 
     def kv_cache_bytes_per_block(self) -> int:
-        m = self.config.model
-        dtype_size = torch.empty((), dtype=m.dtype).element_size()
-        return 2 * len(self.attention_layers()) * self.block_size * m.num_kv_heads * m.head_dim * dtype_size
+        """This rank's KV bytes per block: its layers, its share of the KV heads."""
+        dtype_size = torch.empty((), dtype=self.config.model.dtype).element_size()
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * dtype_size for a in self.attention_layers())
 
     def initialize_cache(self, num_blocks: int) -> None:
-        m = self.config.model
-        shape = (m.num_kv_heads, num_blocks, self.block_size, m.head_dim)
+        dtype = self.config.model.dtype
         kernel = None
-        if self.device.type == "cpu" and m.dtype in (torch.float32, torch.bfloat16):
+        if self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             kernel = kernels.paged_decode_attention()
         for attn in self.attention_layers():
-            attn.k_cache = self._zeros(shape, m.dtype)
-            attn.v_cache = self._zeros(shape, m.dtype)
+            shape = (attn.num_kv_heads, num_blocks, self.block_size, attn.head_dim)
+            attn.k_cache = self._zeros(shape, dtype)
+            attn.v_cache = self._zeros(shape, dtype)
             attn.decode_kernel = kernel
         self.num_blocks = num_blocks
         # CPU: blocks below this id have had their memory faulted in (block 0 is read as padding)
@@ -74,7 +74,8 @@ class ModelRunner:
 
     # ---- one step ----
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The sampled tokens on the rank that samples; None on the others."""
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in so.new_requests:
@@ -113,6 +114,8 @@ class ModelRunner:
                     prompt_rows.append((c, len(rows), n))
                     rows.extend(range(off, off + n))
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if logits is None:      # not the rank that samples
+            return None
 
         out = ModelRunnerOutput({})
         if sample_chunks:

@@ -7,9 +7,11 @@ import time
 import torch
 
 from shardlm.config import EngineConfig, format_bytes
+from shardlm.distributed import parallel_state
 from shardlm.engine.messages import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 from shardlm.logger import init_logger
 from shardlm.sampling_params import SamplingParams
+from shardlm.worker.cpu_binding import apply_binding, binding_for_rank
 from shardlm.worker.cpu_tuning import keep_freed_memory_in_heap
 from shardlm.worker.model_runner import ModelRunner
 
@@ -17,24 +19,41 @@ logger = init_logger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0):
+    """`rendezvous`: (host, port) of the executor's TCP store; None for a single rank."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0, rendezvous: tuple[str, int] | None = None):
         self.config = config
         self.rank = rank
+        self.rendezvous = rendezvous
         self.device = config.device
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", rank % torch.cuda.device_count())
         self.runner = ModelRunner(config, self.device)
 
     def init_device(self) -> None:
+        par = self.config.parallel
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:
             keep_freed_memory_in_heap()
+            apply_binding(binding_for_rank(par.cpu_threads_bind, par.world_size, self.rank))
+        if par.world_size > 1:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            host, port = self.rendezvous
+            parallel_state.init_distributed_environment(par.world_size, self.rank, host, port, backend,
+                                                        par.distributed_init_timeout)
+            parallel_state.initialize_model_parallel(par.tensor_parallel_size, par.pipeline_parallel_size,
+                                                     rank=self.rank, backend=backend)
+        else:
+            parallel_state.initialize_model_parallel(1)
         torch.manual_seed(self.config.model.seed)
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
         self.runner.load_model()
-        logger.info("Model weights loaded: %s in %.2f s (dtype %s, device %s)",
-                    format_bytes(self.runner.weight_bytes()), time.perf_counter() - t0,
+        logger.info("Model weights loaded: %s%s in %.2f s (dtype %s, device %s)",
+                    format_bytes(self.runner.weight_bytes()),
+                    " on this rank" if self.config.parallel.world_size > 1 else "", time.perf_counter() - t0,
                     str(self.config.model.dtype).replace("torch.", ""), self.device)
 
     def determine_num_blocks(self) -> int:
@@ -42,9 +61,18 @@ class Worker:
         gpu_memory_utilization after the weights and a profiled peak of activations."""
         per_block = self.runner.kv_cache_bytes_per_block()
         if self.device.type != "cuda":
-            return self.config.cache.kv_cache_memory // per_block
-        budget = self._cuda_kv_budget()
-        return max(budget, 0) // per_block
+            blocks = self.config.cache.kv_cache_memory // per_block
+        else:
+            blocks = max(self._cuda_kv_budget(), 0) // per_block
+        if self.config.parallel.world_size > 1:
+            logger.info("KV cache on this rank: %d blocks of %s", blocks, format_bytes(per_block))
+        return blocks
+
+    def weight_bytes(self) -> int:
+        return self.runner.weight_bytes()
+
+    def shutdown(self) -> None:
+        parallel_state.destroy_model_parallel()
 
     def _cuda_kv_budget(self) -> int:
         sched = self.config.scheduler
@@ -81,5 +109,5 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         self.runner.initialize_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute_model(scheduler_output)

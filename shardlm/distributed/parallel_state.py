@@ -1,0 +1,240 @@
+"""The process groups of one engine: world init, the rank grid, and GroupCoordinator.
+
+World ranks are laid out DP x PP x TP with TP fastest, so the ranks of one TP group are
+adjacent (one node, the fastest links) and PP groups cut across them:
+
+    world = 8, dp=1, pp=2, tp=4          torch.arange(8).reshape(dp, pp, tp)
+
+                  tp rank:  0   1   2   3
+        pp stage 0:       [ 0   1   2   3 ]   <- TP group {0,1,2,3}
+        pp stage 1:       [ 4   5   6   7 ]   <- TP group {4,5,6,7}
+                            |   |   |   |
+                     PP groups {0,4} {1,5} {2,6} {3,7}
+
+Every group gets a GroupCoordinator with two process groups: a device group for tensors
+(NCCL on CUDA, gloo on CPU) and a gloo CPU group for small objects and barriers. Layers never
+call torch.distributed on the world; they ask get_tp_group() / get_pp_group(). With one rank a
+coordinator has no process groups at all and its collectives return their input.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from shardlm.distributed.shm_comm import ShmCommunicator
+from shardlm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def rank_grid(world_size: int, tp: int, pp: int = 1, dp: int = 1) -> dict[str, list[list[int]]]:
+    """The ranks of every TP, PP and DP group (each group a list of world ranks)."""
+    if tp * pp * dp != world_size:
+        raise ValueError(f"world size {world_size} is not dp x pp x tp = {dp} x {pp} x {tp}.")
+    grid = torch.arange(world_size).reshape(dp, pp, tp)
+    return {
+        "tp": grid.reshape(-1, tp).tolist(),
+        "pp": grid.transpose(1, 2).reshape(-1, pp).tolist(),
+        "dp": grid.permute(1, 2, 0).reshape(-1, dp).tolist(),
+    }
+
+
+class GroupCoordinator:
+    """One group of ranks that this rank belongs to, and the collectives over it."""
+
+    def __init__(self, name: str, ranks: list[int], rank: int, device_group=None, cpu_group=None):
+        self.name = name
+        self.ranks = ranks
+        self.rank = rank                                # world rank
+        self.rank_in_group = ranks.index(rank)
+        self.world_size = len(ranks)
+        self.device_group = device_group
+        self.cpu_group = cpu_group
+        self.shm: ShmCommunicator | None = None        # CPU ranks on one node: collectives in shared memory
+
+    @classmethod
+    def create(cls, name: str, all_groups: list[list[int]], rank: int, backend: str,
+               shared_memory: bool = False) -> GroupCoordinator:
+        """Every rank must call this with the same `all_groups` (new_group is collective).
+        shared_memory: run all_reduce/gather through shared memory when the group is CPU ranks
+        on one host (the TP group: two all-reduces per layer)."""
+        mine = None
+        for ranks in all_groups:
+            device_group = dist.new_group(ranks, backend=backend)
+            cpu_group = dist.new_group(ranks, backend="gloo") if backend != "gloo" else device_group
+            if rank in ranks:
+                mine = cls(name, ranks, rank, device_group, cpu_group)
+        if shared_memory and backend == "gloo" and mine.world_size > 1 and mine._on_one_host():
+            mine.shm = ShmCommunicator(mine)
+        return mine
+
+    def _on_one_host(self) -> bool:
+        hosts = [None] * self.world_size
+        dist.all_gather_object(hosts, socket.gethostname(), group=self.cpu_group)
+        return len(set(hosts)) == 1
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        if self.shm is not None:
+            return self.shm.all_reduce(x)
+        dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.device_group)
+        return torch.cat(parts, dim=dim)
+
+    def gather(self, x: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+        """Concatenation of every rank's `x` along dim on rank `dst` of the group; None elsewhere."""
+        if self.world_size == 1:
+            return x
+        if self.shm is not None:
+            return self.shm.gather(x, dst, dim)
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank_in_group == dst else None
+        dist.gather(x, parts, dst=self.ranks[dst], group=self.device_group)
+        return torch.cat(parts, dim=dim) if parts is not None else None
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.broadcast(x, src=self.ranks[src], group=self.device_group)
+        return x
+
+    def broadcast_object(self, obj=None, src: int = 0):
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.ranks[src], group=self.cpu_group)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.cpu_group)
+
+    def send_tensor_dict(self, tensors: dict[str, torch.Tensor], dst: int) -> None:
+        """Send named tensors to rank `dst` of this group: first their shapes and dtypes (CPU
+        group), then the data (device group)."""
+        meta = [(k, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in tensors.items()]
+        dist.send_object_list([meta], dst=self.ranks[dst], group=self.cpu_group)
+        for t in tensors.values():
+            dist.send(t.contiguous(), dst=self.ranks[dst], group=self.device_group)
+
+    def recv_tensor_dict(self, src: int, device: torch.device) -> dict[str, torch.Tensor]:
+        box = [None]
+        dist.recv_object_list(box, src=self.ranks[src], group=self.cpu_group)
+        out = {}
+        for name, shape, dtype in box[0]:
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            dist.recv(t, src=self.ranks[src], group=self.device_group)
+            out[name] = t
+        return out
+
+
+_WORLD: GroupCoordinator | None = None
+_TP: GroupCoordinator | None = None
+_PP: GroupCoordinator | None = None
+_DP: GroupCoordinator | None = None
+
+
+def init_distributed_environment(world_size: int, rank: int, store_host: str, store_port: int,
+                                 backend: str, timeout_s: float) -> None:
+    """Join the world through the TCP store the executor hosts (see wait_for_ranks)."""
+    if world_size == 1:
+        return
+    store = dist.TCPStore(store_host, store_port, world_size, is_master=False,
+                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    store.set(f"arrived/{rank}", "1")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def host_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store, hosted by the executor on a free port of `host` (never a fixed port)."""
+    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def missing_ranks(store: dist.TCPStore, world_size: int) -> list[int]:
+    return [r for r in range(world_size) if not store.check([f"arrived/{r}"])]
+
+
+def wait_for_ranks(store: dist.TCPStore, world_size: int, timeout_s: float, alive=lambda: True) -> None:
+    """Block until every rank has joined; after timeout_s, an error naming the ranks that did not."""
+    deadline = time.monotonic() + timeout_s
+    while missing := missing_ranks(store, world_size):
+        if not alive():
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Distributed init timed out after {timeout_s:.0f} s: rank(s) "
+                               f"{', '.join(map(str, missing))} of {world_size} did not join. Check that those "
+                               "workers started (their log) and can reach the rendezvous address; raise "
+                               "--distributed-init-timeout for slow starts.")
+        time.sleep(0.05)
+
+
+def initialize_model_parallel(tp: int, pp: int = 1, dp: int = 1, rank: int = 0, backend: str = "gloo") -> None:
+    """Build every group of the rank grid; each rank calls this with the same sizes."""
+    global _WORLD, _TP, _PP, _DP
+    world_size = tp * pp * dp
+    if world_size == 1:
+        _WORLD, _TP, _PP, _DP = (GroupCoordinator(n, [0], 0) for n in ("world", "tp", "pp", "dp"))
+        return
+    grid = rank_grid(world_size, tp, pp, dp)
+    _WORLD = GroupCoordinator.create("world", [list(range(world_size))], rank, backend)
+    _TP = GroupCoordinator.create("tp", grid["tp"], rank, backend, shared_memory=True)
+    _PP = GroupCoordinator.create("pp", grid["pp"], rank, backend)
+    _DP = GroupCoordinator.create("dp", grid["dp"], rank, backend)
+    if rank == 0:
+        logger.info("Successfully initialized distributed environment: world=%d, tp=%d, pp=%d, dp=%d, backend=%s",
+                    world_size, tp, pp, dp, backend)
+
+
+def _get(group: GroupCoordinator | None, name: str) -> GroupCoordinator:
+    if group is None:
+        # a model built outside any executor (tests, tools): one rank
+        initialize_model_parallel(1)
+        return {"tp": _TP, "pp": _PP, "dp": _DP, "world": _WORLD}[name]
+    return group
+
+
+def get_world_group() -> GroupCoordinator:
+    return _get(_WORLD, "world")
+
+
+def get_tp_group() -> GroupCoordinator:
+    return _get(_TP, "tp")
+
+
+def get_pp_group() -> GroupCoordinator:
+    return _get(_PP, "pp")
+
+
+def get_dp_group() -> GroupCoordinator:
+    return _get(_DP, "dp")
+
+
+def destroy_model_parallel() -> None:
+    global _WORLD, _TP, _PP, _DP
+    for group in (_WORLD, _TP, _PP, _DP):
+        if group is not None and group.shm is not None:
+            group.shm.close()
+    _WORLD = _TP = _PP = _DP = None
+    if dist.is_initialized():
+        dist.destroy_process_group()

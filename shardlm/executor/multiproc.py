@@ -1,0 +1,247 @@
+"""The executor for ranks on this node: one spawned process per rank.
+
+Control path, per step: the engine core encodes the scheduler output once (msgspec) and puts
+it in a shared-memory broadcast queue that every worker reads; each worker runs the step (the
+TP collectives run between workers, over gloo or NCCL); only the output rank answers, through
+its own reply queue. collective_rpc goes the same way and every rank answers.
+
+Failure path: a watcher thread waits on every worker's process sentinel. When one dies it
+records which (and the error the worker reported, if any), then closes the queues, so a step
+waiting on that worker raises WorkerDiedError at once instead of hanging. Workers die with the
+engine core (PR_SET_PDEATHSIG) and are terminated on shutdown: no orphans.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import multiprocessing
+import signal
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import msgspec
+
+from shardlm.config import EngineConfig
+from shardlm.distributed.parallel_state import host_store, wait_for_ranks
+from shardlm.distributed.shm_queue import QueueClosed, ShmQueue
+from shardlm.engine.messages import ModelRunnerOutput, SchedulerOutput
+from shardlm.executor.base import Executor, WorkerDiedError
+from shardlm.logger import init_logger, set_log_prefix
+
+logger = init_logger(__name__)
+
+
+# ---- messages: engine core -> workers ----
+class RunStep(msgspec.Struct, tag=True):
+    scheduler_output: SchedulerOutput
+
+
+class CallMethod(msgspec.Struct, tag=True):
+    method: str
+    args: list[Any]
+
+
+class StopWorker(msgspec.Struct, tag=True):
+    pass
+
+
+# ---- messages: worker -> engine core ----
+class WorkerReady(msgspec.Struct, tag=True):
+    rank: int
+
+
+class StepResult(msgspec.Struct, tag=True):
+    output: ModelRunnerOutput
+
+
+class MethodResult(msgspec.Struct, tag=True):
+    value: Any
+
+
+ToWorker = RunStep | CallMethod | StopWorker
+FromWorker = WorkerReady | StepResult | MethodResult
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        par = config.parallel
+        self.world_size, self.output_rank = par.world_size, par.output_rank
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(FromWorker).decode
+        self._failure: str | None = None
+        self._stopping = False
+        ctx = multiprocessing.get_context("spawn")
+        t0 = time.perf_counter()
+        # the rendezvous store lives here, on a free loopback port, for as long as the workers do
+        self._store = host_store("127.0.0.1", self.world_size, par.distributed_init_timeout)
+        self.broadcast = ShmQueue(num_readers=self.world_size, ctx=ctx)
+        self.replies = [ShmQueue(num_readers=1, ctx=ctx).attach_reader(0) for _ in range(self.world_size)]
+        self.procs, self._errors = [], []
+        for rank in range(self.world_size):
+            err_recv, err_send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=run_worker, name=f"shardlm-worker-{rank}", daemon=True,
+                               args=(config, rank, ("127.0.0.1", self._store.port), self.broadcast,
+                                     self.replies[rank], err_send))
+            proc.start()
+            err_send.close()
+            self.procs.append(proc)
+            self._errors.append(err_recv)
+        self._watcher = threading.Thread(target=self._watch_workers, name="shardlm-worker-watch", daemon=True)
+        self._watcher.start()
+        # before multiprocessing's own exit handler terminates the daemonic workers under us
+        atexit.register(self.shutdown)
+        try:
+            wait_for_ranks(self._store, self.world_size, par.distributed_init_timeout,
+                           alive=lambda: self._failure is None)
+            for rank in range(self.world_size):
+                self._receive(rank)          # WorkerReady, or why it failed
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("%d worker processes ready in %.2f s (pids %s)", self.world_size, time.perf_counter() - t0,
+                    ", ".join(str(p.pid) for p in self.procs))
+
+    # ---- failure detection ----
+    def _watch_workers(self) -> None:
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
+        ready = wait(list(sentinels))
+        if self._stopping:
+            return
+        dead = [sentinels[s] for s in ready]
+        for rank in dead:
+            self.procs[rank].join(1)
+        # the worker that failed, not one that exited because the queues closed after it
+        rank = next((r for r in dead if self.procs[r].exitcode != 0), dead[0])
+        proc, error = self.procs[rank], ""
+        if self._errors[rank].poll(0.5):
+            try:
+                error = f": {self._errors[rank].recv()}"
+            except (EOFError, OSError):
+                pass
+        self._failure = (f"Worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}{error}. "
+                         "The engine cannot continue; the other workers are being stopped.")
+        logger.error(self._failure)
+        self.broadcast.close()
+        for q in self.replies:
+            q.close()
+        self._stop_workers(grace_s=1.0)
+
+    def check_health(self) -> None:
+        if self._failure is None and not all(p.is_alive() for p in self.procs):
+            self._watcher.join(5)       # it is writing down which rank and why
+        if self._failure:
+            raise WorkerDiedError(self._failure)
+
+    def sentinels(self) -> list:
+        return [p.sentinel for p in self.procs]
+
+    # ---- talking to the workers ----
+    def _send(self, msg) -> None:
+        try:
+            self.broadcast.put(self._encode(msg))
+        except QueueClosed:
+            raise WorkerDiedError(self._failure or "The workers have been shut down.") from None
+
+    def _receive(self, rank: int):
+        try:
+            return self._decode(self.replies[rank].get())
+        except QueueClosed:
+            raise WorkerDiedError(self._failure or "The workers have been shut down.") from None
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        if kwargs:
+            raise TypeError("collective_rpc sends positional arguments only")
+        self._send(CallMethod(method, list(args)))
+        return [self._receive(rank).value for rank in range(self.world_size)]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._send(RunStep(scheduler_output))
+        return self._receive(self.output_rank).output
+
+    def shutdown(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        atexit.unregister(self.shutdown)
+        if self._failure is None:
+            try:
+                self.broadcast.put(self._encode(StopWorker()), timeout=2)
+            except (QueueClosed, TimeoutError):
+                pass
+        self._stop_workers(grace_s=5.0)
+        self._watcher.join(5)
+        for q in [self.broadcast, *self.replies]:
+            q.destroy()
+        for conn in self._errors:
+            conn.close()
+        self._store = None
+
+    def _stop_workers(self, grace_s: float) -> None:
+        """Let workers exit on their own for grace_s, then SIGTERM, then SIGKILL."""
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+# ---- the worker process ----
+def run_worker(config: EngineConfig, rank: int, rendezvous: tuple[str, int], broadcast: ShmQueue,
+               reply: ShmQueue, error_pipe: Connection) -> None:
+    """Entry point of a worker process: start up, then run what the broadcast queue says."""
+    from shardlm.worker.worker import Worker
+
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the engine decides
+    set_log_prefix(f"(rank {rank}) ")
+    broadcast.attach_reader(rank)
+    encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(ToWorker).decode
+    worker = None
+    try:
+        worker = Worker(config, rank, rendezvous)
+        worker.init_device()
+        worker.load_model()
+        reply.put(encode(WorkerReady(rank)))
+        answers_steps = rank == config.parallel.output_rank
+        while True:
+            msg = decode(broadcast.get())
+            if isinstance(msg, StopWorker):
+                break
+            if isinstance(msg, RunStep):
+                output = worker.execute_model(msg.scheduler_output)
+                if answers_steps:
+                    reply.put(encode(StepResult(output)))
+            else:
+                reply.put(encode(MethodResult(getattr(worker, msg.method)(*msg.args))))
+    except QueueClosed:       # the engine core closed the queues: another rank failed
+        return
+    except BaseException as e:
+        logger.exception("Worker rank %d failed", rank)
+        try:
+            error_pipe.send(f"{type(e).__name__}: {e}")
+        except OSError:
+            pass
+        sys.exit(1)
+    finally:
+        if worker is not None:
+            worker.shutdown()
+        broadcast.destroy()
+        reply.destroy()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when the engine core dies, however it dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

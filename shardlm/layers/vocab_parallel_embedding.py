@@ -1,0 +1,62 @@
+"""Token embedding and LM head split by vocabulary rows across the tensor parallel group.
+
+The vocabulary is padded to a multiple of tp; rank r holds rows [r * V/tp, (r + 1) * V/tp).
+Embedding: each rank looks up the ids in its range (zeros elsewhere) and an all-reduce sums the
+parts. LM head: each rank computes the logits of its rows; they are gathered on the group's
+first rank, which samples (the other ranks get None).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlm.distributed.parallel_state import get_tp_group
+from shardlm.layers.linear import checkpoint_shape, linear, onednn_pack, read_checkpoint
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.tp = get_tp_group()
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // self.tp.world_size)
+        self.start = self.tp.rank_in_group * self.rows_per_rank
+        self.end = self.start + self.rows_per_rank          # may pass vocab_size: padding rows
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        vocab, hidden = checkpoint_shape(loaded)
+        if vocab != self.vocab_size or hidden != param.shape[1]:
+            raise ValueError(f"Checkpoint embedding has shape {(vocab, hidden)}, the model expects "
+                             f"{(self.vocab_size, param.shape[1])}: the config does not match the weights.")
+        real = max(0, min(self.end, vocab) - self.start)
+        param.data[real:].zero_()
+        param.data[:real].copy_(read_checkpoint(loaded, 0, self.start, real))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = (input_ids >= self.start) & (input_ids < self.end)
+        out = F.embedding((input_ids - self.start) * local, self.weight)
+        out.mul_(local.unsqueeze(-1).to(out.dtype))
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over the vocabulary; with tied embeddings it shares the embedding's weight slice."""
+
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def process_weights_after_loading(self) -> None:
+        packed = onednn_pack(self.weight.data)
+        if packed is not None:   # a new Parameter: a tied embedding keeps its plain weight
+            self.weight = nn.Parameter(packed, requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Full logits [T, vocab_size] on the group's first rank, None on the others."""
+        logits = self.tp.gather(linear(hidden, self.weight, None), dst=0, dim=-1)
+        return logits[:, :self.vocab_size] if logits is not None else None
