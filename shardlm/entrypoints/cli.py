@@ -23,15 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         kwargs = {"dest": f.name, "default": f.default, "help": EngineArgs.HELP.get(f.name, "")}
         if isinstance(f.default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif f.name == "kv_cache_memory":
-            kwargs["type"] = str
-        elif f.name in ("dtype", "device", "tokenizer", "served_model_name", "download_dir",
-                        "distributed_executor_backend"):
-            kwargs["type"] = str
-        elif f.name == "gpu_memory_utilization":
-            kwargs["type"] = float
-        else:
-            kwargs["type"] = int
+        else:   # from the annotation: "int | str" takes a string (e.g. 4GiB), "float", else int
+            kwargs["type"] = str if "str" in f.type else float if "float" in f.type else int
         if f.name == "distributed_executor_backend":
             kwargs["choices"] = ["uni", "mp", "ray"]
         if kwargs["help"] and f.default is not None and not isinstance(f.default, bool):

@@ -1,0 +1,80 @@
+"""The rank grid, the rendezvous timeout, and the shared-memory collectives across processes."""
+
+import multiprocessing
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardlm.distributed import parallel_state as ps
+
+
+@pytest.mark.parametrize("dp,pp,tp,expected", [
+    (1, 1, 4, {"tp": [[0, 1, 2, 3]], "pp": [[0], [1], [2], [3]], "dp": [[0], [1], [2], [3]]}),
+    (1, 2, 4, {"tp": [[0, 1, 2, 3], [4, 5, 6, 7]], "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+               "dp": [[r] for r in range(8)]}),
+    (2, 2, 2, {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+               "dp": [[0, 4], [1, 5], [2, 6], [3, 7]]}),
+    (1, 3, 1, {"tp": [[0], [1], [2]], "pp": [[0, 1, 2]], "dp": [[0], [1], [2]]}),
+])
+def test_rank_grid(dp, pp, tp, expected):
+    grid = ps.rank_grid(dp * pp * tp, tp, pp, dp)
+    assert grid == expected
+    for kind in ("tp", "pp", "dp"):      # every rank in exactly one group of each kind
+        assert sorted(r for g in grid[kind] for r in g) == list(range(dp * pp * tp))
+
+
+def test_rank_grid_rejects_a_wrong_world():
+    with pytest.raises(ValueError, match="dp x pp x tp"):
+        ps.rank_grid(6, 4)
+
+
+def test_rendezvous_timeout_names_the_missing_ranks():
+    store = ps.host_store("127.0.0.1", 3, timeout_s=5)
+    client = dist.TCPStore("127.0.0.1", store.port, 3, is_master=False, timeout=timedelta(seconds=5))
+    client.set("arrived/0", "1")
+    client.set("arrived/2", "1")
+    with pytest.raises(TimeoutError, match=r"rank\(s\) 1 of 3 did not join"):
+        ps.wait_for_ranks(store, 3, timeout_s=0.5)
+
+
+def _collectives(rank, world, port, results):
+    ps.init_distributed_environment(world, rank, "127.0.0.1", port, "gloo", 60)
+    ps.initialize_model_parallel(world, rank=rank, backend="gloo")
+    tp = ps.get_tp_group()
+    assert tp.shm is not None, "CPU ranks on one host use the shared-memory path"
+    out = {}
+    for name, dtype, numel in (("small_fp32", torch.float32, 768), ("small_bf16", torch.bfloat16, 768 * 5),
+                               ("larger_than_a_slot", torch.float32, 3 << 20)):
+        gen = torch.Generator().manual_seed(rank * 100 + numel)
+        x = torch.randn(numel, generator=gen).to(dtype)
+        out[name] = tp.all_reduce(x.clone())
+        out[name + "_input"] = x
+    g = tp.gather(torch.full((2, 3), float(rank)), dst=0, dim=-1)
+    out["gather"] = g
+    results.put((rank, {k: (v.tolist() if v is not None else None) for k, v in out.items()}))
+    ps.destroy_model_parallel()
+
+
+def test_shared_memory_all_reduce_and_gather_across_processes():
+    ctx = multiprocessing.get_context("spawn")
+    world = 3
+    store = ps.host_store("127.0.0.1", world, 60)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_collectives, args=(r, world, store.port, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert all(p.exitcode == 0 for p in procs)
+    for name in ("small_fp32", "small_bf16", "larger_than_a_slot"):
+        # bit-identical on every rank (TP ranks must never drift apart)
+        assert got[0][name] == got[1][name] == got[2][name]
+        dtype = torch.bfloat16 if "bf16" in name else torch.float32
+        expected = sum(torch.tensor(got[r][name + "_input"], dtype=torch.float32) for r in range(world))
+        torch.testing.assert_close(torch.tensor(got[0][name], dtype=torch.float32), expected.to(dtype).float(),
+                                   atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+    assert got[0]["gather"] == [[0.0] * 3 + [1.0] * 3 + [2.0] * 3] * 2
+    assert got[1]["gather"] is None and got[2]["gather"] is None

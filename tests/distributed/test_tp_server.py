@@ -1,0 +1,54 @@
+"""`shardlm serve -tp 2`: the OpenAI server over an engine core whose workers are two processes."""
+
+import os
+import signal
+import time
+
+import httpx
+import openai
+import psutil
+
+from shardlm import LLM, SamplingParams
+from tests.server.test_openai_server import _start, _stop
+
+
+def _worker_pids(server_pid: int) -> list[int]:
+    return [p.pid for p in psutil.Process(server_pid).children(recursive=True)
+            if "shardlm-worker" in p.name() or "spawn_main" in " ".join(p.cmdline())]
+
+
+def test_tp2_server_smoke(tiny_model_dir):
+    path = tiny_model_dir("llama-gqa")
+    proc, url = _start(path, "-tp", "2")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        prompts = ["The capital of", "One two three"]
+        ref = LLM(path, dtype="float32", kv_cache_memory="64MiB", max_model_len=256).generate(
+            prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+        resp = client.completions.create(model="tiny", prompt=prompts, max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == [r.outputs[0].text for r in ref]
+        msgs = [{"role": "user", "content": "Hello there"}]
+        full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
+        stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                                stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
+            full.choices[0].message.content
+        # engine core + 2 workers under the server
+        assert len(psutil.Process(proc.pid).children(recursive=True)) >= 3
+    finally:
+        _stop(proc)        # asserts that SIGTERM leaves no process behind
+
+
+def test_tp2_server_worker_death_ends_the_server_naming_the_rank(tiny_model_dir):
+    proc, url = _start(tiny_model_dir("llama-gqa"), "-tp", "2")
+    children = psutil.Process(proc.pid).children(recursive=True)
+    engine = [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())][0]
+    workers = engine.children()
+    assert len(workers) == 2
+    os.kill(workers[1].pid, signal.SIGKILL)      # while idle: noticed without any request
+    assert proc.wait(timeout=15) != 0
+    err = proc.stderr.read()
+    assert "Worker rank 1" in err and "died" in err, err[-2000:]
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"processes left: {[p.pid for p in alive]}"
