@@ -2,7 +2,8 @@
 
 Throughput: every prompt submitted at once, exactly output_len new tokens each (greedy, EOS
 ignored), repeated after a warm-up with the prefix cache cleared between runs; medians.
-Latency: one prompt alone; batch-1 decode tok/s = (n - 1) / (T(n tokens) - T(1 token)).
+Latency: one prompt alone (or --batch-size copies of it, all decoding together); decode step
+time = (T(n tokens) - T(1 token)) / (n - 1), decode tok/s = batch size / step time.
 """
 
 from __future__ import annotations
@@ -17,8 +18,13 @@ from shardlm.bench.workload import load_workload
 from shardlm.sampling_params import SamplingParams
 
 
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _peak_rss_bytes(llm) -> int:
+    """This process's peak, plus each worker process's peak when the ranks run in their own."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    executor = llm.engine.core.executor
+    if getattr(executor, "procs", None):
+        own += sum(executor.collective_rpc("peak_rss_bytes"))
+    return own
 
 
 def _start(engine_args):
@@ -50,26 +56,27 @@ def run_throughput(engine_args, workload_path, num_prompts, output_len, reps) ->
             "elapsed_s": times, "output_tok_s": out_tokens / med,
             "total_tok_s": (out_tokens + w.num_prompt_tokens) / med,
             "output_tok_s_all": [out_tokens / t for t in times], "startup_s": startup_s,
-            "peak_rss_bytes": _peak_rss_bytes(), "dtype": str(llm.engine.config.model.dtype).replace("torch.", "")}
+            "peak_rss_bytes": _peak_rss_bytes(llm), "dtype": str(llm.engine.config.model.dtype).replace("torch.", "")}
 
 
-def run_latency(engine_args, workload_path, output_len, reps) -> dict:
+def run_latency(engine_args, workload_path, output_len, reps, batch_size: int = 1) -> dict:
     t0 = time.perf_counter()
     llm, startup_s = _start(engine_args)
     w = load_workload(workload_path, llm.get_tokenizer(), None, output_len)
-    prompt = [w.prompts[w.latency_prompt_index]]
+    prompt = [w.prompts[w.latency_prompt_index]] * batch_size
     first = _timed(llm, prompt, 1)
     startup_to_first_token = time.perf_counter() - t0
     _timed(llm, prompt, 8)   # warm-up
     t1 = [_timed(llm, prompt, 1) for _ in range(reps)]
     tn = [_timed(llm, prompt, w.output_len) for _ in range(reps)]
     n = w.output_len
+    step_s = (statistics.median(tn) - statistics.median(t1)) / (n - 1)
     return {"benchmark": "latency", "workload": w.source, "prompt_tokens": len(prompt[0]), "output_tokens": n,
-            "reps": reps, "t_1tok_s": t1, "t_ntok_s": tn,
+            "batch_size": batch_size, "reps": reps, "t_1tok_s": t1, "t_ntok_s": tn,
             "time_to_first_token_s": statistics.median(t1),
-            "decode_tok_s": (n - 1) / (statistics.median(tn) - statistics.median(t1)),
+            "decode_step_ms": step_s * 1000, "decode_tok_s": batch_size / step_s,
             "startup_s": startup_s, "startup_to_first_token_s": startup_to_first_token,
-            "cold_first_request_s": first, "peak_rss_bytes": _peak_rss_bytes(),
+            "cold_first_request_s": first, "peak_rss_bytes": _peak_rss_bytes(llm),
             "dtype": str(llm.engine.config.model.dtype).replace("torch.", "")}
 
 
@@ -85,8 +92,9 @@ def report(result: dict, as_json: bool) -> None:
               f"  output tokens/s: {result['output_tok_s']:.1f}\n  total tokens/s:  {result['total_tok_s']:.1f}\n"
               f"  start-up: {result['startup_s']:.1f} s, peak memory (RSS): {gib:.2f} GiB")
     else:
-        print(f"Latency (batch 1, {result['prompt_tokens']} prompt tokens, {result['output_tokens']} new tokens, "
-              f"dtype {result['dtype']}, median of {result['reps']}):\n"
+        print(f"Latency (batch {result['batch_size']}, {result['prompt_tokens']} prompt tokens, "
+              f"{result['output_tokens']} new tokens, dtype {result['dtype']}, median of {result['reps']}):\n"
+              f"  decode step: {result['decode_step_ms']:.2f} ms\n"
               f"  decode tokens/s: {result['decode_tok_s']:.1f}\n"
               f"  time to first token: {result['time_to_first_token_s'] * 1000:.0f} ms\n"
               f"  start-up to first token: {result['startup_to_first_token_s']:.1f} s "

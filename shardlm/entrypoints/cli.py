@@ -102,7 +102,7 @@ def cmd_bench(ns) -> None:
     if ns.bench_kind == "throughput":
         result = run_throughput(args, ns.workload, ns.num_prompts, ns.output_len, ns.reps)
     else:
-        result = run_latency(args, ns.workload, ns.output_len, ns.reps)
+        result = run_latency(args, ns.workload, ns.output_len, ns.reps, ns.batch_size)
     report(result, ns.json)
 
 
@@ -195,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "64-prompt chat workload")
         if kind == "throughput":
             b.add_argument("--num-prompts", type=int, default=None, help="repeat/cut the workload to this many")
+        else:
+            b.add_argument("--batch-size", type=int, default=1, help="copies of the prompt decoding together")
         b.add_argument("--output-len", type=int, default=None, help="new tokens per prompt (default: workload's, 128)")
         b.add_argument("--reps", type=int, default=3)
         b.add_argument("--json", action="store_true", help="print JSON")

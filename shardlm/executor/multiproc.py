@@ -75,6 +75,7 @@ class MultiprocExecutor(Executor):
         self._decode = msgspec.msgpack.Decoder(FromWorker).decode
         self._failure: str | None = None
         self._stopping = False
+        self._ready = False
         ctx = multiprocessing.get_context("spawn")
         t0 = time.perf_counter()
         # the rendezvous store lives here, on a free loopback port, for as long as the workers do
@@ -100,6 +101,7 @@ class MultiprocExecutor(Executor):
                            alive=lambda: self._failure is None)
             for rank in range(self.world_size):
                 self._receive(rank)          # WorkerReady, or why it failed
+            self._ready = True
         except BaseException:
             self.shutdown()
             raise
@@ -123,8 +125,12 @@ class MultiprocExecutor(Executor):
                 error = f": {self._errors[rank].recv()}"
             except (EOFError, OSError):
                 pass
+        hint = ""
+        if not error and not self._ready:
+            hint = (" If its log above mentions the 'bootstrapping phase', the script that starts shardlm needs an "
+                    "`if __name__ == \"__main__\":` guard (workers are spawned processes that import it).")
         self._failure = (f"Worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}{error}. "
-                         "The engine cannot continue; the other workers are being stopped.")
+                         f"The engine cannot continue; the other workers are being stopped.{hint}")
         logger.error(self._failure)
         self.broadcast.close()
         for q in self.replies:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import resource
 import time
 
 import torch
@@ -51,6 +53,10 @@ class Worker:
     def load_model(self) -> None:
         t0 = time.perf_counter()
         self.runner.load_model()
+        # the weights and module tree live for the whole run: keep them out of the GC's scans,
+        # whose pauses on one rank stall every other rank at the next collective
+        gc.collect()
+        gc.freeze()
         logger.info("Model weights loaded: %s%s in %.2f s (dtype %s, device %s)",
                     format_bytes(self.runner.weight_bytes()),
                     " on this rank" if self.config.parallel.world_size > 1 else "", time.perf_counter() - t0,
@@ -70,6 +76,9 @@ class Worker:
 
     def weight_bytes(self) -> int:
         return self.runner.weight_bytes()
+
+    def peak_rss_bytes(self) -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     def shutdown(self) -> None:
         parallel_state.destroy_model_parallel()

@@ -125,3 +125,16 @@ def test_killed_worker_fails_generate_fast_and_leaves_no_process(tiny_model_dir)
     llm.shutdown()
     _, alive = psutil.wait_procs(workers, timeout=5)
     assert not alive, f"worker processes left: {[p.pid for p in alive]}"
+
+
+def test_worker_start_up_error_reaches_the_caller(tiny_model_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    src = tiny_model_dir("llama-gqa")
+    shutil.copytree(src, tmp_path, dirs_exist_ok=True)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    weights.pop("model.layers.1.mlp.down_proj.weight")
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WorkerDiedError, match=r"rank \d .*lacks weights for: model.layers.1.mlp.down_proj.weight"):
+        LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2)
