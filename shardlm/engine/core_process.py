@@ -142,7 +142,6 @@ class EngineCoreClient:
         self.process = ctx.Process(target=run_engine_core, name="shardlm-engine-core",
                                    args=(dataclasses.asdict(engine_args), req_recv, out_send))
         self.process.start()
-        atexit.register(self.shutdown)
         req_recv.close()
         out_send.close()
         self._send_lock = threading.Lock()
@@ -151,6 +150,7 @@ class EngineCoreClient:
         self._on_outputs, self._on_utility, self._on_dead = on_outputs, on_utility, on_dead
         self._reader = threading.Thread(target=self._read_outputs, name="shardlm-core-outputs", daemon=True)
         self._reader.start()
+        atexit.register(self.shutdown)
 
     def _wait_ready(self) -> int:
         ready = wait([self._out_recv, self.process.sentinel])
