@@ -14,25 +14,18 @@ before every rank has arrived at k+1, i.e. finished reading k.
 from __future__ import annotations
 
 import os
-import threading
 from multiprocessing import shared_memory
 
 import torch
 
+from shardlm.distributed.shm_queue import attach_segment, memory_fence
+
 _FLAG_STRIDE = 64 // 8          # one cache line per rank's flag (int64 units)
-_fence_lock = threading.Lock()
-
-
-def _fence() -> None:
-    with _fence_lock:
-        pass
 
 
 class ShmCommunicator:
     def __init__(self, group, slot_bytes: int = 8 << 20):
         """`group`: the GroupCoordinator (its cpu_group carries the segment's name at start)."""
-        from shardlm.distributed.shm_queue import _attach
-
         self.rank, self.world_size = group.rank_in_group, group.world_size
         self.slot_bytes = slot_bytes
         flags_bytes = 64 * self.world_size
@@ -42,7 +35,7 @@ class ShmCommunicator:
             shm.buf[:flags_bytes] = bytes(flags_bytes)
             group.broadcast_object(shm.name)
         else:
-            shm = _attach(group.broadcast_object(None))
+            shm = attach_segment(group.broadcast_object(None))
         group.barrier()
         if self.rank == 0:
             shm.unlink()        # every rank has it mapped; nothing is left behind if a rank dies
@@ -61,7 +54,7 @@ class ShmCommunicator:
         self.calls += 1
         parity = self.calls % 2
         self._slot(parity, self.rank, x.dtype, x.numel()).copy_(x)
-        _fence()
+        memory_fence()
         self.flags[self.rank * _FLAG_STRIDE] = self.calls
         for r in range(self.world_size):
             spins = 0
@@ -69,7 +62,7 @@ class ShmCommunicator:
                 spins += 1
                 if spins > 64:          # more ranks than free cores: let the others run
                     os.sched_yield()
-        _fence()
+        memory_fence()
         return [self._slot(parity, r, x.dtype, x.numel()) for r in range(self.world_size)]
 
     def _chunks(self, x: torch.Tensor):

@@ -27,7 +27,7 @@ _CHUNK = struct.Struct("<QI")     # message length, this chunk's length
 _fence_lock = threading.Lock()
 
 
-def _fence() -> None:
+def memory_fence() -> None:
     """A full memory barrier (taking a lock is one), between writing data and publishing it."""
     with _fence_lock:
         pass
@@ -65,7 +65,7 @@ class ShmQueue:
         self.num_readers, self.slot_bytes = state["num_readers"], state["slot_bytes"]
         self.num_slots, self.wakeups = state["num_slots"], state["wakeups"]
         self._meta_bytes = -(-self.num_readers // 8) * 8
-        self.shm = _attach(state["name"])
+        self.shm = attach_segment(state["name"])
         self._owner = False
         self.buf = self.shm.buf
         self.reader = None
@@ -105,7 +105,7 @@ class ShmQueue:
             _CHUNK.pack_into(self.buf, off, total, len(chunk))
             self.buf[off + _CHUNK.size:off + _CHUNK.size + len(chunk)] = chunk
             self.buf[meta:meta + self.num_readers] = b"\x00" * self.num_readers
-            _fence()
+            memory_fence()
             for sem in self.wakeups:
                 sem.release()
             self.next_slot = (slot + 1) % self.num_slots
@@ -146,12 +146,12 @@ class ShmQueue:
                 raise TimeoutError("no message arrived in time")
         if self.closed:
             raise QueueClosed("the queue was closed")
-        _fence()
+        memory_fence()
         slot = self.next_slot
         off = self._data(slot)
         total, n = _CHUNK.unpack_from(self.buf, off)
         data = bytes(self.buf[off + _CHUNK.size:off + _CHUNK.size + n])
-        _fence()
+        memory_fence()
         self.buf[self._meta(slot) + self.reader] = 1
         self.next_slot = (slot + 1) % self.num_slots
         return total, data
@@ -167,7 +167,7 @@ class ShmQueue:
             self.shm.unlink()
 
 
-def _attach(name: str) -> shared_memory.SharedMemory:
+def attach_segment(name: str) -> shared_memory.SharedMemory:
     """Open an existing segment without registering it with this process's resource tracker
     (which would unlink it when this process exits, under its creator's feet)."""
     try:
