@@ -149,16 +149,16 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None    # None: uni for one rank, else mp
     distributed_init_timeout: float = 300.0
     cpu_threads_bind: str = "auto"
+    pp_layer_partition: list[int] | None = None       # layers per pipeline stage; None: even split
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             size = getattr(self, name)
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name}={size} must be a positive integer.")
-        for name in ("pipeline_parallel_size", "data_parallel_size"):
-            if getattr(self, name) > 1:
-                raise NotImplementedError(f"{name}={getattr(self, name)}: this version of shardlm runs tensor "
-                                          f"parallel only; run with {name}=1.")
+        if self.data_parallel_size > 1:
+            raise NotImplementedError(f"data_parallel_size={self.data_parallel_size}: data parallel is not built "
+                                      "yet in this version of shardlm; run with data_parallel_size=1.")
         backend = self.distributed_executor_backend
         if backend not in (None, "uni", "mp", "ray"):
             raise ValueError(f"distributed_executor_backend={backend!r}: use 'uni', 'mp' or 'ray'.")
@@ -218,6 +218,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     distributed_init_timeout: float = 300.0
     cpu_threads_bind: str = "auto"
+    pp_layer_partition: str | None = None
 
     HELP = {
         "model": "Hugging Face model directory (config.json, safetensors, tokenizer); "
@@ -242,6 +243,8 @@ class EngineArgs:
         "distributed_executor_backend": "uni (one process), mp (processes on this node) or ray (nodes); "
                                         "default: uni for one rank, mp for more",
         "distributed_init_timeout": "seconds to wait for every rank to join before failing with the missing ones",
+        "pp_layer_partition": "layers per pipeline stage, e.g. 16,14 (default: even, the remainder to the "
+                              "stages before the last)",
         "cpu_threads_bind": "CPU: 'auto' (share this machine's cores evenly among ranks), 'nobind', or one core "
                             "list per rank separated by '|', e.g. '0-3|4-7' (pins each rank to its cores)",
     }
@@ -257,7 +260,8 @@ class EngineArgs:
 
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                   self.data_parallel_size, self.distributed_executor_backend,
-                                  self.distributed_init_timeout, self.cpu_threads_bind)
+                                  self.distributed_init_timeout, self.cpu_threads_bind,
+                                  _parse_partition(self.pp_layer_partition))
         device = resolve_device(self.device)
         path = resolve_model_path(self.model, self.download_dir)
         hf_config = load_hf_config(path)
@@ -279,6 +283,16 @@ class EngineArgs:
         check_parallel_layout(config)
         check_fits(config)   # before any weights are loaded
         return config
+
+
+def _parse_partition(text: str | list[int] | None) -> list[int] | None:
+    if text is None or isinstance(text, list):
+        return text
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"pp_layer_partition={text!r}: write the layers of each stage separated by commas, "
+                         "e.g. 16,14.") from None
 
 
 def load_hf_config(path: str):

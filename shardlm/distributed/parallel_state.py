@@ -97,6 +97,8 @@ class GroupCoordinator:
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.world_size == 1:
             return x
+        if self.shm is not None:
+            return self.shm.all_gather(x, dim)
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x.contiguous(), group=self.device_group)
         return torch.cat(parts, dim=dim)
@@ -128,23 +130,32 @@ class GroupCoordinator:
         if self.world_size > 1:
             dist.barrier(group=self.cpu_group)
 
-    def send_tensor_dict(self, tensors: dict[str, torch.Tensor], dst: int) -> None:
-        """Send named tensors to rank `dst` of this group: first their shapes and dtypes (CPU
-        group), then the data (device group)."""
-        meta = [(k, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in tensors.items()]
-        dist.send_object_list([meta], dst=self.ranks[dst], group=self.cpu_group)
-        for t in tensors.values():
+    def send_tensors(self, tensors: list[torch.Tensor], dst: int) -> None:
+        """Send tensors to rank `dst` of this group: a small int64 header with their dtypes and
+        shapes first (no pickle on the wire), then the data."""
+        header = [len(tensors)]
+        for t in tensors:
+            header += [_DTYPE_CODES.index(t.dtype), t.dim(), *t.shape]
+        dist.send(torch.tensor(header + [0] * (_HEADER_LEN - len(header)), dtype=torch.int64),
+                  dst=self.ranks[dst], group=self.cpu_group)
+        for t in tensors:
             dist.send(t.contiguous(), dst=self.ranks[dst], group=self.device_group)
 
-    def recv_tensor_dict(self, src: int, device: torch.device) -> dict[str, torch.Tensor]:
-        box = [None]
-        dist.recv_object_list(box, src=self.ranks[src], group=self.cpu_group)
-        out = {}
-        for name, shape, dtype in box[0]:
-            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+    def recv_tensors(self, src: int, device: torch.device) -> list[torch.Tensor]:
+        header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+        dist.recv(header, src=self.ranks[src], group=self.cpu_group)
+        h, pos, out = header.tolist(), 1, []
+        for _ in range(h[0]):
+            dtype, ndim = _DTYPE_CODES[h[pos]], h[pos + 1]
+            t = torch.empty(h[pos + 2:pos + 2 + ndim], dtype=dtype, device=device)
             dist.recv(t, src=self.ranks[src], group=self.device_group)
-            out[name] = t
+            out.append(t)
+            pos += 2 + ndim
         return out
+
+
+_DTYPE_CODES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32]
+_HEADER_LEN = 32
 
 
 _WORLD: GroupCoordinator | None = None

@@ -84,19 +84,23 @@ class ShmCommunicator:
             x.copy_(target)
         return x
 
-    def gather(self, x: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
-        """Concatenation of every rank's x along dim on rank dst; None elsewhere."""
+    def gather(self, x: torch.Tensor, dst: int | None, dim: int) -> torch.Tensor | None:
+        """Concatenation of every rank's x along dim on rank dst (every rank if dst is None);
+        None elsewhere."""
         x = x.contiguous()
         pieces = [[] for _ in range(self.world_size)]
         chunks = list(self._chunks(x))
         for chunk in chunks:
             parts = self._exchange(chunk)
-            if self.rank == dst:
+            if dst is None or self.rank == dst:
                 for r, p in enumerate(parts):
                     pieces[r].append(p if len(chunks) == 1 else p.clone())
-        if self.rank != dst:
+        if dst is not None and self.rank != dst:
             return None
         return torch.cat([torch.cat(p).view(x.shape) for p in pieces], dim=dim)
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.gather(x, None, dim)
 
     def close(self) -> None:
         del self.data

@@ -25,3 +25,12 @@ def pp_layer_partition(num_layers: int, pp: int, explicit: list[int] | None = No
         ranges.append((start, start + n))
         start += n
     return ranges
+
+
+def describe_partition(ranges: list[tuple[int, int]]) -> str:
+    """'stage 0: layers 0-15 (embed), stage 1: layers 16-29 (norm, lm_head)'"""
+    parts = []
+    for stage, (start, end) in enumerate(ranges):
+        holds = (["embed"] if stage == 0 else []) + (["norm", "lm_head"] if stage == len(ranges) - 1 else [])
+        parts.append(f"stage {stage}: layers {start}-{end - 1}" + (f" ({', '.join(holds)})" if holds else ""))
+    return ", ".join(parts)

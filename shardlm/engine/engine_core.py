@@ -1,13 +1,19 @@
 """The engine core: owns the scheduler and the KV block table, drives the executor.
 
 step() = schedule -> execute on the workers -> update requests with the sampled tokens.
+
+With pipeline parallel (P stages) the core keeps up to P batches in flight: it schedules and
+submits a new batch while earlier ones are still in the pipeline, and only then waits for the
+oldest. Stage 0 runs batch k+1 while stage 1 runs batch k.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from shardlm.config import EngineConfig
+from shardlm.distributed.utils import describe_partition, pp_layer_partition
 from shardlm.engine.messages import EngineCoreOutput
 from shardlm.engine.request import Request
 from shardlm.engine.scheduler import Scheduler
@@ -29,9 +35,14 @@ class EngineCore:
         self.executor.initialize_cache(num_blocks)
         config.cache.num_blocks = num_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        self.batch_queue: deque = deque()      # (scheduler output, wait for its result), oldest first
+        self.max_in_flight = self.executor.max_concurrent_batches
         par = config.parallel
         logger.info("Parallel layout: TP=%d PP=%d DP=%d, executor %s", par.tensor_parallel_size,
                     par.pipeline_parallel_size, par.data_parallel_size, type(self.executor).__name__)
+        if par.pipeline_parallel_size > 1:
+            logger.info("PP %s; up to %d batches in flight", describe_partition(pp_layer_partition(
+                config.model.num_layers, par.pipeline_parallel_size, par.pp_layer_partition)), self.max_in_flight)
         logger.info("Engine core ready in %.2f s", time.perf_counter() - t0)
 
     def _check_kv_capacity(self, num_blocks: int) -> None:
@@ -60,14 +71,21 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineCoreOutput]:
-        scheduler_output = self.scheduler.schedule()
-        if not scheduler_output.chunks:
+        submitted = False
+        if len(self.batch_queue) < self.max_in_flight:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.chunks:
+                self.batch_queue.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
+                submitted = True
+        if not self.batch_queue:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("The scheduler could not schedule any of the unfinished requests; "
                                    "this is a bug in shardlm, please report it.")
             return []
-        result = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update(scheduler_output, result)
+        if submitted and len(self.batch_queue) < self.max_in_flight:
+            return []       # fill the pipeline before waiting on it
+        scheduler_output, wait = self.batch_queue.popleft()
+        return self.scheduler.update(scheduler_output, wait())
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()

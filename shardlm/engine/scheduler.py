@@ -6,6 +6,10 @@ prefill). Waiting requests then fill what is left, first come first served, each
 after its longest cached prefix. When the KV cache runs out, the newest running request
 is preempted: its blocks are freed and it is recomputed later from its tokens so far,
 which changes no output.
+
+With pipeline parallel the engine core keeps several batches in flight. A request is in at
+most one of them: until its batch's tokens come back (update), the scheduler leaves it out,
+and it is never preempted (its blocks are in use).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._known_to_workers: set[str] = set()
         self._finished_since_last_step: list[str] = []
+        self.in_flight: set[str] = set()        # requests in a batch whose output is pending
         self.num_preemptions = 0
         self.num_aborted = 0
 
@@ -80,9 +85,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.request_id in self.in_flight:
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.running.pop()
+                victim = self._newest_preemptable()
+                if victim is None:          # everything else is in flight: wait for it
+                    i += 1
+                    break
+                self.running.remove(victim)
                 self._preempt(victim)
                 if victim is request:
                     break
@@ -112,8 +124,17 @@ class Scheduler:
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
 
-        finished, self._finished_since_last_step = self._finished_since_last_step, []
+        finished = []
+        if chunks:    # otherwise nothing is sent to the workers: keep them for the next batch
+            finished, self._finished_since_last_step = self._finished_since_last_step, []
+        self.in_flight.update(c.req_id for c in chunks)
         return SchedulerOutput(chunks, new_requests, finished)
+
+    def _newest_preemptable(self) -> Request | None:
+        for request in reversed(self.running):
+            if request.request_id not in self.in_flight:
+                return request
+        return None
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -137,6 +158,7 @@ class Scheduler:
     def update(self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
         for chunk in scheduler_output.chunks:
+            self.in_flight.discard(chunk.req_id)
             request = self.requests.get(chunk.req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran

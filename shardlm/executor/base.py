@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from shardlm.config import EngineConfig
 from shardlm.engine.messages import ModelRunnerOutput, SchedulerOutput
@@ -26,6 +27,12 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker; the output rank's result."""
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Start a step; returns a function that waits for its output. Outputs must be waited
+        for in submission order. By default the step runs now."""
+        output = self.execute_model(scheduler_output)
+        return lambda: output
 
     def determine_num_blocks(self) -> int:
         """KV blocks every rank can hold: the minimum over ranks."""

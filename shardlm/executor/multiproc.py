@@ -166,8 +166,15 @@ class MultiprocExecutor(Executor):
         return [self._receive(rank).value for rank in range(self.world_size)]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(scheduler_output)()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput):
         self._send(RunStep(scheduler_output))
-        return self._receive(self.output_rank).output
+        return lambda: self._receive(self.output_rank).output
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.config.parallel.pipeline_parallel_size
 
     def shutdown(self) -> None:
         if self._stopping:
@@ -209,7 +216,8 @@ def run_worker(config: EngineConfig, rank: int, rendezvous: tuple[str, int], bro
 
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the engine decides
-    set_log_prefix(f"(rank {rank}) ")
+    tp = config.parallel.tensor_parallel_size
+    set_log_prefix(f"(rank {rank}: pp {rank // tp}, tp {rank % tp}) ")
     broadcast.attach_reader(rank)
     encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(ToWorker).decode
     worker = None

@@ -36,13 +36,16 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, object]]:
                 yield name, f.get_slice(name)
 
 
-def load_model(model_config: ModelConfig, device: torch.device) -> torch.nn.Module:
+def load_model(model_config: ModelConfig, device: torch.device,
+               layer_range: tuple[int, int] | None = None) -> torch.nn.Module:
+    """The model, or with layer_range the part a pipeline stage holds: those layers, plus the
+    embedding on the first stage and norm + LM head on the last."""
     cls = get_model_class(model_config.architecture)
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:
         with torch.device(device):
-            model = cls(model_config.hf_config, model_config.max_model_len, model_config.dtype)
+            model = cls(model_config.hf_config, model_config.max_model_len, model_config.dtype, layer_range)
     finally:
         torch.set_default_dtype(old_dtype)
     loaded = model.load_weights(iterate_weights(model_config.model))

@@ -6,11 +6,13 @@ merged into one matrix each (`qkv_proj`, `gate_up_proj`) for fewer, larger matmu
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from shardlm.distributed.parallel_state import get_pp_group
 from shardlm.layers.activation import SiluAndMul
 from shardlm.layers.attention import Attention, AttentionMetadata
 from shardlm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
@@ -73,21 +75,38 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config, max_position: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool):
-        super().__init__()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary = RotaryEmbedding(config, head_dim, max_position, dtype)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+class PPMissingLayer(nn.Module):
+    """Stands in for a layer that lives on another pipeline stage; it holds nothing."""
 
-    def forward(self, input_ids, positions, meta):
-        hidden, residual = self.embed_tokens(input_ids), None
+
+class LlamaModel(nn.Module):
+    """This pipeline stage's share of the decoder: layers [start, end), the embedding on the
+    first stage, the final norm on the last."""
+
+    def __init__(self, config, max_position: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool,
+                 layer_range: tuple[int, int]):
+        super().__init__()
+        pp = get_pp_group()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.start, self.end = layer_range
+        self.rotary = RotaryEmbedding(config, head_dim, max_position, dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if pp.is_first_rank else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias) if self.start <= i < self.end
+                                    else PPMissingLayer() for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last_rank else None
+
+    def forward(self, input_ids, positions, meta, intermediate: list[torch.Tensor] | None = None):
+        """First stage: from token ids; later stages: from the previous stage's [hidden, residual].
+        Returns the final hidden states on the last stage, else [hidden, residual]."""
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
         cos_sin = self.rotary.lookup(positions)
-        for layer in self.layers:
+        for layer in self.layers[self.start:self.end]:
             hidden, residual = layer(cos_sin, hidden, residual, meta)
+        if self.norm is None:
+            return [hidden, residual]
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -99,21 +118,25 @@ class LlamaForCausalLM(nn.Module):
                       (".gate_up_proj.", ".up_proj.", 1)]
     qkv_bias: bool | None = None   # None: from config.attention_bias
 
-    def __init__(self, config, max_position: int, dtype: torch.dtype):
+    def __init__(self, config, max_position: int, dtype: torch.dtype, layer_range: tuple[int, int] | None = None):
         super().__init__()
         self.config = config
         attention_bias = getattr(config, "attention_bias", False)
         qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
-        self.model = LlamaModel(config, max_position, dtype, qkv_bias, o_bias=attention_bias)
+        self.model = LlamaModel(config, max_position, dtype, qkv_bias, o_bias=attention_bias,
+                                layer_range=layer_range or (0, config.num_hidden_layers))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if self.tie_word_embeddings:
-            self.lm_head.tie(self.model.embed_tokens)
+        self.lm_head = None
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if self.tie_word_embeddings and self.model.embed_tokens is not None:
+                self.lm_head.tie(self.model.embed_tokens)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None):
+        return self.model(input_ids, positions, meta, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Last pipeline stage only."""
         """Logits on the tensor parallel group's first rank; None on the others."""
         return self.lm_head(hidden)
 
@@ -124,6 +147,11 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if (name.startswith("model.embed_tokens.") and self.tie_word_embeddings and self.lm_head is not None
+                    and self.model.embed_tokens is None):
+                name = "lm_head.weight"     # a last stage without the embedding: its tied LM head
+            if not self._on_this_stage(name):
                 continue
             shard_id = None
             for merged, part, sid in self.stacked_params:
@@ -137,6 +165,16 @@ class LlamaForCausalLM(nn.Module):
             getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
             loaded.add(name)
         return loaded
+
+    def _on_this_stage(self, name: str) -> bool:
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        if layer:
+            return self.model.start <= int(layer.group(1)) < self.model.end
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is not None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return self.lm_head is not None
+        return True
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

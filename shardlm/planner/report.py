@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from shardlm.distributed.utils import describe_partition
 from shardlm.planner.plan import GiB, Recommendation
 
 
@@ -32,9 +33,7 @@ def render(r: Recommendation) -> str:
                   f"{_gib(p.reserve_per_device)}, KV cache {p.kv_blocks} blocks = {p.kv_tokens} tokens "
                   f"(max concurrency at {w.max_model_len}: {p.max_concurrency:.1f}x)"]
         if p.pp > 1:
-            lines.append("  " + ", ".join(
-                f"stage {st['stage']}: layers {st['layers'][0]}-{st['layers'][1]}"
-                + (f" ({', '.join(st['holds'])})" if st["holds"] else "") for st in p.stages))
+            lines.append("  " + describe_partition([(st["layers"][0], st["layers"][1] + 1) for st in p.stages]))
     else:
         lines.append("Recommended: none of the layouts fits this hardware.")
     lines += [f"  - {x}" for x in r.reasons + r.notes]

@@ -9,6 +9,7 @@ import psutil
 import torch
 
 from shardlm.config import EngineConfig
+from shardlm.distributed.utils import pp_layer_partition
 from shardlm.logger import init_logger
 from shardlm.planner.hardware import detect_hardware
 from shardlm.planner.model_shape import ModelShape
@@ -29,6 +30,7 @@ def check_parallel_layout(config: EngineConfig) -> None:
         raise ValueError(f"{shape.name} has {shape.heads} attention heads and {shape.kv_heads} KV heads: "
                          f"tensor parallel size {tp} cannot split it ({'; '.join(problems)}). "
                          f"Valid tensor parallel sizes are {valid}.")
+    pp_layer_partition(m.num_layers, par.pipeline_parallel_size, par.pp_layer_partition)   # raises if impossible
     if config.device.type == "cuda" and par.world_size > torch.cuda.device_count():
         raise ValueError(f"tensor x pipeline parallel = {par.world_size} ranks needs {par.world_size} GPUs, but "
                          f"{torch.cuda.device_count()} are visible on this node (CUDA_VISIBLE_DEVICES="

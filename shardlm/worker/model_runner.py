@@ -8,6 +8,8 @@ import torch
 
 from shardlm import kernels
 from shardlm.config import EngineConfig
+from shardlm.distributed.parallel_state import get_pp_group, get_tp_group
+from shardlm.distributed.utils import pp_layer_partition
 from shardlm.engine.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from shardlm.layers.attention import Attention, build_attention_metadata
 from shardlm.layers.sampler import Sampler, SamplingBatch, token_logprobs
@@ -37,7 +39,10 @@ class ModelRunner:
         self.stop_ids_for_min_tokens = list(config.model.eos_token_ids)
 
     def load_model(self) -> None:
-        self.model = load_model(self.config.model, self.device)
+        par = self.config.parallel
+        stages = pp_layer_partition(self.config.model.num_layers, par.pipeline_parallel_size, par.pp_layer_partition)
+        self.pp, self.tp = get_pp_group(), get_tp_group()
+        self.model = load_model(self.config.model, self.device, stages[self.pp.rank_in_group])
 
     def attention_layers(self) -> list[Attention]:
         if self._attention_layers is None:
@@ -95,8 +100,12 @@ class ModelRunner:
             query_lens.append(len(c.token_ids))
         meta = build_attention_metadata(query_lens, [c.start_pos for c in so.chunks],
                                         [c.block_ids for c in so.chunks], self.block_size, self.device)
+        intermediate = None if self.pp.is_first_rank else self._receive_from_previous_stage()
         hidden = self.model(torch.tensor(input_ids, device=self.device),
-                            torch.tensor(positions, device=self.device), meta)
+                            torch.tensor(positions, device=self.device), meta, intermediate)
+        if not self.pp.is_last_rank:
+            self._send_to_next_stage(hidden)
+            return None
 
         # rows whose logits are needed: the last token of each sampling chunk, then prompt positions
         sample_chunks, rows, end = [], [], 0
@@ -133,6 +142,23 @@ class ModelRunner:
             targets = state.prompt_token_ids[chunk.start_pos + 1:chunk.start_pos + 1 + n]
             out.prompt_logprobs[chunk.req_id] = [token_logprobs(lps[i], t, k) for i, t in enumerate(targets)]
         return out
+
+    # ---- between pipeline stages: hidden states and residual ----
+    def _split_across_tp(self) -> bool:
+        """Each TP rank sends its 1/tp slice of the hidden dimension and the next stage's TP
+        ranks all-gather it: tp links carry 1/tp of the traffic each."""
+        return self.tp.world_size > 1 and self.config.model.hf_config.hidden_size % self.tp.world_size == 0
+
+    def _send_to_next_stage(self, tensors: list[torch.Tensor]) -> None:
+        if self._split_across_tp():
+            tensors = [t.chunk(self.tp.world_size, dim=-1)[self.tp.rank_in_group] for t in tensors]
+        self.pp.send_tensors(tensors, dst=self.pp.rank_in_group + 1)
+
+    def _receive_from_previous_stage(self) -> list[torch.Tensor]:
+        tensors = self.pp.recv_tensors(src=self.pp.rank_in_group - 1, device=self.device)
+        if self._split_across_tp():
+            tensors = [self.tp.all_gather(t, dim=-1) for t in tensors]
+        return tensors
 
     def _fault_in_blocks(self, top_block: int) -> None:
         """Touch KV memory ahead of use, in large sequential chunks.
