@@ -34,9 +34,9 @@ class EngineCore:
         self._check_kv_capacity(num_blocks)
         self.executor.initialize_cache(num_blocks)
         config.cache.num_blocks = num_blocks
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
-        self.batch_queue: deque = deque()      # (scheduler output, wait for its result), oldest first
         self.max_in_flight = self.executor.max_concurrent_batches
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_in_flight)
+        self.batch_queue: deque = deque()      # (scheduler output, wait for its result), oldest first
         par = config.parallel
         logger.info("Parallel layout: TP=%d PP=%d DP=%d, executor %s", par.tensor_parallel_size,
                     par.pipeline_parallel_size, par.data_parallel_size, type(self.executor).__name__)

@@ -27,8 +27,11 @@ logger = init_logger(__name__)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int):
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 pipeline_depth: int = 1):
+        """pipeline_depth: batches in flight at once (the number of pipeline stages)."""
         self.config = config
+        self.pipeline_depth = pipeline_depth
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -81,9 +84,11 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         new_requests: list[NewRequestData] = []
 
+        # with P batches in flight, each takes about 1/P of the requests, so every stage has work
+        seq_cap = -(-(len(self.running) + len(self.waiting)) // self.pipeline_depth)
         num_preempted_before = self.num_preemptions
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(chunks) < seq_cap:
             request = self.running[i]
             if request.request_id in self.in_flight:
                 i += 1
@@ -105,7 +110,8 @@ class Scheduler:
 
         # after a preemption the cache is full: admit nobody new this step
         admit = self.num_preemptions == num_preempted_before
-        while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(chunks) < seq_cap):
             request = self.waiting[0]
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)

@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 
 from shardlm.config import EngineConfig
-from shardlm.distributed.parallel_state import host_store, wait_for_ranks
+from shardlm.distributed.parallel_state import get_pp_group, host_store, wait_for_ranks
 from shardlm.distributed.shm_queue import QueueClosed, ShmQueue
 from shardlm.engine.messages import ModelRunnerOutput, SchedulerOutput
 from shardlm.executor.base import Executor, WorkerDiedError
@@ -82,12 +82,17 @@ class MultiprocExecutor(Executor):
         self._store = host_store("127.0.0.1", self.world_size, par.distributed_init_timeout)
         self.broadcast = ShmQueue(num_readers=self.world_size, ctx=ctx)
         self.replies = [ShmQueue(num_readers=1, ctx=ctx).attach_reader(0) for _ in range(self.world_size)]
+        # pipeline stages on CPU pass hidden states through shared memory: rank r -> r + tp
+        tp = par.tensor_parallel_size
+        self.stage_links = {r: ShmQueue(num_readers=1, slot_bytes=4 << 20, num_slots=4, ctx=ctx)
+                            for r in range(self.world_size - tp)} if config.device.type == "cpu" else {}
         self.procs, self._errors = [], []
         for rank in range(self.world_size):
             err_recv, err_send = ctx.Pipe(duplex=False)
+            links = (self.stage_links.get(rank), self.stage_links.get(rank - tp))
             proc = ctx.Process(target=run_worker, name=f"shardlm-worker-{rank}", daemon=True,
                                args=(config, rank, ("127.0.0.1", self._store.port), self.broadcast,
-                                     self.replies[rank], err_send))
+                                     self.replies[rank], err_send, links))
             proc.start()
             err_send.close()
             self.procs.append(proc)
@@ -132,8 +137,7 @@ class MultiprocExecutor(Executor):
         self._failure = (f"Worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}{error}. "
                          f"The engine cannot continue; the other workers are being stopped.{hint}")
         logger.error(self._failure)
-        self.broadcast.close()
-        for q in self.replies:
+        for q in [self.broadcast, *self.replies, *self.stage_links.values()]:
             q.close()
         self._stop_workers(grace_s=1.0)
 
@@ -188,7 +192,7 @@ class MultiprocExecutor(Executor):
                 pass
         self._stop_workers(grace_s=5.0)
         self._watcher.join(5)
-        for q in [self.broadcast, *self.replies]:
+        for q in [self.broadcast, *self.replies, *self.stage_links.values()]:
             q.destroy()
         for conn in self._errors:
             conn.close()
@@ -210,7 +214,8 @@ class MultiprocExecutor(Executor):
 
 # ---- the worker process ----
 def run_worker(config: EngineConfig, rank: int, rendezvous: tuple[str, int], broadcast: ShmQueue,
-               reply: ShmQueue, error_pipe: Connection) -> None:
+               reply: ShmQueue, error_pipe: Connection,
+               stage_links: tuple[ShmQueue | None, ShmQueue | None] = (None, None)) -> None:
     """Entry point of a worker process: start up, then run what the broadcast queue says."""
     from shardlm.worker.worker import Worker
 
@@ -222,8 +227,13 @@ def run_worker(config: EngineConfig, rank: int, rendezvous: tuple[str, int], bro
     encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(ToWorker).decode
     worker = None
     try:
+        to_next, from_previous = stage_links
+        if from_previous is not None:
+            from_previous.attach_reader(0)
         worker = Worker(config, rank, rendezvous)
         worker.init_device()
+        if to_next is not None or from_previous is not None:
+            get_pp_group().set_shm_links(to_next, from_previous)
         worker.load_model()
         reply.put(encode(WorkerReady(rank)))
         answers_steps = rank == config.parallel.output_rank
@@ -249,8 +259,9 @@ def run_worker(config: EngineConfig, rank: int, rendezvous: tuple[str, int], bro
     finally:
         if worker is not None:
             worker.shutdown()
-        broadcast.destroy()
-        reply.destroy()
+        for q in (broadcast, reply, *stage_links):
+            if q is not None:
+                q.destroy()
 
 
 def _die_with_parent() -> None:
