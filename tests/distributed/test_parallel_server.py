@@ -1,4 +1,5 @@
-"""`shardlm serve -tp 2`: the OpenAI server over an engine core whose workers are two processes."""
+"""`shardlm serve -tp 2 / -pp 2 / -tp 2 -pp 2`: the OpenAI server over an engine core whose ranks
+are worker processes."""
 
 import os
 import signal
@@ -7,19 +8,16 @@ import time
 import httpx
 import openai
 import psutil
+import pytest
 
 from shardlm import LLM, SamplingParams
 from tests.server.test_openai_server import _start, _stop
 
 
-def _worker_pids(server_pid: int) -> list[int]:
-    return [p.pid for p in psutil.Process(server_pid).children(recursive=True)
-            if "shardlm-worker" in p.name() or "spawn_main" in " ".join(p.cmdline())]
-
-
-def test_tp2_server_smoke(tiny_model_dir):
+@pytest.mark.parametrize("layout", [["-tp", "2"], ["-pp", "2"], ["-tp", "2", "-pp", "2"]])
+def test_parallel_server_smoke(tiny_model_dir, layout):
     path = tiny_model_dir("llama-gqa")
-    proc, url = _start(path, "-tp", "2")
+    proc, url = _start(path, *layout)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         prompts = ["The capital of", "One two three"]
@@ -34,8 +32,9 @@ def test_tp2_server_smoke(tiny_model_dir):
                                                 stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
             full.choices[0].message.content
-        # engine core + 2 workers under the server
-        assert len(psutil.Process(proc.pid).children(recursive=True)) >= 3
+        # engine core + one worker per rank under the server
+        ranks = 4 if len(layout) == 4 else 2
+        assert len(psutil.Process(proc.pid).children(recursive=True)) >= 1 + ranks
     finally:
         _stop(proc)        # asserts that SIGTERM leaves no process behind
 

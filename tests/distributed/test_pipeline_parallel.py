@@ -1,0 +1,128 @@
+"""Pipeline parallel (mp executor, CPU): outputs equal transformers' and the single-process
+engine's for even, uneven and explicit layer splits, with TP inside stages and tied embeddings;
+many requests in flight never get mixed up; each stage holds only its layers; bad partitions
+and dead stages fail clearly."""
+
+import math
+import os
+import random
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+from safetensors import safe_open
+
+from shardlm import LLM, SamplingParams
+from shardlm.executor.base import WorkerDiedError
+from tests.models.test_tiny_models_vs_hf import MAX_TOKENS, PARAMS, _prompts
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dir, hf):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = hf.greedy(tiny_model_dir(name), _prompts(), MAX_TOKENS)
+        return cache[name]
+    return get
+
+
+def _run(path, prompts, params, **kwargs):
+    llm = LLM(path, dtype="float32", kv_cache_memory="64MiB", **kwargs)
+    try:
+        return llm.generate(prompts, params, use_tqdm=False), llm.engine.core.executor.collective_rpc("weight_bytes")
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("name,tp,pp,partition", [
+    ("llama-gqa", 1, 2, None),                    # even split
+    ("llama-5-layers", 1, 3, None),               # uneven: 2, 2, 1
+    ("llama-5-layers", 1, 3, "1,3,1"),            # explicit
+    ("llama-gqa", 2, 2, None),                    # 4 processes, TP inside each stage
+    ("llama-tied-llama3rope", 1, 2, None),        # the last stage's LM head is the first's embedding
+])
+def test_pp_matches_hf(name, tp, pp, partition, tiny_model_dir, references, hf):
+    outs, _ = _run(tiny_model_dir(name), _prompts(), PARAMS, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                   pp_layer_partition=partition)
+    exact = hf.assert_close(references(name), outs, f"{name} tp={tp} pp={pp} {partition}")
+    assert exact >= 4, f"only {exact}/6 sequences equal HF exactly"
+
+
+def test_many_requests_in_flight_equal_pp1(tiny_model_dir):
+    """64 requests of mixed lengths and budgets: two batches are always in the pipeline, and
+    no request may ever receive another's token."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(2, 60))] for _ in range(64)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(1, 30), ignore_eos=True) for _ in prompts]
+    for i in range(0, 64, 8):    # and some seeded samples, n > 1 (they share the prompt's blocks)
+        params[i] = SamplingParams(n=3, temperature=1.0, seed=i, max_tokens=12, ignore_eos=True)
+    path = tiny_model_dir("llama-5-layers")
+    ref, _ = _run(path, prompts, params)
+    outs, _ = _run(path, prompts, params, pipeline_parallel_size=2, max_num_batched_tokens=256)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in ref]
+    assert len(outs[0].outputs) == 3
+
+
+def test_each_stage_holds_its_layers(tiny_model_dir):
+    path = tiny_model_dir("llama-5-layers")
+    sizes = {}
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            sizes[name] = f.get_slice(name).get_shape()
+    nbytes = {n: 4 * math.prod(s) for n, s in sizes.items()}
+
+    def expected(layers, extra):
+        return sum(b for n, b in nbytes.items()
+                   if any(n.startswith(f"model.layers.{i}.") for i in layers) or n in extra)
+    _, per_rank = _run(path, _prompts(2), PARAMS, pipeline_parallel_size=3, pp_layer_partition="1,3,1")
+    assert per_rank == [expected([0], {"model.embed_tokens.weight"}), expected([1, 2, 3], set()),
+                        expected([4], {"model.norm.weight", "lm_head.weight"})]
+
+
+def test_bad_partitions_are_clear_errors(tiny_model_dir):
+    path = tiny_model_dir("llama-5-layers")
+    with pytest.raises(ValueError, match=r"\[1, 3\] must have 3 entries .* summing to 5 \(it has 2 summing to 4\)"):
+        LLM(path, pipeline_parallel_size=3, pp_layer_partition="1,3")
+    with pytest.raises(ValueError, match="more than the model's 5 layers"):
+        LLM(path, pipeline_parallel_size=6)
+    with pytest.raises(ValueError, match="e.g. 16,14"):
+        LLM(path, pipeline_parallel_size=2, pp_layer_partition="half,half")
+
+
+def test_default_model_pp2_equals_pp1():
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "List three colours:"]
+    kw = dict(dtype="float32", kv_cache_memory="512MiB", max_model_len=512)
+    ref = LLM(**kw).generate(prompts, sp, use_tqdm=False)
+    llm = LLM(pipeline_parallel_size=2, **kw)
+    try:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_killed_stage_fails_fast_and_leaves_no_process(tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory="64MiB", max_model_len=512,
+              pipeline_parallel_size=2)
+    workers = [psutil.Process(p.pid) for p in llm.engine.core.executor.procs]
+    killed_at = []
+
+    def kill_stage_0():
+        time.sleep(1.0)
+        killed_at.append(time.monotonic())
+        os.kill(workers[0].pid, signal.SIGKILL)
+
+    threading.Thread(target=kill_stage_0, daemon=True).start()
+    long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
+    with pytest.raises(WorkerDiedError, match=r"rank 0 .* died"):
+        for _ in range(100):
+            llm.generate(_prompts(), long, use_tqdm=False)
+    assert time.monotonic() - killed_at[0] < 10
+    llm.shutdown()
+    _, alive = psutil.wait_procs(workers, timeout=5)
+    assert not alive, f"worker processes left: {[p.pid for p in alive]}"
