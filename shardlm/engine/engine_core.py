@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from shardlm.config import EngineConfig
+from shardlm.config import EngineConfig, format_bytes
 from shardlm.distributed.utils import describe_partition, pp_layer_partition
 from shardlm.engine.messages import EngineCoreOutput
 from shardlm.engine.request import Request
@@ -43,6 +43,11 @@ class EngineCore:
         if par.pipeline_parallel_size > 1:
             logger.info("PP %s; up to %d batches in flight", describe_partition(pp_layer_partition(
                 config.model.num_layers, par.pipeline_parallel_size, par.pp_layer_partition)), self.max_in_flight)
+        if par.world_size > 1:
+            weights, tp = self.executor.collective_rpc("weight_bytes"), par.tensor_parallel_size
+            logger.info("Memory per rank: %s; KV cache %d blocks (%d tokens) on every rank", "; ".join(
+                f"stage {s}: weights {', '.join(format_bytes(w) for w in weights[s * tp:(s + 1) * tp])}"
+                for s in range(par.pipeline_parallel_size)), num_blocks, num_blocks * config.cache.block_size)
         logger.info("Engine core ready in %.2f s", time.perf_counter() - t0)
 
     def _check_kv_capacity(self, num_blocks: int) -> None:
