@@ -53,8 +53,8 @@ def test_pp_matches_hf(name, tp, pp, partition, tiny_model_dir, references, hf):
 
 
 def test_many_requests_in_flight_equal_pp1(tiny_model_dir):
-    """64 requests of mixed lengths and budgets: two batches are always in the pipeline, and
-    no request may ever receive another's token."""
+    """64 requests of mixed lengths and budgets, with preemptions and chunked prefill: two
+    batches are always in the pipeline, and no request may ever receive another's token."""
     rng = random.Random(3)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(2, 60))] for _ in range(64)]
     params = [SamplingParams(temperature=0, max_tokens=rng.randrange(1, 30), ignore_eos=True) for _ in prompts]
@@ -62,7 +62,15 @@ def test_many_requests_in_flight_equal_pp1(tiny_model_dir):
         params[i] = SamplingParams(n=3, temperature=1.0, seed=i, max_tokens=12, ignore_eos=True)
     path = tiny_model_dir("llama-5-layers")
     ref, _ = _run(path, prompts, params)
-    outs, _ = _run(path, prompts, params, pipeline_parallel_size=2, max_num_batched_tokens=256)
+    # chunked prefill (256-token steps) and a KV cache of 60 blocks on stage 0 (3 layers x 4 KiB
+    # per block), too small for all 64 requests at once: preemptions
+    llm = LLM(path, dtype="float32", kv_cache_memory=12288 * 60, max_model_len=128, pipeline_parallel_size=2,
+              max_num_batched_tokens=256)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.core.stats()["num_preemptions"] > 0
+    finally:
+        llm.shutdown()
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in ref]
     assert len(outs[0].outputs) == 3
 
