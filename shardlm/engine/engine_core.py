@@ -4,7 +4,9 @@ step() = schedule -> execute on the workers -> update requests with the sampled 
 
 With pipeline parallel (P stages) the core keeps up to P batches in flight: it schedules and
 submits a new batch while earlier ones are still in the pipeline, and only then waits for the
-oldest. Stage 0 runs batch k+1 while stage 1 runs batch k.
+oldest. Stage 0 runs batch k+1 while stage 1 runs batch k. With workers in other processes the
+next batch is submitted as soon as the oldest one's tokens are in, before the caller
+post-processes them, so the workers never wait on detokenization.
 """
 
 from __future__ import annotations
@@ -76,21 +78,26 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineCoreOutput]:
-        submitted = False
-        if len(self.batch_queue) < self.max_in_flight:
-            scheduler_output = self.scheduler.schedule()
-            if scheduler_output.chunks:
-                self.batch_queue.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
-                submitted = True
+        self._fill_pipeline()
         if not self.batch_queue:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("The scheduler could not schedule any of the unfinished requests; "
                                    "this is a bug in shardlm, please report it.")
             return []
-        if submitted and len(self.batch_queue) < self.max_in_flight:
-            return []       # fill the pipeline before waiting on it
         scheduler_output, wait = self.batch_queue.popleft()
-        return self.scheduler.update(scheduler_output, wait())
+        outputs = self.scheduler.update(scheduler_output, wait())
+        if self.executor.runs_async:
+            # the workers start on the next batch while the caller detokenizes these outputs
+            self._fill_pipeline()
+        return outputs
+
+    def _fill_pipeline(self) -> None:
+        """Submit batches until max_in_flight are pending or nothing more can be scheduled."""
+        while len(self.batch_queue) < self.max_in_flight:
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.chunks:
+                return
+            self.batch_queue.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()

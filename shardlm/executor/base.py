@@ -58,6 +58,11 @@ class Executor(ABC):
     def max_concurrent_batches(self) -> int:
         return 1
 
+    @property
+    def runs_async(self) -> bool:
+        """True when submitted steps run elsewhere while the engine core goes on."""
+        return False
+
 
 def get_executor_class(config: EngineConfig) -> type[Executor]:
     backend = config.parallel.distributed_executor_backend

@@ -180,6 +180,10 @@ class MultiprocExecutor(Executor):
     def max_concurrent_batches(self) -> int:
         return self.config.parallel.pipeline_parallel_size
 
+    @property
+    def runs_async(self) -> bool:
+        return True
+
     def shutdown(self) -> None:
         if self._stopping:
             return
