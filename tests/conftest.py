@@ -94,3 +94,17 @@ def default_model_dir() -> str:
 @pytest.fixture(scope="session")
 def hf():
     return hf_reference
+
+
+@pytest.fixture(scope="session")
+def references(tiny_model_dir):
+    """references(name): transformers' greedy outputs (and top-5 sets) for a tiny model on the
+    shared 6-prompt batch of tests/models/test_tiny_models_vs_hf.py, computed once per session."""
+    from tests.models.test_tiny_models_vs_hf import MAX_TOKENS, _prompts
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = hf_reference.greedy(tiny_model_dir(name), _prompts(), MAX_TOKENS)
+        return cache[name]
+    return get

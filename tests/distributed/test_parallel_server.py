@@ -3,9 +3,7 @@ are worker processes."""
 
 import os
 import signal
-import time
 
-import httpx
 import openai
 import psutil
 import pytest

@@ -16,18 +16,7 @@ from safetensors import safe_open
 
 from shardlm import LLM, SamplingParams
 from shardlm.executor.base import WorkerDiedError
-from tests.models.test_tiny_models_vs_hf import MAX_TOKENS, PARAMS, _prompts
-
-
-@pytest.fixture(scope="module")
-def references(tiny_model_dir, hf):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = hf.greedy(tiny_model_dir(name), _prompts(), MAX_TOKENS)
-        return cache[name]
-    return get
+from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts
 
 
 def _run(path, prompts, params, **kwargs):

@@ -18,17 +18,6 @@ def _prompts(n=6, seed=1):
 PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
 
 
-@pytest.fixture(scope="module")
-def references(tiny_model_dir, hf):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = hf.greedy(tiny_model_dir(name), _prompts(), MAX_TOKENS)
-        return cache[name]
-    return get
-
-
 @pytest.mark.parametrize("name", ["llama-gqa", "llama-tied-llama3rope", "qwen2-bias", "mistral"])
 def test_batch_matches_hf(name, tiny_model_dir, references, hf):
     llm = LLM(tiny_model_dir(name), dtype="float32", kv_cache_memory="64MiB")
