@@ -110,3 +110,50 @@ def test_shared_prefix_is_computed_once_in_the_same_step():
     out, _ = step(s)
     assert [(c.req_id, c.start_pos, len(c.token_ids)) for c in out.chunks] == [("a", 0, 9), ("b", 8, 1)]
     assert out.chunks[0].block_ids[:2] == out.chunks[1].block_ids[:2]
+
+
+def _pipelined(num_blocks=64, max_num_seqs=8, depth=2):
+    return Scheduler(SchedulerConfig(max_num_seqs, 64, 1000), CacheConfig(block_size=BS), num_blocks,
+                     pipeline_depth=depth)
+
+
+def test_batches_in_flight_share_no_request_and_split_the_work():
+    s = _pipelined()
+    for i in range(4):
+        s.add_request(req(f"r{i}", 3, max_tokens=5, first=10 * i))
+    first, second = s.schedule(), s.schedule()
+    a, b = {c.req_id for c in first.chunks}, {c.req_id for c in second.chunks}
+    assert len(a) == len(b) == 2 and not a & b           # each batch about 1/depth of the requests
+    assert not s.schedule().chunks                       # everyone is in flight
+    s.update(first, ModelRunnerOutput({c.req_id: 7 for c in first.chunks}))
+    third = s.schedule()
+    assert {c.req_id for c in third.chunks} == a         # back once their tokens are in
+    assert all(len(c.token_ids) == 1 for c in third.chunks)
+
+
+def test_requests_in_flight_are_never_preempted():
+    # 4 usable blocks of 4 tokens (block 0 is the null block): the two prompts fill them all
+    s = _pipelined(num_blocks=5)
+    s.add_request(req("old", 8, max_tokens=20))
+    s.add_request(req("new", 8, max_tokens=20, first=50))
+    first, second = s.schedule(), s.schedule()
+    assert [c.req_id for c in first.chunks + second.chunks] == ["old", "new"]
+    blocks_in_flight = s.kv.block_ids("new")
+    s.update(first, ModelRunnerOutput({"old": 7}))
+    # "old" needs a fifth block; the newest request ("new") is in flight, so "old" yields itself
+    out = s.schedule()
+    assert not out.chunks and s.num_preemptions == 1
+    assert s.requests["old"].status == RequestStatus.PREEMPTED
+    assert s.requests["new"].status == RequestStatus.RUNNING and s.kv.block_ids("new") == blocks_in_flight
+
+
+def test_finished_ids_wait_for_a_batch_that_carries_them():
+    s = _pipelined()
+    s.add_request(req("a", 3, max_tokens=1))
+    s.add_request(req("b", 3, max_tokens=5, first=20))
+    first, second = s.schedule(), s.schedule()
+    s.update(first, ModelRunnerOutput({c.req_id: 7 for c in first.chunks}))     # a finishes
+    done = first.chunks[0].req_id
+    assert not s.schedule().chunks                # b is still in flight: nothing to send
+    s.update(second, ModelRunnerOutput({c.req_id: 7 for c in second.chunks}))
+    assert s.schedule().finished_req_ids == [done]
