@@ -10,3 +10,6 @@ SHARDLM_CACHE_DIR = os.environ.get(
     "SHARDLM_CACHE_DIR", os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "shardlm"))
 # Set to 1 to use torch ops instead of shardlm's compiled CPU kernels (for comparison and debugging).
 SHARDLM_DISABLE_KERNELS = os.environ.get("SHARDLM_DISABLE_KERNELS", "0") not in ("", "0")
+# This node's address for rendezvous and collectives, where the default (the interface that
+# routes outward) is wrong, e.g. on nodes with several networks.
+SHARDLM_HOST_IP = os.environ.get("SHARDLM_HOST_IP", "")

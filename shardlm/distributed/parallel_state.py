@@ -211,9 +211,20 @@ def init_distributed_environment(world_size: int, rank: int, store_host: str, st
 
 
 def host_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
-    """The rendezvous store, hosted by the executor on a free port of `host` (never a fixed port)."""
-    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    """The rendezvous store, hosted by the executor on a free port of `host` (never a fixed port).
+    It listens on that address only: TCPStore alone would listen on every interface."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"Cannot open a rendezvous port on {host} ({e.strerror}): it is not an address of this "
+                         "node. Set SHARDLM_HOST_IP to one of its addresses.") from None
+    sock.listen(256)
+    port = sock.getsockname()[1]
+    # the store takes the listening socket over (detach: Python must not close it)
+    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=sock.detach())
 
 
 def missing_ranks(store: dist.TCPStore, world_size: int) -> list[int]:

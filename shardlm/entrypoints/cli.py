@@ -115,6 +115,26 @@ def cmd_serve(ns) -> None:
     run_server(engine_args_from(ns), ns.host, ns.port, ns.api_key, chat_template, ns.uvicorn_log_level)
 
 
+def cmd_env_check(ns) -> None:
+    import json
+
+    from shardlm.distributed.preflight import communication_check, node_facts, problems, render
+    if ns.address:
+        raise ValueError("env check --address (checks across Ray nodes) is not built yet; run it on each node.")
+    if ns.ranks < 2:
+        raise ValueError("env check --ranks must be at least 2 (it measures communication between ranks).")
+    facts = node_facts()
+    device = "cuda" if len(facts["gpus"]) >= ns.ranks else "cpu"
+    comm = communication_check(ns.ranks, device)
+    found = problems(facts, comm)
+    if ns.json:
+        print(json.dumps({"node": facts, "communication": comm, "problems": found}, indent=1))
+    else:
+        print(render(facts, comm, found))
+    if found:
+        sys.exit(1)
+
+
 def cmd_plan(ns) -> None:
     from shardlm.config import parse_size
     from shardlm.planner import ModelShape, Workload, load_config, recommend
@@ -184,6 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interconnect", choices=["nvlink", "pcie"], default="nvlink")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("env", help="check this node for distributed serving")
+    esub = p.add_subparsers(dest="env_kind", required=True)
+    e = esub.add_parser("check", help="addresses, versions, memory, devices, /dev/shm, and a measured "
+                        "all-reduce and send/recv between local ranks, in seconds")
+    e.add_argument("--ranks", type=int, default=2, help="local processes in the communication check")
+    e.add_argument("--address", default=None, help="HEAD:PORT of a Ray cluster (not built yet)")
+    e.add_argument("--json", action="store_true", help="print JSON")
+    e.set_defaults(func=cmd_env_check)
 
     p = sub.add_parser("bench", help="offline benchmarks")
     bsub = p.add_subparsers(dest="bench_kind", required=True)

@@ -1,0 +1,28 @@
+"""`shardlm env check`: the single-node preflight reports the node and proves the collectives."""
+
+import json
+import os
+import subprocess
+import sys
+
+
+def _check(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "shardlm.entrypoints.cli", "env", "check", *args],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_env_check_reports_the_node_and_measures_collectives():
+    run = _check("--json")
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(run.stdout)
+    node, comm = report["node"], report["communication"]
+    assert node["host_ip"] and node["versions"]["torch"] and node["cpus"] >= 1 and node["dev_shm_free"] > 0
+    assert comm["all_reduce_ok"] and comm["send_recv_ok"] and comm["backend"] == "gloo"
+    assert comm["all_reduce_latency_us"] > 0 and comm["all_reduce_GBps"] > 0 and comm["send_recv_GBps"] > 0
+    assert report["problems"] == []
+
+
+def test_env_check_names_an_unusable_address():
+    run = _check(env={"SHARDLM_HOST_IP": "203.0.113.7"})     # not an address of this machine
+    assert run.returncode == 1
+    assert "Cannot open a rendezvous port on 203.0.113.7" in run.stdout and "SHARDLM_HOST_IP" in run.stdout
