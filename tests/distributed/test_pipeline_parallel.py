@@ -6,16 +6,12 @@ and dead stages fail clearly."""
 import math
 import os
 import random
-import signal
-import threading
-import time
 
-import psutil
 import pytest
 from safetensors import safe_open
 
 from shardlm import LLM, SamplingParams
-from shardlm.executor.base import WorkerDiedError
+from tests.distributed.worker_kill import assert_killed_rank_fails_fast
 from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts
 
 
@@ -104,22 +100,4 @@ def test_default_model_pp2_equals_pp1():
 
 
 def test_killed_stage_fails_fast_and_leaves_no_process(tiny_model_dir):
-    llm = LLM(tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory="64MiB", max_model_len=512,
-              pipeline_parallel_size=2)
-    workers = [psutil.Process(p.pid) for p in llm.engine.core.executor.procs]
-    killed_at = []
-
-    def kill_stage_0():
-        time.sleep(1.0)
-        killed_at.append(time.monotonic())
-        os.kill(workers[0].pid, signal.SIGKILL)
-
-    threading.Thread(target=kill_stage_0, daemon=True).start()
-    long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
-    with pytest.raises(WorkerDiedError, match=r"rank 0 .* died"):
-        for _ in range(100):
-            llm.generate(_prompts(), long, use_tqdm=False)
-    assert time.monotonic() - killed_at[0] < 10
-    llm.shutdown()
-    _, alive = psutil.wait_procs(workers, timeout=5)
-    assert not alive, f"worker processes left: {[p.pid for p in alive]}"
+    assert_killed_rank_fails_fast(tiny_model_dir("llama-gqa"), rank=0, pipeline_parallel_size=2)

@@ -3,15 +3,13 @@ equal transformers' and the single-process engine's, the weights split, the erro
 dead worker fails the engine fast with no process left behind."""
 
 import os
-import signal
-import threading
-import time
 
 import psutil
 import pytest
 
 from shardlm import LLM, SamplingParams
 from shardlm.executor.base import WorkerDiedError
+from tests.distributed.worker_kill import assert_killed_rank_fails_fast
 from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts
 
 
@@ -95,25 +93,8 @@ def test_invalid_tp_sizes_list_the_valid_ones(tiny_model_dir):
 
 
 def test_killed_worker_fails_generate_fast_and_leaves_no_process(tiny_model_dir):
-    llm = LLM(tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory="64MiB", max_model_len=512,
-              tensor_parallel_size=2)
-    workers = _workers(llm)
-    killed_at = []
+    assert_killed_rank_fails_fast(tiny_model_dir("llama-gqa"), rank=1, tensor_parallel_size=2)
 
-    def kill_rank_1():
-        time.sleep(1.0)
-        killed_at.append(time.monotonic())
-        os.kill(workers[1].pid, signal.SIGKILL)
-
-    threading.Thread(target=kill_rank_1, daemon=True).start()
-    long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
-    with pytest.raises(WorkerDiedError, match=r"rank 1 .* died") as err:
-        for _ in range(100):      # far longer than 1 s unless the kill stops it
-            llm.generate(_prompts(), long, use_tqdm=False)
-    assert killed_at and time.monotonic() - killed_at[0] < 10, str(err.value)
-    llm.shutdown()
-    _, alive = psutil.wait_procs(workers, timeout=5)
-    assert not alive, f"worker processes left: {[p.pid for p in alive]}"
 
 
 def test_worker_start_up_error_reaches_the_caller(tiny_model_dir, tmp_path):

@@ -1,0 +1,34 @@
+"""Shared check: a worker SIGKILLed during generation fails the engine fast, leaving no process."""
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from shardlm import LLM, SamplingParams
+from shardlm.executor.base import WorkerDiedError
+from tests.models.test_tiny_models_vs_hf import _prompts
+
+
+def assert_killed_rank_fails_fast(model_dir: str, rank: int, **parallel) -> None:
+    llm = LLM(model_dir, dtype="float32", kv_cache_memory="64MiB", max_model_len=512, **parallel)
+    workers = [psutil.Process(p.pid) for p in llm.engine.core.executor.procs]
+    killed_at = []
+
+    def kill():
+        time.sleep(1.0)
+        killed_at.append(time.monotonic())
+        os.kill(workers[rank].pid, signal.SIGKILL)
+
+    threading.Thread(target=kill, daemon=True).start()
+    long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
+    with pytest.raises(WorkerDiedError, match=rf"rank {rank} .* died") as err:
+        for _ in range(100):      # far longer than 1 s unless the kill stops it
+            llm.generate(_prompts(), long, use_tqdm=False)
+    assert killed_at and time.monotonic() - killed_at[0] < 10, str(err.value)
+    llm.shutdown()
+    _, alive = psutil.wait_procs(workers, timeout=5)
+    assert not alive, f"worker processes left: {[p.pid for p in alive]}"
