@@ -150,6 +150,7 @@ class ParallelConfig:
     distributed_init_timeout: float = 300.0
     cpu_threads_bind: str = "auto"
     pp_layer_partition: list[int] | None = None       # layers per pipeline stage; None: even split
+    allow_cross_node_tp: bool = False                 # Ray: let a TP group span nodes (slow; refused by default)
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -162,18 +163,16 @@ class ParallelConfig:
         backend = self.distributed_executor_backend
         if backend not in (None, "uni", "mp", "ray"):
             raise ValueError(f"distributed_executor_backend={backend!r}: use 'uni', 'mp' or 'ray'.")
-        if backend == "ray":
-            raise NotImplementedError("distributed_executor_backend='ray' is not supported yet; use 'mp' "
-                                      "(every rank on this node).")
         if backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor x pipeline parallel "
-                             f"is {self.world_size} ranks: use 'mp' (or leave it out).")
-        if backend is None:
-            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+                             f"is {self.world_size} ranks: use 'mp' or 'ray' (or leave it out).")
+        if backend is None and self.world_size == 1:
+            self.distributed_executor_backend = "uni"    # more ranks: chosen with the device (choose_backend)
         if self.distributed_init_timeout <= 0:
             raise ValueError(f"distributed_init_timeout={self.distributed_init_timeout} must be positive seconds.")
         from shardlm.worker.cpu_binding import validate_binding
-        validate_binding(self.cpu_threads_bind, self.world_size)
+        # on Ray a core list is per node (checked when the ranks are placed)
+        validate_binding(self.cpu_threads_bind, None if backend == "ray" else self.world_size)
 
     @property
     def world_size(self) -> int:
@@ -219,6 +218,7 @@ class EngineArgs:
     distributed_init_timeout: float = 300.0
     cpu_threads_bind: str = "auto"
     pp_layer_partition: str | None = None
+    allow_cross_node_tp: bool = False
 
     HELP = {
         "model": "Hugging Face model directory (config.json, safetensors, tokenizer); "
@@ -241,10 +241,13 @@ class EngineArgs:
         "pipeline_parallel_size": "number of pipeline stages",
         "data_parallel_size": "number of data parallel replicas",
         "distributed_executor_backend": "uni (one process), mp (processes on this node) or ray (nodes); "
-                                        "default: uni for one rank, mp for more",
+                                        "default: uni for one rank, mp when every rank fits on this node "
+                                        "and this is not a Ray placement group, else ray",
         "distributed_init_timeout": "seconds to wait for every rank to join before failing with the missing ones",
         "pp_layer_partition": "layers per pipeline stage, e.g. 16,14 (default: even, the remainder to the "
                               "stages before the last)",
+        "allow_cross_node_tp": "Ray: allow a tensor parallel group to span nodes (two all-reduces per layer "
+                               "over the network; refused by default)",
         "cpu_threads_bind": "CPU: 'auto' (share this machine's cores evenly among ranks), 'nobind', or one core "
                             "list per rank separated by '|', e.g. '0-3|4-7' (pins each rank to its cores)",
     }
@@ -261,8 +264,11 @@ class EngineArgs:
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                   self.data_parallel_size, self.distributed_executor_backend,
                                   self.distributed_init_timeout, self.cpu_threads_bind,
-                                  _parse_partition(self.pp_layer_partition))
+                                  _parse_partition(self.pp_layer_partition), self.allow_cross_node_tp)
         device = resolve_device(self.device)
+        if parallel.distributed_executor_backend is None:
+            from shardlm.executor.selection import choose_backend
+            parallel.distributed_executor_backend = choose_backend(parallel.world_size, device)
         path = resolve_model_path(self.model, self.download_dir)
         hf_config = load_hf_config(path)
         architecture = resolve_architecture(hf_config)

@@ -13,3 +13,6 @@ SHARDLM_DISABLE_KERNELS = os.environ.get("SHARDLM_DISABLE_KERNELS", "0") not in 
 # This node's address for rendezvous and collectives, where the default (the interface that
 # routes outward) is wrong, e.g. on nodes with several networks.
 SHARDLM_HOST_IP = os.environ.get("SHARDLM_HOST_IP", "")
+# Ray executor: more variables to forward to the workers on every node, comma-separated
+# (NCCL_*, GLOO_* and SHARDLM_* are always forwarded), e.g. "HF_TOKEN,LD_LIBRARY_PATH".
+SHARDLM_FORWARD_ENV = os.environ.get("SHARDLM_FORWARD_ENV", "")

@@ -20,19 +20,7 @@ import time
 import psutil
 
 from shardlm import envs
-
-
-def host_ip() -> str:
-    """This node's address for rendezvous and collectives: SHARDLM_HOST_IP if set, else the
-    address of the interface that routes outward (no packet is sent), else loopback."""
-    if envs.SHARDLM_HOST_IP:
-        return envs.SHARDLM_HOST_IP
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
+from shardlm.distributed.network import host_ip
 
 
 def node_facts() -> dict:

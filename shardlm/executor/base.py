@@ -69,5 +69,8 @@ def get_executor_class(config: EngineConfig) -> type[Executor]:
     if backend == "mp":
         from shardlm.executor.multiproc import MultiprocExecutor
         return MultiprocExecutor
+    if backend == "ray":
+        from shardlm.executor.ray_executor import RayExecutor
+        return RayExecutor
     from shardlm.executor.uniproc import UniProcExecutor
     return UniProcExecutor

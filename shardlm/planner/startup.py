@@ -31,10 +31,12 @@ def check_parallel_layout(config: EngineConfig) -> None:
                          f"tensor parallel size {tp} cannot split it ({'; '.join(problems)}). "
                          f"Valid tensor parallel sizes are {valid}.")
     pp_layer_partition(m.num_layers, par.pipeline_parallel_size, par.pp_layer_partition)   # raises if impossible
-    if config.device.type == "cuda" and par.world_size > torch.cuda.device_count():
+    if config.device.type == "cuda" and par.distributed_executor_backend != "ray" \
+            and par.world_size > torch.cuda.device_count():
         raise ValueError(f"tensor x pipeline parallel = {par.world_size} ranks needs {par.world_size} GPUs, but "
                          f"{torch.cuda.device_count()} are visible on this node (CUDA_VISIBLE_DEVICES="
-                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Lower the parallel sizes.")
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Lower the parallel sizes, or use "
+                         "--distributed-executor-backend ray across nodes.")
 
 
 def check_fits(config: EngineConfig) -> None:

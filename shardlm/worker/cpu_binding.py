@@ -29,13 +29,14 @@ def parse_core_list(text: str) -> list[int]:
     return cores
 
 
-def validate_binding(spec: str, world_size: int) -> None:
-    """Raise a helpful error for a spec that cannot work; called before any process starts."""
+def validate_binding(spec: str, ranks: int | None) -> None:
+    """Raise a helpful error for a spec that cannot work; called before any process starts.
+    ranks: how many ranks share this machine (None: not known yet, only the core lists are checked)."""
     if spec in ("auto", "nobind"):
         return
     groups = spec.split("|")
-    if len(groups) != world_size:
-        raise ValueError(f"cpu_threads_bind={spec!r} lists {len(groups)} core group(s) but there are {world_size} "
+    if ranks is not None and len(groups) != ranks:
+        raise ValueError(f"cpu_threads_bind={spec!r} lists {len(groups)} core group(s) but there are {ranks} "
                          "ranks: give one group per rank, separated by '|' (e.g. '0-3|4-7'), or 'auto'.")
     allowed = os.sched_getaffinity(0)
     for group in groups:
@@ -49,12 +50,14 @@ def validate_binding(spec: str, world_size: int) -> None:
                              f"available to this process (available: {_ranges(sorted(allowed))}).")
 
 
-def binding_for_rank(spec: str, world_size: int, rank: int) -> CpuBinding:
+def binding_for_rank(spec: str, local_world_size: int, local_rank: int) -> CpuBinding:
+    """local_*: among the ranks on this machine (all of them with the mp executor)."""
     if spec == "nobind":
         return CpuBinding(None, None)
     if spec == "auto":
-        return CpuBinding(max(1, len(os.sched_getaffinity(0)) // world_size), None)
-    cores = parse_core_list(spec.split("|")[rank])
+        return CpuBinding(max(1, len(os.sched_getaffinity(0)) // local_world_size), None)
+    validate_binding(spec, local_world_size)
+    cores = parse_core_list(spec.split("|")[local_rank])
     return CpuBinding(len(cores), cores)
 
 

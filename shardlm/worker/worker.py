@@ -21,15 +21,20 @@ logger = init_logger(__name__)
 
 
 class Worker:
-    """`rendezvous`: (host, port) of the executor's TCP store; None for a single rank."""
+    """`rendezvous`: (host, port) of the executor's TCP store; None for a single rank.
+    `local_rank` / `local_world_size`: this rank among those on its machine (default: all ranks
+    are on one machine), for sharing its CPU cores."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0, rendezvous: tuple[str, int] | None = None):
+    def __init__(self, config: EngineConfig, rank: int = 0, rendezvous: tuple[str, int] | None = None,
+                 local_rank: int | None = None, local_world_size: int | None = None):
         self.config = config
         self.rank = rank
         self.rendezvous = rendezvous
+        self.local_rank = rank if local_rank is None else local_rank
+        self.local_world_size = config.parallel.world_size if local_world_size is None else local_world_size
         self.device = config.device
         if self.device.type == "cuda":
-            self.device = torch.device("cuda", rank % torch.cuda.device_count())
+            self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
         self.runner = ModelRunner(config, self.device)
 
     def init_device(self) -> None:
@@ -38,7 +43,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         else:
             keep_freed_memory_in_heap()
-            apply_binding(binding_for_rank(par.cpu_threads_bind, par.world_size, self.rank))
+            apply_binding(binding_for_rank(par.cpu_threads_bind, self.local_world_size, self.local_rank))
         if par.world_size > 1:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             host, port = self.rendezvous

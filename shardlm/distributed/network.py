@@ -1,0 +1,51 @@
+"""Which address and interface this node uses for rendezvous and collectives.
+
+A node with several networks (docker bridges, a management LAN, InfiniBand) has several
+addresses; the wrong pick is the classic multi-node failure (a hang in process-group init).
+shardlm uses one address per node: SHARDLM_HOST_IP where set, else the one Ray or the routing
+table reports, and binds gloo and NCCL to the interface that owns it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import psutil
+
+from shardlm import envs
+
+
+def host_ip() -> str:
+    """This node's address: SHARDLM_HOST_IP if set, else the address of the interface that
+    routes outward (no packet is sent), else loopback."""
+    if envs.SHARDLM_HOST_IP:
+        return envs.SHARDLM_HOST_IP
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of the network interface that holds `ip` on this node, or None."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)):
+            return name
+    return None
+
+
+def bind_collectives_to(ip: str, backend: str) -> dict[str, str]:
+    """Point gloo (and NCCL) at the interface of `ip`, unless the user chose one; returns what
+    was set. Without it gloo binds to whatever the hostname resolves to (often 127.0.1.1)."""
+    iface = interface_of(ip)
+    if iface is None:
+        raise ValueError(f"{ip} is not an address of this node ({socket.gethostname()}): set SHARDLM_HOST_IP "
+                         "on this node to one of its own addresses (see `shardlm env check`).")
+    chosen = {}
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if backend == "nccl" else ("GLOO_SOCKET_IFNAME",):
+        if var not in os.environ:
+            os.environ[var] = chosen[var] = iface
+    return chosen

@@ -1,0 +1,256 @@
+"""The executor for ranks on several nodes: one Ray actor per rank, in one placement group.
+
+Each actor runs the same Worker as the mp executor. Steps travel as msgspec bytes in Ray actor
+calls (an actor runs the calls of one caller in order, so pipeline batches stay ordered); the
+tensors between ranks go over torch.distributed (gloo / NCCL), bound to each node's address.
+
+Failure path: every actor also runs `watch`, a call that never returns, in its own
+concurrency group. Its result resolves only when the actor dies, so waiting on it beside each
+step's results turns a dead rank, wherever it ran, into WorkerDiedError at once, naming the
+rank and node; a watcher thread does the same while the engine is idle. On shutdown the
+actors are killed and the placement group removed: nothing of ours stays in `ray status`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import socket
+import threading
+import time
+
+import msgspec
+import ray
+
+from shardlm.config import EngineConfig
+from shardlm.distributed.network import bind_collectives_to, host_ip
+from shardlm.distributed.parallel_state import host_store, missing_ranks
+from shardlm.engine.messages import ModelRunnerOutput, SchedulerOutput
+from shardlm.executor.base import Executor, WorkerDiedError
+from shardlm.executor.ray_placement import (NodeInfo, check_placement, create_placement_group, forwarded_env,
+                                            local_ranks, rank_order)
+from shardlm.logger import init_logger, set_log_prefix
+
+logger = init_logger(__name__)
+
+_INLINE_BYTES = 64 << 10     # larger step payloads go through Ray's object store once, not once per rank
+
+
+def _versions() -> dict[str, str]:
+    import torch
+
+    import shardlm
+    return {"shardlm": shardlm.__version__, "torch": torch.__version__, "ray": ray.__version__}
+
+
+@ray.remote(concurrency_groups={"monitor": 1}, max_restarts=0)
+class RayWorker:
+    """One rank, in a Ray actor: a thin shell around Worker."""
+
+    def __init__(self):
+        self.worker = None
+        self.output_encoder = msgspec.msgpack.Encoder()
+        self.step_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+
+    def node_info(self, model_path: str) -> NodeInfo:
+        ip = os.environ.get("SHARDLM_HOST_IP") or ray.util.get_node_ip_address()
+        return NodeInfo(ray.get_runtime_context().get_node_id(), ip, socket.gethostname(), os.getpid(), _versions(),
+                        os.path.exists(model_path))
+
+    def start(self, config: EngineConfig, rank: int, local_rank: int, local_world_size: int,
+              rendezvous: tuple[str, int], ip: str) -> None:
+        from shardlm.worker.worker import Worker
+
+        tp = config.parallel.tensor_parallel_size
+        set_log_prefix(f"(rank {rank}: pp {rank // tp}, tp {rank % tp}) ")
+        backend = "nccl" if config.device.type == "cuda" else "gloo"
+        chosen = bind_collectives_to(ip, backend)
+        if chosen:
+            logger.info("Collectives bound to %s", ", ".join(f"{k}={v}" for k, v in chosen.items()))
+        self.answers_steps = rank == config.parallel.output_rank
+        self.worker = Worker(config, rank, rendezvous, local_rank, local_world_size)
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def execute(self, payload: bytes) -> bytes | None:
+        output = self.worker.execute_model(self.step_decoder.decode(payload))
+        return self.output_encoder.encode(output) if self.answers_steps else None
+
+    def call(self, method: str, args: tuple):
+        return getattr(self.worker, method)(*args)
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+    @ray.method(concurrency_group="monitor")
+    def watch(self) -> None:
+        """Never returns: its result resolves (as an error) only when this actor dies."""
+        threading.Event().wait()
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        par = config.parallel
+        self.world_size, self.output_rank = par.world_size, par.output_rank
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode_output = msgspec.msgpack.Decoder(ModelRunnerOutput).decode
+        self._failure: str | None = None
+        self._stopping = False
+        self.actors, self.infos, self._watch_refs, self.pg = [], [], [], None
+        self._death_recv, self._death_send = multiprocessing.Pipe(duplex=False)
+        t0 = time.perf_counter()
+        self._owns_ray_connection = not ray.is_initialized()
+        if self._owns_ray_connection:
+            # RAY_ADDRESS or a cluster started on this node (`shardlm cluster head`, `ray start`);
+            # else Ray starts a local one
+            ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level="warning")
+        t_connect = time.perf_counter() - t0
+        atexit.register(self.shutdown)
+        try:
+            self._start(config, t0)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("Ray executor: %d actors on %d node(s) ready in %.1f s (Ray connect %.1f s); ranks: %s",
+                    self.world_size, len({i.node_id for i in self.infos}), time.perf_counter() - t0, t_connect,
+                    "; ".join(f"{r}: {i.ip} pid {i.pid}" for r, i in enumerate(self.infos)))
+
+    def _start(self, config: EngineConfig, t0: float) -> None:
+        par = config.parallel
+        env = forwarded_env()
+        if env:
+            logger.info("Forwarding to the workers on every node: %s", ", ".join(sorted(env)))
+        self.pg = create_placement_group(ray, self.world_size, config.device.type, par.distributed_init_timeout)
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        on_gpu = config.device.type == "cuda"
+        actors = [RayWorker.options(
+            num_cpus=1, num_gpus=1 if on_gpu else 0, runtime_env={"env_vars": env} if env else None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+        ).remote() for i in range(self.world_size)]
+        infos = ray.get([a.node_info.remote(config.model.model) for a in actors],
+                        timeout=par.distributed_init_timeout)
+        order = rank_order(infos, ray.get_runtime_context().get_node_id())
+        self.actors, self.infos = [actors[i] for i in order], [infos[i] for i in order]
+        self._watch_refs = [a.watch.remote() for a in self.actors]
+        self._watcher = threading.Thread(target=self._watch_workers, name="shardlm-ray-watch", daemon=True)
+        self._watcher.start()
+        check_placement(self.infos, par.tensor_parallel_size, par.pipeline_parallel_size, config.model.model,
+                        _versions(), par.allow_cross_node_tp)
+        driver_ip = host_ip() if os.environ.get("SHARDLM_HOST_IP") else ray.util.get_node_ip_address()
+        store = host_store(driver_ip, self.world_size, par.distributed_init_timeout)
+        local, local_sizes = local_ranks([i.hostname for i in self.infos])
+        starts = [a.start.remote(config, r, local[r], local_sizes[r], (driver_ip, store.port), self.infos[r].ip)
+                  for r, a in enumerate(self.actors)]
+        deadline = time.monotonic() + par.distributed_init_timeout
+        try:
+            self._gather(starts, deadline=deadline)
+        except TimeoutError:
+            missing = missing_ranks(store, self.world_size)
+            raise TimeoutError(
+                f"Distributed init timed out after {par.distributed_init_timeout:.0f} s: rank(s) "
+                + (", ".join(f"{r} on {self.infos[r].describe()}" for r in missing) or "all joined; loading")
+                + f" did not join the rendezvous at {driver_ip}:{store.port}. Check that those nodes reach that "
+                "address (`shardlm env check --address HEAD:PORT`), or raise --distributed-init-timeout.") from None
+        self._store = store
+
+    # ---- failure detection ----
+    def _describe_rank(self, rank: int) -> str:
+        info = self.infos[rank]
+        return f"Worker rank {rank} on {info.describe()}, pid {info.pid}"
+
+    def _record_death(self, rank: int, error: BaseException) -> str:
+        if self._failure is None:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            self._failure = (f"{self._describe_rank(rank)} died ({type(error).__name__}: {reason}). The engine "
+                             "cannot continue; the other workers are being stopped.")
+            logger.error(self._failure)
+            self._death_send.send_bytes(b"x")
+            self._kill_actors()
+        return self._failure
+
+    def _watch_workers(self) -> None:
+        while not self._stopping and self._failure is None:
+            ready, _ = ray.wait(self._watch_refs, num_returns=1, timeout=1.0)
+            if ready and not self._stopping:
+                rank = self._watch_refs.index(ready[0])
+                try:
+                    ray.get(ready[0])
+                except Exception as e:     # noqa: BLE001  (the actor's death, as Ray reports it)
+                    self._record_death(rank, e)
+
+    def check_health(self) -> None:
+        if self._failure:
+            raise WorkerDiedError(self._failure)
+
+    def sentinels(self) -> list:
+        return [self._death_recv]
+
+    # ---- talking to the workers ----
+    def _gather(self, refs: list, deadline: float | None = None) -> list:
+        """Every rank's result of one call, in rank order; WorkerDiedError as soon as any rank fails
+        or dies (a rank stuck waiting on a dead peer never answers)."""
+        self.check_health()
+        results, pending = [None] * len(refs), {ref: rank for rank, ref in enumerate(refs)}
+        while pending:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait([*pending, *self._watch_refs], num_returns=1, timeout=timeout)
+            if not ready:
+                raise TimeoutError
+            ref = ready[0]
+            rank = pending.pop(ref, None)
+            try:
+                value = ray.get(ref)
+            except Exception as e:         # noqa: BLE001  (a failed call or a dead actor)
+                raise WorkerDiedError(self._record_death(self._watch_refs.index(ref) if rank is None else rank, e)) \
+                    from None
+            if rank is not None:
+                results[rank] = value
+        return results
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        if kwargs:
+            raise TypeError("collective_rpc sends positional arguments only")
+        return self._gather([a.call.remote(method, args) for a in self.actors])
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(scheduler_output)()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput):
+        self.check_health()
+        payload = self._encode(scheduler_output)
+        if len(payload) > _INLINE_BYTES:
+            payload = ray.put(payload)
+        refs = [a.execute.remote(payload) for a in self.actors]
+        return lambda: self._decode_output(self._gather(refs)[self.output_rank])
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.config.parallel.pipeline_parallel_size
+
+    @property
+    def runs_async(self) -> bool:
+        return True
+
+    # ---- shutdown ----
+    def _kill_actors(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+
+    def shutdown(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        atexit.unregister(self.shutdown)
+        if not ray.is_initialized():
+            return
+        if self._failure is None and self.actors:
+            ray.wait([a.stop.remote() for a in self.actors], num_returns=len(self.actors), timeout=5)
+        self._kill_actors()
+        if self.pg is not None:
+            ray.util.remove_placement_group(self.pg)
+        if self._owns_ray_connection:
+            ray.shutdown()
+        self._death_send.close()

@@ -1,0 +1,45 @@
+"""The default executor backend, as vLLM users know it: mp when every rank fits on this node
+and we are not inside a Ray placement group; ray otherwise."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from shardlm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def choose_backend(world_size: int, device: torch.device) -> str:
+    if world_size == 1:
+        return "uni"
+    if _in_ray_placement_group():
+        backend, why = "ray", "this process runs inside a Ray placement group"
+    elif device.type == "cuda" and world_size > torch.cuda.device_count():
+        backend, why = "ray", (f"{world_size} ranks need more GPUs than the {torch.cuda.device_count()} on this "
+                               "node")
+    else:
+        backend, why = "mp", f"all {world_size} ranks fit on this node"
+    logger.info("Distributed executor backend: %s (%s; choose with --distributed-executor-backend)", backend, why)
+    if backend == "ray":
+        require_ray()
+    return backend
+
+
+def _in_ray_placement_group() -> bool:
+    # only a process that Ray started (which has imported ray) can be in a placement group;
+    # the mp path never imports ray itself
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized() and ray.util.get_current_placement_group() is not None
+
+
+def require_ray():
+    """Import ray, or say how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("The ray executor needs Ray, which is not installed: pip install 'shardlm[ray]' "
+                          "(on every node), or use --distributed-executor-backend mp on one node.") from None
+    return ray
