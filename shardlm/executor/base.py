@@ -70,6 +70,8 @@ def get_executor_class(config: EngineConfig) -> type[Executor]:
         from shardlm.executor.multiproc import MultiprocExecutor
         return MultiprocExecutor
     if backend == "ray":
+        from shardlm.executor.selection import require_ray
+        require_ray()
         from shardlm.executor.ray_executor import RayExecutor
         return RayExecutor
     from shardlm.executor.uniproc import UniProcExecutor

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import resource
 import time
 
@@ -81,6 +82,10 @@ class Worker:
 
     def weight_bytes(self) -> int:
         return self.runner.weight_bytes()
+
+    def environment(self, names: list[str]) -> dict[str, str | None]:
+        """These environment variables as this rank sees them (what reached it on its node)."""
+        return {name: os.environ.get(name) for name in names}
 
     def peak_rss_bytes(self) -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

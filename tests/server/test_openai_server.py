@@ -23,14 +23,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(model_dir, *extra):
+def _start(model_dir, *extra, env=None):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "shardlm.entrypoints.cli", "serve", model_dir, "--port", str(port),
                              "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "256",
                              "--served-model-name", "tiny", "--uvicorn-log-level", "warning", *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
+    deadline = time.time() + 90
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited: {proc.stderr.read()[-3000:]}")
@@ -41,7 +42,7 @@ def _start(model_dir, *extra):
             pass
         time.sleep(0.3)
     proc.kill()
-    raise RuntimeError("server did not become healthy in 60 s")
+    raise RuntimeError("server did not become healthy in 90 s")
 
 
 def _stop(proc) -> None:

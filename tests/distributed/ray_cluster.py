@@ -1,0 +1,41 @@
+"""A real multi-node Ray cluster on this machine for tests: Ray's own cluster_utils, each node a
+separate raylet with its own resources. Connected in this process for the tests' duration."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+
+@contextlib.contextmanager
+def ray_cluster(nodes: int, cpus_per_node: int):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, "include_dashboard": False})
+    try:
+        for _ in range(nodes - 1):
+            cluster.add_node(num_cpus=cpus_per_node)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="warning")
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def assert_nothing_left(timeout_s: float = 10.0) -> None:
+    """What `ray status` would show after our shutdown: every resource free again, and every
+    placement group removed."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free, total = ray.available_resources(), ray.cluster_resources()
+        groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+        if free.get("CPU") == total.get("CPU") and not groups:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"left in the cluster: {total.get('CPU', 0) - free.get('CPU', 0):g} CPUs in use, "
+                                 f"placement groups {groups}")
+        time.sleep(0.2)

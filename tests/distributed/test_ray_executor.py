@@ -1,0 +1,146 @@
+"""The Ray executor on a real two-node Ray cluster (one CPU per node, so each pipeline stage
+lands on its own node): outputs equal transformers' and the mp executor's; a TP group across
+nodes is refused; a killed actor fails the engine fast, naming rank and node; the server runs
+on it; nothing of ours is left in the cluster afterwards."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from shardlm import LLM, SamplingParams  # noqa: E402
+from shardlm.executor.base import WorkerDiedError  # noqa: E402
+from tests.distributed.ray_cluster import assert_nothing_left, ray_cluster  # noqa: E402
+from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts  # noqa: E402
+
+ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with ray_cluster(nodes=2, cpus_per_node=1) as c:
+        yield c
+
+
+def _generate(path, prompts=None, params=PARAMS, **kwargs):
+    llm = LLM(path, **ENGINE, **kwargs)
+    try:
+        outs = llm.generate(prompts or _prompts(), params, use_tqdm=False)
+        return outs, llm.engine.core.executor
+    finally:
+        llm.shutdown()
+
+
+def test_pp2_one_stage_per_node_matches_hf_and_mp(cluster, tiny_model_dir, references, hf):
+    path = tiny_model_dir("llama-gqa")
+    outs, executor = _generate(path, pipeline_parallel_size=2, distributed_executor_backend="ray")
+    assert type(executor).__name__ == "RayExecutor"
+    nodes = [info.node_id for info in executor.infos]
+    assert len(set(nodes)) == 2, "each stage on its own node"
+    assert nodes[0] == ray.get_runtime_context().get_node_id(), "rank 0 on the driver's node"
+    exact = hf.assert_close(references("llama-gqa"), outs, "ray pp=2")
+    assert exact >= 4, f"only {exact}/6 sequences equal HF exactly"
+    mp_outs, _ = _generate(path, pipeline_parallel_size=2, distributed_executor_backend="mp")
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in mp_outs]
+    assert_nothing_left()
+
+
+def test_tp_across_nodes_is_refused_unless_forced(cluster, tiny_model_dir, references, hf):
+    path = tiny_model_dir("llama-gqa")
+    with pytest.raises(ValueError, match=r"tensor parallel group of ranks 0-1 would span 2 nodes.*"
+                                         r"--allow-cross-node-tp"):
+        LLM(path, **ENGINE, tensor_parallel_size=2, distributed_executor_backend="ray")
+    assert_nothing_left()
+    outs, _ = _generate(path, tensor_parallel_size=2, distributed_executor_backend="ray", allow_cross_node_tp=True)
+    assert hf.assert_close(references("llama-gqa"), outs, "ray tp=2 across nodes") >= 4
+    assert_nothing_left()
+
+
+def test_environment_is_forwarded_to_every_node(cluster, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth-test")
+    monkeypatch.setenv("SHARDLM_TEST_MARKER", "forwarded")
+    monkeypatch.setenv("MY_SETTING", "listed")
+    monkeypatch.setenv("SHARDLM_FORWARD_ENV", "MY_SETTING")
+    monkeypatch.setenv("NOT_FORWARDED_VAR", "x")
+    monkeypatch.setattr("shardlm.envs.SHARDLM_FORWARD_ENV", "MY_SETTING")
+    llm = LLM(tiny_model_dir("llama-gqa"), **ENGINE, pipeline_parallel_size=2, distributed_executor_backend="ray")
+    try:
+        seen = ray.get([a.call.remote("environment", (["NCCL_SOCKET_IFNAME", "SHARDLM_TEST_MARKER", "MY_SETTING",
+                                                      "NOT_FORWARDED_VAR", "GLOO_SOCKET_IFNAME"],))
+                        for a in llm.engine.core.executor.actors])
+    finally:
+        llm.shutdown()
+    for env in seen:
+        assert env["NCCL_SOCKET_IFNAME"] == "eth-test" and env["SHARDLM_TEST_MARKER"] == "forwarded"
+        assert env["MY_SETTING"] == "listed" and env["NOT_FORWARDED_VAR"] is None
+        assert env["GLOO_SOCKET_IFNAME"], "gloo bound to the interface of the node's address"
+
+
+def test_killed_actor_fails_the_engine_fast_naming_rank_and_node(cluster, tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama-gqa"), **ENGINE, pipeline_parallel_size=2, distributed_executor_backend="ray")
+    executor = llm.engine.core.executor
+    victim = executor.infos[1]
+    killed_at = []
+
+    def kill():
+        time.sleep(1.0)
+        killed_at.append(time.monotonic())
+        os.kill(victim.pid, signal.SIGKILL)
+
+    threading.Thread(target=kill, daemon=True).start()
+    long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
+    with pytest.raises(WorkerDiedError, match=r"Worker rank 1 on node .*Ray node .* died") as err:
+        for _ in range(100):      # far longer than 1 s unless the kill stops it
+            llm.generate(_prompts(), long, use_tqdm=False)
+    assert killed_at and time.monotonic() - killed_at[0] < 10, str(err.value)
+    assert victim.node_id[:8] in str(err.value) and victim.ip in str(err.value)
+    llm.shutdown()
+    assert_nothing_left()
+
+
+def test_server_on_two_ray_nodes(cluster, tiny_model_dir):
+    import openai
+
+    from tests.server.test_openai_server import _start, _stop
+    path = tiny_model_dir("llama-gqa")
+    proc, url = _start(path, "--distributed-executor-backend", "ray", "-pp", "2", env={"RAY_ADDRESS": cluster.address})
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        prompts = ["The capital of", "One two three"]
+        ref = LLM(path, **ENGINE).generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                                           use_tqdm=False)
+        resp = client.completions.create(model="tiny", prompt=prompts, max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == [r.outputs[0].text for r in ref]
+        msgs = [{"role": "user", "content": "Hello there"}]
+        full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
+        stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                                stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
+            full.choices[0].message.content
+        assert ray.available_resources().get("CPU", 0) == 0, "both nodes' CPUs held by the server's ranks"
+    finally:
+        _stop(proc)        # SIGTERM leaves no local process behind
+    assert_nothing_left()
+
+
+def test_server_ends_when_an_idle_actor_dies(cluster, tiny_model_dir):
+    import psutil
+
+    from tests.server.test_openai_server import _start
+    proc, _ = _start(tiny_model_dir("llama-gqa"), "--distributed-executor-backend", "ray", "-pp", "2",
+                     env={"RAY_ADDRESS": cluster.address})
+    children = psutil.Process(proc.pid).children(recursive=True)
+    actors = [p for p in psutil.process_iter(["cmdline"]) if " ".join(p.info["cmdline"] or []).startswith("ray::RayWorker")]
+    assert len(actors) == 2
+    actors[0].kill()                     # while idle: noticed without any request
+    assert proc.wait(timeout=15) != 0
+    err = proc.stderr.read()
+    assert "Worker rank" in err and "on node" in err and "died" in err, err[-2000:]
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"processes left: {[p.pid for p in alive]}"
+    assert_nothing_left()
