@@ -3,6 +3,7 @@ and we are not inside a Ray placement group; ray otherwise."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -37,9 +38,21 @@ def _in_ray_placement_group() -> bool:
 
 def require_ray():
     """Import ray, or say how to install it."""
+    _use_ray_auth_token()
     try:
         import ray
     except ImportError:
         raise ImportError("The ray executor needs Ray, which is not installed: pip install 'shardlm[ray]' "
                           "(on every node), or use --distributed-executor-backend mp on one node.") from None
     return ray
+
+
+def _use_ray_auth_token() -> None:
+    """Clusters from `ray start` (Ray >= 2.5x) require the token in ~/.ray/auth_token, but a new
+    process talks to them without it unless RAY_AUTH_MODE=token; a token-mode client still
+    reaches clusters without authentication. Must run before ray is imported."""
+    if "RAY_AUTH_MODE" in os.environ or "ray" in sys.modules:
+        return
+    token_file = os.environ.get("RAY_AUTH_TOKEN_PATH", os.path.expanduser("~/.ray/auth_token"))
+    if os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(token_file):
+        os.environ["RAY_AUTH_MODE"] = "token"
