@@ -4,12 +4,13 @@ It reports what a distributed launch depends on (host address and interfaces, ve
 memory, devices, /dev/shm) and then proves the communication path: it starts `--ranks` local
 processes through the same rendezvous and process groups the engine uses, runs an all-reduce
 and a send/recv (gloo on CPU, NCCL on CUDA), checks the results, and measures latency and
-bandwidth. Any failure says what to fix. Checks across nodes (`--address`) belong to the Ray
-cluster support and are not built yet.
+bandwidth. Any failure says what to fix. Across the nodes of a Ray cluster (`--address`),
+distributed/cluster_check.py runs the same measurement with one rank per node.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import multiprocessing
 import os
 import platform
@@ -39,6 +40,10 @@ def node_facts() -> dict:
         "dev_shm_free": shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0,
         "gpus": [],
     }
+    try:
+        facts["versions"]["ray"] = importlib.metadata.version("ray")
+    except importlib.metadata.PackageNotFoundError:
+        pass
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(i)
@@ -46,17 +51,17 @@ def node_facts() -> dict:
     return facts
 
 
-def _rank_main(rank: int, world: int, host: str, port: int, device: str, results) -> None:
+def measure_collectives(rank: int, world: int, host: str, port: int, device: str, timeout_s: float = 60) -> dict:
+    """Run on every rank: join through the engine's rendezvous, check an all-reduce and a
+    send/recv (rank 0 -> 1) for correctness, and time them."""
     import torch
     import torch.distributed as dist
 
     from shardlm.distributed import parallel_state as ps
+    backend = "nccl" if device == "cuda" else "gloo"
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    ps.init_distributed_environment(world, rank, host, port, backend, timeout_s=timeout_s)
     try:
-        backend = "nccl" if device == "cuda" else "gloo"
-        dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
-        if device == "cuda":
-            torch.cuda.set_device(dev)
-        ps.init_distributed_environment(world, rank, host, port, backend, timeout_s=60)
         out = {"rank": rank}
         x = torch.full((4,), float(rank + 1), device=dev)
         dist.all_reduce(x)
@@ -89,8 +94,17 @@ def _rank_main(rank: int, world: int, host: str, port: int, device: str, results
             dist.recv(big, src=0)
             out["send_recv_ok"] = bool((big == 7.0).all())
             dist.send(small, dst=0)
-        results.put(out)
+        return out
+    finally:
         ps.destroy_model_parallel()
+
+
+def _rank_main(rank: int, world: int, host: str, port: int, device: str, results) -> None:
+    try:
+        if device == "cuda":
+            import torch
+            torch.cuda.set_device(rank)
+        results.put(measure_collectives(rank, world, host, port, device))
     except Exception as e:       # reported by the parent with the rank
         results.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
 
@@ -126,17 +140,22 @@ def communication_check(ranks: int = 2, device: str = "cpu", timeout_s: float = 
             p.join(5)
             if p.is_alive():
                 p.kill()
-    errors = [f"rank {r['rank']}: {r['error']}" for r in per_rank if "error" in r]
     out = {"ranks": ranks, "backend": "nccl" if device == "cuda" else "gloo", "address": f"{host}:{store.port}",
            "seconds": time.perf_counter() - t0}
+    out.update(summarize(per_rank))
+    return out
+
+
+def summarize(per_rank: list[dict], name=lambda rank: f"rank {rank}") -> dict:
+    """One verdict from every rank's measure_collectives result (or error)."""
+    errors = [f"{name(r['rank'])}: {r['error']}" for r in per_rank if "error" in r]
     if errors:
-        out["error"] = "; ".join(errors)
-        return out
-    out["all_reduce_ok"] = all(r["all_reduce_ok"] for r in per_rank)
-    out["send_recv_ok"] = per_rank[1].get("send_recv_ok", False)
-    out["all_reduce_latency_us"] = max(r["all_reduce_latency_us"] for r in per_rank)
-    out["all_reduce_GBps"] = min(r["all_reduce_GBps"] for r in per_rank)
-    out["send_recv_GBps"] = per_rank[0]["send_recv_GBps"]
+        return {"error": "; ".join(errors)}
+    out = {"all_reduce_ok": all(r["all_reduce_ok"] for r in per_rank),
+           "send_recv_ok": per_rank[1].get("send_recv_ok", False),
+           "all_reduce_latency_us": max(r["all_reduce_latency_us"] for r in per_rank),
+           "all_reduce_GBps": min(r["all_reduce_GBps"] for r in per_rank),
+           "send_recv_GBps": per_rank[0]["send_recv_GBps"]}
     if not (out["all_reduce_ok"] and out["send_recv_ok"]):
         out["error"] = "a collective returned wrong values: check the interfaces (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)"
     return out

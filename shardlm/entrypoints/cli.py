@@ -120,7 +120,10 @@ def cmd_env_check(ns) -> None:
 
     from shardlm.distributed.preflight import communication_check, node_facts, problems, render
     if ns.address:
-        raise ValueError("env check --address (checks across Ray nodes) is not built yet; run it on each node.")
+        from shardlm.distributed.cluster_check import cluster_check, render_cluster
+        report = cluster_check(ns.address)
+        print(json.dumps(report, indent=1) if ns.json else render_cluster(report))
+        sys.exit(1 if report["problems"] else 0)
     if ns.ranks < 2:
         raise ValueError("env check --ranks must be at least 2 (it measures communication between ranks).")
     facts = node_facts()
@@ -249,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = esub.add_parser("check", help="addresses, versions, memory, devices, /dev/shm, and a measured "
                         "all-reduce and send/recv between local ranks, in seconds")
     e.add_argument("--ranks", type=int, default=2, help="local processes in the communication check")
-    e.add_argument("--address", default=None, help="HEAD:PORT of a Ray cluster (not built yet)")
+    e.add_argument("--address", default=None, help="HEAD:PORT of a Ray cluster ('auto': the cluster of this node): "
+                   "check every node and the communication across them")
     e.add_argument("--json", action="store_true", help="print JSON")
     e.set_defaults(func=cmd_env_check)
 
