@@ -266,9 +266,9 @@ class EngineArgs:
                                   self.distributed_init_timeout, self.cpu_threads_bind,
                                   _parse_partition(self.pp_layer_partition), self.allow_cross_node_tp)
         device = resolve_device(self.device)
-        if parallel.distributed_executor_backend is None:
-            from shardlm.executor.selection import choose_backend
-            parallel.distributed_executor_backend = choose_backend(parallel.world_size, device)
+        from shardlm.executor.selection import choose_backend
+        parallel.distributed_executor_backend = choose_backend(parallel.world_size, device,
+                                                               parallel.distributed_executor_backend)
         path = resolve_model_path(self.model, self.download_dir)
         hf_config = load_hf_config(path)
         architecture = resolve_architecture(hf_config)

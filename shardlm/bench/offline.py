@@ -22,7 +22,7 @@ def _peak_rss_bytes(llm) -> int:
     """This process's peak, plus each worker process's peak when the ranks run in their own."""
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     executor = llm.engine.core.executor
-    if getattr(executor, "procs", None):
+    if executor.runs_async:          # mp and ray: the ranks run in processes of their own
         own += sum(executor.collective_rpc("peak_rss_bytes"))
     return own
 

@@ -13,17 +13,21 @@ from shardlm.logger import init_logger
 logger = init_logger(__name__)
 
 
-def choose_backend(world_size: int, device: torch.device) -> str:
+def choose_backend(world_size: int, device: torch.device, requested: str | None = None) -> str:
     if world_size == 1:
-        return "uni"
-    if _in_ray_placement_group():
+        return requested or "uni"
+    if requested is not None:
+        backend, why = requested, "requested with --distributed-executor-backend"
+    elif _in_ray_placement_group():
         backend, why = "ray", "this process runs inside a Ray placement group"
     elif device.type == "cuda" and world_size > torch.cuda.device_count():
         backend, why = "ray", (f"{world_size} ranks need more GPUs than the {torch.cuda.device_count()} on this "
                                "node")
     else:
         backend, why = "mp", f"all {world_size} ranks fit on this node"
-    logger.info("Distributed executor backend: %s (%s; choose with --distributed-executor-backend)", backend, why)
+    if requested is None:
+        why += "; choose with --distributed-executor-backend"
+    logger.info("Distributed executor backend: %s (%s)", backend, why)
     if backend == "ray":
         require_ray()
     return backend
