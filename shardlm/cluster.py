@@ -40,7 +40,8 @@ def _ray_start(args: list[str]) -> None:
         if "auth" in run.stderr.lower() and "token" in run.stderr.lower():
             hint = ("\nThe head requires Ray's auth token: copy ~/.ray/auth_token from the head to this node (or set "
                     "RAY_AUTH_TOKEN), or start the head with RAY_AUTH_MODE=disabled on a trusted network.")
-        raise RuntimeError(f"`ray start {' '.join(args)}` failed on {_this_node()}:\n{run.stderr.strip()[-2000:]}{hint}")
+        raise RuntimeError(f"`ray start {' '.join(args)}` failed on {_this_node()}:\n"
+                           f"{run.stderr.strip()[-2000:]}{hint}")
 
 
 def _resource_args(num_cpus: int | None, num_gpus: int | None) -> list[str]:

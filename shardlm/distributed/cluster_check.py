@@ -26,9 +26,9 @@ class NodeProbe:
         import ray
 
         from shardlm.distributed.preflight import node_facts
+        from shardlm.distributed.network import host_ip
         facts = node_facts()
-        if not os.environ.get("SHARDLM_HOST_IP"):
-            facts["host_ip"] = ray.util.get_node_ip_address()      # Ray's view of this node
+        facts["host_ip"] = host_ip(ray)            # SHARDLM_HOST_IP, else Ray's view of this node
         return facts
 
     def reach(self, host: str, port: int) -> str | None:
@@ -97,7 +97,7 @@ def cluster_check(address: str | None, timeout_s: float = 60) -> dict:
             found += [f"{name}: {p}" for p in node_problems(f, {})]
             found += [f"{name}: {k} {f['versions'].get(k)} there, {v} on {names[0]}"
                       for k, v in versions.items() if f["versions"].get(k) != v]
-        here = host_ip()
+        here = host_ip(ray)                        # the address `serve` would use here
         store = host_store(here, len(probes), timeout_s)
         unreachable = ray.get([p.reach.remote(here, store.port) for p in probes], timeout=timeout_s)
         found += [f"{name}: cannot reach the rendezvous port {here}:{store.port} ({why}); open the port range "

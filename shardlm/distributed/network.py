@@ -16,11 +16,15 @@ import psutil
 from shardlm import envs
 
 
-def host_ip() -> str:
-    """This node's address: SHARDLM_HOST_IP if set, else the address of the interface that
-    routes outward (no packet is sent), else loopback."""
-    if envs.SHARDLM_HOST_IP:
-        return envs.SHARDLM_HOST_IP
+def host_ip(ray=None) -> str:
+    """This node's address: SHARDLM_HOST_IP if set; else, in a Ray cluster (`ray` given), the
+    address Ray knows this node by; else the address of the interface that routes outward (no
+    packet is sent); else loopback."""
+    override = os.environ.get("SHARDLM_HOST_IP") or envs.SHARDLM_HOST_IP
+    if override:
+        return override
+    if ray is not None:
+        return ray.util.get_node_ip_address()
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect(("10.255.255.255", 1))

@@ -157,7 +157,8 @@ def summarize(per_rank: list[dict], name=lambda rank: f"rank {rank}") -> dict:
            "all_reduce_GBps": min(r["all_reduce_GBps"] for r in per_rank),
            "send_recv_GBps": per_rank[0]["send_recv_GBps"]}
     if not (out["all_reduce_ok"] and out["send_recv_ok"]):
-        out["error"] = "a collective returned wrong values: check the interfaces (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)"
+        out["error"] = ("a collective returned wrong values: check the interfaces "
+                        "(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)")
     return out
 
 

@@ -54,9 +54,8 @@ class RayWorker:
         self.step_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
 
     def node_info(self, model_path: str) -> NodeInfo:
-        ip = os.environ.get("SHARDLM_HOST_IP") or ray.util.get_node_ip_address()
-        return NodeInfo(ray.get_runtime_context().get_node_id(), ip, socket.gethostname(), os.getpid(), _versions(),
-                        os.path.exists(model_path))
+        return NodeInfo(ray.get_runtime_context().get_node_id(), host_ip(ray), socket.gethostname(), os.getpid(),
+                        _versions(), os.path.exists(model_path))
 
     def start(self, config: EngineConfig, rank: int, local_rank: int, local_world_size: int,
               rendezvous: tuple[str, int], ip: str) -> None:
@@ -139,7 +138,7 @@ class RayExecutor(Executor):
         self._watcher.start()
         check_placement(self.infos, par.tensor_parallel_size, par.pipeline_parallel_size, config.model.model,
                         _versions(), par.allow_cross_node_tp)
-        driver_ip = host_ip() if os.environ.get("SHARDLM_HOST_IP") else ray.util.get_node_ip_address()
+        driver_ip = host_ip(ray)
         store = host_store(driver_ip, self.world_size, par.distributed_init_timeout)
         local, local_sizes = local_ranks([i.hostname for i in self.infos])
         starts = [a.start.remote(config, r, local[r], local_sizes[r], (driver_ip, store.port), self.infos[r].ip)

@@ -1,0 +1,101 @@
+"""Two Ray nodes with their own IP addresses: the second node runs in its own network namespace,
+joined to this one by a veth pair (10.213.N.1 here, 10.213.N.2 there). The head is told its
+address with SHARDLM_HOST_IP, the way a node with several networks is; the other node finds
+its own. Everything goes through the commands users run: `shardlm cluster head|worker|status`,
+`shardlm env check --address`, and the engine with the ray executor, pp=2, one stage per node.
+Needs root and `ip netns` (skipped elsewhere); takes about a minute."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("ray")
+
+SUBNET = f"10.213.{os.getpid() % 200 + 1}"
+HEAD_IP, NODE_IP = f"{SUBNET}.1", f"{SUBNET}.2"
+NS, HOST_IF, NODE_IF = f"shardlm-{os.getpid()}", f"shl{os.getpid() % 100000}h", f"shl{os.getpid() % 100000}n"
+
+
+def _sh(*cmd, check=True):
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if check and run.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {run.stderr}")
+    return run
+
+
+def _cli(*args, netns=False, env=None, timeout=180):
+    cmd = [sys.executable, "-m", "shardlm.entrypoints.cli", *args]
+    if netns:
+        cmd = ["ip", "netns", "exec", NS, *cmd]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    assert run.returncode == 0, f"shardlm {' '.join(args)}:\n{run.stdout}\n{run.stderr[-3000:]}"
+    return run.stdout
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    if os.geteuid() != 0 or not shutil.which("ip") or _sh("ip", "netns", "add", NS, check=False).returncode != 0:
+        pytest.skip("needs root and `ip netns` to give the second node its own network")
+    try:
+        try:
+            _sh("ip", "link", "add", HOST_IF, "type", "veth", "peer", "name", NODE_IF)
+            _sh("ip", "link", "set", NODE_IF, "netns", NS)
+            _sh("ip", "addr", "add", f"{HEAD_IP}/24", "dev", HOST_IF)
+            _sh("ip", "link", "set", HOST_IF, "up")
+            for cmd in (["ip", "addr", "add", f"{NODE_IP}/24", "dev", NODE_IF], ["ip", "link", "set", NODE_IF, "up"],
+                        ["ip", "link", "set", "lo", "up"], ["ip", "route", "add", "default", "via", HEAD_IP]):
+                _sh("ip", "netns", "exec", NS, *cmd)
+        except RuntimeError as e:
+            pytest.skip(f"this machine cannot build the veth pair: {e}")
+        port = 20000 + os.getpid() % 20000
+        head = _cli("cluster", "head", "--port", str(port), "--num-cpus", "1", env={"SHARDLM_HOST_IP": HEAD_IP})
+        assert f"Ray head started at {HEAD_IP}:{port}" in head
+        joined = _cli("cluster", "worker", "--address", f"{HEAD_IP}:{port}", "--num-cpus", "1", netns=True)
+        assert f"as {NODE_IP}; versions match" in joined
+        yield f"{HEAD_IP}:{port}"
+    finally:
+        _sh(sys.executable, "-m", "shardlm.entrypoints.cli", "cluster", "stop", check=False)  # both: one machine
+        _sh("ip", "netns", "del", NS, check=False)                                         # and its veth pair
+
+
+def test_status_and_env_check_see_both_addresses(two_hosts):
+    env = {"SHARDLM_HOST_IP": HEAD_IP}
+    nodes = json.loads(_cli("cluster", "status", "--address", two_hosts, "--json", env=env))[1:]
+    assert [n["ip"] for n in nodes] == [HEAD_IP, NODE_IP]
+    report = json.loads(_cli("env", "check", "--address", two_hosts, "--json", env=env))
+    assert sorted(n["host_ip"] for n in report["nodes"]) == [HEAD_IP, NODE_IP]
+    comm = report["communication"]
+    assert comm["address"].startswith(HEAD_IP + ":") and comm["all_reduce_ok"] and comm["send_recv_ok"]
+    assert report["problems"] == []
+
+
+def test_pp2_across_the_two_hosts_equals_mp(two_hosts, tiny_model_dir):
+    script = textwrap.dedent(f"""
+        import json
+        from shardlm import LLM, SamplingParams
+        if __name__ == "__main__":
+            out = {{}}
+            for backend in ("ray", "mp"):
+                llm = LLM({tiny_model_dir("llama-gqa")!r}, dtype="float32", kv_cache_memory="64MiB",
+                          pipeline_parallel_size=2, distributed_executor_backend=backend)
+                outs = llm.generate(["Hello there", [5, 6, 7, 8, 9]],
+                                    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+                out[backend] = [o.outputs[0].token_ids for o in outs]
+                if backend == "ray":
+                    out["ips"] = [i.ip for i in llm.engine.core.executor.infos]
+                    out["gloo"] = llm.engine.core.executor.collective_rpc("environment", (["GLOO_SOCKET_IFNAME"],))
+                llm.shutdown()
+            print(json.dumps(out))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "RAY_ADDRESS": two_hosts, "SHARDLM_HOST_IP": HEAD_IP})
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["ips"] == [HEAD_IP, NODE_IP], "one stage per host, rank 0 on the driver's"
+    assert [e["GLOO_SOCKET_IFNAME"] for e in out["gloo"]] == [HOST_IF, NODE_IF], "gloo bound to each node's address"
+    assert out["ray"] == out["mp"]
