@@ -135,7 +135,8 @@ def test_server_ends_when_an_idle_actor_dies(cluster, tiny_model_dir):
     proc, _ = _start(tiny_model_dir("llama-gqa"), "--distributed-executor-backend", "ray", "-pp", "2",
                      env={"RAY_ADDRESS": cluster.address})
     children = psutil.Process(proc.pid).children(recursive=True)
-    actors = [p for p in psutil.process_iter(["cmdline"]) if " ".join(p.info["cmdline"] or []).startswith("ray::RayWorker")]
+    actors = [p for p in psutil.process_iter(["cmdline"])
+              if " ".join(p.info["cmdline"] or []).startswith("ray::RayWorker")]
     assert len(actors) == 2
     actors[0].kill()                     # while idle: noticed without any request
     assert proc.wait(timeout=15) != 0
