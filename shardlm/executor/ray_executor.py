@@ -162,9 +162,13 @@ class RayExecutor(Executor):
 
     def _record_death(self, rank: int, error: BaseException) -> str:
         if self._failure is None:
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            self._failure = (f"{self._describe_rank(rank)} died ({type(error).__name__}: {reason}). The engine "
-                             "cannot continue; the other workers are being stopped.")
+            cause = getattr(error, "cause", None)          # RayTaskError: the worker's own exception
+            if isinstance(cause, BaseException):
+                what = f"failed: {type(cause).__name__}: {_first_line(cause)}"
+            else:
+                what = f"died ({type(error).__name__}: {_first_line(error)})"
+            self._failure = (f"{self._describe_rank(rank)} {what}. The engine cannot continue; the other workers "
+                             "are being stopped.")
             logger.error(self._failure)
             self._death_send.send_bytes(b"x")
             self._kill_actors()
@@ -253,3 +257,8 @@ class RayExecutor(Executor):
         if self._owns_ray_connection:
             ray.shutdown()
         self._death_send.close()
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -7,6 +7,7 @@ Needs root and `ip netns` (skipped elsewhere); takes about a minute."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -99,3 +100,32 @@ def test_pp2_across_the_two_hosts_equals_mp(two_hosts, tiny_model_dir):
     assert out["ips"] == [HEAD_IP, NODE_IP], "one stage per host, rank 0 on the driver's"
     assert [e["GLOO_SOCKET_IFNAME"] for e in out["gloo"]] == [HOST_IF, NODE_IF], "gloo bound to each node's address"
     assert out["ray"] == out["mp"]
+
+
+def test_a_rendezvous_address_the_other_node_cannot_reach_is_named(two_hosts, tiny_model_dir):
+    """The classic mistake: the driver picks an address (here its outward one, or loopback)
+    that the other node has no route to. env check says so, naming the node; the engine
+    fails in seconds, naming rank and node, instead of hanging."""
+    from shardlm.distributed.network import host_ip
+    wrong = host_ip()                     # not on the veth subnet; the other node has no route once
+    _sh("ip", "netns", "exec", NS, "ip", "route", "del", "default")         # its default route is gone
+    try:
+        env = {**os.environ, "SHARDLM_HOST_IP": wrong}
+        run = subprocess.run([sys.executable, "-m", "shardlm.entrypoints.cli", "env", "check", "--address",
+                              two_hosts], capture_output=True, text=True, timeout=120, env=env)
+        assert run.returncode == 1, run.stdout + run.stderr[-2000:]
+        assert f"PROBLEM: node {NODE_IP} " in run.stdout and f"cannot reach the rendezvous port {wrong}:" in \
+            run.stdout
+        script = textwrap.dedent(f"""
+            from shardlm import LLM
+            if __name__ == "__main__":
+                LLM({tiny_model_dir("llama-gqa")!r}, dtype="float32", kv_cache_memory="64MiB",
+                    pipeline_parallel_size=2, distributed_executor_backend="ray", distributed_init_timeout=15)
+        """)
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                             env={**env, "RAY_ADDRESS": two_hosts})
+        assert run.returncode != 0
+        # "rank(s) 1 on node ... did not join the rendezvous at WRONG:PORT", or its failed connection
+        assert re.search(rf"rank(\(s\))? 1 on node {re.escape(NODE_IP)}", run.stderr), run.stderr[-3000:]
+    finally:
+        _sh("ip", "netns", "exec", NS, "ip", "route", "add", "default", "via", HEAD_IP, check=False)
