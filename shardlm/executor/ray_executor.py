@@ -28,8 +28,8 @@ from shardlm.distributed.network import bind_collectives_to, host_ip
 from shardlm.distributed.parallel_state import host_store, missing_ranks
 from shardlm.engine.messages import ModelRunnerOutput, SchedulerOutput
 from shardlm.executor.base import Executor, WorkerDiedError
-from shardlm.executor.ray_placement import (NodeInfo, check_placement, create_placement_group, forwarded_env,
-                                            local_ranks, rank_order)
+from shardlm.executor.ray_placement import (NodeInfo, check_placement, create_placement_group, cuda_devices,
+                                            forwarded_env, local_ranks, rank_order)
 from shardlm.logger import init_logger, set_log_prefix
 
 logger = init_logger(__name__)
@@ -55,12 +55,14 @@ class RayWorker:
 
     def node_info(self, model_path: str) -> NodeInfo:
         return NodeInfo(ray.get_runtime_context().get_node_id(), host_ip(ray), socket.gethostname(), os.getpid(),
-                        _versions(), os.path.exists(model_path))
+                        _versions(), os.path.exists(model_path), [str(g) for g in ray.get_gpu_ids()])
 
     def start(self, config: EngineConfig, rank: int, local_rank: int, local_world_size: int,
-              rendezvous: tuple[str, int], ip: str) -> None:
+              rendezvous: tuple[str, int], ip: str, visible_gpus: str | None = None) -> None:
         from shardlm.worker.worker import Worker
 
+        if visible_gpus is not None:        # before CUDA starts in this process
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpus
         tp = config.parallel.tensor_parallel_size
         set_log_prefix(f"(rank {rank}: pp {rank // tp}, tp {rank % tp}) ")
         backend = "nccl" if config.device.type == "cuda" else "gloo"
@@ -141,8 +143,11 @@ class RayExecutor(Executor):
         driver_ip = host_ip(ray)
         store = host_store(driver_ip, self.world_size, par.distributed_init_timeout)
         local, local_sizes = local_ranks([i.hostname for i in self.infos])
-        starts = [a.start.remote(config, r, local[r], local_sizes[r], (driver_ip, store.port), self.infos[r].ip)
-                  for r, a in enumerate(self.actors)]
+        visible = [None] * self.world_size
+        if on_gpu:          # the local rank picks the device: its own GPU among its node's
+            visible, local = zip(*cuda_devices(self.infos))
+        starts = [a.start.remote(config, r, local[r], local_sizes[r], (driver_ip, store.port), self.infos[r].ip,
+                                 visible[r]) for r, a in enumerate(self.actors)]
         deadline = time.monotonic() + par.distributed_init_timeout
         try:
             self._gather(starts, deadline=deadline)

@@ -39,6 +39,7 @@ class NodeInfo:
     pid: int
     versions: dict[str, str]
     model_path_exists: bool
+    gpu_ids: list[str]      # the GPUs Ray gave this rank's actor (none on CPU)
 
     def describe(self) -> str:
         return f"node {self.ip} ({self.hostname}, Ray node {self.node_id[:8]})"
@@ -96,6 +97,20 @@ def local_ranks(hosts: list[str]) -> tuple[list[int], list[int]]:
         local.append(seen.get(h, 0))
         seen[h] = seen.get(h, 0) + 1
     return local, [seen[h] for h in hosts]
+
+
+def cuda_devices(infos: list[NodeInfo]) -> list[tuple[str, int]]:
+    """Per rank: CUDA_VISIBLE_DEVICES listing every GPU our ranks hold on its node, and the index
+    of its own among them. Ray shows each actor only its own GPU; NCCL needs to see its peers'
+    to use peer-to-peer copies inside a node."""
+    on_node: dict[str, set[str]] = {}
+    for info in infos:
+        on_node.setdefault(info.node_id, set()).update(info.gpu_ids)
+    out = []
+    for info in infos:
+        ids = sorted(on_node[info.node_id], key=lambda g: (len(g), g))      # "2" before "10"
+        out.append((",".join(ids), ids.index(info.gpu_ids[0])))
+    return out
 
 
 def check_placement(infos: list[NodeInfo], tp: int, pp: int, model_path: str, driver_versions: dict[str, str],

@@ -6,14 +6,15 @@ import sys
 import pytest
 import torch
 
-from shardlm.executor.ray_placement import NodeInfo, check_placement, forwarded_env, local_ranks, rank_order
+from shardlm.executor.ray_placement import (NodeInfo, check_placement, cuda_devices, forwarded_env, local_ranks,
+                                            rank_order)
 from shardlm.executor.selection import choose_backend
 
 VERSIONS = {"shardlm": "0.1.0", "torch": "2.13.0", "ray": "2.60.0"}
 
 
-def _node(node_id, ip="10.0.0.1", host="a", versions=VERSIONS, model=True):
-    return NodeInfo(node_id, ip, host, 100, dict(versions), model)
+def _node(node_id, ip="10.0.0.1", host="a", versions=VERSIONS, model=True, gpus=()):
+    return NodeInfo(node_id, ip, host, 100, dict(versions), model, list(gpus))
 
 
 def test_default_backend_is_mp_on_one_node_and_the_mp_path_never_imports_ray(tiny_model_dir):
@@ -38,6 +39,11 @@ def test_ranks_start_on_the_driver_node_then_go_node_by_node():
 
 def test_cpu_cores_are_shared_per_machine():
     assert local_ranks(["a", "a", "b", "a"]) == ([0, 1, 0, 2], [3, 3, 1, 3])
+
+
+def test_each_cuda_rank_sees_its_nodes_gpus_and_picks_its_own():
+    infos = [_node("A", gpus=["3"]), _node("A", gpus=["10"]), _node("A", gpus=["2"]), _node("B", gpus=["0"])]
+    assert cuda_devices(infos) == [("2,3,10", 1), ("2,3,10", 2), ("2,3,10", 0), ("0", 0)]
 
 
 def test_placement_errors_name_the_node():

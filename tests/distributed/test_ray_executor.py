@@ -145,3 +145,23 @@ def test_server_ends_when_an_idle_actor_dies(cluster, tiny_model_dir):
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"processes left: {[p.pid for p in alive]}"
     assert_nothing_left()
+
+
+def test_default_backend_is_ray_inside_a_placement_group(cluster):
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=1)
+    def chosen():
+        import torch
+
+        from shardlm.executor.selection import choose_backend
+        return choose_backend(2, torch.device("cpu"))
+
+    pg = placement_group([{"CPU": 1}])
+    ray.get(pg.ready())
+    try:
+        assert ray.get(chosen.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg)).remote()) == "ray"
+    finally:
+        remove_placement_group(pg)
+    assert_nothing_left()
