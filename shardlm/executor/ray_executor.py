@@ -100,7 +100,7 @@ class RayExecutor(Executor):
         self._decode_output = msgspec.msgpack.Decoder(ModelRunnerOutput).decode
         self._failure: str | None = None
         self._stopping = False
-        self.actors, self.infos, self._watch_refs, self.pg = [], [], [], None
+        self.actors, self.infos, self._watch_refs, self.pg, self._watcher = [], [], [], None, None
         self._death_recv, self._death_send = multiprocessing.Pipe(duplex=False)
         t0 = time.perf_counter()
         self._owns_ray_connection = not ray.is_initialized()
@@ -111,7 +111,7 @@ class RayExecutor(Executor):
         t_connect = time.perf_counter() - t0
         atexit.register(self.shutdown)
         try:
-            self._start(config, t0)
+            self._start(config)
         except BaseException:
             self.shutdown()
             raise
@@ -119,7 +119,7 @@ class RayExecutor(Executor):
                     self.world_size, len({i.node_id for i in self.infos}), time.perf_counter() - t0, t_connect,
                     "; ".join(f"{r}: {i.ip} pid {i.pid}" for r, i in enumerate(self.infos)))
 
-    def _start(self, config: EngineConfig, t0: float) -> None:
+    def _start(self, config: EngineConfig) -> None:
         par = config.parallel
         env = forwarded_env()
         if env:
@@ -131,6 +131,7 @@ class RayExecutor(Executor):
             num_cpus=1, num_gpus=1 if on_gpu else 0, runtime_env={"env_vars": env} if env else None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
         ).remote() for i in range(self.world_size)]
+        self.actors = actors            # killed on shutdown even if start-up stops here
         infos = ray.get([a.node_info.remote(config.model.model) for a in actors],
                         timeout=par.distributed_init_timeout)
         order = rank_order(infos, ray.get_runtime_context().get_node_id())
@@ -152,10 +153,14 @@ class RayExecutor(Executor):
         try:
             self._gather(starts, deadline=deadline)
         except TimeoutError:
+            timeout = par.distributed_init_timeout
             missing = missing_ranks(store, self.world_size)
+            if not missing:
+                raise TimeoutError(f"Every rank joined, but loading the model did not finish within {timeout:.0f} s: "
+                                   "raise --distributed-init-timeout.") from None
             raise TimeoutError(
-                f"Distributed init timed out after {par.distributed_init_timeout:.0f} s: rank(s) "
-                + (", ".join(f"{r} on {self.infos[r].describe()}" for r in missing) or "all joined; loading")
+                f"Distributed init timed out after {timeout:.0f} s: rank(s) "
+                + ", ".join(f"{r} on {self.infos[r].describe()}" for r in missing)
                 + f" did not join the rendezvous at {driver_ip}:{store.port}. Check that those nodes reach that "
                 "address (`shardlm env check --address HEAD:PORT`), or raise --distributed-init-timeout.") from None
         self._store = store
@@ -181,7 +186,10 @@ class RayExecutor(Executor):
 
     def _watch_workers(self) -> None:
         while not self._stopping and self._failure is None:
-            ready, _ = ray.wait(self._watch_refs, num_returns=1, timeout=1.0)
+            try:
+                ready, _ = ray.wait(self._watch_refs, num_returns=1, timeout=1.0)
+            except Exception:              # noqa: BLE001  (Ray shut down under us)
+                return
             if ready and not self._stopping:
                 rank = self._watch_refs.index(ready[0])
                 try:
@@ -257,6 +265,8 @@ class RayExecutor(Executor):
         if self._failure is None and self.actors:
             ray.wait([a.stop.remote() for a in self.actors], num_returns=len(self.actors), timeout=5)
         self._kill_actors()
+        if getattr(self, "_watcher", None) is not None:
+            self._watcher.join(2)
         if self.pg is not None:
             ray.util.remove_placement_group(self.pg)
         if self._owns_ray_connection:

@@ -17,7 +17,7 @@ def ray_cluster(nodes: int, cpus_per_node: int):
         for _ in range(nodes - 1):
             cluster.add_node(num_cpus=cpus_per_node)
         cluster.wait_for_nodes()
-        ray.init(address=cluster.address, logging_level="warning")
+        ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
         yield cluster
     finally:
         ray.shutdown()
