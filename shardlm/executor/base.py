@@ -56,7 +56,8 @@ class Executor(ABC):
 
     @property
     def max_concurrent_batches(self) -> int:
-        return 1
+        """Batches in flight: one per pipeline stage when the ranks run elsewhere."""
+        return self.config.parallel.pipeline_parallel_size if self.runs_async else 1
 
     @property
     def runs_async(self) -> bool:

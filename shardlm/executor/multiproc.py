@@ -177,10 +177,6 @@ class MultiprocExecutor(Executor):
         return lambda: self._receive(self.output_rank).output
 
     @property
-    def max_concurrent_batches(self) -> int:
-        return self.config.parallel.pipeline_parallel_size
-
-    @property
     def runs_async(self) -> bool:
         return True
 

@@ -243,10 +243,6 @@ class RayExecutor(Executor):
         return lambda: self._decode_output(self._gather(refs)[self.output_rank])
 
     @property
-    def max_concurrent_batches(self) -> int:
-        return self.config.parallel.pipeline_parallel_size
-
-    @property
     def runs_async(self) -> bool:
         return True
 

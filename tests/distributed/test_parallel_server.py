@@ -12,24 +12,29 @@ from shardlm import LLM, SamplingParams
 from tests.server.test_openai_server import _start, _stop
 
 
+def assert_server_answers_like_llm(url: str, path: str) -> None:
+    """Completions equal the offline engine's; a streamed chat equals the same chat unstreamed."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    prompts = ["The capital of", "One two three"]
+    ref = LLM(path, dtype="float32", kv_cache_memory="64MiB", max_model_len=256).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    resp = client.completions.create(model="tiny", prompt=prompts, max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == [r.outputs[0].text for r in ref]
+    msgs = [{"role": "user", "content": "Hello there"}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
+        full.choices[0].message.content
+
+
 @pytest.mark.parametrize("layout", [["-tp", "2"], ["-pp", "2"], ["-tp", "2", "-pp", "2"]])
 def test_parallel_server_smoke(tiny_model_dir, layout):
     path = tiny_model_dir("llama-gqa")
     proc, url = _start(path, *layout)
     try:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        prompts = ["The capital of", "One two three"]
-        ref = LLM(path, dtype="float32", kv_cache_memory="64MiB", max_model_len=256).generate(
-            prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-        resp = client.completions.create(model="tiny", prompt=prompts, max_tokens=10, temperature=0,
-                                         extra_body={"ignore_eos": True})
-        assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == [r.outputs[0].text for r in ref]
-        msgs = [{"role": "user", "content": "Hello there"}]
-        full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
-        stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
-                                                stream=True)
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
-            full.choices[0].message.content
+        assert_server_answers_like_llm(url, path)
         # engine core + one worker per rank under the server
         ranks = 4 if len(layout) == 4 else 2
         assert len(psutil.Process(proc.pid).children(recursive=True)) >= 1 + ranks

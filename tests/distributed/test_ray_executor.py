@@ -3,18 +3,13 @@ lands on its own node): outputs equal transformers' and the mp executor's; a TP 
 nodes is refused; a killed actor fails the engine fast, naming rank and node; the server runs
 on it; nothing of ours is left in the cluster afterwards."""
 
-import os
-import signal
-import threading
-import time
-
 import pytest
 
 ray = pytest.importorskip("ray")
 
-from shardlm import LLM, SamplingParams  # noqa: E402
-from shardlm.executor.base import WorkerDiedError  # noqa: E402
+from shardlm import LLM  # noqa: E402
 from tests.distributed.ray_cluster import assert_nothing_left, ray_cluster  # noqa: E402
+from tests.distributed.worker_kill import kill_during_generation  # noqa: E402
 from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts  # noqa: E402
 
 ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
@@ -84,44 +79,19 @@ def test_killed_actor_fails_the_engine_fast_naming_rank_and_node(cluster, tiny_m
     llm = LLM(tiny_model_dir("llama-gqa"), **ENGINE, pipeline_parallel_size=2, distributed_executor_backend="ray")
     executor = llm.engine.core.executor
     victim = executor.infos[1]
-    killed_at = []
-
-    def kill():
-        time.sleep(1.0)
-        killed_at.append(time.monotonic())
-        os.kill(victim.pid, signal.SIGKILL)
-
-    threading.Thread(target=kill, daemon=True).start()
-    long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
-    with pytest.raises(WorkerDiedError, match=r"Worker rank 1 on node .*Ray node .* died") as err:
-        for _ in range(100):      # far longer than 1 s unless the kill stops it
-            llm.generate(_prompts(), long, use_tqdm=False)
-    assert killed_at and time.monotonic() - killed_at[0] < 10, str(err.value)
-    assert victim.node_id[:8] in str(err.value) and victim.ip in str(err.value)
+    error = kill_during_generation(llm, victim.pid, r"Worker rank 1 on node .*Ray node .* died")
+    assert victim.node_id[:8] in error and victim.ip in error
     llm.shutdown()
     assert_nothing_left()
 
 
 def test_server_on_two_ray_nodes(cluster, tiny_model_dir):
-    import openai
-
+    from tests.distributed.test_parallel_server import assert_server_answers_like_llm
     from tests.server.test_openai_server import _start, _stop
     path = tiny_model_dir("llama-gqa")
     proc, url = _start(path, "--distributed-executor-backend", "ray", "-pp", "2", env={"RAY_ADDRESS": cluster.address})
     try:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        prompts = ["The capital of", "One two three"]
-        ref = LLM(path, **ENGINE).generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-                                           use_tqdm=False)
-        resp = client.completions.create(model="tiny", prompt=prompts, max_tokens=10, temperature=0,
-                                         extra_body={"ignore_eos": True})
-        assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == [r.outputs[0].text for r in ref]
-        msgs = [{"role": "user", "content": "Hello there"}]
-        full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
-        stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
-                                                stream=True)
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
-            full.choices[0].message.content
+        assert_server_answers_like_llm(url, path)
         assert ray.available_resources().get("CPU", 0) == 0, "both nodes' CPUs held by the server's ranks"
     finally:
         _stop(proc)        # SIGTERM leaves no local process behind

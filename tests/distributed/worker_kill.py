@@ -1,4 +1,4 @@
-"""Shared check: a worker SIGKILLed during generation fails the engine fast, leaving no process."""
+"""Shared check: a rank SIGKILLed during generation fails the engine fast, naming it."""
 
 import os
 import signal
@@ -13,22 +13,29 @@ from shardlm.executor.base import WorkerDiedError
 from tests.models.test_tiny_models_vs_hf import _prompts
 
 
-def assert_killed_rank_fails_fast(model_dir: str, rank: int, **parallel) -> None:
-    llm = LLM(model_dir, dtype="float32", kv_cache_memory="64MiB", max_model_len=512, **parallel)
-    workers = [psutil.Process(p.pid) for p in llm.engine.core.executor.procs]
+def kill_during_generation(llm: LLM, pid: int, match: str) -> str:
+    """SIGKILL `pid` one second into a long generation; the WorkerDiedError (matching `match`)
+    must come within 10 s. Returns its message."""
     killed_at = []
 
     def kill():
         time.sleep(1.0)
         killed_at.append(time.monotonic())
-        os.kill(workers[rank].pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
 
     threading.Thread(target=kill, daemon=True).start()
     long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
-    with pytest.raises(WorkerDiedError, match=rf"rank {rank} .* died") as err:
+    with pytest.raises(WorkerDiedError, match=match) as err:
         for _ in range(100):      # far longer than 1 s unless the kill stops it
             llm.generate(_prompts(), long, use_tqdm=False)
     assert killed_at and time.monotonic() - killed_at[0] < 10, str(err.value)
+    return str(err.value)
+
+
+def assert_killed_rank_fails_fast(model_dir: str, rank: int, **parallel) -> None:
+    llm = LLM(model_dir, dtype="float32", kv_cache_memory="64MiB", max_model_len=512, **parallel)
+    workers = [psutil.Process(p.pid) for p in llm.engine.core.executor.procs]
+    kill_during_generation(llm, workers[rank].pid, rf"rank {rank} .* died")
     llm.shutdown()
     _, alive = psutil.wait_procs(workers, timeout=5)
     assert not alive, f"worker processes left: {[p.pid for p in alive]}"
