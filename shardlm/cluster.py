@@ -11,30 +11,25 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
 import socket
 import subprocess
 import sys
 
 from shardlm.distributed.network import host_ip
+from shardlm.executor.ray_placement import node_versions
 from shardlm.executor.selection import require_ray
 
 _RECORD_KEY = b"shardlm/head"
 
 
-def node_versions() -> dict[str, str]:
-    import torch
-
-    import shardlm
-    return {"shardlm": shardlm.__version__, "torch": torch.__version__, "ray": require_ray().__version__,
-            "python": platform.python_version()}
+def _ray_cli() -> str:
+    return shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray")
 
 
 def _ray_start(args: list[str]) -> None:
     require_ray()        # also sets the auth mode that `ray start` and our connection agree on
-    exe = shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray")
-    run = subprocess.run([exe, "start", *args], capture_output=True, text=True)
+    run = subprocess.run([_ray_cli(), "start", *args], capture_output=True, text=True)
     if run.returncode != 0:
         hint = ""
         if "auth" in run.stderr.lower() and "token" in run.stderr.lower():
@@ -147,5 +142,4 @@ def render_status(report: list[dict]) -> str:
 
 def stop() -> None:
     """Stop the Ray processes this machine runs (`ray stop`)."""
-    exe = shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray")
-    subprocess.run([exe, "stop"], capture_output=True, text=True)
+    subprocess.run([_ray_cli(), "stop"], capture_output=True, text=True)

@@ -29,19 +29,12 @@ from shardlm.distributed.parallel_state import host_store, missing_ranks
 from shardlm.engine.messages import ModelRunnerOutput, SchedulerOutput
 from shardlm.executor.base import Executor, WorkerDiedError
 from shardlm.executor.ray_placement import (NodeInfo, check_placement, create_placement_group, cuda_devices,
-                                            forwarded_env, local_ranks, rank_order)
+                                            forwarded_env, local_ranks, node_versions, rank_order)
 from shardlm.logger import init_logger, set_log_prefix
 
 logger = init_logger(__name__)
 
 _INLINE_BYTES = 64 << 10     # larger step payloads go through Ray's object store once, not once per rank
-
-
-def _versions() -> dict[str, str]:
-    import torch
-
-    import shardlm
-    return {"shardlm": shardlm.__version__, "torch": torch.__version__, "ray": ray.__version__}
 
 
 @ray.remote(concurrency_groups={"monitor": 1}, max_restarts=0)
@@ -55,7 +48,7 @@ class RayWorker:
 
     def node_info(self, model_path: str) -> NodeInfo:
         return NodeInfo(ray.get_runtime_context().get_node_id(), host_ip(ray), socket.gethostname(), os.getpid(),
-                        _versions(), os.path.exists(model_path), [str(g) for g in ray.get_gpu_ids()])
+                        node_versions(), os.path.exists(model_path), [str(g) for g in ray.get_gpu_ids()])
 
     def start(self, config: EngineConfig, rank: int, local_rank: int, local_world_size: int,
               rendezvous: tuple[str, int], ip: str, visible_gpus: str | None = None) -> None:
@@ -140,7 +133,7 @@ class RayExecutor(Executor):
         self._watcher = threading.Thread(target=self._watch_workers, name="shardlm-ray-watch", daemon=True)
         self._watcher.start()
         check_placement(self.infos, par.tensor_parallel_size, par.pipeline_parallel_size, config.model.model,
-                        _versions(), par.allow_cross_node_tp)
+                        node_versions(), par.allow_cross_node_tp)
         driver_ip = host_ip(ray)
         store = host_store(driver_ip, self.world_size, par.distributed_init_timeout)
         local, local_sizes = local_ranks([i.hostname for i in self.infos])

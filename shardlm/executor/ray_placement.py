@@ -8,7 +8,9 @@ TP group (consecutive ranks) shares a node and PP stages cross nodes.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import platform
 import time
 from dataclasses import dataclass
 
@@ -28,6 +30,15 @@ def forwarded_env() -> dict[str, str]:
     listed = {name.strip() for name in envs.SHARDLM_FORWARD_ENV.split(",") if name.strip()}
     return {k: v for k, v in os.environ.items()
             if (k.startswith(FORWARDED_PREFIXES) or k in listed) and k not in NOT_FORWARDED}
+
+
+def node_versions() -> dict[str, str]:
+    """What every node must run alike: checked when a node joins and when `serve` starts."""
+    import torch
+
+    import shardlm
+    return {"shardlm": shardlm.__version__, "torch": torch.__version__, "ray": importlib.metadata.version("ray"),
+            "python": platform.python_version()}
 
 
 @dataclass
