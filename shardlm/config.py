@@ -1,28 +1,17 @@
-"""Engine configuration: one dataclass per concern, all validation in one place.
+"""Engine configuration: one dataclass per concern, resolved once and then only read.
 
-`EngineArgs` is the flat list of user knobs (the offline `LLM(...)` keyword arguments and,
-later, the CLI flags are both generated from it); `EngineArgs.create_engine_config()`
-resolves it into the typed configs the engine uses.
+`EngineArgs` (engine/arg_utils.py) is the flat list of user knobs; it resolves them into the
+`EngineConfig` below (model path, dtype, device, executor backend) and runs the start-up checks,
+once, in the process the user started. The resolved config then travels to the engine-core
+process and to every worker as it is. This module imports nothing of shardlm.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
-
-from shardlm.logger import init_logger
-
-logger = init_logger(__name__)
-
-_DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-}
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
                "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4,
@@ -46,38 +35,6 @@ def format_bytes(n: float) -> str:
             return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.2f} TiB"
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r} is not supported: use 'auto', 'cpu' or 'cuda'.")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but torch sees no CUDA device "
-                         f"(torch {torch.__version__}). Use device='cpu' or install a CUDA build of torch.")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None,
-                  device: torch.device) -> torch.dtype:
-    """'auto' takes the checkpoint's dtype (float32 on CPU for float16 checkpoints)."""
-    if isinstance(dtype, torch.dtype):
-        resolved = dtype
-    elif dtype == "auto":
-        resolved = config_dtype or torch.float32
-        if device.type == "cpu" and resolved == torch.float16:
-            logger.info("The checkpoint is float16; using float32 on CPU (float16 is CUDA only).")
-            resolved = torch.float32
-    elif dtype in _DTYPES:
-        resolved = _DTYPES[dtype]
-    else:
-        raise ValueError(f"dtype={dtype!r} is not supported: use auto, float32, bfloat16 or float16.")
-    if resolved == torch.float16 and device.type == "cpu":
-        raise ValueError("dtype float16 is supported on CUDA only; on CPU use bfloat16 or float32.")
-    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dtype {resolved} is not supported: use float32, bfloat16 or float16.")
-    return resolved
 
 
 @dataclass
@@ -117,7 +74,6 @@ class CacheConfig:
     kv_cache_memory: int = 4 << 30           # CPU: bytes for the KV cache
     gpu_memory_utilization: float = 0.9      # CUDA: fraction of device memory the engine may use
     enable_prefix_caching: bool = True
-    num_blocks: int | None = None            # set by the worker after measuring memory
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -146,7 +102,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
-    distributed_executor_backend: str | None = None    # None: uni for one rank, else mp
+    distributed_executor_backend: str | None = None    # resolved by EngineArgs (executor/selection.py)
     distributed_init_timeout: float = 300.0
     cpu_threads_bind: str = "auto"
     pp_layer_partition: list[int] | None = None       # layers per pipeline stage; None: even split
@@ -160,19 +116,11 @@ class ParallelConfig:
         if self.data_parallel_size > 1:
             raise NotImplementedError(f"data_parallel_size={self.data_parallel_size}: data parallel is not built "
                                       "yet in this version of shardlm; run with data_parallel_size=1.")
-        backend = self.distributed_executor_backend
-        if backend not in (None, "uni", "mp", "ray"):
-            raise ValueError(f"distributed_executor_backend={backend!r}: use 'uni', 'mp' or 'ray'.")
-        if backend == "uni" and self.world_size > 1:
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor x pipeline parallel "
                              f"is {self.world_size} ranks: use 'mp' or 'ray' (or leave it out).")
-        if backend is None and self.world_size == 1:
-            self.distributed_executor_backend = "uni"    # more ranks: chosen with the device (choose_backend)
         if self.distributed_init_timeout <= 0:
             raise ValueError(f"distributed_init_timeout={self.distributed_init_timeout} must be positive seconds.")
-        from shardlm.worker.cpu_binding import validate_binding
-        # on Ray a core list is per node (checked when the ranks are placed)
-        validate_binding(self.cpu_threads_bind, None if backend == "ray" else self.world_size)
 
     @property
     def world_size(self) -> int:
@@ -191,160 +139,3 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: torch.device
-
-
-@dataclass
-class EngineArgs:
-    """Every user-facing engine knob, with vLLM's names. `LLM(**kwargs)` and the CLI use this."""
-
-    model: str | None = None           # HF model directory; None = the embedded default model
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    device: str = "auto"
-    served_model_name: str | None = None
-    download_dir: str | None = None
-    block_size: int = 16
-    kv_cache_memory: int | str = 4 << 30
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    distributed_init_timeout: float = 300.0
-    cpu_threads_bind: str = "auto"
-    pp_layer_partition: str | None = None
-    allow_cross_node_tp: bool = False
-
-    HELP = {
-        "model": "Hugging Face model directory (config.json, safetensors, tokenizer); "
-                 "leave out for the embedded default model, SmolLM2-135M-Instruct",
-        "tokenizer": "tokenizer directory, if not the model's",
-        "dtype": "auto (the checkpoint's; float32 on CPU for float16 checkpoints), float32, bfloat16, "
-                 "float16 (CUDA only)",
-        "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's maximum",
-        "seed": "random seed for sampling without a per-request seed",
-        "device": "auto, cpu or cuda",
-        "served_model_name": "model name reported by the server",
-        "download_dir": "directory to look for the model in",
-        "block_size": "tokens per KV cache block",
-        "kv_cache_memory": "CPU: memory for the KV cache, bytes or e.g. 4GiB",
-        "gpu_memory_utilization": "CUDA: fraction of device memory for weights, activations and KV cache",
-        "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
-        "max_num_seqs": "most sequences in one step",
-        "max_num_batched_tokens": "most tokens in one step (long prompts are prefilled in chunks)",
-        "tensor_parallel_size": "number of tensor parallel ranks",
-        "pipeline_parallel_size": "number of pipeline stages",
-        "data_parallel_size": "number of data parallel replicas",
-        "distributed_executor_backend": "uni (one process), mp (processes on this node) or ray (nodes); "
-                                        "default: uni for one rank, mp when every rank fits on this node "
-                                        "and this is not a Ray placement group, else ray",
-        "distributed_init_timeout": "seconds to wait for every rank to join before failing with the missing ones",
-        "pp_layer_partition": "layers per pipeline stage, e.g. 16,14 (default: even, the remainder to the "
-                              "stages before the last)",
-        "allow_cross_node_tp": "Ray: allow a tensor parallel group to span nodes (two all-reduces per layer "
-                               "over the network; refused by default)",
-        "cpu_threads_bind": "CPU: 'auto' (share this machine's cores evenly among ranks), 'nobind', or one core "
-                            "list per rank separated by '|', e.g. '0-3|4-7' (pins each rank to its cores)",
-    }
-    SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}
-
-    def create_engine_config(self) -> EngineConfig:
-        from shardlm.model_loader.default_model import resolve_model_path
-        from shardlm.models.registry import resolve_architecture
-
-        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                  self.data_parallel_size, self.distributed_executor_backend,
-                                  self.distributed_init_timeout, self.cpu_threads_bind,
-                                  _parse_partition(self.pp_layer_partition), self.allow_cross_node_tp)
-        device = resolve_device(self.device)
-        from shardlm.executor.selection import choose_backend
-        parallel.distributed_executor_backend = choose_backend(parallel.world_size, device,
-                                                               parallel.distributed_executor_backend)
-        path = resolve_model_path(self.model, self.download_dir)
-        hf_config = load_hf_config(path)
-        architecture = resolve_architecture(hf_config)
-        dtype = resolve_dtype(self.dtype, _config_dtype(hf_config), device)
-        max_model_len = _resolve_max_model_len(hf_config, self.max_model_len)
-        gen_defaults = load_generation_defaults(path)
-        model_cfg = ModelConfig(
-            model=path, tokenizer=self.tokenizer or path, hf_config=hf_config, dtype=dtype,
-            max_model_len=max_model_len, seed=self.seed, architecture=architecture,
-            served_model_name=self.served_model_name or (self.model or "SmolLM2-135M-Instruct"),
-            eos_token_ids=_eos_ids(hf_config, gen_defaults), generation_defaults=gen_defaults)
-        cache = CacheConfig(self.block_size, parse_size(self.kv_cache_memory),
-                            self.gpu_memory_utilization, self.enable_prefix_caching)
-        scheduler = SchedulerConfig(
-            self.max_num_seqs, self.max_num_batched_tokens or max(8192, self.max_num_seqs), max_model_len)
-        config = EngineConfig(model_cfg, cache, scheduler, parallel, device)
-        from shardlm.planner.startup import check_fits, check_parallel_layout
-        check_parallel_layout(config)
-        check_fits(config)   # before any weights are loaded
-        return config
-
-
-def _parse_partition(text: str | list[int] | None) -> list[int] | None:
-    if text is None or isinstance(text, list):
-        return text
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ValueError(f"pp_layer_partition={text!r}: write the layers of each stage separated by commas, "
-                         "e.g. 16,14.") from None
-
-
-def load_hf_config(path: str):
-    from transformers import AutoConfig
-
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"{path} has no config.json: pass a Hugging Face model directory "
-                         "(config.json, *.safetensors, tokenizer files).")
-    return AutoConfig.from_pretrained(path)
-
-
-def load_generation_defaults(path: str) -> dict:
-    gen_path = os.path.join(path, "generation_config.json")
-    if not os.path.isfile(gen_path):
-        return {}
-    with open(gen_path) as f:
-        return json.load(f)
-
-
-def _config_dtype(hf_config) -> torch.dtype | None:
-    dt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(dt, str):
-        return _DTYPES.get(dt)
-    return dt if isinstance(dt, torch.dtype) else None
-
-
-def _eos_ids(hf_config, gen_defaults: dict) -> list[int]:
-    eos = gen_defaults.get("eos_token_id", getattr(hf_config, "eos_token_id", None))
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
-
-
-def _resolve_max_model_len(hf_config, requested: int | None) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) and window < limit:
-        # within the window, full attention is exactly sliding-window attention
-        logger.info("The model attends within a sliding window of %d tokens; shardlm's attention is full "
-                    "attention, so max_model_len is limited to %d.", window, window)
-        limit = window
-    if requested is None:
-        return limit
-    if requested <= 0:
-        raise ValueError(f"max_model_len={requested} must be positive.")
-    if requested > limit:
-        raise ValueError(f"max_model_len={requested} is longer than the model's "
-                         f"max_position_embeddings={limit}; use max_model_len <= {limit}.")
-    return requested

@@ -6,10 +6,11 @@ import itertools
 import time
 from collections.abc import Sequence
 
-from shardlm.config import EngineArgs
+from shardlm.engine.arg_utils import EngineArgs
 from shardlm.engine.llm_engine import LLMEngine
+from shardlm.engine.processor import split_prompt
 from shardlm.outputs import RequestOutput
-from shardlm.sampling_params import SamplingParams
+from shardlm.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict
 
@@ -44,9 +45,11 @@ class LLM:
             raise ValueError(f"Got {len(items)} prompts but {len(params)} sampling params: give one, or one per prompt.")
         ids = []
         try:
-            for (text, token_ids), sp in zip(items, params):
+            for prompt, sp in zip(items, params):
                 rid = str(next(self._counter))
-                self.engine.add_request(rid, text, token_ids, sp)
+                if isinstance(sp, SamplingParams) and sp.output_kind != RequestOutputKind.FINAL_ONLY:    # generate() returns whole outputs
+                    sp = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                self.engine.add_request(rid, prompt, sp)
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)
@@ -75,7 +78,7 @@ class LLM:
         start, out_tokens = time.perf_counter(), 0
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step(final_only=True):
+                for out in self.engine.step():
                     done[out.request_id] = out
                     if bar is not None:
                         out_tokens += sum(len(c.token_ids) for c in out.outputs)
@@ -93,25 +96,19 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        """Call a Worker method on every rank (as vLLM's LLM.collective_rpc); one result per rank."""
+        return self.engine.collective_rpc(method, args)
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 
 
-def _normalize_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
+def _normalize_prompts(prompts) -> list:
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
     if not isinstance(prompts, Sequence) or not prompts:
         raise ValueError("generate() needs at least one prompt.")
-    items = []
     for p in prompts:
-        if isinstance(p, str):
-            items.append((p, None))
-        elif isinstance(p, dict):
-            if "prompt_token_ids" not in p and "prompt" not in p:
-                raise ValueError(f"A prompt dict needs 'prompt' or 'prompt_token_ids'; got keys {sorted(p)}.")
-            items.append((p.get("prompt"), list(p["prompt_token_ids"]) if "prompt_token_ids" in p else None))
-        elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
-            items.append((None, list(p)))
-        else:
-            raise TypeError(f"Cannot read prompt {p!r}: use a string, a list of token ids, or a dict.")
-    return items
+        split_prompt(p)          # a prompt it cannot read fails before any request is added
+    return list(prompts)

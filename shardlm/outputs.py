@@ -58,3 +58,24 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+
+    def add(self, later: RequestOutput) -> None:
+        """Append a later delta of the same request (a slow reader gets the deltas it missed as one)."""
+        mine = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            prev = mine.get(c.index)
+            if prev is None:
+                self.outputs.append(c)
+                mine[c.index] = c
+                continue
+            prev.text += c.text
+            prev.token_ids.extend(c.token_ids)
+            if c.logprobs is not None:
+                prev.logprobs = (prev.logprobs or []) + c.logprobs
+            prev.cumulative_logprob, prev.finish_reason, prev.stop_reason = \
+                c.cumulative_logprob, c.finish_reason, c.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished = later.finished
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
+        self.metrics, self.num_cached_tokens = later.metrics, later.num_cached_tokens

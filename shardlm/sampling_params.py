@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from enum import IntEnum
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(IntEnum):
+    """What each RequestOutput of a request holds (vLLM's names)."""
+    CUMULATIVE = 0      # everything so far, every step
+    DELTA = 1           # only what is new since the last output (streaming)
+    FINAL_ONLY = 2      # one output, when the request finishes
 
 
 @dataclass
@@ -28,6 +36,7 @@ class SamplingParams:
     logprobs: int | None = None         # top-k logprobs per generated token (plus the sampled one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

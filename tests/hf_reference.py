@@ -7,14 +7,15 @@ from __future__ import annotations
 import torch
 
 
-def greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[set[int]]]]:
+def greedy(model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: torch.dtype = torch.float32,
+           device: str = "cpu") -> list[tuple[list[int], list[set[int]]]]:
     """Per prompt (no padding): generated ids and the top-5 ids at every step."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     results = []
     with torch.inference_mode():
         for ids in prompts:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+            out = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                                  do_sample=False, output_scores=True, return_dict_in_generate=True,
                                  eos_token_id=None, pad_token_id=0)
             gen = out.sequences[0, len(ids):].tolist()

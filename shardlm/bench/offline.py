@@ -21,9 +21,8 @@ from shardlm.sampling_params import SamplingParams
 def _peak_rss_bytes(llm) -> int:
     """This process's peak, plus each worker process's peak when the ranks run in their own."""
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    executor = llm.engine.core.executor
-    if executor.runs_async:          # mp and ray: the ranks run in processes of their own
-        own += sum(executor.collective_rpc("peak_rss_bytes"))
+    if llm.engine.config.parallel.distributed_executor_backend != "uni":   # ranks in processes of their own
+        own += sum(llm.collective_rpc("peak_rss_bytes"))
     return own
 
 

@@ -1,149 +1,168 @@
-"""AsyncLLM: the asyncio engine for servers. The engine core runs in its own process
-(core_process.py); this side tokenizes, detokenizes and streams RequestOutputs per request.
+"""AsyncLLM: the asyncio engine for servers. The engine core runs in its own process behind an
+AsyncMPClient; this side owns input processing (tokenize, validate once) and output
+processing (detokenize, stop strings), and streams RequestOutputs per request.
 
     llm = AsyncLLM.from_engine_args(EngineArgs(model=...))
-    async for out in llm.generate("Hello", SamplingParams(max_tokens=16), request_id="r1"):
-        print(out.outputs[0].text)        # cumulative text so far; out.finished on the last one
+    params = SamplingParams(max_tokens=16, output_kind=RequestOutputKind.DELTA)
+    async for out in llm.generate("Hello", params, request_id="r1"):
+        print(out.outputs[0].text, end="")   # DELTA: the new text; CUMULATIVE (default): all so far
     llm.shutdown()
 
-Leaving the loop early (a client that disconnects) aborts the request and frees its KV blocks.
+One output-handler task reads each step's outputs from the client, runs the output processor
+and puts every request's output into that request's collector; a generate() loop waits on its
+collector only. Leaving the loop early (a client that disconnects) aborts the request and
+frees its KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
-from shardlm.config import EngineArgs, EngineConfig
-from shardlm.engine.core_process import EngineCoreClient, EngineDeadError
-from shardlm.engine.llm_engine import LLMEngine
+from shardlm.config import EngineConfig
+from shardlm.engine.arg_utils import EngineArgs
+from shardlm.engine.core_client import AsyncMPClient, EngineDeadError
+from shardlm.engine.output_processor import OutputProcessor
+from shardlm.engine.processor import InputProcessor, load_tokenizer
 from shardlm.logger import init_logger
 from shardlm.outputs import RequestOutput
-from shardlm.sampling_params import SamplingParams
+from shardlm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
 
 
+class RequestOutputCollector:
+    """The outputs of one request not yet taken by its reader. A reader that falls behind gets
+    the deltas it missed merged into one (DELTA), or only the newest output (the others)."""
+
+    def __init__(self, kind: RequestOutputKind):
+        self.kind = kind
+        self.output: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, output: RequestOutput | BaseException) -> None:
+        if isinstance(self.output, RequestOutput) and isinstance(output, RequestOutput) \
+                and self.kind == RequestOutputKind.DELTA:
+            self.output.add(output)
+        elif not isinstance(self.output, BaseException):
+            self.output = output
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        while self.output is None:
+            await self.ready.wait()
+        output, self.output = self.output, None
+        self.ready.clear()
+        if isinstance(output, BaseException):
+            raise output
+        return output
+
+
 class AsyncLLM:
-    def __init__(self, engine_args: EngineArgs, loop: asyncio.AbstractEventLoop | None = None,
-                 config: EngineConfig | None = None):
-        # validated here (fast, with the start-up memory check) unless the caller already did;
-        # the engine process resolves its own copy from the same arguments
-        config = config or engine_args.create_engine_config()
+    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop | None = None):
+        t0 = time.perf_counter()
+        self.config = config
         self.loop = loop or asyncio.get_event_loop()
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._utility_futures: dict[int, asyncio.Future] = {}
-        self._call_ids = itertools.count()
-        self.dead_reason: str | None = None
-        self.on_finished = None   # called with each finished RequestOutput (server metrics)
-        self.core = EngineCoreClient(engine_args, self._outputs_from_thread, self._utility_from_thread,
-                                     self._dead_from_thread)
-        config.cache.num_blocks = self.core.num_blocks
-        self.engine = LLMEngine(config, core=self.core)
+        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        self.processor = InputProcessor(config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = AsyncMPClient(config, self.loop)
+        self._collectors: dict[str, RequestOutputCollector] = {}
+        self._output_handler: asyncio.Task | None = None
+        logger.info("Engine started in %.2f s (model %s)", time.perf_counter() - t0, config.model.model)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
-        return cls(engine_args)
+        return cls(engine_args.create_engine_config())
 
     @property
-    def config(self):
-        return self.engine.config
+    def num_blocks(self) -> int:
+        return self.engine_core.num_blocks
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def dead_reason(self) -> str | None:
+        return self.engine_core.dead_reason
 
     @property
     def is_running(self) -> bool:
         return self.dead_reason is None
 
+    @property
+    def on_finished(self) -> Callable[[RequestOutput], None] | None:
+        """Called with each finished request's whole output (server metrics)."""
+        return self.output_processor.on_finished
+
+    @on_finished.setter
+    def on_finished(self, hook: Callable[[RequestOutput], None] | None) -> None:
+        self.output_processor.on_finished = hook
+
+    def default_sampling_params(self) -> SamplingParams:
+        return self.processor.default_sampling_params()
+
     # ---- requests ----
     async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
+        """prompt: a string, a list of token ids, or {"prompt": ..., "prompt_token_ids": ...}."""
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
-        if request_id in self._queues:
+        if request_id in self._collectors:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        text, token_ids = _split_prompt(prompt)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        parent, requests = self.processor.process(request_id, prompt, sampling_params)
+        parent.collector = collector = RequestOutputCollector(sampling_params.output_kind)
+        self._collectors[request_id] = collector
+        self.output_processor.add_request(parent, [r.request_id for r in requests], [r.params for r in requests])
+        self._start_output_handler()
         finished = False
         try:
-            self.engine.add_request(request_id, text, token_ids, sampling_params)
+            for r in requests:
+                self.engine_core.add_request(r)
             while not finished:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    raise out
+                out = await collector.get()
                 finished = out.finished
                 yield out
         finally:
-            self._queues.pop(request_id, None)
+            self._collectors.pop(request_id, None)
             if not finished and self.dead_reason is None:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self.engine.abort_request(request_id)
+        self.engine_core.abort_requests(self.output_processor.abort(request_id))
+
+    def _start_output_handler(self) -> None:
+        if self._output_handler is None:
+            self._output_handler = self.loop.create_task(self._handle_outputs())
+
+    async def _handle_outputs(self) -> None:
+        """Each step's outputs, through the output processor, into the requests' collectors."""
+        try:
+            while True:
+                core_outputs = await self.engine_core.get_output_async()
+                processed = self.output_processor.process(core_outputs.outputs)
+                if processed.reqs_to_abort:
+                    self.engine_core.abort_requests(processed.reqs_to_abort)
+        except EngineDeadError as e:
+            logger.error("%s In-flight requests fail.", e)
+            self._fail_requests(e)
+        except Exception as e:       # a bug here must not leave requests waiting forever
+            logger.exception("Output processing failed")
+            self._fail_requests(RuntimeError(f"Output processing failed: {type(e).__name__}: {e}"))
+
+    def _fail_requests(self, error: BaseException) -> None:
+        for collector in self._collectors.values():
+            collector.put(error)
 
     # ---- utilities ----
     async def stats(self) -> dict:
-        return await self._utility("stats")
+        return await self.engine_core.call_utility_async("stats")
 
     async def reset_prefix_cache(self) -> bool:
-        return (await self._utility("reset_prefix_cache"))["reset"]
+        return await self.engine_core.call_utility_async("reset_prefix_cache")
 
-    async def _utility(self, method: str) -> dict:
-        if self.dead_reason:
-            raise EngineDeadError(self.dead_reason)
-        call_id = next(self._call_ids)
-        future = self.loop.create_future()
-        self._utility_futures[call_id] = future
-        self.core.call_utility(call_id, method)
-        return await future
-
-    # ---- from the reader thread, onto the event loop ----
-    def _outputs_from_thread(self, core_outputs) -> None:
-        self.loop.call_soon_threadsafe(self._on_outputs, core_outputs)
-
-    def _utility_from_thread(self, call_id: int, result: dict) -> None:
-        self.loop.call_soon_threadsafe(self._on_utility, call_id, result)
-
-    def _dead_from_thread(self, reason: str) -> None:
-        self.loop.call_soon_threadsafe(self._on_dead, reason)
-
-    def _on_outputs(self, core_outputs) -> None:
-        for out in self.engine.process_core_outputs(core_outputs):
-            if out.finished and self.on_finished is not None:
-                self.on_finished(out)
-            queue = self._queues.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
-
-    def _on_utility(self, call_id: int, result: dict) -> None:
-        future = self._utility_futures.pop(call_id, None)
-        if future is not None and not future.done():
-            future.set_result(result)
-
-    def _on_dead(self, reason: str) -> None:
-        self.dead_reason = reason
-        logger.error("%s In-flight requests fail.", reason)
-        for queue in self._queues.values():
-            queue.put_nowait(EngineDeadError(reason))
-        for future in self._utility_futures.values():
-            if not future.done():
-                future.set_exception(EngineDeadError(reason))
-        self._utility_futures.clear()
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        return await self.engine_core.call_utility_async("collective_rpc", method, list(args))
 
     def shutdown(self) -> None:
-        self.core.shutdown()
-
-
-def _split_prompt(prompt) -> tuple[str | None, list[int] | None]:
-    if isinstance(prompt, str):
-        return prompt, None
-    if isinstance(prompt, dict):
-        ids = prompt.get("prompt_token_ids")
-        return prompt.get("prompt"), list(ids) if ids is not None else None
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-        return None, list(prompt)
-    raise TypeError(f"Cannot read prompt {prompt!r}: use a string, a list of token ids, or a dict.")
+        if self._output_handler is not None and not self.loop.is_closed():
+            self._output_handler.cancel()
+        self.engine_core.shutdown()

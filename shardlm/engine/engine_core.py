@@ -16,12 +16,11 @@ from collections import deque
 
 from shardlm.config import EngineConfig, format_bytes
 from shardlm.distributed.utils import describe_partition, pp_layer_partition
-from shardlm.engine.messages import EngineCoreOutput
 from shardlm.engine.request import Request
 from shardlm.engine.scheduler import Scheduler
-from shardlm.executor.base import get_executor_class
+from shardlm.executor.selection import executor_class
 from shardlm.logger import init_logger
-from shardlm.sampling_params import SamplingParams
+from shardlm.messages import EngineCoreOutputs, EngineCoreRequest
 from shardlm.utils import cdiv
 
 logger = init_logger(__name__)
@@ -31,11 +30,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         t0 = time.perf_counter()
-        self.executor = get_executor_class(config)(config)
-        num_blocks = self.executor.determine_num_blocks()
+        self.executor = executor_class(config.parallel.distributed_executor_backend)(config)
+        self.num_blocks = num_blocks = self.executor.determine_num_blocks()
         self._check_kv_capacity(num_blocks)
         self.executor.initialize_cache(num_blocks)
-        config.cache.num_blocks = num_blocks
         self.max_in_flight = self.executor.max_concurrent_batches
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_in_flight)
         self.batch_queue: deque = deque()      # (scheduler output, wait for its result), oldest first
@@ -65,11 +63,10 @@ class EngineCore:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens; max concurrency at max_model_len %d: %.2fx",
                     usable, bs, usable * bs, max_len, usable * bs / max_len)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float) -> None:
+    def add_request(self, req: EngineCoreRequest) -> None:
         m = self.config.model
-        self.scheduler.add_request(Request(request_id, prompt_token_ids, params, m.eos_token_ids, m.max_model_len,
-                                           self.config.cache.block_size, arrival_time))
+        self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.params, m.eos_token_ids,
+                                           m.max_model_len, self.config.cache.block_size, req.arrival_time))
 
     def abort_requests(self, req_ids) -> None:
         self.scheduler.finish_requests(req_ids)
@@ -77,19 +74,22 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> EngineCoreOutputs:
         self._fill_pipeline()
         if not self.batch_queue:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("The scheduler could not schedule any of the unfinished requests; "
                                    "this is a bug in shardlm, please report it.")
-            return []
+            return self._outputs([])
         scheduler_output, wait = self.batch_queue.popleft()
         outputs = self.scheduler.update(scheduler_output, wait())
         if self.executor.runs_async:
             # the workers start on the next batch while the caller detokenizes these outputs
             self._fill_pipeline()
-        return outputs
+        return self._outputs(outputs)
+
+    def _outputs(self, outputs) -> EngineCoreOutputs:
+        return EngineCoreOutputs(outputs, self.scheduler.num_waiting, self.scheduler.num_running)
 
     def _fill_pipeline(self) -> None:
         """Submit batches until max_in_flight are pending or nothing more can be scheduled."""
@@ -110,6 +110,9 @@ class EngineCore:
                 "prefix_cache_hits": self.scheduler.kv.prefix_hits,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_aborted": self.scheduler.num_aborted}
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        return self.executor.collective_rpc(method, tuple(args))
 
     def shutdown(self) -> None:
         self.executor.shutdown()

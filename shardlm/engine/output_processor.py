@@ -1,15 +1,22 @@
 """Turns the engine core's token deltas into RequestOutputs: detokenizes, applies stop
-strings, gathers the n samples of a request, and keeps per-request timings."""
+strings, gathers the n samples of a request, and keeps per-request timings.
+
+Each request says what its outputs hold (SamplingParams.output_kind): DELTA, the text and
+tokens new since its last output (streaming: nothing is copied or re-sliced per step);
+FINAL_ONLY, one whole output when it finishes; CUMULATIVE, everything so far at every step.
+A request with a collector (AsyncLLM) gets its outputs put there; the others are returned.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shardlm.engine.detokenizer import IncrementalDetokenizer
-from shardlm.engine.messages import EngineCoreOutput, TokenLogprobs
+from shardlm.messages import EngineCoreOutput, TokenLogprobs
 from shardlm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
-from shardlm.sampling_params import SamplingParams
+from shardlm.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -23,6 +30,14 @@ class SampleState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # DELTA: how much of the text / tokens / logprobs went out already
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -35,11 +50,19 @@ class ParentRequest:
     samples: list[SampleState] = field(default_factory=list)
     child_ids: list[str] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
+    collector: object | None = None     # AsyncLLM's RequestOutputCollector: has put(RequestOutput)
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+        return all(s.finished for s in self.samples)
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]    # for requests without a collector
+    reqs_to_abort: list[str]                # engine-core ids that hit a stop string
 
 
 class OutputProcessor:
@@ -47,6 +70,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentRequest] = {}
         self.samples: dict[str, SampleState] = {}   # engine-core request id -> sample
+        self.on_finished: Callable[[RequestOutput], None] | None = None   # whole output, e.g. for metrics
 
     def add_request(self, parent: ParentRequest, child_ids: list[str], child_params: list[SamplingParams]) -> None:
         self.parents[parent.request_id] = parent
@@ -64,11 +88,10 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.parents)
 
-    def process(self, outputs: list[EngineCoreOutput], final_only: bool = False
-                ) -> tuple[list[RequestOutput], list[str]]:
-        """-> (RequestOutputs of the requests that changed, engine-core ids to abort for stop strings)."""
+    def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         now = time.time()
         changed: dict[str, ParentRequest] = {}
+        touched: set[int] = set()       # id() of the samples this step changed (what a delta holds)
         to_abort: list[str] = []
         for out in outputs:
             sample = self.samples.get(out.req_id)
@@ -79,6 +102,7 @@ class OutputProcessor:
                 parent.prompt_logprobs.extend(self._convert_logprobs(lp) for lp in out.prompt_logprobs)
             if out.new_token_ids:
                 self._append(sample, out, now, to_abort)
+            touched.add(id(sample))
             changed[parent.request_id] = parent
         results = []
         for parent in changed.values():
@@ -86,9 +110,16 @@ class OutputProcessor:
             if finished:
                 parent.metrics.finished_time = now
                 self._forget(parent)
-            if finished or not final_only:
-                results.append(self._request_output(parent, finished))
-        return results, to_abort
+                if self.on_finished is not None:
+                    self.on_finished(self._whole_output(parent, True))
+            out = self._output_for(parent, finished, touched)
+            if out is None:
+                continue
+            if parent.collector is not None:
+                parent.collector.put(out)
+            else:
+                results.append(out)
+        return ProcessedOutputs(results, to_abort)
 
     def _append(self, sample: SampleState, out: EngineCoreOutput, now: float, to_abort: list[str]) -> None:
         parent = sample.parent
@@ -116,9 +147,37 @@ class OutputProcessor:
                 entries[tid] = Logprob(val, rank, self.tokenizer.decode([tid]))
         return entries
 
-    def _request_output(self, parent: ParentRequest, finished: bool) -> RequestOutput:
+    # ---- what goes out ----
+    def _output_for(self, parent: ParentRequest, finished: bool, touched: set[int]) -> RequestOutput | None:
+        kind = parent.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY:
+            return self._whole_output(parent, True) if finished else None
+        if kind == RequestOutputKind.CUMULATIVE:
+            return self._whole_output(parent, finished)
+        deltas = [d for s in parent.samples if id(s) in touched and (d := self._delta(s)) is not None]
+        prompt_logprobs = None
+        if parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent and (deltas or finished):
+            prompt_logprobs, parent.prompt_logprobs_sent = parent.prompt_logprobs, True
+        if not deltas and not finished:
+            return None
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, deltas, finished,
+                             prompt_logprobs, parent.metrics, parent.num_cached_tokens)
+
+    def _delta(self, s: SampleState) -> CompletionOutput | None:
+        """What of sample s is new since its last delta; None if nothing is (and it did not finish)."""
+        text = s.detokenizer.visible_text(s.finished)
+        new_text, new_tokens = text[s.sent_chars:], s.token_ids[s.sent_tokens:]
+        new_lps = s.logprobs[s.sent_logprobs:] if s.logprobs is not None else None
+        if not new_text and not new_tokens and not s.finished:
+            return None
+        s.sent_chars, s.sent_tokens = len(text), len(s.token_ids)
+        s.sent_logprobs = len(s.logprobs) if s.logprobs is not None else 0
+        return CompletionOutput(s.index, new_text, new_tokens, s.cumulative_logprob, new_lps, s.finish_reason,
+                                s.stop_reason)
+
+    def _whole_output(self, parent: ParentRequest, finished: bool) -> RequestOutput:
         completions = [
-            CompletionOutput(s.index, s.detokenizer.visible_text(s.finish_reason is not None), list(s.token_ids),
+            CompletionOutput(s.index, s.detokenizer.visible_text(s.finished), list(s.token_ids),
                              s.cumulative_logprob, list(s.logprobs) if s.logprobs is not None else None,
                              s.finish_reason, s.stop_reason)
             for s in parent.samples]

@@ -18,7 +18,7 @@ from collections import deque
 
 from shardlm.config import CacheConfig, SchedulerConfig
 from shardlm.engine.kv_cache_manager import KVCacheManager
-from shardlm.engine.messages import (EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+from shardlm.messages import (EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                      ScheduledChunk, SchedulerOutput)
 from shardlm.engine.request import Request, RequestStatus
 from shardlm.logger import init_logger

@@ -7,7 +7,8 @@ import dataclasses
 import os
 import sys
 
-from shardlm.config import EngineArgs
+from shardlm.engine.arg_utils import EngineArgs
+from shardlm.executor.selection import BACKENDS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +27,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         else:   # from the annotation: "int | str" takes a string (e.g. 4GiB), "float", else int
             kwargs["type"] = str if "str" in f.type else float if "float" in f.type else int
         if f.name == "distributed_executor_backend":
-            kwargs["choices"] = ["uni", "mp", "ray"]
+            kwargs["choices"] = list(BACKENDS)
         if kwargs["help"] and f.default is not None and not isinstance(f.default, bool):
             kwargs["help"] += " (default: %(default)s)"
         group.add_argument(*flags, **kwargs)

@@ -1,13 +1,20 @@
-"""The executor: how the engine core reaches its workers, wherever they run."""
+"""The executor: how the engine core reaches its workers, wherever they run.
+
+Subclasses say how to start ranks, send them a call and notice a death; this base keeps what
+they share: the first failure on record (and WorkerDiedError from then on), the watcher
+thread that notices deaths while the engine is idle, shutdown exactly once, at exit too.
+"""
 
 from __future__ import annotations
 
+import atexit
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from shardlm.config import EngineConfig
-from shardlm.engine.messages import ModelRunnerOutput, SchedulerOutput
 from shardlm.logger import init_logger
+from shardlm.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = init_logger(__name__)
 
@@ -17,11 +24,17 @@ class WorkerDiedError(RuntimeError):
 
 
 class Executor(ABC):
+    #: True when submitted steps run elsewhere while the engine core goes on
+    runs_async: bool = False
+
     def __init__(self, config: EngineConfig):
         self.config = config
+        self._failure: str | None = None
+        self._stopping = False
+        self._watcher: threading.Thread | None = None
 
     @abstractmethod
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
         """Call `method` on every worker; one result per rank."""
 
     @abstractmethod
@@ -44,36 +57,51 @@ class Executor(ABC):
     def initialize_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_cache", (num_blocks,))
 
-    def check_health(self) -> None:
-        """Raise WorkerDiedError if a worker is gone."""
-
-    def sentinels(self) -> list:
-        """Handles that become ready when a worker dies (for multiprocessing.connection.wait)."""
-        return []
-
-    def shutdown(self) -> None:
-        pass
-
     @property
     def max_concurrent_batches(self) -> int:
         """Batches in flight: one per pipeline stage when the ranks run elsewhere."""
         return self.config.parallel.pipeline_parallel_size if self.runs_async else 1
 
-    @property
-    def runs_async(self) -> bool:
-        """True when submitted steps run elsewhere while the engine core goes on."""
-        return False
+    # ---- failure: the first one is the one on record ----
+    def record_failure(self, message: str) -> str:
+        """Write down why the engine cannot go on (first failure wins), log it, and let the
+        subclass stop the other ranks. Returns the message on record."""
+        if self._failure is None:
+            self._failure = message
+            logger.error(message)
+            self._on_failure()
+        return self._failure
 
+    def _on_failure(self) -> None:
+        """Stop the other ranks and wake whoever waits on them (subclasses)."""
 
-def get_executor_class(config: EngineConfig) -> type[Executor]:
-    backend = config.parallel.distributed_executor_backend
-    if backend == "mp":
-        from shardlm.executor.multiproc import MultiprocExecutor
-        return MultiprocExecutor
-    if backend == "ray":
-        from shardlm.executor.selection import require_ray
-        require_ray()
-        from shardlm.executor.ray_executor import RayExecutor
-        return RayExecutor
-    from shardlm.executor.uniproc import UniProcExecutor
-    return UniProcExecutor
+    def check_health(self) -> None:
+        """Raise WorkerDiedError if a worker is gone."""
+        if self._failure:
+            raise WorkerDiedError(self._failure)
+
+    def sentinels(self) -> list:
+        """Handles that become ready when a worker dies (for multiprocessing.connection.wait)."""
+        return []
+
+    def _start_watcher(self, target: Callable[[], None], name: str) -> None:
+        """A daemon thread that notices deaths while nothing waits on the workers."""
+        self._watcher = threading.Thread(target=target, name=name, daemon=True)
+        self._watcher.start()
+
+    # ---- shutdown, exactly once ----
+    def _shutdown_at_exit(self) -> None:
+        """Before multiprocessing's own exit handler terminates daemonic workers under us."""
+        atexit.register(self.shutdown)
+
+    def shutdown(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        atexit.unregister(self.shutdown)
+        self._shutdown()
+        if self._watcher is not None:
+            self._watcher.join(5)
+
+    def _shutdown(self) -> None:
+        """Stop the workers and release what they used (subclasses)."""

@@ -13,68 +13,34 @@ engine core (PR_SET_PDEATHSIG) and are terminated on shutdown: no orphans.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import multiprocessing
 import signal
 import sys
-import threading
 import time
 from multiprocessing.connection import Connection, wait
-from typing import Any
-
 import msgspec
 
 from shardlm.config import EngineConfig
 from shardlm.distributed.parallel_state import get_pp_group, host_store, wait_for_ranks
 from shardlm.distributed.shm_queue import QueueClosed, ShmQueue
-from shardlm.engine.messages import ModelRunnerOutput, SchedulerOutput
+from shardlm.messages import (FromWorker, ModelRunnerOutput, Ready, RunStep, SchedulerOutput, Shutdown,
+                              StepResult, ToWorker, UtilityCall, UtilityResult)
 from shardlm.executor.base import Executor, WorkerDiedError
 from shardlm.logger import init_logger, set_log_prefix
 
 logger = init_logger(__name__)
 
 
-# ---- messages: engine core -> workers ----
-class RunStep(msgspec.Struct, tag=True):
-    scheduler_output: SchedulerOutput
-
-
-class CallMethod(msgspec.Struct, tag=True):
-    method: str
-    args: list[Any]
-
-
-class StopWorker(msgspec.Struct, tag=True):
-    pass
-
-
-# ---- messages: worker -> engine core ----
-class WorkerReady(msgspec.Struct, tag=True):
-    rank: int
-
-
-class StepResult(msgspec.Struct, tag=True):
-    output: ModelRunnerOutput
-
-
-class MethodResult(msgspec.Struct, tag=True):
-    value: Any
-
-
-ToWorker = RunStep | CallMethod | StopWorker
-FromWorker = WorkerReady | StepResult | MethodResult
-
-
 class MultiprocExecutor(Executor):
+    runs_async = True
+
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         par = config.parallel
         self.world_size, self.output_rank = par.world_size, par.output_rank
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(FromWorker).decode
-        self._failure: str | None = None
-        self._stopping = False
         self._ready = False
         ctx = multiprocessing.get_context("spawn")
         t0 = time.perf_counter()
@@ -97,15 +63,13 @@ class MultiprocExecutor(Executor):
             err_send.close()
             self.procs.append(proc)
             self._errors.append(err_recv)
-        self._watcher = threading.Thread(target=self._watch_workers, name="shardlm-worker-watch", daemon=True)
-        self._watcher.start()
-        # before multiprocessing's own exit handler terminates the daemonic workers under us
-        atexit.register(self.shutdown)
+        self._start_watcher(self._watch_workers, "shardlm-worker-watch")
+        self._shutdown_at_exit()
         try:
             wait_for_ranks(self._store, self.world_size, par.distributed_init_timeout,
                            alive=lambda: self._failure is None)
             for rank in range(self.world_size):
-                self._receive(rank)          # WorkerReady, or why it failed
+                self._receive(rank)          # Ready, or why it failed
             self._ready = True
         except BaseException:
             self.shutdown()
@@ -134,18 +98,18 @@ class MultiprocExecutor(Executor):
         if not error and not self._ready:
             hint = (" If its log above mentions the 'bootstrapping phase', the script that starts shardlm needs an "
                     "`if __name__ == \"__main__\":` guard (workers are spawned processes that import it).")
-        self._failure = (f"Worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}{error}. "
-                         f"The engine cannot continue; the other workers are being stopped.{hint}")
-        logger.error(self._failure)
+        self.record_failure(f"Worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}{error}. "
+                            f"The engine cannot continue; the other workers are being stopped.{hint}")
+
+    def _on_failure(self) -> None:
         for q in [self.broadcast, *self.replies, *self.stage_links.values()]:
-            q.close()
+            q.close()           # nobody waits on a dead peer
         self._stop_workers(grace_s=1.0)
 
     def check_health(self) -> None:
         if self._failure is None and not all(p.is_alive() for p in self.procs):
             self._watcher.join(5)       # it is writing down which rank and why
-        if self._failure:
-            raise WorkerDiedError(self._failure)
+        super().check_health()
 
     def sentinels(self) -> list:
         return [p.sentinel for p in self.procs]
@@ -163,10 +127,8 @@ class MultiprocExecutor(Executor):
         except QueueClosed:
             raise WorkerDiedError(self._failure or "The workers have been shut down.") from None
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
-        if kwargs:
-            raise TypeError("collective_rpc sends positional arguments only")
-        self._send(CallMethod(method, list(args)))
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        self._send(UtilityCall(0, method, list(args)))
         return [self._receive(rank).value for rank in range(self.world_size)]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -176,22 +138,14 @@ class MultiprocExecutor(Executor):
         self._send(RunStep(scheduler_output))
         return lambda: self._receive(self.output_rank).output
 
-    @property
-    def runs_async(self) -> bool:
-        return True
-
-    def shutdown(self) -> None:
-        if self._stopping:
-            return
-        self._stopping = True
-        atexit.unregister(self.shutdown)
+    def _shutdown(self) -> None:
         if self._failure is None:
             try:
-                self.broadcast.put(self._encode(StopWorker()), timeout=2)
+                self.broadcast.put(self._encode(Shutdown()), timeout=2)
             except (QueueClosed, TimeoutError):
                 pass
         self._stop_workers(grace_s=5.0)
-        self._watcher.join(5)
+        self._watcher.join(5)       # before the queues it may still close go away
         for q in [self.broadcast, *self.replies, *self.stage_links.values()]:
             q.destroy()
         for conn in self._errors:
@@ -235,18 +189,18 @@ def run_worker(config: EngineConfig, rank: int, rendezvous: tuple[str, int], bro
         if to_next is not None or from_previous is not None:
             get_pp_group().set_shm_links(to_next, from_previous)
         worker.load_model()
-        reply.put(encode(WorkerReady(rank)))
+        reply.put(encode(Ready(rank)))
         answers_steps = rank == config.parallel.output_rank
         while True:
             msg = decode(broadcast.get())
-            if isinstance(msg, StopWorker):
+            if isinstance(msg, Shutdown):
                 break
             if isinstance(msg, RunStep):
                 output = worker.execute_model(msg.scheduler_output)
                 if answers_steps:
                     reply.put(encode(StepResult(output)))
             else:
-                reply.put(encode(MethodResult(getattr(worker, msg.method)(*msg.args))))
+                reply.put(encode(UtilityResult(msg.call_id, getattr(worker, msg.method)(*msg.args))))
     except QueueClosed:       # the engine core closed the queues: another rank failed
         return
     except BaseException as e:

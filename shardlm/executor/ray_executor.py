@@ -13,7 +13,6 @@ actors are killed and the placement group removed: nothing of ours stays in `ray
 
 from __future__ import annotations
 
-import atexit
 import multiprocessing
 import os
 import socket
@@ -26,7 +25,7 @@ import ray
 from shardlm.config import EngineConfig
 from shardlm.distributed.network import bind_collectives_to, host_ip
 from shardlm.distributed.parallel_state import host_store, missing_ranks
-from shardlm.engine.messages import ModelRunnerOutput, SchedulerOutput
+from shardlm.messages import ModelRunnerOutput, SchedulerOutput
 from shardlm.executor.base import Executor, WorkerDiedError
 from shardlm.executor.ray_placement import (NodeInfo, check_placement, create_placement_group, cuda_devices,
                                             forwarded_env, local_ranks, node_versions, rank_order)
@@ -85,15 +84,15 @@ class RayWorker:
 
 
 class RayExecutor(Executor):
+    runs_async = True
+
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         par = config.parallel
         self.world_size, self.output_rank = par.world_size, par.output_rank
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode_output = msgspec.msgpack.Decoder(ModelRunnerOutput).decode
-        self._failure: str | None = None
-        self._stopping = False
-        self.actors, self.infos, self._watch_refs, self.pg, self._watcher = [], [], [], None, None
+        self.actors, self.infos, self._watch_refs, self.pg = [], [], [], None
         self._death_recv, self._death_send = multiprocessing.Pipe(duplex=False)
         t0 = time.perf_counter()
         self._owns_ray_connection = not ray.is_initialized()
@@ -102,7 +101,7 @@ class RayExecutor(Executor):
             # else Ray starts a local one
             ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level="warning")
         t_connect = time.perf_counter() - t0
-        atexit.register(self.shutdown)
+        self._shutdown_at_exit()
         try:
             self._start(config)
         except BaseException:
@@ -130,8 +129,7 @@ class RayExecutor(Executor):
         order = rank_order(infos, ray.get_runtime_context().get_node_id())
         self.actors, self.infos = [actors[i] for i in order], [infos[i] for i in order]
         self._watch_refs = [a.watch.remote() for a in self.actors]
-        self._watcher = threading.Thread(target=self._watch_workers, name="shardlm-ray-watch", daemon=True)
-        self._watcher.start()
+        self._start_watcher(self._watch_workers, "shardlm-ray-watch")
         check_placement(self.infos, par.tensor_parallel_size, par.pipeline_parallel_size, config.model.model,
                         node_versions(), par.allow_cross_node_tp)
         driver_ip = host_ip(ray)
@@ -164,18 +162,19 @@ class RayExecutor(Executor):
         return f"Worker rank {rank} on {info.describe()}, pid {info.pid}"
 
     def _record_death(self, rank: int, error: BaseException) -> str:
-        if self._failure is None:
-            cause = getattr(error, "cause", None)          # RayTaskError: the worker's own exception
-            if isinstance(cause, BaseException):
-                what = f"failed: {type(cause).__name__}: {_first_line(cause)}"
-            else:
-                what = f"died ({type(error).__name__}: {_first_line(error)})"
-            self._failure = (f"{self._describe_rank(rank)} {what}. The engine cannot continue; the other workers "
-                             "are being stopped.")
-            logger.error(self._failure)
-            self._death_send.send_bytes(b"x")
-            self._kill_actors()
-        return self._failure
+        if self._failure is not None:
+            return self._failure
+        cause = getattr(error, "cause", None)          # RayTaskError: the worker's own exception
+        if isinstance(cause, BaseException):
+            what = f"failed: {type(cause).__name__}: {_first_line(cause)}"
+        else:
+            what = f"died ({type(error).__name__}: {_first_line(error)})"
+        return self.record_failure(f"{self._describe_rank(rank)} {what}. The engine cannot continue; the other "
+                                   "workers are being stopped.")
+
+    def _on_failure(self) -> None:
+        self._death_send.send_bytes(b"x")      # wakes an idle engine core (our sentinel)
+        self._kill_actors()
 
     def _watch_workers(self) -> None:
         while not self._stopping and self._failure is None:
@@ -189,10 +188,6 @@ class RayExecutor(Executor):
                     ray.get(ready[0])
                 except Exception as e:     # noqa: BLE001  (the actor's death, as Ray reports it)
                     self._record_death(rank, e)
-
-    def check_health(self) -> None:
-        if self._failure:
-            raise WorkerDiedError(self._failure)
 
     def sentinels(self) -> list:
         return [self._death_recv]
@@ -219,9 +214,7 @@ class RayExecutor(Executor):
                 results[rank] = value
         return results
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
-        if kwargs:
-            raise TypeError("collective_rpc sends positional arguments only")
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
         return self._gather([a.call.remote(method, args) for a in self.actors])
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -235,26 +228,18 @@ class RayExecutor(Executor):
         refs = [a.execute.remote(payload) for a in self.actors]
         return lambda: self._decode_output(self._gather(refs)[self.output_rank])
 
-    @property
-    def runs_async(self) -> bool:
-        return True
-
     # ---- shutdown ----
     def _kill_actors(self) -> None:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
 
-    def shutdown(self) -> None:
-        if self._stopping:
-            return
-        self._stopping = True
-        atexit.unregister(self.shutdown)
+    def _shutdown(self) -> None:
         if not ray.is_initialized():
             return
         if self._failure is None and self.actors:
             ray.wait([a.stop.remote() for a in self.actors], num_returns=len(self.actors), timeout=5)
         self._kill_actors()
-        if getattr(self, "_watcher", None) is not None:
+        if self._watcher is not None:
             self._watcher.join(2)
         if self.pg is not None:
             ray.util.remove_placement_group(self.pg)

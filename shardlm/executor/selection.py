@@ -1,8 +1,10 @@
-"""The default executor backend, as vLLM users know it: mp when every rank fits on this node
-and we are not inside a Ray placement group; ray otherwise."""
+"""The executor backends, in one registry: their names, the default choice as vLLM users know
+it (uni for one rank; mp when every rank fits on this node and we are not inside a Ray
+placement group; ray otherwise), and the class behind each name."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -12,8 +14,17 @@ from shardlm.logger import init_logger
 
 logger = init_logger(__name__)
 
+# name -> (module, class); imported only when chosen, so the mp path never imports ray
+BACKENDS = {
+    "uni": ("shardlm.executor.uniproc", "UniProcExecutor"),
+    "mp": ("shardlm.executor.multiproc", "MultiprocExecutor"),
+    "ray": ("shardlm.executor.ray_executor", "RayExecutor"),
+}
+
 
 def choose_backend(world_size: int, device: torch.device, requested: str | None = None) -> str:
+    if requested is not None and requested not in BACKENDS:
+        raise ValueError(f"distributed_executor_backend={requested!r}: use {', '.join(map(repr, BACKENDS))}.")
     if world_size == 1:
         return requested or "uni"
     if requested is not None:
@@ -31,6 +42,14 @@ def choose_backend(world_size: int, device: torch.device, requested: str | None 
     if backend == "ray":
         require_ray()
     return backend
+
+
+def executor_class(backend: str) -> type:
+    """The Executor subclass registered under `backend`."""
+    if backend == "ray":
+        require_ray()
+    module, name = BACKENDS[backend]
+    return getattr(importlib.import_module(module), name)
 
 
 def _in_ray_placement_group() -> bool:

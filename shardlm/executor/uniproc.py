@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shardlm.engine.messages import ModelRunnerOutput, SchedulerOutput
 from shardlm.executor.base import Executor
+from shardlm.messages import ModelRunnerOutput, SchedulerOutput
 from shardlm.worker.worker import Worker
 
 
@@ -14,11 +14,11 @@ class UniProcExecutor(Executor):
         self.worker.init_device()
         self.worker.load_model()
 
-    def collective_rpc(self, method, args=(), kwargs=None):
-        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+    def collective_rpc(self, method, args=()):
+        return [getattr(self.worker, method)(*args)]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
-    def shutdown(self) -> None:
+    def _shutdown(self) -> None:
         self.worker.shutdown()

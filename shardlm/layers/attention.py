@@ -1,144 +1,23 @@
-"""Paged attention over a KV cache of blocks, head-major: [kv_heads, num_blocks, block_size, head_dim].
-
-One forward step runs every scheduled token at once. Tokens are grouped into two buckets,
-decodes (one query each) and prefill chunks (many queries each). Per bucket, the blocks of
-every sequence are gathered through its block table into a padded [batch, context, heads,
-dim] tensor (whole blocks with index_select: few large copies; head-major so that decode
-attention is two plain batched matmuls over kv_heads x batch with no further copy), and
-the bucket is attended in one go: decodes by those matmuls, prefills by
-scaled_dot_product_attention (memory-efficient for long prompts). Masked positions get exactly zero weight; padding reads the null block
-(block 0), and the cache starts zeroed, so no stale memory is ever a NaN.
-"""
+"""The attention layer: one per decoder layer. It holds that layer's slice of the paged KV
+cache (bound by the model runner) and attends through the engine's attention backend
+(shardlm/attention/), chosen once for the device and dtype."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass
-class AttentionBucket:
-    token_index: torch.Tensor   # [B, Q] rows of the step's tokens (padding repeats a valid row)
-    block_table: torch.Tensor   # [B, N] blocks of each sequence's context (padding: null block)
-    mask: torch.Tensor          # [B, 1, Q, N * block_size] True where a query may attend
-    masked_out: torch.Tensor    # ~mask, shaped [1, B, 1, N * block_size] for decode
-    context_lens: torch.Tensor  # [B] int64: tokens of context after this step
-    is_decode: bool
-    out_rows: torch.Tensor | None = None   # valid entries of token_index.flatten() (None: all)
-    in_order: bool = False                 # the bucket's outputs are the step's rows 0..T-1, in order
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] cache slot of each new token's K/V
-    buckets: list[AttentionBucket]
-
-
-def build_attention_metadata(query_lens: list[int], start_positions: list[int], block_tables: list[list[int]],
-                             block_size: int, device: torch.device) -> AttentionMetadata:
-    offsets, slot_mapping, t = [], [], 0
-    for qlen, start, table in zip(query_lens, start_positions, block_tables):
-        offsets.append(t)
-        t += qlen
-        for pos in range(start, start + qlen):
-            slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
-    decodes = [i for i, q in enumerate(query_lens) if q == 1]
-    prefills = [i for i, q in enumerate(query_lens) if q > 1]
-    buckets = [_bucket(rows, query_lens, start_positions, block_tables, offsets, block_size, device)
-               for rows in (decodes, prefills) if rows]
-    return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=device), buckets)
-
-
-def _bucket(rows, query_lens, starts, tables, offsets, block_size, device) -> AttentionBucket:
-    qlens = torch.tensor([query_lens[i] for i in rows])
-    start = torch.tensor([starts[i] for i in rows])
-    ctx = start + qlens
-    max_q = int(qlens.max())
-    max_blocks = max(len(tables[i]) for i in rows)
-    table = torch.tensor([tables[i] + [0] * (max_blocks - len(tables[i])) for i in rows])
-
-    qi = torch.arange(max_q)
-    token_index = torch.tensor([offsets[i] for i in rows])[:, None] + torch.minimum(qi[None, :], qlens[:, None] - 1)
-    kj = torch.arange(max_blocks * block_size)
-    q_pos = start[:, None] + qi[None, :]                                   # [B, Q]
-    mask = (kj[None, None, :] <= q_pos[:, :, None]) & (kj[None, None, :] < ctx[:, None, None])
-    out_rows = None
-    if max_q > 1 and bool((qlens != max_q).any()):
-        out_rows = (qi[None, :] < qlens[:, None]).flatten().nonzero().squeeze(1).to(device)
-    in_order = len(rows) == len(query_lens) and max_q == 1
-    mask = mask.unsqueeze(1).to(device)
-    masked_out = ~mask.view(1, len(rows), 1, -1) if max_q == 1 else None
-    return AttentionBucket(token_index.to(device), table.to(device), mask, masked_out, ctx.to(device),
-                           max_q == 1, out_rows, in_order)
+from shardlm.attention.backend import AttentionBackend
 
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
-        self.k_cache: torch.Tensor | None = None   # [Hkv, num_blocks, block_size, D], bound by the runner
+        self.k_cache: torch.Tensor | None = None   # layout: backend.kv_cache_shape(), bound by the runner
         self.v_cache: torch.Tensor | None = None
-        self.decode_kernel = None                   # shardlm.kernels.paged_decode_attention on CPU
+        self.backend: AttentionBackend | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]"""
-        T, Hkv, D = q.shape[0], self.num_kv_heads, self.head_dim
-        self.k_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        self.v_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-        if len(meta.buckets) == 1 and meta.buckets[0].in_order:   # a pure decode step
-            b = meta.buckets[0]
-            return self._decode_step(q, b).view(T, -1)
-        out = q.new_empty(T, self.num_heads, D)
-        for b in meta.buckets:
-            if b.is_decode:
-                ob = self._decode_step(q[b.token_index[:, 0]], b)
-            else:
-                kb, vb = self._gather(b)
-                qb = q[b.token_index].transpose(1, 2)               # [B, H, Q, D]
-                kb, vb = kb.transpose(0, 1), vb.transpose(0, 1)     # [B, Hkv, K, D]
-                ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask, scale=self.scale,
-                                                    enable_gqa=self.num_heads != self.num_kv_heads)
-                ob = ob.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
-            rows = b.token_index.flatten()
-            if b.out_rows is not None:
-                ob, rows = ob[b.out_rows], rows[b.out_rows]
-            out[rows] = ob
-        return out.view(T, -1)
-
-    def _decode_step(self, q: torch.Tensor, b: AttentionBucket) -> torch.Tensor:
-        """q: [B, H, D] (rows may be strided) -> [B, H, D]"""
-        if self.decode_kernel is None:
-            return self._decode(q, *self._gather(b), b.masked_out)
-        B, H, D = q.shape
-        out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
-        Hkv, num_blocks, block_size, _ = self.k_cache.shape
-        rc = self.decode_kernel(out.data_ptr(), q.data_ptr(), q.stride(0), self.k_cache.data_ptr(),
-                                self.v_cache.data_ptr(), b.block_table.data_ptr(), b.context_lens.data_ptr(),
-                                B, H, Hkv, D, num_blocks, block_size, b.block_table.shape[1], self.scale,
-                                0 if q.dtype == torch.float32 else 1)
-        if rc != 0:
-            raise MemoryError("paged attention kernel could not allocate its work buffers")
-        return out
-
-    def _gather(self, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
-        """The bucket's K and V, [Hkv, B, K, D]: whole blocks, in block-table order."""
-        B, blocks = b.block_table.shape[0], b.block_table.flatten()
-        kb = self.k_cache.index_select(1, blocks).view(self.num_kv_heads, B, -1, self.head_dim)
-        vb = self.v_cache.index_select(1, blocks).view(self.num_kv_heads, B, -1, self.head_dim)
-        return kb, vb
-
-    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked_out: torch.Tensor) -> torch.Tensor:
-        """One query per sequence. q: [B, H, D]; k, v: [Hkv, B, K, D]; masked_out [1, B, 1, K] -> [B, H, D]"""
-        Hkv, B, K, D = k.shape
-        group = self.num_heads // Hkv
-        # query heads grouped by their KV head, batched over (KV head, sequence); scaled in the copy
-        qg = torch.empty(Hkv, B, group, D, dtype=q.dtype, device=q.device)
-        torch.mul(q.view(B, Hkv, group, D).transpose(0, 1), self.scale, out=qg)
-        scores = torch.bmm(qg.view(Hkv * B, group, D), k.view(Hkv * B, K, D).transpose(1, 2)).float()
-        scores = scores.view(Hkv, B, group, K).masked_fill_(masked_out, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv * B, group, K)
-        out = torch.bmm(probs, v.view(Hkv * B, K, D))                       # [Hkv * B, G, D]
-        return out.view(Hkv, B, group, D).transpose(0, 1).reshape(B, self.num_heads, D)
+        return self.backend.forward(self, q, k, v, meta)

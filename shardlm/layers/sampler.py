@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardlm.engine.messages import TokenLogprobs
+from shardlm.messages import TokenLogprobs
 
 
 @dataclass

@@ -14,7 +14,7 @@ from torch import nn
 
 from shardlm.distributed.parallel_state import get_pp_group
 from shardlm.layers.activation import SiluAndMul
-from shardlm.layers.attention import Attention, AttentionMetadata
+from shardlm.layers.attention import Attention
 from shardlm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                    default_weight_loader)
 from shardlm.layers.norm import RMSNorm
@@ -35,7 +35,7 @@ class LlamaAttention(nn.Module):
         self._split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                        self.num_kv_heads * self.head_dim]
 
-    def forward(self, cos_sin, x, meta: AttentionMetadata):
+    def forward(self, cos_sin, x, meta):
         T = x.shape[0]
         qk, v = self.qkv_proj(x).split([self._split[0] + self._split[1], self._split[2]], dim=-1)
         qk = apply_rotary(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin)
@@ -132,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
             if self.tie_word_embeddings and self.model.embed_tokens is not None:
                 self.lm_head.tie(self.model.embed_tokens)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None):
+    def forward(self, input_ids, positions, meta, intermediate=None):
         return self.model(input_ids, positions, meta, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

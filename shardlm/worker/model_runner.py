@@ -1,4 +1,11 @@
-"""Runs one scheduler step on this rank: build the batch tensors, run the model, sample."""
+"""Runs one scheduler step on this rank:
+
+    update request state -> prepare inputs -> run the model (or this pipeline stage)
+      -> choose the rows that need logits -> sample -> prompt logprobs
+
+Each is one method below. Attention goes through the backend chosen once for this device
+(shardlm/attention/selector.py); the runner builds its metadata once per step.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardlm import kernels
+from shardlm.attention.selector import get_attention_backend
 from shardlm.config import EngineConfig
 from shardlm.distributed.parallel_state import get_pp_group, get_tp_group
 from shardlm.distributed.utils import pp_layer_partition
-from shardlm.engine.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
-from shardlm.layers.attention import Attention, build_attention_metadata
+from shardlm.layers.attention import Attention
 from shardlm.layers.sampler import Sampler, SamplingBatch, token_logprobs
+from shardlm.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from shardlm.model_loader.weights import load_model
 from shardlm.sampling_params import SamplingParams
 from shardlm.worker.cpu_tuning import zeroed_buffer
@@ -35,6 +42,7 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self._attention_layers: list[Attention] | None = None
         self.sampler = Sampler()
+        self.attn_backend = get_attention_backend(config, device)
         self.requests: dict[str, RequestState] = {}
         self.stop_ids_for_min_tokens = list(config.model.eos_token_ids)
 
@@ -56,14 +64,11 @@ class ModelRunner:
 
     def initialize_cache(self, num_blocks: int) -> None:
         dtype = self.config.model.dtype
-        kernel = None
-        if self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-            kernel = kernels.paged_decode_attention()
         for attn in self.attention_layers():
-            shape = (attn.num_kv_heads, num_blocks, self.block_size, attn.head_dim)
+            shape = self.attn_backend.kv_cache_shape(num_blocks, attn.num_kv_heads, attn.head_dim)
             attn.k_cache = self._zeros(shape, dtype)
             attn.v_cache = self._zeros(shape, dtype)
-            attn.decode_kernel = kernel
+            attn.backend = self.attn_backend
         self.num_blocks = num_blocks
         # CPU: blocks below this id have had their memory faulted in (block 0 is read as padding)
         self._faulted_blocks = 1 if self.device.type == "cpu" else num_blocks
@@ -81,6 +86,23 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """The sampled tokens on the rank that samples; None on the others."""
+        self._update_requests(so)
+        if not so.chunks:
+            return ModelRunnerOutput({})
+        input_ids, positions, meta = self._prepare_inputs(so.chunks)
+        hidden = self._run_model(input_ids, positions, meta)
+        if hidden is None:                  # not the last pipeline stage: sent on
+            return None
+        rows, sample_chunks, prompt_rows = self._logits_rows(so.chunks)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if logits is None:                  # not the rank that samples
+            return None
+        out = self._sample(logits[:len(sample_chunks)], sample_chunks)
+        self._prompt_logprobs(logits, prompt_rows, out)
+        return out
+
+    def _update_requests(self, so: SchedulerOutput) -> None:
+        """Forget finished requests; remember new ones (with their own generator when seeded)."""
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in so.new_requests:
@@ -89,59 +111,71 @@ class ModelRunner:
             if sp.seed is not None and not sp.greedy:
                 gen = torch.Generator(device=self.device).manual_seed(sp.seed)
             self.requests[new.req_id] = RequestState(new.prompt_token_ids, sp, gen)
-        if not so.chunks:
-            return ModelRunnerOutput({})
-        self._fault_in_blocks(max(max(c.block_ids) for c in so.chunks))
 
+    def _prepare_inputs(self, chunks: list[ScheduledChunk]):
+        """Token ids, positions and the attention metadata of the step's tokens, in chunk order."""
+        self._fault_in_blocks(max(max(c.block_ids) for c in chunks))
         input_ids, positions, query_lens = [], [], []
-        for c in so.chunks:
+        for c in chunks:
             input_ids.extend(c.token_ids)
             positions.extend(range(c.start_pos, c.start_pos + len(c.token_ids)))
             query_lens.append(len(c.token_ids))
-        meta = build_attention_metadata(query_lens, [c.start_pos for c in so.chunks],
-                                        [c.block_ids for c in so.chunks], self.block_size, self.device)
+        meta = self.attn_backend.build_metadata(query_lens, [c.start_pos for c in chunks],
+                                                [c.block_ids for c in chunks])
+        return (torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), meta)
+
+    def _run_model(self, input_ids, positions, meta):
+        """This rank's layers; between pipeline stages, the hidden states come in and go out.
+        -> the final hidden states on the last stage, None on the others."""
         intermediate = None if self.pp.is_first_rank else self._receive_from_previous_stage()
-        hidden = self.model(torch.tensor(input_ids, device=self.device),
-                            torch.tensor(positions, device=self.device), meta, intermediate)
+        hidden = self.model(input_ids, positions, meta, intermediate)
         if not self.pp.is_last_rank:
             self._send_to_next_stage(hidden)
             return None
+        return hidden
 
-        # rows whose logits are needed: the last token of each sampling chunk, then prompt positions
+    def _logits_rows(self, chunks: list[ScheduledChunk]):
+        """Rows whose logits are needed: the last token of each sampling chunk, then the prompt
+        positions of requests that asked for prompt logprobs.
+        -> (rows, sampling chunks, [(chunk, first row, count)])"""
         sample_chunks, rows, end = [], [], 0
-        prompt_rows: list[tuple[ScheduledChunk, int, int]] = []   # (chunk, first row, count)
-        for c in so.chunks:
+        prompt_rows: list[tuple[ScheduledChunk, int, int]] = []
+        for c in chunks:
             end += len(c.token_ids)
             if c.sample:
                 sample_chunks.append(c)
                 rows.append(end - 1)
-        for c, off in zip(so.chunks, _offsets(query_lens)):
+        offset = 0
+        for c in chunks:
             state = self.requests[c.req_id]
             if state.sampling_params.prompt_logprobs is not None:
                 n = min(c.start_pos + len(c.token_ids), len(state.prompt_token_ids) - 1) - c.start_pos
                 if n > 0:
                     prompt_rows.append((c, len(rows), n))
-                    rows.extend(range(off, off + n))
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        if logits is None:      # not the rank that samples
-            return None
+                    rows.extend(range(offset, offset + n))
+            offset += len(c.token_ids)
+        return rows, sample_chunks, prompt_rows
 
+    def _sample(self, logits: torch.Tensor, sample_chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
         out = ModelRunnerOutput({})
-        if sample_chunks:
-            states = [self.requests[c.req_id] for c in sample_chunks]
-            tokens, logprobs = self.sampler(logits[:len(sample_chunks)], self._sampling_batch(states))
-            for i, (c, state, token) in enumerate(zip(sample_chunks, states, tokens)):
-                state.output_token_ids.append(token)
-                out.sampled[c.req_id] = token
-                if i in logprobs:
-                    out.logprobs[c.req_id] = logprobs[i]
+        if not sample_chunks:
+            return out
+        states = [self.requests[c.req_id] for c in sample_chunks]
+        tokens, logprobs = self.sampler(logits, self._sampling_batch(states))
+        for i, (c, state, token) in enumerate(zip(sample_chunks, states, tokens)):
+            state.output_token_ids.append(token)
+            out.sampled[c.req_id] = token
+            if i in logprobs:
+                out.logprobs[c.req_id] = logprobs[i]
+        return out
+
+    def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows, out: ModelRunnerOutput) -> None:
         for chunk, first, n in prompt_rows:
             state = self.requests[chunk.req_id]
             lps = torch.log_softmax(logits[first:first + n].float(), dim=-1)
             k = state.sampling_params.prompt_logprobs
             targets = state.prompt_token_ids[chunk.start_pos + 1:chunk.start_pos + 1 + n]
             out.prompt_logprobs[chunk.req_id] = [token_logprobs(lps[i], t, k) for i, t in enumerate(targets)]
-        return out
 
     # ---- between pipeline stages: hidden states and residual ----
     def _split_across_tp(self) -> bool:
@@ -207,11 +241,3 @@ class ModelRunner:
         if any(p.logprobs is not None for p in params):
             batch.logprobs_k = [p.logprobs for p in params]
         return batch
-
-
-def _offsets(lengths: list[int]) -> list[int]:
-    out, t = [], 0
-    for n in lengths:
-        out.append(t)
-        t += n
-    return out

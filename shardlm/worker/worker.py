@@ -11,7 +11,7 @@ import torch
 
 from shardlm.config import EngineConfig, format_bytes
 from shardlm.distributed import parallel_state
-from shardlm.engine.messages import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
+from shardlm.messages import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 from shardlm.logger import init_logger
 from shardlm.sampling_params import SamplingParams
 from shardlm.worker.cpu_binding import apply_binding, binding_for_rank

@@ -88,8 +88,8 @@ def test_pp2_across_the_two_hosts_equals_mp(two_hosts, tiny_model_dir):
                                     SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
                 out[backend] = [o.outputs[0].token_ids for o in outs]
                 if backend == "ray":
-                    out["ips"] = [i.ip for i in llm.engine.core.executor.infos]
-                    out["gloo"] = llm.engine.core.executor.collective_rpc("environment", (["GLOO_SOCKET_IFNAME"],))
+                    out["ips"] = [i.ip for i in llm.engine.engine_core.engine_core.executor.infos]
+                    out["gloo"] = llm.collective_rpc("environment", (["GLOO_SOCKET_IFNAME"],))
                 llm.shutdown()
             print(json.dumps(out))
     """)

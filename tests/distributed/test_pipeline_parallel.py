@@ -18,7 +18,7 @@ from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts
 def _run(path, prompts, params, **kwargs):
     llm = LLM(path, dtype="float32", kv_cache_memory="64MiB", **kwargs)
     try:
-        return llm.generate(prompts, params, use_tqdm=False), llm.engine.core.executor.collective_rpc("weight_bytes")
+        return llm.generate(prompts, params, use_tqdm=False), llm.collective_rpc("weight_bytes")
     finally:
         llm.shutdown()
 
@@ -53,7 +53,7 @@ def test_many_requests_in_flight_equal_pp1(tiny_model_dir):
               max_num_batched_tokens=256)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.engine.core.stats()["num_preemptions"] > 0
+        assert llm.engine.engine_core.call_utility("stats")["num_preemptions"] > 0
     finally:
         llm.shutdown()
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in ref]

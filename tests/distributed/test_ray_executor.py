@@ -25,7 +25,7 @@ def _generate(path, prompts=None, params=PARAMS, **kwargs):
     llm = LLM(path, **ENGINE, **kwargs)
     try:
         outs = llm.generate(prompts or _prompts(), params, use_tqdm=False)
-        return outs, llm.engine.core.executor
+        return outs, llm.engine.engine_core.engine_core.executor
     finally:
         llm.shutdown()
 
@@ -66,7 +66,7 @@ def test_environment_is_forwarded_to_every_node(cluster, tiny_model_dir, monkeyp
     try:
         seen = ray.get([a.call.remote("environment", (["NCCL_SOCKET_IFNAME", "SHARDLM_TEST_MARKER", "MY_SETTING",
                                                       "NOT_FORWARDED_VAR", "GLOO_SOCKET_IFNAME"],))
-                        for a in llm.engine.core.executor.actors])
+                        for a in llm.engine.engine_core.engine_core.executor.actors])
     finally:
         llm.shutdown()
     for env in seen:
@@ -77,7 +77,7 @@ def test_environment_is_forwarded_to_every_node(cluster, tiny_model_dir, monkeyp
 
 def test_killed_actor_fails_the_engine_fast_naming_rank_and_node(cluster, tiny_model_dir):
     llm = LLM(tiny_model_dir("llama-gqa"), **ENGINE, pipeline_parallel_size=2, distributed_executor_backend="ray")
-    executor = llm.engine.core.executor
+    executor = llm.engine.engine_core.engine_core.executor
     victim = executor.infos[1]
     error = kill_during_generation(llm, victim.pid, r"Worker rank 1 on node .*Ray node .* died")
     assert victim.node_id[:8] in error and victim.ip in error

@@ -25,7 +25,7 @@ def test_tp2_inside_nodes_pp2_across_nodes_matches_hf_and_mp(cluster, tiny_model
         try:
             outs[backend] = llm.generate(_prompts(), PARAMS, use_tqdm=False)
             if backend == "ray":
-                nodes = [info.node_id for info in llm.engine.core.executor.infos]
+                nodes = [info.node_id for info in llm.engine.engine_core.engine_core.executor.infos]
                 assert nodes[0] == nodes[1] != nodes[2] == nodes[3], f"TP groups must not span nodes: {nodes}"
                 assert nodes[0] == ray.get_runtime_context().get_node_id()
         finally:

@@ -14,7 +14,7 @@ from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts
 
 
 def _workers(llm):
-    return [psutil.Process(p.pid) for p in llm.engine.core.executor.procs]
+    return [psutil.Process(p.pid) for p in llm.engine.engine_core.engine_core.executor.procs]
 
 
 @pytest.mark.parametrize("name,tp", [("llama-gqa", 2), ("llama-gqa", 4), ("qwen2-bias", 2),
@@ -36,10 +36,10 @@ def test_tp_matches_hf(name, tp, tiny_model_dir, references, hf):
 def test_tp2_weights_are_half_per_rank(tiny_model_dir):
     path = tiny_model_dir("llama-gqa")
     one = LLM(path, dtype="float32", kv_cache_memory="16MiB")
-    full = one.engine.core.executor.collective_rpc("weight_bytes")[0]
+    full = one.collective_rpc("weight_bytes")[0]
     two = LLM(path, dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2)
     try:
-        per_rank = two.engine.core.executor.collective_rpc("weight_bytes")
+        per_rank = two.collective_rpc("weight_bytes")
     finally:
         two.shutdown()
     assert len(per_rank) == 2
@@ -59,7 +59,7 @@ def test_tp2_with_prefix_cache_chunked_prefill_and_preemption_equals_tp1(tiny_mo
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts + shared, PARAMS, use_tqdm=False)]
         again = llm.generate(shared, PARAMS, use_tqdm=False)
-        stats = llm.engine.core.stats()
+        stats = llm.engine.engine_core.call_utility("stats")
     finally:
         llm.shutdown()
     assert stats["num_preemptions"] > 0

@@ -34,7 +34,7 @@ def kill_during_generation(llm: LLM, pid: int, match: str) -> str:
 
 def assert_killed_rank_fails_fast(model_dir: str, rank: int, **parallel) -> None:
     llm = LLM(model_dir, dtype="float32", kv_cache_memory="64MiB", max_model_len=512, **parallel)
-    workers = [psutil.Process(p.pid) for p in llm.engine.core.executor.procs]
+    workers = [psutil.Process(p.pid) for p in llm.engine.engine_core.engine_core.executor.procs]
     kill_during_generation(llm, workers[rank].pid, rf"rank {rank} .* died")
     llm.shutdown()
     _, alive = psutil.wait_procs(workers, timeout=5)

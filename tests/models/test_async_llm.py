@@ -8,9 +8,9 @@ import time
 import pytest
 
 from shardlm import LLM, SamplingParams
-from shardlm.config import EngineArgs
+from shardlm.engine.arg_utils import EngineArgs
 from shardlm.engine.async_llm import AsyncLLM
-from shardlm.engine.core_process import EngineDeadError
+from shardlm.engine.core_client import EngineDeadError
 
 PROMPTS = [[5, 900, 17, 3000, 42], list(range(1000, 1040)), [77] * 3, list(range(200, 290))]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -30,7 +30,7 @@ def test_async_outputs_equal_offline_and_stream(tiny_model_dir):
     offline = LLM(**vars(_args(path))).generate(PROMPTS, GREEDY, use_tqdm=False)
 
     async def main():
-        llm = AsyncLLM(_args(path))
+        llm = AsyncLLM.from_engine_args(_args(path))
         try:
             results = await asyncio.gather(*(_collect(llm, p, GREEDY, f"r{i}") for i, p in enumerate(PROMPTS)))
             stats = await llm.stats()
@@ -51,7 +51,7 @@ def test_async_outputs_equal_offline_and_stream(tiny_model_dir):
 
 def test_leaving_the_stream_aborts_and_frees_blocks(tiny_model_dir):
     async def main():
-        llm = AsyncLLM(_args(tiny_model_dir("llama-gqa")))
+        llm = AsyncLLM.from_engine_args(_args(tiny_model_dir("llama-gqa")))
         try:
             params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
             seen = 0
@@ -74,8 +74,8 @@ def test_leaving_the_stream_aborts_and_frees_blocks(tiny_model_dir):
 
 def test_dead_engine_fails_requests_fast_and_leaves_no_process(tiny_model_dir):
     async def main():
-        llm = AsyncLLM(_args(tiny_model_dir("llama-gqa")))
-        pid = llm.core.process.pid
+        llm = AsyncLLM.from_engine_args(_args(tiny_model_dir("llama-gqa")))
+        pid = llm.engine_core.process.pid
         params = SamplingParams(temperature=0, max_tokens=250, ignore_eos=True)
         t0 = time.perf_counter()
         with pytest.raises(EngineDeadError, match="died"):
@@ -97,7 +97,7 @@ def test_dead_engine_fails_requests_fast_and_leaves_no_process(tiny_model_dir):
 
 def test_startup_failure_in_the_engine_process_is_reported(tiny_model_dir):
     async def main():
-        AsyncLLM(EngineArgs(model=tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory=8192 * 4,
+        AsyncLLM.from_engine_args(EngineArgs(model=tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory=8192 * 4,
                             max_model_len=512))
 
     with pytest.raises(RuntimeError, match="engine core failed to start: ValueError.*max_model_len"):

@@ -1,5 +1,5 @@
-"""Paged attention: the compiled CPU decode kernel and the torch path agree, and both equal
-plain attention over the sequence's keys, whatever the block layout."""
+"""Paged attention: the CPU backend (compiled decode kernel) and the torch backend agree, and
+both equal plain attention over the sequence's keys, whatever the block layout."""
 
 import random
 
@@ -8,15 +8,26 @@ import torch
 import torch.nn.functional as F
 
 from shardlm import kernels
-from shardlm.layers.attention import Attention, build_attention_metadata
+from shardlm.attention.cpu_kernel import CpuKernelAttention
+from shardlm.attention.torch_paged import TorchPagedAttention
+from shardlm.layers.attention import Attention
 
 H, HKV, D, BS, NB = 6, 2, 32, 16, 64
 
 
-def _setup(dtype, lens, q_lens=None):
+def _backend(use_kernel):
+    if not use_kernel:
+        return TorchPagedAttention(BS, torch.device("cpu"))
+    kernel = kernels.paged_decode_attention()
+    assert kernel is not None, "the C kernel must build where a compiler exists"
+    return CpuKernelAttention(BS, torch.device("cpu"), kernel)
+
+
+def _setup(dtype, lens, q_lens=None, use_kernel=False):
     torch.manual_seed(0)
     random.seed(0)
     attn = Attention(H, HKV, D, D ** -0.5)
+    attn.backend = _backend(use_kernel)
     attn.k_cache = torch.randn(HKV, NB, BS, D, dtype=dtype)
     attn.v_cache = torch.randn(HKV, NB, BS, D, dtype=dtype)
     free = list(range(1, NB))
@@ -27,7 +38,7 @@ def _setup(dtype, lens, q_lens=None):
         tables.append(free[:k])
         free = free[k:]
     q_lens = q_lens or [1] * len(lens)
-    meta = build_attention_metadata(q_lens, [n - q for n, q in zip(lens, q_lens)], tables, BS, torch.device("cpu"))
+    meta = attn.backend.build_metadata(q_lens, [n - q for n, q in zip(lens, q_lens)], tables)
     T = sum(q_lens)
     q, k, v = torch.randn(T, H, D, dtype=dtype), torch.randn(T, HKV, D, dtype=dtype), torch.randn(T, HKV, D, dtype=dtype)
     return attn, meta, tables, q, k, v
@@ -52,10 +63,7 @@ def _reference(attn, tables, lens, q_lens, q):
 @pytest.mark.parametrize("use_kernel", [False, True])
 def test_decode_matches_plain_attention(dtype, tol, use_kernel):
     lens = [1, 5, 16, 17, 40, 100]
-    attn, meta, tables, q, k, v = _setup(dtype, lens)
-    if use_kernel:
-        attn.decode_kernel = kernels.paged_decode_attention()
-        assert attn.decode_kernel is not None, "the C kernel must build where a compiler exists"
+    attn, meta, tables, q, k, v = _setup(dtype, lens, use_kernel=use_kernel)
     out = attn(q, k, v, meta)
     ref = _reference(attn, tables, lens, [1] * len(lens), q)
     assert (out.float() - ref).abs().max() < tol
@@ -63,7 +71,6 @@ def test_decode_matches_plain_attention(dtype, tol, use_kernel):
 
 def test_mixed_prefill_and_decode_step():
     lens, q_lens = [20, 7, 50, 3], [1, 7, 13, 1]
-    attn, meta, tables, q, k, v = _setup(torch.float32, lens, q_lens)
-    attn.decode_kernel = kernels.paged_decode_attention()
+    attn, meta, tables, q, k, v = _setup(torch.float32, lens, q_lens, use_kernel=True)
     out = attn(q, k, v, meta)
     assert (out - _reference(attn, tables, lens, q_lens, q)).abs().max() < 1e-5

@@ -1,5 +1,5 @@
 from shardlm.config import CacheConfig, SchedulerConfig
-from shardlm.engine.messages import ModelRunnerOutput
+from shardlm.messages import ModelRunnerOutput
 from shardlm.engine.request import Request, RequestStatus
 from shardlm.engine.scheduler import Scheduler
 from shardlm.sampling_params import SamplingParams

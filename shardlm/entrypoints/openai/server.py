@@ -17,9 +17,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import shardlm
-from shardlm.config import EngineArgs, EngineConfig
+from shardlm.config import EngineConfig
+from shardlm.engine.arg_utils import EngineArgs
 from shardlm.engine.async_llm import AsyncLLM
-from shardlm.engine.core_process import EngineDeadError
+from shardlm.engine.core_client import EngineDeadError
 from shardlm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  OpenAIError, TokenizeRequest)
 from shardlm.entrypoints.openai.metrics import ServerMetrics
@@ -31,14 +32,13 @@ _OPEN_ROUTES = ("/health", "/metrics", "/version")
 _UNHEALTHY_GRACE_S = 2.0   # how long /health reports 503 after the engine died, before exiting
 
 
-def build_app(engine_args: EngineArgs, api_key: str | None = None, chat_template: str | None = None,
-              config: EngineConfig | None = None) -> FastAPI:
+def build_app(config: EngineConfig, api_key: str | None = None, chat_template: str | None = None) -> FastAPI:
     state: dict = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         t0 = time.perf_counter()
-        llm = AsyncLLM(engine_args, config=config)
+        llm = AsyncLLM(config)
         names = [llm.config.model.served_model_name]
         state["llm"], state["serving"] = llm, OpenAIServing(llm, names, chat_template)
         state["metrics"] = metrics = ServerMetrics(names[0])
@@ -152,7 +152,7 @@ def build_app(engine_args: EngineArgs, api_key: str | None = None, chat_template
 def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | None = None,
                chat_template: str | None = None, log_level: str = "info") -> None:
     config = engine_args.create_engine_config()   # bad settings fail here, plainly, before any process starts
-    app = build_app(engine_args, api_key, chat_template, config)
+    app = build_app(config, api_key, chat_template)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
     failed = {}
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from shardlm.engine.async_llm import AsyncLLM
 from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from shardlm.outputs import Logprob, RequestOutput
-from shardlm.sampling_params import SamplingParams
+from shardlm.sampling_params import RequestOutputKind, SamplingParams
 
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -28,7 +28,7 @@ class OpenAIServing:
         self.model_names = served_model_names
         self.chat_template = chat_template
         self.max_model_len = llm.config.model.max_model_len
-        self.defaults = llm.engine.default_sampling_params()
+        self.defaults = llm.default_sampling_params()
 
     # ---- shared ----
     def check_model(self, name: str | None) -> str:
@@ -38,6 +38,7 @@ class OpenAIServing:
         return self.model_names[0]
 
     def sampling_params(self, req, max_tokens: int | None, prompt_len: int, **extra) -> SamplingParams:
+        """Streams get deltas (only what is new each step); the others one final output."""
         if max_tokens is not None and prompt_len + max_tokens > self.max_model_len:
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
@@ -49,7 +50,8 @@ class OpenAIServing:
                 n=req.n, seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
                 max_tokens=max_tokens, skip_special_tokens=req.skip_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output, **values, **extra)
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY, **values, **extra)
         except ValueError as e:
             m = re.search(r"SamplingParams\.(\w+)=", str(e))
             raise OpenAIError(str(e).replace("SamplingParams.", ""), 400, m.group(1) if m else None) from e
@@ -105,27 +107,26 @@ class OpenAIServing:
         return {**head, "choices": choices, "usage": _usage(finals)}
 
     async def _stream_completions(self, req, head, streams, prompt_ids) -> AsyncIterator[str]:
-        sent_text: dict[int, int] = {}
-        sent_lp: dict[int, int] = {}
-        finals: dict[int, RequestOutput] = {}
+        """Each output is a delta: its text goes out as it is."""
+        echoed: set[int] = set()
+        prompt_tokens = completion_tokens = 0
         async for k, out in _merge(streams):
             for c in out.outputs:
                 idx = k * req.n + c.index
-                start = sent_text.get(idx, 0)
-                delta = c.text[start:]
-                if req.echo and idx not in sent_text:
-                    delta = (out.prompt or self.llm.tokenizer.decode(out.prompt_token_ids)) + delta
-                new_lps = c.logprobs[sent_lp.get(idx, 0):] if c.logprobs is not None else None
-                if not delta and not c.finish_reason and not new_lps:
+                completion_tokens += len(c.token_ids)
+                text = c.text
+                if req.echo and idx not in echoed:
+                    echoed.add(idx)
+                    text = (out.prompt or self.llm.tokenizer.decode(out.prompt_token_ids)) + text
+                if not text and not c.finish_reason and not c.logprobs:
                     continue
-                sent_text[idx], sent_lp[idx] = len(c.text), len(c.logprobs or [])
                 yield sse({**head, "choices": [{
-                    "index": idx, "text": delta, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                    "logprobs": _completion_logprobs(new_lps) if req.logprobs is not None else None}]})
+                    "index": idx, "text": text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    "logprobs": _completion_logprobs(c.logprobs) if req.logprobs is not None else None}]})
             if out.finished:
-                finals[k] = out
+                prompt_tokens += len(out.prompt_token_ids)
         if req.stream_options and req.stream_options.include_usage:
-            yield sse({**head, "choices": [], "usage": _usage(list(finals.values()))})
+            yield sse({**head, "choices": [], "usage": _usage_counts(prompt_tokens, completion_tokens)})
         yield sse("[DONE]")
 
     # ---- /v1/chat/completions ----
@@ -149,7 +150,7 @@ class OpenAIServing:
         stream = self._generate(ids, text, params, rid)
         if req.stream:
             return self._stream_chat(req, {**head, "object": "chat.completion.chunk"}, stream)
-        (final,) = await _last_outputs([stream])
+        (final,) = await _last_outputs([stream])   # FINAL_ONLY: one output
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                     "logprobs": _chat_logprobs(c.logprobs, req.top_logprobs or 0) if req.logprobs else None}
@@ -157,28 +158,26 @@ class OpenAIServing:
         return {**head, "choices": choices, "usage": _usage([final])}
 
     async def _stream_chat(self, req, head, stream) -> AsyncIterator[str]:
-        sent_text: dict[int, int] = {}
-        sent_lp: dict[int, int] = {}
-        final = None
+        """Each output is a delta: its text goes out as it is."""
+        started: set[int] = set()
+        prompt_tokens = completion_tokens = 0
         async for _, out in _merge([stream]):
             for c in out.outputs:
-                if c.index not in sent_text:
-                    sent_text[c.index] = sent_lp[c.index] = 0
+                if c.index not in started:
+                    started.add(c.index)
                     yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                                     "logprobs": None, "finish_reason": None}]})
-                delta = c.text[sent_text[c.index]:]
-                new_lps = c.logprobs[sent_lp[c.index]:] if c.logprobs is not None else None
-                if not delta and not c.finish_reason and not new_lps:
+                completion_tokens += len(c.token_ids)
+                if not c.text and not c.finish_reason and not c.logprobs:
                     continue
-                sent_text[c.index], sent_lp[c.index] = len(c.text), len(c.logprobs or [])
                 yield sse({**head, "choices": [{
-                    "index": c.index, "delta": {"content": delta} if delta else {},
-                    "logprobs": _chat_logprobs(new_lps, req.top_logprobs or 0) if req.logprobs else None,
+                    "index": c.index, "delta": {"content": c.text} if c.text else {},
+                    "logprobs": _chat_logprobs(c.logprobs, req.top_logprobs or 0) if req.logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
             if out.finished:
-                final = out
-        if req.stream_options and req.stream_options.include_usage and final is not None:
-            yield sse({**head, "choices": [], "usage": _usage([final])})
+                prompt_tokens = len(out.prompt_token_ids)
+        if req.stream_options and req.stream_options.include_usage:
+            yield sse({**head, "choices": [], "usage": _usage_counts(prompt_tokens, completion_tokens)})
         yield sse("[DONE]")
 
 
@@ -194,6 +193,13 @@ def _completion_prompts(prompt) -> list[str | list[int]]:
 
 async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several request streams as they come; closing this closes (aborts) them all."""
+    if len(streams) == 1:       # one request: read it directly, no pump task and queue
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
@@ -232,8 +238,11 @@ async def _last_outputs(streams) -> list[RequestOutput]:
 
 
 def _usage(finals: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    return _usage_counts(sum(len(o.prompt_token_ids) for o in finals),
+                         sum(len(c.token_ids) for o in finals for c in o.outputs))
+
+
+def _usage_counts(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

@@ -1,0 +1,48 @@
+"""The attention backend interface: how one step's attention metadata is built and how a
+layer attends with it. One backend is chosen per engine (selector.py) and shared by every
+layer; the model code never branches on the device.
+
+A backend owns three decisions:
+  - the KV cache layout (kv_cache_shape), since kernels want different ones;
+  - the metadata of a step (build_metadata), built once per step from the scheduled chunks
+    and read by every layer;
+  - the attention itself (forward): write this step's K/V into the cache, attend.
+A backend that can be captured in a CUDA graph keeps its metadata in preallocated device
+tensors and says so (supports_graph_capture); nothing captures it yet.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from shardlm.layers.attention import Attention
+
+
+class AttentionBackend(ABC):
+    name: str = "?"
+    supports_graph_capture: bool = False
+
+    def __init__(self, block_size: int, device: torch.device):
+        self.block_size = block_size
+        self.device = device
+
+    def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's K (and V) cache. Default: head-major [Hkv, num_blocks, block_size, D]."""
+        return (num_kv_heads, num_blocks, self.block_size, head_dim)
+
+    @abstractmethod
+    def build_metadata(self, query_lens: list[int], start_positions: list[int],
+                       block_tables: list[list[int]]) -> Any:
+        """One step's metadata: sequence i computes query_lens[i] tokens from start_positions[i],
+        its context in the blocks block_tables[i]."""
+
+    @abstractmethod
+    def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]. Writes k, v into the layer's cache first."""
+
+    def prepare_graph_capture(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        """Allocate what a captured decode step reads (backends with supports_graph_capture)."""

@@ -1,0 +1,83 @@
+"""The CUDA attention backend: torch scaled-dot-product attention over the paged cache, with
+the metadata of decode steps in preallocated device tensors.
+
+Decode steps (one query per sequence) are the ones worth capturing in a CUDA graph, and a
+captured graph reads fixed addresses: so their slot mapping, block tables and context lengths
+are copied each step into buffers allocated once (prepare_graph_capture, sized by
+max_num_seqs and max_model_len), and the masks are derived from them on the device. Steps
+with prompt chunks use the torch path's per-step metadata (they are not captured).
+
+FlashAttention / FlashInfer kernels would slot in here (their paged layouts differ:
+kv_cache_shape is the backend's to choose); they are not used yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardlm.attention.torch_paged import TorchPagedAttention, decode_attention
+
+
+@dataclass
+class CudaDecodeMetadata:
+    """Views of the preallocated buffers for this step's B sequences and N blocks each."""
+    slot_mapping: torch.Tensor   # [B]
+    block_table: torch.Tensor    # [B, N] int64
+    context_lens: torch.Tensor   # [B] int64
+    positions: torch.Tensor      # [N * block_size] 0, 1, 2, ... (a view of one arange)
+
+
+class CudaAttention(TorchPagedAttention):
+    name = "cuda-sdpa"
+    supports_graph_capture = True
+
+    def __init__(self, block_size: int, device: torch.device, max_num_seqs: int, max_model_len: int):
+        super().__init__(block_size, device)
+        self.prepare_graph_capture(max_num_seqs, -(-max_model_len // block_size))
+
+    def prepare_graph_capture(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        dev = self.device
+        self.max_num_seqs, self.max_blocks = max_num_seqs, max_blocks_per_seq
+        self.slot_mapping = torch.zeros(max_num_seqs, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.long, device=dev)
+        self.context_lens = torch.zeros(max_num_seqs, dtype=torch.long, device=dev)
+        self.positions = torch.arange(max_blocks_per_seq * self.block_size, device=dev)
+        # staging on the host, pinned so the copies run asynchronously
+        self._host = torch.zeros(max_num_seqs, 2 + max_blocks_per_seq, dtype=torch.long, pin_memory=True)
+        self._copied = torch.cuda.Event()        # the last step's copies out of _host are done
+        self._copied.record()
+
+    def build_metadata(self, query_lens, start_positions, block_tables):
+        B = len(query_lens)
+        if B > self.max_num_seqs or any(q != 1 for q in query_lens):
+            return super().build_metadata(query_lens, start_positions, block_tables)
+        N = max(len(t) for t in block_tables)
+        self._copied.synchronize()                   # the previous step may still be reading _host
+        host = self._host[:B]
+        host[:, 2:2 + N] = 0                         # padding reads the null block
+        for i, (pos, table) in enumerate(zip(start_positions, block_tables)):
+            row = host[i]
+            row[0] = table[pos // self.block_size] * self.block_size + pos % self.block_size   # slot
+            row[1] = pos + 1                                                                  # context
+            row[2:2 + len(table)] = torch.tensor(table, dtype=torch.long)
+        self.slot_mapping[:B].copy_(host[:, 0], non_blocking=True)
+        self.context_lens[:B].copy_(host[:, 1], non_blocking=True)
+        self.block_tables[:B, :N].copy_(host[:, 2:2 + N], non_blocking=True)
+        self._copied.record()
+        return CudaDecodeMetadata(self.slot_mapping[:B], self.block_tables[:B, :N], self.context_lens[:B],
+                                  self.positions[:N * self.block_size])
+
+    def forward(self, layer, q, k, v, meta):
+        if not isinstance(meta, CudaDecodeMetadata):
+            return super().forward(layer, q, k, v, meta)
+        T, Hkv, D = q.shape[0], layer.num_kv_heads, layer.head_dim
+        layer.k_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        layer.v_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        B, N = meta.block_table.shape
+        blocks = meta.block_table.flatten()
+        kb = layer.k_cache.index_select(1, blocks).view(Hkv, B, -1, D)
+        vb = layer.v_cache.index_select(1, blocks).view(Hkv, B, -1, D)
+        masked_out = (meta.positions[None, :] >= meta.context_lens[:, None]).view(1, B, 1, -1)
+        return decode_attention(layer, q, kb, vb, masked_out).view(T, -1)

@@ -1,0 +1,85 @@
+"""Input processing, shared by LLMEngine and AsyncLLM: a prompt and its SamplingParams become
+engine-core requests, checked once, before anything reaches the engine core.
+
+Tokenizes text prompts, checks the ids against the vocabulary and max_model_len, and fans a
+request with n samples out into n engine-core requests (with prefix caching they share the
+prompt's KV blocks; each gets its own seed, seed + i).
+"""
+
+from __future__ import annotations
+
+import time
+
+from shardlm.config import EngineConfig
+from shardlm.engine.output_processor import ParentRequest
+from shardlm.messages import EngineCoreRequest
+from shardlm.outputs import RequestMetrics
+from shardlm.sampling_params import SamplingParams
+
+# generation_config.json keys -> SamplingParams fields (used when the caller gives no params)
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def split_prompt(prompt) -> tuple[str | None, list[int] | None]:
+    """A prompt as (text, token ids): a string, a list of token ids, or a dict with either or both."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" not in prompt and "prompt" not in prompt:
+            raise ValueError(f"A prompt dict needs 'prompt' or 'prompt_token_ids'; got keys {sorted(prompt)}.")
+        ids = prompt.get("prompt_token_ids")
+        return prompt.get("prompt"), list(ids) if ids is not None else None
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        return None, list(prompt)
+    raise TypeError(f"Cannot read prompt {prompt!r}: use a string, a list of token ids, or a dict.")
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer):
+        self.config = config
+        self.tokenizer = tokenizer
+
+    def default_sampling_params(self) -> SamplingParams:
+        gen = self.config.model.generation_defaults
+        values = {field: gen[key] for key, field in _GENERATION_DEFAULTS.items() if gen.get(key) is not None}
+        if gen.get("do_sample") is False:
+            values["temperature"] = 0.0
+        return SamplingParams(**values)
+
+    def process(self, request_id: str, prompt, params: SamplingParams, arrival_time: float | None = None
+                ) -> tuple[ParentRequest, list[EngineCoreRequest]]:
+        """-> the request as the output processor tracks it, and its n engine-core requests."""
+        text, prompt_token_ids = split_prompt(prompt)
+        if prompt_token_ids is None:
+            if not isinstance(text, str):
+                raise TypeError(f"A prompt must be a string or a list of token ids, not {type(text).__name__}.")
+            prompt_token_ids = self.tokenizer(text).input_ids
+        self._validate(prompt_token_ids)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, not {type(params).__name__}.")
+        arrival_time = arrival_time or time.time()
+        parent = ParentRequest(request_id, text, prompt_token_ids, params, RequestMetrics(arrival_time))
+        if params.n == 1:
+            return parent, [EngineCoreRequest(request_id, prompt_token_ids, params, arrival_time)]
+        return parent, [
+            EngineCoreRequest(f"{i}_{request_id}", prompt_token_ids,
+                              params.clone(n=1, seed=None if params.seed is None else params.seed + i), arrival_time)
+            for i in range(params.n)]
+
+    def _validate(self, ids: list[int]) -> None:
+        max_len = self.config.model.max_model_len
+        if not ids:
+            raise ValueError("The prompt is empty: give at least one token.")
+        if len(ids) >= max_len:
+            raise ValueError(f"The prompt is {len(ids)} tokens long, but max_model_len={max_len} leaves no room "
+                             f"for output: shorten the prompt below {max_len} tokens or raise max_model_len.")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"Token id(s) {bad[:5]} are outside the vocabulary [0, {vocab}).")

@@ -1,0 +1,144 @@
+"""Every message that crosses a process boundary, in one place.
+
+Plain msgspec structs of ints, floats, strings and lists (never pickle), so any transport (a
+pipe, a shared-memory queue, a Ray call, a socket) carries them as msgpack bytes. This module
+imports nothing of shardlm but SamplingParams, so every layer may use it.
+
+Three conversations:
+
+    front end (LLM / AsyncLLM)  <->  engine core        EngineCoreRequest, AbortRequests, UtilityCall,
+                                                        Shutdown  /  Ready, StartupFailed, Failed,
+                                                        EngineCoreOutputs, UtilityResult
+    engine core  ->  workers                            SchedulerOutput (in RunStep), UtilityCall, Shutdown
+    workers  ->  engine core                            Ready, ModelRunnerOutput (in StepResult), UtilityResult
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from shardlm.sampling_params import SamplingParams
+
+
+# ---- one step, engine core -> workers ----
+class NewRequestData(msgspec.Struct):
+    """Sent the first time a request is scheduled; the worker keeps it until the request ends."""
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+class ScheduledChunk(msgspec.Struct):
+    """One request's share of a step: compute `token_ids` at positions start_pos, start_pos+1, ..."""
+    req_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool          # True when this chunk ends at the request's last known token
+
+
+class SchedulerOutput(msgspec.Struct):
+    chunks: list[ScheduledChunk]
+    new_requests: list[NewRequestData] = msgspec.field(default_factory=list)
+    finished_req_ids: list[str] = msgspec.field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+# ---- one step's result, output rank -> engine core ----
+class TokenLogprobs(msgspec.Struct):
+    """Logprobs at one position: the chosen token's, then the top-k (ids, logprobs)."""
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class ModelRunnerOutput(msgspec.Struct):
+    sampled: dict[str, int]                              # req_id -> next token id
+    logprobs: dict[str, TokenLogprobs] = msgspec.field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)
+
+
+# ---- front end <-> engine core ----
+class EngineCoreRequest(msgspec.Struct, tag=True):
+    """One engine-core request: a prompt already tokenised and validated by the front end."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+class EngineCoreOutput(msgspec.Struct):
+    """What one step did to one request: its new tokens, and how it ended if it did."""
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, tag=True):
+    """One step's outputs, and the core's load (what a data-parallel balancer reads)."""
+    outputs: list[EngineCoreOutput]
+    num_waiting: int = 0
+    num_running: int = 0
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+# ---- calls and answers, for both conversations ----
+class UtilityCall(msgspec.Struct, tag=True):
+    """Call `method` on the other side (the engine core, or every worker) with `args`."""
+    call_id: int
+    method: str
+    args: list[Any] = msgspec.field(default_factory=list)
+
+
+class UtilityResult(msgspec.Struct, tag=True):
+    call_id: int
+    value: Any
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class Ready(msgspec.Struct, tag=True):
+    """Start-up finished: a worker (its rank) or the engine core (its KV cache blocks)."""
+    rank: int = 0
+    num_blocks: int = 0
+
+
+class StartupFailed(msgspec.Struct, tag=True):
+    error: str
+
+
+class Failed(msgspec.Struct, tag=True):
+    """The engine core stopped on an error (a worker died, ...); it exits after sending this."""
+    error: str
+
+
+# ---- engine core <-> workers ----
+class RunStep(msgspec.Struct, tag=True):
+    scheduler_output: SchedulerOutput
+
+
+class StepResult(msgspec.Struct, tag=True):
+    output: ModelRunnerOutput
+
+
+# What each side decodes.
+ToEngineCore = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown
+FromEngineCore = Ready | StartupFailed | Failed | EngineCoreOutputs | UtilityResult
+ToWorker = RunStep | UtilityCall | Shutdown
+FromWorker = Ready | StepResult | UtilityResult

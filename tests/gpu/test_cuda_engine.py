@@ -1,0 +1,105 @@
+"""The engine on one CUDA device: outputs against transformers in bfloat16 and float16, the CUDA
+attention backend against plain attention, the KV budget from gpu_memory_utilization, and the
+server's smoke test."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardlm import LLM, SamplingParams
+from tests.distributed.test_parallel_server import assert_server_answers_like_llm
+from tests.models.test_tiny_models_vs_hf import MAX_TOKENS, PARAMS, _prompts
+from tests.server.test_openai_server import _start, _stop
+
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
+def test_engine_matches_hf_on_cuda(name, dtype, tiny_model_dir, hf):
+    path = tiny_model_dir(name)
+    ref = hf.greedy(path, _prompts(), MAX_TOKENS, dtype=dtype, device="cuda")
+    llm = LLM(path, dtype=str(dtype).removeprefix("torch."), device="cuda", gpu_memory_utilization=0.3)
+    try:
+        assert llm.engine.config.device.type == "cuda"
+        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    exact = hf.assert_close(ref, outs, f"{name} {dtype}")
+    assert exact >= 3, f"only {exact}/6 sequences equal HF exactly in {dtype}"
+
+
+def _plain_attention(k_cache, v_cache, tables, lens, q_lens, q, scale):
+    """Causal attention per sequence from a head-major paged cache, in float32."""
+    H, Hkv, D = q.shape[1], k_cache.shape[0], q.shape[2]
+    outs, t = [], 0
+    for table, n, ql in zip(tables, lens, q_lens):
+        keys = k_cache[:, table].reshape(Hkv, -1, D)[:, :n].float()
+        vals = v_cache[:, table].reshape(Hkv, -1, D)[:, :n].float()
+        qs = q[t:t + ql].float().transpose(0, 1)
+        mask = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - ql, n, device=q.device)[:, None]
+        o = F.scaled_dot_product_attention(qs, keys.repeat_interleave(H // Hkv, 0),
+                                           vals.repeat_interleave(H // Hkv, 0), attn_mask=mask, scale=scale)
+        outs.append(o.transpose(0, 1).reshape(ql, H * D))
+        t += ql
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("q_lens", [None, [1, 7, 13, 1, 1, 30]], ids=["decode", "mixed"])
+def test_cuda_attention_backend_matches_plain_attention(dtype, tol, q_lens):
+    from shardlm.attention.cuda import CudaAttention, CudaDecodeMetadata
+    from shardlm.layers.attention import Attention
+
+    H, Hkv, D, BS, NB = 8, 2, 64, 16, 128
+    torch.manual_seed(0)
+    random.seed(0)
+    lens = [1, 9, 40, 17, 100, 64]
+    q_lens = q_lens or [1] * len(lens)
+    attn = Attention(H, Hkv, D, D ** -0.5)
+    attn.backend = backend = CudaAttention(BS, CUDA, max_num_seqs=8, max_model_len=512)
+    attn.k_cache = torch.randn(backend.kv_cache_shape(NB, Hkv, D), dtype=dtype, device=CUDA)
+    attn.v_cache = torch.randn(backend.kv_cache_shape(NB, Hkv, D), dtype=dtype, device=CUDA)
+    free = list(range(1, NB))
+    random.shuffle(free)
+    tables = []
+    for n in lens:
+        tables.append(free[:-(-n // BS)])
+        free = free[len(tables[-1]):]
+    for step in range(2):          # twice: the preallocated buffers are reused
+        meta = backend.build_metadata(q_lens, [n - q for n, q in zip(lens, q_lens)], tables)
+        assert isinstance(meta, CudaDecodeMetadata) == all(q == 1 for q in q_lens)
+        T = sum(q_lens)
+        q = torch.randn(T, H, D, dtype=dtype, device=CUDA)
+        k, v = (torch.randn(T, Hkv, D, dtype=dtype, device=CUDA) for _ in range(2))
+        out = attn(q, k, v, meta)
+        ref = _plain_attention(attn.k_cache, attn.v_cache, tables, lens, q_lens, q, D ** -0.5)
+        assert (out.float() - ref).abs().max() < tol, f"step {step}"
+
+
+def test_kv_budget_follows_gpu_memory_utilization(tiny_model_dir):
+    path = tiny_model_dir("llama-gqa")
+    blocks = {}
+    for util in (0.2, 0.4):
+        llm = LLM(path, dtype="bfloat16", device="cuda", gpu_memory_utilization=util, max_model_len=256)
+        try:
+            blocks[util] = llm.engine.num_blocks
+            out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+            assert len(out[0].outputs[0].token_ids) == 4
+        finally:
+            llm.shutdown()
+    bytes_per_block = 2 * 2 * 16 * 2 * 16 * 2      # K and V, 2 layers, 16 tokens, 2 KV heads, head dim 16, bf16
+    total = torch.cuda.mem_get_info()[1]
+    expected = 0.2 * total / bytes_per_block
+    assert abs((blocks[0.4] - blocks[0.2]) - expected) < 0.05 * expected, (blocks, expected)
+
+
+def test_server_smoke_on_cuda(tiny_model_dir):
+    path = tiny_model_dir("llama-gqa")
+    proc, url = _start(path, "--device", "cuda", "--gpu-memory-utilization", "0.3")
+    try:
+        assert_server_answers_like_llm(url, path)
+    finally:
+        _stop(proc)

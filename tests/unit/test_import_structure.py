@@ -1,0 +1,105 @@
+"""The package's shape: no import cycles among shardlm's modules at module level, config.py and
+messages.py are leaves, and distributed/ is the runtime only (no CLI diagnostics in it)."""
+
+import ast
+import pathlib
+
+import shardlm
+
+ROOT = pathlib.Path(shardlm.__file__).parent
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_level_imports(path: pathlib.Path, modules: set[str]) -> set[str]:
+    """shardlm modules imported at module level (not inside functions or `if TYPE_CHECKING`)."""
+    tree = ast.parse(path.read_text())
+    found = set()
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+
+    def visit(nodes):
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base
+                                                                                                      else []))
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    found.add(sub if sub in modules else base)
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            elif isinstance(node, (ast.If, ast.Try)):
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    visit(tree.body)
+    return {m for m in found if m in modules and m != _module_name(path)}
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    return {name: _module_level_imports(path, set(files)) for name, path in files.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out, counter = {}, {}, [], set(), [], [0]
+
+    def strongconnect(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            strongconnect(v)
+    return out
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    assert "shardlm.engine.engine_core" in graph and graph["shardlm.engine.engine_core"]   # the parser sees imports
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_leaves_and_layers():
+    graph = _graph()
+    assert graph["shardlm.config"] == set()
+    assert graph["shardlm.messages"] <= {"shardlm.sampling_params"}
+    for name, imports in graph.items():
+        if name.startswith(("shardlm.layers", "shardlm.worker", "shardlm.attention")):
+            assert not any(m.startswith(("shardlm.engine", "shardlm.entrypoints")) for m in imports), name
+        if name.startswith("shardlm.distributed"):
+            assert not any(m.startswith(("shardlm.entrypoints", "shardlm.engine", "shardlm.executor"))
+                           for m in imports), name
+    assert not (ROOT / "distributed" / "preflight.py").exists()
+    assert not (ROOT / "distributed" / "cluster_check.py").exists()
