@@ -42,12 +42,14 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(items)
         if len(params) != len(items):
-            raise ValueError(f"Got {len(items)} prompts but {len(params)} sampling params: give one, or one per prompt.")
+            raise ValueError(f"Got {len(items)} prompts but {len(params)} sampling params: give one, or one per "
+                             "prompt.")
         ids = []
         try:
             for prompt, sp in zip(items, params):
                 rid = str(next(self._counter))
-                if isinstance(sp, SamplingParams) and sp.output_kind != RequestOutputKind.FINAL_ONLY:    # generate() returns whole outputs
+                # generate() returns whole outputs
+                if isinstance(sp, SamplingParams) and sp.output_kind != RequestOutputKind.FINAL_ONLY:
                     sp = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 self.engine.add_request(rid, prompt, sp)
                 ids.append(rid)

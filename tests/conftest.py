@@ -68,10 +68,12 @@ def _mistral(path):
 def _llama_5_layers(path):
     """A layer count that 2 and 3 stages do not divide."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    return _save_tiny(path, LlamaForCausalLM, LlamaConfig(**{**TINY, "num_hidden_layers": 5}, tie_word_embeddings=False))
+    config = LlamaConfig(**{**TINY, "num_hidden_layers": 5}, tie_word_embeddings=False)
+    return _save_tiny(path, LlamaForCausalLM, config)
 
 
-TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers, "llama-tied-llama3rope": _llama_tied_llama3_rope,
+TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers,
+               "llama-tied-llama3rope": _llama_tied_llama3_rope,
                "qwen2-bias": _qwen2_bias, "mistral": _mistral}
 
 

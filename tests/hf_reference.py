@@ -15,7 +15,8 @@ def greedy(model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: tor
     results = []
     with torch.inference_mode():
         for ids in prompts:
-            out = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+            out = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens,
                                  do_sample=False, output_scores=True, return_dict_in_generate=True,
                                  eos_token_id=None, pad_token_id=0)
             gen = out.sequences[0, len(ids):].tolist()

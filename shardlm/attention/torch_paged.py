@@ -7,8 +7,9 @@ every sequence are gathered through its block table into a padded [batch, contex
 dim] tensor (whole blocks with index_select: few large copies; head-major so that decode
 attention is two plain batched matmuls over kv_heads x batch with no further copy), and
 the bucket is attended in one go: decodes by those matmuls, prefills by
-scaled_dot_product_attention (memory-efficient for long prompts). Masked positions get exactly zero weight; padding reads the null block
-(block 0), and the cache starts zeroed, so no stale memory is ever a NaN.
+scaled_dot_product_attention (memory-efficient for long prompts). Masked positions get exactly
+zero weight; padding reads the null block (block 0), and the cache starts zeroed, so no stale
+memory is ever a NaN.
 
 The CPU backend (cpu_kernel.py) replaces its decode bucket with a C kernel; the CUDA backend
 (cuda.py) keeps its decode metadata in preallocated device tensors.

@@ -87,7 +87,8 @@ def report(result: dict, as_json: bool) -> None:
     gib = result["peak_rss_bytes"] / (1 << 30)
     if result["benchmark"] == "throughput":
         print(f"Throughput ({result['workload']}, {result['num_prompts']} prompts, {result['prompt_tokens']} prompt "
-              f"tokens, {result['output_tokens']} output tokens, dtype {result['dtype']}, median of {result['reps']}):\n"
+              f"tokens, {result['output_tokens']} output tokens, dtype {result['dtype']}, "
+              f"median of {result['reps']}):\n"
               f"  output tokens/s: {result['output_tok_s']:.1f}\n  total tokens/s:  {result['total_tok_s']:.1f}\n"
               f"  start-up: {result['startup_s']:.1f} s, peak memory (RSS): {gib:.2f} GiB")
     else:

@@ -67,6 +67,11 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -
     return res
 
 
+def _latency_summary(values: list[float], ms) -> dict:
+    return {f"p{p}": ms(_pct(values, p)) for p in (50, 90, 99)} | {
+        "mean": ms(statistics.mean(values)) if values else None}
+
+
 def _pct(values: list[float], p: float) -> float | None:
     if not values:
         return None
@@ -78,7 +83,8 @@ async def _run(base_url, model, api_key, concurrency, num_prompts, workload, out
     prompts, default_len = _prompts(workload, num_prompts)
     output_len = output_len or default_len
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         if model is None:
             model = (await client.get(base_url + "/v1/models", headers=headers)).json()["data"][0]["id"]
         sem = asyncio.Semaphore(concurrency)
@@ -103,8 +109,7 @@ async def _run(base_url, model, api_key, concurrency, num_prompts, workload, out
             "errors": sorted({r.error for r in results if not r.ok})[:5],
             "request_throughput": len(ok) / duration, "output_tok_s": out_tokens / duration,
             "total_tok_s": (out_tokens + sum(r.prompt_tokens for r in ok)) / duration,
-            "ttft_ms": {f"p{p}": ms(_pct(ttfts, p)) for p in (50, 90, 99)} | {"mean": ms(statistics.mean(ttfts)) if ttfts else None},
-            "itl_ms": {f"p{p}": ms(_pct(itls, p)) for p in (50, 90, 99)} | {"mean": ms(statistics.mean(itls)) if itls else None}}
+            "ttft_ms": _latency_summary(ttfts, ms), "itl_ms": _latency_summary(itls, ms)}
 
 
 def run_serve_bench(base_url: str, model: str | None, api_key: str | None, concurrency: int, num_prompts: int,

@@ -210,9 +210,9 @@ def init_distributed_environment(world_size: int, rank: int, store_host: str, st
                             timeout=timedelta(seconds=timeout_s))
 
 
-def host_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
-    """The rendezvous store, hosted by the executor on a free port of `host` (never a fixed port).
-    It listens on that address only: TCPStore alone would listen on every interface."""
+def listen_for_rendezvous(host: str) -> socket.socket:
+    """A listening socket on a free port of `host` (never a fixed port), for host_store. Opening it
+    starts no thread, so processes may be forked after it; they connect once the store serves it."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.bind((host, 0))
@@ -221,6 +221,14 @@ def host_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
         raise ValueError(f"Cannot open a rendezvous port on {host} ({e.strerror}): it is not an address of this "
                          "node. Set SHARDLM_HOST_IP to one of its addresses.") from None
     sock.listen(256)
+    return sock
+
+
+def host_store(host: str, world_size: int, timeout_s: float, listener: socket.socket | None = None) -> dist.TCPStore:
+    """The rendezvous store, hosted by the executor on a free port of `host`. It listens on that
+    address only (TCPStore alone would listen on every interface): it takes over `listener`, or a
+    new one from listen_for_rendezvous."""
+    sock = listener or listen_for_rendezvous(host)
     port = sock.getsockname()[1]
     # the store takes the listening socket over (detach: Python must not close it)
     return dist.TCPStore(host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),

@@ -17,6 +17,7 @@ closes its queues when a worker dies, so nobody waits on a peer that is gone.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import struct
 import threading
 import time
@@ -46,7 +47,7 @@ class ShmQueue:
         self._meta_bytes = -(-num_readers // 8) * 8
         size = _HEADER + num_slots * (self._meta_bytes + slot_bytes)
         self.shm = shared_memory.SharedMemory(create=True, size=size)
-        self._owner = True
+        self._owner_pid = os.getpid()        # a forked reader holds this object too, but does not own it
         self.buf = self.shm.buf
         for slot in range(num_slots):      # every slot starts out read by everyone: free
             off = self._meta(slot)
@@ -66,7 +67,7 @@ class ShmQueue:
         self.num_slots, self.wakeups = state["num_slots"], state["wakeups"]
         self._meta_bytes = -(-self.num_readers // 8) * 8
         self.shm = attach_segment(state["name"])
-        self._owner = False
+        self._owner_pid = None
         self.buf = self.shm.buf
         self.reader = None
         self.next_slot = 0
@@ -163,7 +164,7 @@ class ShmQueue:
         self.buf.release()
         self.buf = None
         self.shm.close()
-        if self._owner:
+        if self._owner_pid == os.getpid():
             self.shm.unlink()
 
 

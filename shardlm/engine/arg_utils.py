@@ -15,8 +15,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from shardlm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                            parse_size)
+from shardlm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, parse_size
 from shardlm.executor.selection import choose_backend
 from shardlm.logger import init_logger
 from shardlm.model_loader.default_model import resolve_model_path

@@ -31,8 +31,18 @@ import msgspec
 
 from shardlm.config import EngineConfig
 from shardlm.engine.core_process import UTILITY_METHODS, run_engine_core
-from shardlm.messages import (AbortRequests, EngineCoreOutputs, EngineCoreRequest, Failed, FromEngineCore, Ready,
-                              Shutdown, StartupFailed, UtilityCall, UtilityResult)
+from shardlm.messages import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Failed,
+    FromEngineCore,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    UtilityCall,
+    UtilityResult,
+)
 
 
 class EngineDeadError(RuntimeError):

@@ -15,8 +15,17 @@ import msgspec
 
 from shardlm.config import EngineConfig
 from shardlm.logger import init_logger
-from shardlm.messages import (AbortRequests, EngineCoreRequest, Failed, Ready, Shutdown, StartupFailed,
-                              ToEngineCore, UtilityCall, UtilityResult)
+from shardlm.messages import (
+    AbortRequests,
+    EngineCoreRequest,
+    Failed,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    ToEngineCore,
+    UtilityCall,
+    UtilityResult,
+)
 
 logger = init_logger(__name__)
 

@@ -18,10 +18,9 @@ from collections import deque
 
 from shardlm.config import CacheConfig, SchedulerConfig
 from shardlm.engine.kv_cache_manager import KVCacheManager
-from shardlm.messages import (EngineCoreOutput, ModelRunnerOutput, NewRequestData,
-                                     ScheduledChunk, SchedulerOutput)
 from shardlm.engine.request import Request, RequestStatus
 from shardlm.logger import init_logger
+from shardlm.messages import EngineCoreOutput, ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 
 logger = init_logger(__name__)
 

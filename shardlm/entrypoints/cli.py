@@ -94,7 +94,8 @@ def cmd_bench(ns) -> None:
                           ns.intermediate_size)
         return
     if ns.bench_kind == "serve":
-        from shardlm.bench.serve import report as report_serve, run_serve_bench
+        from shardlm.bench.serve import report as report_serve
+        from shardlm.bench.serve import run_serve_bench
         report_serve(run_serve_bench(ns.base_url, ns.model, ns.api_key, ns.concurrency, ns.num_prompts, ns.workload,
                                      ns.output_len), ns.json)
         return
@@ -119,9 +120,9 @@ def cmd_serve(ns) -> None:
 def cmd_env_check(ns) -> None:
     import json
 
-    from shardlm.distributed.preflight import communication_check, node_facts, problems, render
+    from shardlm.entrypoints.preflight import communication_check, node_facts, problems, render
     if ns.address:
-        from shardlm.distributed.cluster_check import cluster_check, render_cluster
+        from shardlm.entrypoints.cluster_check import cluster_check, render_cluster
         report = cluster_check(ns.address)
         print(json.dumps(report, indent=1) if ns.json else render_cluster(report))
         sys.exit(1 if report["problems"] else 0)

@@ -1,4 +1,9 @@
-"""The executor for ranks on this node: one spawned process per rank.
+"""The executor for ranks on this node: one process per rank.
+
+Start-up: workers are forked when that is safe (this process runs one thread and has no CUDA
+context), as vLLM does on CPU, so scripts written without an `if __name__ == "__main__":` guard
+work; otherwise spawned (SHARDLM_WORKER_MULTIPROC_METHOD overrides). Nothing that starts a thread
+(the rendezvous store, the watcher) exists before the workers do.
 
 Control path, per step: the engine core encodes the scheduler output once (msgspec) and puts
 it in a shared-memory broadcast queue that every worker reads; each worker runs the step (the
@@ -17,17 +22,31 @@ import ctypes
 import multiprocessing
 import signal
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection, wait
+
 import msgspec
 
+from shardlm import envs
 from shardlm.config import EngineConfig
-from shardlm.distributed.parallel_state import get_pp_group, host_store, wait_for_ranks
+from shardlm.distributed.parallel_state import get_pp_group, host_store, listen_for_rendezvous, wait_for_ranks
 from shardlm.distributed.shm_queue import QueueClosed, ShmQueue
-from shardlm.messages import (FromWorker, ModelRunnerOutput, Ready, RunStep, SchedulerOutput, Shutdown,
-                              StepResult, ToWorker, UtilityCall, UtilityResult)
 from shardlm.executor.base import Executor, WorkerDiedError
 from shardlm.logger import init_logger, set_log_prefix
+from shardlm.messages import (
+    FromWorker,
+    ModelRunnerOutput,
+    Ready,
+    RunStep,
+    SchedulerOutput,
+    Shutdown,
+    StepResult,
+    ToWorker,
+    UtilityCall,
+    UtilityResult,
+)
+from shardlm.utils import os_thread_count
 
 logger = init_logger(__name__)
 
@@ -42,10 +61,13 @@ class MultiprocExecutor(Executor):
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(FromWorker).decode
         self._ready = False
-        ctx = multiprocessing.get_context("spawn")
+        self.start_method, why = worker_start_method()
+        logger.info("Starting %d worker processes with %s (%s)", self.world_size, self.start_method, why)
+        ctx = multiprocessing.get_context(self.start_method)
         t0 = time.perf_counter()
-        # the rendezvous store lives here, on a free loopback port, for as long as the workers do
-        self._store = host_store("127.0.0.1", self.world_size, par.distributed_init_timeout)
+        # the rendezvous port is open now; its store (which runs a thread) starts after the workers
+        listener = listen_for_rendezvous("127.0.0.1")
+        port = listener.getsockname()[1]
         self.broadcast = ShmQueue(num_readers=self.world_size, ctx=ctx)
         self.replies = [ShmQueue(num_readers=1, ctx=ctx).attach_reader(0) for _ in range(self.world_size)]
         # pipeline stages on CPU pass hidden states through shared memory: rank r -> r + tp
@@ -57,12 +79,14 @@ class MultiprocExecutor(Executor):
             err_recv, err_send = ctx.Pipe(duplex=False)
             links = (self.stage_links.get(rank), self.stage_links.get(rank - tp))
             proc = ctx.Process(target=run_worker, name=f"shardlm-worker-{rank}", daemon=True,
-                               args=(config, rank, ("127.0.0.1", self._store.port), self.broadcast,
+                               args=(config, rank, ("127.0.0.1", port), self.broadcast,
                                      self.replies[rank], err_send, links))
             proc.start()
             err_send.close()
             self.procs.append(proc)
             self._errors.append(err_recv)
+        # the rendezvous store lives here, on that loopback port, for as long as the workers do
+        self._store = host_store("127.0.0.1", self.world_size, par.distributed_init_timeout, listener)
         self._start_watcher(self._watch_workers, "shardlm-worker-watch")
         self._shutdown_at_exit()
         try:
@@ -95,7 +119,7 @@ class MultiprocExecutor(Executor):
             except (EOFError, OSError):
                 pass
         hint = ""
-        if not error and not self._ready:
+        if not error and not self._ready and self.start_method == "spawn":
             hint = (" If its log above mentions the 'bootstrapping phase', the script that starts shardlm needs an "
                     "`if __name__ == \"__main__\":` guard (workers are spawned processes that import it).")
         self.record_failure(f"Worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}{error}. "
@@ -224,3 +248,26 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def worker_start_method() -> tuple[str, str]:
+    """fork or spawn, and why. Fork copies only the calling thread: a thread that holds a lock at
+    that moment (a Python thread, OpenMP's pool once torch ran ops, a CUDA context) leaves the
+    child waiting forever. So fork only from a process that runs no more threads than it did
+    right after importing torch (whose BLAS pool is fork-safe), and has no CUDA context."""
+    forced = envs.SHARDLM_WORKER_MULTIPROC_METHOD
+    if forced:
+        if forced not in ("fork", "spawn"):
+            raise ValueError(f"SHARDLM_WORKER_MULTIPROC_METHOD={forced!r}: use fork or spawn.")
+        return forced, "SHARDLM_WORKER_MULTIPROC_METHOD"
+    import torch
+
+    import shardlm
+    if torch.cuda.is_initialized():
+        return "spawn", "CUDA is initialized in this process"
+    threads, baseline = os_thread_count(), shardlm.THREADS_AT_IMPORT
+    if threads < 0 or baseline < 0:
+        return "spawn", "this process's threads cannot be counted"
+    if threads > baseline or threading.active_count() > 1:
+        return "spawn", f"this process runs {threads - baseline} more thread(s) than after importing torch"
+    return "fork", "no thread or CUDA context besides torch's own"

@@ -25,11 +25,19 @@ import ray
 from shardlm.config import EngineConfig
 from shardlm.distributed.network import bind_collectives_to, host_ip
 from shardlm.distributed.parallel_state import host_store, missing_ranks
-from shardlm.messages import ModelRunnerOutput, SchedulerOutput
 from shardlm.executor.base import Executor, WorkerDiedError
-from shardlm.executor.ray_placement import (NodeInfo, check_placement, create_placement_group, cuda_devices,
-                                            forwarded_env, local_ranks, node_versions, rank_order)
+from shardlm.executor.ray_placement import (
+    NodeInfo,
+    check_placement,
+    create_placement_group,
+    cuda_devices,
+    forwarded_env,
+    local_ranks,
+    node_versions,
+    rank_order,
+)
 from shardlm.logger import init_logger, set_log_prefix
+from shardlm.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = init_logger(__name__)
 

@@ -50,7 +50,8 @@ def _build(name: str) -> ctypes.CDLL | None:
         logger.info("No C compiler found: using torch ops for %s (slower on CPU).", name)
         return None
     with open(src, "rb") as f:
-        key = hashlib.sha256(f.read() + cc.encode() + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+        source = f.read()
+    key = hashlib.sha256(source + cc.encode() + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
     out_dir = os.path.join(envs.SHARDLM_CACHE_DIR, "kernels")
     path = os.path.join(out_dir, f"{name}-{key}.so")
     if not os.path.exists(path):

@@ -15,8 +15,12 @@ from torch import nn
 from shardlm.distributed.parallel_state import get_pp_group
 from shardlm.layers.activation import SiluAndMul
 from shardlm.layers.attention import Attention
-from shardlm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                   default_weight_loader)
+from shardlm.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
 from shardlm.layers.norm import RMSNorm
 from shardlm.layers.rotary import RotaryEmbedding, apply_rotary
 from shardlm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding

@@ -68,7 +68,8 @@ class SplitPlan:
 
     @property
     def label(self) -> str:
-        parts = [f"TP={self.tp}"] + ([f"PP={self.pp}"] if self.pp > 1 else []) + ([f"DP={self.dp}"] if self.dp > 1 else [])
+        parts = [f"TP={self.tp}"] + ([f"PP={self.pp}"] if self.pp > 1 else [])
+        parts += [f"DP={self.dp}"] if self.dp > 1 else []
         return " ".join(parts) if (self.tp, self.pp, self.dp) != (1, 1, 1) else "single device"
 
 
@@ -132,7 +133,8 @@ def evaluate(shape: ModelShape, tp: int, pp: int, hw: Hardware, w: Workload) -> 
         plan.reason = f"KV cache room for {plan.kv_tokens} tokens, less than one {w.max_model_len}-token request"
     elif w.concurrency and plan.max_concurrency < w.concurrency:
         plan.status = "tight"
-        plan.reason = f"{plan.max_concurrency:.1f} requests of {w.max_model_len} tokens fit, fewer than the {w.concurrency} wanted"
+        plan.reason = (f"{plan.max_concurrency:.1f} requests of {w.max_model_len} tokens fit, fewer than the "
+                       f"{w.concurrency} wanted")
     elif room < KV_ROOM_FOR_TIGHT * hw.usable:
         plan.status = "tight"
         plan.reason = f"only {room / GiB:.1f} GiB ({room / hw.usable:.0%}) of each device left for the KV cache"
@@ -218,7 +220,8 @@ def recommend(shape: ModelShape, hw: Hardware, w: Workload, model_arg: str | Non
         else:
             reasons.append(f"One node ({hw.devices_per_node} x {hw.device_memory / GiB:.0f} GiB) is not enough: "
                            f"TP={pick.tp} inside each node and PP={pick.pp} across nodes. Tensor parallel never "
-                           "spans nodes: it all-reduces every layer, which the network between nodes cannot keep up with.")
+                           "spans nodes: it all-reduces every layer, which the network between nodes cannot keep "
+                           "up with.")
         if pick.status == "tight":
             reasons.append(f"It is tight: {pick.reason}.")
         if w.quantization_bits is None:
@@ -241,7 +244,8 @@ def recommend(shape: ModelShape, hw: Hardware, w: Workload, model_arg: str | Non
     if hw.devices_per_node > 1 and shape.tp_problems(hw.devices_per_node):
         notes.append(f"TP={hw.devices_per_node} (all devices of a node) is not valid: "
                      f"{'; '.join(shape.tp_problems(hw.devices_per_node))}. Valid TP sizes: "
-                     f"{', '.join(map(str, shape.valid_tp_sizes()))}. Use PP={hw.devices_per_node}, or TP with a valid size.")
+                     f"{', '.join(map(str, shape.valid_tp_sizes()))}. Use PP={hw.devices_per_node}, or TP with a "
+                     "valid size.")
     if pick is not None:
         dp = hw.total_devices // pick.devices
         if dp > 1:

@@ -37,7 +37,8 @@ def render(r: Recommendation) -> str:
     else:
         lines.append("Recommended: none of the layouts fits this hardware.")
     lines += [f"  - {x}" for x in r.reasons + r.notes]
-    lines += ["", "Alternatives:", f"  {'split':<16}{'devices':>8}{'weights/dev':>13}{'KV tokens':>11}{'max conc.':>11}  fits?"]
+    header = f"  {'split':<16}{'devices':>8}{'weights/dev':>13}{'KV tokens':>11}{'max conc.':>11}  fits?"
+    lines += ["", "Alternatives:", header]
     for a in r.alternatives:
         lines.append(f"  {a.label:<16}{a.devices:>8}{_gib(a.weights_per_device):>13}{a.kv_tokens:>11}"
                      f"{a.max_concurrency:>10.1f}x  {a.status}" + (f" ({a.reason})" if a.status != "yes" else ""))

@@ -11,8 +11,8 @@ import torch
 
 from shardlm.config import EngineConfig, format_bytes
 from shardlm.distributed import parallel_state
-from shardlm.messages import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 from shardlm.logger import init_logger
+from shardlm.messages import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 from shardlm.sampling_params import SamplingParams
 from shardlm.worker.cpu_binding import apply_binding, binding_for_rank
 from shardlm.worker.cpu_tuning import keep_freed_memory_in_heap
@@ -106,7 +106,8 @@ class Worker:
         chunks, next_block = [], 1
         for i in range(num_seqs):
             n = per_seq // bs + 1
-            chunks.append(ScheduledChunk(f"profile-{i}", [0] * per_seq, 0, list(range(next_block, next_block + n)), True))
+            blocks = list(range(next_block, next_block + n))
+            chunks.append(ScheduledChunk(f"profile-{i}", [0] * per_seq, 0, blocks, True))
             next_block += n
         new = [NewRequestData(c.req_id, c.token_ids, SamplingParams(temperature=0)) for c in chunks]
         self.runner.execute_model(SchedulerOutput(chunks, new))

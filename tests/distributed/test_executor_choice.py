@@ -6,8 +6,14 @@ import sys
 import pytest
 import torch
 
-from shardlm.executor.ray_placement import (NodeInfo, check_placement, cuda_devices, forwarded_env, local_ranks,
-                                            rank_order)
+from shardlm.executor.ray_placement import (
+    NodeInfo,
+    check_placement,
+    cuda_devices,
+    forwarded_env,
+    local_ranks,
+    rank_order,
+)
 from shardlm.executor.selection import choose_backend
 
 VERSIONS = {"shardlm": "0.1.0", "torch": "2.13.0", "ray": "2.60.0"}

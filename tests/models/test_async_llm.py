@@ -97,7 +97,8 @@ def test_dead_engine_fails_requests_fast_and_leaves_no_process(tiny_model_dir):
 
 def test_startup_failure_in_the_engine_process_is_reported(tiny_model_dir):
     async def main():
-        AsyncLLM.from_engine_args(EngineArgs(model=tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory=8192 * 4,
+        AsyncLLM.from_engine_args(EngineArgs(model=tiny_model_dir("llama-gqa"), dtype="float32",
+                                             kv_cache_memory=8192 * 4,
                             max_model_len=512))
 
     with pytest.raises(RuntimeError, match="engine core failed to start: ValueError.*max_model_len"):

@@ -131,7 +131,8 @@ def test_echo_with_logprobs(client):
     ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": [5, 10 ** 9], "stream": True}, 400, "prompt"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400,
+     "top_p"),
     ("/v1/nothing", {}, 404, None),
 ])
 def test_bad_input_gets_openai_errors(server, path, body, status, param):
@@ -155,7 +156,8 @@ def test_malformed_json_and_api_key(server):
     assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/version").status_code == 200
     models = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert models["data"][0]["id"] == "tiny"
-    tok = httpx.post(url + "/tokenize", json={"prompt": "hello world"}, headers={"Authorization": f"Bearer {KEY}"}).json()
+    tok = httpx.post(url + "/tokenize", json={"prompt": "hello world"},
+                     headers={"Authorization": f"Bearer {KEY}"}).json()
     text = httpx.post(url + "/detokenize", json={"tokens": tok["tokens"]},
                       headers={"Authorization": f"Bearer {KEY}"}).json()["prompt"]
     assert tok["count"] == len(tok["tokens"]) and "hello world" in text

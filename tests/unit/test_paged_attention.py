@@ -40,7 +40,8 @@ def _setup(dtype, lens, q_lens=None, use_kernel=False):
     q_lens = q_lens or [1] * len(lens)
     meta = attn.backend.build_metadata(q_lens, [n - q for n, q in zip(lens, q_lens)], tables)
     T = sum(q_lens)
-    q, k, v = torch.randn(T, H, D, dtype=dtype), torch.randn(T, HKV, D, dtype=dtype), torch.randn(T, HKV, D, dtype=dtype)
+    q = torch.randn(T, H, D, dtype=dtype)
+    k, v = torch.randn(T, HKV, D, dtype=dtype), torch.randn(T, HKV, D, dtype=dtype)
     return attn, meta, tables, q, k, v
 
 

@@ -1,7 +1,7 @@
 from shardlm.config import CacheConfig, SchedulerConfig
-from shardlm.messages import ModelRunnerOutput
 from shardlm.engine.request import Request, RequestStatus
 from shardlm.engine.scheduler import Scheduler
+from shardlm.messages import ModelRunnerOutput
 from shardlm.sampling_params import SamplingParams
 
 BS = 4

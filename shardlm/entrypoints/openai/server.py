@@ -21,9 +21,14 @@ from shardlm.config import EngineConfig
 from shardlm.engine.arg_utils import EngineArgs
 from shardlm.engine.async_llm import AsyncLLM
 from shardlm.engine.core_client import EngineDeadError
-from shardlm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                 OpenAIError, TokenizeRequest)
 from shardlm.entrypoints.openai.metrics import ServerMetrics
+from shardlm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIError,
+    TokenizeRequest,
+)
 from shardlm.entrypoints.openai.serving import OpenAIServing
 from shardlm.logger import init_logger
 
@@ -129,7 +134,8 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
         tok = state["llm"].tokenizer
         if req.messages is not None:
             text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
-                                           tokenize=False, add_generation_prompt=True, chat_template=serving.chat_template)
+                                           tokenize=False, add_generation_prompt=True,
+                                           chat_template=serving.chat_template)
             ids = tok(text, add_special_tokens=False).input_ids
         elif req.prompt is not None:
             ids = tok(req.prompt, add_special_tokens=req.add_special_tokens).input_ids

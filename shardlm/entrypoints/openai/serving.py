@@ -97,7 +97,9 @@ class OpenAIServing:
             for c in out.outputs:
                 text, lps = c.text, c.logprobs
                 if req.echo:
-                    prompt_text = out.prompt if out.prompt is not None else self.llm.tokenizer.decode(out.prompt_token_ids)
+                    prompt_text = out.prompt
+                    if prompt_text is None:
+                        prompt_text = self.llm.tokenizer.decode(out.prompt_token_ids)
                     text = prompt_text + text
                     if lps is not None and out.prompt_logprobs is not None:
                         lps = _prompt_position_logprobs(out, self.llm.tokenizer) + lps

@@ -25,8 +25,8 @@ class NodeProbe:
     def facts(self) -> dict:
         import ray
 
-        from shardlm.distributed.preflight import node_facts
         from shardlm.distributed.network import host_ip
+        from shardlm.entrypoints.preflight import node_facts
         facts = node_facts()
         facts["host_ip"] = host_ip(ray)            # SHARDLM_HOST_IP, else Ray's view of this node
         return facts
@@ -41,7 +41,7 @@ class NodeProbe:
 
     def measure(self, rank: int, world: int, host: str, port: int, device: str, ip: str, timeout_s: float) -> dict:
         from shardlm.distributed.network import bind_collectives_to
-        from shardlm.distributed.preflight import measure_collectives
+        from shardlm.entrypoints.preflight import measure_collectives
         try:
             bind_collectives_to(ip, "nccl" if device == "cuda" else "gloo")
             out = measure_collectives(rank, world, host, port, device, timeout_s)
@@ -69,8 +69,8 @@ def cluster_check(address: str | None, timeout_s: float = 60) -> dict:
 
     from shardlm.distributed.network import host_ip
     from shardlm.distributed.parallel_state import host_store
-    from shardlm.distributed.preflight import problems as node_problems
-    from shardlm.distributed.preflight import summarize
+    from shardlm.entrypoints.preflight import problems as node_problems
+    from shardlm.entrypoints.preflight import summarize
 
     t0 = time.perf_counter()
     ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", logging_level="error", log_to_driver=False)
@@ -123,7 +123,7 @@ def cluster_check(address: str | None, timeout_s: float = 60) -> dict:
 
 
 def render_cluster(report: dict) -> str:
-    from shardlm.distributed.preflight import render
+    from shardlm.entrypoints.preflight import render
     lines = [f"{len(report['nodes'])} node(s):"]
     for facts in report["nodes"]:
         node_lines = render(facts, {}, []).splitlines()[:-1]         # the node part, without the verdict

@@ -5,7 +5,7 @@ memory, devices, /dev/shm) and then proves the communication path: it starts `--
 processes through the same rendezvous and process groups the engine uses, runs an all-reduce
 and a send/recv (gloo on CPU, NCCL on CUDA), checks the results, and measures latency and
 bandwidth. Any failure says what to fix. Across the nodes of a Ray cluster (`--address`),
-distributed/cluster_check.py runs the same measurement with one rank per node.
+entrypoints/cluster_check.py runs the same measurement with one rank per node.
 """
 
 from __future__ import annotations
