@@ -1,4 +1,5 @@
-"""The `shardlm` command: generate, chat, bench."""
+"""The `shardlm` command: serve, generate, chat, bench, plan, env check and cluster; engine flags are generated
+from EngineArgs, one per field, with vLLM's names."""
 
 from __future__ import annotations
 

@@ -256,15 +256,14 @@ def recommend(shape: ModelShape, hw: Hardware, w: Workload, model_arg: str | Non
                          "than on NVLink; pipeline parallel sends far less data between devices.")
         if shape.is_moe:
             notes.append(f"Mixture of experts ({shape.num_experts} experts, {shape.experts_per_token} per token): "
-                         "add --enable-expert-parallel to place whole experts on ranks instead of slicing each one.")
+                         "expert parallel (whole experts placed on ranks instead of each one sliced) is not built "
+                         "in this version of shardlm; the split above slices every expert (tensor parallel).")
     command = None
     if pick is not None:
         command = f"shardlm serve {model_arg or shape.name}"
         command += f" -tp {pick.tp}" if pick.tp > 1 else ""
         command += f" -pp {pick.pp}" if pick.pp > 1 else ""
         command += f" --max-model-len {w.max_model_len}"
-        if shape.is_moe and pick.devices > 1:
-            command += " --enable-expert-parallel"
     shown = [p for p in plans if not shape.tp_problems(p.tp)][:10]
     if pick is not None and pick not in shown:
         shown.append(pick)

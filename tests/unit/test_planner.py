@@ -3,6 +3,8 @@ worked examples users know; the start-up check refuses impossible launches fast.
 
 import json
 import os
+import re
+import shlex
 import time
 
 import pytest
@@ -108,10 +110,28 @@ def test_70b_on_three_gpus_explains_tp3_and_offers_pp3_or_tp2_4():
     assert any((a.tp, a.pp) == (2, 1) and a.status != "no" for a in r.alternatives)
 
 
-def test_moe_gets_expert_parallel_and_dp_when_memory_allows():
+def test_moe_gets_dp_when_memory_allows_and_no_flag_the_cli_lacks():
     r = _rec("Mixtral-8x7B", 8, 1)
-    assert "--enable-expert-parallel" in r.command
+    assert "--enable-expert-parallel" not in r.command          # not built yet: never recommended
+    assert any("expert parallel" in n for n in r.notes)
     assert any("-dp" in n for n in r.notes)
+
+
+@pytest.mark.parametrize("name", list(load_presets()))
+@pytest.mark.parametrize("gpus, nodes", [(1, 1), (4, 1), (8, 1), (8, 2), (3, 1)])
+def test_every_printed_command_is_accepted_by_the_cli(name, gpus, nodes):
+    """Every command and flag `plan` prints parses with the real argument parser."""
+    from shardlm.entrypoints.cli import build_parser
+
+    r = _rec(name, gpus, nodes)
+    parser = build_parser()
+    if r.command is not None:
+        ns = parser.parse_args(shlex.split(r.command)[1:])
+        assert ns.command == "serve"
+    serve_flags = {o for a in parser._subparsers._group_actions[0].choices["serve"]._actions for o in a.option_strings}
+    for text in r.reasons + r.notes:
+        for flag in re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", text):
+            assert flag in serve_flags, f"{name}: `{flag}` in {text!r} is not a serve flag"
 
 
 def test_nothing_fits_suggests_quantization():
