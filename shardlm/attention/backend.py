@@ -14,12 +14,10 @@ tensors and says so (supports_graph_capture); nothing captures it yet.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from shardlm.layers.attention import Attention
+from torch import nn
 
 
 class AttentionBackend(ABC):
@@ -41,8 +39,9 @@ class AttentionBackend(ABC):
         its context in the blocks block_tables[i]."""
 
     @abstractmethod
-    def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]. Writes k, v into the layer's cache first."""
+    def forward(self, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
+        """layer: the calling layers.attention.Attention (its heads, scale and KV cache).
+        q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]. Writes k, v into the layer's cache first."""
 
     def prepare_graph_capture(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         """Allocate what a captured decode step reads (backends with supports_graph_capture)."""

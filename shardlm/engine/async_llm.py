@@ -101,9 +101,12 @@ class AsyncLLM:
         return self.processor.default_sampling_params()
 
     # ---- requests ----
-    async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """prompt: a string, a list of token ids, or {"prompt": ..., "prompt_token_ids": ...}."""
+    def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams,
+                 request_id: str) -> AsyncIterator[RequestOutput]:
+        """Check the request and send it to the engine core now (bad input raises here, before a
+        caller starts any response), then stream its outputs as the returned iterator is read.
+        prompt: a string, a list of token ids, or {"prompt": ..., "prompt_token_ids": ...}.
+        Closing the iterator early aborts the request (a caller that never reads it calls abort)."""
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
         if request_id in self._collectors:
@@ -113,10 +116,18 @@ class AsyncLLM:
         self._collectors[request_id] = collector
         self.output_processor.add_request(parent, [r.request_id for r in requests], [r.params for r in requests])
         self._start_output_handler()
-        finished = False
         try:
             for r in requests:
                 self.engine_core.add_request(r)
+        except BaseException:
+            self._collectors.pop(request_id, None)
+            self.output_processor.abort(request_id)
+            raise
+        return self._stream(request_id, collector)
+
+    async def _stream(self, request_id: str, collector: RequestOutputCollector) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
             while not finished:
                 out = await collector.get()
                 finished = out.finished
@@ -127,6 +138,10 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
+        """Stop a request; a reader still waiting on it gets CancelledError."""
+        collector = self._collectors.pop(request_id, None)
+        if collector is not None:
+            collector.put(asyncio.CancelledError(f"Request {request_id} was aborted."))
         self.engine_core.abort_requests(self.output_processor.abort(request_id))
 
     def _start_output_handler(self) -> None:

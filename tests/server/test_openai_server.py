@@ -233,6 +233,25 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     assert _metric(url, "shardlm:num_requests_aborted") == aborted_before + 1   # stopped, not run to the end
 
 
+def test_a_bad_prompt_among_several_adds_none_of_them(server):
+    """Input is checked once, by the engine's input processor, before any response starts:
+    a bad second prompt leaves no first prompt running."""
+    url = server[1]
+    aborted_before = _metric(url, "shardlm:num_requests_aborted")
+    for stream in (False, True):
+        body = {"model": "tiny", "prompt": [[5, 6, 7], [5, 10 ** 9]], "max_tokens": 200, "ignore_eos": True,
+                "stream": stream}
+        r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "outside the vocabulary" in r.json()["error"]["message"]
+    deadline = time.time() + 10
+    while time.time() < deadline and _metric(url, "shardlm:num_requests_aborted") < aborted_before + 2:
+        time.sleep(0.1)
+    assert _metric(url, "shardlm:num_requests_aborted") == aborted_before + 2   # the first prompt, twice
+    assert _metric(url, "shardlm:num_requests_running") == 0
+    assert _metric(url, "shardlm:kv_cache_usage_perc") == 0.0
+
+
 def test_bench_serve_reports_latencies(server):
     from shardlm.bench.serve import run_serve_bench
     r = run_serve_bench(server[1], None, KEY, concurrency=2, num_prompts=4, workload=None, output_len=8)

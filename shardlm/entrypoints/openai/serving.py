@@ -57,25 +57,26 @@ class OpenAIServing:
             raise OpenAIError(str(e).replace("SamplingParams.", ""), 400, m.group(1) if m else None) from e
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        ids = self.llm.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise OpenAIError("The prompt is empty.", 400, "prompt")
-        vocab = self.llm.config.model.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:   # checked before any response starts, so a stream never breaks on it
-            raise OpenAIError(f"Token ids {bad[:5]} are outside the vocabulary [0, {vocab}).", 400, "prompt")
-        if len(ids) >= self.max_model_len:
-            raise OpenAIError(f"The prompt is {len(ids)} tokens long; this model's maximum context length is "
-                              f"{self.max_model_len} tokens.", 400, "prompt")
-        return ids
+        """Text to token ids, once; AsyncLLM's input processor checks them (length, vocabulary)."""
+        return self.llm.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
 
-    async def _generate(self, prompt_ids: list[int], text: str | None, params: SamplingParams, rid: str
-                        ) -> AsyncIterator[RequestOutput]:
+    def _generate(self, requests: list[tuple[list[int], str | None, SamplingParams, str]]
+                  ) -> list[AsyncIterator[RequestOutput]]:
+        """Add every request to the engine now, checked before any response starts (so a stream
+        never breaks on bad input): all of them, or none (those added are aborted)."""
+        streams = []
         try:
-            async for out in self.llm.generate({"prompt": text, "prompt_token_ids": prompt_ids}, params, rid):
-                yield out
+            for prompt_ids, text, params, rid in requests:
+                streams.append(self.llm.generate({"prompt": text, "prompt_token_ids": prompt_ids}, params, rid))
         except ValueError as e:
-            raise OpenAIError(str(e), 400) from e
+            for _, _, _, rid in requests[:len(streams)]:
+                self.llm.abort(rid)
+            raise OpenAIError(str(e), 400, "prompt") from e
+        except BaseException:
+            for _, _, _, rid in requests[:len(streams)]:
+                self.llm.abort(rid)
+            raise
+        return streams
 
     # ---- /v1/completions ----
     async def completions(self, req: CompletionRequest):
@@ -87,7 +88,7 @@ class OpenAIServing:
                   for i in ids]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         texts = [p if isinstance(p, str) else None for p in prompts]
-        streams = [self._generate(i, t, sp, f"{rid}-{k}") for k, (i, t, sp) in enumerate(zip(ids, texts, params))]
+        streams = self._generate([(i, t, sp, f"{rid}-{k}") for k, (i, t, sp) in enumerate(zip(ids, texts, params))])
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         if req.stream:
             return self._stream_completions(req, head, streams, ids)
@@ -149,7 +150,7 @@ class OpenAIServing:
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model}
-        stream = self._generate(ids, text, params, rid)
+        (stream,) = self._generate([(ids, text, params, rid)])
         if req.stream:
             return self._stream_chat(req, {**head, "object": "chat.completion.chunk"}, stream)
         (final,) = await _last_outputs([stream])   # FINAL_ONLY: one output
