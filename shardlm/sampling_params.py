@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from enum import IntEnum
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+_INT64_MAX = 2**63 - 1
+MAX_LOGIT_BIAS = 100.0     # OpenAI's range for logit_bias values
 
 
 class RequestOutputKind(IntEnum):
@@ -36,11 +39,17 @@ class SamplingParams:
     logprobs: int | None = None         # top-k logprobs per generated token (plus the sampled one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None     # token id -> added to its logit before sampling
+    allowed_token_ids: list[int] | None = None     # sample only among these
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {_token_key(k): v for k, v in dict(self.logit_bias).items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -51,37 +60,68 @@ class SamplingParams:
         def bad(name, value, rule):
             raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {rule}.")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", self.n, "it must be an integer >= 1")
-        if self.temperature < 0:
-            bad("temperature", self.temperature, "it must be >= 0 (0 means greedy)")
-        if not 0 < self.top_p <= 1:
+        def number(name, lo=-math.inf, hi=math.inf, rule=""):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+                bad(name, v, rule or f"it must be a finite number in [{lo}, {hi}]")
+
+        def integer(name, lo, hi=_INT64_MAX, rule="", optional=False):
+            v = getattr(self, name)
+            if v is None and optional:
+                return
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                bad(name, v, rule or f"it must be an integer in [{lo}, {hi}]")
+
+        integer("n", 1, rule="it must be an integer >= 1")
+        number("temperature", 0, rule="it must be a finite number >= 0 (0 means greedy)")
+        number("top_p", 0, 1, rule="it must be in (0, 1]")
+        if self.top_p == 0:
             bad("top_p", self.top_p, "it must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", self.top_k, "it must be a positive integer, or 0 / -1 for all tokens")
-        if not 0 <= self.min_p <= 1:
-            bad("min_p", self.min_p, "it must be in [0, 1]")
+        integer("top_k", 0, rule="it must be a positive integer, or 0 / -1 for all tokens")
+        number("min_p", 0, 1, rule="it must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                bad(name, getattr(self, name), "it must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", self.repetition_penalty, "it must be > 0 (1 means no penalty)")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad("max_tokens", self.max_tokens, "it must be an integer >= 1, or None for no limit")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad("min_tokens", self.min_tokens, "it must be an integer >= 0")
+            number(name, -2, 2, rule="it must be in [-2, 2]")
+        number("repetition_penalty", 0, rule="it must be a finite number > 0 (1 means no penalty)")
+        if self.repetition_penalty == 0:
+            bad("repetition_penalty", 0, "it must be a finite number > 0 (1 means no penalty)")
+        integer("max_tokens", 1, rule="it must be an integer >= 1, or None for no limit", optional=True)
+        integer("min_tokens", 0, rule="it must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", self.min_tokens, f"it must not exceed max_tokens={self.max_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
-                bad(name, v, f"it must be an integer in [0, {MAX_LOGPROBS}] or None")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", self.seed, "it must be an integer or None")
+            integer(name, 0, MAX_LOGPROBS, rule=f"it must be an integer in [0, {MAX_LOGPROBS}] or None",
+                    optional=True)
+        integer("seed", 0, rule=f"it must be an integer in [0, {_INT64_MAX}] or None", optional=True)
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", self.stop, "it must be a non-empty string or a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _INT64_MAX
+               for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "it must be a list of token ids (integers >= 0)")
+        if self.logit_bias is not None:
+            for tid, bias in self.logit_bias.items():
+                if tid < 0 or isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                        or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                    bad("logit_bias", {tid: bias}, f"it maps token ids (integers >= 0) to biases in "
+                        f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids or any(isinstance(t, bool) or not isinstance(t, int)
+                                                 or not 0 <= t <= _INT64_MAX for t in self.allowed_token_ids):
+                bad("allowed_token_ids", self.allowed_token_ids, "it must be a non-empty list of token ids "
+                    "(integers >= 0), or None")
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Every token id and top_k within a model's vocabulary (the engine checks this per request)."""
+        def outside(ids):
+            return [t for t in ids if t >= vocab_size][:5]
+
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or ())),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
+            if outside(ids):
+                raise ValueError(f"SamplingParams.{name} holds token id(s) {outside(ids)} outside the vocabulary "
+                                 f"[0, {vocab_size}).")
+        if self.top_k > vocab_size:
+            raise ValueError(f"SamplingParams.top_k={self.top_k} is invalid: it must be at most the vocabulary "
+                             f"size {vocab_size}, or 0 / -1 for all tokens.")
 
     @property
     def greedy(self) -> bool:
@@ -96,6 +136,15 @@ class SamplingParams:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _token_key(key) -> int:
+    """logit_bias keys: token ids, as ints or (from JSON) decimal strings."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    if isinstance(key, bool) or not isinstance(key, int):
+        raise ValueError(f"SamplingParams.logit_bias key {key!r} is invalid: keys are token ids.")
+    return key
 
 
 _FIELDS = [f.name for f in fields(SamplingParams)]

@@ -63,6 +63,7 @@ class InputProcessor:
         self._validate(prompt_token_ids)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, not {type(params).__name__}.")
+        params.check_vocabulary(self.config.model.vocab_size)
         arrival_time = arrival_time or time.time()
         parent = ParentRequest(request_id, text, prompt_token_ids, params, RequestMetrics(arrival_time))
         if params.n == 1:

@@ -115,7 +115,9 @@ def cmd_serve(ns) -> None:
     if chat_template and os.path.isfile(chat_template):
         with open(chat_template) as f:
             chat_template = f.read()
-    run_server(engine_args_from(ns), ns.host, ns.port, ns.api_key, chat_template, ns.uvicorn_log_level)
+    from shardlm.entrypoints.openai.protocol import RequestLimits
+    limits = RequestLimits(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(RequestLimits)})
+    run_server(engine_args_from(ns), ns.host, ns.port, ns.api_key, chat_template, ns.uvicorn_log_level, limits)
 
 
 def cmd_env_check(ns) -> None:
@@ -202,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    from shardlm.entrypoints.openai.protocol import RequestLimits
+    limits = p.add_argument_group("request limits")
+    for f in dataclasses.fields(RequestLimits):
+        limits.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default,
+                            help=RequestLimits.HELP[f.name] + " (default: %(default)s)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="complete prompts with a model and print the results")

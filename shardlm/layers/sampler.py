@@ -25,6 +25,8 @@ class SamplingBatch:
     generators: dict[int, torch.Generator] | None = None
     penalties: tuple | None = None            # (presence, frequency, repetition [B], prompt lists, output lists)
     banned: list[tuple[int, list[int]]] | None = None   # (row, token ids) not allowed yet (min_tokens)
+    # (row, logit_bias {id: bias} or None, allowed_token_ids or None), rows that have either
+    biases: list[tuple[int, dict[int, float] | None, list[int] | None]] | None = None
     logprobs_k: list[int | None] | None = None          # per row; None: not asked
 
 
@@ -34,10 +36,12 @@ class Sampler:
         raw_logprobs = None
         if batch.logprobs_k and any(k is not None for k in batch.logprobs_k):
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
-        elif batch.temperature is None and batch.penalties is None and not batch.banned:
+        elif batch.temperature is None and batch.penalties is None and not batch.banned and not batch.biases:
             # all greedy: no copy for penalties or bans needed (float32 first: bf16 argmax is slow on CPU)
             return logits.float().argmax(dim=-1).tolist(), {}
         logits = logits.float()
+        if batch.biases:
+            logits = apply_biases(logits, batch.biases)
         if batch.penalties is not None:
             logits = apply_penalties(logits, *batch.penalties)
         if batch.banned:
@@ -63,6 +67,22 @@ def token_logprobs(row_logprobs: torch.Tensor, token: int, k: int) -> TokenLogpr
     top = row_logprobs.topk(k) if k else None
     return TokenLogprobs(token, float(lp), rank, top.indices.tolist() if k else [],
                          top.values.tolist() if k else [])
+
+
+def apply_biases(logits: torch.Tensor, biases) -> torch.Tensor:
+    """allowed_token_ids: every other token gets -inf; logit_bias: added to its token's logit
+    (OpenAI's semantics, before penalties and temperature)."""
+    logits = logits.clone()   # never write into the caller's logits
+    for row, bias, allowed in biases:
+        if allowed is not None:
+            keep = torch.full_like(logits[row], float("-inf"))
+            keep[torch.tensor(allowed, device=logits.device)] = 0.0
+            logits[row] += keep
+        if bias:
+            ids = torch.tensor(list(bias), device=logits.device)
+            logits[row].index_add_(0, ids, torch.tensor(list(bias.values()), device=logits.device,
+                                                         dtype=logits.dtype))
+    return logits
 
 
 def apply_penalties(logits, presence, frequency, repetition, prompt_ids, output_ids):

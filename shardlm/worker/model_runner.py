@@ -238,6 +238,9 @@ class ModelRunner:
                 if ids:
                     banned.append((i, ids))
         batch.banned = banned or None
+        biases = [(i, p.logit_bias, p.allowed_token_ids) for i, p in enumerate(params)
+                  if p.logit_bias or p.allowed_token_ids is not None]
+        batch.biases = biases or None
         if any(p.logprobs is not None for p in params):
             batch.logprobs_k = [p.logprobs for p in params]
         return batch

@@ -70,3 +70,31 @@ def test_banned_tokens_and_logprobs():
     raw = torch.log_softmax(logits[0], -1)
     assert lp.token_id == 1 and lp.rank == 2 and abs(lp.logprob - float(raw[1])) < 1e-6
     assert lp.top_ids == [0, 1]      # logprobs are of the raw model output
+
+
+def test_logit_bias_and_allowed_token_ids_match_a_hand_computation():
+    torch.manual_seed(1)
+    logits = torch.randn(3, V)
+    before = logits.clone()
+    biases = [(0, {3: 5.0, int(logits[0].argmax()): -100.0}, None),     # OpenAI: added before sampling
+              (1, {5: 1.0}, [2, 5, 9])]                                  # vLLM: only these may be sampled
+    tokens, lps = Sampler()(logits, SamplingBatch(None, None, biases=biases, logprobs_k=[1, None, None]))
+    by_hand = logits.clone()
+    by_hand[0, 3] += 5.0
+    by_hand[0, int(logits[0].argmax())] -= 100.0
+    row1 = torch.full((V,), float("-inf"))
+    row1[[2, 5, 9]] = logits[1, [2, 5, 9]]
+    row1[5] += 1.0
+    assert tokens == [int(by_hand[0].argmax()), int(row1.argmax()), int(logits[2].argmax())]
+    assert tokens[0] != int(logits[0].argmax())              # the bias changed the choice
+    # logprobs stay those of the model's own distribution (as vLLM reports them)
+    assert abs(lps[0].logprob - float(torch.log_softmax(logits[0], -1)[tokens[0]])) < 1e-5
+    assert logits.equal(before)                              # the caller's logits are untouched
+
+
+def test_allowed_token_ids_bound_random_sampling():
+    torch.manual_seed(0)
+    logits = torch.randn(1, V).repeat(300, 1)
+    allowed = [4, 17, 33]
+    tokens, _ = Sampler()(logits, batch_for(300, temperature=3.0, biases=[(r, None, allowed) for r in range(300)]))
+    assert set(tokens) == set(allowed)

@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+
+@dataclass
+class RequestLimits:
+    """What one request may ask for (server flags): beyond these it gets a 400 (413 for the body)."""
+    max_n: int = 128                    # samples per prompt (n)
+    max_prompts: int = 256              # prompts in one /v1/completions request
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_body_bytes: int = 16 << 20      # 413 beyond it
+
+    HELP = {"max_n": "most samples (n) per prompt in one request",
+            "max_prompts": "most prompts in one /v1/completions request",
+            "max_stop_strings": "most stop strings in one request",
+            "max_stop_string_chars": "longest stop string, in characters",
+            "max_body_bytes": "largest request body in bytes (413 beyond it)"}
 
 
 class OpenAIError(Exception):
@@ -24,8 +41,9 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    # unknown fields are ignored, as OpenAI clients send extras (vLLM does the same)
-    model_config = ConfigDict(extra="ignore")
+    # fields this server does not implement are refused by name (OpenAIServing.check_fields),
+    # except those a client sends as null
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = 1
@@ -46,6 +64,8 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
 
 class CompletionRequest(_SamplingFields):

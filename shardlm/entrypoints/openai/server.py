@@ -4,7 +4,9 @@ process). Every error has OpenAI's shape; nothing a client sends produces a 500.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
+import json
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -27,9 +29,10 @@ from shardlm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     OpenAIError,
+    RequestLimits,
     TokenizeRequest,
 )
-from shardlm.entrypoints.openai.serving import OpenAIServing
+from shardlm.entrypoints.openai.serving import OpenAIServing, check_encodable, sse
 from shardlm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -37,7 +40,9 @@ _OPEN_ROUTES = ("/health", "/metrics", "/version")
 _UNHEALTHY_GRACE_S = 2.0   # how long /health reports 503 after the engine died, before exiting
 
 
-def build_app(config: EngineConfig, api_key: str | None = None, chat_template: str | None = None) -> FastAPI:
+def build_app(config: EngineConfig, api_key: str | None = None, chat_template: str | None = None,
+              limits: RequestLimits | None = None) -> FastAPI:
+    limits = limits or RequestLimits()
     state: dict = {}
 
     @asynccontextmanager
@@ -45,7 +50,7 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
         t0 = time.perf_counter()
         llm = AsyncLLM(config)
         names = [llm.config.model.served_model_name]
-        state["llm"], state["serving"] = llm, OpenAIServing(llm, names, chat_template)
+        state["llm"], state["serving"] = llm, OpenAIServing(llm, names, chat_template, limits)
         state["metrics"] = metrics = ServerMetrics(names[0])
         llm.on_finished = metrics.observe_finished
         logger.info("Serving %s (dtype %s) after %.1f s", names[0], str(llm.config.model.dtype).replace("torch.", ""),
@@ -57,6 +62,7 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
 
     app = FastAPI(title="shardlm", version=shardlm.__version__, lifespan=lifespan)
     app.state.shardlm = state
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
 
     def error(e: OpenAIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
@@ -90,6 +96,12 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
     async def on_engine_dead(_, e: EngineDeadError):
         return error(OpenAIError(str(e), 503, type_="ServiceUnavailableError"))
 
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, e: Exception):
+        """Anything else: logged with its traceback, answered in OpenAI's shape (never a plain 500)."""
+        logger.error("Unexpected error in %s %s", request.method, request.url.path, exc_info=e)
+        return error(OpenAIError(f"Internal error: {type(e).__name__}: {e}", 500, type_="InternalServerError"))
+
     @app.get("/health")
     async def health():
         llm = state.get("llm")
@@ -114,18 +126,23 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
             {"id": n, "object": "model", "created": 0, "owned_by": "shardlm",
              "max_model_len": serving.max_model_len} for n in serving.model_names]}
 
-    async def respond(result):
+    async def respond(request: Request, handler):
+        """A whole response, cancelled (its request aborted) if the client goes away first; or a
+        stream, which Starlette closes when the client goes."""
+        result = await until_disconnected(request, handler)
+        if result is None:
+            return Response(status_code=499)      # nobody is listening
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream")
+        return StreamingResponse(sse_errors(result), media_type="text/event-stream")
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        return await respond(await state["serving"].completions(req))
+    async def completions(req: CompletionRequest, request: Request):
+        return await respond(request, state["serving"].completions(req))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
-        return await respond(await state["serving"].chat(req))
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        return await respond(request, state["serving"].chat(req))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
@@ -138,6 +155,7 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
                                            chat_template=serving.chat_template)
             ids = tok(text, add_special_tokens=False).input_ids
         elif req.prompt is not None:
+            check_encodable(req.prompt, "prompt")
             ids = tok(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
         else:
             raise OpenAIError("Give a prompt or messages.", 400, "prompt")
@@ -155,10 +173,88 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
     return app
 
 
+async def until_disconnected(request: Request, handler):
+    """Run `handler` (a coroutine) unless the client disconnects first: then cancel it (which
+    aborts its requests in the engine) and return None."""
+    task = asyncio.ensure_future(handler)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def sse_errors(stream):
+    """A failure after a stream has started: an SSE error event, then [DONE] (never a cut stream)."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    except Exception as e:   # noqa: BLE001 - reported to the client, logged here
+        status = 503 if isinstance(e, EngineDeadError) else e.status if isinstance(e, OpenAIError) else 500
+        if status == 500:
+            logger.error("Stream failed", exc_info=e)
+        message = e.message if isinstance(e, OpenAIError) else f"{type(e).__name__}: {e}"
+        yield sse({"error": {"message": message, "type": "InternalServerError" if status == 500 else
+                             "ServiceUnavailableError" if status == 503 else "invalid_request_error",
+                             "param": None, "code": status}})
+        yield sse("[DONE]")
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body over max_bytes gets 413, whether it says its length or not."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._refuse(send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _BodyTooLarge:
+            await self._refuse(send)
+
+    async def _refuse(self, send):
+        body = json.dumps(OpenAIError(f"The request body is larger than this server accepts ({self.max_bytes} "
+                                      "bytes, --max-body-bytes).", 413).body()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
 def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | None = None,
-               chat_template: str | None = None, log_level: str = "info") -> None:
+               chat_template: str | None = None, log_level: str = "info", limits: RequestLimits | None = None) -> None:
     config = engine_args.create_engine_config()   # bad settings fail here, plainly, before any process starts
-    app = build_app(config, api_key, chat_template)
+    app = build_app(config, api_key, chat_template, limits)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
     failed = {}
 

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from shardlm.engine.async_llm import AsyncLLM
-from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, RequestLimits
 from shardlm.outputs import Logprob, RequestOutput
 from shardlm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -23,10 +23,12 @@ def sse(data: dict | str) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, served_model_names: list[str], chat_template: str | None = None):
+    def __init__(self, llm: AsyncLLM, served_model_names: list[str], chat_template: str | None = None,
+                 limits: RequestLimits | None = None):
         self.llm = llm
         self.model_names = served_model_names
         self.chat_template = chat_template
+        self.limits = limits or RequestLimits()
         self.max_model_len = llm.config.model.max_model_len
         self.defaults = llm.default_sampling_params()
 
@@ -36,6 +38,23 @@ class OpenAIServing:
             raise OpenAIError(f"The model `{name}` does not exist. Served: {', '.join(self.model_names)}.", 404,
                               "model", "NotFoundError")
         return self.model_names[0]
+
+    def check_request(self, req) -> None:
+        """Fields this server does not implement, and what a request may ask for (RequestLimits)."""
+        unknown = sorted(k for k, v in (req.model_extra or {}).items() if v is not None)
+        if unknown:
+            raise OpenAIError(f"This server does not support the field(s) {', '.join(map(repr, unknown))}; leave "
+                              "them out.", 400, unknown[0])
+        lim = self.limits
+        if req.n > lim.max_n:
+            raise OpenAIError(f"n={req.n} is more than this server allows ({lim.max_n}, --max-n).", 400, "n")
+        stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        if len(stops) > lim.max_stop_strings:
+            raise OpenAIError(f"{len(stops)} stop strings are more than this server allows ({lim.max_stop_strings}, "
+                              "--max-stop-strings).", 400, "stop")
+        if any(len(x) > lim.max_stop_string_chars for x in stops):
+            raise OpenAIError(f"A stop string is longer than this server allows ({lim.max_stop_string_chars} "
+                              "characters, --max-stop-string-chars).", 400, "stop")
 
     def sampling_params(self, req, max_tokens: int | None, prompt_len: int, **extra) -> SamplingParams:
         """Streams get deltas (only what is new each step); the others one final output."""
@@ -50,15 +69,18 @@ class OpenAIServing:
                 n=req.n, seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
                 max_tokens=max_tokens, skip_special_tokens=req.skip_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output,
+                include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=req.logit_bias,
+                allowed_token_ids=req.allowed_token_ids,
                 output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY, **values, **extra)
         except ValueError as e:
-            m = re.search(r"SamplingParams\.(\w+)=", str(e))
-            raise OpenAIError(str(e).replace("SamplingParams.", ""), 400, m.group(1) if m else None) from e
+            raise _invalid(e, None) from e
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         """Text to token ids, once; AsyncLLM's input processor checks them (length, vocabulary)."""
-        return self.llm.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+        if not isinstance(prompt, str):
+            return list(prompt)
+        check_encodable(prompt, param)
+        return self.llm.tokenizer(prompt).input_ids
 
     def _generate(self, requests: list[tuple[list[int], str | None, SamplingParams, str]]
                   ) -> list[AsyncIterator[RequestOutput]]:
@@ -71,7 +93,7 @@ class OpenAIServing:
         except ValueError as e:
             for _, _, _, rid in requests[:len(streams)]:
                 self.llm.abort(rid)
-            raise OpenAIError(str(e), 400, "prompt") from e
+            raise _invalid(e, "prompt") from e
         except BaseException:
             for _, _, _, rid in requests[:len(streams)]:
                 self.llm.abort(rid)
@@ -81,7 +103,11 @@ class OpenAIServing:
     # ---- /v1/completions ----
     async def completions(self, req: CompletionRequest):
         model = self.check_model(req.model)
+        self.check_request(req)
         prompts = _completion_prompts(req.prompt)
+        if len(prompts) > self.limits.max_prompts:
+            raise OpenAIError(f"{len(prompts)} prompts are more than this server allows in one request "
+                              f"({self.limits.max_prompts}, --max-prompts).", 400, "prompt")
         ids = [self.tokenize(p) for p in prompts]
         params = [self.sampling_params(req, req.max_tokens, len(i), logprobs=req.logprobs,
                                        prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
@@ -135,7 +161,10 @@ class OpenAIServing:
     # ---- /v1/chat/completions ----
     async def chat(self, req: ChatCompletionRequest):
         model = self.check_model(req.model)
+        self.check_request(req)
         tok = self.llm.tokenizer
+        for m in req.messages:
+            check_encodable(m.text(), "messages")
         try:
             text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
                                            tokenize=False, add_generation_prompt=req.add_generation_prompt,
@@ -182,6 +211,21 @@ class OpenAIServing:
         if req.stream_options and req.stream_options.include_usage:
             yield sse({**head, "choices": [], "usage": _usage_counts(prompt_tokens, completion_tokens)})
         yield sse("[DONE]")
+
+
+def _invalid(e: ValueError, default_param: str | None) -> OpenAIError:
+    """A ValueError from SamplingParams or the input processor as a 400 naming the parameter."""
+    m = re.search(r"SamplingParams\.(\w+)", str(e))
+    return OpenAIError(str(e).replace("SamplingParams.", ""), 400, m.group(1) if m else default_param)
+
+
+def check_encodable(text: str, param: str) -> None:
+    """Text a tokenizer cannot encode (lone surrogates from JSON escapes) is the client's error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise OpenAIError(f"The text is not valid Unicode ({e.reason} at position {e.start}): send UTF-8 text "
+                          "without lone surrogates.", 400, param) from None
 
 
 def _completion_prompts(prompt) -> list[str | list[int]]:

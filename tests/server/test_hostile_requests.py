@@ -1,0 +1,165 @@
+"""Requests that used to crash or wedge the server each get a 4xx in OpenAI's shape, and the
+server answers a normal request the same way afterwards; a client that leaves a non-streaming
+request aborts it; a stream whose engine dies ends with an error event and [DONE]."""
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.server.test_openai_server import _metric, _start, _stop
+
+VOCAB = 49152          # the tiny models' vocabulary
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def _c(**kw):
+    return {"model": "tiny", "prompt": "hi", "max_tokens": 2, **kw}
+
+
+def _chat(**kw):
+    return {"model": "tiny", "messages": MSG, "max_tokens": 2, **kw}
+
+
+# (name, path, body (dict, or raw bytes), status, param)
+CASES = [
+    ("stop id outside vocab, min_tokens", CMPL, _c(min_tokens=1, stop_token_ids=[VOCAB]), 400, "stop_token_ids"),
+    ("stop id outside vocab, streamed", CMPL, _c(stop_token_ids=[VOCAB], stream=True), 400, "stop_token_ids"),
+    ("stop id above int64", CMPL, _c(stop_token_ids=[2**64]), 400, "stop_token_ids"),
+    ("top_k above int64", CMPL, _c(temperature=1, top_k=2**63), 400, "top_k"),
+    ("top_k above vocab", CMPL, _c(temperature=1, top_k=VOCAB + 1), 400, "top_k"),
+    ("lone surrogate prompt", CMPL, b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt"),
+    ("lone surrogate chat", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', 400,
+     "messages"),
+    ("seed 2**64", CMPL, _c(seed=2**64), 400, "seed"),
+    ("seed negative", CMPL, _c(seed=-1), 400, "seed"),
+    ("temperature NaN", CMPL, b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    ("temperature Infinity", CMPL, b'{"model": "tiny", "prompt": "hi", "temperature": Infinity}', 400,
+     "temperature"),
+    ("repetition_penalty -Infinity", CHAT,
+     b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": -Infinity}', 400,
+     "repetition_penalty"),
+    ("top_p NaN", CMPL, b'{"model": "tiny", "prompt": "hi", "top_p": NaN}', 400, "top_p"),
+    ("logit_bias id outside vocab", CMPL, _c(logit_bias={str(VOCAB): 1}), 400, "logit_bias"),
+    ("logit_bias value 1000", CMPL, _c(logit_bias={"5": 1000}), 400, "logit_bias"),
+    ("logit_bias key not an id", CMPL, _c(logit_bias={"five": 1}), 400, "logit_bias"),
+    ("allowed_token_ids outside vocab", CHAT, _chat(allowed_token_ids=[10**12]), 400, "allowed_token_ids"),
+    ("n 100000", CMPL, _c(n=100000), 400, "n"),
+    ("10000 prompts", CMPL, _c(prompt=["hi"] * 10000), 400, "prompt"),
+    ("prompt id -1", CMPL, _c(prompt=[5, -1]), 400, "prompt"),
+    ("prompt id 10**30", CMPL, _c(prompt=[5, 10**30]), 400, "prompt"),
+    ("max_tokens negative", CMPL, _c(max_tokens=-5), 400, "max_tokens"),
+    ("max_tokens 10**30", CMPL, _c(max_tokens=10**30), 400, "max_tokens"),
+    ("min_tokens 10**30", CMPL, _c(max_tokens=None, min_tokens=10**30), 400, "min_tokens"),
+    ("best_of not implemented", CMPL, _c(best_of=2), 400, "best_of"),
+    ("response_format not implemented", CHAT, _chat(response_format={"type": "json_object"}), 400,
+     "response_format"),
+    ("100 stop strings", CMPL, _c(stop=[f"s{i}" for i in range(100)]), 400, "stop"),
+    ("a 10000-character stop string", CMPL, _c(stop=["x" * 10000]), 400, "stop"),
+    ("temperature of the wrong type", CMPL, _c(temperature="hot"), 400, "temperature"),
+    ("unknown role", CHAT, _chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages.0.role"),
+    ("frequency_penalty 3", CMPL, _c(frequency_penalty=3), 400, "frequency_penalty"),
+    ("logprobs 100", CMPL, _c(logprobs=100), 400, "logprobs"),
+    ("top_logprobs without logprobs", CHAT, _chat(top_logprobs=3), 400, "top_logprobs"),
+    ("deeply nested prompt", CMPL, b'{"model": "tiny", "prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400,
+     None),
+    ("invalid UTF-8 body", CMPL, b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, None),
+    ("20 MB body", CMPL, json.dumps(_c(prompt="x " * (10 << 20))).encode(), 413, None),
+    ("not JSON", CMPL, b"{bad", 400, None),
+    ("messages not a list", CHAT, _chat(messages="hi"), 400, "messages"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    proc, url = _start(tiny_model_dir("llama-gqa"))
+    yield proc, url
+    _stop(proc)
+
+
+def _greedy(url) -> str:
+    r = httpx.post(url + CMPL, json=_c(prompt="The capital of", max_tokens=12, temperature=0, ignore_eos=True),
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_hostile_requests_get_4xx_and_the_server_keeps_serving(server):
+    proc, url = server
+    before = _greedy(url)
+    failures = []
+    for name, path, body, status, param in CASES:
+        t0 = time.perf_counter()
+        if isinstance(body, bytes):
+            r = httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+        else:
+            r = httpx.post(url + path, json=body, timeout=30)
+        took = time.perf_counter() - t0
+        try:
+            err = r.json()["error"]
+            ok = r.status_code == status and err["code"] == status and err["message"] and \
+                (param is None or err["param"] == param) and took < 5
+        except (ValueError, KeyError, TypeError):
+            ok, err = False, r.text[:200]
+        if not ok:
+            failures.append(f"{name}: {r.status_code} in {took:.1f} s: {err}")
+        assert proc.poll() is None, f"the server died on: {name}"
+        assert _greedy(url) == before, f"a normal request changed after: {name}"
+    assert not failures, "\n".join(failures)
+    assert len(CASES) >= 30
+    assert _metric(url, "shardlm:num_requests_running") == 0
+
+
+def test_logit_bias_and_allowed_token_ids_steer_greedy_output(server):
+    url = server[1]
+    plain = httpx.post(url + CMPL, json=_c(prompt=[5, 6, 7], max_tokens=4, temperature=0, ignore_eos=True,
+                                           logprobs=0)).json()["choices"][0]
+    r = httpx.post(url + "/tokenize", json={"prompt": "x", "add_special_tokens": False}).json()
+    forced = r["tokens"][0]
+    biased = httpx.post(url + CMPL, json=_c(prompt=[5, 6, 7], max_tokens=4, temperature=0, ignore_eos=True,
+                                            logit_bias={str(forced): 100})).json()["choices"][0]
+    assert biased["text"] == "x" * 4 and plain["text"] != biased["text"]
+    allowed = httpx.post(url + CHAT, json=_chat(max_tokens=6, temperature=1.0, seed=3,
+                                                allowed_token_ids=[forced])).json()["choices"][0]
+    assert allowed["message"]["content"] == "x" * 6
+
+
+def test_a_client_that_leaves_a_non_streaming_request_aborts_it(server):
+    url = server[1]
+    aborted = _metric(url, "shardlm:num_requests_aborted")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + CMPL, json=_c(prompt="A long story", max_tokens=200, ignore_eos=True), timeout=0.5)
+    deadline = time.time() + 10
+    while time.time() < deadline and _metric(url, "shardlm:num_requests_aborted") < aborted + 1:
+        time.sleep(0.1)
+    assert _metric(url, "shardlm:num_requests_aborted") == aborted + 1
+    assert _metric(url, "shardlm:num_requests_running") == 0
+    assert _metric(url, "shardlm:kv_cache_usage_perc") == 0.0
+
+
+def test_a_stream_whose_engine_dies_ends_with_an_error_event_and_done(tiny_model_dir):
+    proc, url = _start(tiny_model_dir("llama-gqa"))
+    try:
+        engine = [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())][0]
+        body = _c(prompt="A long story", max_tokens=250, ignore_eos=True, stream=True)
+        lines = []
+        with httpx.stream("POST", url + CMPL, json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 3:
+                    os.kill(engine.pid, signal.SIGKILL)
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert error["code"] == 503 and "engine core" in error["message"]
+    finally:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive
