@@ -107,6 +107,7 @@ class ParallelConfig:
     cpu_threads_bind: str = "auto"
     pp_layer_partition: list[int] | None = None       # layers per pipeline stage; None: even split
     allow_cross_node_tp: bool = False                 # Ray: let a TP group span nodes (slow; refused by default)
+    execute_model_timeout: float = 300.0              # a step of worker processes that takes longer fails the engine
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -119,8 +120,9 @@ class ParallelConfig:
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor x pipeline parallel "
                              f"is {self.world_size} ranks: use 'mp' or 'ray' (or leave it out).")
-        if self.distributed_init_timeout <= 0:
-            raise ValueError(f"distributed_init_timeout={self.distributed_init_timeout} must be positive seconds.")
+        for name in ("distributed_init_timeout", "execute_model_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive seconds.")
 
     @property
     def world_size(self) -> int:

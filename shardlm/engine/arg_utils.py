@@ -58,6 +58,7 @@ class EngineArgs:
     cpu_threads_bind: str = "auto"
     pp_layer_partition: str | None = None
     allow_cross_node_tp: bool = False
+    execute_model_timeout: float = 300.0
 
     HELP = {
         "model": "Hugging Face model directory (config.json, safetensors, tokenizer); "
@@ -83,6 +84,8 @@ class EngineArgs:
                                         "default: uni for one rank, mp when every rank fits on this node "
                                         "and this is not a Ray placement group, else ray",
         "distributed_init_timeout": "seconds to wait for every rank to join before failing with the missing ones",
+        "execute_model_timeout": "seconds a step of worker processes may take (the first excluded) before the "
+                                 "engine fails, naming the ranks that did not answer (a hung or stopped worker)",
         "pp_layer_partition": "layers per pipeline stage, e.g. 16,14 (default: even, the remainder to the "
                               "stages before the last)",
         "allow_cross_node_tp": "Ray: allow a tensor parallel group to span nodes (two all-reduces per layer "
@@ -101,7 +104,8 @@ class EngineArgs:
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                   self.data_parallel_size, self.distributed_executor_backend,
                                   self.distributed_init_timeout, self.cpu_threads_bind,
-                                  _parse_partition(self.pp_layer_partition), self.allow_cross_node_tp)
+                                  _parse_partition(self.pp_layer_partition), self.allow_cross_node_tp,
+                                  self.execute_model_timeout)
         if parallel.data_parallel_size > 1:
             raise NotImplementedError(f"data_parallel_size={parallel.data_parallel_size}: data parallel is not "
                                       "built yet in this version of shardlm; run with data_parallel_size=1.")

@@ -70,6 +70,7 @@ class AsyncLLM:
         self.engine_core = AsyncMPClient(config, self.loop)
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._output_handler: asyncio.Task | None = None
+        self._num_running = 0         # as the engine core last reported it
         logger.info("Engine started in %.2f s (model %s)", time.perf_counter() - t0, config.model.model)
 
     @classmethod
@@ -99,6 +100,12 @@ class AsyncLLM:
 
     def default_sampling_params(self) -> SamplingParams:
         return self.processor.default_sampling_params()
+
+    @property
+    def num_waiting(self) -> int:
+        """Engine-core requests not yet running: those added and unfinished, less the running
+        ones the engine core last reported (an estimate that errs towards more)."""
+        return max(0, len(self.output_processor.samples) - self._num_running)
 
     # ---- requests ----
     def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams,
@@ -153,6 +160,7 @@ class AsyncLLM:
         try:
             while True:
                 core_outputs = await self.engine_core.get_output_async()
+                self._num_running = core_outputs.num_running
                 processed = self.output_processor.process(core_outputs.outputs)
                 if processed.reqs_to_abort:
                     self.engine_core.abort_requests(processed.reqs_to_abort)

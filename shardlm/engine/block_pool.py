@@ -17,10 +17,11 @@ class KVCacheBlock:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        self.block_hash: bytes | None = None
 
     def __repr__(self):
-        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+        key = self.block_hash.hex()[:8] if isinstance(self.block_hash, bytes) else self.block_hash
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={key})"
 
 
 class BlockPool:
@@ -43,7 +44,7 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
 
-    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self._cached.get(block_hash)
 
     def allocate(self, n: int) -> list[KVCacheBlock]:
@@ -71,7 +72,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache(self, block: KVCacheBlock, block_hash: int) -> None:
+    def cache(self, block: KVCacheBlock, block_hash: bytes) -> None:
         if block.block_hash is None and block_hash not in self._cached:
             block.block_hash = block_hash
             self._cached[block_hash] = block

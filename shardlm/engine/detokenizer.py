@@ -57,8 +57,12 @@ class IncrementalDetokenizer:
             return self.output_text
         text, hold = self.output_text, 0
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), hold, -1):
-                if text.endswith(s[:k]):
-                    hold = k
+            # the longest tail of the text that begins s: only where s's first character occurs
+            tail = text[len(text) - min(len(s) - 1, len(text)):]
+            i = tail.find(s[0])
+            while i != -1 and len(tail) - i > hold:
+                if s.startswith(tail[i:]):
+                    hold = len(tail) - i
                     break
+                i = tail.find(s[0], i + 1)
         return text[:len(text) - hold]

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import enum
+import hashlib
+import os
 import time
+from array import array
 
 from shardlm.sampling_params import SamplingParams
+
+# A secret per process: nobody outside can craft a prompt whose blocks collide with another
+# user's cached KV (vLLM CVE-2025-25183 did that with Python's predictable hash of ints).
+_PREFIX_HASH_KEY = os.urandom(16)
 
 
 class RequestStatus(enum.Enum):
@@ -22,9 +29,12 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED)
 
 
-def hash_block_tokens(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
-    """Prefix-cache key of one full block: depends on every token before it through the chain."""
-    return hash((parent_hash, tokens))
+def hash_block_tokens(parent_hash: bytes | None, tokens: tuple[int, ...]) -> bytes:
+    """Prefix-cache key of one full block: depends on every token before it through the chain.
+    Keyed BLAKE2b (128 bits) over the parent's key and the tokens."""
+    h = hashlib.blake2b(parent_hash or b"", key=_PREFIX_HASH_KEY, digest_size=16)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
 
 
 class Request:

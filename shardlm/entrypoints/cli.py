@@ -117,7 +117,12 @@ def cmd_serve(ns) -> None:
             chat_template = f.read()
     from shardlm.entrypoints.openai.protocol import RequestLimits
     limits = RequestLimits(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(RequestLimits)})
-    run_server(engine_args_from(ns), ns.host, ns.port, ns.api_key, chat_template, ns.uvicorn_log_level, limits)
+    api_key = ns.api_key if ns.api_key is not None else (os.environ.get("SHARDLM_API_KEY")
+                                                         or os.environ.get("VLLM_API_KEY"))
+    if api_key is not None and not api_key.strip():
+        sys.exit("shardlm: error: the API key is empty: give a key, or leave --api-key out to serve without one.")
+    run_server(engine_args_from(ns), ns.host, ns.port, api_key, chat_template, ns.uvicorn_log_level, limits,
+               ns.metrics_require_key)
 
 
 def cmd_env_check(ns) -> None:
@@ -200,7 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all routes but "
-                   "/health, /metrics, /version)")
+                   "/health, /metrics, /version); default: $SHARDLM_API_KEY or $VLLM_API_KEY (which keep it out "
+                   "of `ps`)")
+    p.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])

@@ -61,6 +61,7 @@ class MultiprocExecutor(Executor):
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(FromWorker).decode
         self._ready = False
+        self._stepped = False
         self.start_method, why = worker_start_method()
         logger.info("Starting %d worker processes with %s (%s)", self.world_size, self.start_method, why)
         ctx = multiprocessing.get_context(self.start_method)
@@ -145,11 +146,22 @@ class MultiprocExecutor(Executor):
         except QueueClosed:
             raise WorkerDiedError(self._failure or "The workers have been shut down.") from None
 
-    def _receive(self, rank: int):
+    def _receive(self, rank: int, timeout: float | None = None):
         try:
-            return self._decode(self.replies[rank].get())
+            return self._decode(self.replies[rank].get(timeout))
         except QueueClosed:
             raise WorkerDiedError(self._failure or "The workers have been shut down.") from None
+        except TimeoutError:
+            raise WorkerDiedError(self.record_failure(self._describe_stuck(timeout))) from None
+
+    def _describe_stuck(self, timeout: float) -> str:
+        """Which ranks did not answer: the stopped ones (SIGSTOP, a debugger) if any, else all."""
+        stopped = [r for r, p in enumerate(self.procs) if _process_state(p.pid) in ("T", "t")]
+        pids = ", ".join(str(self.procs[r].pid) for r in stopped)
+        who = (f"worker rank(s) {', '.join(map(str, stopped))} (pid {pids}) are stopped" if stopped
+               else f"no rank of {self.world_size} answered (one may hang)")
+        return (f"A step did not finish within {timeout:.0f} s (--execute-model-timeout): {who}. The engine cannot "
+                "continue; the workers are being stopped.")
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         self._send(UtilityCall(0, method, list(args)))
@@ -160,7 +172,10 @@ class MultiprocExecutor(Executor):
 
     def execute_model_async(self, scheduler_output: SchedulerOutput):
         self._send(RunStep(scheduler_output))
-        return lambda: self._receive(self.output_rank).output
+        # the first step warms up (allocations, kernels): no limit; after it, a hung rank fails the engine
+        timeout = self.config.parallel.execute_model_timeout if self._stepped else None
+        self._stepped = True
+        return lambda: self._receive(self.output_rank, timeout).output
 
     def _shutdown(self) -> None:
         if self._failure is None:
@@ -248,6 +263,15 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat (R, S, D, T, ...), '?' if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
 
 
 def worker_start_method() -> tuple[str, str]:

@@ -163,3 +163,53 @@ def test_a_stream_whose_engine_dies_ends_with_an_error_event_and_done(tiny_model
         proc.wait(timeout=30)
         _, alive = psutil.wait_procs(children, timeout=10)
         assert not alive
+
+
+def test_a_full_queue_answers_429_with_retry_after_and_keeps_serving(tiny_model_dir):
+    import asyncio
+    proc, url = _start(tiny_model_dir("llama-gqa"), "--max-num-waiting", "8", "--max-num-seqs", "4")
+    try:
+        async def one(client):
+            return await client.post(url + CMPL, json=_c(max_tokens=8, ignore_eos=True), timeout=120)
+
+        async def main():
+            async with httpx.AsyncClient(limits=httpx.Limits(max_connections=300)) as client:
+                return await asyncio.gather(*(one(client) for _ in range(300)))
+
+        responses = asyncio.run(main())
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 429} and codes.count(200) >= 4 and codes.count(429) > 0, codes
+        busy = next(r for r in responses if r.status_code == 429)
+        assert busy.headers["retry-after"] == "1" and busy.json()["error"]["code"] == 429
+        assert proc.poll() is None and _greedy(url)
+    finally:
+        _stop(proc)
+
+
+def test_a_stopped_worker_fails_the_engine_within_the_step_timeout(tiny_model_dir):
+    proc, url = _start(tiny_model_dir("llama-gqa"), "-tp", "2", "--execute-model-timeout", "3")
+    children = psutil.Process(proc.pid).children(recursive=True)
+    try:
+        _greedy(url)                                   # the first step (no limit) is done
+        engine = [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())][0]
+        worker = engine.children()[1]
+        body = _c(prompt="A long story", max_tokens=250, ignore_eos=True, stream=True)
+        lines, t0 = [], time.perf_counter()
+        with httpx.stream("POST", url + CMPL, json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 2:
+                    os.kill(worker.pid, signal.SIGSTOP)
+        assert time.perf_counter() - t0 < 15
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert lines[-1] == "data: [DONE]" and error["code"] == 503
+        assert "did not finish within 3 s" in error["message"] and "rank(s) 1" in error["message"], error
+        health = [httpx.get(url + "/health", timeout=2).status_code for _ in range(1)]
+        assert health == [503]
+        assert proc.wait(timeout=30) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _, alive = psutil.wait_procs(children, timeout=15)
+        assert not alive, f"processes left: {[p.pid for p in alive]}"

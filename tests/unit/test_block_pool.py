@@ -108,3 +108,15 @@ def test_allocation_fails_cleanly_when_short():
     r = make_request("a", list(range(20)))
     assert not kv.allocate_slots(r, 20)      # needs 5 blocks, 3 usable
     assert kv.pool.num_free_blocks == 3 and kv.block_ids("a") == []
+
+
+def test_prefix_keys_are_keyed_per_process():
+    """A client cannot compute the cache keys (vLLM CVE-2025-25183): they are keyed with a secret
+    drawn per process, so the same tokens give another key in another process."""
+    import subprocess
+    import sys
+    code = "from shardlm.engine.request import hash_block_tokens as h; print(h(None, (1, 2, 3, 4)).hex())"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    here = hash_block_tokens(None, (1, 2, 3, 4))
+    assert len(here) == 16 and other != here.hex()
+    assert hash_block_tokens(None, (1, 2, 3, 4)) == here

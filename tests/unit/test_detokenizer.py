@@ -47,3 +47,15 @@ def test_stop_string_across_tokens_and_holdback(tokenizer):
     assert d.visible_text(finished=True) == d.output_text
     hit = d.update(tokenizer("D!", add_special_tokens=False).input_ids)
     assert hit == "END!" and d.output_text == " go "
+
+
+@pytest.mark.parametrize("text, stop, visible", [
+    ("abc ST", ["STOP"], "abc "), ("abc SX", ["STOP"], "abc SX"), ("abc S", ["STOP", "xS"], "abc "),
+    ("aaaa", ["aab"], "aa"), ("abab", ["abac"], "ab"), ("", ["x"], ""), ("end.", ["."], "end."),
+    ("x" * 5000 + "ST", ["STOP", "S" * 200], "x" * 5000),
+])
+def test_running_text_holds_back_a_tail_that_may_begin_a_stop_string(tokenizer, text, stop, visible):
+    d = IncrementalDetokenizer(tokenizer, [1], stop=stop)
+    d.output_text = text
+    assert d.visible_text(finished=False) == visible
+    assert d.visible_text(finished=True) == text

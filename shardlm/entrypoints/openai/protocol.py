@@ -16,21 +16,24 @@ class RequestLimits:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_body_bytes: int = 16 << 20      # 413 beyond it
+    max_num_waiting: int = 1024         # requests waiting to be scheduled; 429 beyond it
 
     HELP = {"max_n": "most samples (n) per prompt in one request",
             "max_prompts": "most prompts in one /v1/completions request",
             "max_stop_strings": "most stop strings in one request",
             "max_stop_string_chars": "longest stop string, in characters",
-            "max_body_bytes": "largest request body in bytes (413 beyond it)"}
+            "max_body_bytes": "largest request body in bytes (413 beyond it)",
+            "max_num_waiting": "most requests waiting to be scheduled; beyond it new ones get 429 with Retry-After"}
 
 
 class OpenAIError(Exception):
     """An error returned to the client as {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type_: str = "invalid_request_error"):
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.status, self.param, self.type = message, status, param, type_
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}

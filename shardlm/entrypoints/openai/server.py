@@ -41,8 +41,9 @@ _UNHEALTHY_GRACE_S = 2.0   # how long /health reports 503 after the engine died,
 
 
 def build_app(config: EngineConfig, api_key: str | None = None, chat_template: str | None = None,
-              limits: RequestLimits | None = None) -> FastAPI:
+              limits: RequestLimits | None = None, metrics_require_key: bool = False) -> FastAPI:
     limits = limits or RequestLimits()
+    open_routes = tuple(r for r in _OPEN_ROUTES if not (metrics_require_key and r == "/metrics"))
     state: dict = {}
 
     @asynccontextmanager
@@ -65,11 +66,11 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
 
     def error(e: OpenAIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if api_key and request.url.path not in _OPEN_ROUTES:
+        if api_key and request.url.path not in open_routes:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return error(OpenAIError("Missing or wrong API key: send 'Authorization: Bearer <key>'.", 401,
@@ -252,9 +253,10 @@ class BodySizeLimit:
 
 
 def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | None = None,
-               chat_template: str | None = None, log_level: str = "info", limits: RequestLimits | None = None) -> None:
+               chat_template: str | None = None, log_level: str = "info", limits: RequestLimits | None = None,
+               metrics_require_key: bool = False) -> None:
     config = engine_args.create_engine_config()   # bad settings fail here, plainly, before any process starts
-    app = build_app(config, api_key, chat_template, limits)
+    app = build_app(config, api_key, chat_template, limits, metrics_require_key)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
     failed = {}
 

@@ -4,11 +4,13 @@ RequestOutputs to response bodies and server-sent-event chunks."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from shardlm.engine.async_llm import AsyncLLM
 from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, RequestLimits
@@ -29,6 +31,7 @@ class OpenAIServing:
         self.model_names = served_model_names
         self.chat_template = chat_template
         self.limits = limits or RequestLimits()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-tokenize")
         self.max_model_len = llm.config.model.max_model_len
         self.defaults = llm.default_sampling_params()
 
@@ -46,6 +49,10 @@ class OpenAIServing:
             raise OpenAIError(f"This server does not support the field(s) {', '.join(map(repr, unknown))}; leave "
                               "them out.", 400, unknown[0])
         lim = self.limits
+        if self.llm.num_waiting >= lim.max_num_waiting:
+            raise OpenAIError(f"The server is busy: {self.llm.num_waiting} requests are waiting "
+                              f"(--max-num-waiting {lim.max_num_waiting}). Retry later.", 429,
+                              type_="RateLimitError", headers={"Retry-After": "1"})
         if req.n > lim.max_n:
             raise OpenAIError(f"n={req.n} is more than this server allows ({lim.max_n}, --max-n).", 400, "n")
         stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
@@ -75,12 +82,17 @@ class OpenAIServing:
         except ValueError as e:
             raise _invalid(e, None) from e
 
-    def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    async def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         """Text to token ids, once; AsyncLLM's input processor checks them (length, vocabulary)."""
         if not isinstance(prompt, str):
             return list(prompt)
         check_encodable(prompt, param)
-        return self.llm.tokenizer(prompt).input_ids
+        return (await self._off_loop(self.llm.tokenizer, prompt)).input_ids
+
+    async def _off_loop(self, fn, *args, **kwargs):
+        """Tokenizing or rendering a large input runs on a worker thread (the tokenizer releases
+        the GIL), so other clients' streams go on meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     def _generate(self, requests: list[tuple[list[int], str | None, SamplingParams, str]]
                   ) -> list[AsyncIterator[RequestOutput]]:
@@ -108,7 +120,7 @@ class OpenAIServing:
         if len(prompts) > self.limits.max_prompts:
             raise OpenAIError(f"{len(prompts)} prompts are more than this server allows in one request "
                               f"({self.limits.max_prompts}, --max-prompts).", 400, "prompt")
-        ids = [self.tokenize(p) for p in prompts]
+        ids = [await self.tokenize(p) for p in prompts]
         params = [self.sampling_params(req, req.max_tokens, len(i), logprobs=req.logprobs,
                                        prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
                   for i in ids]
@@ -166,12 +178,13 @@ class OpenAIServing:
         for m in req.messages:
             check_encodable(m.text(), "messages")
         try:
-            text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
-                                           tokenize=False, add_generation_prompt=req.add_generation_prompt,
-                                           chat_template=self.chat_template, **(req.chat_template_kwargs or {}))
+            text = await self._off_loop(
+                tok.apply_chat_template, [{"role": m.role, "content": m.text()} for m in req.messages],
+                tokenize=False, add_generation_prompt=req.add_generation_prompt, chat_template=self.chat_template,
+                **(req.chat_template_kwargs or {}))
         except Exception as e:   # a template that rejects the conversation is the client's error
             raise OpenAIError(f"The chat template could not render these messages: {e}", 400, "messages") from e
-        ids = self.tokenize(tok(text, add_special_tokens=False).input_ids)
+        ids = (await self._off_loop(tok, text, add_special_tokens=False)).input_ids
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true.", 400, "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
