@@ -167,10 +167,10 @@ def test_a_stream_whose_engine_dies_ends_with_an_error_event_and_done(tiny_model
 
 def test_a_full_queue_answers_429_with_retry_after_and_keeps_serving(tiny_model_dir):
     import asyncio
-    proc, url = _start(tiny_model_dir("llama-gqa"), "--max-num-waiting", "8", "--max-num-seqs", "4")
+    proc, url = _start(tiny_model_dir("llama-gqa"), "--max-num-waiting", "8", "--max-num-seqs", "2")
     try:
-        async def one(client):
-            return await client.post(url + CMPL, json=_c(max_tokens=8, ignore_eos=True), timeout=120)
+        async def one(client):      # two run at a time, 100 steps each: the queue fills however fast we are
+            return await client.post(url + CMPL, json=_c(max_tokens=100, ignore_eos=True), timeout=300)
 
         async def main():
             async with httpx.AsyncClient(limits=httpx.Limits(max_connections=300)) as client:
@@ -178,7 +178,7 @@ def test_a_full_queue_answers_429_with_retry_after_and_keeps_serving(tiny_model_
 
         responses = asyncio.run(main())
         codes = [r.status_code for r in responses]
-        assert set(codes) <= {200, 429} and codes.count(200) >= 4 and codes.count(429) > 0, codes
+        assert set(codes) <= {200, 429} and codes.count(200) >= 8 and codes.count(429) > 0, codes
         busy = next(r for r in responses if r.status_code == 429)
         assert busy.headers["retry-after"] == "1" and busy.json()["error"]["code"] == 429
         assert proc.poll() is None and _greedy(url)

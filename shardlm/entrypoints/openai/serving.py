@@ -49,10 +49,6 @@ class OpenAIServing:
             raise OpenAIError(f"This server does not support the field(s) {', '.join(map(repr, unknown))}; leave "
                               "them out.", 400, unknown[0])
         lim = self.limits
-        if self.llm.num_waiting >= lim.max_num_waiting:
-            raise OpenAIError(f"The server is busy: {self.llm.num_waiting} requests are waiting "
-                              f"(--max-num-waiting {lim.max_num_waiting}). Retry later.", 429,
-                              type_="RateLimitError", headers={"Retry-After": "1"})
         if req.n > lim.max_n:
             raise OpenAIError(f"n={req.n} is more than this server allows ({lim.max_n}, --max-n).", 400, "n")
         stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
@@ -97,7 +93,12 @@ class OpenAIServing:
     def _generate(self, requests: list[tuple[list[int], str | None, SamplingParams, str]]
                   ) -> list[AsyncIterator[RequestOutput]]:
         """Add every request to the engine now, checked before any response starts (so a stream
-        never breaks on bad input): all of them, or none (those added are aborted)."""
+        never breaks on bad input): all of them, or none (those added are aborted). Admission is
+        decided here, with no await between the check and the adds."""
+        waiting, limit = self.llm.num_waiting, self.limits.max_num_waiting
+        if waiting >= limit:
+            raise OpenAIError(f"The server is busy: {waiting} requests are waiting (--max-num-waiting {limit}). "
+                              "Retry later.", 429, type_="RateLimitError", headers={"Retry-After": "1"})
         streams = []
         try:
             for prompt_ids, text, params, rid in requests:
