@@ -52,26 +52,10 @@ def _this_node() -> str:
     return f"node {host_ip()} ({socket.gethostname()})"
 
 
-def ensure_auth_token() -> str | None:
-    """Turn Ray's token authentication on for a new head: make this node a token if it has none
-    (unless RAY_AUTH_MODE=disabled). Returns the token file it made, else None."""
-    if os.environ.get("RAY_AUTH_MODE") == "disabled" or os.environ.get("RAY_AUTH_TOKEN"):
-        return None
-    token_file = os.environ.get("RAY_AUTH_TOKEN_PATH", os.path.expanduser("~/.ray/auth_token"))
-    if os.path.exists(token_file):
-        return None
-    run = subprocess.run([_ray_cli(), "get-auth-token", "--generate"], capture_output=True, text=True)
-    if run.returncode != 0 or not os.path.exists(token_file):
-        raise RuntimeError(f"Could not create Ray's auth token on {_this_node()}: {run.stderr.strip()[-500:]} "
-                           "(or start the head with RAY_AUTH_MODE=disabled on a trusted, isolated network).")
-    return token_file
-
-
 def start_head(port: int, model: str | None, num_cpus: int | None = None, num_gpus: int | None = None) -> str:
-    """Start the head node, with Ray's token authentication on; returns its address HEAD:PORT."""
+    """Start the head node; returns its address HEAD:PORT."""
     if model and not os.path.exists(model):
         raise ValueError(f"The model path {model} does not exist on the head ({_this_node()}).")
-    ensure_auth_token()
     _ray_start(["--head", "--port", str(port), "--include-dashboard=false", *_resource_args(num_cpus, num_gpus)])
     address = f"{host_ip()}:{port}"
     ray = _connect(address)

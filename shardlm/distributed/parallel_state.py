@@ -62,7 +62,7 @@ class GroupCoordinator:
 
     @classmethod
     def create(cls, name: str, all_groups: list[list[int]], rank: int, backend: str,
-               shared_memory: bool = False) -> GroupCoordinator:
+               shared_memory: bool = False, timeout_s: float = 300.0) -> GroupCoordinator:
         """Every rank must call this with the same `all_groups` (new_group is collective).
         shared_memory: run all_reduce/gather through shared memory when the group is CPU ranks
         on one host (the TP group: two all-reduces per layer)."""
@@ -73,7 +73,7 @@ class GroupCoordinator:
             if rank in ranks:
                 mine = cls(name, ranks, rank, device_group, cpu_group)
         if shared_memory and backend == "gloo" and mine.world_size > 1 and mine._on_one_host():
-            mine.shm = ShmCommunicator(mine)
+            mine.shm = ShmCommunicator(mine, timeout_s=timeout_s)
         return mine
 
     def _on_one_host(self) -> bool:
@@ -253,8 +253,10 @@ def wait_for_ranks(store: dist.TCPStore, world_size: int, timeout_s: float, aliv
         time.sleep(0.05)
 
 
-def initialize_model_parallel(tp: int, pp: int = 1, dp: int = 1, rank: int = 0, backend: str = "gloo") -> None:
-    """Build every group of the rank grid; each rank calls this with the same sizes."""
+def initialize_model_parallel(tp: int, pp: int = 1, dp: int = 1, rank: int = 0, backend: str = "gloo",
+                              timeout_s: float = 300.0) -> None:
+    """Build every group of the rank grid; each rank calls this with the same sizes. timeout_s:
+    how long a shared-memory collective waits for a peer before it fails naming it."""
     global _WORLD, _TP, _PP, _DP
     world_size = tp * pp * dp
     if world_size == 1:
@@ -262,7 +264,7 @@ def initialize_model_parallel(tp: int, pp: int = 1, dp: int = 1, rank: int = 0, 
         return
     grid = rank_grid(world_size, tp, pp, dp)
     _WORLD = GroupCoordinator.create("world", [list(range(world_size))], rank, backend)
-    _TP = GroupCoordinator.create("tp", grid["tp"], rank, backend, shared_memory=True)
+    _TP = GroupCoordinator.create("tp", grid["tp"], rank, backend, shared_memory=True, timeout_s=timeout_s)
     _PP = GroupCoordinator.create("pp", grid["pp"], rank, backend)
     _DP = GroupCoordinator.create("dp", grid["dp"], rank, backend)
     if rank == 0:

@@ -14,6 +14,7 @@ before every rank has arrived at k+1, i.e. finished reading k.
 from __future__ import annotations
 
 import os
+import time
 from multiprocessing import shared_memory
 
 import torch
@@ -24,9 +25,11 @@ _FLAG_STRIDE = 64 // 8          # one cache line per rank's flag (int64 units)
 
 
 class ShmCommunicator:
-    def __init__(self, group, slot_bytes: int = 8 << 20):
-        """`group`: the GroupCoordinator (its cpu_group carries the segment's name at start)."""
+    def __init__(self, group, slot_bytes: int = 8 << 20, timeout_s: float = 300.0):
+        """`group`: the GroupCoordinator (its cpu_group carries the segment's name at start).
+        timeout_s: how long to wait for a peer before failing with TimeoutError naming it."""
         self.rank, self.world_size = group.rank_in_group, group.world_size
+        self.ranks, self.timeout_s = group.ranks, timeout_s
         self.slot_bytes = slot_bytes
         flags_bytes = 64 * self.world_size
         size = flags_bytes + 2 * self.world_size * slot_bytes
@@ -57,13 +60,25 @@ class ShmCommunicator:
         memory_fence()
         self.flags[self.rank * _FLAG_STRIDE] = self.calls
         for r in range(self.world_size):
-            spins = 0
+            spins, deadline = 0, None
             while self.flags[r * _FLAG_STRIDE] < self.calls:
                 spins += 1
                 if spins > 64:          # more ranks than free cores: let the others run
                     os.sched_yield()
+                    if spins % 4096 == 0:
+                        deadline = self._check_deadline(deadline)
         memory_fence()
         return [self._slot(parity, r, x.dtype, x.numel()) for r in range(self.world_size)]
+
+    def _check_deadline(self, deadline: float | None) -> float:
+        now = time.monotonic()
+        if deadline is None:
+            return now + self.timeout_s
+        if now > deadline:
+            missing = [self.ranks[r] for r in range(self.world_size) if self.flags[r * _FLAG_STRIDE] < self.calls]
+            raise TimeoutError(f"A shared-memory collective waited {self.timeout_s:.0f} s for rank(s) "
+                               f"{', '.join(map(str, missing))} (--execute-model-timeout): they hang or are stopped.")
+        return deadline
 
     def _chunks(self, x: torch.Tensor):
         flat = x.view(-1)

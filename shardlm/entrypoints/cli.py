@@ -154,10 +154,7 @@ def cmd_cluster(ns) -> None:
     from shardlm import cluster
     if ns.cluster_kind == "head":
         address = cluster.start_head(ns.port, ns.model, ns.num_cpus, ns.num_gpus)
-        token = os.environ.get("RAY_AUTH_TOKEN_PATH", "~/.ray/auth_token")
-        auth = ("" if os.environ.get("RAY_AUTH_MODE") == "disabled" else
-                f"Ray's token authentication is on: copy {token} from this node to every other node first.\n")
-        print(f"Ray head started at {address} (this node: {cluster.host_ip()}).\n{auth}"
+        print(f"Ray head started at {address} (this node: {cluster.host_ip()}).\n"
               f"On every other node: shardlm cluster worker --address {address}\n"
               "Then, on this node: shardlm serve MODEL --distributed-executor-backend ray "
               "-tp <GPUs per node> -pp <nodes>\n"

@@ -101,6 +101,7 @@ class RayExecutor(Executor):
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode_output = msgspec.msgpack.Decoder(ModelRunnerOutput).decode
         self.actors, self.infos, self._watch_refs, self.pg = [], [], [], None
+        self._stepped = False
         self._death_recv, self._death_send = multiprocessing.Pipe(duplex=False)
         t0 = time.perf_counter()
         self._owns_ray_connection = not ray.is_initialized()
@@ -234,7 +235,20 @@ class RayExecutor(Executor):
         if len(payload) > _INLINE_BYTES:
             payload = ray.put(payload)
         refs = [a.execute.remote(payload) for a in self.actors]
-        return lambda: self._decode_output(self._gather(refs)[self.output_rank])
+        # the first step warms up: no limit; after it, a hung rank fails the engine
+        timeout = self.config.parallel.execute_model_timeout if self._stepped else None
+        self._stepped = True
+        return lambda: self._decode_output(self._wait_step(refs, timeout)[self.output_rank])
+
+    def _wait_step(self, refs: list, timeout: float | None) -> list:
+        try:
+            return self._gather(refs, None if timeout is None else time.monotonic() + timeout)
+        except TimeoutError:
+            late = [r for r, ref in enumerate(refs) if not ray.wait([ref], timeout=0)[0]]
+            raise WorkerDiedError(self.record_failure(
+                f"A step did not finish within {timeout:.0f} s (--execute-model-timeout): "
+                + "; ".join(self._describe_rank(r) for r in late) + " did not answer. The engine cannot continue; "
+                "the workers are being stopped.")) from None
 
     # ---- shutdown ----
     def _kill_actors(self) -> None:

@@ -51,7 +51,8 @@ class Worker:
             parallel_state.init_distributed_environment(par.world_size, self.rank, host, port, backend,
                                                         par.distributed_init_timeout)
             parallel_state.initialize_model_parallel(par.tensor_parallel_size, par.pipeline_parallel_size,
-                                                     rank=self.rank, backend=backend)
+                                                     rank=self.rank, backend=backend,
+                                                     timeout_s=par.execute_model_timeout)
         else:
             parallel_state.initialize_model_parallel(1)
         torch.manual_seed(self.config.model.seed)
