@@ -21,9 +21,12 @@ from shardlm.logger import init_logger
 logger = init_logger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# fast-math for vectorized expf (glibc's libmvec); finite-math stays off: -inf is used as a mask value
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-strict-aliasing",
-          "-ffast-math", "-fno-finite-math-only"]
+# fast-math for vectorized expf (glibc's libmvec); finite-math stays off: -inf is used as a mask value.
+# Compiled and linked in two steps: a fast-math *link* adds crtfastmath.o, which turns on
+# flush-to-zero for the whole process that loads the library (torch's numerics included).
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-fno-strict-aliasing", "-ffast-math",
+          "-fno-finite-math-only"]
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
@@ -51,14 +54,20 @@ def _build(name: str) -> ctypes.CDLL | None:
         return None
     with open(src, "rb") as f:
         source = f.read()
-    key = hashlib.sha256(source + cc.encode() + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    flags = " ".join(_FLAGS + _LINK_FLAGS).encode()
+    key = hashlib.sha256(source + cc.encode() + flags + _cpu_flags().encode()).hexdigest()[:16]
     out_dir = os.path.join(envs.SHARDLM_CACHE_DIR, "kernels")
     path = os.path.join(out_dir, f"{name}-{key}.so")
     if not os.path.exists(path):
         os.makedirs(out_dir, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
-        result = subprocess.run([cc, *_FLAGS, src, "-o", tmp, "-lm"], capture_output=True, text=True)
+        obj = tmp + ".o"
+        result = subprocess.run([cc, *_FLAGS, "-c", src, "-o", obj], capture_output=True, text=True)
+        if result.returncode == 0:
+            result = subprocess.run([cc, *_LINK_FLAGS, obj, "-o", tmp, "-lm"], capture_output=True, text=True)
+        if os.path.exists(obj):
+            os.unlink(obj)
         if result.returncode != 0:
             os.unlink(tmp)
             logger.warning("Could not compile the %s kernel (%s); using torch ops instead:\n%s",

@@ -75,3 +75,13 @@ def test_mixed_prefill_and_decode_step():
     attn, meta, tables, q, k, v = _setup(torch.float32, lens, q_lens, use_kernel=True)
     out = attn(q, k, v, meta)
     assert (out - _reference(attn, tables, lens, q_lens, q)).abs().max() < 1e-5
+
+
+def test_loading_the_kernel_keeps_subnormal_numbers():
+    """A fast-math link would turn on flush-to-zero for the whole process (torch included)."""
+    import subprocess
+    import sys
+    code = ("from shardlm import kernels; assert kernels.paged_decode_attention() is not None; "
+            "import torch; print(5e-324 * 1.0 > 0, bool(torch.tensor([1e-40]).mul(1.0).item() > 0))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "True"]
