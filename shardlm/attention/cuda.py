@@ -54,14 +54,12 @@ class CudaAttention(TorchPagedAttention):
         if B > self.max_num_seqs or any(q != 1 for q in query_lens):
             return super().build_metadata(query_lens, start_positions, block_tables)
         N = max(len(t) for t in block_tables)
+        bs = self.block_size
+        rows = [[t[p // bs] * bs + p % bs, p + 1, *t, *[0] * (N - len(t))]     # slot, context, blocks (0: null)
+                for p, t in zip(start_positions, block_tables)]
         self._copied.synchronize()                   # the previous step may still be reading _host
-        host = self._host[:B]
-        host[:, 2:2 + N] = 0                         # padding reads the null block
-        for i, (pos, table) in enumerate(zip(start_positions, block_tables)):
-            row = host[i]
-            row[0] = table[pos // self.block_size] * self.block_size + pos % self.block_size   # slot
-            row[1] = pos + 1                                                                  # context
-            row[2:2 + len(table)] = torch.tensor(table, dtype=torch.long)
+        host = self._host[:B, :2 + N]
+        host.copy_(torch.tensor(rows, dtype=torch.long))
         self.slot_mapping[:B].copy_(host[:, 0], non_blocking=True)
         self.context_lens[:B].copy_(host[:, 1], non_blocking=True)
         self.block_tables[:B, :N].copy_(host[:, 2:2 + N], non_blocking=True)

@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 
 from shardlm.config import EngineConfig
-from shardlm.engine.core_process import UTILITY_METHODS, run_engine_core
+from shardlm.engine.core_process import call_utility, check_utility, run_engine_core
 from shardlm.messages import (
     AbortRequests,
     EngineCoreOutputs,
@@ -95,8 +95,7 @@ class InprocClient(EngineCoreClient):
         return self.engine_core.step()
 
     def call_utility(self, method: str, *args) -> Any:
-        _check_utility(method)
-        return getattr(self.engine_core, method)(*args)
+        return call_utility(self.engine_core, method, args)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
@@ -191,6 +190,18 @@ class MPClient(EngineCoreClient):
         if request_ids and not self._closing:
             self._send(AbortRequests(request_ids))
 
+    def _call(self, future, method: str, args: tuple):
+        """Send a utility call; `future` (kept in self._pending) gets its result or the core's death."""
+        check_utility(method)
+        call_id = next(self._call_ids)
+        self._pending[call_id] = future
+        try:
+            self._send(UtilityCall(call_id, method, list(args)))
+        except EngineDeadError:
+            self._pending.pop(call_id, None)
+            raise
+        return future
+
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._closing:
             return
@@ -241,12 +252,7 @@ class SyncMPClient(MPClient):
         return out
 
     def call_utility(self, method: str, *args) -> Any:
-        future: Future = Future()
-        call_id = next(self._call_ids)
-        _check_utility(method)
-        self._pending[call_id] = future
-        self._send(UtilityCall(call_id, method, list(args)))
-        return future.result()
+        return self._call(Future(), method, args).result()
 
 
 class AsyncMPClient(MPClient):
@@ -286,19 +292,7 @@ class AsyncMPClient(MPClient):
         return out
 
     async def call_utility_async(self, method: str, *args) -> Any:
-        if self.dead_reason:
-            raise EngineDeadError(self.dead_reason)
-        future = self.loop.create_future()
-        call_id = next(self._call_ids)
-        _check_utility(method)
-        self._pending[call_id] = future
-        self._send(UtilityCall(call_id, method, list(args)))
-        return await future
-
-
-def _check_utility(method: str) -> None:
-    if method not in UTILITY_METHODS:
-        raise ValueError(f"The engine core has no utility {method!r} (it has {', '.join(UTILITY_METHODS)}).")
+        return await self._call(self.loop.create_future(), method, args)
 
 
 def make_client(config: EngineConfig, multiprocess: bool, asyncio_mode: bool = False,

@@ -61,7 +61,7 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
                 elif isinstance(msg, AbortRequests):
                     core.abort_requests(msg.request_ids)
                 elif isinstance(msg, UtilityCall):
-                    outputs.send_bytes(encode(UtilityResult(msg.call_id, call_utility(core, msg))))
+                    outputs.send_bytes(encode(UtilityResult(msg.call_id, call_utility(core, msg.method, msg.args))))
             if core.has_unfinished_requests():
                 step_outputs = core.step()
                 if step_outputs.outputs:
@@ -78,7 +78,12 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
         core.shutdown()
 
 
-def call_utility(core, call: UtilityCall):
-    if call.method not in UTILITY_METHODS:
-        raise ValueError(f"The engine core has no utility {call.method!r} (it has {', '.join(UTILITY_METHODS)}).")
-    return getattr(core, call.method)(*call.args)
+def check_utility(method: str) -> None:
+    if method not in UTILITY_METHODS:
+        raise ValueError(f"The engine core has no utility {method!r} (it has {', '.join(UTILITY_METHODS)}).")
+
+
+def call_utility(core, method: str, args) -> object:
+    """Run one of UTILITY_METHODS on an EngineCore (in this process or the engine-core process)."""
+    check_utility(method)
+    return getattr(core, method)(*args)

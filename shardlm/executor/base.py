@@ -32,6 +32,7 @@ class Executor(ABC):
         self._failure: str | None = None
         self._stopping = False
         self._watcher: threading.Thread | None = None
+        self._stepped = False
 
     @abstractmethod
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
@@ -61,6 +62,13 @@ class Executor(ABC):
     def max_concurrent_batches(self) -> int:
         """Batches in flight: one per pipeline stage when the ranks run elsewhere."""
         return self.config.parallel.pipeline_parallel_size if self.runs_async else 1
+
+    def _step_timeout(self) -> float | None:
+        """How long to wait for the step being submitted: no limit for the first (it warms up:
+        allocations, kernels), --execute-model-timeout after it (a hung rank fails the engine)."""
+        timeout = self.config.parallel.execute_model_timeout if self._stepped else None
+        self._stepped = True
+        return timeout
 
     # ---- failure: the first one is the one on record ----
     def record_failure(self, message: str) -> str:
@@ -100,8 +108,6 @@ class Executor(ABC):
         self._stopping = True
         atexit.unregister(self.shutdown)
         self._shutdown()
-        if self._watcher is not None:
-            self._watcher.join(5)
 
     def _shutdown(self) -> None:
-        """Stop the workers and release what they used (subclasses)."""
+        """Stop the workers, join the watcher, release what they used (subclasses)."""

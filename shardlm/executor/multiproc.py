@@ -61,7 +61,6 @@ class MultiprocExecutor(Executor):
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(FromWorker).decode
         self._ready = False
-        self._stepped = False
         self.start_method, why = worker_start_method()
         logger.info("Starting %d worker processes with %s (%s)", self.world_size, self.start_method, why)
         ctx = multiprocessing.get_context(self.start_method)
@@ -172,9 +171,7 @@ class MultiprocExecutor(Executor):
 
     def execute_model_async(self, scheduler_output: SchedulerOutput):
         self._send(RunStep(scheduler_output))
-        # the first step warms up (allocations, kernels): no limit; after it, a hung rank fails the engine
-        timeout = self.config.parallel.execute_model_timeout if self._stepped else None
-        self._stepped = True
+        timeout = self._step_timeout()
         return lambda: self._receive(self.output_rank, timeout).output
 
     def _shutdown(self) -> None:

@@ -101,7 +101,6 @@ class RayExecutor(Executor):
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode_output = msgspec.msgpack.Decoder(ModelRunnerOutput).decode
         self.actors, self.infos, self._watch_refs, self.pg = [], [], [], None
-        self._stepped = False
         self._death_recv, self._death_send = multiprocessing.Pipe(duplex=False)
         t0 = time.perf_counter()
         self._owns_ray_connection = not ray.is_initialized()
@@ -235,9 +234,7 @@ class RayExecutor(Executor):
         if len(payload) > _INLINE_BYTES:
             payload = ray.put(payload)
         refs = [a.execute.remote(payload) for a in self.actors]
-        # the first step warms up: no limit; after it, a hung rank fails the engine
-        timeout = self.config.parallel.execute_model_timeout if self._stepped else None
-        self._stepped = True
+        timeout = self._step_timeout()
         return lambda: self._decode_output(self._wait_step(refs, timeout)[self.output_rank])
 
     def _wait_step(self, refs: list, timeout: float | None) -> list:

@@ -142,20 +142,29 @@ def test_a_client_that_leaves_a_non_streaming_request_aborts_it(server):
     assert _metric(url, "shardlm:kv_cache_usage_perc") == 0.0
 
 
+def _engine_process(proc) -> psutil.Process:
+    return [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())][0]
+
+
+def _stream_then_signal(url, after_lines: int, pid: int, sig) -> tuple[dict, list[str]]:
+    """Stream a long completion, send `sig` to `pid` after `after_lines` events; -> (the error event
+    before the last line, every line)."""
+    body = _c(prompt="A long story", max_tokens=250, ignore_eos=True, stream=True)
+    lines = []
+    with httpx.stream("POST", url + CMPL, json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+            if len(lines) == after_lines:
+                os.kill(pid, sig)
+    return json.loads(lines[-2].removeprefix("data: "))["error"], lines
+
+
 def test_a_stream_whose_engine_dies_ends_with_an_error_event_and_done(tiny_model_dir):
     proc, url = _start(tiny_model_dir("llama-gqa"))
     try:
-        engine = [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())][0]
-        body = _c(prompt="A long story", max_tokens=250, ignore_eos=True, stream=True)
-        lines = []
-        with httpx.stream("POST", url + CMPL, json=body, timeout=30) as r:
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                if len(lines) == 3:
-                    os.kill(engine.pid, signal.SIGKILL)
+        error, lines = _stream_then_signal(url, 3, _engine_process(proc).pid, signal.SIGKILL)
         assert lines[-1] == "data: [DONE]"
-        error = json.loads(lines[-2].removeprefix("data: "))["error"]
         assert error["code"] == 503 and "engine core" in error["message"]
     finally:
         children = psutil.Process(proc.pid).children(recursive=True)
@@ -191,18 +200,10 @@ def test_a_stopped_worker_fails_the_engine_within_the_step_timeout(tiny_model_di
     children = psutil.Process(proc.pid).children(recursive=True)
     try:
         _greedy(url)                                   # the first step (no limit) is done
-        engine = [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())][0]
-        worker = engine.children()[1]
-        body = _c(prompt="A long story", max_tokens=250, ignore_eos=True, stream=True)
-        lines, t0 = [], time.perf_counter()
-        with httpx.stream("POST", url + CMPL, json=body, timeout=30) as r:
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                if len(lines) == 2:
-                    os.kill(worker.pid, signal.SIGSTOP)
+        worker = _engine_process(proc).children()[1]
+        t0 = time.perf_counter()
+        error, lines = _stream_then_signal(url, 2, worker.pid, signal.SIGSTOP)
         assert time.perf_counter() - t0 < 15
-        error = json.loads(lines[-2].removeprefix("data: "))["error"]
         assert lines[-1] == "data: [DONE]" and error["code"] == 503
         assert "did not finish within 3 s" in error["message"] and "rank(s) 1" in error["message"], error
         health = [httpx.get(url + "/health", timeout=2).status_code for _ in range(1)]

@@ -202,13 +202,14 @@ async def sse_errors(stream):
         async for chunk in stream:
             yield chunk
     except Exception as e:   # noqa: BLE001 - reported to the client, logged here
-        status = 503 if isinstance(e, EngineDeadError) else e.status if isinstance(e, OpenAIError) else 500
-        if status == 500:
+        if isinstance(e, OpenAIError):
+            err = e
+        elif isinstance(e, EngineDeadError):
+            err = OpenAIError(str(e), 503, type_="ServiceUnavailableError")
+        else:
             logger.error("Stream failed", exc_info=e)
-        message = e.message if isinstance(e, OpenAIError) else f"{type(e).__name__}: {e}"
-        yield sse({"error": {"message": message, "type": "InternalServerError" if status == 500 else
-                             "ServiceUnavailableError" if status == 503 else "invalid_request_error",
-                             "param": None, "code": status}})
+            err = OpenAIError(f"{type(e).__name__}: {e}", 500, type_="InternalServerError")
+        yield sse(err.body())
         yield sse("[DONE]")
 
 

@@ -103,13 +103,11 @@ class OpenAIServing:
         try:
             for prompt_ids, text, params, rid in requests:
                 streams.append(self.llm.generate({"prompt": text, "prompt_token_ids": prompt_ids}, params, rid))
-        except ValueError as e:
+        except BaseException as e:
             for _, _, _, rid in requests[:len(streams)]:
                 self.llm.abort(rid)
-            raise _invalid(e, "prompt") from e
-        except BaseException:
-            for _, _, _, rid in requests[:len(streams)]:
-                self.llm.abort(rid)
+            if isinstance(e, ValueError):
+                raise _invalid(e, "prompt") from e
             raise
         return streams
 
