@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -18,7 +19,7 @@ import sys
 
 from shardlm.distributed.network import host_ip
 from shardlm.executor.ray_placement import node_versions
-from shardlm.executor.selection import require_ray
+from shardlm.executor.selection import ray_auth_token_path, require_ray
 
 _RECORD_KEY = b"shardlm/head"
 
@@ -52,10 +53,31 @@ def _this_node() -> str:
     return f"node {host_ip()} ({socket.gethostname()})"
 
 
-def start_head(port: int, model: str | None, num_cpus: int | None = None, num_gpus: int | None = None) -> str:
-    """Start the head node; returns its address HEAD:PORT."""
+def ensure_auth_token() -> str | None:
+    """Turn Ray's token authentication on for the cluster this process starts: reuse the token
+    that exists (RAY_AUTH_TOKEN or the token file), else write a new one (owner-only) where
+    Ray looks for it. Returns the token file to copy to the other nodes, or None where
+    RAY_AUTH_MODE already decides (e.g. `disabled` on a trusted network) or the token comes
+    from RAY_AUTH_TOKEN."""
+    if os.environ.get("RAY_AUTH_MODE") or os.environ.get("RAY_AUTH_TOKEN"):
+        return None
+    path = ray_auth_token_path()
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    os.environ["RAY_AUTH_MODE"] = "token"      # for `ray start` and this process's connection
+    return path
+
+
+def start_head(port: int, model: str | None, num_cpus: int | None = None,
+               num_gpus: int | None = None) -> tuple[str, str | None]:
+    """Start the head node, with Ray's token authentication unless RAY_AUTH_MODE says
+    otherwise. Returns its address HEAD:PORT and the token file the other nodes need."""
     if model and not os.path.exists(model):
         raise ValueError(f"The model path {model} does not exist on the head ({_this_node()}).")
+    token_file = ensure_auth_token()
     _ray_start(["--head", "--port", str(port), "--include-dashboard=false", *_resource_args(num_cpus, num_gpus)])
     address = f"{host_ip()}:{port}"
     ray = _connect(address)
@@ -64,7 +86,7 @@ def start_head(port: int, model: str | None, num_cpus: int | None = None, num_gp
         ray.experimental.internal_kv._internal_kv_put(_RECORD_KEY, json.dumps(record).encode(), overwrite=True)
     finally:
         ray.shutdown()
-    return address
+    return address, token_file
 
 
 def start_worker(address: str, model: str | None = None, num_cpus: int | None = None,

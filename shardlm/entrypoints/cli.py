@@ -153,8 +153,10 @@ def cmd_cluster(ns) -> None:
 
     from shardlm import cluster
     if ns.cluster_kind == "head":
-        address = cluster.start_head(ns.port, ns.model, ns.num_cpus, ns.num_gpus)
-        print(f"Ray head started at {address} (this node: {cluster.host_ip()}).\n"
+        address, token_file = cluster.start_head(ns.port, ns.model, ns.num_cpus, ns.num_gpus)
+        auth = (f"Ray's token authentication is on: copy {token_file} to the same path on every other node "
+                "(or set RAY_AUTH_TOKEN there) first.\n" if token_file else "")
+        print(f"Ray head started at {address} (this node: {cluster.host_ip()}).\n{auth}"
               f"On every other node: shardlm cluster worker --address {address}\n"
               "Then, on this node: shardlm serve MODEL --distributed-executor-backend ray "
               "-tp <GPUs per node> -pp <nodes>\n"

@@ -70,12 +70,16 @@ def require_ray():
     return ray
 
 
+def ray_auth_token_path() -> str:
+    """Where Ray reads its token (and `cluster head` writes it)."""
+    return os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+
+
 def _use_ray_auth_token() -> None:
     """Clusters from `ray start` (Ray >= 2.5x) require the token in ~/.ray/auth_token, but a new
     process talks to them without it unless RAY_AUTH_MODE=token; a token-mode client still
     reaches clusters without authentication. Must run before ray is imported."""
     if "RAY_AUTH_MODE" in os.environ or "ray" in sys.modules:
         return
-    token_file = os.environ.get("RAY_AUTH_TOKEN_PATH", os.path.expanduser("~/.ray/auth_token"))
-    if os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(token_file):
+    if os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(ray_auth_token_path()):
         os.environ["RAY_AUTH_MODE"] = "token"

@@ -4,6 +4,7 @@ separate raylet with its own resources. Connected in this process for the tests'
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 
@@ -39,3 +40,20 @@ def assert_nothing_left(timeout_s: float = 10.0) -> None:
             raise AssertionError(f"left in the cluster: {total.get('CPU', 0) - free.get('CPU', 0):g} CPUs in use, "
                                  f"placement groups {groups}")
         time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def own_ray_auth_token(directory):
+    """The token `shardlm cluster head` creates goes to `directory` instead of ~/.ray (which the
+    other tests' local Ray clusters share): every command started meanwhile inherits the path.
+    Yields the token file."""
+    names = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+    saved = {k: os.environ.pop(k) for k in names if k in os.environ}
+    token_file = directory / "auth_token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(token_file)
+    try:
+        yield token_file
+    finally:
+        for k in names:
+            os.environ.pop(k, None)
+        os.environ.update(saved)

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.distributed.ray_cluster import own_ray_auth_token
+
 ray = pytest.importorskip("ray")
 
 
@@ -27,20 +29,43 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir):
+def cluster(tiny_model_dir, tmp_path_factory):
     if ray.is_initialized():
         ray.shutdown()
     model = tiny_model_dir("llama-gqa")
     port = _free_port()
+    with own_ray_auth_token(tmp_path_factory.mktemp("ray-auth")) as token_file:
+        yield from _start_cluster(model, port, token_file)
+
+
+def _start_cluster(model, port, token_file):
     try:
         head = _cli("cluster", "head", "--port", str(port), "--num-cpus", "1", "--model", model)
         address = head.stdout.split("Ray head started at ")[1].split()[0]
         assert f"shardlm cluster worker --address {address}" in head.stdout
+        assert f"token authentication is on: copy {token_file}" in head.stdout
+        assert token_file.stat().st_mode & 0o777 == 0o600 and len(token_file.read_text()) == 64
         worker = _cli("cluster", "worker", "--address", address, "--num-cpus", "1")
         assert "versions match the head" in worker.stdout
         yield address, model
     finally:
         _cli("cluster", "stop", check=False)
+
+
+_CONNECT = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='error'); "
+            "print(len(ray.nodes())); ray.shutdown()")
+
+
+def test_cluster_refuses_a_client_without_its_token(cluster):
+    address, _ = cluster
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    wrong = subprocess.run([sys.executable, "-c", _CONNECT, address], capture_output=True, text=True, timeout=120,
+                           env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64})
+    assert wrong.returncode != 0 and "auth" in wrong.stderr.lower()
+    token_path = os.environ["RAY_AUTH_TOKEN_PATH"]
+    right = subprocess.run([sys.executable, "-c", _CONNECT, address], capture_output=True, text=True, timeout=120,
+                           env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path})
+    assert right.returncode == 0 and right.stdout.split()[-1] == "2", right.stderr[-2000:]
 
 
 def test_cluster_status_lists_both_nodes(cluster):
@@ -71,20 +96,18 @@ def test_joining_node_that_differs_from_the_head_is_named(cluster):
     """The head's record says another torch and a model path this node lacks: the join fails,
     naming this node and both differences. (Last in the module: the node has joined meanwhile.)"""
     address, model = cluster
-    env_mode = os.environ.get("RAY_AUTH_MODE")
-    from shardlm.executor.selection import require_ray
-    require_ray()
-    ray.init(address=address, logging_level="error")
-    try:
-        key = b"shardlm/head"
-        record = json.loads(ray.experimental.internal_kv._internal_kv_get(key))
-        record["versions"]["torch"] = "0.0.1"
-        record["model"] = model + "-elsewhere"
-        ray.experimental.internal_kv._internal_kv_put(key, json.dumps(record).encode(), overwrite=True)
-    finally:
-        ray.shutdown()
-        if env_mode is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
+    tamper = ("import json, sys\n"
+              "from shardlm.cluster import _RECORD_KEY, _connect\n"
+              "ray = _connect(sys.argv[1])\n"
+              "record = json.loads(ray.experimental.internal_kv._internal_kv_get(_RECORD_KEY))\n"
+              "record['versions']['torch'] = '0.0.1'\n"
+              "record['model'] = sys.argv[2]\n"
+              "kv = ray.experimental.internal_kv\n"
+              "kv._internal_kv_put(_RECORD_KEY, json.dumps(record).encode(), overwrite=True)\n"
+              "ray.shutdown()\n")
+    run = subprocess.run([sys.executable, "-c", tamper, address, model + "-elsewhere"], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
     run = _cli("cluster", "worker", "--address", address, "--num-cpus", "1", check=False)
     assert run.returncode != 0
     assert f"node {address.split(':')[0]} ({socket.gethostname()}) cannot serve with this cluster" in run.stderr

@@ -15,6 +15,8 @@ import textwrap
 
 import pytest
 
+from tests.distributed.ray_cluster import own_ray_auth_token
+
 pytest.importorskip("ray")
 
 SUBNET = f"10.213.{os.getpid() % 200 + 1}"
@@ -39,7 +41,12 @@ def _cli(*args, netns=False, env=None, timeout=180):
 
 
 @pytest.fixture(scope="module")
-def two_hosts():
+def two_hosts(tmp_path_factory):
+    with own_ray_auth_token(tmp_path_factory.mktemp("ray-auth")):
+        yield from _two_hosts()
+
+
+def _two_hosts():
     if os.geteuid() != 0 or not shutil.which("ip") or _sh("ip", "netns", "add", NS, check=False).returncode != 0:
         pytest.skip("needs root and `ip netns` to give the second node its own network")
     try:
