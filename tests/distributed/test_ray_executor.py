@@ -85,6 +85,20 @@ def test_killed_actor_fails_the_engine_fast_naming_rank_and_node(cluster, tiny_m
     assert_nothing_left()
 
 
+def test_stopped_actor_fails_the_engine_within_the_step_timeout(cluster, tiny_model_dir):
+    import signal
+    llm = LLM(tiny_model_dir("llama-gqa"), **ENGINE, pipeline_parallel_size=2, distributed_executor_backend="ray",
+              execute_model_timeout=3)
+    victim = llm.engine.engine_core.engine_core.executor.infos[1]
+    try:
+        error = kill_during_generation(llm, victim.pid, r"did not finish within 3 s \(--execute-model-timeout\)",
+                                       sig=signal.SIGSTOP)
+        assert "Worker rank 1 on" in error and victim.ip in error and "rank 0" not in error, error
+    finally:
+        llm.shutdown()                 # kills the stopped actor (SIGKILL works on a stopped process)
+    assert_nothing_left()
+
+
 def test_server_on_two_ray_nodes(cluster, tiny_model_dir):
     from tests.distributed.test_parallel_server import assert_server_answers_like_llm
     from tests.server.test_openai_server import _start, _stop

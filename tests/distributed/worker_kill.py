@@ -13,15 +13,15 @@ from shardlm.executor.base import WorkerDiedError
 from tests.models.test_tiny_models_vs_hf import _prompts
 
 
-def kill_during_generation(llm: LLM, pid: int, match: str) -> str:
-    """SIGKILL `pid` one second into a long generation; the WorkerDiedError (matching `match`)
-    must come within 10 s. Returns its message."""
+def kill_during_generation(llm: LLM, pid: int, match: str, sig: int = signal.SIGKILL) -> str:
+    """Send `sig` (SIGKILL: a dead rank; SIGSTOP: a hung one) to `pid` one second into a long
+    generation; the WorkerDiedError (matching `match`) must come within 10 s. Returns its message."""
     killed_at = []
 
     def kill():
         time.sleep(1.0)
         killed_at.append(time.monotonic())
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
 
     threading.Thread(target=kill, daemon=True).start()
     long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
