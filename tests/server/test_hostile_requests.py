@@ -142,6 +142,27 @@ def test_a_client_that_leaves_a_non_streaming_request_aborts_it(server):
     assert _metric(url, "shardlm:kv_cache_usage_perc") == 0.0
 
 
+def test_a_client_that_leaves_a_stream_before_reading_it_aborts_it(server):
+    """The request goes out on a raw socket that is closed at once: the stream's events were never
+    read (its generator may never start), and still its engine request is aborted."""
+    import json
+    import socket
+    url = server[1]
+    aborted = _metric(url, "shardlm:num_requests_aborted")
+    host, port = url.split("//")[1].split(":")
+    body = json.dumps(_c(prompt="A long story", max_tokens=200, ignore_eos=True, stream=True)).encode()
+    for _ in range(3):
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(f"POST {CMPL} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.time() + 10
+    while time.time() < deadline and _metric(url, "shardlm:num_requests_aborted") < aborted + 3:
+        time.sleep(0.1)
+    assert _metric(url, "shardlm:num_requests_aborted") == aborted + 3
+    assert _metric(url, "shardlm:num_requests_running") == 0
+    assert _metric(url, "shardlm:kv_cache_usage_perc") == 0.0
+
+
 def _engine_process(proc) -> psutil.Process:
     return [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())][0]
 

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import shardlm
@@ -129,13 +130,14 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
 
     async def respond(request: Request, handler):
         """A whole response, cancelled (its request aborted) if the client goes away first; or a
-        stream, which Starlette closes when the client goes."""
+        stream, which Starlette ends when the client goes (its requests then aborted)."""
         result = await until_disconnected(request, handler)
         if result is None:
             return Response(status_code=499)      # nobody is listening
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(sse_errors(result), media_type="text/event-stream")
+        return StreamingResponse(sse_errors(result.events), media_type="text/event-stream",
+                                 background=BackgroundTask(result.close))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

@@ -4,6 +4,7 @@ RequestOutputs to response bodies and server-sent-event chunks."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import re
@@ -22,6 +23,20 @@ _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+@dataclasses.dataclass
+class EventStream:
+    """A streamed response: its server-sent events, and the engine requests behind them. The
+    server calls close() once the response ends however it ends: a client that left before the
+    first event was read never started `events`, so its own cleanup would not run."""
+    events: AsyncIterator[str]
+    request_ids: list[str]
+    llm: AsyncLLM
+
+    def close(self) -> None:
+        for rid in self.request_ids:       # a no-op for requests that finished
+            self.llm.abort(rid)
 
 
 class OpenAIServing:
@@ -125,10 +140,11 @@ class OpenAIServing:
                   for i in ids]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         texts = [p if isinstance(p, str) else None for p in prompts]
-        streams = self._generate([(i, t, sp, f"{rid}-{k}") for k, (i, t, sp) in enumerate(zip(ids, texts, params))])
+        rids = [f"{rid}-{k}" for k in range(len(ids))]
+        streams = self._generate(list(zip(ids, texts, params, rids)))
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         if req.stream:
-            return self._stream_completions(req, head, streams, ids)
+            return EventStream(self._stream_completions(req, head, streams, ids), rids, self.llm)
         finals = await _last_outputs(streams)
         choices = []
         for k, out in enumerate(finals):
@@ -193,7 +209,8 @@ class OpenAIServing:
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model}
         (stream,) = self._generate([(ids, text, params, rid)])
         if req.stream:
-            return self._stream_chat(req, {**head, "object": "chat.completion.chunk"}, stream)
+            return EventStream(self._stream_chat(req, {**head, "object": "chat.completion.chunk"}, stream), [rid],
+                               self.llm)
         (final,) = await _last_outputs([stream])   # FINAL_ONLY: one output
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
