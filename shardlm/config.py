@@ -99,6 +99,8 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
+    """Sizes are per replica (TP x PP ranks) and across replicas (DP). A replica's ranks are
+    world ranks data_parallel_rank * world_size + 0..world_size-1 of the DP x PP x TP grid."""
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -108,15 +110,25 @@ class ParallelConfig:
     pp_layer_partition: list[int] | None = None       # layers per pipeline stage; None: even split
     allow_cross_node_tp: bool = False                 # Ray: let a TP group span nodes (slow; refused by default)
     execute_model_timeout: float = 300.0              # a step of worker processes that takes longer fails the engine
+    data_parallel_size_local: int | None = None       # replicas on this node; None: all of them
+    data_parallel_start_rank: int = 0                 # the first replica this node runs
+    data_parallel_rank: int = 0                       # this replica (set per engine core by the DP client)
+    data_parallel_master: tuple[str, int] | None = None   # the DP-wide rendezvous store (set by the DP client)
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             size = getattr(self, name)
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name}={size} must be a positive integer.")
-        if self.data_parallel_size > 1:
-            raise NotImplementedError(f"data_parallel_size={self.data_parallel_size}: data parallel is not built "
-                                      "yet in this version of shardlm; run with data_parallel_size=1.")
+        if self.data_parallel_size_local is None:
+            self.data_parallel_size_local = self.data_parallel_size - self.data_parallel_start_rank
+        if not 0 <= self.data_parallel_start_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_start_rank={self.data_parallel_start_rank} must be within the "
+                             f"{self.data_parallel_size} replicas (0..{self.data_parallel_size - 1}).")
+        if not 0 <= self.data_parallel_size_local <= self.data_parallel_size - self.data_parallel_start_rank:
+            raise ValueError(f"data_parallel_size_local={self.data_parallel_size_local} replicas from start rank "
+                             f"{self.data_parallel_start_rank} do not fit in data_parallel_size="
+                             f"{self.data_parallel_size}.")
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor x pipeline parallel "
                              f"is {self.world_size} ranks: use 'mp' or 'ray' (or leave it out).")
@@ -126,7 +138,22 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
+        """Ranks of one replica."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def world_size_across_dp(self) -> int:
+        return self.world_size * self.data_parallel_size
+
+    @property
+    def rank_offset(self) -> int:
+        """World rank of this replica's rank 0."""
+        return self.data_parallel_rank * self.world_size
+
+    @property
+    def local_replica_index(self) -> int:
+        """This replica among those on its node (for sharing the node's cores)."""
+        return self.data_parallel_rank - self.data_parallel_start_rank
 
     @property
     def output_rank(self) -> int:

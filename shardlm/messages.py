@@ -83,6 +83,7 @@ class EngineCoreOutput(msgspec.Struct):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    error: str | None = None       # the request failed (its data parallel replica died): why
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True):

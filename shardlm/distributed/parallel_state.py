@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import socket
 import time
+from collections.abc import Iterable
 from datetime import timedelta
 
 import torch
@@ -203,8 +204,7 @@ def init_distributed_environment(world_size: int, rank: int, store_host: str, st
     """Join the world through the TCP store the executor hosts (see wait_for_ranks)."""
     if world_size == 1:
         return
-    store = dist.TCPStore(store_host, store_port, world_size, is_master=False,
-                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    store = connect_store(store_host, store_port, world_size, timeout_s)
     store.set(f"arrived/{rank}", "1")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
@@ -235,19 +235,28 @@ def host_store(host: str, world_size: int, timeout_s: float, listener: socket.so
                          wait_for_workers=False, master_listen_fd=sock.detach())
 
 
-def missing_ranks(store: dist.TCPStore, world_size: int) -> list[int]:
-    return [r for r in range(world_size) if not store.check([f"arrived/{r}"])]
+def connect_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A client of a store hosted elsewhere (a replica's executor, of the DP client's store)."""
+    return dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
 
 
-def wait_for_ranks(store: dist.TCPStore, world_size: int, timeout_s: float, alive=lambda: True) -> None:
-    """Block until every rank has joined; after timeout_s, an error naming the ranks that did not."""
+def missing_ranks(store: dist.TCPStore, ranks: int | Iterable[int]) -> list[int]:
+    """Which of `ranks` (or of range(ranks)) have not joined yet."""
+    return [r for r in (range(ranks) if isinstance(ranks, int) else ranks) if not store.check([f"arrived/{r}"])]
+
+
+def wait_for_ranks(store: dist.TCPStore, ranks: int | Iterable[int], timeout_s: float, alive=lambda: True) -> None:
+    """Block until every rank of `ranks` (or of range(ranks)) has joined; after timeout_s, an
+    error naming the ranks that did not."""
+    ranks = list(range(ranks) if isinstance(ranks, int) else ranks)
     deadline = time.monotonic() + timeout_s
-    while missing := missing_ranks(store, world_size):
+    while missing := missing_ranks(store, ranks):
         if not alive():
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"Distributed init timed out after {timeout_s:.0f} s: rank(s) "
-                               f"{', '.join(map(str, missing))} of {world_size} did not join. Check that those "
+                               f"{', '.join(map(str, missing))} of {len(ranks)} did not join. Check that those "
                                "workers started (their log) and can reach the rendezvous address; raise "
                                "--distributed-init-timeout for slow starts.")
         time.sleep(0.05)

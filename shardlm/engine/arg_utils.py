@@ -53,6 +53,11 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int | None = None
+    data_parallel_backend: str = "mp"
     distributed_executor_backend: str | None = None
     distributed_init_timeout: float = 300.0
     cpu_threads_bind: str = "auto"
@@ -79,7 +84,13 @@ class EngineArgs:
         "max_num_batched_tokens": "most tokens in one step (long prompts are prefilled in chunks)",
         "tensor_parallel_size": "number of tensor parallel ranks",
         "pipeline_parallel_size": "number of pipeline stages",
-        "data_parallel_size": "number of data parallel replicas",
+        "data_parallel_size": "number of data parallel replicas (each an engine core with its own TP x PP "
+                              "ranks and KV cache; the server spreads requests over them)",
+        "data_parallel_size_local": "replicas this node runs (default: all of them)",
+        "data_parallel_start_rank": "the first replica this node runs (multi-node data parallel)",
+        "data_parallel_address": "address of the node that runs the API server (multi-node data parallel)",
+        "data_parallel_rpc_port": "port on that address where remote replicas join (multi-node data parallel)",
+        "data_parallel_backend": "mp (replicas as processes of this node) or ray (replicas placed on Ray nodes)",
         "distributed_executor_backend": "uni (one process), mp (processes on this node) or ray (nodes); "
                                         "default: uni for one rank, mp when every rank fits on this node "
                                         "and this is not a Ray placement group, else ray",
@@ -105,13 +116,12 @@ class EngineArgs:
                                   self.data_parallel_size, self.distributed_executor_backend,
                                   self.distributed_init_timeout, self.cpu_threads_bind,
                                   _parse_partition(self.pp_layer_partition), self.allow_cross_node_tp,
-                                  self.execute_model_timeout)
-        if parallel.data_parallel_size > 1:
-            raise NotImplementedError(f"data_parallel_size={parallel.data_parallel_size}: data parallel is not "
-                                      "built yet in this version of shardlm; run with data_parallel_size=1.")
+                                  self.execute_model_timeout, self.data_parallel_size_local,
+                                  self.data_parallel_start_rank)
+        self._check_data_parallel(parallel)
         # on Ray a core list is per node (checked when the ranks are placed)
-        validate_binding(parallel.cpu_threads_bind,
-                         None if parallel.distributed_executor_backend == "ray" else parallel.world_size)
+        validate_binding(parallel.cpu_threads_bind, None if parallel.distributed_executor_backend == "ray"
+                         else parallel.data_parallel_size_local * parallel.world_size)
         device = resolve_device(self.device)
         parallel.distributed_executor_backend = choose_backend(parallel.world_size, device,
                                                                parallel.distributed_executor_backend)
@@ -134,6 +144,25 @@ class EngineArgs:
         check_parallel_layout(config)
         check_fits(config)   # before any weights are loaded
         return config
+
+
+    def _check_data_parallel(self, parallel: ParallelConfig) -> None:
+        """What of data parallel this version runs: every replica on this node, as processes."""
+        if parallel.data_parallel_size == 1:
+            return
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(f"data_parallel_backend={self.data_parallel_backend!r}: use 'mp' or 'ray'.")
+        multi_node = (self.data_parallel_backend == "ray" or parallel.data_parallel_size_local
+                      < parallel.data_parallel_size or self.data_parallel_address or self.data_parallel_rpc_port)
+        if multi_node:
+            raise NotImplementedError(
+                "Data parallel across nodes (--data-parallel-backend ray, --data-parallel-size-local, "
+                "--data-parallel-address/--data-parallel-rpc-port) is not built yet in this version of shardlm: "
+                f"run all {parallel.data_parallel_size} replicas on this node (-dp {parallel.data_parallel_size}), "
+                "or use -tp/-pp across nodes with --distributed-executor-backend ray.")
+        if parallel.distributed_executor_backend == "ray":
+            raise NotImplementedError("Data parallel replicas run their TP x PP ranks with the mp or uni executor "
+                                      "in this version; leave out --distributed-executor-backend ray.")
 
 
 def resolve_device(device: str) -> torch.device:

@@ -70,7 +70,6 @@ class AsyncLLM:
         self.engine_core = AsyncMPClient(config, self.loop)
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._output_handler: asyncio.Task | None = None
-        self._num_running = 0         # as the engine core last reported it
         logger.info("Engine started in %.2f s (model %s)", time.perf_counter() - t0, config.model.model)
 
     @classmethod
@@ -84,6 +83,12 @@ class AsyncLLM:
     @property
     def dead_reason(self) -> str | None:
         return self.engine_core.dead_reason
+
+    @property
+    def dead_replicas(self) -> dict[int, str]:
+        """Data parallel replicas that died while others serve on: replica -> why."""
+        return {self.engine_core.cores[k].config.parallel.data_parallel_rank: why
+                for k, why in self.engine_core.balancer.dead.items()}
 
     @property
     def is_running(self) -> bool:
@@ -104,8 +109,8 @@ class AsyncLLM:
     @property
     def num_waiting(self) -> int:
         """Engine-core requests not yet running: those added and unfinished, less the running
-        ones the engine core last reported (an estimate that errs towards more)."""
-        return max(0, len(self.output_processor.samples) - self._num_running)
+        ones the engine cores last reported (an estimate that errs towards more)."""
+        return max(0, len(self.output_processor.samples) - self.engine_core.num_running)
 
     # ---- requests ----
     def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams,
@@ -160,10 +165,13 @@ class AsyncLLM:
         try:
             while True:
                 core_outputs = await self.engine_core.get_output_async()
-                self._num_running = core_outputs.num_running
                 processed = self.output_processor.process(core_outputs.outputs)
                 if processed.reqs_to_abort:
                     self.engine_core.abort_requests(processed.reqs_to_abort)
+                for parent, error in processed.failed:    # a data parallel replica died under it
+                    collector = self._collectors.pop(parent.request_id, None)
+                    if collector is not None:
+                        collector.put(EngineDeadError(error))
         except EngineDeadError as e:
             logger.error("%s In-flight requests fail.", e)
             self._fail_requests(e)

@@ -3,14 +3,14 @@
     EngineCoreClient            the interface: add_request, abort_requests, get_output(_async),
                                 call_utility(_async), shutdown; num_blocks once started
       InprocClient              the engine core in this process (LLM: no process hop)
-      MPClient                  the engine core in its own process, behind two pipes
+      MPClient                  the engine core in its own process (CoreProcess), behind two
+                                pipes; with data parallel, one per replica (engine/dp.py)
         SyncMPClient            get_output() blocks
         AsyncMPClient           get_output_async() awaits, on the caller's event loop
 
-A data-parallel front end is one more implementation (several engine cores behind one client).
-In the multiprocess clients a reader thread drains the output pipe at once (so neither side
-ever blocks on a full pipe) and hands each message on: outputs to a queue, utility results to
-the waiting caller, the core's death to everything that waits.
+In the multiprocess clients a reader thread per engine core drains its output pipe at once (so
+neither side ever blocks on a full pipe) and hands each message on: outputs to one queue,
+utility results to the waiting caller, a core's death to everything that waits on it.
 """
 
 from __future__ import annotations
@@ -30,9 +30,13 @@ from typing import Any
 import msgspec
 
 from shardlm.config import EngineConfig
+from shardlm.distributed.parallel_state import host_store
 from shardlm.engine.core_process import call_utility, check_utility, run_engine_core
+from shardlm.engine.dp import LoadBalancer, combine_utility, replica_configs
+from shardlm.logger import init_logger
 from shardlm.messages import (
     AbortRequests,
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     Failed,
@@ -43,6 +47,8 @@ from shardlm.messages import (
     UtilityCall,
     UtilityResult,
 )
+
+logger = init_logger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -101,32 +107,39 @@ class InprocClient(EngineCoreClient):
         self.engine_core.shutdown()
 
 
-class MPClient(EngineCoreClient):
-    """Starts the engine core process and speaks to it; subclasses say how its messages reach
-    the caller (_deliver, _fail)."""
+class CoreProcess:
+    """One engine core process and its two pipes. A reader thread hands each message to
+    `on_message(index, msg)` and the process's death to `on_death(index, reason)`."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, index: int):
         ctx = multiprocessing.get_context("spawn")
+        self.index = index
+        self.config = config
         req_recv, self._req_send = ctx.Pipe(duplex=False)
         self._out_recv, out_send = ctx.Pipe(duplex=False)
-        self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(FromEngineCore).decode
-        # not daemonic: it starts the worker processes itself; atexit stops it if nobody else did
-        self.process = ctx.Process(target=run_engine_core, name="shardlm-engine-core",
+        # not daemonic: it starts the worker processes itself; the client stops it
+        self.process = ctx.Process(target=run_engine_core, name=f"shardlm-engine-core-{index}",
                                    args=(config, req_recv, out_send))
         self.process.start()
         req_recv.close()
         out_send.close()
         self._send_lock = threading.Lock()
-        self._closing = False
+        self.closing = False
         self.dead_reason: str | None = None
-        self._call_ids = itertools.count()
-        self.num_blocks = self._wait_ready()
-        self._reader = threading.Thread(target=self._read_outputs, name="shardlm-core-outputs", daemon=True)
-        self._reader.start()
-        atexit.register(self.shutdown)
+        self._reader: threading.Thread | None = None
 
-    def _wait_ready(self) -> int:
+    @property
+    def name(self) -> str:
+        par = self.config.parallel
+        if par.data_parallel_size == 1:
+            return "The engine core"
+        first = par.rank_offset
+        ranks = f"world rank {first}" if par.world_size == 1 else f"world ranks {first}-{first + par.world_size - 1}"
+        return f"Data parallel replica {par.data_parallel_rank} ({ranks})"
+
+    def wait_ready(self) -> int:
+        """Its KV cache blocks once it started; raises why it did not."""
         ready = wait([self._out_recv, self.process.sentinel])
         if self._out_recv in ready:
             try:
@@ -137,11 +150,16 @@ class MPClient(EngineCoreClient):
                 return msg.num_blocks
             if isinstance(msg, StartupFailed):
                 self.process.join(5)
-                raise RuntimeError(f"The engine core failed to start: {msg.error}")
+                raise RuntimeError(f"{self.name} failed to start: {msg.error}")
         self.process.join(5)
-        raise EngineDeadError(f"The engine core process exited during start-up (exit code {self.process.exitcode}).")
+        raise EngineDeadError(f"{self.name}: its process exited during start-up (exit code {self.process.exitcode}).")
 
-    def _read_outputs(self) -> None:
+    def start_reader(self, on_message, on_death) -> None:
+        self._reader = threading.Thread(target=self._read, args=(on_message, on_death),
+                                        name=f"shardlm-core-outputs-{self.index}", daemon=True)
+        self._reader.start()
+
+    def _read(self, on_message, on_death) -> None:
         while True:
             ready = wait([self._out_recv, self.process.sentinel])
             if self._out_recv in ready:
@@ -150,66 +168,33 @@ class MPClient(EngineCoreClient):
                 except (EOFError, OSError):
                     msg = None
                 if isinstance(msg, (EngineCoreOutputs, UtilityResult)):
-                    self._deliver(msg)
+                    on_message(self.index, msg)
                     continue
                 if isinstance(msg, Failed):
-                    self._die(f"The engine core stopped: {msg.error}")
+                    self.dead_reason = f"{self.name} stopped: {msg.error}"
+                    on_death(self.index, self.dead_reason)
                     return
-            if not self._closing:
+            if not self.closing:
                 self.process.join(1)
-                self._die(f"The engine core process (pid {self.process.pid}) died (exit code {self.process.exitcode}).")
+                self.dead_reason = (f"{self.name} process (pid {self.process.pid}) died "
+                                    f"(exit code {self.process.exitcode}).")
+                on_death(self.index, self.dead_reason)
             return
 
-    def _die(self, reason: str) -> None:
-        self.dead_reason = reason
-        self._fail(EngineDeadError(reason))
-
-    @abstractmethod
-    def _deliver(self, msg: EngineCoreOutputs | UtilityResult) -> None:
-        """Hand a message to the caller (called on the reader thread)."""
-
-    @abstractmethod
-    def _fail(self, error: EngineDeadError) -> None:
-        """Fail everything that waits on the engine core (called on the reader thread)."""
-
-    def _send(self, msg) -> None:
+    def send(self, data: bytes) -> None:
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
-        data = self._encode(msg)
         with self._send_lock:
             try:
                 self._req_send.send_bytes(data)
             except (BrokenPipeError, OSError) as e:
-                raise EngineDeadError(self.dead_reason or "The engine core process is gone.") from e
+                raise EngineDeadError(self.dead_reason or f"{self.name} process is gone.") from e
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(request)
-
-    def abort_requests(self, request_ids: Iterable[str]) -> None:
-        request_ids = list(request_ids)
-        if request_ids and not self._closing:
-            self._send(AbortRequests(request_ids))
-
-    def _call(self, future, method: str, args: tuple):
-        """Send a utility call; `future` (kept in self._pending) gets its result or the core's death."""
-        check_utility(method)
-        call_id = next(self._call_ids)
-        self._pending[call_id] = future
-        try:
-            self._send(UtilityCall(call_id, method, list(args)))
-        except EngineDeadError:
-            self._pending.pop(call_id, None)
-            raise
-        return future
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        if self._closing:
-            return
-        atexit.unregister(self.shutdown)
-        self._closing = True
+    def shutdown(self, shutdown_msg: bytes, timeout: float) -> None:
+        self.closing = True
         if self.process.is_alive():
             try:
-                self._send(Shutdown())
+                self.send(shutdown_msg)
             except EngineDeadError:
                 pass
             self.process.join(timeout)
@@ -220,29 +205,198 @@ class MPClient(EngineCoreClient):
             self.process.kill()
             self.process.join()
         self._req_send.close()
-        self._reader.join(5)
+        if self._reader is not None:
+            self._reader.join(5)
         self._out_recv.close()
+
+
+class _Gather:
+    """A utility call sent to several engine cores: the caller's future gets the combined answer."""
+
+    def __init__(self, future, method: str, engines: list[int]):
+        self.future, self.method = future, method
+        self.waiting = set(engines)
+        self.results: dict[int, Any] = {}
+
+
+class MPClient(EngineCoreClient):
+    """Starts the engine core process (or one per data parallel replica: engine/dp.py) and
+    speaks to them; subclasses say how their messages reach the caller (_deliver, _fail).
+    With replicas, each request goes to the one the LoadBalancer picks, aborts follow it, and
+    utility calls go to every live replica (their answers combined)."""
+
+    def __init__(self, config: EngineConfig):
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._closing = False
+        self.dead_reason: str | None = None
+        self._call_ids = itertools.count()
+        self._gathers: dict[int, tuple[_Gather, int]] = {}     # call id -> (its gather, replica)
+        self._state_lock = threading.Lock()
+        par = config.parallel
+        self._store = None
+        master = None
+        if par.data_parallel_size > 1:
+            # every replica's ranks join one world through this store (the DP x PP x TP grid)
+            self._store = host_store("127.0.0.1", par.world_size_across_dp, par.distributed_init_timeout)
+            master = ("127.0.0.1", self._store.port)
+        # all start before any is waited for: their ranks rendezvous together
+        self.cores = [CoreProcess(c, k) for k, c in enumerate(replica_configs(config, master))]
+        try:
+            self.num_blocks_per_engine = [core.wait_ready() for core in self.cores]
+        except BaseException:
+            for core in self.cores:
+                core.shutdown(self._encode(Shutdown()), timeout=5)
+            raise
+        self.num_blocks = self.num_blocks_per_engine[0]
+        self.balancer = LoadBalancer(len(self.cores), config.cache.block_size)
+        for core in self.cores:
+            core.start_reader(self._on_core_message, self._on_core_death)
+        atexit.register(self.shutdown)
+
+    @property
+    def process(self):
+        """The engine core process (the first replica's with data parallel)."""
+        return self.cores[0].process
+
+    @property
+    def num_running(self) -> int:
+        return self.balancer.num_running
+
+    # ---- from the engine cores (reader threads) ----
+    def _on_core_message(self, index: int, msg: EngineCoreOutputs | UtilityResult) -> None:
+        if isinstance(msg, EngineCoreOutputs):
+            self.balancer.on_outputs(index, msg)
+        self._deliver(msg)
+
+    def _on_core_death(self, index: int, reason: str) -> None:
+        live = [c.index for c in self.cores if c.dead_reason is None]
+        if not live:
+            self._die(reason if len(self.cores) == 1 else
+                      "Every data parallel replica has died; the last: " + reason)
+            return
+        lost = self.balancer.mark_dead(index, reason)
+        logger.warning("%s Its %d requests in flight fail; the server goes on with replica(s) %s.", reason,
+                       len(lost), ", ".join(str(self.cores[k].config.parallel.data_parallel_rank) for k in live))
+        with self._state_lock:
+            broken_ids = [cid for cid, (_, k) in self._gathers.items() if k == index]
+            broken = [self._gathers.pop(cid)[0] for cid in broken_ids]
+        self._fail_calls(broken, EngineDeadError(reason))
+        if lost:
+            self._deliver(EngineCoreOutputs([EngineCoreOutput(rid, [], error=reason) for rid in lost]))
+
+    def _die(self, reason: str) -> None:
+        self.dead_reason = reason
+        self._fail(EngineDeadError(reason))
+
+    @abstractmethod
+    def _deliver(self, msg: EngineCoreOutputs | UtilityResult) -> None:
+        """Hand a message to the caller (called on a reader thread)."""
+
+    @abstractmethod
+    def _fail(self, error: EngineDeadError) -> None:
+        """Fail everything that waits on the engine core (called on a reader thread)."""
+
+    def _fail_calls(self, gathers: list[_Gather], error: EngineDeadError) -> None:
+        """Fail these utility calls (on the caller's side: see the subclasses)."""
+
+    # ---- to the engine cores ----
+    def _send(self, index: int, msg) -> None:
+        if self.dead_reason:
+            raise EngineDeadError(self.dead_reason)
+        self.cores[index].send(self._encode(msg))
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        index = self.balancer.assign(request.request_id, request.prompt_token_ids)
+        try:
+            self._send(index, request)
+        except EngineDeadError:
+            self.balancer.forget([request.request_id])
+            raise
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        if self._closing:
+            return
+        for index, ids in self.balancer.forget(request_ids).items():
+            if self.cores[index].dead_reason is None:
+                self._send(index, AbortRequests(ids))
+
+    def _resolve(self, msg: UtilityResult) -> None:
+        """A replica's answer to a utility call; the caller's future gets the combined answer
+        once every replica asked has answered (called where the future may be completed)."""
+        with self._state_lock:
+            gather, index = self._gathers.pop(msg.call_id, (None, None))
+            if gather is None:
+                return
+            gather.results[index] = msg.value
+            gather.waiting.discard(index)
+            if gather.waiting:
+                return
+        value = combine_utility(gather.method, gather.results)
+        if gather.method == "stats":       # what the balancer sent where
+            for e in value["engines"]:
+                e["num_routed"] = self.balancer.assigned_total[e["engine"]]
+            value["num_routed"] = sum(self.balancer.assigned_total)
+        if not gather.future.done():
+            gather.future.set_result(value)
+
+    def _call(self, future, method: str, args: tuple):
+        """Send a utility call to every live engine core; `future` gets the combined answer or
+        the error that stopped it."""
+        check_utility(method)
+        live = [c.index for c in self.cores if c.dead_reason is None]
+        gather = _Gather(future, method, live)
+        sent = []
+        with self._state_lock:
+            for index in live:
+                call_id = next(self._call_ids)
+                self._gathers[call_id] = (gather, index)
+                sent.append((call_id, index))
+        try:
+            for call_id, index in sent:
+                self._send(index, UtilityCall(call_id, method, list(args)))
+        except EngineDeadError:
+            with self._state_lock:
+                for call_id, _ in sent:
+                    self._gathers.pop(call_id, None)
+            raise
+        return future
+
+    def _pending_futures(self) -> list:
+        with self._state_lock:
+            futures = {id(g): g.future for g, _ in self._gathers.values()}
+            self._gathers.clear()
+        return list(futures.values())
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._closing:
+            return
+        atexit.unregister(self.shutdown)
+        self._closing = True
+        shutdown = self._encode(Shutdown())
+        for core in self.cores:
+            core.closing = True
+        for core in self.cores:
+            core.shutdown(shutdown, timeout)
+        self._store = None
 
 
 class SyncMPClient(MPClient):
     def __init__(self, config: EngineConfig):
         self._outputs: queue.Queue = queue.Queue()
-        self._pending: dict[int, Future] = {}
         super().__init__(config)
 
     def _deliver(self, msg) -> None:
         if isinstance(msg, UtilityResult):
-            future = self._pending.pop(msg.call_id, None)
-            if future is not None:
-                future.set_result(msg.value)
+            self._resolve(msg)
         else:
             self._outputs.put(msg)
 
     def _fail(self, error: EngineDeadError) -> None:
         self._outputs.put(error)
-        for future in self._pending.values():
-            future.set_exception(error)
-        self._pending.clear()
+        _fail_futures(self._pending_futures(), error)
+
+    def _fail_calls(self, gathers: list[_Gather], error: EngineDeadError) -> None:
+        _fail_futures([g.future for g in gathers], error)
 
     def get_output(self) -> EngineCoreOutputs:
         out = self._outputs.get()
@@ -256,12 +410,12 @@ class SyncMPClient(MPClient):
 
 
 class AsyncMPClient(MPClient):
-    """Outputs reach the caller's event loop through one asyncio queue (not one per request)."""
+    """Outputs reach the caller's event loop through one asyncio queue (not one per request);
+    futures are completed on that loop."""
 
     def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop | None = None):
         self.loop = loop or asyncio.get_event_loop()
         self._outputs: asyncio.Queue = asyncio.Queue()
-        self._pending: dict[int, asyncio.Future] = {}
         super().__init__(config)
 
     def _deliver(self, msg) -> None:
@@ -271,17 +425,16 @@ class AsyncMPClient(MPClient):
         if not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self._on_message, error)
 
+    def _fail_calls(self, gathers: list[_Gather], error: EngineDeadError) -> None:
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(_fail_futures, [g.future for g in gathers], error)
+
     def _on_message(self, msg) -> None:
         if isinstance(msg, UtilityResult):
-            future = self._pending.pop(msg.call_id, None)
-            if future is not None and not future.done():
-                future.set_result(msg.value)
+            self._resolve(msg)
             return
         if isinstance(msg, EngineDeadError):
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(msg)
-            self._pending.clear()
+            _fail_futures(self._pending_futures(), msg)
         self._outputs.put_nowait(msg)
 
     async def get_output_async(self) -> EngineCoreOutputs:
@@ -293,6 +446,12 @@ class AsyncMPClient(MPClient):
 
     async def call_utility_async(self, method: str, *args) -> Any:
         return await self._call(self.loop.create_future(), method, args)
+
+
+def _fail_futures(futures, error: BaseException) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_exception(error)
 
 
 def make_client(config: EngineConfig, multiprocess: bool, asyncio_mode: bool = False,

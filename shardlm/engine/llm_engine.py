@@ -9,7 +9,7 @@ import time
 
 from shardlm.config import EngineConfig
 from shardlm.engine.arg_utils import EngineArgs
-from shardlm.engine.core_client import EngineCoreClient, make_client
+from shardlm.engine.core_client import EngineCoreClient, EngineDeadError, make_client
 from shardlm.engine.output_processor import OutputProcessor
 from shardlm.engine.processor import InputProcessor, load_tokenizer
 from shardlm.logger import init_logger
@@ -22,13 +22,14 @@ logger = init_logger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig, multiprocess_mode: bool = False):
         """multiprocess_mode: run the engine core in its own process (SyncMPClient) instead of
-        in this one (InprocClient)."""
+        in this one (InprocClient); always so with data parallel (one process per replica)."""
         t0 = time.perf_counter()
         self.config = config
         self.tokenizer = load_tokenizer(config.model.tokenizer)
         self.processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core: EngineCoreClient = make_client(config, multiprocess=multiprocess_mode)
+        self.engine_core: EngineCoreClient = make_client(
+            config, multiprocess=multiprocess_mode or config.parallel.data_parallel_size > 1)
         logger.info("Engine started in %.2f s (model %s)", time.perf_counter() - t0, config.model.model)
 
     @classmethod
@@ -62,6 +63,8 @@ class LLMEngine:
         processed = self.output_processor.process(self.engine_core.get_output().outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
+        if processed.failed:              # a data parallel replica died under these requests
+            raise EngineDeadError(processed.failed[0][1])
         return processed.request_outputs
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:

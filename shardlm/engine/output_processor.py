@@ -63,6 +63,7 @@ class ParentRequest:
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]    # for requests without a collector
     reqs_to_abort: list[str]                # engine-core ids that hit a stop string
+    failed: list[tuple[ParentRequest, str]] = field(default_factory=list)   # requests that failed, and why
 
 
 class OutputProcessor:
@@ -93,11 +94,18 @@ class OutputProcessor:
         changed: dict[str, ParentRequest] = {}
         touched: set[int] = set()       # id() of the samples this step changed (what a delta holds)
         to_abort: list[str] = []
+        failed: list[tuple[ParentRequest, str]] = []
         for out in outputs:
             sample = self.samples.get(out.req_id)
             if sample is None:
                 continue
             parent = sample.parent
+            if out.error is not None:          # its replica died: the whole request fails
+                self._forget(parent)
+                changed.pop(parent.request_id, None)
+                to_abort.extend(cid for cid in parent.child_ids if cid != out.req_id)
+                failed.append((parent, out.error))
+                continue
             if out.prompt_logprobs and parent.prompt_logprobs is not None and sample.index == 0:
                 parent.prompt_logprobs.extend(self._convert_logprobs(lp) for lp in out.prompt_logprobs)
             if out.new_token_ids:
@@ -119,7 +127,7 @@ class OutputProcessor:
                 parent.collector.put(out)
             else:
                 results.append(out)
-        return ProcessedOutputs(results, to_abort)
+        return ProcessedOutputs(results, to_abort, failed)
 
     def _append(self, sample: SampleState, out: EngineCoreOutput, now: float, to_abort: list[str]) -> None:
         parent = sample.parent

@@ -30,7 +30,13 @@ import msgspec
 
 from shardlm import envs
 from shardlm.config import EngineConfig
-from shardlm.distributed.parallel_state import get_pp_group, host_store, listen_for_rendezvous, wait_for_ranks
+from shardlm.distributed.parallel_state import (
+    connect_store,
+    get_pp_group,
+    host_store,
+    listen_for_rendezvous,
+    wait_for_ranks,
+)
 from shardlm.distributed.shm_queue import QueueClosed, ShmQueue
 from shardlm.executor.base import Executor, WorkerDiedError
 from shardlm.logger import init_logger, set_log_prefix
@@ -65,9 +71,14 @@ class MultiprocExecutor(Executor):
         logger.info("Starting %d worker processes with %s (%s)", self.world_size, self.start_method, why)
         ctx = multiprocessing.get_context(self.start_method)
         t0 = time.perf_counter()
-        # the rendezvous port is open now; its store (which runs a thread) starts after the workers
-        listener = listen_for_rendezvous("127.0.0.1")
-        port = listener.getsockname()[1]
+        # the rendezvous port is open now; its store (which runs a thread) starts after the workers.
+        # Data parallel: every replica's ranks meet at the DP client's store instead.
+        listener = None
+        if par.data_parallel_master is not None:
+            rendezvous = par.data_parallel_master
+        else:
+            listener = listen_for_rendezvous("127.0.0.1")
+            rendezvous = ("127.0.0.1", listener.getsockname()[1])
         self.broadcast = ShmQueue(num_readers=self.world_size, ctx=ctx)
         self.replies = [ShmQueue(num_readers=1, ctx=ctx).attach_reader(0) for _ in range(self.world_size)]
         # pipeline stages on CPU pass hidden states through shared memory: rank r -> r + tp
@@ -79,19 +90,22 @@ class MultiprocExecutor(Executor):
             err_recv, err_send = ctx.Pipe(duplex=False)
             links = (self.stage_links.get(rank), self.stage_links.get(rank - tp))
             proc = ctx.Process(target=run_worker, name=f"shardlm-worker-{rank}", daemon=True,
-                               args=(config, rank, ("127.0.0.1", port), self.broadcast,
+                               args=(config, rank, rendezvous, self.broadcast,
                                      self.replies[rank], err_send, links))
             proc.start()
             err_send.close()
             self.procs.append(proc)
             self._errors.append(err_recv)
         # the rendezvous store lives here, on that loopback port, for as long as the workers do
-        self._store = host_store("127.0.0.1", self.world_size, par.distributed_init_timeout, listener)
+        if listener is not None:
+            self._store = host_store(rendezvous[0], self.world_size, par.distributed_init_timeout, listener)
+        else:
+            self._store = connect_store(*rendezvous, par.world_size_across_dp, par.distributed_init_timeout)
         self._start_watcher(self._watch_workers, "shardlm-worker-watch")
         self._shutdown_at_exit()
         try:
-            wait_for_ranks(self._store, self.world_size, par.distributed_init_timeout,
-                           alive=lambda: self._failure is None)
+            wait_for_ranks(self._store, range(par.rank_offset, par.rank_offset + self.world_size),
+                           par.distributed_init_timeout, alive=lambda: self._failure is None)
             for rank in range(self.world_size):
                 self._receive(rank)          # Ready, or why it failed
             self._ready = True

@@ -10,7 +10,8 @@ from shardlm.worker.worker import Worker
 class UniProcExecutor(Executor):
     def __init__(self, config):
         super().__init__(config)
-        self.worker = Worker(config, rank=0)
+        # data parallel: this replica's one rank joins the others at the DP client's store
+        self.worker = Worker(config, rank=0, rendezvous=config.parallel.data_parallel_master)
         self.worker.init_device()
         self.worker.load_model()
 

@@ -31,9 +31,13 @@ def check_parallel_layout(config: EngineConfig) -> None:
                          f"tensor parallel size {tp} cannot split it ({'; '.join(problems)}). "
                          f"Valid tensor parallel sizes are {valid}.")
     pp_layer_partition(m.num_layers, par.pipeline_parallel_size, par.pp_layer_partition)   # raises if impossible
+    local_ranks = par.world_size * par.data_parallel_size_local
     if config.device.type == "cuda" and par.distributed_executor_backend != "ray" \
-            and par.world_size > torch.cuda.device_count():
-        raise ValueError(f"tensor x pipeline parallel = {par.world_size} ranks needs {par.world_size} GPUs, but "
+            and local_ranks > torch.cuda.device_count():
+        layout = f"tensor x pipeline parallel = {par.world_size} ranks"
+        if par.data_parallel_size_local > 1:
+            layout = f"{par.data_parallel_size_local} data parallel replicas of {par.world_size} rank(s)"
+        raise ValueError(f"{layout} need {local_ranks} GPUs, but "
                          f"{torch.cuda.device_count()} are visible on this node (CUDA_VISIBLE_DEVICES="
                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Lower the parallel sizes, or use "
                          "--distributed-executor-backend ray across nodes.")
@@ -50,15 +54,18 @@ def check_fits(config: EngineConfig) -> None:
         hw.device_memory, hw.utilization = psutil.virtual_memory().available, 1.0
     plan = evaluate(shape, par.tensor_parallel_size, par.pipeline_parallel_size, hw, workload)
     if config.device.type == "cpu":
-        needed = plan.weights_per_device + plan.reserve_per_device
+        # every rank of this node's replicas shares the machine's memory
+        replicas = par.data_parallel_size_local
+        needed = (plan.weights_per_device + plan.reserve_per_device) * replicas
         if needed > hw.device_memory:
             _fail(shape, plan.label, f"its weights ({plan.weights_per_device / GiB:.1f} GiB) and working memory "
                   f"({plan.reserve_per_device / GiB:.1f} GiB) need more than the {hw.device_memory / GiB:.1f} GiB "
                   "of memory available on this machine", recommend(shape, hw, workload, m.model))
-        if needed + config.cache.kv_cache_memory > hw.device_memory:
-            logger.warning("Weights (%.1f GiB) plus kv_cache_memory (%.1f GiB) exceed the %.1f GiB of free memory: "
-                           "a full KV cache would swap or be killed; lower kv_cache_memory.",
-                           plan.weights_per_device / GiB, config.cache.kv_cache_memory / GiB, hw.device_memory / GiB)
+        if needed + config.cache.kv_cache_memory * replicas > hw.device_memory:
+            logger.warning("Weights (%.1f GiB) plus kv_cache_memory (%.1f GiB), times %d replica(s), exceed the %.1f "
+                           "GiB of free memory: a full KV cache would swap or be killed; lower kv_cache_memory.",
+                           plan.weights_per_device / GiB, config.cache.kv_cache_memory / GiB, replicas,
+                           hw.device_memory / GiB)
         return
     if plan.status == "no":
         _fail(shape, plan.label, plan.reason, recommend(shape, hw, workload, m.model))

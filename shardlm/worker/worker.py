@@ -22,17 +22,20 @@ logger = init_logger(__name__)
 
 
 class Worker:
-    """`rendezvous`: (host, port) of the executor's TCP store; None for a single rank.
-    `local_rank` / `local_world_size`: this rank among those on its machine (default: all ranks
-    are on one machine), for sharing its CPU cores."""
+    """`rank`: this rank within its replica (0..tp*pp-1); its world rank adds the replica's
+    offset. `rendezvous`: (host, port) of the TCP store (the executor's, or the DP client's for
+    data parallel); None for a single rank. `local_rank` / `local_world_size`: this rank among
+    those on its machine (default: every rank of this node's replicas), for sharing its CPU cores."""
 
     def __init__(self, config: EngineConfig, rank: int = 0, rendezvous: tuple[str, int] | None = None,
                  local_rank: int | None = None, local_world_size: int | None = None):
         self.config = config
         self.rank = rank
         self.rendezvous = rendezvous
-        self.local_rank = rank if local_rank is None else local_rank
-        self.local_world_size = config.parallel.world_size if local_world_size is None else local_world_size
+        par = config.parallel
+        self.local_rank = par.local_replica_index * par.world_size + rank if local_rank is None else local_rank
+        self.local_world_size = (par.data_parallel_size_local * par.world_size if local_world_size is None
+                                 else local_world_size)
         self.device = config.device
         if self.device.type == "cuda":
             self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
@@ -45,13 +48,14 @@ class Worker:
         else:
             keep_freed_memory_in_heap()
             apply_binding(binding_for_rank(par.cpu_threads_bind, self.local_world_size, self.local_rank))
-        if par.world_size > 1:
+        if par.world_size_across_dp > 1:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             host, port = self.rendezvous
-            parallel_state.init_distributed_environment(par.world_size, self.rank, host, port, backend,
+            world_rank = par.rank_offset + self.rank
+            parallel_state.init_distributed_environment(par.world_size_across_dp, world_rank, host, port, backend,
                                                         par.distributed_init_timeout)
             parallel_state.initialize_model_parallel(par.tensor_parallel_size, par.pipeline_parallel_size,
-                                                     rank=self.rank, backend=backend,
+                                                     par.data_parallel_size, rank=world_rank, backend=backend,
                                                      timeout_s=par.execute_model_timeout)
         else:
             parallel_state.initialize_model_parallel(1)
@@ -87,6 +91,18 @@ class Worker:
     def environment(self, names: list[str]) -> dict[str, str | None]:
         """These environment variables as this rank sees them (what reached it on its node)."""
         return {name: os.environ.get(name) for name in names}
+
+    def parallel_layout(self) -> dict:
+        """This rank's world rank and the world ranks of its TP, PP and DP groups."""
+        return {"world_rank": parallel_state.get_world_group().rank,
+                **{name: group().ranks for name, group in (("tp", parallel_state.get_tp_group),
+                                                           ("pp", parallel_state.get_pp_group),
+                                                           ("dp", parallel_state.get_dp_group))}}
+
+    def dp_all_reduce(self, value: float) -> float:
+        """The sum of `value` over this rank's DP group (every replica calls it at once): a check
+        that the replicas' ranks form one grid."""
+        return parallel_state.get_dp_group().all_reduce(torch.tensor([value], dtype=torch.float64)).item()
 
     def peak_rss_bytes(self) -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

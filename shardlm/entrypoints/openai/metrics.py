@@ -16,19 +16,29 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         labels = ["model_name"]
         self.labels = {"model_name": model_name}
-        self.running = Gauge("shardlm:num_requests_running", "Requests in the running batch", labels, registry=r)
-        self.waiting = Gauge("shardlm:num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
-        self.kv_usage = Gauge("shardlm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)", labels,
-                              registry=r)
-        self.prefix_hit_rate = Gauge("shardlm:prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens",
-                                     labels, registry=r)
-        self.prefix_queries = Gauge("shardlm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                    labels, registry=r)
-        self.prefix_hits = Gauge("shardlm:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
-                                 registry=r)
-        self.preemptions = Gauge("shardlm:num_preemptions", "Requests preempted so far", labels, registry=r)
-        self.aborted = Gauge("shardlm:num_requests_aborted", "Requests aborted so far (client gone, stop string)",
-                             labels, registry=r)
+        # engine-core gauges: one series per data parallel replica (engine="0", "1", ...) and their
+        # total (engine="all", first, so a reader of the first series gets the total)
+        per_engine = labels + ["engine"]
+        self.engine_gauges = {
+            "num_running": Gauge("shardlm:num_requests_running", "Requests in the running batch", per_engine,
+                                 registry=r),
+            "num_waiting": Gauge("shardlm:num_requests_waiting", "Requests waiting to be scheduled", per_engine,
+                                 registry=r),
+            "kv_cache_usage": Gauge("shardlm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)",
+                                    per_engine, registry=r),
+            "prefix_cache_hit_rate": Gauge("shardlm:prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens",
+                                           per_engine, registry=r),
+            "prefix_cache_queries": Gauge("shardlm:prefix_cache_queries",
+                                          "Prompt tokens looked up in the prefix cache", per_engine, registry=r),
+            "prefix_cache_hits": Gauge("shardlm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                       per_engine, registry=r),
+            "num_preemptions": Gauge("shardlm:num_preemptions", "Requests preempted so far", per_engine, registry=r),
+            "num_aborted": Gauge("shardlm:num_requests_aborted",
+                                 "Requests aborted so far (client gone, stop string)", per_engine, registry=r),
+            "num_routed": Gauge("shardlm:num_requests_routed",
+                                "Engine-core requests the load balancer sent to this replica so far", per_engine,
+                                registry=r),
+        }
         self.prompt_tokens = Counter("shardlm:prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
         self.generation_tokens = Counter("shardlm:generation_tokens", "Generated tokens of finished requests", labels,
                                          registry=r)
@@ -56,14 +66,9 @@ class ServerMetrics:
             self.tpot.labels(**lab).observe((m.finished_time - m.first_token_time) / (longest - 1))
 
     def render(self, stats: dict | None) -> bytes:
-        lab = self.labels
+        """stats: the engine cores' combined stats (engine/dp.py combine_stats)."""
         if stats:
-            self.running.labels(**lab).set(stats["num_running"])
-            self.waiting.labels(**lab).set(stats["num_waiting"])
-            self.kv_usage.labels(**lab).set(stats["kv_cache_usage"])
-            self.prefix_hit_rate.labels(**lab).set(stats["prefix_cache_hit_rate"])
-            self.prefix_queries.labels(**lab).set(stats["prefix_cache_queries"])
-            self.prefix_hits.labels(**lab).set(stats["prefix_cache_hits"])
-            self.preemptions.labels(**lab).set(stats["num_preemptions"])
-            self.aborted.labels(**lab).set(stats["num_aborted"])
+            for engine, values in [("all", stats), *((str(e["engine"]), e) for e in stats.get("engines", []))]:
+                for key, gauge in self.engine_gauges.items():
+                    gauge.labels(engine=engine, **self.labels).set(values[key])
         return generate_latest(self.registry)

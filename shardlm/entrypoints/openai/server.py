@@ -109,6 +109,8 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
         llm = state.get("llm")
         if llm is None or not llm.is_running:
             return JSONResponse({"status": "unhealthy", "reason": llm.dead_reason if llm else "starting"}, 503)
+        if llm.dead_replicas:          # data parallel: the others still serve
+            return JSONResponse({"status": "degraded", "dead_replicas": llm.dead_replicas})
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
