@@ -248,9 +248,15 @@ def recommend(shape: ModelShape, hw: Hardware, w: Workload, model_arg: str | Non
                      "valid size.")
     if pick is not None:
         dp = hw.total_devices // pick.devices
-        if dp > 1:
-            notes.append(f"For more throughput, data parallel: -dp {dp} runs {dp} replicas of {pick.label} "
-                         f"on the {hw.total_devices} devices.")
+        local_dp = hw.devices_per_node // pick.devices
+        if local_dp > 1:
+            dp_command = _serve_command(model_arg or shape.name, pick.tp, pick.pp, local_dp, w.max_model_len)
+            notes.append(f"For more throughput, data parallel: {local_dp} replicas of {pick.label} on the "
+                         f"{hw.devices_per_node} devices of a node, the server spreading requests over them: "
+                         f"{dp_command}")
+        if dp > local_dp and dp > 1:
+            notes.append(f"Data parallel across nodes ({dp} replicas of {pick.label} on the {hw.total_devices} "
+                         "devices) is not built in this version of shardlm; one replica per node runs.")
         if hw.interconnect == "pcie" and pick.tp > 1:
             notes.append("Without NVLink, tensor parallel all-reduces cross PCIe every layer: expect less speed-up "
                          "than on NVLink; pipeline parallel sends far less data between devices.")
@@ -260,12 +266,17 @@ def recommend(shape: ModelShape, hw: Hardware, w: Workload, model_arg: str | Non
                          "in this version of shardlm; the split above slices every expert (tensor parallel).")
     command = None
     if pick is not None:
-        command = f"shardlm serve {model_arg or shape.name}"
-        command += f" -tp {pick.tp}" if pick.tp > 1 else ""
-        command += f" -pp {pick.pp}" if pick.pp > 1 else ""
-        command += f" --max-model-len {w.max_model_len}"
+        command = _serve_command(model_arg or shape.name, pick.tp, pick.pp, 1, w.max_model_len)
     shown = [p for p in plans if not shape.tp_problems(p.tp)][:10]
     if pick is not None and pick not in shown:
         shown.append(pick)
     return Recommendation(shape.name, params, shape.active_params(), weights, params * w.dtype_bytes * 1.2,
                           shape.kv_bytes_per_token(w.dtype_bytes), hw, w, pick, reasons, notes, shown, command)
+
+
+def _serve_command(model: str, tp: int, pp: int, dp: int, max_model_len: int) -> str:
+    command = f"shardlm serve {model}"
+    command += f" -tp {tp}" if tp > 1 else ""
+    command += f" -pp {pp}" if pp > 1 else ""
+    command += f" -dp {dp}" if dp > 1 else ""
+    return command + f" --max-model-len {max_model_len}"

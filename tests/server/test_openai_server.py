@@ -188,10 +188,10 @@ def _metric(url, name) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
-def test_64_concurrent_streams_complete_correctly_and_free_the_cache(server):
+def assert_concurrent_streams_equal_offline(url: str, path: str, api_key: str = "none", n: int = 64) -> None:
+    """n streams at once equal the offline engine's greedy texts; the KV cache is free after."""
     import asyncio
-    path, url = server
-    prompts = [f"Story number {i} begins" for i in range(64)]
+    prompts = [f"Story number {i} begins" for i in range(n)]
     ref = LLM(path, dtype="float32", kv_cache_memory="64MiB", max_model_len=256).generate(
         prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
 
@@ -204,14 +204,19 @@ def test_64_concurrent_streams_complete_correctly_and_free_the_cache(server):
         return text
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0)
         return await asyncio.gather(*(one(client, p) for p in prompts))
 
     texts = asyncio.run(main())
     assert texts == [r.outputs[0].text for r in ref]
     assert _metric(url, "shardlm:num_requests_running") == 0
     assert _metric(url, "shardlm:kv_cache_usage_perc") == 0.0
-    assert _metric(url, "shardlm:generation_tokens_total") >= 64 * 16
+    assert _metric(url, "shardlm:generation_tokens_total") >= n * 16
+
+
+def test_64_concurrent_streams_complete_correctly_and_free_the_cache(server):
+    path, url = server
+    assert_concurrent_streams_equal_offline(url, path, KEY)
     assert "shardlm:time_to_first_token_seconds_bucket" in httpx.get(url + "/metrics").text
 
 

@@ -114,7 +114,7 @@ def test_moe_gets_dp_when_memory_allows_and_no_flag_the_cli_lacks():
     r = _rec("Mixtral-8x7B", 8, 1)
     assert "--enable-expert-parallel" not in r.command          # not built yet: never recommended
     assert any("expert parallel" in n for n in r.notes)
-    assert any("-dp" in n for n in r.notes)
+    assert any("-dp 4" in n or "-dp 2" in n for n in r.notes)
 
 
 @pytest.mark.parametrize("name", list(load_presets()))
@@ -130,6 +130,9 @@ def test_every_printed_command_is_accepted_by_the_cli(name, gpus, nodes):
         assert ns.command == "serve"
     serve_flags = {o for a in parser._subparsers._group_actions[0].choices["serve"]._actions for o in a.option_strings}
     for text in r.reasons + r.notes:
+        if "shardlm serve " in text:         # a whole command (data parallel) parses too
+            ns = parser.parse_args(shlex.split(text[text.index("shardlm serve "):])[1:])
+            assert ns.command == "serve" and ns.data_parallel_size > 1
         for flag in re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", text):
             assert flag in serve_flags, f"{name}: `{flag}` in {text!r} is not a serve flag"
 

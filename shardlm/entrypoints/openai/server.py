@@ -33,7 +33,7 @@ from shardlm.entrypoints.openai.protocol import (
     RequestLimits,
     TokenizeRequest,
 )
-from shardlm.entrypoints.openai.serving import OpenAIServing, check_encodable, sse
+from shardlm.entrypoints.openai.serving import EventStream, OpenAIServing, check_encodable, sse
 from shardlm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -138,8 +138,7 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
             return Response(status_code=499)      # nobody is listening
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(sse_errors(result.events), media_type="text/event-stream",
-                                 background=BackgroundTask(result.close))
+        return event_stream_response(result)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -198,6 +197,13 @@ async def until_disconnected(request: Request, handler):
     with contextlib.suppress(asyncio.CancelledError):
         await task
     return None
+
+
+def event_stream_response(stream: EventStream) -> StreamingResponse:
+    """Server-sent events; however the response ends (a client may leave before the first event,
+    when the events' generator has not even started), its requests are aborted afterwards."""
+    return StreamingResponse(sse_errors(stream.events), media_type="text/event-stream",
+                             background=BackgroundTask(stream.close))
 
 
 async def sse_errors(stream):

@@ -1,0 +1,171 @@
+"""Data parallel on one node: -dp 2 alone and with TP or PP inside each replica, offline and
+behind the server. Every request's output equals the dp=1 engine's (and transformers'),
+whichever replica served it; both replicas serve; the replicas' ranks form one DP x PP x TP
+grid; a replica that dies fails only its own requests."""
+
+import json
+import os
+import signal
+import threading
+
+import httpx
+import psutil
+import pytest
+
+from shardlm import LLM, SamplingParams
+from shardlm.engine.core_client import EngineDeadError
+from tests.distributed.test_parallel_server import assert_server_answers_like_llm
+from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts
+from tests.server.test_openai_server import _start, _stop, assert_concurrent_streams_equal_offline
+
+ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def dp1_outputs(tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama-gqa"), **ENGINE)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(_prompts(), PARAMS, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
+def test_dp2_equals_dp1_and_hf(tp, pp, tiny_model_dir, references, hf, dp1_outputs):
+    llm = LLM(tiny_model_dir("llama-gqa"), **ENGINE, data_parallel_size=2, tensor_parallel_size=tp,
+              pipeline_parallel_size=pp)
+    try:
+        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+        routed = llm.engine.engine_core.balancer.assigned_total
+        layout = llm.engine.collective_rpc("parallel_layout")
+        sums = llm.engine.collective_rpc("dp_all_reduce", (1.0,))
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == dp1_outputs
+    assert hf.assert_close(references("llama-gqa"), outs, f"dp=2 tp={tp} pp={pp}") >= 4
+    assert routed == [3, 3], "both replicas served (6 prompts, least load, ties round-robin)"
+    world = 2 * tp * pp
+    assert [r["world_rank"] for r in layout] == list(range(world)), "replica-major world ranks"
+    for r in layout:      # the DP group: the same (pp, tp) position in both replicas
+        assert r["dp"] == [r["world_rank"] % (tp * pp), r["world_rank"] % (tp * pp) + tp * pp]
+    assert sums == [2.0] * world, "an all-reduce over the DP group reaches both replicas"
+
+
+def test_n_samples_and_aborts_across_replicas(tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama-gqa"), **ENGINE, data_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=8, ignore_eos=True)
+        (out,) = llm.generate(["Hello there"], params, use_tqdm=False)
+        assert len(out.outputs) == 4 and all(len(c.token_ids) == 8 for c in out.outputs)
+        assert min(llm.engine.engine_core.balancer.assigned_total) >= 1, "the samples spread over both"
+        engine = llm.engine
+        engine.add_request("long", "A long story", SamplingParams(max_tokens=400, ignore_eos=True))
+        engine.step()
+        engine.abort_request("long")
+        assert not engine.has_unfinished_requests()
+        assert engine.engine_core.balancer.in_flight == [0, 0]
+        stats = engine.engine_core.call_utility("stats")
+        assert stats["num_aborted"] == 1 and [e["engine"] for e in stats["engines"]] == [0, 1]
+    finally:
+        llm.shutdown()
+
+
+def test_dp_options_this_version_does_not_run_are_clear_errors(tiny_model_dir):
+    path = tiny_model_dir("llama-gqa")
+    with pytest.raises(NotImplementedError, match="across nodes .* not built yet"):
+        LLM(path, **ENGINE, data_parallel_size=2, data_parallel_size_local=1)
+    with pytest.raises(NotImplementedError, match="leave out --distributed-executor-backend ray"):
+        LLM(path, **ENGINE, data_parallel_size=2, distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match="data_parallel_start_rank=2 must be within the 2 replicas"):
+        LLM(path, **ENGINE, data_parallel_size=2, data_parallel_start_rank=2)
+
+
+def test_offline_replica_death_fails_the_call_naming_it(tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama-gqa"), **ENGINE, data_parallel_size=2)
+    try:
+        cores = llm.engine.engine_core.cores
+        long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
+        threading.Timer(1.0, os.kill, (cores[1].process.pid, signal.SIGKILL)).start()
+        with pytest.raises(EngineDeadError, match=r"Data parallel replica 1 \(world rank 1\) process .* died"):
+            for _ in range(100):        # far longer than 1 s unless the kill stops it
+                llm.generate(["one", "two", "three", "four"], long, use_tqdm=False)
+        # the other replica serves on
+        (out,) = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                              use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_model_dir):
+    path = tiny_model_dir("llama-gqa")
+    proc, url = _start(path, "-dp", "2")
+    children = psutil.Process(proc.pid).children(recursive=True)
+    try:
+        yield proc, url, path
+    finally:
+        _stop(proc)
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"processes left: {[p.pid for p in alive]}"
+
+
+def test_dp2_server_answers_like_the_offline_engine(dp_server):
+    _, url, path = dp_server
+    assert_server_answers_like_llm(url, path)
+    assert_concurrent_streams_equal_offline(url, path)
+    text = httpx.get(url + "/metrics").text
+    routed = {e: _labelled(text, "shardlm:num_requests_routed", e) for e in ("0", "1", "all")}
+    assert routed["0"] > 20 and routed["1"] > 20 and routed["0"] + routed["1"] == routed["all"], routed
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+
+
+def _labelled(metrics: str, name: str, engine: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") and f'engine="{engine}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{{engine={engine}}} not in /metrics")
+
+
+def test_a_dead_replica_fails_its_streams_and_the_other_serves_on(dp_server):
+    """Last in the module: replica 1's engine core is killed while four streams run (two on each
+    replica). Its two streams end with an error event naming it; the other two finish; /health
+    says degraded; new requests are served by replica 0."""
+    proc, url, _ = dp_server
+    cores = sorted((p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())),
+                   key=lambda p: p.create_time())
+    assert len(cores) == 2
+    results, started = [None] * 4, threading.Barrier(5, timeout=30)
+
+    def stream(i):
+        body = {"model": "tiny", "prompt": f"Story {i}", "max_tokens": 200, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        lines = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    if len(lines) == 1:
+                        started.wait()
+        results[i] = lines
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    started.wait()
+    cores[1].kill()
+    for t in threads:
+        t.join(60)
+    errors = [json.loads(lines[-2][6:])["error"] for lines in results if '"error"' in lines[-2]]
+    assert len(errors) == 2, [lines[-2:] for lines in results]
+    assert all("Data parallel replica 1" in e["message"] and e["code"] == 503 for e in errors), errors
+    assert all(lines[-1] == "data: [DONE]" for lines in results)
+    finished = [lines for lines in results if '"error"' not in lines[-2]]
+    assert all(json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length" for lines in finished)
+    health = httpx.get(url + "/health")
+    assert health.status_code == 200 and health.json()["status"] == "degraded"
+    assert "Data parallel replica 1" in health.json()["dead_replicas"]["1"]
+    for _ in range(3):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert proc.poll() is None
