@@ -9,6 +9,8 @@ Three conversations:
     front end (LLM / AsyncLLM)  <->  engine core        EngineCoreRequest, AbortRequests, UtilityCall,
                                                         Shutdown  /  Ready, StartupFailed, Failed,
                                                         EngineCoreOutputs, UtilityResult
+                                                        (a remote one first: JoinRequest / JoinAccepted,
+                                                        JoinRefused)
     engine core  ->  workers                            SchedulerOutput (in RunStep), UtilityCall, Shutdown
     workers  ->  engine core                            Ready, ModelRunnerOutput (in StepResult), UtilityResult
 """
@@ -127,6 +129,22 @@ class StartupFailed(msgspec.Struct, tag=True):
 class Failed(msgspec.Struct, tag=True):
     """The engine core stopped on an error (a worker died, ...); it exits after sending this."""
     error: str
+
+
+# ---- a headless node's engine core joining the head (data parallel across nodes) ----
+class JoinRequest(msgspec.Struct):
+    dp_rank: int
+    node: str
+    fingerprint: dict[str, str]      # what it runs (engine/dp_remote.py: fingerprint)
+
+
+class JoinAccepted(msgspec.Struct, tag=True):
+    store_host: str                  # the rendezvous store every rank joins
+    store_port: int
+
+
+class JoinRefused(msgspec.Struct, tag=True):
+    reason: str
 
 
 # ---- engine core <-> workers ----

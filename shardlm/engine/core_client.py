@@ -33,6 +33,7 @@ from shardlm.config import EngineConfig
 from shardlm.distributed.parallel_state import host_store
 from shardlm.engine.core_process import call_utility, check_utility, run_engine_core
 from shardlm.engine.dp import LoadBalancer, combine_utility, replica_configs
+from shardlm.engine.dp_remote import JoinListener, fingerprint
 from shardlm.logger import init_logger
 from shardlm.messages import (
     AbortRequests,
@@ -107,23 +108,16 @@ class InprocClient(EngineCoreClient):
         self.engine_core.shutdown()
 
 
-class CoreProcess:
-    """One engine core process and its two pipes. A reader thread hands each message to
-    `on_message(index, msg)` and the process's death to `on_death(index, reason)`."""
+class CoreChannel:
+    """One engine core as its client sees it: messages to it, messages from it, and its death.
+    A reader thread hands each message to `on_message(index, msg)` and the death (a Failed
+    message, the connection closing or the process exiting) to `on_death(index, reason)`."""
 
-    def __init__(self, config: EngineConfig, index: int):
-        ctx = multiprocessing.get_context("spawn")
+    def __init__(self, config: EngineConfig, index: int, send_conn, recv_conn, sentinels: list):
         self.index = index
         self.config = config
-        req_recv, self._req_send = ctx.Pipe(duplex=False)
-        self._out_recv, out_send = ctx.Pipe(duplex=False)
+        self._send_conn, self._recv_conn, self._sentinels = send_conn, recv_conn, sentinels
         self._decode = msgspec.msgpack.Decoder(FromEngineCore).decode
-        # not daemonic: it starts the worker processes itself; the client stops it
-        self.process = ctx.Process(target=run_engine_core, name=f"shardlm-engine-core-{index}",
-                                   args=(config, req_recv, out_send))
-        self.process.start()
-        req_recv.close()
-        out_send.close()
         self._send_lock = threading.Lock()
         self.closing = False
         self.dead_reason: str | None = None
@@ -138,21 +132,23 @@ class CoreProcess:
         ranks = f"world rank {first}" if par.world_size == 1 else f"world ranks {first}-{first + par.world_size - 1}"
         return f"Data parallel replica {par.data_parallel_rank} ({ranks})"
 
+    def _gone(self) -> str:
+        """Why the channel ended without a Failed message."""
+        raise NotImplementedError
+
     def wait_ready(self) -> int:
         """Its KV cache blocks once it started; raises why it did not."""
-        ready = wait([self._out_recv, self.process.sentinel])
-        if self._out_recv in ready:
+        ready = wait([self._recv_conn, *self._sentinels])
+        if self._recv_conn in ready:
             try:
-                msg = self._decode(self._out_recv.recv_bytes())
-            except EOFError:
+                msg = self._decode(self._recv_conn.recv_bytes())
+            except (EOFError, OSError):
                 msg = None
             if isinstance(msg, Ready):
                 return msg.num_blocks
             if isinstance(msg, StartupFailed):
-                self.process.join(5)
                 raise RuntimeError(f"{self.name} failed to start: {msg.error}")
-        self.process.join(5)
-        raise EngineDeadError(f"{self.name}: its process exited during start-up (exit code {self.process.exitcode}).")
+        raise EngineDeadError(f"{self.name} ended during start-up: {self._gone()}")
 
     def start_reader(self, on_message, on_death) -> None:
         self._reader = threading.Thread(target=self._read, args=(on_message, on_death),
@@ -161,10 +157,10 @@ class CoreProcess:
 
     def _read(self, on_message, on_death) -> None:
         while True:
-            ready = wait([self._out_recv, self.process.sentinel])
-            if self._out_recv in ready:
+            ready = wait([self._recv_conn, *self._sentinels])
+            if self._recv_conn in ready:
                 try:
-                    msg = self._decode(self._out_recv.recv_bytes())
+                    msg = self._decode(self._recv_conn.recv_bytes())
                 except (EOFError, OSError):
                     msg = None
                 if isinstance(msg, (EngineCoreOutputs, UtilityResult)):
@@ -175,9 +171,7 @@ class CoreProcess:
                     on_death(self.index, self.dead_reason)
                     return
             if not self.closing:
-                self.process.join(1)
-                self.dead_reason = (f"{self.name} process (pid {self.process.pid}) died "
-                                    f"(exit code {self.process.exitcode}).")
+                self.dead_reason = f"{self.name} {self._gone()}"
                 on_death(self.index, self.dead_reason)
             return
 
@@ -186,28 +180,72 @@ class CoreProcess:
             raise EngineDeadError(self.dead_reason)
         with self._send_lock:
             try:
-                self._req_send.send_bytes(data)
+                self._send_conn.send_bytes(data)
             except (BrokenPipeError, OSError) as e:
-                raise EngineDeadError(self.dead_reason or f"{self.name} process is gone.") from e
+                raise EngineDeadError(self.dead_reason or f"{self.name} is gone.") from e
 
     def shutdown(self, shutdown_msg: bytes, timeout: float) -> None:
         self.closing = True
+        try:
+            self.send(shutdown_msg)
+        except EngineDeadError:
+            pass
+
+    def _close(self) -> None:
+        if self._reader is not None:
+            self._reader.join(5)
+        for conn in {id(c): c for c in (self._send_conn, self._recv_conn)}.values():
+            conn.close()
+
+
+class CoreProcess(CoreChannel):
+    """An engine core in a process of this node, behind two pipes."""
+
+    def __init__(self, config: EngineConfig, index: int):
+        ctx = multiprocessing.get_context("spawn")
+        req_recv, req_send = ctx.Pipe(duplex=False)
+        out_recv, out_send = ctx.Pipe(duplex=False)
+        # not daemonic: it starts the worker processes itself; the client stops it
+        self.process = ctx.Process(target=run_engine_core, name=f"shardlm-engine-core-{index}",
+                                   args=(config, req_recv, out_send))
+        self.process.start()
+        req_recv.close()
+        out_send.close()
+        super().__init__(config, index, req_send, out_recv, [self.process.sentinel])
+
+    def _gone(self) -> str:
+        self.process.join(1)
+        return f"process (pid {self.process.pid}) died (exit code {self.process.exitcode})."
+
+    def shutdown(self, shutdown_msg: bytes, timeout: float) -> None:
         if self.process.is_alive():
-            try:
-                self.send(shutdown_msg)
-            except EngineDeadError:
-                pass
+            super().shutdown(shutdown_msg, timeout)
             self.process.join(timeout)
+        self.closing = True
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(5)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
-        self._req_send.close()
+        self._close()
+
+
+class RemoteCore(CoreChannel):
+    """An engine core on a headless node, behind the socket it joined through (dp_remote.py)."""
+
+    def __init__(self, config: EngineConfig, index: int, conn):
+        super().__init__(config, index, conn, conn, [])
+
+    def _gone(self) -> str:
+        return "closed its connection (its node or process is gone)."
+
+    def shutdown(self, shutdown_msg: bytes, timeout: float) -> None:
+        super().shutdown(shutdown_msg, timeout)
+        # it exits after Shutdown; the reader sees the connection close
         if self._reader is not None:
-            self._reader.join(5)
-        self._out_recv.close()
+            self._reader.join(timeout)
+        self._close()
 
 
 class _Gather:
@@ -234,24 +272,45 @@ class MPClient(EngineCoreClient):
         self._state_lock = threading.Lock()
         par = config.parallel
         self._store = None
-        master = None
+        master, listener = None, None
         if par.data_parallel_size > 1:
             # every replica's ranks join one world through this store (the DP x PP x TP grid)
-            self._store = host_store("127.0.0.1", par.world_size_across_dp, par.distributed_init_timeout)
-            master = ("127.0.0.1", self._store.port)
+            host = par.data_parallel_address or "127.0.0.1"
+            if par.data_parallel_size_local < par.data_parallel_size:
+                listener = JoinListener(host, par.data_parallel_rpc_port)      # before anything can join
+            self._store = host_store(host, par.world_size_across_dp, par.distributed_init_timeout)
+            master = (host, self._store.port)
         # all start before any is waited for: their ranks rendezvous together
-        self.cores = [CoreProcess(c, k) for k, c in enumerate(replica_configs(config, master))]
+        local = replica_configs(config, master)
+        self.cores: list[CoreChannel] = [CoreProcess(c, k) for k, c in enumerate(local)]
         try:
+            if listener is not None:
+                self.cores += self._accept_remote(config, listener, master, local)
             self.num_blocks_per_engine = [core.wait_ready() for core in self.cores]
         except BaseException:
             for core in self.cores:
                 core.shutdown(self._encode(Shutdown()), timeout=5)
             raise
+        finally:
+            if listener is not None:
+                listener.close()
         self.num_blocks = self.num_blocks_per_engine[0]
         self.balancer = LoadBalancer(len(self.cores), config.cache.block_size)
         for core in self.cores:
             core.start_reader(self._on_core_message, self._on_core_death)
         atexit.register(self.shutdown)
+
+    @staticmethod
+    def _accept_remote(config: EngineConfig, listener: JoinListener, master: tuple[str, int],
+                       local: list[EngineConfig]) -> list[CoreChannel]:
+        """The replicas of the other nodes, once each has joined (in replica order after ours)."""
+        import dataclasses
+        par = config.parallel
+        ours = {c.parallel.data_parallel_rank for c in local}
+        expected = [r for r in range(par.data_parallel_size) if r not in ours]
+        joined = listener.accept_replicas(expected, fingerprint(config), master, par.distributed_init_timeout)
+        return [RemoteCore(dataclasses.replace(config, parallel=dataclasses.replace(par, data_parallel_rank=r)),
+                           len(local) + i, joined[r]) for i, r in enumerate(expected)]
 
     @property
     def process(self):

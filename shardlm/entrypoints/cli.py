@@ -110,6 +110,15 @@ def cmd_bench(ns) -> None:
 
 
 def cmd_serve(ns) -> None:
+    if ns.headless:
+        from shardlm.engine.dp_remote import run_headless
+        config = engine_args_from(ns).create_engine_config()
+        par = config.parallel
+        if par.data_parallel_size_local == par.data_parallel_size or par.data_parallel_start_rank == 0:
+            raise ValueError("--headless runs replicas that join a head on another node: give "
+                             "--data-parallel-start-rank (its first replica, above the head's) and "
+                             "--data-parallel-size-local, with --data-parallel-address/--data-parallel-rpc-port.")
+        sys.exit(run_headless(config))
     from shardlm.entrypoints.openai.server import run_server
     chat_template = ns.chat_template
     if chat_template and os.path.isfile(chat_template):
@@ -210,6 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "/health, /metrics, /version); default: $SHARDLM_API_KEY or $VLLM_API_KEY (which keep it out "
                    "of `ps`)")
     p.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too")
+    p.add_argument("--headless", action="store_true",
+                   help="data parallel across nodes: run this node's replicas (--data-parallel-size-local from "
+                        "--data-parallel-start-rank) and no API server; they join the head at "
+                        "--data-parallel-address:--data-parallel-rpc-port")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])

@@ -72,8 +72,10 @@ def test_n_samples_and_aborts_across_replicas(tiny_model_dir):
 
 def test_dp_options_this_version_does_not_run_are_clear_errors(tiny_model_dir):
     path = tiny_model_dir("llama-gqa")
-    with pytest.raises(NotImplementedError, match="across nodes .* not built yet"):
+    with pytest.raises(ValueError, match="give --data-parallel-address .* and --data-parallel-rpc-port"):
         LLM(path, **ENGINE, data_parallel_size=2, data_parallel_size_local=1)
+    with pytest.raises(NotImplementedError, match="--data-parallel-backend ray .* not built yet"):
+        LLM(path, **ENGINE, data_parallel_size=2, data_parallel_backend="ray")
     with pytest.raises(NotImplementedError, match="leave out --distributed-executor-backend ray"):
         LLM(path, **ENGINE, data_parallel_size=2, distributed_executor_backend="ray")
     with pytest.raises(ValueError, match="data_parallel_start_rank=2 must be within the 2 replicas"):
@@ -169,3 +171,46 @@ def test_a_dead_replica_fails_its_streams_and_the_other_serves_on(dp_server):
         r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert proc.poll() is None
+
+
+def test_headless_node_joins_the_head_and_both_serve(tiny_model_dir):
+    """Two "nodes" on this machine: the head runs the API server and replica 0; a headless
+    `shardlm serve` runs replica 1 and joins it over TCP. Outputs equal the offline engine's and
+    both replicas serve; stopping the head ends the headless node too."""
+    import subprocess
+    import sys
+
+    from tests.server.test_openai_server import _free_port
+    path = tiny_model_dir("llama-gqa")
+    rpc = _free_port()
+    common = ["-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+              "--data-parallel-rpc-port", str(rpc)]
+    node = subprocess.Popen([sys.executable, "-m", "shardlm.entrypoints.cli", "serve", path, "--dtype", "float32",
+                             "--kv-cache-memory", "64MiB", "--max-model-len", "256", *common,
+                             "--data-parallel-start-rank", "1", "--headless"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    node_children = []
+    try:
+        proc, url = _start(path, *common)
+        node_children = psutil.Process(node.pid).children(recursive=True)
+        try:
+            assert_server_answers_like_llm(url, path)
+            assert_concurrent_streams_equal_offline(url, path, n=16)
+            text = httpx.get(url + "/metrics").text
+            assert _labelled(text, "shardlm:num_requests_routed", "1") >= 4
+            assert _labelled(text, "shardlm:num_requests_routed", "0") >= 4
+        finally:
+            _stop(proc)
+        assert node.wait(timeout=30) == 0, node.stderr.read()[-3000:]
+    finally:
+        if node.poll() is None:
+            node.kill()
+    _, alive = psutil.wait_procs(node_children, timeout=10)
+    assert not alive, f"processes left on the headless node: {[p.pid for p in alive]}"
+
+
+def test_a_head_without_its_remote_replicas_names_them(tiny_model_dir):
+    from tests.server.test_openai_server import _free_port
+    with pytest.raises(TimeoutError, match=r"replica\(s\) 1 did not join within 3 s"):
+        LLM(tiny_model_dir("llama-gqa"), **ENGINE, data_parallel_size=2, data_parallel_size_local=1,
+            data_parallel_address="127.0.0.1", data_parallel_rpc_port=_free_port(), distributed_init_timeout=3)
