@@ -112,6 +112,7 @@ class ParallelConfig:
     execute_model_timeout: float = 300.0              # a step of worker processes that takes longer fails the engine
     data_parallel_size_local: int | None = None       # replicas on this node; None: all of them
     data_parallel_start_rank: int = 0                 # the first replica this node runs
+    data_parallel_backend: str = "mp"                 # replicas as processes (mp) or Ray actors (ray)
     data_parallel_address: str | None = None          # across nodes: the head's address, where replicas join
     data_parallel_rpc_port: int | None = None         # ... and its port
     data_parallel_rank: int = 0                       # this replica (set per engine core by the DP client)
@@ -131,7 +132,9 @@ class ParallelConfig:
             raise ValueError(f"data_parallel_size_local={self.data_parallel_size_local} replicas from start rank "
                              f"{self.data_parallel_start_rank} do not fit in data_parallel_size="
                              f"{self.data_parallel_size}.")
-        if self.data_parallel_size_local < self.data_parallel_size and not (
+        if self.data_parallel_backend == "ray":
+            self.data_parallel_size_local = 0                  # Ray places every replica
+        elif self.data_parallel_size_local < self.data_parallel_size and not (
                 self.data_parallel_address and self.data_parallel_rpc_port):
             raise ValueError(f"{self.data_parallel_size_local} of {self.data_parallel_size} data parallel replicas on "
                              "this node: the others join over the network, so give --data-parallel-address (the "

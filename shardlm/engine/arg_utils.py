@@ -117,8 +117,8 @@ class EngineArgs:
                                   self.distributed_init_timeout, self.cpu_threads_bind,
                                   _parse_partition(self.pp_layer_partition), self.allow_cross_node_tp,
                                   self.execute_model_timeout, self.data_parallel_size_local,
-                                  self.data_parallel_start_rank, self.data_parallel_address,
-                                  self.data_parallel_rpc_port)
+                                  self.data_parallel_start_rank, self.data_parallel_backend,
+                                  self.data_parallel_address, self.data_parallel_rpc_port)
         self._check_data_parallel(parallel)
         # on Ray a core list is per node (checked when the ranks are placed)
         validate_binding(parallel.cpu_threads_bind, None if parallel.distributed_executor_backend == "ray"
@@ -148,16 +148,11 @@ class EngineArgs:
 
 
     def _check_data_parallel(self, parallel: ParallelConfig) -> None:
-        """What of data parallel this version runs: replicas as processes, on this node or joined
-        from headless nodes."""
+        """What of data parallel this version runs: replicas as processes (on this node, or joined
+        from headless nodes) or as Ray actors, each running its own ranks on its node."""
         if parallel.data_parallel_size == 1:
             return
-        if self.data_parallel_backend == "ray":
-            raise NotImplementedError(
-                "--data-parallel-backend ray (replicas placed on Ray nodes) is not built yet in this version of "
-                "shardlm: run the other nodes' replicas headless (`shardlm serve ... --headless` with "
-                "--data-parallel-address/--data-parallel-rpc-port), or all of them on this node.")
-        if self.data_parallel_backend != "mp":
+        if self.data_parallel_backend not in ("mp", "ray"):
             raise ValueError(f"data_parallel_backend={self.data_parallel_backend!r}: use 'mp' or 'ray'.")
         if parallel.distributed_executor_backend == "ray":
             raise NotImplementedError("Data parallel replicas run their TP x PP ranks with the mp or uni executor "

@@ -271,25 +271,30 @@ class MPClient(EngineCoreClient):
         self._gathers: dict[int, tuple[_Gather, int]] = {}     # call id -> (its gather, replica)
         self._state_lock = threading.Lock()
         par = config.parallel
-        self._store = None
+        self._store, self._ray_replicas = None, None
         master, listener = None, None
         if par.data_parallel_size > 1:
             # every replica's ranks join one world through this store (the DP x PP x TP grid)
             host = par.data_parallel_address or "127.0.0.1"
+            if par.data_parallel_backend == "ray":
+                from shardlm.distributed.network import host_ip
+                host = par.data_parallel_address or host_ip()
             if par.data_parallel_size_local < par.data_parallel_size:
-                listener = JoinListener(host, par.data_parallel_rpc_port)      # before anything can join
+                listener = JoinListener(host, par.data_parallel_rpc_port or 0)   # before anything can join
             self._store = host_store(host, par.world_size_across_dp, par.distributed_init_timeout)
             master = (host, self._store.port)
         # all start before any is waited for: their ranks rendezvous together
-        local = replica_configs(config, master)
+        local = replica_configs(config, master) if par.data_parallel_size_local else []
         self.cores: list[CoreChannel] = [CoreProcess(c, k) for k, c in enumerate(local)]
         try:
+            if par.data_parallel_backend == "ray" and par.data_parallel_size > 1:
+                from shardlm.engine.dp_ray import RayReplicas
+                self._ray_replicas = RayReplicas(config, listener.address)
             if listener is not None:
                 self.cores += self._accept_remote(config, listener, master, local)
             self.num_blocks_per_engine = [core.wait_ready() for core in self.cores]
         except BaseException:
-            for core in self.cores:
-                core.shutdown(self._encode(Shutdown()), timeout=5)
+            self._stop_cores(timeout=5)
             raise
         finally:
             if listener is not None:
@@ -431,11 +436,17 @@ class MPClient(EngineCoreClient):
             return
         atexit.unregister(self.shutdown)
         self._closing = True
+        self._stop_cores(timeout)
+
+    def _stop_cores(self, timeout: float) -> None:
         shutdown = self._encode(Shutdown())
         for core in self.cores:
             core.closing = True
         for core in self.cores:
             core.shutdown(shutdown, timeout)
+        if self._ray_replicas is not None:
+            self._ray_replicas.shutdown()
+            self._ray_replicas = None
         self._store = None
 
 

@@ -9,6 +9,7 @@ waits on model work. It receives the EngineConfig already resolved by the front 
 from __future__ import annotations
 
 import signal
+import threading
 from multiprocessing.connection import Connection, wait
 
 import msgspec
@@ -37,7 +38,8 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
     """Entry point of the engine core process."""
     from shardlm.engine.engine_core import EngineCore
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the parent decides
+    if threading.current_thread() is threading.main_thread():      # (a Ray actor may run it elsewhere)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the parent decides
     encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(ToEngineCore).decode
     try:
         core = EngineCore(config)

@@ -64,6 +64,10 @@ class JoinListener:
             raise ValueError(f"Cannot listen on --data-parallel-address {host} --data-parallel-rpc-port {port} "
                              f"({e.strerror}): give an address of this node and a free port.") from None
 
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.sock.getsockname()[:2]
+
     def accept_replicas(self, expected: list[int], ours: dict[str, str], store: tuple[str, int],
                         timeout_s: float) -> dict[int, Connection]:
         """Wait for a connection from each replica in `expected`; check and welcome each. Raises
@@ -159,7 +163,6 @@ def run_remote_engine_core(config: EngineConfig) -> None:
     import dataclasses
 
     from shardlm.engine.core_process import run_engine_core
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn, store = join_head(config, config.parallel.distributed_init_timeout)
     config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, data_parallel_master=store))
     run_engine_core(config, conn, conn)

@@ -131,6 +131,25 @@ def test_server_ends_when_an_idle_actor_dies(cluster, tiny_model_dir):
     assert_nothing_left()
 
 
+def test_data_parallel_replicas_on_two_ray_nodes(cluster, tiny_model_dir):
+    """--data-parallel-backend ray: one replica per node (each node has one CPU), joined to this
+    client over TCP; outputs equal dp=1's and both replicas serve; nothing is left afterwards."""
+    path = tiny_model_dir("llama-gqa")
+    ref, _ = _generate(path)
+    llm = LLM(path, **ENGINE, data_parallel_size=2, data_parallel_backend="ray")
+    try:
+        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+        client = llm.engine.engine_core
+        assert type(client.cores[0]).__name__ == "RemoteCore" and client.balancer.assigned_total == [3, 3]
+        assert ray.available_resources().get("CPU", 0) == 0, "each replica holds its node's CPU"
+        layout = llm.engine.collective_rpc("parallel_layout")
+        assert [r["dp"] for r in layout] == [[0, 1], [0, 1]]
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert_nothing_left()
+
+
 def test_default_backend_is_ray_inside_a_placement_group(cluster):
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -1,0 +1,93 @@
+"""--data-parallel-backend ray: each replica's engine core runs in a Ray actor, placed with all
+of its TP x PP ranks on one node (one placement-group bundle per replica, PACK), and joins the
+client over TCP exactly as a headless node's engine core does (engine/dp_remote.py). Inside the
+actor the replica's ranks run as processes of that node (the uni or mp executor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from shardlm.config import EngineConfig
+from shardlm.executor.ray_placement import describe_nodes, forwarded_env
+from shardlm.executor.selection import require_ray
+from shardlm.logger import init_logger
+
+ray = require_ray()
+logger = init_logger(__name__)
+
+
+@ray.remote(max_restarts=0)
+class EngineCoreActor:
+    """One replica's engine core; run() returns when it ends (shut down by the client, or failed)."""
+
+    def node(self) -> str:
+        from shardlm.engine.dp_remote import node_name
+        return node_name()
+
+    def run(self, config: EngineConfig) -> None:
+        from shardlm.engine.dp_remote import run_remote_engine_core
+        run_remote_engine_core(config)
+
+
+class RayReplicas:
+    """The actors of every replica, in a placement group; they connect to `head` (host, port)."""
+
+    def __init__(self, config: EngineConfig, head: tuple[str, int]):
+        self._owns_ray_connection = not ray.is_initialized()
+        if self._owns_ray_connection:
+            ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level="warning")
+        self.pg, self.actors = None, []
+        try:
+            self._start(config, head)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, config: EngineConfig, head: tuple[str, int]) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        par = config.parallel
+        ranks, on_gpu = par.world_size, config.device.type == "cuda"
+        bundle = {"CPU": float(ranks), **({"GPU": float(ranks)} if on_gpu else {})}
+        self.pg = placement_group([dict(bundle) for _ in range(par.data_parallel_size)], strategy="PACK")
+        deadline = time.monotonic() + par.distributed_init_timeout
+        while not ray.wait([self.pg.ready()], timeout=min(10.0, max(0.1, deadline - time.monotonic())))[0]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"Ray could not place {par.data_parallel_size} data parallel replicas of {bundle} (all of a "
+                    f"replica's ranks on one node) within {par.distributed_init_timeout:.0f} s. Nodes: "
+                    f"{describe_nodes([n for n in ray.nodes() if n['Alive']])}. Lower -dp or -tp/-pp, or add nodes.")
+            logger.info("Waiting for Ray to place %d replicas of %s ...", par.data_parallel_size, bundle)
+        env = forwarded_env()
+        host, port = head
+        replicas = []
+        for rank in range(par.data_parallel_size):
+            # seen from inside, a replica that joins the client over TCP like a headless node's,
+            # alone on its share of the node (its ranks split the bundle's CPUs between them)
+            replica = dataclasses.replace(config, parallel=dataclasses.replace(
+                par, data_parallel_backend="mp", data_parallel_rank=rank, data_parallel_start_rank=rank,
+                data_parallel_size_local=1, data_parallel_address=host, data_parallel_rpc_port=port))
+            actor = EngineCoreActor.options(
+                num_cpus=ranks, num_gpus=ranks if on_gpu else 0,
+                runtime_env={"env_vars": {**env, "OMP_NUM_THREADS": str(ranks)}},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+            ).remote()
+            self.actors.append(actor)
+            replicas.append(replica)
+        nodes = ray.get([a.node.remote() for a in self.actors], timeout=par.distributed_init_timeout)
+        for actor, replica in zip(self.actors, replicas):
+            actor.run.remote(replica)        # runs until the engine core ends (one call at a time per actor)
+        logger.info("Data parallel replicas on Ray: %s", "; ".join(f"{r}: node {n}" for r, n in enumerate(nodes)))
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self.pg is not None:
+            ray.util.remove_placement_group(self.pg)
+            self.pg = None
+        if self._owns_ray_connection and ray.is_initialized():
+            ray.shutdown()
