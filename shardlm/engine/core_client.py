@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 
 from shardlm.config import EngineConfig
+from shardlm.distributed.network import bind_collectives_to
 from shardlm.distributed.parallel_state import host_store
 from shardlm.engine.core_process import call_utility, check_utility, run_engine_core
 from shardlm.engine.dp import LoadBalancer, combine_utility, replica_configs
@@ -281,6 +282,8 @@ class MPClient(EngineCoreClient):
                 host = par.data_parallel_address or host_ip()
             if par.data_parallel_size_local < par.data_parallel_size:
                 listener = JoinListener(host, par.data_parallel_rpc_port or 0)   # before anything can join
+                if par.data_parallel_size_local:     # our replicas' DP groups cross nodes: bind to that address
+                    bind_collectives_to(host, "nccl" if config.device.type == "cuda" else "gloo")
             self._store = host_store(host, par.world_size_across_dp, par.distributed_init_timeout)
             master = (host, self._store.port)
         # all start before any is waited for: their ranks rendezvous together

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import httpx
 import pytest
 
 from tests.distributed.ray_cluster import own_ray_auth_token
@@ -136,3 +137,32 @@ def test_a_rendezvous_address_the_other_node_cannot_reach_is_named(two_hosts, ti
         assert re.search(rf"rank(\(s\))? 1 on node {re.escape(NODE_IP)}", run.stderr), run.stderr[-3000:]
     finally:
         _sh("ip", "netns", "exec", NS, "ip", "route", "add", "default", "via", HEAD_IP, check=False)
+
+
+def test_headless_data_parallel_replica_in_the_other_namespace(two_hosts, tiny_model_dir):
+    """The head (this namespace, HEAD_IP) runs the API server and replica 0; a headless node in
+    the other namespace runs replica 1 and joins over the veth pair. Both serve, equal to dp=1."""
+    from tests.distributed.test_parallel_server import assert_server_answers_like_llm
+    from tests.server.test_openai_server import _free_port, _start, _stop
+    path = tiny_model_dir("llama-gqa")
+    rpc = _free_port()
+    common = ["-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address", HEAD_IP,
+              "--data-parallel-rpc-port", str(rpc)]
+    node = subprocess.Popen(["ip", "netns", "exec", NS, sys.executable, "-m", "shardlm.entrypoints.cli", "serve", path,
+                             "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "256", *common,
+                             "--data-parallel-start-rank", "1", "--headless"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        proc, url = _start(path, *common, env={"SHARDLM_HOST_IP": HEAD_IP})
+        try:
+            assert_server_answers_like_llm(url, path)
+            routed = [line for line in httpx.get(url + "/metrics").text.splitlines()
+                      if line.startswith("shardlm:num_requests_routed{") and 'engine="1"' in line]
+            assert float(routed[0].rsplit(" ", 1)[1]) >= 1, "replica 1 (the other namespace) served"
+        finally:
+            _stop(proc)
+        assert node.wait(timeout=30) == 0, node.stderr.read()[-3000:]
+        assert f"Data parallel replica 1 joined from node {NODE_IP}" in proc.stderr.read()
+    finally:
+        if node.poll() is None:
+            node.kill()
