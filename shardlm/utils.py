@@ -1,6 +1,8 @@
 """Small helpers used across the package."""
 
+import ctypes
 import os
+import signal
 
 
 def cdiv(a: int, b: int) -> int:
@@ -13,3 +15,15 @@ def os_thread_count() -> int:
         return len(os.listdir("/proc/self/task"))
     except OSError:
         return -1
+
+
+def die_with_parent() -> None:
+    """Ask Linux to kill this process when the process (strictly: the thread) that started it
+    dies, however it dies, so nothing outlives its parent. Exits now if the parent is already gone."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(1)

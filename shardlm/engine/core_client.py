@@ -30,7 +30,6 @@ from typing import Any
 import msgspec
 
 from shardlm.config import EngineConfig
-from shardlm.distributed.network import bind_collectives_to
 from shardlm.distributed.parallel_state import host_store
 from shardlm.engine.core_process import call_utility, check_utility, run_engine_core
 from shardlm.engine.dp import LoadBalancer, combine_utility, replica_configs
@@ -202,13 +201,13 @@ class CoreChannel:
 class CoreProcess(CoreChannel):
     """An engine core in a process of this node, behind two pipes."""
 
-    def __init__(self, config: EngineConfig, index: int):
+    def __init__(self, config: EngineConfig, index: int, node_address: str | None = None):
         ctx = multiprocessing.get_context("spawn")
         req_recv, req_send = ctx.Pipe(duplex=False)
         out_recv, out_send = ctx.Pipe(duplex=False)
         # not daemonic: it starts the worker processes itself; the client stops it
         self.process = ctx.Process(target=run_engine_core, name=f"shardlm-engine-core-{index}",
-                                   args=(config, req_recv, out_send))
+                                   args=(config, req_recv, out_send, node_address))
         self.process.start()
         req_recv.close()
         out_send.close()
@@ -273,7 +272,7 @@ class MPClient(EngineCoreClient):
         self._state_lock = threading.Lock()
         par = config.parallel
         self._store, self._ray_replicas = None, None
-        master, listener = None, None
+        master, listener, node_address = None, None, None
         if par.data_parallel_size > 1:
             # every replica's ranks join one world through this store (the DP x PP x TP grid)
             host = par.data_parallel_address or "127.0.0.1"
@@ -282,13 +281,12 @@ class MPClient(EngineCoreClient):
                 host = par.data_parallel_address or host_ip()
             if par.data_parallel_size_local < par.data_parallel_size:
                 listener = JoinListener(host, par.data_parallel_rpc_port or 0)   # before anything can join
-                if par.data_parallel_size_local:     # our replicas' DP groups cross nodes: bind to that address
-                    bind_collectives_to(host, "nccl" if config.device.type == "cuda" else "gloo")
+                node_address = host        # our replicas' DP groups cross nodes: gloo/NCCL bind to it
             self._store = host_store(host, par.world_size_across_dp, par.distributed_init_timeout)
             master = (host, self._store.port)
         # all start before any is waited for: their ranks rendezvous together
         local = replica_configs(config, master) if par.data_parallel_size_local else []
-        self.cores: list[CoreChannel] = [CoreProcess(c, k) for k, c in enumerate(local)]
+        self.cores: list[CoreChannel] = [CoreProcess(c, k, node_address) for k, c in enumerate(local)]
         try:
             if par.data_parallel_backend == "ray" and par.data_parallel_size > 1:
                 from shardlm.engine.dp_ray import RayReplicas

@@ -8,6 +8,7 @@ waits on model work. It receives the EngineConfig already resolved by the front 
 
 from __future__ import annotations
 
+import multiprocessing
 import signal
 import threading
 from multiprocessing.connection import Connection, wait
@@ -27,6 +28,7 @@ from shardlm.messages import (
     UtilityCall,
     UtilityResult,
 )
+from shardlm.utils import die_with_parent
 
 logger = init_logger(__name__)
 
@@ -34,14 +36,21 @@ logger = init_logger(__name__)
 UTILITY_METHODS = ("stats", "reset_prefix_cache", "collective_rpc")
 
 
-def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connection) -> None:
-    """Entry point of the engine core process."""
+def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connection,
+                    node_address: str | None = None) -> None:
+    """Entry point of the engine core process. node_address: this node's address when the data
+    parallel groups cross nodes (gloo/NCCL of this process and its workers bind to it)."""
     from shardlm.engine.engine_core import EngineCore
 
+    if multiprocessing.parent_process() is not None:
+        die_with_parent()         # its client died (even during start-up): so does it, and its workers
     if threading.current_thread() is threading.main_thread():      # (a Ray actor may run it elsewhere)
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the parent decides
     encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(ToEngineCore).decode
     try:
+        if node_address is not None:
+            from shardlm.distributed.network import bind_collectives_to
+            bind_collectives_to(node_address, "nccl" if config.device.type == "cuda" else "gloo")
         core = EngineCore(config)
     except BaseException as e:   # report why, then exit: the parent raises it
         outputs.send_bytes(encode(StartupFailed(f"{type(e).__name__}: {e}")))

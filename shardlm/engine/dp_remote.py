@@ -162,13 +162,11 @@ def run_remote_engine_core(config: EngineConfig) -> None:
     """A headless node's engine-core process: join the head, then serve it over the socket."""
     import dataclasses
 
-    from shardlm.distributed.network import bind_collectives_to, host_ip
+    from shardlm.distributed.network import host_ip
     from shardlm.engine.core_process import run_engine_core
-    # the DP groups cross nodes: gloo/NCCL on the interface of this node's address
-    bind_collectives_to(host_ip(), "nccl" if config.device.type == "cuda" else "gloo")
     conn, store = join_head(config, config.parallel.distributed_init_timeout)
     config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, data_parallel_master=store))
-    run_engine_core(config, conn, conn)
+    run_engine_core(config, conn, conn, node_address=host_ip())     # the DP groups cross nodes
 
 
 def run_headless(config: EngineConfig) -> int:

@@ -18,7 +18,6 @@ engine core (PR_SET_PDEATHSIG) and are terminated on shutdown: no orphans.
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import signal
 import sys
@@ -52,7 +51,7 @@ from shardlm.messages import (
     UtilityCall,
     UtilityResult,
 )
-from shardlm.utils import os_thread_count
+from shardlm.utils import die_with_parent, os_thread_count
 
 logger = init_logger(__name__)
 
@@ -223,7 +222,7 @@ def run_worker(config: EngineConfig, rank: int, rendezvous: tuple[str, int], bro
     """Entry point of a worker process: start up, then run what the broadcast queue says."""
     from shardlm.worker.worker import Worker
 
-    _die_with_parent()
+    die_with_parent()             # the engine core, however it dies
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the engine decides
     tp = config.parallel.tensor_parallel_size
     set_log_prefix(f"(rank {rank}: pp {rank // tp}, tp {rank % tp}) ")
@@ -266,14 +265,6 @@ def run_worker(config: EngineConfig, rank: int, rendezvous: tuple[str, int], bro
         for q in (broadcast, reply, *stage_links):
             if q is not None:
                 q.destroy()
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when the engine core dies, however it dies."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _process_state(pid: int) -> str:

@@ -10,9 +10,14 @@ import time
 
 @contextlib.contextmanager
 def ray_cluster(nodes: int, cpus_per_node: int):
+    """The cluster runs without Ray's token authentication, and so must every client of it: a
+    process shardlm starts would otherwise switch to token mode wherever ~/.ray/auth_token
+    exists (Ray >= 2.5x writes one at its first local `ray.init()`)."""
     import ray
     from ray.cluster_utils import Cluster
 
+    saved_mode = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, "include_dashboard": False})
     try:
         for _ in range(nodes - 1):
@@ -23,6 +28,10 @@ def ray_cluster(nodes: int, cpus_per_node: int):
     finally:
         ray.shutdown()
         cluster.shutdown()
+        if saved_mode is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved_mode
 
 
 def assert_nothing_left(timeout_s: float = 10.0) -> None:

@@ -211,6 +211,8 @@ def test_headless_node_joins_the_head_and_both_serve(tiny_model_dir):
 
 def test_a_head_without_its_remote_replicas_names_them(tiny_model_dir):
     from tests.server.test_openai_server import _free_port
+    env_before = dict(os.environ)
     with pytest.raises(TimeoutError, match=r"replica\(s\) 1 did not join within 3 s"):
         LLM(tiny_model_dir("llama-gqa"), **ENGINE, data_parallel_size=2, data_parallel_size_local=1,
             data_parallel_address="127.0.0.1", data_parallel_rpc_port=_free_port(), distributed_init_timeout=3)
+    assert dict(os.environ) == env_before, "the engine cores bind their collectives, not the caller's process"

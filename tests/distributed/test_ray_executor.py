@@ -86,6 +86,8 @@ def test_killed_actor_fails_the_engine_fast_naming_rank_and_node(cluster, tiny_m
 
 
 def test_stopped_actor_fails_the_engine_within_the_step_timeout(cluster, tiny_model_dir):
+    import contextlib
+    import os
     import signal
     llm = LLM(tiny_model_dir("llama-gqa"), **ENGINE, pipeline_parallel_size=2, distributed_executor_backend="ray",
               execute_model_timeout=3)
@@ -93,9 +95,12 @@ def test_stopped_actor_fails_the_engine_within_the_step_timeout(cluster, tiny_mo
     try:
         error = kill_during_generation(llm, victim.pid, r"did not finish within 3 s \(--execute-model-timeout\)",
                                        sig=signal.SIGSTOP)
-        assert "Worker rank 1 on" in error and victim.ip in error and "rank 0" not in error, error
+        # rank 1 is named (rank 0 may be too: stage 0 can wait on its send to the stopped stage)
+        assert "Worker rank 1 on" in error and victim.ip in error, error
     finally:
-        llm.shutdown()                 # kills the stopped actor (SIGKILL works on a stopped process)
+        llm.shutdown()
+        with contextlib.suppress(ProcessLookupError):     # a stopped process must not linger for Ray to reuse
+            os.kill(victim.pid, signal.SIGKILL)
     assert_nothing_left()
 
 
