@@ -65,6 +65,13 @@ def _mistral(path):
     return _save_tiny(path, MistralForCausalLM, MistralConfig(**TINY, sliding_window=None))
 
 
+def _mixtral(path):
+    """4 experts, 2 per token."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    return _save_tiny(path, MixtralForCausalLM, MixtralConfig(**TINY, sliding_window=None, num_local_experts=4,
+                                                               num_experts_per_tok=2))
+
+
 def _llama_5_layers(path):
     """A layer count that 2 and 3 stages do not divide."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -74,7 +81,7 @@ def _llama_5_layers(path):
 
 TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers,
                "llama-tied-llama3rope": _llama_tied_llama3_rope,
-               "qwen2-bias": _qwen2_bias, "mistral": _mistral}
+               "qwen2-bias": _qwen2_bias, "mistral": _mistral, "mixtral": _mixtral}
 
 
 @pytest.fixture(scope="session")

@@ -62,10 +62,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, mlp_class=LlamaMLP):
         super().__init__()
         self.self_attn = LlamaAttention(config, qkv_bias, o_bias)
-        self.mlp = LlamaMLP(config, bias=getattr(config, "mlp_bias", False))
+        self.mlp = mlp_class(config, bias=getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -88,14 +88,14 @@ class LlamaModel(nn.Module):
     first stage, the final norm on the last."""
 
     def __init__(self, config, max_position: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool,
-                 layer_range: tuple[int, int]):
+                 layer_range: tuple[int, int], mlp_class=LlamaMLP):
         super().__init__()
         pp = get_pp_group()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.start, self.end = layer_range
         self.rotary = RotaryEmbedding(config, head_dim, max_position, dtype)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if pp.is_first_rank else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias) if self.start <= i < self.end
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias, mlp_class) if self.start <= i < self.end
                                     else PPMissingLayer() for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last_rank else None
 
@@ -121,6 +121,7 @@ class LlamaForCausalLM(nn.Module):
                       (".qkv_proj.", ".v_proj.", "v"), (".gate_up_proj.", ".gate_proj.", 0),
                       (".gate_up_proj.", ".up_proj.", 1)]
     qkv_bias: bool | None = None   # None: from config.attention_bias
+    mlp_class = LlamaMLP           # the feed-forward block of every layer (MoE models: their own)
 
     def __init__(self, config, max_position: int, dtype: torch.dtype, layer_range: tuple[int, int] | None = None):
         super().__init__()
@@ -128,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         attention_bias = getattr(config, "attention_bias", False)
         qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
         self.model = LlamaModel(config, max_position, dtype, qkv_bias, o_bias=attention_bias,
-                                layer_range=layer_range or (0, config.num_hidden_layers))
+                                layer_range=layer_range or (0, config.num_hidden_layers), mlp_class=self.mlp_class)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None
         if get_pp_group().is_last_rank:
@@ -157,11 +158,7 @@ class LlamaForCausalLM(nn.Module):
                 name = "lm_head.weight"     # a last stage without the embedding: its tied LM head
             if not self._on_this_stage(name):
                 continue
-            shard_id = None
-            for merged, part, sid in self.stacked_params:
-                if part in name:
-                    name, shard_id = name.replace(part, merged), sid
-                    break
+            name, shard_id = self.map_checkpoint_name(name)
             if name not in params:
                 raise ValueError(f"The checkpoint has a tensor {name!r} that {type(self).__name__} does not know: "
                                  "is the config's architecture right for these weights?")
@@ -169,6 +166,13 @@ class LlamaForCausalLM(nn.Module):
             getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
             loaded.add(name)
         return loaded
+
+    def map_checkpoint_name(self, name: str) -> tuple[str, object]:
+        """A checkpoint tensor's parameter here, and which part of it the tensor is (or None)."""
+        for merged, part, sid in self.stacked_params:
+            if part in name:
+                return name.replace(part, merged), sid
+        return name, None
 
     def _on_this_stage(self, name: str) -> bool:
         layer = re.match(r"model\.layers\.(\d+)\.", name)

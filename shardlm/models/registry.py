@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from shardlm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from shardlm.models.mixtral import MixtralForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
 }
 
