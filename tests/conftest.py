@@ -72,6 +72,22 @@ def _mixtral(path):
                                                                num_experts_per_tok=2))
 
 
+def _qwen2_moe(path):
+    """Experts on layer 1 only (decoder_sparse_step 2), a shared expert, unnormalised top-k."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    return _save_tiny(path, Qwen2MoeForCausalLM, Qwen2MoeConfig(
+        **TINY, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        decoder_sparse_step=2, norm_topk_prob=False, use_sliding_window=False))
+
+
+def _qwen3_moe(path):
+    """q/k norms, experts everywhere but layer 0 (mlp_only_layers), renormalised top-k."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    return _save_tiny(path, Qwen3MoeForCausalLM, Qwen3MoeConfig(
+        **TINY, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0],
+        norm_topk_prob=True, head_dim=16, use_sliding_window=False))
+
+
 def _llama_5_layers(path):
     """A layer count that 2 and 3 stages do not divide."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -81,7 +97,8 @@ def _llama_5_layers(path):
 
 TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers,
                "llama-tied-llama3rope": _llama_tied_llama3_rope,
-               "qwen2-bias": _qwen2_bias, "mistral": _mistral, "mixtral": _mixtral}
+               "qwen2-bias": _qwen2_bias, "mistral": _mistral, "mixtral": _mixtral,
+               "qwen2-moe": _qwen2_moe, "qwen3-moe": _qwen3_moe}
 
 
 @pytest.fixture(scope="session")

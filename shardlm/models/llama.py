@@ -27,7 +27,9 @@ from shardlm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParalle
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool):
+    """qk_norm: an RMSNorm over each head of q and of k before the rotary embedding (Qwen3)."""
+
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool = False):
         super().__init__()
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -38,21 +40,27 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
         self._split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                        self.num_kv_heads * self.head_dim]
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
     def forward(self, cos_sin, x, meta):
         T = x.shape[0]
         qk, v = self.qkv_proj(x).split([self._split[0] + self._split[1], self._split[2]], dim=-1)
-        qk = apply_rotary(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin)
+        qk = qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
+        qk = apply_rotary(qk, cos_sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.attn(q, k, v.view(T, self.num_kv_heads, self.head_dim), meta)
         return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, bias: bool):
+    def __init__(self, config, bias: bool = False, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        inter = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only silu).")
         self.act = SiluAndMul()
@@ -62,10 +70,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, mlp_class=LlamaMLP):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, mlp: nn.Module, qk_norm: bool = False):
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias)
-        self.mlp = mlp_class(config, bias=getattr(config, "mlp_bias", False))
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -88,15 +96,16 @@ class LlamaModel(nn.Module):
     first stage, the final norm on the last."""
 
     def __init__(self, config, max_position: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool,
-                 layer_range: tuple[int, int], mlp_class=LlamaMLP):
+                 layer_range: tuple[int, int], make_mlp, qk_norm: bool = False):
         super().__init__()
         pp = get_pp_group()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.start, self.end = layer_range
         self.rotary = RotaryEmbedding(config, head_dim, max_position, dtype)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if pp.is_first_rank else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias, mlp_class) if self.start <= i < self.end
-                                    else PPMissingLayer() for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias, make_mlp(i), qk_norm)
+                                    if self.start <= i < self.end else PPMissingLayer()
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last_rank else None
 
     def forward(self, input_ids, positions, meta, intermediate: list[torch.Tensor] | None = None):
@@ -121,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
                       (".qkv_proj.", ".v_proj.", "v"), (".gate_up_proj.", ".gate_proj.", 0),
                       (".gate_up_proj.", ".up_proj.", 1)]
     qkv_bias: bool | None = None   # None: from config.attention_bias
-    mlp_class = LlamaMLP           # the feed-forward block of every layer (MoE models: their own)
+    qk_norm = False                # RMSNorm on each q and k head (Qwen3)
 
     def __init__(self, config, max_position: int, dtype: torch.dtype, layer_range: tuple[int, int] | None = None):
         super().__init__()
@@ -129,13 +138,18 @@ class LlamaForCausalLM(nn.Module):
         attention_bias = getattr(config, "attention_bias", False)
         qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
         self.model = LlamaModel(config, max_position, dtype, qkv_bias, o_bias=attention_bias,
-                                layer_range=layer_range or (0, config.num_hidden_layers), mlp_class=self.mlp_class)
+                                layer_range=layer_range or (0, config.num_hidden_layers),
+                                make_mlp=lambda i: self.make_mlp(config, i), qk_norm=self.qk_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None
         if get_pp_group().is_last_rank:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
             if self.tie_word_embeddings and self.model.embed_tokens is not None:
                 self.lm_head.tie(self.model.embed_tokens)
+
+    def make_mlp(self, config, layer_idx: int) -> nn.Module:
+        """The feed-forward block of layer `layer_idx` (MoE models: experts on some or all layers)."""
+        return LlamaMLP(config, bias=getattr(config, "mlp_bias", False))
 
     def forward(self, input_ids, positions, meta, intermediate=None):
         return self.model(input_ids, positions, meta, intermediate)

@@ -29,7 +29,8 @@ class MixtralMoE(nn.Module):
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    mlp_class = MixtralMoE
+    def make_mlp(self, config, layer_idx: int) -> nn.Module:
+        return MixtralMoE(config)
 
     def map_checkpoint_name(self, name: str) -> tuple[str, object]:
         expert = _EXPERT.search(name)
