@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 
 from shardlm.config import EngineConfig
+from shardlm.distributed.network import host_ip
 from shardlm.distributed.parallel_state import host_store
 from shardlm.engine.core_process import call_utility, check_utility, run_engine_core
 from shardlm.engine.dp import LoadBalancer, combine_utility, replica_configs
@@ -275,10 +276,8 @@ class MPClient(EngineCoreClient):
         master, listener, node_address = None, None, None
         if par.data_parallel_size > 1:
             # every replica's ranks join one world through this store (the DP x PP x TP grid)
-            host = par.data_parallel_address or "127.0.0.1"
-            if par.data_parallel_backend == "ray":
-                from shardlm.distributed.network import host_ip
-                host = par.data_parallel_address or host_ip()
+            # the Ray actors may be on other nodes: they reach this node by its address
+            host = par.data_parallel_address or (host_ip() if par.data_parallel_backend == "ray" else "127.0.0.1")
             if par.data_parallel_size_local < par.data_parallel_size:
                 listener = JoinListener(host, par.data_parallel_rpc_port or 0)   # before anything can join
                 node_address = host        # our replicas' DP groups cross nodes: gloo/NCCL bind to it

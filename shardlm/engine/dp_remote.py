@@ -175,10 +175,11 @@ def run_headless(config: EngineConfig) -> int:
     from shardlm.engine.dp import replica_configs
     par = config.parallel
     ctx = multiprocessing.get_context("spawn")
+    replicas = replica_configs(config, None)
     procs = [ctx.Process(target=run_remote_engine_core, args=(c,), name=f"shardlm-engine-core-{k}")
-             for k, c in enumerate(replica_configs(config, None))]
+             for k, c in enumerate(replicas)]
     logger.info("Headless: starting data parallel replica(s) %s, joining the head at %s:%d",
-                ", ".join(str(c.parallel.data_parallel_rank) for c in replica_configs(config, None)),
+                ", ".join(str(c.parallel.data_parallel_rank) for c in replicas),
                 par.data_parallel_address, par.data_parallel_rpc_port)
     for p in procs:
         p.start()

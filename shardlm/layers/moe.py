@@ -12,6 +12,8 @@ into their tokens with one index_add.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -74,3 +76,15 @@ class FusedMoE(nn.Module):
             start += n
         out = torch.zeros_like(x).index_add_(0, tokens, results * pair_weights)
         return self.tp.all_reduce(out)
+
+
+def expert_checkpoint_name(name: str, pattern: re.Pattern, gate: str, up: str) -> tuple[str, object] | None:
+    """A checkpoint's per-expert tensor (`pattern` captures the expert id and which matrix) as
+    (stacked parameter, shard id) of this layer under `<layer>.mlp.experts`; None for other tensors."""
+    found = pattern.search(name)
+    if not found:
+        return None
+    expert, which, layer = int(found.group(1)), found.group(2), name[:found.start()]
+    if which in (gate, up):
+        return f"{layer}.mlp.experts.w13", (expert, 0 if which == gate else 1)
+    return f"{layer}.mlp.experts.w2", expert

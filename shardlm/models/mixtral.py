@@ -11,7 +11,7 @@ import re
 from torch import nn
 
 from shardlm.layers.linear import Linear
-from shardlm.layers.moe import FusedMoE
+from shardlm.layers.moe import FusedMoE, expert_checkpoint_name
 from shardlm.models.llama import LlamaForCausalLM
 
 _EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
@@ -33,11 +33,5 @@ class MixtralForCausalLM(LlamaForCausalLM):
         return MixtralMoE(config)
 
     def map_checkpoint_name(self, name: str) -> tuple[str, object]:
-        expert = _EXPERT.search(name)
-        if expert:
-            e, which = int(expert.group(1)), expert.group(2)
-            prefix = name[:expert.start()]
-            if which == "w2":
-                return f"{prefix}.mlp.experts.w2", e
-            return f"{prefix}.mlp.experts.w13", (e, 0 if which == "w1" else 1)
-        return super().map_checkpoint_name(name.replace(".block_sparse_moe.gate.", ".mlp.gate."))
+        return (expert_checkpoint_name(name, _EXPERT, gate="w1", up="w3")
+                or super().map_checkpoint_name(name.replace(".block_sparse_moe.gate.", ".mlp.gate.")))

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from shardlm.layers.linear import Linear
-from shardlm.layers.moe import FusedMoE
+from shardlm.layers.moe import FusedMoE, expert_checkpoint_name
 from shardlm.models.llama import LlamaForCausalLM, LlamaMLP
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -50,14 +50,8 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
         return QwenSparseMoE(config, self.shared_expert) if sparse else LlamaMLP(config)
 
     def map_checkpoint_name(self, name: str) -> tuple[str, object]:
-        expert = _EXPERT.search(name)
-        if expert:
-            e, which = int(expert.group(1)), expert.group(2)
-            prefix = name[:expert.start()]
-            if which == "down_proj":
-                return f"{prefix}.mlp.experts.w2", e
-            return f"{prefix}.mlp.experts.w13", (e, 0 if which == "gate_proj" else 1)
-        return super().map_checkpoint_name(name)
+        return (expert_checkpoint_name(name, _EXPERT, gate="gate_proj", up="up_proj")
+                or super().map_checkpoint_name(name))
 
 
 class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):

@@ -13,11 +13,14 @@ def ray_cluster(nodes: int, cpus_per_node: int):
     """The cluster runs without Ray's token authentication, and so must every client of it: a
     process shardlm starts would otherwise switch to token mode wherever ~/.ray/auth_token
     exists (Ray >= 2.5x writes one at its first local `ray.init()`)."""
+    with environment(RAY_AUTH_MODE="disabled"):
+        yield from _cluster(nodes, cpus_per_node)
+
+
+def _cluster(nodes: int, cpus_per_node: int):
     import ray
     from ray.cluster_utils import Cluster
 
-    saved_mode = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, "include_dashboard": False})
     try:
         for _ in range(nodes - 1):
@@ -28,10 +31,6 @@ def ray_cluster(nodes: int, cpus_per_node: int):
     finally:
         ray.shutdown()
         cluster.shutdown()
-        if saved_mode is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = saved_mode
 
 
 def assert_nothing_left(timeout_s: float = 10.0) -> None:
@@ -52,17 +51,29 @@ def assert_nothing_left(timeout_s: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
+def environment(**values: str | None):
+    """These environment variables set (None: unset) for the duration, restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
 def own_ray_auth_token(directory):
     """The token `shardlm cluster head` creates goes to `directory` instead of ~/.ray (which the
     other tests' local Ray clusters share): every command started meanwhile inherits the path.
     Yields the token file."""
-    names = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
-    saved = {k: os.environ.pop(k) for k in names if k in os.environ}
     token_file = directory / "auth_token"
-    os.environ["RAY_AUTH_TOKEN_PATH"] = str(token_file)
-    try:
+    with environment(RAY_AUTH_MODE=None, RAY_AUTH_TOKEN=None, RAY_AUTH_TOKEN_PATH=str(token_file)):
         yield token_file
-    finally:
-        for k in names:
-            os.environ.pop(k, None)
-        os.environ.update(saved)

@@ -142,6 +142,7 @@ def test_a_rendezvous_address_the_other_node_cannot_reach_is_named(two_hosts, ti
 def test_headless_data_parallel_replica_in_the_other_namespace(two_hosts, tiny_model_dir):
     """The head (this namespace, HEAD_IP) runs the API server and replica 0; a headless node in
     the other namespace runs replica 1 and joins over the veth pair. Both serve, equal to dp=1."""
+    from tests.distributed.test_data_parallel import _labelled
     from tests.distributed.test_parallel_server import assert_server_answers_like_llm
     from tests.server.test_openai_server import _free_port, _start, _stop
     path = tiny_model_dir("llama-gqa")
@@ -156,9 +157,8 @@ def test_headless_data_parallel_replica_in_the_other_namespace(two_hosts, tiny_m
         proc, url = _start(path, *common, env={"SHARDLM_HOST_IP": HEAD_IP})
         try:
             assert_server_answers_like_llm(url, path)
-            routed = [line for line in httpx.get(url + "/metrics").text.splitlines()
-                      if line.startswith("shardlm:num_requests_routed{") and 'engine="1"' in line]
-            assert float(routed[0].rsplit(" ", 1)[1]) >= 1, "replica 1 (the other namespace) served"
+            routed = _labelled(httpx.get(url + "/metrics").text, "shardlm:num_requests_routed", "1")
+            assert routed >= 1, "replica 1 (the other namespace) served"
         finally:
             _stop(proc)
         assert node.wait(timeout=30) == 0, node.stderr.read()[-3000:]
