@@ -67,6 +67,12 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer; 0 for a dense model."""
+        c = self.hf_config
+        return getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
+
 
 @dataclass
 class CacheConfig:
@@ -117,6 +123,7 @@ class ParallelConfig:
     data_parallel_rpc_port: int | None = None         # ... and its port
     data_parallel_rank: int = 0                       # this replica (set per engine core by the DP client)
     data_parallel_master: tuple[str, int] | None = None   # the DP-wide rendezvous store (set by the DP client)
+    enable_expert_parallel: bool = False              # MoE: whole experts on the DP x TP ranks (not sliced by TP)
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -142,6 +149,10 @@ class ParallelConfig:
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor x pipeline parallel "
                              f"is {self.world_size} ranks: use 'mp' or 'ray' (or leave it out).")
+        if self.enable_expert_parallel and self.data_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError("Expert parallel across data parallel replicas runs their MoE layers in lock-step, which "
+                             "this version does not combine with pipeline parallel: use -dp with -tp, or -pp without "
+                             "-dp (expert parallel then spans each stage's tensor parallel ranks).")
         for name in ("distributed_init_timeout", "execute_model_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive seconds.")
@@ -178,3 +189,10 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: torch.device
+
+    @property
+    def dp_lockstep(self) -> bool:
+        """Data parallel replicas share their MoE layers (expert parallel across DP): every
+        replica must run each step's forward together, with a dummy one when it has no work."""
+        par = self.parallel
+        return par.enable_expert_parallel and par.data_parallel_size > 1 and self.model.num_experts > 0

@@ -112,6 +112,16 @@ class UtilityResult(msgspec.Struct, tag=True):
     value: Any
 
 
+class StartWave(msgspec.Struct, tag=True):
+    """To an engine core: another replica started lock-step wave `number` (engine/wave.py)."""
+    number: int
+
+
+class WaveStarted(msgspec.Struct, tag=True):
+    """From an engine core: a request made it start wave `number`; the other replicas must join."""
+    number: int
+
+
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
@@ -157,7 +167,7 @@ class StepResult(msgspec.Struct, tag=True):
 
 
 # What each side decodes.
-ToEngineCore = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown
-FromEngineCore = Ready | StartupFailed | Failed | EngineCoreOutputs | UtilityResult
+ToEngineCore = EngineCoreRequest | AbortRequests | UtilityCall | StartWave | Shutdown
+FromEngineCore = Ready | StartupFailed | Failed | EngineCoreOutputs | UtilityResult | WaveStarted
 ToWorker = RunStep | UtilityCall | Shutdown
 FromWorker = Ready | StepResult | UtilityResult

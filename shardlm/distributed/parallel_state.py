@@ -44,6 +44,8 @@ def rank_grid(world_size: int, tp: int, pp: int = 1, dp: int = 1) -> dict[str, l
         "tp": grid.reshape(-1, tp).tolist(),
         "pp": grid.transpose(1, 2).reshape(-1, pp).tolist(),
         "dp": grid.permute(1, 2, 0).reshape(-1, dp).tolist(),
+        # expert parallel: every DP x TP rank of one pipeline stage (replica-major, as vLLM)
+        "ep": grid.transpose(0, 1).reshape(pp, -1).tolist(),
     }
 
 
@@ -197,6 +199,8 @@ _WORLD: GroupCoordinator | None = None
 _TP: GroupCoordinator | None = None
 _PP: GroupCoordinator | None = None
 _DP: GroupCoordinator | None = None
+_EP: GroupCoordinator | None = None
+_EXPERT_PARALLEL = False
 
 
 def init_distributed_environment(world_size: int, rank: int, store_host: str, store_port: int,
@@ -263,29 +267,34 @@ def wait_for_ranks(store: dist.TCPStore, ranks: int | Iterable[int], timeout_s: 
 
 
 def initialize_model_parallel(tp: int, pp: int = 1, dp: int = 1, rank: int = 0, backend: str = "gloo",
-                              timeout_s: float = 300.0) -> None:
+                              timeout_s: float = 300.0, expert_parallel: bool = False) -> None:
     """Build every group of the rank grid; each rank calls this with the same sizes. timeout_s:
-    how long a shared-memory collective waits for a peer before it fails naming it."""
-    global _WORLD, _TP, _PP, _DP
+    how long a shared-memory collective waits for a peer before it fails naming it.
+    expert_parallel: MoE layers place whole experts on the ranks of the EP group (DP x TP of a
+    stage) instead of slicing every expert across TP; the DP and EP groups then carry tokens
+    every layer, so they get shared-memory collectives too."""
+    global _WORLD, _TP, _PP, _DP, _EP, _EXPERT_PARALLEL
     world_size = tp * pp * dp
+    _EXPERT_PARALLEL = expert_parallel
     if world_size == 1:
-        _WORLD, _TP, _PP, _DP = (GroupCoordinator(n, [0], 0) for n in ("world", "tp", "pp", "dp"))
+        _WORLD, _TP, _PP, _DP, _EP = (GroupCoordinator(n, [0], 0) for n in ("world", "tp", "pp", "dp", "ep"))
         return
     grid = rank_grid(world_size, tp, pp, dp)
     _WORLD = GroupCoordinator.create("world", [list(range(world_size))], rank, backend)
     _TP = GroupCoordinator.create("tp", grid["tp"], rank, backend, shared_memory=True, timeout_s=timeout_s)
     _PP = GroupCoordinator.create("pp", grid["pp"], rank, backend)
-    _DP = GroupCoordinator.create("dp", grid["dp"], rank, backend)
+    _DP = GroupCoordinator.create("dp", grid["dp"], rank, backend, shared_memory=expert_parallel, timeout_s=timeout_s)
+    _EP = GroupCoordinator.create("ep", grid["ep"], rank, backend, shared_memory=expert_parallel, timeout_s=timeout_s)
     if rank == 0:
-        logger.info("Successfully initialized distributed environment: world=%d, tp=%d, pp=%d, dp=%d, backend=%s",
-                    world_size, tp, pp, dp, backend)
+        logger.info("Successfully initialized distributed environment: world=%d, tp=%d, pp=%d, dp=%d, "
+                    "expert parallel=%s, backend=%s", world_size, tp, pp, dp, expert_parallel, backend)
 
 
 def _get(group: GroupCoordinator | None, name: str) -> GroupCoordinator:
     if group is None:
         # a model built outside any executor (tests, tools): one rank
         initialize_model_parallel(1)
-        return {"tp": _TP, "pp": _PP, "dp": _DP, "world": _WORLD}[name]
+        return {"tp": _TP, "pp": _PP, "dp": _DP, "ep": _EP, "world": _WORLD}[name]
     return group
 
 
@@ -305,11 +314,20 @@ def get_dp_group() -> GroupCoordinator:
     return _get(_DP, "dp")
 
 
+def get_ep_group() -> GroupCoordinator:
+    """The ranks whole experts are spread over (DP x TP of this stage) under expert parallel."""
+    return _get(_EP, "ep")
+
+
+def expert_parallel_enabled() -> bool:
+    return _EXPERT_PARALLEL
+
+
 def destroy_model_parallel() -> None:
-    global _WORLD, _TP, _PP, _DP
-    for group in (_WORLD, _TP, _PP, _DP):
+    global _WORLD, _TP, _PP, _DP, _EP
+    for group in (_WORLD, _TP, _PP, _DP, _EP):
         if group is not None and group.shm is not None:
             group.shm.close()
-    _WORLD = _TP = _PP = _DP = None
+    _WORLD = _TP = _PP = _DP = _EP = None
     if dist.is_initialized():
         dist.destroy_process_group()

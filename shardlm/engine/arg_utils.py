@@ -64,6 +64,7 @@ class EngineArgs:
     pp_layer_partition: str | None = None
     allow_cross_node_tp: bool = False
     execute_model_timeout: float = 300.0
+    enable_expert_parallel: bool = False
 
     HELP = {
         "model": "Hugging Face model directory (config.json, safetensors, tokenizer); "
@@ -101,6 +102,9 @@ class EngineArgs:
                               "stages before the last)",
         "allow_cross_node_tp": "Ray: allow a tensor parallel group to span nodes (two all-reduces per layer "
                                "over the network; refused by default)",
+        "enable_expert_parallel": "MoE models: place whole experts on the ranks of each stage's DP x TP group "
+                                  "(each loads only its experts) instead of slicing every expert across TP; "
+                                  "with -dp the replicas run their MoE layers in lock-step",
         "cpu_threads_bind": "CPU: 'auto' (share this machine's cores evenly among ranks), 'nobind', or one core "
                             "list per rank separated by '|', e.g. '0-3|4-7' (pins each rank to its cores)",
     }
@@ -118,7 +122,8 @@ class EngineArgs:
                                   _parse_partition(self.pp_layer_partition), self.allow_cross_node_tp,
                                   self.execute_model_timeout, self.data_parallel_size_local,
                                   self.data_parallel_start_rank, self.data_parallel_backend,
-                                  self.data_parallel_address, self.data_parallel_rpc_port)
+                                  self.data_parallel_address, self.data_parallel_rpc_port,
+                                  enable_expert_parallel=self.enable_expert_parallel)
         self._check_data_parallel(parallel)
         # on Ray a core list is per node (checked when the ranks are placed)
         validate_binding(parallel.cpu_threads_bind, None if parallel.distributed_executor_backend == "ray"

@@ -46,8 +46,10 @@ from shardlm.messages import (
     Ready,
     Shutdown,
     StartupFailed,
+    StartWave,
     UtilityCall,
     UtilityResult,
+    WaveStarted,
 )
 
 logger = init_logger(__name__)
@@ -164,7 +166,7 @@ class CoreChannel:
                     msg = self._decode(self._recv_conn.recv_bytes())
                 except (EOFError, OSError):
                     msg = None
-                if isinstance(msg, (EngineCoreOutputs, UtilityResult)):
+                if isinstance(msg, (EngineCoreOutputs, UtilityResult, WaveStarted)):
                     on_message(self.index, msg)
                     continue
                 if isinstance(msg, Failed):
@@ -327,13 +329,30 @@ class MPClient(EngineCoreClient):
         return self.balancer.num_running
 
     # ---- from the engine cores (reader threads) ----
-    def _on_core_message(self, index: int, msg: EngineCoreOutputs | UtilityResult) -> None:
+    def _on_core_message(self, index: int, msg: EngineCoreOutputs | UtilityResult | WaveStarted) -> None:
+        if isinstance(msg, WaveStarted):        # DP + EP lock-step: every replica joins (engine/wave.py)
+            for core in self.cores:
+                if core.index != index and core.dead_reason is None:
+                    try:
+                        core.send(self._encode(StartWave(msg.number)))
+                    except EngineDeadError:
+                        pass             # its death is reported by its reader
+            return
         if isinstance(msg, EngineCoreOutputs):
             self.balancer.on_outputs(index, msg)
         self._deliver(msg)
 
     def _on_core_death(self, index: int, reason: str) -> None:
         live = [c.index for c in self.cores if c.dead_reason is None]
+        if live and self.cores[index].config.dp_lockstep:
+            # the replicas run their MoE layers together: the others cannot step without it
+            self._die(f"{reason} Expert parallel replicas run every step together, so the engine cannot go on "
+                      "without it.")
+            for core in self.cores:
+                if core.index != index and core.dead_reason is None:
+                    core.closing = True
+                    threading.Thread(target=core.shutdown, args=(self._encode(Shutdown()), 1.0), daemon=True).start()
+            return
         if not live:
             self._die(reason if len(self.cores) == 1 else
                       "Every data parallel replica has died; the last: " + reason)

@@ -24,9 +24,11 @@ from shardlm.messages import (
     Ready,
     Shutdown,
     StartupFailed,
+    StartWave,
     ToEngineCore,
     UtilityCall,
     UtilityResult,
+    WaveStarted,
 )
 from shardlm.utils import die_with_parent
 
@@ -59,7 +61,7 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
     worker_sentinels = core.executor.sentinels()
     try:
         while True:
-            if not core.has_unfinished_requests():
+            if not core.is_busy():
                 # idle: sleep until a request comes or a worker dies
                 wait([requests, *worker_sentinels])
                 core.executor.check_health()
@@ -68,12 +70,15 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
                 if isinstance(msg, Shutdown):
                     return
                 if isinstance(msg, EngineCoreRequest):
-                    core.add_request(msg)
+                    if (wave := core.add_request(msg)) is not None:
+                        outputs.send_bytes(encode(WaveStarted(wave)))
+                elif isinstance(msg, StartWave):
+                    core.join_wave(msg.number)
                 elif isinstance(msg, AbortRequests):
                     core.abort_requests(msg.request_ids)
                 elif isinstance(msg, UtilityCall):
                     outputs.send_bytes(encode(UtilityResult(msg.call_id, call_utility(core, msg.method, msg.args))))
-            if core.has_unfinished_requests():
+            if core.is_busy():
                 step_outputs = core.step()
                 if step_outputs.outputs:
                     outputs.send_bytes(encode(step_outputs))

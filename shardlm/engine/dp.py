@@ -163,5 +163,8 @@ def combine_stats(per_engine: list[dict]) -> dict:
     total["kv_cache_usage"] = sum(s["kv_cache_usage"] for s in per_engine) / len(per_engine)
     queries = total["prefix_cache_queries"]
     total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else 0.0
+    if "expert_load" in per_engine[0]:            # tokens per expert, per MoE layer: summed over replicas
+        total["expert_load"] = {layer: [sum(c) for c in zip(*(s["expert_load"][layer] for s in per_engine))]
+                                for layer in per_engine[0]["expert_load"]}
     total["engines"] = per_engine
     return total

@@ -18,6 +18,7 @@ from shardlm.config import EngineConfig, format_bytes
 from shardlm.distributed.utils import describe_partition, pp_layer_partition
 from shardlm.engine.request import Request
 from shardlm.engine.scheduler import Scheduler
+from shardlm.engine.wave import Wave
 from shardlm.executor.selection import executor_class
 from shardlm.logger import init_logger
 from shardlm.messages import EngineCoreOutputs, EngineCoreRequest
@@ -37,6 +38,7 @@ class EngineCore:
         self.max_in_flight = self.executor.max_concurrent_batches
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_in_flight)
         self.batch_queue: deque = deque()      # (scheduler output, wait for its result), oldest first
+        self.wave = Wave() if config.dp_lockstep else None     # DP + EP: replicas step together
         par = config.parallel
         logger.info("Parallel layout: TP=%d PP=%d DP=%d, executor %s", par.tensor_parallel_size,
                     par.pipeline_parallel_size, par.data_parallel_size, type(self.executor).__name__)
@@ -63,10 +65,20 @@ class EngineCore:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens; max concurrency at max_model_len %d: %.2fx",
                     usable, bs, usable * bs, max_len, usable * bs / max_len)
 
-    def add_request(self, req: EngineCoreRequest) -> None:
+    def add_request(self, req: EngineCoreRequest) -> int | None:
+        """-> the lock-step wave this request started (the other replicas must join it), or None."""
         m = self.config.model
         self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.params, m.eos_token_ids,
                                            m.max_model_len, self.config.cache.block_size, req.arrival_time))
+        return self.wave.begin() if self.wave is not None else None
+
+    def join_wave(self, number: int) -> None:
+        if self.wave is not None:
+            self.wave.join(number)
+
+    def is_busy(self) -> bool:
+        """Requests to run, or a lock-step wave the other replicas are in."""
+        return self.scheduler.has_unfinished() or (self.wave is not None and self.wave.running)
 
     def abort_requests(self, req_ids) -> None:
         self.scheduler.finish_requests(req_ids)
@@ -80,6 +92,8 @@ class EngineCore:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("The scheduler could not schedule any of the unfinished requests; "
                                    "this is a bug in shardlm, please report it.")
+            if self.wave is not None and self.wave.running:
+                self._dummy_step()
             return self._outputs([])
         scheduler_output, wait = self.batch_queue.popleft()
         outputs = self.scheduler.update(scheduler_output, wait())
@@ -87,6 +101,12 @@ class EngineCore:
             # the workers start on the next batch while the caller detokenizes these outputs
             self._fill_pipeline()
         return self._outputs(outputs)
+
+    def _dummy_step(self) -> None:
+        """Join the other replicas' MoE layers with no tokens; when none had any, the wave ends."""
+        tokens_across_replicas = self.executor.collective_rpc("execute_dummy_batch")[0]
+        if tokens_across_replicas == 0:
+            self.wave.finish()
 
     def _outputs(self, outputs) -> EngineCoreOutputs:
         return EngineCoreOutputs(outputs, self.scheduler.num_waiting, self.scheduler.num_running)
@@ -109,7 +129,16 @@ class EngineCore:
                 "prefix_cache_queries": self.scheduler.kv.prefix_queries,
                 "prefix_cache_hits": self.scheduler.kv.prefix_hits,
                 "num_preemptions": self.scheduler.num_preemptions,
-                "num_aborted": self.scheduler.num_aborted}
+                "num_aborted": self.scheduler.num_aborted,
+                **({"expert_load": self.expert_load()} if self.config.model.num_experts else {})}
+
+    def expert_load(self) -> dict[str, list[int]]:
+        """Tokens of this replica routed to each expert so far, per MoE layer (from the first TP
+        rank of every pipeline stage: each stage holds its own layers)."""
+        per_rank = self.executor.collective_rpc("expert_load")
+        tp = self.config.parallel.tensor_parallel_size
+        return {str(layer): counts for rank in range(0, len(per_rank), tp)
+                for layer, counts in sorted(per_rank[rank].items())}
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         return self.executor.collective_rpc(method, tuple(args))

@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from multiprocessing.connection import Connection, wait
 
 import msgspec
@@ -66,6 +67,7 @@ class MultiprocExecutor(Executor):
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(FromWorker).decode
         self._ready = False
+        self._early_step_results: deque[StepResult] = deque()
         self.start_method, why = worker_start_method()
         logger.info("Starting %d worker processes with %s (%s)", self.world_size, self.start_method, why)
         ctx = multiprocessing.get_context(self.start_method)
@@ -177,7 +179,14 @@ class MultiprocExecutor(Executor):
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         self._send(UtilityCall(0, method, list(args)))
-        return [self._receive(rank).value for rank in range(self.world_size)]
+        return [self._receive_answer(rank).value for rank in range(self.world_size)]
+
+    def _receive_answer(self, rank: int):
+        """A utility call's answer; a step in flight may answer first on the output rank: its
+        result is kept, in order, for whoever waits on that step."""
+        while isinstance(msg := self._receive(rank), StepResult):
+            self._early_step_results.append(msg)
+        return msg
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(scheduler_output)()
@@ -185,7 +194,12 @@ class MultiprocExecutor(Executor):
     def execute_model_async(self, scheduler_output: SchedulerOutput):
         self._send(RunStep(scheduler_output))
         timeout = self._step_timeout()
-        return lambda: self._receive(self.output_rank, timeout).output
+
+        def wait() -> ModelRunnerOutput:
+            if self._early_step_results:
+                return self._early_step_results.popleft().output
+            return self._receive(self.output_rank, timeout).output
+        return wait
 
     def _shutdown(self) -> None:
         if self._failure is None:

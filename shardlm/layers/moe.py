@@ -1,52 +1,106 @@
 """The fused mixture-of-experts layer the MoE models share.
 
-Experts are stored stacked: `w13` [E, 2 x I/tp, H] (gate and up, one matmul per expert) and
-`w2` [E, H, I/tp]. With tensor parallel every expert's intermediate dimension is split across
-the TP ranks (as vLLM does by default); each rank computes its slice for every token and the
-usual all-reduce sums them.
+Experts are stored stacked: `w13` [E_local, 2 x I', H] (gate and up, one matmul per expert)
+and `w2` [E_local, H, I']. Two ways to spread them over ranks:
 
-Dispatch has no loop over tokens: the (token, expert) pairs are sorted by expert once per step,
-each active expert runs its tokens as one matmul, and the results are weighted and summed back
-into their tokens with one index_add.
+- tensor parallel (the default, as vLLM): every rank holds every expert, sliced: I' = I/tp;
+  each rank computes its slice for every token and the TP all-reduce sums them.
+- expert parallel (`--enable-expert-parallel`): whole experts (I' = I) are placed on the ranks
+  of the EP group, DP x TP of this stage; rank r holds a contiguous run of experts, the first
+  E % ep ranks one more (6 experts on 4 ranks: 2, 2, 1, 1). Each rank runs its experts for every
+  token routed to them and an all-reduce over the EP group sums the ranks' parts. With data
+  parallel the replicas' tokens are first all-gathered across the DP group (so each replica's
+  ranks see every token), and after the all-reduce each replica keeps its own rows. That is why
+  DP + EP replicas must run every step together (see `dp_token_counts`, engine/wave.py).
+
+Dispatch has no loop over tokens: the (token, expert) pairs this rank serves are sorted by
+expert once per step, each active expert runs its tokens as one matmul, and the results are
+weighted and summed back into their tokens with one index_add.
+
+`expert_load` counts the tokens of this replica routed to each expert (the imbalance is what
+EP is tuned for); a placement with redundant copies of hot experts (EPLB) would change only
+`local_experts` and the id mapping in `_run_local_experts`.
 """
 
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm.distributed.parallel_state import get_tp_group
+from shardlm.distributed.parallel_state import expert_parallel_enabled, get_dp_group, get_ep_group, get_tp_group
 from shardlm.layers.linear import load_slice
+
+# tokens of each DP replica in the current step, when the replicas run their MoE layers together
+_dp_token_counts: list[int] | None = None
+
+
+@contextmanager
+def dp_token_counts(counts: list[int] | None):
+    """Within this block the MoE layers gather the replicas' tokens (counts[r] rows from replica r)."""
+    global _dp_token_counts
+    _dp_token_counts = counts
+    try:
+        yield counts
+    finally:
+        _dp_token_counts = None
+
+
+def local_experts(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
+    """(first expert, count) held by rank ep_rank: contiguous runs, the first E % ep ranks one more."""
+    base, extra = divmod(num_experts, ep_size)
+    return ep_rank * base + min(ep_rank, extra), base + (ep_rank < extra)
 
 
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool = True):
         super().__init__()
-        tp = get_tp_group()
-        if intermediate_size % tp.world_size:
-            raise ValueError(f"The experts' intermediate size {intermediate_size} is not divisible by tensor "
-                             f"parallel size {tp.world_size}.")
-        self.tp = tp
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.inter = intermediate_size // tp.world_size            # this rank's slice of every expert
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
+        self.hidden_size = hidden_size
+        self.dp = get_dp_group()
+        if expert_parallel_enabled():
+            self.reduce_group = get_ep_group()
+            if num_experts < self.reduce_group.world_size:
+                raise ValueError(f"Expert parallel over {self.reduce_group.world_size} ranks needs at least as "
+                                 f"many experts; this model has {num_experts}. Leave out --enable-expert-parallel "
+                                 "(tensor parallel then slices every expert) or use fewer ranks.")
+            self.first_expert, self.num_local = local_experts(num_experts, self.reduce_group.world_size,
+                                                              self.reduce_group.rank_in_group)
+            self.inter, self.slice_rank = intermediate_size, 0
+        else:
+            tp = self.reduce_group = get_tp_group()
+            if intermediate_size % tp.world_size:
+                raise ValueError(f"The experts' intermediate size {intermediate_size} is not divisible by tensor "
+                                 f"parallel size {tp.world_size}: use --enable-expert-parallel (whole experts per "
+                                 "rank) or a tensor parallel size that divides it.")
+            self.first_expert, self.num_local = 0, num_experts
+            self.inter, self.slice_rank = intermediate_size // tp.world_size, tp.rank_in_group
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, self.inter), requires_grad=False)
         self.w13.weight_loader = self._load_w13
         self.w2.weight_loader = self._load_w2
+        self.expert_load = torch.zeros(num_experts, dtype=torch.int64, device="cpu")
 
     # ---- loading: shard_id = (expert, 0 for gate / 1 for up) for w13, expert for w2 ----
+    def _local(self, expert: int) -> int | None:
+        """Where global `expert` sits in this rank's stack; None when another rank holds it
+        (its tensor is then never read from disk)."""
+        local = expert - self.first_expert
+        return local if 0 <= local < self.num_local else None
+
     def _load_w13(self, param, loaded, shard_id) -> None:
         expert, half = shard_id
-        rank = self.tp.rank_in_group
-        load_slice(param.data[expert].narrow(0, half * self.inter, self.inter), loaded, 0, rank * self.inter,
-                   self.inter)
+        if (local := self._local(expert)) is not None:
+            load_slice(param.data[local].narrow(0, half * self.inter, self.inter), loaded, 0,
+                       self.slice_rank * self.inter, self.inter)
 
     def _load_w2(self, param, loaded, shard_id) -> None:
-        load_slice(param.data[shard_id], loaded, 1, self.tp.rank_in_group * self.inter, self.inter)
+        if (local := self._local(shard_id)) is not None:
+            load_slice(param.data[local], loaded, 1, self.slice_rank * self.inter, self.inter)
 
     # ---- forward ----
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,13 +112,30 @@ class FusedMoE(nn.Module):
         return weights, ids
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        counts = _dp_token_counts
+        own = slice(0, x.shape[0])
+        if counts is not None:                 # DP + EP: every replica's tokens, this one's at `own`
+            start = sum(counts[:self.dp.rank_in_group])
+            own = slice(start, start + x.shape[0])
+            x, router_logits = self._gather_replicas(x, router_logits, counts)
+        if x.shape[0] == 0:                    # no replica has a token this step
+            return x
         weights, ids = self.route(router_logits)
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)             # (token, expert) pairs grouped by expert
-        tokens = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        self.expert_load += torch.bincount(ids[own].flatten(), minlength=self.num_experts).cpu()
+        out = self.reduce_group.all_reduce(self._run_local_experts(x, weights, ids))
+        return out[own] if counts is not None else out
+
+    def _run_local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the output: its experts (its slice of them under TP) for the
+        tokens routed to them; zero rows for tokens that none of its experts serves."""
+        local = ids.flatten() - self.first_expert
+        pairs = ((local >= 0) & (local < self.num_local)).nonzero().squeeze(1)    # (token, expert) pairs here
+        local = local[pairs]
+        order = local.argsort(stable=True)               # grouped by expert
+        pairs, local = pairs[order], local[order]
+        tokens = pairs // self.top_k
+        counts = torch.bincount(local, minlength=self.num_local).tolist()
         xs = x[tokens]
-        pair_weights = weights.flatten()[order].to(x.dtype).unsqueeze(1)
         results = torch.empty_like(xs)
         start = 0
         for expert, n in enumerate(counts):
@@ -74,8 +145,26 @@ class FusedMoE(nn.Module):
             act = F.silu(gate_up[:, :self.inter]) * gate_up[:, self.inter:]
             results[start:start + n] = act @ self.w2[expert].t()
             start += n
-        out = torch.zeros_like(x).index_add_(0, tokens, results * pair_weights)
-        return self.tp.all_reduce(out)
+        pair_weights = weights.flatten()[pairs].to(x.dtype).unsqueeze(1)
+        return torch.zeros_like(x).index_add_(0, tokens, results * pair_weights)
+
+    def _gather_replicas(self, x: torch.Tensor, router_logits: torch.Tensor, counts: list[int]):
+        """Every replica's tokens and router logits, replica by replica (one all-gather over the
+        DP group; the rows are padded to the largest replica's count, then dropped)."""
+        most = max(counts)
+        if most == 0:
+            return x, router_logits
+        both = torch.cat([x, router_logits.to(x.dtype)], dim=1)
+        both = F.pad(both, (0, 0, 0, most - x.shape[0]))
+        gathered = self.dp.all_gather(both, dim=0)
+        rows = torch.cat([torch.arange(r * most, r * most + n) for r, n in enumerate(counts)])
+        gathered = gathered[rows.to(gathered.device)]
+        return gathered[:, :self.hidden_size], gathered[:, self.hidden_size:]
+
+    def dummy_forward(self) -> None:
+        """This replica has no tokens but joins the others' step (DP + EP lock-step)."""
+        empty = torch.empty(0, self.hidden_size, dtype=self.w13.dtype, device=self.w13.device)
+        self(empty, torch.empty(0, self.num_experts, dtype=self.w13.dtype, device=self.w13.device))
 
 
 def expert_checkpoint_name(name: str, pattern: re.Pattern, gate: str, up: str) -> tuple[str, object] | None:

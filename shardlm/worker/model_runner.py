@@ -15,9 +15,10 @@ import torch
 
 from shardlm.attention.selector import get_attention_backend
 from shardlm.config import EngineConfig
-from shardlm.distributed.parallel_state import get_pp_group, get_tp_group
+from shardlm.distributed.parallel_state import get_dp_group, get_pp_group, get_tp_group
 from shardlm.distributed.utils import pp_layer_partition
 from shardlm.layers.attention import Attention
+from shardlm.layers.moe import FusedMoE, dp_token_counts
 from shardlm.layers.sampler import Sampler, SamplingBatch, token_logprobs
 from shardlm.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from shardlm.model_loader.weights import load_model
@@ -45,6 +46,7 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(config, device)
         self.requests: dict[str, RequestState] = {}
         self.stop_ids_for_min_tokens = list(config.model.eos_token_ids)
+        self.dp_lockstep = config.dp_lockstep
 
     def load_model(self) -> None:
         par = self.config.parallel
@@ -56,6 +58,11 @@ class ModelRunner:
         if self._attention_layers is None:
             self._attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         return self._attention_layers
+
+    def moe_layers(self) -> dict[int, FusedMoE]:
+        """This rank's MoE layers by decoder layer index."""
+        return {int(name.split(".layers.")[1].split(".")[0]): m for name, m in self.model.named_modules()
+                if isinstance(m, FusedMoE)}
 
     def kv_cache_bytes_per_block(self) -> int:
         """This rank's KV bytes per block: its layers, its share of the KV heads."""
@@ -90,7 +97,8 @@ class ModelRunner:
         if not so.chunks:
             return ModelRunnerOutput({})
         input_ids, positions, meta = self._prepare_inputs(so.chunks)
-        hidden = self._run_model(input_ids, positions, meta)
+        with dp_token_counts(self._tokens_per_replica(len(input_ids))):
+            hidden = self._run_model(input_ids, positions, meta)
         if hidden is None:                  # not the last pipeline stage: sent on
             return None
         rows, sample_chunks, prompt_rows = self._logits_rows(so.chunks)
@@ -100,6 +108,22 @@ class ModelRunner:
         out = self._sample(logits[:len(sample_chunks)], sample_chunks)
         self._prompt_logprobs(logits, prompt_rows, out)
         return out
+
+    @torch.inference_mode()
+    def execute_dummy(self) -> int:
+        """DP + EP lock-step: run this rank's MoE layers with no tokens of its own, so the other
+        replicas' tokens reach its experts. -> the tokens all replicas had in this step."""
+        with dp_token_counts(self._tokens_per_replica(0)) as counts:
+            if sum(counts):
+                for layer in self.moe_layers().values():
+                    layer.dummy_forward()
+        return sum(counts)
+
+    def _tokens_per_replica(self, num_tokens: int) -> list[int] | None:
+        """Each DP replica's tokens in this step (one small all-gather), when their MoE layers run together."""
+        if not self.dp_lockstep:
+            return None
+        return get_dp_group().all_gather(torch.tensor([num_tokens], device=self.device), dim=0).tolist()
 
     def _update_requests(self, so: SchedulerOutput) -> None:
         """Forget finished requests; remember new ones (with their own generator when seeded)."""

@@ -56,7 +56,8 @@ class Worker:
                                                         par.distributed_init_timeout)
             parallel_state.initialize_model_parallel(par.tensor_parallel_size, par.pipeline_parallel_size,
                                                      par.data_parallel_size, rank=world_rank, backend=backend,
-                                                     timeout_s=par.execute_model_timeout)
+                                                     timeout_s=par.execute_model_timeout,
+                                                     expert_parallel=par.enable_expert_parallel)
         else:
             parallel_state.initialize_model_parallel(1)
         torch.manual_seed(self.config.model.seed)
@@ -148,3 +149,10 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute_model(scheduler_output)
+
+    def execute_dummy_batch(self) -> int:
+        return self.runner.execute_dummy()
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert so far, per MoE layer of this rank (its replica's tokens)."""
+        return {layer: moe.expert_load.tolist() for layer, moe in self.runner.moe_layers().items()}

@@ -11,17 +11,20 @@ from shardlm.distributed import parallel_state as ps
 
 
 @pytest.mark.parametrize("dp,pp,tp,expected", [
-    (1, 1, 4, {"tp": [[0, 1, 2, 3]], "pp": [[0], [1], [2], [3]], "dp": [[0], [1], [2], [3]]}),
+    (1, 1, 4, {"tp": [[0, 1, 2, 3]], "pp": [[0], [1], [2], [3]], "dp": [[0], [1], [2], [3]],
+               "ep": [[0, 1, 2, 3]]}),
     (1, 2, 4, {"tp": [[0, 1, 2, 3], [4, 5, 6, 7]], "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
-               "dp": [[r] for r in range(8)]}),
+               "dp": [[r] for r in range(8)], "ep": [[0, 1, 2, 3], [4, 5, 6, 7]]}),
+    # EP: every DP x TP rank of a stage, replica-major
     (2, 2, 2, {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-               "dp": [[0, 4], [1, 5], [2, 6], [3, 7]]}),
-    (1, 3, 1, {"tp": [[0], [1], [2]], "pp": [[0, 1, 2]], "dp": [[0], [1], [2]]}),
+               "dp": [[0, 4], [1, 5], [2, 6], [3, 7]], "ep": [[0, 1, 4, 5], [2, 3, 6, 7]]}),
+    (2, 1, 2, {"tp": [[0, 1], [2, 3]], "pp": [[0], [1], [2], [3]], "dp": [[0, 2], [1, 3]], "ep": [[0, 1, 2, 3]]}),
+    (1, 3, 1, {"tp": [[0], [1], [2]], "pp": [[0, 1, 2]], "dp": [[0], [1], [2]], "ep": [[0], [1], [2]]}),
 ])
 def test_rank_grid(dp, pp, tp, expected):
     grid = ps.rank_grid(dp * pp * tp, tp, pp, dp)
     assert grid == expected
-    for kind in ("tp", "pp", "dp"):      # every rank in exactly one group of each kind
+    for kind in ("tp", "pp", "dp", "ep"):      # every rank in exactly one group of each kind
         assert sorted(r for g in grid[kind] for r in g) == list(range(dp * pp * tp))
 
 

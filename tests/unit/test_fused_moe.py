@@ -1,10 +1,30 @@
 """The fused MoE layer equals a plain per-token computation of the same experts (softmax router,
-top-k, renormalised weights), and its loader places each expert's slices where they belong."""
+top-k, renormalised weights), whether it holds every expert, a TP slice of each, or (expert
+parallel) whole experts of its own, and with data parallel replicas whose tokens differ."""
 
+import multiprocessing
+
+import pytest
 import torch
 import torch.nn.functional as F
 
-from shardlm.layers.moe import FusedMoE
+from shardlm.distributed import parallel_state as ps
+from shardlm.layers.moe import FusedMoE, dp_token_counts, local_experts
+
+E, K, H, INTER = 6, 2, 32, 48
+
+
+def _weights():
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(E, INTER, H, generator=gen) / 6, torch.randn(E, INTER, H, generator=gen) / 6,
+            torch.randn(E, H, INTER, generator=gen) / 7)
+
+
+def _tokens(replica: int, n: int):
+    gen = torch.Generator().manual_seed(100 + replica)
+    x, logits = torch.randn(n, H, generator=gen), torch.randn(n, E, generator=gen)
+    logits[:, 5] = -1e4                     # an expert no token picks
+    return x, logits
 
 
 def _reference(x, logits, w1, w3, w2, top_k):
@@ -18,15 +38,75 @@ def _reference(x, logits, w1, w3, w2, top_k):
     return out
 
 
-def test_fused_moe_equals_the_per_token_computation():
-    torch.manual_seed(0)
-    E, k, H, inter, T = 6, 2, 32, 48, 37
-    w1, w3, w2 = torch.randn(E, inter, H) / 6, torch.randn(E, inter, H) / 6, torch.randn(E, H, inter) / 7
-    moe = FusedMoE(E, k, H, inter)
+def _loaded_moe():
+    w1, w3, w2 = _weights()
+    moe = FusedMoE(E, K, H, INTER)
     for e in range(E):                     # as from a checkpoint: expert e's w1, w3, w2
         moe.w13.weight_loader(moe.w13, w1[e], (e, 0))
         moe.w13.weight_loader(moe.w13, w3[e], (e, 1))
         moe.w2.weight_loader(moe.w2, w2[e], e)
-    x, logits = torch.randn(T, H), torch.randn(T, E)
-    logits[:, 5] = -1e4                     # an expert no token picks
-    torch.testing.assert_close(moe(x, logits), _reference(x, logits, w1, w3, w2, k), rtol=1e-5, atol=1e-5)
+    return moe
+
+
+def test_fused_moe_equals_the_per_token_computation():
+    moe = _loaded_moe()
+    x, logits = _tokens(0, 37)
+    torch.testing.assert_close(moe(x, logits), _reference(x, logits, *_weights(), K), rtol=1e-5, atol=1e-5)
+    assert moe.expert_load.sum().item() == 37 * K and moe.expert_load[5].item() == 0
+
+
+@pytest.mark.parametrize("ep,expected", [(4, [(0, 2), (2, 2), (4, 1), (5, 1)]), (2, [(0, 3), (3, 3)]),
+                                         (6, [(e, 1) for e in range(6)])])
+def test_experts_are_spread_evenly_the_first_ranks_taking_the_remainder(ep, expected):
+    assert [local_experts(E, ep, r) for r in range(ep)] == expected
+
+
+def _rank(rank, dp, tp, ep, port, tokens_per_replica, results):
+    ps.init_distributed_environment(dp * tp, rank, "127.0.0.1", port, "gloo", 60)
+    ps.initialize_model_parallel(tp, 1, dp, rank=rank, backend="gloo", expert_parallel=ep)
+    moe = _loaded_moe()
+    replica = rank // tp
+    outs = []
+    for step, counts in enumerate(tokens_per_replica):       # one list of per-replica token counts a step
+        x, logits = _tokens(replica * 10 + step, counts[replica])
+        with dp_token_counts(counts if dp > 1 else None):
+            outs.append(moe(x, logits) if counts[replica] else (moe.dummy_forward(), None)[1])
+    results.put((rank, {"outs": [o.tolist() if o is not None else None for o in outs],
+                        "held": moe.w13.shape[0], "load": moe.expert_load.tolist()}))
+    ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("dp,tp,ep", [(1, 2, False), (1, 2, True), (2, 2, True), (2, 1, True)],
+                         ids=["tp2", "tp2-ep", "dp2-tp2-ep", "dp2-ep"])
+def test_fused_moe_across_ranks_equals_one_rank(dp, tp, ep):
+    """Steps where the replicas have different token counts, and one where a replica has none
+    (it runs a dummy forward while the other's tokens still reach its experts)."""
+    steps = [[5, 3], [1, 7], [0, 4], [6, 0]] if dp > 1 else [[5], [1], [9]]
+    world = dp * tp
+    ctx = multiprocessing.get_context("spawn")
+    store = ps.host_store("127.0.0.1", world, 60)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, dp, tp, ep, store.port, steps, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert all(p.exitcode == 0 for p in procs)
+    w = _weights()
+    for rank in range(world):
+        replica = rank // tp
+        for step, counts in enumerate(steps):
+            out = got[rank]["outs"][step]
+            if counts[replica] == 0:
+                assert out is None
+                continue
+            x, logits = _tokens(replica * 10 + step, counts[replica])
+            torch.testing.assert_close(torch.tensor(out), _reference(x, logits, *w, K), rtol=1e-5, atol=1e-5)
+        # each replica counts its own tokens' routes
+        assert sum(got[rank]["load"]) == sum(c[replica] for c in steps) * K
+    held = [got[r]["held"] for r in range(world)]
+    if ep:
+        assert held == [n for _, n in (local_experts(E, world, r) for r in range(world))] and sum(held) == E
+    else:
+        assert held == [E] * world

@@ -39,6 +39,10 @@ class ServerMetrics:
                                 "Engine-core requests the load balancer sent to this replica so far", per_engine,
                                 registry=r),
         }
+        self.expert_tokens = Gauge("shardlm:moe_expert_tokens",
+                                   "MoE models: tokens routed to each expert so far, per MoE layer (an uneven "
+                                   "spread is what expert parallel placement is tuned for)",
+                                   per_engine + ["layer", "expert"], registry=r)
         self.prompt_tokens = Counter("shardlm:prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
         self.generation_tokens = Counter("shardlm:generation_tokens", "Generated tokens of finished requests", labels,
                                          registry=r)
@@ -71,4 +75,7 @@ class ServerMetrics:
             for engine, values in [("all", stats), *((str(e["engine"]), e) for e in stats.get("engines", []))]:
                 for key, gauge in self.engine_gauges.items():
                     gauge.labels(engine=engine, **self.labels).set(values[key])
+                for layer, counts in values.get("expert_load", {}).items():
+                    for expert, n in enumerate(counts):
+                        self.expert_tokens.labels(engine=engine, layer=layer, expert=str(expert), **self.labels).set(n)
         return generate_latest(self.registry)

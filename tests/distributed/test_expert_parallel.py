@@ -1,0 +1,147 @@
+"""Expert parallel (--enable-expert-parallel): whole experts on the ranks of each stage's DP x TP
+group. Outputs equal transformers' and the one-rank engine's over TP ranks, across data parallel
+replicas (which run their MoE layers in lock-step) and both; each rank holds only its experts;
+an idle replica joins the others' steps and all go quiet together; a dead replica fails the
+whole engine; the expert load reaches the stats."""
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from shardlm import LLM, SamplingParams
+from shardlm.engine.core_client import EngineDeadError
+from shardlm.layers.moe import local_experts
+from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts
+
+ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
+
+
+def _token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def one_rank_outputs(tiny_model_dir):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            llm = LLM(tiny_model_dir(name), **ENGINE)
+            try:
+                cache[name] = _token_ids(llm.generate(_prompts(), PARAMS, use_tqdm=False))
+            finally:
+                llm.shutdown()
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("name,dp,tp", [("mixtral", 1, 2), ("qwen2-moe", 1, 2), ("mixtral", 2, 1),
+                                        ("qwen3-moe", 2, 2)],
+                         ids=["mixtral-tp2-ep", "qwen2moe-tp2-ep", "mixtral-dp2-ep", "qwen3moe-dp2-tp2-ep"])
+def test_expert_parallel_equals_one_rank_and_hf(name, dp, tp, tiny_model_dir, references, hf, one_rank_outputs):
+    llm = LLM(tiny_model_dir(name), **ENGINE, data_parallel_size=dp, tensor_parallel_size=tp,
+              enable_expert_parallel=True)
+    try:
+        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+        stats = llm.engine.engine_core.call_utility("stats")
+    finally:
+        llm.shutdown()
+    assert _token_ids(outs) == one_rank_outputs(name)
+    assert hf.assert_close(references(name), outs, f"{name} dp={dp} tp={tp} EP") >= 4
+    # every routed token counted once, on the replica that served it (top-2 of each MoE layer's tokens)
+    processed = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)
+    for layer, counts in stats["expert_load"].items():
+        assert sum(counts) == 2 * processed, (layer, counts)
+
+
+def test_each_rank_holds_only_its_experts(tiny_model_dir):
+    """Qwen3-MoE, 6 experts on 4 ranks (2, 2, 1, 1): the weights per rank differ from tensor
+    parallel's (a quarter of every expert) by exactly the experts it holds beyond 6/4."""
+    path = tiny_model_dir("qwen3-moe")
+    sliced = LLM(path, **ENGINE, tensor_parallel_size=4)
+    try:
+        tp_bytes = sliced.collective_rpc("weight_bytes")
+        config = sliced.engine.config.model.hf_config
+    finally:
+        sliced.shutdown()
+    whole = LLM(path, **ENGINE, tensor_parallel_size=4, enable_expert_parallel=True)
+    try:
+        ep_bytes = whole.collective_rpc("weight_bytes")
+    finally:
+        whole.shutdown()
+    expert_bytes = 3 * config.hidden_size * config.moe_intermediate_size * 4       # float32
+    moe_layers = config.num_hidden_layers - len(config.mlp_only_layers)
+    for rank in range(4):
+        held = local_experts(6, 4, rank)[1]
+        assert ep_bytes[rank] - tp_bytes[rank] == (held - 6 / 4) * expert_bytes * moe_layers
+
+
+def _busy_seconds(procs) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def test_an_idle_replica_steps_with_the_busy_one_and_all_go_quiet(tiny_model_dir, one_rank_outputs):
+    """One long request and a few short ones: the replica whose requests finish early runs dummy
+    steps for the other's many decode steps; outputs still equal one rank's, and once everything
+    has finished neither replica uses the CPU (they sleep together)."""
+    path = tiny_model_dir("mixtral")
+    prompts = ["Once upon a time", "Hi", "The capital of France is", "1 2 3"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (120, 2, 3, 2)]
+    ref = LLM(path, **ENGINE)
+    try:
+        expected = _token_ids(ref.generate(prompts, params, use_tqdm=False))
+    finally:
+        ref.shutdown()
+    llm = LLM(path, **ENGINE, data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.engine_core.balancer.assigned_total == [2, 2]
+        assert _token_ids(outs) == expected
+        cores = [psutil.Process(c.process.pid) for c in llm.engine.engine_core.cores]
+        time.sleep(0.5)
+        before = _busy_seconds(cores)
+        time.sleep(2.0)
+        assert _busy_seconds(cores) - before < 0.1, "an idle server's replicas must sleep, not spin"
+        again = llm.generate(prompts[:1], params[:1], use_tqdm=False)     # and wake up for the next wave
+        assert _token_ids(again) == expected[:1]
+    finally:
+        llm.shutdown()
+
+
+def test_a_dead_replica_fails_the_whole_engine(tiny_model_dir):
+    llm = LLM(tiny_model_dir("mixtral"), **ENGINE, data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        cores = llm.engine.engine_core.cores
+        other = cores[0].process
+        long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
+        threading.Timer(1.0, os.kill, (cores[1].process.pid, signal.SIGKILL)).start()
+        with pytest.raises(EngineDeadError, match=r"replica 1 .* died.*Expert parallel replicas run every step"):
+            for _ in range(100):        # far longer than 1 s unless the kill stops it
+                llm.generate(["one", "two", "three", "four"], long, use_tqdm=False)
+        deadline = time.monotonic() + 15        # (the client's stopper thread reaps it: no join here)
+        while other.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert other.exitcode is not None, "the surviving replica is stopped too (it cannot step alone)"
+        with pytest.raises(EngineDeadError):
+            llm.generate(["Hello"], long, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_expert_parallel_layouts_this_version_refuses(tiny_model_dir):
+    path = tiny_model_dir("mixtral")
+    with pytest.raises(ValueError, match="does not combine with pipeline parallel"):
+        LLM(path, **ENGINE, data_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=True)
+    with pytest.raises(Exception, match="needs at least as many experts; this model has 4"):
+        LLM(path, **ENGINE, data_parallel_size=2, tensor_parallel_size=4, enable_expert_parallel=True)
