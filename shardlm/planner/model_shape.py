@@ -51,11 +51,15 @@ class ModelShape:
     o_bias: bool
     mlp_bias: bool
     max_position: int
+    qk_norm: bool = False             # Qwen3: an RMSNorm on every q and k head (one weight of head_dim each)
     num_experts: int = 0              # routed experts per MoE layer (0: dense)
     experts_per_token: int = 0
     expert_intermediate: int = 0
-    shared_experts: int = 0
+    shared_expert_intermediate: int = 0   # the shared expert(s) every token uses (0: none)
+    shared_expert_gate: bool = False  # Qwen2-MoE: a sigmoid gate scales the shared expert
     first_dense_layers: int = 0       # DeepSeek: the first k layers are dense
+    sparse_step: int = 1              # Qwen MoE: experts on every sparse_step-th layer ...
+    dense_layers: tuple[int, ...] = ()    # ... except these (mlp_only_layers)
     q_lora_rank: int = 0              # MLA (DeepSeek); kv_lora_rank > 0 means MLA
     kv_lora_rank: int = 0
     qk_nope_dim: int = 0
@@ -70,6 +74,7 @@ class ModelShape:
         heads = c["num_attention_heads"]
         arch = (c.get("architectures") or [""])[0]
         experts = c.get("num_local_experts") or c.get("n_routed_experts") or c.get("num_experts") or 0
+        expert_inter = (c.get("moe_intermediate_size") or c.get("intermediate_size", 0)) if experts else 0
         return cls(
             name=name, vocab=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
             heads=heads, kv_heads=c.get("num_key_value_heads") or heads,
@@ -78,11 +83,14 @@ class ModelShape:
             qkv_bias=bool(c.get("attention_bias", False)) or arch.startswith("Qwen2"),
             o_bias=bool(c.get("attention_bias", False)) and not arch.startswith("Qwen2"),
             mlp_bias=bool(c.get("mlp_bias", False)),
-            max_position=c.get("max_position_embeddings") or 2048,
+            max_position=c.get("max_position_embeddings") or 2048, qk_norm=arch.startswith("Qwen3"),
             num_experts=experts, experts_per_token=c.get("num_experts_per_tok", 0) if experts else 0,
-            expert_intermediate=(c.get("moe_intermediate_size") or c.get("intermediate_size", 0)) if experts else 0,
-            shared_experts=c.get("n_shared_experts") or 0,
+            expert_intermediate=expert_inter,
+            shared_expert_intermediate=(c.get("shared_expert_intermediate_size")
+                                        or (c.get("n_shared_experts") or 0) * expert_inter) if experts else 0,
+            shared_expert_gate=bool(experts and c.get("shared_expert_intermediate_size")),
             first_dense_layers=c.get("first_k_dense_replace", 0) if experts else 0,
+            sparse_step=c.get("decoder_sparse_step") or 1, dense_layers=tuple(c.get("mlp_only_layers") or ()),
             q_lora_rank=c.get("q_lora_rank") or 0, kv_lora_rank=c.get("kv_lora_rank") or 0,
             qk_nope_dim=c.get("qk_nope_head_dim") or 0, qk_rope_dim=c.get("qk_rope_head_dim") or 0,
             v_head_dim=c.get("v_head_dim") or 0)
@@ -115,22 +123,33 @@ class ModelShape:
             params += q + 2 * kv
         if self.o_bias:
             params += h
+        if self.qk_norm:
+            params += 2 * hd
         return params
 
     def dense_mlp_params(self, tp: int = 1) -> int:
         inter = self.intermediate // tp
         return 3 * self.hidden * inter + (2 * inter + self.hidden if self.mlp_bias else 0)
 
-    def moe_params(self, tp: int = 1) -> int:
-        """Experts are split across the tp (or expert parallel) ranks; the router is replicated."""
+    def experts_per_rank(self, ep: int) -> int:
+        """Expert parallel over ep ranks: the most experts one rank holds (the first E % ep ranks hold one more)."""
+        return -(-self.num_experts // ep)
+
+    def moe_params(self, tp: int = 1, ep: int = 0) -> int:
+        """Routed experts sliced across the tp ranks, or with ep > 0 whole experts spread over ep
+        ranks (the fullest rank counted); the shared expert is sliced by tp; the router and the
+        shared expert's gate are on every rank."""
         expert = 3 * self.hidden * self.expert_intermediate
-        return (self.num_experts + self.shared_experts) * expert // tp + self.hidden * self.num_experts
+        routed = self.experts_per_rank(ep) * expert if ep else self.num_experts * expert // tp
+        shared = 3 * self.hidden * self.shared_expert_intermediate // tp
+        return routed + shared + self.hidden * self.num_experts + (self.hidden if self.shared_expert_gate else 0)
 
     def is_moe_layer(self, i: int) -> bool:
-        return self.is_moe and i >= self.first_dense_layers
+        return (self.is_moe and i >= self.first_dense_layers and i not in self.dense_layers
+                and (i + 1) % self.sparse_step == 0)
 
-    def layer_params(self, i: int, tp: int = 1) -> int:
-        mlp = self.moe_params(tp) if self.is_moe_layer(i) else self.dense_mlp_params(tp)
+    def layer_params(self, i: int, tp: int = 1, ep: int = 0) -> int:
+        mlp = self.moe_params(tp, ep) if self.is_moe_layer(i) else self.dense_mlp_params(tp)
         return self.attention_params(tp) + mlp + 2 * self.hidden   # + two norms
 
     def embedding_params(self, tp: int = 1) -> int:
@@ -165,16 +184,18 @@ class ModelShape:
         return (total - other) / total
 
     # ---- tensor parallel validity ----
-    def tp_problems(self, tp: int) -> list[str]:
-        """Why tensor parallel size tp cannot split this model (empty: it can)."""
+    def tp_problems(self, tp: int, expert_parallel: bool = False) -> list[str]:
+        """Why tensor parallel size tp cannot split this model (empty: it can). Under expert
+        parallel the experts are not sliced, so their size need not divide."""
         problems = []
         if self.heads % tp:
             problems.append(f"{self.heads} attention heads are not divisible by {tp}")
         if not self.is_mla and self.kv_heads % tp and tp % self.kv_heads:
             problems.append(f"{self.kv_heads} KV heads neither divide by {tp} nor divide it")
-        if self.intermediate and not (self.is_moe and self.first_dense_layers == 0) and self.intermediate % tp:
+        has_dense = any(not self.is_moe_layer(i) for i in range(self.layers))
+        if self.intermediate and has_dense and self.intermediate % tp:
             problems.append(f"the MLP size {self.intermediate} is not divisible by {tp}")
-        if self.is_moe and self.expert_intermediate % tp:
+        if self.is_moe and not expert_parallel and self.expert_intermediate % tp:
             problems.append(f"the expert MLP size {self.expert_intermediate} is not divisible by {tp}")
         return problems
 

@@ -52,6 +52,7 @@ class SplitPlan:
     tp: int
     pp: int
     dp: int = 1
+    ep: int = 0                               # expert parallel group size (0: experts sliced by TP)
     weights_per_device: float = 0.0           # bytes, the fullest stage
     reserve_per_device: float = 0.0           # activations + runtime overhead
     kv_bytes_per_token: float = 0.0           # per device, the fullest stage
@@ -70,6 +71,7 @@ class SplitPlan:
     def label(self) -> str:
         parts = [f"TP={self.tp}"] + ([f"PP={self.pp}"] if self.pp > 1 else [])
         parts += [f"DP={self.dp}"] if self.dp > 1 else []
+        parts += [f"EP={self.ep}"] if self.ep else []
         return " ".join(parts) if (self.tp, self.pp, self.dp) != (1, 1, 1) else "single device"
 
 
@@ -91,9 +93,10 @@ def activation_reserve(shape: ModelShape, tp: int, w: Workload, hw: Hardware) ->
     return acts + logits + (GiB if hw.kind == "gpu" else GiB // 2)
 
 
-def evaluate(shape: ModelShape, tp: int, pp: int, hw: Hardware, w: Workload) -> SplitPlan:
-    plan = SplitPlan(tp, pp)
-    problems = shape.tp_problems(tp)
+def evaluate(shape: ModelShape, tp: int, pp: int, hw: Hardware, w: Workload, ep: int = 0) -> SplitPlan:
+    """ep > 0: expert parallel over ep ranks (tp, or dp x tp with data parallel replicas)."""
+    plan = SplitPlan(tp, pp, dp=max(1, ep // tp), ep=ep)
+    problems = shape.tp_problems(tp, expert_parallel=ep > 0)
     if problems:
         plan.reason = "; ".join(problems)
         return plan
@@ -103,7 +106,7 @@ def evaluate(shape: ModelShape, tp: int, pp: int, hw: Hardware, w: Workload) -> 
     reserve = activation_reserve(shape, tp, w, hw)
     worst_weights, worst_kv = 0.0, 0.0
     for s, (start, end) in enumerate(pp_layer_partition(shape.layers, pp)):
-        params = sum(shape.layer_params(i, tp) for i in range(start, end))
+        params = sum(shape.layer_params(i, tp, ep) for i in range(start, end))
         linear = params - 2 * shape.hidden * (end - start)
         extra = []
         if s == 0:
@@ -255,15 +258,16 @@ def recommend(shape: ModelShape, hw: Hardware, w: Workload, model_arg: str | Non
                          f"{hw.devices_per_node} devices of a node, the server spreading requests over them: "
                          f"{dp_command}")
         if dp > local_dp and dp > 1:
-            notes.append(f"Data parallel across nodes ({dp} replicas of {pick.label} on the {hw.total_devices} "
-                         "devices) is not built in this version of shardlm; one replica per node runs.")
+            notes.append(f"Data parallel across nodes: {dp} replicas of {pick.label} on the {hw.total_devices} "
+                         f"devices, {max(local_dp, 1)} per node: the head runs `shardlm serve ... -dp {dp} "
+                         f"--data-parallel-size-local {max(local_dp, 1)} --data-parallel-address HEAD_IP "
+                         "--data-parallel-rpc-port PORT`, every other node the same with --headless and its "
+                         "--data-parallel-start-rank (or --data-parallel-backend ray on a Ray cluster).")
         if hw.interconnect == "pcie" and pick.tp > 1:
             notes.append("Without NVLink, tensor parallel all-reduces cross PCIe every layer: expect less speed-up "
                          "than on NVLink; pipeline parallel sends far less data between devices.")
         if shape.is_moe:
-            notes.append(f"Mixture of experts ({shape.num_experts} experts, {shape.experts_per_token} per token): "
-                         "expert parallel (whole experts placed on ranks instead of each one sliced) is not built "
-                         "in this version of shardlm; the split above slices every expert (tensor parallel).")
+            notes += _expert_parallel_notes(shape, pick, local_dp, hw, w, model_arg or shape.name)
     command = None
     if pick is not None:
         command = _serve_command(model_arg or shape.name, pick.tp, pick.pp, 1, w.max_model_len)
@@ -274,9 +278,43 @@ def recommend(shape: ModelShape, hw: Hardware, w: Workload, model_arg: str | Non
                           shape.kv_bytes_per_token(w.dtype_bytes), hw, w, pick, reasons, notes, shown, command)
 
 
-def _serve_command(model: str, tp: int, pp: int, dp: int, max_model_len: int) -> str:
+def expert_bytes_per_rank(shape: ModelShape, plan: SplitPlan, w: Workload) -> float:
+    """Routed expert weights on the fullest rank of the fullest stage."""
+    expert = 3 * shape.hidden * shape.expert_intermediate
+    per_layer = shape.experts_per_rank(plan.ep) * expert if plan.ep else shape.num_experts * expert / plan.tp
+    layers = max(sum(shape.is_moe_layer(i) for i in range(a, b)) for a, b in pp_layer_partition(shape.layers, plan.pp))
+    return weight_bytes(shape, per_layer * layers, per_layer * layers, w)
+
+
+def _expert_parallel_notes(shape: ModelShape, pick: SplitPlan, local_dp: int, hw: Hardware, w: Workload,
+                           model: str) -> list[str]:
+    """Experts per rank sliced by TP against whole experts under --enable-expert-parallel, within
+    the picked split and, with room for replicas, across DP x TP (attention replicated)."""
+    notes = [f"Mixture of experts ({shape.num_experts} experts, {shape.experts_per_token} per token): "
+             f"{pick.label} slices every expert across the TP ranks "
+             f"({expert_bytes_per_rank(shape, pick, w) / GiB:.2f} GiB of experts per rank)."]
+    if pick.tp > 1:
+        ep = evaluate(shape, pick.tp, pick.pp, hw, w, ep=pick.tp)
+        notes.append(f"With expert parallel each of the {pick.tp} ranks holds whole experts instead, at most "
+                     f"{shape.experts_per_rank(pick.tp)} ({expert_bytes_per_rank(shape, ep, w) / GiB:.2f} GiB per "
+                     "rank), and a token's expert work is done only where its experts are (fewer, larger matmuls; "
+                     "an uneven routing loads some ranks more): "
+                     f"{_serve_command(model, pick.tp, pick.pp, 1, w.max_model_len, expert_parallel=True)}")
+    if local_dp > 1 and pick.pp == 1:
+        ranks = local_dp * pick.tp
+        dpep = evaluate(shape, pick.tp, 1, hw, w, ep=ranks)
+        notes.append(f"Data parallel attention with expert parallel experts ({local_dp} replicas, the experts "
+                     f"spread over all {ranks} ranks: at most {shape.experts_per_rank(ranks)} per rank, "
+                     f"{expert_bytes_per_rank(shape, dpep, w) / GiB:.2f} GiB; {dpep.kv_tokens} KV tokens per "
+                     "replica; the replicas run their MoE layers in lock-step): "
+                     f"{_serve_command(model, pick.tp, 1, local_dp, w.max_model_len, expert_parallel=True)}")
+    return notes
+
+
+def _serve_command(model: str, tp: int, pp: int, dp: int, max_model_len: int, expert_parallel: bool = False) -> str:
     command = f"shardlm serve {model}"
     command += f" -tp {tp}" if tp > 1 else ""
     command += f" -pp {pp}" if pp > 1 else ""
     command += f" -dp {dp}" if dp > 1 else ""
+    command += " --enable-expert-parallel" if expert_parallel else ""
     return command + f" --max-model-len {max_model_len}"

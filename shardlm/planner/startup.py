@@ -24,7 +24,9 @@ def check_parallel_layout(config: EngineConfig) -> None:
     m, par = config.model, config.parallel
     shape = ModelShape.from_config(os.path.basename(m.served_model_name.rstrip("/")), m.hf_config.to_dict())
     tp = par.tensor_parallel_size
-    problems = shape.tp_problems(tp)
+    if par.enable_expert_parallel and not shape.is_moe:
+        logger.warning("--enable-expert-parallel has no effect: %s has no mixture-of-experts layers.", shape.name)
+    problems = shape.tp_problems(tp, expert_parallel=par.enable_expert_parallel)
     if problems:
         valid = ", ".join(map(str, shape.valid_tp_sizes(limit=max(shape.heads, tp))))
         raise ValueError(f"{shape.name} has {shape.heads} attention heads and {shape.kv_heads} KV heads: "
@@ -52,7 +54,8 @@ def check_fits(config: EngineConfig) -> None:
     hw = detect_hardware(config.cache.gpu_memory_utilization)
     if config.device.type == "cpu":
         hw.device_memory, hw.utilization = psutil.virtual_memory().available, 1.0
-    plan = evaluate(shape, par.tensor_parallel_size, par.pipeline_parallel_size, hw, workload)
+    ep = par.tensor_parallel_size * par.data_parallel_size if par.enable_expert_parallel and shape.is_moe else 0
+    plan = evaluate(shape, par.tensor_parallel_size, par.pipeline_parallel_size, hw, workload, ep=ep)
     if config.device.type == "cpu":
         # every rank of this node's replicas shares the machine's memory
         replicas = par.data_parallel_size_local

@@ -9,13 +9,16 @@ import signal
 import threading
 import time
 
+import httpx
 import psutil
 import pytest
 
 from shardlm import LLM, SamplingParams
 from shardlm.engine.core_client import EngineDeadError
 from shardlm.layers.moe import local_experts
+from tests.distributed.test_parallel_server import assert_server_answers_like_llm
 from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts
+from tests.server.test_openai_server import _start, _stop
 
 ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
 
@@ -145,3 +148,18 @@ def test_expert_parallel_layouts_this_version_refuses(tiny_model_dir):
         LLM(path, **ENGINE, data_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=True)
     with pytest.raises(Exception, match="needs at least as many experts; this model has 4"):
         LLM(path, **ENGINE, data_parallel_size=2, tensor_parallel_size=4, enable_expert_parallel=True)
+
+
+def test_dp2_ep_server_answers_like_the_offline_engine_and_shows_the_expert_load(tiny_model_dir):
+    path = tiny_model_dir("mixtral")
+    proc, url = _start(path, "-dp", "2", "--enable-expert-parallel")
+    try:
+        assert_server_answers_like_llm(url, path)
+        metrics = httpx.get(url + "/metrics").text
+    finally:
+        _stop(proc)
+    series = [line for line in metrics.splitlines() if line.startswith("shardlm:moe_expert_tokens{")]
+    # 2 MoE layers x 4 experts, for each replica and their total
+    assert len(series) == 2 * 4 * 3
+    totals = [float(line.rsplit(" ", 1)[1]) for line in series if 'engine="all"' in line]
+    assert sum(totals) > 0

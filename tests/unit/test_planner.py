@@ -40,10 +40,17 @@ def _tiny_cases():
                                                       num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=24,
                                                       kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
                                                       v_head_dim=8, n_group=2, topk_group=1)),
+        # a shared expert with its gate, experts on every second layer
+        (T.Qwen2MoeForCausalLM, T.Qwen2MoeConfig(**common, num_experts=6, num_experts_per_tok=2,
+                                                  moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                                  decoder_sparse_step=2)),
+        # dense layers named by mlp_only_layers, q/k norms
+        (T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig(**common, num_experts=6, num_experts_per_tok=2,
+                                                  moe_intermediate_size=32, mlp_only_layers=[0], head_dim=16)),
     ]
 
 
-@pytest.mark.parametrize("index", range(6))
+@pytest.mark.parametrize("index", range(8))
 def test_parameter_count_is_exact_for_transformers_models(index):
     cls, cfg = _tiny_cases()[index]
     model = cls(cfg)
@@ -110,11 +117,26 @@ def test_70b_on_three_gpus_explains_tp3_and_offers_pp3_or_tp2_4():
     assert any((a.tp, a.pp) == (2, 1) and a.status != "no" for a in r.alternatives)
 
 
-def test_moe_gets_dp_when_memory_allows_and_no_flag_the_cli_lacks():
+def test_moe_plans_show_experts_per_rank_under_tp_and_ep_with_commands():
+    """Mixtral-8x7B (8 experts of 3 x 4096 x 14336, 32 layers) in bfloat16 on 8 x 80 GB: TP=2 slices every
+    expert in two (44 GiB... per rank: 8 x 0.35 GiB x 32 / 2); EP=2 holds 4 whole experts; DP x EP over all 8
+    GPUs holds one."""
     r = _rec("Mixtral-8x7B", 8, 1)
-    assert "--enable-expert-parallel" not in r.command          # not built yet: never recommended
-    assert any("expert parallel" in n for n in r.notes)
-    assert any("-dp 4" in n or "-dp 2" in n for n in r.notes)
+    assert (r.plan.tp, r.plan.pp) == (2, 1)
+    expert_gib = 3 * 4096 * 14336 * 2 * 32 / GiB          # one expert in every layer
+    text = " ".join(r.notes)
+    assert f"({8 * expert_gib / 2:.2f} GiB of experts per rank)" in text
+    assert f"at most 4 ({4 * expert_gib:.2f} GiB per rank)" in text
+    assert f"at most 1 per rank, {expert_gib:.2f} GiB" in text
+    assert "shardlm serve Mixtral-8x7B -tp 2 --enable-expert-parallel" in text
+    assert "shardlm serve Mixtral-8x7B -tp 2 -dp 4 --enable-expert-parallel" in text
+
+
+def test_expert_parallel_lifts_the_expert_size_divisibility():
+    s = shape("Mixtral-8x7B")
+    s.expert_intermediate = 14335
+    assert any("expert MLP size" in p for p in s.tp_problems(2))
+    assert not s.tp_problems(2, expert_parallel=True)
 
 
 @pytest.mark.parametrize("name", list(load_presets()))
@@ -128,11 +150,12 @@ def test_every_printed_command_is_accepted_by_the_cli(name, gpus, nodes):
     if r.command is not None:
         ns = parser.parse_args(shlex.split(r.command)[1:])
         assert ns.command == "serve"
+    for note in r.notes:            # whole commands in the notes too (data parallel, expert parallel)
+        for command in re.findall(r"shardlm serve [^`:]*?--max-model-len \d+", note):
+            ns = parser.parse_args(shlex.split(command)[1:])
+            assert ns.command == "serve" and (ns.data_parallel_size > 1 or ns.enable_expert_parallel)
     serve_flags = {o for a in parser._subparsers._group_actions[0].choices["serve"]._actions for o in a.option_strings}
     for text in r.reasons + r.notes:
-        if "shardlm serve " in text:         # a whole command (data parallel) parses too
-            ns = parser.parse_args(shlex.split(text[text.index("shardlm serve "):])[1:])
-            assert ns.command == "serve" and ns.data_parallel_size > 1
         for flag in re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", text):
             assert flag in serve_flags, f"{name}: `{flag}` in {text!r} is not a serve flag"
 
