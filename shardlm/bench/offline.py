@@ -26,6 +26,17 @@ def _peak_rss_bytes(llm) -> int:
     return own
 
 
+def _expert_load(llm) -> dict:
+    """MoE models: tokens routed to each expert per layer over the run, and each layer's
+    imbalance (the busiest expert's tokens over the mean: 1.0 is even); {} for dense models."""
+    if not llm.engine.config.model.num_experts:
+        return {}
+    load = llm.engine.engine_core.call_utility("stats")["expert_load"]
+    imbalance = {layer: max(c) * len(c) / max(1, sum(c)) for layer, c in load.items()}
+    return {"expert_load": load, "expert_imbalance": imbalance,
+            "expert_imbalance_max": max(imbalance.values(), default=1.0)}
+
+
 def _start(engine_args):
     from shardlm.llm import LLM
     t0 = time.perf_counter()
@@ -55,7 +66,8 @@ def run_throughput(engine_args, workload_path, num_prompts, output_len, reps) ->
             "elapsed_s": times, "output_tok_s": out_tokens / med,
             "total_tok_s": (out_tokens + w.num_prompt_tokens) / med,
             "output_tok_s_all": [out_tokens / t for t in times], "startup_s": startup_s,
-            "peak_rss_bytes": _peak_rss_bytes(llm), "dtype": str(llm.engine.config.model.dtype).replace("torch.", "")}
+            "peak_rss_bytes": _peak_rss_bytes(llm), "dtype": str(llm.engine.config.model.dtype).replace("torch.", ""),
+            **_expert_load(llm)}
 
 
 def run_latency(engine_args, workload_path, output_len, reps, batch_size: int = 1) -> dict:
@@ -76,7 +88,7 @@ def run_latency(engine_args, workload_path, output_len, reps, batch_size: int = 
             "decode_step_ms": step_s * 1000, "decode_tok_s": batch_size / step_s,
             "startup_s": startup_s, "startup_to_first_token_s": startup_to_first_token,
             "cold_first_request_s": first, "peak_rss_bytes": _peak_rss_bytes(llm),
-            "dtype": str(llm.engine.config.model.dtype).replace("torch.", "")}
+            "dtype": str(llm.engine.config.model.dtype).replace("torch.", ""), **_expert_load(llm)}
 
 
 def report(result: dict, as_json: bool) -> None:
@@ -91,6 +103,9 @@ def report(result: dict, as_json: bool) -> None:
               f"median of {result['reps']}):\n"
               f"  output tokens/s: {result['output_tok_s']:.1f}\n  total tokens/s:  {result['total_tok_s']:.1f}\n"
               f"  start-up: {result['startup_s']:.1f} s, peak memory (RSS): {gib:.2f} GiB")
+    if "expert_imbalance_max" in result:
+        print(f"  expert load: busiest expert / mean, worst layer: {result['expert_imbalance_max']:.2f} "
+              "(per-layer counts in --json)")
     else:
         print(f"Latency (batch {result['batch_size']}, {result['prompt_tokens']} prompt tokens, "
               f"{result['output_tokens']} new tokens, dtype {result['dtype']}, median of {result['reps']}):\n"

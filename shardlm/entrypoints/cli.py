@@ -90,9 +90,23 @@ def cmd_chat(ns) -> None:
 
 def cmd_bench(ns) -> None:
     if ns.bench_kind == "make-model":
-        from shardlm.bench.random_model import make_random_llama
-        make_random_llama(ns.out_dir, ns.hidden_size, ns.num_layers, ns.num_heads, ns.num_kv_heads,
-                          ns.intermediate_size)
+        from shardlm.bench.random_model import DENSE_DEFAULTS, MOE_DEFAULTS, make_random_model
+        given = dict(hidden=ns.hidden_size, layers=ns.num_layers, heads=ns.num_heads, kv_heads=ns.num_kv_heads,
+                     intermediate=ns.intermediate_size)
+        defaults = MOE_DEFAULTS if ns.moe else DENSE_DEFAULTS
+        make_random_model(ns.out_dir, **{k: defaults[k] if v is None else v for k, v in given.items()},
+                          num_experts=ns.num_experts if ns.moe else 0, experts_per_token=ns.experts_per_token)
+        return
+    if ns.bench_kind == "moe-layer":
+        from shardlm.bench.moe_layer import report as report_moe
+        from shardlm.bench.moe_layer import run_moe_layer_bench
+        result = run_moe_layer_bench(ns.num_experts, ns.experts_per_token, ns.hidden_size, ns.intermediate_size,
+                                     [int(t) for t in ns.tokens.split(",")], ns.dtype, ns.threads)
+        if ns.json:
+            import json
+            print(json.dumps(result, indent=1))
+        else:
+            report_moe(result)
         return
     if ns.bench_kind == "serve":
         from shardlm.bench.serve import report as report_serve
@@ -315,13 +329,29 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output-len", type=int, default=None, help="new tokens per request (default: workload's, 128)")
     b.add_argument("--json", action="store_true", help="print JSON")
     b.set_defaults(func=cmd_bench)
-    b = bsub.add_parser("make-model", help="write a random-weight Llama (default ~113M parameters) for benchmarks")
+    b = bsub.add_parser("make-model", help="write a random-weight Llama (default ~113M parameters) or, with --moe, "
+                        "Mixtral (default ~132M: 8 experts, 2 per token) for benchmarks")
     b.add_argument("out_dir")
-    b.add_argument("--hidden-size", type=int, default=768)
-    b.add_argument("--num-layers", type=int, default=12)
-    b.add_argument("--num-heads", type=int, default=12)
-    b.add_argument("--num-kv-heads", type=int, default=4)
-    b.add_argument("--intermediate-size", type=int, default=2048)
+    b.add_argument("--moe", action="store_true", help="a mixture-of-experts model (Mixtral)")
+    b.add_argument("--hidden-size", type=int, default=None, help="default 768 (--moe: 512)")
+    b.add_argument("--num-layers", type=int, default=None, help="default 12 (--moe: 8)")
+    b.add_argument("--num-heads", type=int, default=None, help="default 12 (--moe: 8)")
+    b.add_argument("--num-kv-heads", type=int, default=None, help="default 4")
+    b.add_argument("--intermediate-size", type=int, default=None, help="MLP size, of each expert with --moe; "
+                   "default 2048 (--moe: 1024)")
+    b.add_argument("--num-experts", type=int, default=8, help="--moe: routed experts per layer")
+    b.add_argument("--experts-per-token", type=int, default=2, help="--moe: experts each token uses")
+    b.set_defaults(func=cmd_bench)
+    b = bsub.add_parser("moe-layer", help="the fused MoE layer alone: its per-expert dispatch against a grouped "
+                        "(padded batched matmul) one, and the bytes its collectives move")
+    b.add_argument("--num-experts", type=int, default=8)
+    b.add_argument("--experts-per-token", type=int, default=2)
+    b.add_argument("--hidden-size", type=int, default=512)
+    b.add_argument("--intermediate-size", type=int, default=1024, help="each expert's MLP size")
+    b.add_argument("--tokens", default="1,8,32,64,256,2048", help="token counts per step, comma-separated")
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    b.add_argument("--threads", type=int, default=1)
+    b.add_argument("--json", action="store_true", help="print JSON")
     b.set_defaults(func=cmd_bench)
     return parser
 
