@@ -83,5 +83,6 @@ def report(result: dict) -> None:
     print(f"  {'tokens':>6} {'active':>6} {'loop ms':>8} {'grouped ms':>10} {'loop GB/s':>9} "
           f"{'comm KB TP/EP':>13} {'comm KB DP+EP':>13}")
     for r in result["rows"]:
-        print(f"  {r['tokens']:>6} {r['active_experts']:>6} {r['per_expert_loop_ms']:>8.3f} {r['grouped_bmm_ms']:>10.3f} "
-              f"{r['loop_gb_s']:>9.1f} {r['comm_bytes_tp_or_ep'] / 1e3:>13.1f} {r['comm_bytes_dp_ep'] / 1e3:>13.1f}")
+        print(f"  {r['tokens']:>6} {r['active_experts']:>6} {r['per_expert_loop_ms']:>8.3f} "
+              f"{r['grouped_bmm_ms']:>10.3f} {r['loop_gb_s']:>9.1f} {r['comm_bytes_tp_or_ep'] / 1e3:>13.1f} "
+              f"{r['comm_bytes_dp_ep'] / 1e3:>13.1f}")

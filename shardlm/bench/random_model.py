@@ -32,7 +32,8 @@ def make_random_model(out_dir: str, hidden: int = 768, layers: int = 12, heads: 
     if num_experts:
         config = transformers.MixtralConfig(**common, num_local_experts=num_experts,
                                             num_experts_per_tok=experts_per_token, sliding_window=None)
-        model_cls, kind = transformers.MixtralForCausalLM, f"Mixtral ({num_experts} experts, {experts_per_token} per token)"
+        model_cls = transformers.MixtralForCausalLM
+        kind = f"Mixtral ({num_experts} experts, {experts_per_token} per token)"
     else:
         config, model_cls, kind = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM, "Llama"
     torch.manual_seed(seed)
