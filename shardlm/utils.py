@@ -9,6 +9,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's instruction-set flags (/proc/cpuinfo); empty where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
 def os_thread_count() -> int:
     """Threads of this process as the OS sees them (C++, BLAS and OpenMP threads included)."""
     try:

@@ -17,6 +17,7 @@ import tempfile
 
 from shardlm import envs
 from shardlm.logger import init_logger
+from shardlm.utils import cpu_flags
 
 logger = init_logger(__name__)
 
@@ -28,14 +29,6 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-fno-strict-aliasing", "
           "-fno-finite-math-only"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 _loaded: dict[str, ctypes.CDLL | None] = {}
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
 
 
 def load(name: str) -> ctypes.CDLL | None:
@@ -55,7 +48,7 @@ def _build(name: str) -> ctypes.CDLL | None:
     with open(src, "rb") as f:
         source = f.read()
     flags = " ".join(_FLAGS + _LINK_FLAGS).encode()
-    key = hashlib.sha256(source + cc.encode() + flags + _cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + cc.encode() + flags + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     out_dir = os.path.join(envs.SHARDLM_CACHE_DIR, "kernels")
     path = os.path.join(out_dir, f"{name}-{key}.so")
     if not os.path.exists(path):
