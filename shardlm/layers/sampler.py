@@ -29,6 +29,12 @@ class SamplingBatch:
     biases: list[tuple[int, dict[int, float] | None, list[int] | None]] | None = None
     logprobs_k: list[int | None] | None = None          # per row; None: not asked
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row takes the argmax of its raw logits (no penalties, bans, biases or logprobs)."""
+        return (self.temperature is None and self.penalties is None and not self.banned and not self.biases
+                and not (self.logprobs_k and any(k is not None for k in self.logprobs_k)))
+
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch):
@@ -36,7 +42,7 @@ class Sampler:
         raw_logprobs = None
         if batch.logprobs_k and any(k is not None for k in batch.logprobs_k):
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
-        elif batch.temperature is None and batch.penalties is None and not batch.banned and not batch.biases:
+        elif batch.plain_greedy:
             # all greedy: no copy for penalties or bans needed (float32 first: bf16 argmax is slow on CPU)
             return logits.float().argmax(dim=-1).tolist(), {}
         logits = logits.float()

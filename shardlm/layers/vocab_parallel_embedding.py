@@ -60,3 +60,17 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Full logits [T, vocab_size] on the group's first rank, None on the others."""
         logits = self.tp.gather(linear(hidden, self.weight, None), dst=0, dim=-1)
         return logits[:, :self.vocab_size] if logits is not None else None
+
+    def greedy(self, hidden: torch.Tensor) -> list[int] | None:
+        """The argmax token of each row, on the group's first rank (None on the others): each rank
+        sends only its rows' (max, index) instead of its [T, V/tp] logits. Equal to argmax of the
+        full logits, ties included: the first maximum of the first rank that has it."""
+        local = linear(hidden, self.weight, None)[:, :max(0, min(self.end, self.vocab_size) - self.start)]
+        best, index = local.float().max(dim=-1)
+        pairs = torch.stack([best, (index + self.start).float()], dim=1)     # ids < 2^24: exact in float32
+        gathered = self.tp.gather(pairs, dst=0, dim=0)
+        if gathered is None:
+            return None
+        per_rank = gathered.view(self.tp.world_size, -1, 2)
+        winner = per_rank[..., 0].argmax(dim=0)                             # first rank with the maximum
+        return per_rank[winner, torch.arange(per_rank.shape[1]), 1].long().tolist()

@@ -102,12 +102,28 @@ class ModelRunner:
         if hidden is None:                  # not the last pipeline stage: sent on
             return None
         rows, sample_chunks, prompt_rows = self._logits_rows(so.chunks)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        hidden = hidden[torch.tensor(rows, device=self.device)]
+        states = [self.requests[c.req_id] for c in sample_chunks]
+        if sample_chunks and not prompt_rows and self._greedy_on_vocab_shards(states):
+            # each TP rank sends its (max, index) per row instead of its logits
+            tokens = self.model.lm_head.greedy(hidden)
+            return self._record(sample_chunks, states, tokens, {}) if tokens is not None else None
+        logits = self.model.compute_logits(hidden)
         if logits is None:                  # not the rank that samples
             return None
-        out = self._sample(logits[:len(sample_chunks)], sample_chunks)
+        out = ModelRunnerOutput({})
+        if sample_chunks:
+            tokens, logprobs = self.sampler(logits[:len(sample_chunks)], self._sampling_batch(states))
+            out = self._record(sample_chunks, states, tokens, logprobs)
         self._prompt_logprobs(logits, prompt_rows, out)
         return out
+
+    def _greedy_on_vocab_shards(self, states: list[RequestState]) -> bool:
+        """TP: every row is a plain argmax (what Sampler does for them), decided from the requests'
+        parameters alone so that every rank agrees (only the sampling rank tracks output tokens)."""
+        return self.tp.world_size > 1 and all(
+            p.greedy and not p.uses_penalties and p.logprobs is None and not p.logit_bias
+            and p.allowed_token_ids is None and p.min_tokens == 0 for p in (s.sampling_params for s in states))
 
     @torch.inference_mode()
     def execute_dummy(self) -> int:
@@ -180,12 +196,10 @@ class ModelRunner:
             offset += len(c.token_ids)
         return rows, sample_chunks, prompt_rows
 
-    def _sample(self, logits: torch.Tensor, sample_chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
+    def _record(self, sample_chunks: list[ScheduledChunk], states: list[RequestState], tokens: list[int],
+                logprobs: dict) -> ModelRunnerOutput:
+        """The sampled tokens (and logprobs) of the step, remembered for penalties and min_tokens."""
         out = ModelRunnerOutput({})
-        if not sample_chunks:
-            return out
-        states = [self.requests[c.req_id] for c in sample_chunks]
-        tokens, logprobs = self.sampler(logits, self._sampling_batch(states))
         for i, (c, state, token) in enumerate(zip(sample_chunks, states, tokens)):
             state.output_token_ids.append(token)
             out.sampled[c.req_id] = token

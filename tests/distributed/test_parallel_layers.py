@@ -94,3 +94,39 @@ def test_a_mismatched_checkpoint_is_a_clear_error(monkeypatch):
     layer = ColumnParallelLinear(HIDDEN, 8)
     with pytest.raises(ValueError, match="does not match the weights"):
         layer.weight.weight_loader(layer.weight, torch.randn(6, HIDDEN))
+
+
+def _lm_head_rank(rank, tp, port, weight, hidden, results):
+    from shardlm.layers.vocab_parallel_embedding import ParallelLMHead
+    ps.init_distributed_environment(tp, rank, "127.0.0.1", port, "gloo", 60)
+    ps.initialize_model_parallel(tp, rank=rank, backend="gloo")
+    head = ParallelLMHead(*weight.shape)
+    head.weight.weight_loader(head.weight, weight)
+    results.put((rank, head.greedy(hidden), head(hidden)))
+    ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_greedy_on_vocab_shards_equals_argmax_of_the_full_logits(tp):
+    """Each rank sends (max, index) of its shard; ties across ranks go to the lowest id, as argmax does.
+    tp=3 pads the 10-row vocabulary to 12: the padding rows never win."""
+    import multiprocessing
+    weight = torch.randn(VOCAB, HIDDEN)
+    weight[7] = weight[2]                  # rows on different ranks: equal logits for every input
+    hidden = torch.randn(6, HIDDEN)
+    hidden[0] = weight[2] * 10             # row 0: the tie between ids 2 and 7 is the maximum
+    hidden[1] = -weight.sum(0)             # row 1: all logits negative (padding rows are 0: must not win)
+    ctx = multiprocessing.get_context("spawn")
+    store = ps.host_store("127.0.0.1", tp, 60)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_lm_head_rank, args=(r, tp, store.port, weight, hidden, results)) for r in range(tp)]
+    for p in procs:
+        p.start()
+    got = dict((rank, (tokens, logits)) for rank, tokens, logits in (results.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(30)
+    tokens, logits = got[0]
+    expected = (hidden @ weight.t()).argmax(dim=-1).tolist()
+    assert tokens == expected == logits.argmax(dim=-1).tolist()
+    assert tokens[0] == 2
+    assert all(got[r] == (None, None) for r in range(1, tp))
