@@ -38,6 +38,21 @@ def format_bytes(n: float) -> str:
 
 
 @dataclass
+class QuantizationConfig:
+    """Weight-only quantization of the linear layers at load (layers/quantization.py)."""
+    method: str              # "int8" or "int4"
+    group_size: int          # input columns per (scale, min); -1: one group per row
+
+    @property
+    def bits(self) -> int:
+        return {"int8": 8, "int4": 4}[self.method]
+
+    def effective_bits(self, in_features: int = 4096) -> float:
+        """Bits per weight including the float32 scale and min of every group."""
+        return self.bits + 64 / (in_features if self.group_size == -1 else self.group_size)
+
+
+@dataclass
 class ModelConfig:
     model: str
     tokenizer: str
@@ -49,6 +64,7 @@ class ModelConfig:
     served_model_name: str
     eos_token_ids: list[int] = field(default_factory=list)
     generation_defaults: dict = field(default_factory=dict)
+    quantization: QuantizationConfig | None = None
 
     @property
     def num_layers(self) -> int:

@@ -16,7 +16,15 @@ from dataclasses import dataclass, fields
 import torch
 
 from shardlm import utils
-from shardlm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, parse_size
+from shardlm.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    QuantizationConfig,
+    SchedulerConfig,
+    parse_size,
+)
 from shardlm.executor.selection import choose_backend
 from shardlm.logger import init_logger
 from shardlm.model_loader.default_model import resolve_model_path
@@ -66,6 +74,8 @@ class EngineArgs:
     allow_cross_node_tp: bool = False
     execute_model_timeout: float = 300.0
     enable_expert_parallel: bool = False
+    quantization: str | None = None
+    quantization_group_size: int | None = None
 
     HELP = {
         "model": "Hugging Face model directory (config.json, safetensors, tokenizer); "
@@ -103,6 +113,11 @@ class EngineArgs:
                               "stages before the last)",
         "allow_cross_node_tp": "Ray: allow a tensor parallel group to span nodes (two all-reduces per layer "
                                "over the network; refused by default)",
+        "quantization": "weight-only quantization of the linear layers at load: int8 (one scale per row) or "
+                        "int4 (asymmetric, groups of 128 columns, else 64 or 32 where 128 does not divide); "
+                        "embeddings, LM head and experts stay in --dtype. Faster only with --dtype bfloat16",
+        "quantization_group_size": "input columns per quantization scale (-1: one per row; default: int8 -1, "
+                                   "int4 128)",
         "enable_expert_parallel": "MoE models: place whole experts on the ranks of each stage's DP x TP group "
                                   "(each loads only its experts) instead of slicing every expert across TP; "
                                   "with -dp the replicas run their MoE layers in lock-step",
@@ -142,7 +157,9 @@ class EngineArgs:
             model=path, tokenizer=self.tokenizer or path, hf_config=hf_config, dtype=dtype,
             max_model_len=max_model_len, seed=self.seed, architecture=architecture,
             served_model_name=self.served_model_name or (self.model or "SmolLM2-135M-Instruct"),
-            eos_token_ids=_eos_ids(hf_config, gen_defaults), generation_defaults=gen_defaults)
+            eos_token_ids=_eos_ids(hf_config, gen_defaults), generation_defaults=gen_defaults,
+            quantization=resolve_quantization(self.quantization, self.quantization_group_size,
+                                              linear_inputs(hf_config, parallel.tensor_parallel_size)))
         cache = CacheConfig(self.block_size, parse_size(self.kv_cache_memory),
                             self.gpu_memory_utilization, self.enable_prefix_caching)
         scheduler = SchedulerConfig(
@@ -212,6 +229,36 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, de
     if resolved not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype {resolved} is not supported: use float32, bfloat16 or float16.")
     return resolved
+
+
+def linear_inputs(hf_config, tp: int) -> list[int]:
+    """Input columns per rank of the linears that quantization compresses."""
+    from shardlm.planner.model_shape import ModelShape
+    return list(ModelShape.from_config("model", hf_config.to_dict()).linear_inputs_per_rank(tp).values())
+
+
+def resolve_quantization(method: str | None, group_size: int | None,
+                         inputs: list[int] | None = None) -> QuantizationConfig | None:
+    """int4's default group: 128 columns, or 64 or 32 where 128 does not divide every layer's inputs
+    per rank (`inputs`; e.g. SmolLM2's 576)."""
+    from shardlm.layers.quantization import DEFAULT_GROUP_SIZE
+    if method is None:
+        if group_size is not None:
+            raise ValueError("quantization_group_size is given without a quantization method: add --quantization "
+                             "int8 or int4.")
+        return None
+    if method not in DEFAULT_GROUP_SIZE:
+        raise ValueError(f"quantization={method!r} is not supported: use int8 or int4 (weight-only, quantized at "
+                         "load). GGUF, GPTQ and AWQ checkpoints are not read yet.")
+    group = group_size
+    if group is None:
+        group = DEFAULT_GROUP_SIZE[method]
+        if group > 0 and inputs:
+            group = next((g for g in (group, 64, 32) if all(n % g == 0 for n in inputs)), group)
+    if group != -1 and (group < 2 or group % 2):
+        raise ValueError(f"quantization_group_size={group_size}: use -1 (one group per row) or an even number of "
+                         "columns such as 32, 64 or 128.")
+    return QuantizationConfig(method, group)
 
 
 def _parse_partition(text: str | list[int] | None) -> list[int] | None:

@@ -214,7 +214,11 @@ def cmd_plan(ns) -> None:
     dtype = ns.dtype or {"float32": "float32", "float16": "float16"}.get(cfg.get("torch_dtype") or cfg.get("dtype"),
                                                                       "bfloat16")
     max_len = ns.max_model_len or min(shape.max_position, 8192)
-    workload = Workload(dtype=dtype, quantization_bits=ns.quantization_bits, max_model_len=max_len,
+    bits = ns.quantization_bits
+    if ns.quantization:          # what the engine loads: the integers plus a float32 scale and min per group
+        from shardlm.engine.arg_utils import resolve_quantization
+        bits = resolve_quantization(ns.quantization, ns.quantization_group_size).effective_bits(shape.hidden)
+    workload = Workload(dtype=dtype, quantization_bits=bits, max_model_len=max_len,
                         concurrency=ns.concurrency)
     rec = recommend(shape, hw, workload, ns.model)
     print(to_json(rec) if ns.json else render(rec))
@@ -270,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the checkpoint's (bfloat16 unless it says float32/float16)")
     p.add_argument("--quantization-bits", type=int, choices=[2, 3, 4, 8], default=None,
                    help="weight quantization width for linear layers")
+    p.add_argument("--quantization", choices=["int8", "int4"], default=None,
+                   help="as `serve --quantization`: the bits the engine loads, scales included")
+    p.add_argument("--quantization-group-size", type=int, default=None, help="as `serve`")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's maximum, at most 8192")
     p.add_argument("--concurrency", type=int, default=None, help="requests of max_model_len to serve at once")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

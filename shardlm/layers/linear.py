@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.distributed.parallel_state import get_tp_group
+from shardlm.layers.quantization import QuantizedWeight, check_group_size, quantize_rtn
 
 
 def checkpoint_shape(loaded) -> tuple[int, ...]:
@@ -93,6 +94,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 class Linear(nn.Module):
     """A replicated linear (every rank holds all of it); the base of the parallel ones."""
 
+    quant: QuantizedWeight | None = None     # set by quantize(): the weight is then None
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -103,14 +106,29 @@ class Linear(nn.Module):
     def weight_loader(self, param, loaded, shard_id=None):
         default_weight_loader(param, loaded)
 
+    def quantize(self, config, row_absmax: torch.Tensor | None = None) -> None:
+        """Replace the loaded float weight by its weight-only quantized form (config: QuantizationConfig)."""
+        w = self.weight.data
+        group = check_group_size(config.method, config.group_size, w.shape[1], type(self).__name__)
+        self.quant = QuantizedWeight(*quantize_rtn(w, config.bits, group, row_absmax), config.bits, w.dtype)
+        self.weight = None
+
     def process_weights_after_loading(self) -> None:
+        if self.quant is not None:
+            return
         packed = onednn_pack(self.weight.data)
         if packed is not None:
             # a new Parameter: a tied LM head keeps the embedding's plain weight untouched
             self.weight = nn.Parameter(packed, requires_grad=False)
 
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            out = self.quant.matmul(x)
+            return out + bias if bias is not None else out
+        return linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.product(x, self.bias)
 
 
 class ColumnParallelLinear(Linear):
@@ -184,8 +202,15 @@ class RowParallelLinear(Linear):
         cols = param.shape[1]
         load_slice(param, loaded, 1, self.tp.rank_in_group * cols, cols)
 
+    def quantize(self, config, row_absmax: torch.Tensor | None = None) -> None:
+        if config.bits == 8 and config.group_size == -1 and self.tp.world_size > 1:
+            # one scale per whole row, as at one rank: the largest |w| over every rank's columns
+            mine = self.weight.data.float().abs().amax(1, keepdim=True)
+            row_absmax = self.tp.all_gather(mine, dim=1).amax(1)
+        super().quantize(config, row_absmax)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(linear(x, self.weight, None))
+            return self.product(x, self.bias)
+        out = self.tp.all_reduce(self.product(x, None))
         return out + self.bias if self.bias is not None else out

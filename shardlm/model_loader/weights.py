@@ -36,6 +36,16 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, object]]:
                 yield name, f.get_slice(name)
 
 
+def quantize_linears(model: torch.nn.Module, config) -> None:
+    """Quantize the tensor parallel linears (attention and MLP projections); embeddings, the LM
+    head, routers and experts keep the model's dtype. Every rank visits them in the same order
+    (a row-parallel int8 layer agrees on its rows' scales with its TP peers)."""
+    from shardlm.layers.linear import ColumnParallelLinear, RowParallelLinear
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.quantize(config)
+
+
 def load_model(model_config: ModelConfig, device: torch.device,
                layer_range: tuple[int, int] | None = None) -> torch.nn.Module:
     """The model, or with layer_range the part a pipeline stage holds: those layers, plus the
@@ -53,6 +63,8 @@ def load_model(model_config: ModelConfig, device: torch.device,
     if missing:
         raise ValueError(f"The checkpoint in {model_config.model} lacks weights for: {', '.join(sorted(missing)[:8])}"
                          f"{' ...' if len(missing) > 8 else ''}")
+    if model_config.quantization is not None:
+        quantize_linears(model, model_config.quantization)
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()

@@ -183,6 +183,16 @@ class ModelShape:
         other = self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden * (2 * self.layers + 1)
         return (total - other) / total
 
+    def linear_inputs_per_rank(self, tp: int) -> dict[str, int]:
+        """Input columns per rank of the quantizable (tensor parallel) linears: column-parallel ones
+        take the whole hidden size; row-parallel ones a 1/tp slice."""
+        inputs = {"q/k/v and gate/up projections": self.hidden, "o_proj": self.heads * self.head_dim // tp}
+        if any(not self.is_moe_layer(i) for i in range(self.layers)) and self.intermediate:
+            inputs["down_proj"] = self.intermediate // tp
+        if self.shared_expert_intermediate:
+            inputs["shared expert down_proj"] = self.shared_expert_intermediate // tp
+        return inputs
+
     # ---- tensor parallel validity ----
     def tp_problems(self, tp: int, expert_parallel: bool = False) -> list[str]:
         """Why tensor parallel size tp cannot split this model (empty: it can). Under expert

@@ -14,7 +14,7 @@ def _gib(n: float) -> str:
 
 def render(r: Recommendation) -> str:
     hw, w = r.hardware, r.workload
-    weights_fmt = f"{w.quantization_bits}-bit weights" if w.quantization_bits else w.dtype
+    weights_fmt = f"{w.quantization_bits:.3g}-bit weights" if w.quantization_bits else w.dtype
     lines = [
         f"Model {r.model}: {r.params / 1e9:.2f}B parameters"
         + (f" ({r.active_params / 1e9:.2f}B active per token)" if r.active_params != r.params else ""),

@@ -33,6 +33,8 @@ def check_parallel_layout(config: EngineConfig) -> None:
                          f"tensor parallel size {tp} cannot split it ({'; '.join(problems)}). "
                          f"Valid tensor parallel sizes are {valid}.")
     pp_layer_partition(m.num_layers, par.pipeline_parallel_size, par.pp_layer_partition)   # raises if impossible
+    if m.quantization is not None and m.quantization.group_size != -1:
+        _check_quantization_groups(shape, tp, m.quantization)
     local_ranks = par.world_size * par.data_parallel_size_local
     if config.device.type == "cuda" and par.distributed_executor_backend != "ray" \
             and local_ranks > torch.cuda.device_count():
@@ -45,10 +47,27 @@ def check_parallel_layout(config: EngineConfig) -> None:
                          "--distributed-executor-backend ray across nodes.")
 
 
+def _check_quantization_groups(shape: ModelShape, tp: int, quant) -> None:
+    """Every quantized layer's input columns on a rank must hold whole groups (the seeds' "quantized
+    models are limited to some TP sizes")."""
+    def broken(t: int) -> list[str]:
+        return [f"{name} ({cols} columns per rank)" for name, cols in shape.linear_inputs_per_rank(t).items()
+                if cols % quant.group_size]
+    bad = broken(tp)
+    if bad:
+        valid = [t for t in shape.valid_tp_sizes(limit=max(shape.heads, tp)) if not broken(t)]
+        raise ValueError(f"{quant.method} with groups of {quant.group_size} columns cannot split {', '.join(bad)} at "
+                         f"tensor parallel size {tp}. Valid tensor parallel sizes for this group size: "
+                         f"{', '.join(map(str, valid)) or 'none'}; or choose --quantization-group-size to divide "
+                         "them.")
+
+
 def check_fits(config: EngineConfig) -> None:
     m, par = config.model, config.parallel
     shape = ModelShape.from_config(m.served_model_name, m.hf_config.to_dict())
+    quant = m.quantization
     workload = Workload(dtype=_DTYPE_NAMES[m.dtype], max_model_len=m.max_model_len,
+                        quantization_bits=quant.effective_bits(shape.hidden) if quant else None,
                         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                         max_num_seqs=config.scheduler.max_num_seqs, block_size=config.cache.block_size)
     hw = detect_hardware(config.cache.gpu_memory_utilization)

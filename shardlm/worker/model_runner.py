@@ -87,7 +87,8 @@ class ModelRunner:
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        quantized = sum(m.quant.weight_bytes() for m in self.model.modules() if getattr(m, "quant", None) is not None)
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + quantized
 
     # ---- one step ----
     @torch.inference_mode()

@@ -105,6 +105,14 @@ class Worker:
         that the replicas' ranks form one grid."""
         return parallel_state.get_dp_group().all_reduce(torch.tensor([value], dtype=torch.float64)).item()
 
+    def quantized_kernels(self) -> dict[str, int]:
+        """How many quantized linears use each kernel ("none": dequantize + matmul)."""
+        counts: dict[str, int] = {}
+        for m in self.runner.model.modules():
+            if getattr(m, "quant", None) is not None:
+                counts[m.quant.kernel or "none"] = counts.get(m.quant.kernel or "none", 0) + 1
+        return counts
+
     def peak_rss_bytes(self) -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

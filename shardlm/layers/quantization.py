@@ -1,0 +1,201 @@
+"""Weight-only quantized linear weights: int8 and int4, in groups along the input dimension.
+
+A weight [N, K] is stored as integers q with one (scale, min) per row and group of `group`
+consecutive input columns: w = q * scale + min. int8 is symmetric (q in -127..127, min 0); int4
+is asymmetric (q in 0..15). Activations stay in the model's dtype; only the weights shrink (4x
+and 8x against float32), which is what batch-1 decode on CPU is bound by.
+
+In a bfloat16 model the product picks its kernel by the number of rows M of x, per weight
+shape, from a measurement at load (`kernel_max_rows`): torch's packed CPU kernels
+(`_weight_int8pack_mm`, one scale per row; `_weight_int4pack_mm_for_cpu`) multiply a few rows
+fastest; past a few rows they fall behind dequantize + the float matmul, which is used there.
+Those kernels run in bfloat16 only (their float32 paths are 10x slower), so a float32 model
+dequantizes for every product: exact, smaller in memory, not faster. Round-to-nearest
+quantization happens at load (`quantize_rtn`), after each rank loaded its float slice; a row's
+int8 scale spans the whole row across tensor parallel ranks (`row_absmax`), so every layout
+quantizes to the same integers.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from shardlm.logger import init_logger
+
+logger = init_logger(__name__)
+
+METHODS = {"int8": 8, "int4": 4}
+DEFAULT_GROUP_SIZE = {"int8": -1, "int4": 128}       # -1: one group per row (per-channel)
+KERNEL_GROUP_SIZES = (32, 64, 128, 256)                # what torch's int4 CPU kernel takes
+
+
+def check_group_size(method: str, group_size: int, in_features: int, where: str) -> int:
+    """The group size for a weight with in_features columns (-1: all of them); a helpful error if
+    it does not divide them."""
+    if group_size == -1:
+        return in_features
+    if in_features % group_size:
+        raise ValueError(f"{where}: {in_features} input columns are not divisible by the {method} group size "
+                         f"{group_size}. Use a group size that divides every layer's inputs per rank (the "
+                         "tensor parallel sizes for which it does are listed at start-up).")
+    return group_size
+
+
+def quantize_rtn(weight: torch.Tensor, bits: int, group: int, row_absmax: torch.Tensor | None = None):
+    """Round-to-nearest: (q, scales, mins), q int8 [N, K] (int4: values 0..15), scales and mins
+    float32 [N, K / group]. row_absmax: int8 per-row scale over the whole row (all TP slices)."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // group, group)
+    if bits == 8:
+        absmax = w.abs().amax(-1) if row_absmax is None else row_absmax.float().view(n, 1)
+        scales = (absmax / 127).clamp(min=1e-12)
+        q = torch.round(w / scales.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+        return q.view(n, k), scales.contiguous(), torch.zeros_like(scales)
+    low, high = w.amin(-1), w.amax(-1)
+    scales = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.round((w - low.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp(0, 15).to(torch.int8)
+    return q.view(n, k), scales.contiguous(), low.contiguous()
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    n, k = q.shape
+    groups = scales.shape[1]
+    w = q.view(n, groups, k // groups).float() * scales.unsqueeze(-1) + mins.unsqueeze(-1)
+    return w.view(n, k).to(dtype)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """int4 values [N, K] -> [N, K / 2] bytes, even columns in the low nibble."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], dim=2).view(packed.shape[0], -1).to(torch.int8)
+
+
+# ---- torch's int4 CPU layout ----
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+
+
+def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """q [n, k] (int8, 0..15) from `_convert_weight_to_int4pack_for_cpu`'s layout (torch 2.x):
+    blocks of 64 rows, where for each column 32 bytes hold rows 0-31 (low nibbles) and 32-63
+    (high nibbles); the last n % 64 rows are one block whose bytes hold rows (2j, 2j + 1)."""
+    flat = packed.view(-1)
+    full = n // 64 * 64
+    parts = []
+    if full:
+        v = flat[:full * k // 2].view(n // 64, k, 32)
+        parts.append(torch.cat([v & 15, v >> 4], dim=2).transpose(1, 2).reshape(full, k))
+    if n > full:
+        v = flat[full * k // 2:].view(k, (n - full) // 2)
+        parts.append(torch.stack([v & 15, v >> 4], dim=2).reshape(k, n - full).t())
+    return torch.cat(parts).to(torch.int8)
+
+
+_layout_ok: bool | None = None
+
+
+def int4_layout_understood() -> bool:
+    """unpack_int4 inverts this torch's pack_int4 (checked once; else no int4 kernel is used)."""
+    global _layout_ok
+    if _layout_ok is None:
+        try:
+            q = torch.randint(0, 16, (80, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+            _layout_ok = torch.equal(unpack_int4(pack_int4(q), 80, 64), q)
+        except (RuntimeError, AttributeError):
+            _layout_ok = False
+    return _layout_ok
+
+
+class QuantizedWeight:
+    """One linear layer's quantized weight, and its product with activations."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, dtype: torch.dtype):
+        self.out_features, self.in_features = q.shape
+        self.bits, self.group = bits, self.in_features // scales.shape[1]
+        self.dtype = dtype                                  # of activations and outputs
+        self.scales, self.mins = scales, mins
+        self.kernel = self._kernel_format(q)
+        # the integers, stored once: int8 as they are; int4 two per byte (the kernel's layout, or plain)
+        self.q = q if bits == 8 else None
+        if bits == 4 and self.kernel is None:
+            self.packed = pack_nibbles(q)
+        self.kernel_max_rows = self._measure() if self.kernel else 0
+
+    def _kernel_format(self, q: torch.Tensor) -> str | None:
+        # the packed kernels multiply in bfloat16: a float32 model dequantizes instead (exact)
+        if q.device.type != "cpu" or self.dtype != torch.bfloat16 or self.out_features % 16:
+            return None
+        if self.bits == 8 and self.group == self.in_features:
+            self._int8_scales = self.scales.view(-1).to(torch.bfloat16)
+            return "int8pack"
+        if self.bits == 4 and self.group in KERNEL_GROUP_SIZES and int4_layout_understood():
+            self.packed = pack_int4(q)
+            # the kernel computes (q - 8) * scale + zero: zero = min + 8 * scale
+            self._scales_and_zeros = torch.stack([self.scales.t(), (self.mins + 8 * self.scales).t()],
+                                                 dim=-1).to(torch.bfloat16).contiguous()
+            return "int4pack"
+        return None
+
+    def weight_bytes(self) -> int:
+        stored = self.packed if self.q is None else self.q
+        return stored.numel() * stored.element_size() + 2 * self.scales.numel() * 4
+
+    def integers(self) -> torch.Tensor:
+        if self.q is not None:
+            return self.q
+        if self.kernel == "int4pack":
+            return unpack_int4(self.packed, self.out_features, self.in_features)
+        return unpack_nibbles(self.packed)
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize(self.integers(), self.scales, self.mins, self.dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows <= self.kernel_max_rows:
+            return self._kernel(x)
+        return F.linear(x, self.dequantized())
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xb = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()     # the kernels ignore strides
+        if self.kernel == "int8pack":
+            out = torch._weight_int8pack_mm(xb, self.q, self._int8_scales)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(xb, self.packed, self.group, self._scales_and_zeros)
+        return out.to(self.dtype).view(*shape[:-1], self.out_features)
+
+    def _measure(self) -> int:
+        """The most rows for which the packed kernel beats dequantize + matmul on this shape."""
+        key = (self.kernel, self.out_features, self.in_features, self.group, self.dtype)
+        if key not in _measured:
+            best = 0
+            for rows in (1, 2, 4, 8, 16, 32):
+                x = torch.randn(rows, self.in_features, dtype=self.dtype)
+                if _time(lambda: self._kernel(x)) > _time(lambda: F.linear(x, self.dequantized())):
+                    break
+                best = rows
+            _measured[key] = best
+            logger.debug("Quantized %s [%d, %d]: packed kernel up to %d rows", self.kernel, self.out_features,
+                         self.in_features, best)
+        return _measured[key]
+
+
+_measured: dict[tuple, int] = {}
+
+
+def _time(fn, reps: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[reps // 2]

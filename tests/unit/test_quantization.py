@@ -1,0 +1,81 @@
+"""Weight-only int8 / int4: round-to-nearest equals a reference written from the definition,
+torch's int4 packing is understood (unpack inverts it), and the product through either kernel
+equals dequantize + float matmul within the kernel's rounding (bfloat16 activations)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardlm.layers.quantization import (
+    QuantizedWeight,
+    dequantize,
+    pack_int4,
+    pack_nibbles,
+    quantize_rtn,
+    unpack_int4,
+    unpack_nibbles,
+)
+
+
+def _reference_rtn(w: torch.Tensor, bits: int, group: int):
+    """From the definition, in float64: int8 symmetric per group, int4 asymmetric per group."""
+    n, k = w.shape
+    g = w.double().view(n, k // group, group)
+    if bits == 8:
+        scale = (g.abs().amax(-1) / 127).float().double()
+        q = torch.round(g / scale[..., None]).clamp(-127, 127)
+        return q.view(n, k), scale, torch.zeros_like(scale)
+    low = g.amin(-1).float().double()
+    scale = ((g.amax(-1) - g.amin(-1)).float() / 15).double()
+    q = torch.round((g - low[..., None]) / scale[..., None]).clamp(0, 15)
+    return q.view(n, k), scale, low
+
+
+@pytest.mark.parametrize("bits, group", [(8, 64), (8, 256), (4, 32), (4, 128)])
+def test_rtn_equals_the_reference_and_dequantizes_exactly(bits, group):
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(bits + group))
+    q, scales, mins = quantize_rtn(w, bits, group)
+    ref_q, ref_scale, ref_min = _reference_rtn(w, bits, group)
+    mismatched = (q.double() != ref_q).sum().item()
+    assert mismatched <= 2, f"{mismatched} integers differ from the reference (float32 vs float64 rounding ties)"
+    torch.testing.assert_close(scales.double(), ref_scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(mins.double(), ref_min, rtol=1e-6, atol=0)
+    deq = dequantize(q, scales, mins, torch.float32)
+    expected = (q.float().view(96, -1, group) * scales[..., None] + mins[..., None]).view(96, 256)
+    assert torch.equal(deq, expected)
+    step = scales.max().item()
+    assert (deq - w).abs().max().item() <= step / 2 + 1e-6      # round-to-nearest: half a step at most
+
+
+@pytest.mark.parametrize("n", [16, 48, 64, 80, 208, 1536])
+def test_int4_packing_is_understood(n):
+    q = torch.randint(0, 16, (n, 96), dtype=torch.int8, generator=torch.Generator().manual_seed(n))
+    assert torch.equal(unpack_int4(pack_int4(q), n, 96), q)
+    assert torch.equal(unpack_nibbles(pack_nibbles(q)), q)
+
+
+@pytest.mark.parametrize("bits, group", [(8, -1), (8, 64), (4, 32), (4, 128)])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_product_equals_dequantize_then_matmul(bits, group, rows, dtype):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(192, 256, generator=gen) / 16
+    x = torch.randn(rows, 512, generator=gen).to(dtype)[:, ::2]      # a strided view, as a q/k/v split gives
+    qw = QuantizedWeight(*quantize_rtn(w, bits, 256 if group == -1 else group), bits, dtype)
+    expected = F.linear(x.float(), qw.dequantized().float())
+    got = qw.matmul(x)
+    assert got.dtype == dtype and got.shape == (rows, 192)
+    # bfloat16: within its rounding of the weights and the output (relative ~2^-8)
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+    groups = 1 if group == -1 else 256 // group
+    assert qw.weight_bytes() == w.numel() * bits // 8 + 2 * 4 * 192 * groups     # integers + float32 scale, min
+
+
+def test_packed_kernels_serve_bfloat16_models():
+    w, bf16 = torch.randn(192, 256), torch.bfloat16
+    assert QuantizedWeight(*quantize_rtn(w, 4, 32), 4, bf16).kernel == "int4pack"
+    assert QuantizedWeight(*quantize_rtn(w, 8, 256), 8, bf16).kernel == "int8pack"
+    assert QuantizedWeight(*quantize_rtn(w, 8, 64), 8, bf16).kernel is None         # int8 groups: dequantize
+    assert QuantizedWeight(*quantize_rtn(w[:40], 4, 32), 4, bf16).kernel is None    # 40 rows: not /16
+    assert QuantizedWeight(*quantize_rtn(w, 4, 32), 4, torch.float32).kernel is None   # float32: exact path
