@@ -27,7 +27,7 @@ from shardlm.config import (
 )
 from shardlm.executor.selection import choose_backend
 from shardlm.logger import init_logger
-from shardlm.model_loader.default_model import resolve_model_path
+from shardlm.model_loader.default_model import DEFAULT_MODEL_NAME, gguf_path, resolve_model_path
 from shardlm.models.registry import resolve_architecture
 from shardlm.planner.startup import check_fits, check_parallel_layout
 from shardlm.worker.cpu_binding import validate_binding
@@ -159,7 +159,9 @@ class EngineArgs:
             served_model_name=self.served_model_name or (self.model or "SmolLM2-135M-Instruct"),
             eos_token_ids=_eos_ids(hf_config, gen_defaults), generation_defaults=gen_defaults,
             quantization=resolve_quantization(self.quantization, self.quantization_group_size,
-                                              linear_inputs(hf_config, parallel.tensor_parallel_size)))
+                                              linear_inputs(hf_config, parallel.tensor_parallel_size),
+                                              gguf_source=gguf_path() if self.model in (None, DEFAULT_MODEL_NAME)
+                                              else None))
         cache = CacheConfig(self.block_size, parse_size(self.kv_cache_memory),
                             self.gpu_memory_utilization, self.enable_prefix_caching)
         scheduler = SchedulerConfig(
@@ -237,11 +239,20 @@ def linear_inputs(hf_config, tp: int) -> list[int]:
     return list(ModelShape.from_config("model", hf_config.to_dict()).linear_inputs_per_rank(tp).values())
 
 
-def resolve_quantization(method: str | None, group_size: int | None,
-                         inputs: list[int] | None = None) -> QuantizationConfig | None:
+def resolve_quantization(method: str | None, group_size: int | None, inputs: list[int] | None = None,
+                         gguf_source: str | None = None) -> QuantizationConfig | None:
     """int4's default group: 128 columns, or 64 or 32 where 128 does not divide every layer's inputs
-    per rank (`inputs`; e.g. SmolLM2's 576)."""
+    per rank (`inputs`; e.g. SmolLM2's 576). gguf: the linears as the GGUF file stores them."""
     from shardlm.layers.quantization import DEFAULT_GROUP_SIZE
+    from shardlm.model_loader.gguf_weights import GROUP
+    if method == "gguf":
+        if gguf_source is None:
+            raise ValueError("--quantization gguf reads the linears from the model's GGUF file; in this version that "
+                             "is the embedded default model (leave out the model). Other models: --quantization "
+                             "int8 or int4.")
+        if group_size not in (None, GROUP):
+            raise ValueError(f"--quantization gguf has groups of {GROUP} columns, as the file stores them.")
+        return QuantizationConfig("gguf", GROUP, gguf_source)
     if method is None:
         if group_size is not None:
             raise ValueError("quantization_group_size is given without a quantization method: add --quantization "
@@ -249,7 +260,8 @@ def resolve_quantization(method: str | None, group_size: int | None,
         return None
     if method not in DEFAULT_GROUP_SIZE:
         raise ValueError(f"quantization={method!r} is not supported: use int8 or int4 (weight-only, quantized at "
-                         "load). GGUF, GPTQ and AWQ checkpoints are not read yet.")
+                         "load) or gguf (the default model's Q4_1 file as it is). GPTQ and AWQ checkpoints are not "
+                         "read yet.")
     group = group_size
     if group is None:
         group = DEFAULT_GROUP_SIZE[method]

@@ -113,6 +113,14 @@ class Linear(nn.Module):
         self.quant = QuantizedWeight(*quantize_rtn(w, config.bits, group, row_absmax), config.bits, w.dtype)
         self.weight = None
 
+    def use_quantized(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -> None:
+        """Take this rank's already-quantized weight (e.g. from a GGUF file) instead of the float one."""
+        if tuple(q.shape) != tuple(self.weight.shape):
+            raise ValueError(f"A quantized tensor of shape {tuple(q.shape)} for a weight of shape "
+                             f"{tuple(self.weight.shape)}: the quantized file does not match the config.")
+        self.quant = QuantizedWeight(q, scales, mins, bits, self.weight.dtype)
+        self.weight = None
+
     def process_weights_after_loading(self) -> None:
         if self.quant is not None:
             return
@@ -159,6 +167,13 @@ class ColumnParallelLinear(Linear):
         load_slice(param.data.narrow(0, offset, rows), loaded, 0, index * rows, rows)
 
 
+    def take_quantized(self, parts: list[tuple]) -> None:
+        """parts: (q, scales, mins, bits) of each checkpoint tensor, in shard order; this rank's rows."""
+        mine = [tuple(t[index * rows:(index + 1) * rows] for t in part[:3])
+                for (_, rows, index), part in zip(self.shards, parts)]
+        self.use_quantized(*(torch.cat([m[i] for m in mine]) for i in range(3)), parts[0][3])
+
+
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel matrices stacked (gate_proj and up_proj): shard_id k is the k-th."""
 
@@ -201,6 +216,14 @@ class RowParallelLinear(Linear):
             return default_weight_loader(param, loaded)
         cols = param.shape[1]
         load_slice(param, loaded, 1, self.tp.rank_in_group * cols, cols)
+
+    def take_quantized(self, parts: list[tuple]) -> None:
+        """parts: the one checkpoint tensor's (q, scales, mins, bits); this rank's columns (whole groups)."""
+        q, scales, mins, bits = parts[0]
+        cols, group = self.weight.shape[1], q.shape[1] // scales.shape[1]
+        start, groups = self.tp.rank_in_group * cols, cols // group
+        self.use_quantized(q[:, start:start + cols], *(t[:, start // group:start // group + groups]
+                                                        for t in (scales, mins)), bits)
 
     def quantize(self, config, row_absmax: torch.Tensor | None = None) -> None:
         if config.bits == 8 and config.group_size == -1 and self.tp.world_size > 1:

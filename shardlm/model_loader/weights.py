@@ -46,6 +46,20 @@ def quantize_linears(model: torch.nn.Module, config) -> None:
             module.quantize(config)
 
 
+def take_gguf_linears(model: torch.nn.Module, path: str, hf_config) -> None:
+    """Each tensor parallel linear takes its rank's part of the GGUF file's quantized tensors (the
+    float weights loaded from the converted directory are dropped)."""
+    from shardlm.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from shardlm.model_loader.gguf_weights import read_linears
+    tensors = read_linears(path, hf_config)
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            prefix, _, leaf = name.rpartition(".")
+            # a merged matrix (qkv_proj, gate_up_proj) takes its checkpoint tensors in shard order
+            parts = [part.strip(".") for merged, part, _ in model.stacked_params if merged.strip(".") == leaf]
+            module.take_quantized([tensors[f"{prefix}.{part}.weight"] for part in parts or [leaf]])
+
+
 def load_model(model_config: ModelConfig, device: torch.device,
                layer_range: tuple[int, int] | None = None) -> torch.nn.Module:
     """The model, or with layer_range the part a pipeline stage holds: those layers, plus the
@@ -63,7 +77,9 @@ def load_model(model_config: ModelConfig, device: torch.device,
     if missing:
         raise ValueError(f"The checkpoint in {model_config.model} lacks weights for: {', '.join(sorted(missing)[:8])}"
                          f"{' ...' if len(missing) > 8 else ''}")
-    if model_config.quantization is not None:
+    if model_config.quantization is not None and model_config.quantization.method == "gguf":
+        take_gguf_linears(model, model_config.quantization.source, model_config.hf_config)
+    elif model_config.quantization is not None:
         quantize_linears(model, model_config.quantization)
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):

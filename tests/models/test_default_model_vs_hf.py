@@ -26,3 +26,24 @@ def test_default_model_chat_is_coherent():
                    SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_default_model_from_its_q4_1_file(default_model_dir, hf):
+    """--quantization gguf: the linears stay in the file's Q4_1 blocks. In float32 (dequantized per
+    product) it equals transformers on the float conversion; in bfloat16 (torch's int4 kernel for
+    decode rows) it parts from it only at near-ties."""
+    prompts = [p["token_ids"] for p in PROMPTS["prompts"]]
+    ref = hf.greedy(default_model_dir, prompts, 48)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=5)
+    exact = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(dtype=dtype, quantization="gguf")
+        try:
+            assert llm.collective_rpc("quantized_kernels")[0] == ({"none": 120} if dtype == "float32"
+                                                                   else {"int4pack": 120})
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        exact[dtype] = hf.assert_close(ref, outs, f"Q4_1 {dtype}")
+    assert exact["float32"] >= 7, exact
+    print("prompts equal to transformers over 48 tokens:", exact)

@@ -1,0 +1,73 @@
+"""Linear weights read from a GGUF file in their own quantization (`--quantization gguf`).
+
+GGUF stores a weight [N, K] row by row in blocks of 32 columns (ggml's block formats):
+
+    Q8_0  34 bytes: d (float16), 32 x int8 q                  w = q * d
+    Q4_0  18 bytes: d (float16), 16 bytes of nibbles          w = (q - 8) * d
+    Q4_1  20 bytes: d, m (float16), 16 bytes of nibbles       w = q * d + m
+
+where byte j of the nibbles holds column j (low) and j + 16 (high). Each becomes the integers,
+scales and minimums of a `QuantizedWeight` (w = q * scale + min, groups of 32): the same
+values, bit for bit, as ggml's dequantization. llama.cpp stores q_proj and k_proj rows permuted
+for its rotary layout; they are put back in the Hugging Face order here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+GROUP = 32
+_HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}
+
+
+def decode_blocks(raw: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """raw [N, row bytes] of one tensor -> (q int8 [N, K], scales, mins float32 [N, K / 32], bits)."""
+    n = raw.shape[0]
+    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[type_name]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, size)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if type_name == "Q8_0":
+        q = blocks[..., 2:].copy().view(np.int8)
+        return _tensors(q, d, np.zeros_like(d), 8)
+    nibbles = blocks[..., 4:] if type_name == "Q4_1" else blocks[..., 2:]
+    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(np.int8)
+    mins = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if type_name == "Q4_1" else -8 * d
+    return _tensors(q, d, mins, 4)
+
+
+def _tensors(q: np.ndarray, scales: np.ndarray, mins: np.ndarray, bits: int):
+    n = q.shape[0]
+    return (torch.from_numpy(np.ascontiguousarray(q.reshape(n, -1))), torch.from_numpy(np.ascontiguousarray(scales)),
+            torch.from_numpy(np.ascontiguousarray(mins)), bits)
+
+
+def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
+    """For each Hugging Face row, its GGUF row: llama.cpp stores row (head, half, i) of a head's
+    [2, head_dim / 2] layout at (head, i, half)."""
+    return torch.arange(n_rows).view(n_head, n_rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def read_linears(path: str, hf_config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    """Every quantized attention/MLP weight of a llama-architecture GGUF file, by its Hugging Face
+    name (`model.layers.I.self_attn.q_proj.weight`, ...)."""
+    import gguf
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    out = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        parts = tensor.name.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _HF_NAMES:
+            continue
+        type_name = tensor.tensor_type.name
+        if type_name not in ("Q8_0", "Q4_0", "Q4_1"):
+            raise ValueError(f"{path}: {tensor.name} is {type_name}; --quantization gguf reads Q8_0, Q4_0 and Q4_1 "
+                             "tensors (K-quants are not supported yet). Leave out --quantization to run it in float.")
+        q, scales, mins, bits = decode_blocks(np.asarray(tensor.data), type_name)
+        if parts[2] in ("attn_q", "attn_k"):
+            order = unpermute_rows(q.shape[0], heads if parts[2] == "attn_q" else kv_heads)
+            q, scales, mins = q[order], scales[order], mins[order]
+        out[f"model.layers.{parts[1]}.{_HF_NAMES[parts[2]]}.weight"] = (q, scales, mins, bits)
+    return out

@@ -1,0 +1,38 @@
+"""GGUF's Q8_0 / Q4_0 / Q4_1 blocks decoded into integers, scales and minimums dequantize to
+exactly what gguf's own numpy dequantizer gives; the embedded default model's Q4_1 linears,
+un-permuted, equal its float conversion bit for bit."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from shardlm.layers.quantization import dequantize
+from shardlm.model_loader.gguf_weights import decode_blocks, read_linears
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_blocks_dequantize_like_ggufs_own_dequantizer(type_name):
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    x = np.random.default_rng(0).standard_normal((48, 256)).astype(np.float32) * 3
+    raw = quants.quantize(x, qtype)
+    q, scales, mins, bits = decode_blocks(raw, type_name)
+    assert bits == (8 if type_name == "Q8_0" else 4) and q.shape == (48, 256) and scales.shape == (48, 8)
+    ours = dequantize(q, scales, mins, torch.float32).numpy()
+    assert np.array_equal(ours, quants.dequantize(raw, qtype))
+
+
+def test_default_models_q4_1_linears_equal_its_float_conversion(default_model_dir):
+    import os
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from shardlm.model_loader.default_model import gguf_path
+    linears = read_linears(gguf_path(), AutoConfig.from_pretrained(default_model_dir))
+    floats = load_file(os.path.join(default_model_dir, "model.safetensors"))
+    assert len(linears) == 30 * 7
+    for name, (q, scales, mins, bits) in linears.items():
+        assert bits == 4
+        assert torch.equal(dequantize(q, scales, mins, torch.float32), floats[name]), name
