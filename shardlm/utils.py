@@ -19,6 +19,20 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
+def median_seconds(fn, reps: int = 5, warmup: int = 1) -> float:
+    """Median wall time of fn() over reps calls, after warmup calls."""
+    import statistics
+    import time
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def os_thread_count() -> int:
     """Threads of this process as the OS sees them (C++, BLAS and OpenMP threads included)."""
     try:

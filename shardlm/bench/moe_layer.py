@@ -10,13 +10,11 @@ at every size measured (the padding costs more than the fewer calls save), so th
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
 
 from shardlm.layers.moe import FusedMoE
+from shardlm.utils import median_seconds
 
 
 def grouped_dispatch(moe: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -35,14 +33,7 @@ def grouped_dispatch(moe: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids:
 
 
 def _median_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+    return median_seconds(fn, reps, warmup=3) * 1000
 
 
 def run_moe_layer_bench(num_experts: int = 8, top_k: int = 2, hidden: int = 512, intermediate: int = 1024,

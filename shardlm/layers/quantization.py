@@ -18,12 +18,11 @@ quantizes to the same integers.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
 from shardlm.logger import init_logger
+from shardlm.utils import median_seconds
 
 logger = init_logger(__name__)
 
@@ -179,7 +178,7 @@ class QuantizedWeight:
             best = 0
             for rows in (1, 2, 4, 8, 16, 32):
                 x = torch.randn(rows, self.in_features, dtype=self.dtype)
-                if _time(lambda: self._kernel(x)) > _time(lambda: F.linear(x, self.dequantized())):
+                if median_seconds(lambda: self._kernel(x)) > median_seconds(lambda: F.linear(x, self.dequantized())):
                     break
                 best = rows
             _measured[key] = best
@@ -190,12 +189,3 @@ class QuantizedWeight:
 
 _measured: dict[tuple, int] = {}
 
-
-def _time(fn, reps: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[reps // 2]

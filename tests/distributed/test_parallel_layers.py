@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from shardlm.distributed import parallel_state as ps
 from shardlm.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from shardlm.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from tests.distributed.ranks import run_ranks
 
 torch.manual_seed(0)
 HIDDEN, HEAD_DIM, HEADS, KV_HEADS, INTER, VOCAB = 16, 4, 4, 2, 24, 10
@@ -102,7 +103,7 @@ def _lm_head_rank(rank, tp, port, weight, hidden, results):
     ps.initialize_model_parallel(tp, rank=rank, backend="gloo")
     head = ParallelLMHead(*weight.shape)
     head.weight.weight_loader(head.weight, weight)
-    results.put((rank, head.greedy(hidden), head(hidden)))
+    results.put((rank, (head.greedy(hidden), head(hidden))))
     ps.destroy_model_parallel()
 
 
@@ -110,21 +111,12 @@ def _lm_head_rank(rank, tp, port, weight, hidden, results):
 def test_greedy_on_vocab_shards_equals_argmax_of_the_full_logits(tp):
     """Each rank sends (max, index) of its shard; ties across ranks go to the lowest id, as argmax does.
     tp=3 pads the 10-row vocabulary to 12: the padding rows never win."""
-    import multiprocessing
     weight = torch.randn(VOCAB, HIDDEN)
     weight[7] = weight[2]                  # rows on different ranks: equal logits for every input
     hidden = torch.randn(6, HIDDEN)
     hidden[0] = weight[2] * 10             # row 0: the tie between ids 2 and 7 is the maximum
     hidden[1] = -weight.sum(0)             # row 1: all logits negative (padding rows are 0: must not win)
-    ctx = multiprocessing.get_context("spawn")
-    store = ps.host_store("127.0.0.1", tp, 60)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_lm_head_rank, args=(r, tp, store.port, weight, hidden, results)) for r in range(tp)]
-    for p in procs:
-        p.start()
-    got = dict((rank, (tokens, logits)) for rank, tokens, logits in (results.get(timeout=120) for _ in procs))
-    for p in procs:
-        p.join(30)
+    got = run_ranks(_lm_head_rank, tp, weight, hidden)
     tokens, logits = got[0]
     expected = (hidden @ weight.t()).argmax(dim=-1).tolist()
     assert tokens == expected == logits.argmax(dim=-1).tolist()

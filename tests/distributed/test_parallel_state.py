@@ -1,6 +1,5 @@
 """The rank grid, the rendezvous timeout, and the shared-memory collectives across processes."""
 
-import multiprocessing
 from datetime import timedelta
 
 import pytest
@@ -8,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from shardlm.distributed import parallel_state as ps
+from tests.distributed.ranks import run_ranks
 
 
 @pytest.mark.parametrize("dp,pp,tp,expected", [
@@ -61,17 +61,8 @@ def _collectives(rank, world, port, results):
 
 
 def test_shared_memory_all_reduce_and_gather_across_processes():
-    ctx = multiprocessing.get_context("spawn")
     world = 3
-    store = ps.host_store("127.0.0.1", world, 60)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_collectives, args=(r, world, store.port, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
-    assert all(p.exitcode == 0 for p in procs)
+    got = run_ranks(_collectives, world)
     for name in ("small_fp32", "small_bf16", "larger_than_a_slot"):
         # bit-identical on every rank (TP ranks must never drift apart)
         assert got[0][name] == got[1][name] == got[2][name]

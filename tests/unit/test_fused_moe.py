@@ -2,14 +2,13 @@
 top-k, renormalised weights), whether it holds every expert, a TP slice of each, or (expert
 parallel) whole experts of its own, and with data parallel replicas whose tokens differ."""
 
-import multiprocessing
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from shardlm.distributed import parallel_state as ps
 from shardlm.layers.moe import FusedMoE, dp_token_counts, local_experts
+from tests.distributed.ranks import run_ranks
 
 E, K, H, INTER = 6, 2, 32, 48
 
@@ -61,8 +60,8 @@ def test_experts_are_spread_evenly_the_first_ranks_taking_the_remainder(ep, expe
     assert [local_experts(E, ep, r) for r in range(ep)] == expected
 
 
-def _rank(rank, dp, tp, ep, port, tokens_per_replica, results):
-    ps.init_distributed_environment(dp * tp, rank, "127.0.0.1", port, "gloo", 60)
+def _rank(rank, world, port, dp, tp, ep, tokens_per_replica, results):
+    ps.init_distributed_environment(world, rank, "127.0.0.1", port, "gloo", 60)
     ps.initialize_model_parallel(tp, 1, dp, rank=rank, backend="gloo", expert_parallel=ep)
     moe = _loaded_moe()
     replica = rank // tp
@@ -83,16 +82,7 @@ def test_fused_moe_across_ranks_equals_one_rank(dp, tp, ep):
     (it runs a dummy forward while the other's tokens still reach its experts)."""
     steps = [[5, 3], [1, 7], [0, 4], [6, 0]] if dp > 1 else [[5], [1], [9]]
     world = dp * tp
-    ctx = multiprocessing.get_context("spawn")
-    store = ps.host_store("127.0.0.1", world, 60)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, dp, tp, ep, store.port, steps, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
-    assert all(p.exitcode == 0 for p in procs)
+    got = run_ranks(_rank, world, dp, tp, ep, steps)
     w = _weights()
     for rank in range(world):
         replica = rank // tp
