@@ -14,10 +14,16 @@ for its rotary layout; they are put back in the Hugging Face order here.
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import numpy as np
 import torch
 
+from shardlm import envs
+
 GROUP = 32
+_CACHE_VERSION = 1        # bump when decoding changes
 _HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
              "ffn_down": "mlp.down_proj"}
@@ -52,7 +58,28 @@ def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 
 def read_linears(path: str, hf_config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
     """Every quantized attention/MLP weight of a llama-architecture GGUF file, by its Hugging Face
-    name (`model.layers.I.self_attn.q_proj.weight`, ...)."""
+    name (`model.layers.I.self_attn.q_proj.weight`, ...). Decoded once per file and kept in the
+    cache directory as safetensors: gguf's reader alone takes seconds (it parses the whole
+    vocabulary), reading the decoded copy a fraction of one."""
+    from safetensors.torch import load_file, save_file
+    stat = os.stat(path)
+    cached = os.path.join(envs.SHARDLM_CACHE_DIR, "gguf",
+                          f"{os.path.basename(path)}-{stat.st_size}-{int(stat.st_mtime)}-v{_CACHE_VERSION}.safetensors")
+    if os.path.isfile(cached):
+        flat = load_file(cached)
+        return {name[:-2]: (flat[name[:-2] + ".q"], flat[name[:-2] + ".s"], flat[name[:-2] + ".m"],
+                            int(flat[name[:-2] + ".b"])) for name in flat if name.endswith(".q")}
+    out = _decode_file(path, hf_config)
+    os.makedirs(os.path.dirname(cached), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".safetensors", dir=os.path.dirname(cached))
+    os.close(fd)
+    save_file({f"{name}.{key}": t.contiguous() for name, (q, s, m, b) in out.items()
+               for key, t in (("q", q), ("s", s), ("m", m), ("b", torch.tensor(b)))}, tmp)
+    os.replace(tmp, cached)       # atomic: concurrent ranks agree
+    return out
+
+
+def _decode_file(path: str, hf_config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
     import gguf
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads

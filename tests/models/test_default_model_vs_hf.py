@@ -4,14 +4,22 @@ equal transformers' token for token over 128 tokens, 8 prompts submitted as one 
 import json
 import os
 
+import pytest
+
 from shardlm import LLM, SamplingParams
 
 PROMPTS = json.load(open(os.path.join(os.path.dirname(__file__), "..", "data", "default_model_prompts.json")))
 
 
-def test_default_model_matches_hf_token_for_token(default_model_dir, hf):
+@pytest.fixture(scope="module")
+def reference(default_model_dir, hf):
+    """transformers' greedy outputs (and top-5 sets) over 128 tokens, once for the module."""
+    return hf.greedy(default_model_dir, [p["token_ids"] for p in PROMPTS["prompts"]], 128)
+
+
+def test_default_model_matches_hf_token_for_token(reference, hf):
     prompts = [p["token_ids"] for p in PROMPTS["prompts"]]
-    ref = hf.greedy(default_model_dir, prompts, 128)
+    ref = reference
     llm = LLM(dtype="float32")
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, logprobs=5),
                         use_tqdm=False)
@@ -28,12 +36,12 @@ def test_default_model_chat_is_coherent():
     assert out.outputs[0].finish_reason in ("stop", "length")
 
 
-def test_default_model_from_its_q4_1_file(default_model_dir, hf):
+def test_default_model_from_its_q4_1_file(reference, hf):
     """--quantization gguf: the linears stay in the file's Q4_1 blocks. In float32 (dequantized per
     product) it equals transformers on the float conversion; in bfloat16 (torch's int4 kernel for
     decode rows) it parts from it only at near-ties."""
     prompts = [p["token_ids"] for p in PROMPTS["prompts"]]
-    ref = hf.greedy(default_model_dir, prompts, 48)
+    ref = [(ids[:48], top[:48]) for ids, top in reference]      # greedy: the first 48 of the 128
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=5)
     exact = {}
     for dtype in ("float32", "bfloat16"):

@@ -1,6 +1,6 @@
 """GGUF's Q8_0 / Q4_0 / Q4_1 blocks decoded into integers, scales and minimums dequantize to
 exactly what gguf's own numpy dequantizer gives; the embedded default model's Q4_1 linears,
-un-permuted, equal its float conversion bit for bit."""
+un-permuted, equal its float conversion bit for bit, and so does their cached copy."""
 
 import gguf
 import numpy as np
@@ -9,7 +9,7 @@ import torch
 from gguf import quants
 
 from shardlm.layers.quantization import dequantize
-from shardlm.model_loader.gguf_weights import decode_blocks, read_linears
+from shardlm.model_loader.gguf_weights import _decode_file, decode_blocks, read_linears
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
@@ -30,9 +30,15 @@ def test_default_models_q4_1_linears_equal_its_float_conversion(default_model_di
     from transformers import AutoConfig
 
     from shardlm.model_loader.default_model import gguf_path
-    linears = read_linears(gguf_path(), AutoConfig.from_pretrained(default_model_dir))
+    config = AutoConfig.from_pretrained(default_model_dir)
+    linears = _decode_file(gguf_path(), config)
     floats = load_file(os.path.join(default_model_dir, "model.safetensors"))
     assert len(linears) == 30 * 7
     for name, (q, scales, mins, bits) in linears.items():
         assert bits == 4
         assert torch.equal(dequantize(q, scales, mins, torch.float32), floats[name]), name
+    cached = read_linears(gguf_path(), config)          # the decoded copy in the cache directory
+    read_linears(gguf_path(), config)
+    assert cached.keys() == linears.keys()
+    for name, parts in linears.items():
+        assert all(torch.equal(a, b) for a, b in zip(parts[:3], cached[name][:3])) and parts[3] == cached[name][3]
