@@ -27,7 +27,7 @@ from shardlm.config import (
 )
 from shardlm.executor.selection import choose_backend
 from shardlm.logger import init_logger
-from shardlm.model_loader.default_model import DEFAULT_MODEL_NAME, gguf_path, resolve_model_path
+from shardlm.model_loader.default_model import gguf_source, resolve_model_path
 from shardlm.models.registry import resolve_architecture
 from shardlm.planner.startup import check_fits, check_parallel_layout
 from shardlm.worker.cpu_binding import validate_binding
@@ -160,8 +160,7 @@ class EngineArgs:
             eos_token_ids=_eos_ids(hf_config, gen_defaults), generation_defaults=gen_defaults,
             quantization=resolve_quantization(self.quantization, self.quantization_group_size,
                                               linear_inputs(hf_config, parallel.tensor_parallel_size),
-                                              gguf_source=gguf_path() if self.model in (None, DEFAULT_MODEL_NAME)
-                                              else None))
+                                              gguf_source=gguf_source(self.model)))
         cache = CacheConfig(self.block_size, parse_size(self.kv_cache_memory),
                             self.gpu_memory_utilization, self.enable_prefix_caching)
         scheduler = SchedulerConfig(
@@ -247,9 +246,9 @@ def resolve_quantization(method: str | None, group_size: int | None, inputs: lis
     from shardlm.model_loader.gguf_weights import GROUP
     if method == "gguf":
         if gguf_source is None:
-            raise ValueError("--quantization gguf reads the linears from the model's GGUF file; in this version that "
-                             "is the embedded default model (leave out the model). Other models: --quantization "
-                             "int8 or int4.")
+            raise ValueError("--quantization gguf reads the linears from the model's GGUF file: give a .gguf file "
+                             "as the model (or leave it out for the embedded default model). Hugging Face "
+                             "directories: --quantization int8 or int4.")
         if group_size not in (None, GROUP):
             raise ValueError(f"--quantization gguf has groups of {GROUP} columns, as the file stores them.")
         return QuantizationConfig("gguf", GROUP, gguf_source)

