@@ -158,9 +158,10 @@ class EngineArgs:
             max_model_len=max_model_len, seed=self.seed, architecture=architecture,
             served_model_name=self.served_model_name or (self.model or "SmolLM2-135M-Instruct"),
             eos_token_ids=_eos_ids(hf_config, gen_defaults), generation_defaults=gen_defaults,
-            quantization=resolve_quantization(self.quantization, self.quantization_group_size,
-                                              linear_inputs(hf_config, parallel.tensor_parallel_size),
-                                              gguf_source=gguf_source(self.model)))
+            quantization=resolve_quantization(
+                self.quantization, self.quantization_group_size,
+                linear_inputs(hf_config, parallel.tensor_parallel_size) if self.quantization else None,
+                gguf_source=gguf_source(self.model)))
         cache = CacheConfig(self.block_size, parse_size(self.kv_cache_memory),
                             self.gpu_memory_utilization, self.enable_prefix_caching)
         scheduler = SchedulerConfig(

@@ -42,6 +42,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model: torch.nn.Module | None = None
         self._attention_layers: list[Attention] | None = None
+        self._moe_layers: dict[int, FusedMoE] | None = None
         self.sampler = Sampler()
         self.attn_backend = get_attention_backend(config, device)
         self.requests: dict[str, RequestState] = {}
@@ -60,9 +61,11 @@ class ModelRunner:
         return self._attention_layers
 
     def moe_layers(self) -> dict[int, FusedMoE]:
-        """This rank's MoE layers by decoder layer index."""
-        return {int(name.split(".layers.")[1].split(".")[0]): m for name, m in self.model.named_modules()
-                if isinstance(m, FusedMoE)}
+        """This rank's MoE layers by decoder layer index (found once: dummy steps use them every step)."""
+        if self._moe_layers is None:
+            self._moe_layers = {int(name.split(".layers.")[1].split(".")[0]): m
+                                for name, m in self.model.named_modules() if isinstance(m, FusedMoE)}
+        return self._moe_layers
 
     def kv_cache_bytes_per_block(self) -> int:
         """This rank's KV bytes per block: its layers, its share of the KV heads."""
