@@ -40,13 +40,13 @@ def format_bytes(n: float) -> str:
 @dataclass
 class QuantizationConfig:
     """Weight-only quantization of the linear layers at load (layers/quantization.py)."""
-    method: str              # "int8" or "int4" (quantized at load), "gguf" (read as stored)
+    method: str              # "int8" or "int4" (quantized at load); "gguf", "gptq", "awq" (read as stored)
     group_size: int          # input columns per (scale, min); -1: one group per row
-    source: str | None = None    # gguf: the GGUF file the linears are read from
+    source: str | None = None    # gguf: the GGUF file the linears are read from (gptq, awq: the checkpoint)
 
     @property
     def bits(self) -> int:
-        return {"int8": 8, "int4": 4, "gguf": 4}[self.method]
+        return 8 if self.method == "int8" else 4
 
     def effective_bits(self, in_features: int = 4096) -> float:
         """Bits per weight including the float32 scale and min of every group."""

@@ -28,6 +28,7 @@ from shardlm.config import (
 from shardlm.executor.selection import choose_backend
 from shardlm.logger import init_logger
 from shardlm.model_loader.default_model import gguf_source, resolve_model_path
+from shardlm.model_loader.gptq_awq import checkpoint_method
 from shardlm.models.registry import resolve_architecture
 from shardlm.planner.startup import check_fits, check_parallel_layout
 from shardlm.worker.cpu_binding import validate_binding
@@ -115,7 +116,9 @@ class EngineArgs:
                                "over the network; refused by default)",
         "quantization": "weight-only quantization of the linear layers at load: int8 (one scale per row) or "
                         "int4 (asymmetric, groups of 128 columns, else 64 or 32 where 128 does not divide); "
-                        "embeddings, LM head and experts stay in --dtype. Faster only with --dtype bfloat16",
+                        "embeddings, LM head and experts stay in --dtype. Faster only with --dtype bfloat16. gguf: a "
+                        ".gguf model's own Q8_0/Q4_0/Q4_1 blocks; GPTQ and AWQ checkpoints (4-bit) are detected "
+                        "from config.json and run as stored",
         "quantization_group_size": "input columns per quantization scale (-1: one per row; default: int8 -1, "
                                    "int4 128)",
         "enable_expert_parallel": "MoE models: place whole experts on the ranks of each stage's DP x TP group "
@@ -161,7 +164,7 @@ class EngineArgs:
             quantization=resolve_quantization(
                 self.quantization, self.quantization_group_size,
                 linear_inputs(hf_config, parallel.tensor_parallel_size) if self.quantization else None,
-                gguf_source=gguf_source(self.model)))
+                gguf_source=gguf_source(self.model), checkpoint=checkpoint_method(getattr(hf_config, "quantization_config", None))))
         cache = CacheConfig(self.block_size, parse_size(self.kv_cache_memory),
                             self.gpu_memory_utilization, self.enable_prefix_caching)
         scheduler = SchedulerConfig(
@@ -240,11 +243,24 @@ def linear_inputs(hf_config, tp: int) -> list[int]:
 
 
 def resolve_quantization(method: str | None, group_size: int | None, inputs: list[int] | None = None,
-                         gguf_source: str | None = None) -> QuantizationConfig | None:
+                         gguf_source: str | None = None,
+                         checkpoint: tuple[str, int] | None = None) -> QuantizationConfig | None:
     """int4's default group: 128 columns, or 64 or 32 where 128 does not divide every layer's inputs
-    per rank (`inputs`; e.g. SmolLM2's 576). gguf: the linears as the GGUF file stores them."""
+    per rank (`inputs`; e.g. SmolLM2's 576). gguf: the linears as the GGUF file stores them.
+    checkpoint: a GPTQ/AWQ checkpoint's (method, group size), which is what runs (as vLLM, it
+    needs no flag)."""
     from shardlm.layers.quantization import DEFAULT_GROUP_SIZE
     from shardlm.model_loader.gguf_weights import GROUP
+    if checkpoint is not None:
+        stored, group = checkpoint
+        if method not in (None, stored) or group_size not in (None, group):
+            raise ValueError(f"This checkpoint is {stored.upper()}-quantized (groups of {group} columns) and runs as "
+                             f"it is stored: leave out --quantization (or pass --quantization {stored}) and "
+                             "--quantization-group-size.")
+        return QuantizationConfig(stored, group)
+    if method in ("gptq", "awq"):
+        raise ValueError(f"--quantization {method} reads a {method.upper()} checkpoint, but this model's config.json "
+                         "has no quantization_config for it. For a float checkpoint use --quantization int8 or int4.")
     if method == "gguf":
         if gguf_source is None:
             raise ValueError("--quantization gguf reads the linears from the model's GGUF file: give a .gguf file "
@@ -260,8 +276,8 @@ def resolve_quantization(method: str | None, group_size: int | None, inputs: lis
         return None
     if method not in DEFAULT_GROUP_SIZE:
         raise ValueError(f"quantization={method!r} is not supported: use int8 or int4 (weight-only, quantized at "
-                         "load) or gguf (the default model's Q4_1 file as it is). GPTQ and AWQ checkpoints are not "
-                         "read yet.")
+                         "load), gguf (a GGUF file's own blocks), or gptq / awq (read from such a checkpoint; "
+                         "detected without the flag).")
     group = group_size
     if group is None:
         group = DEFAULT_GROUP_SIZE[method]

@@ -198,6 +198,7 @@ def cmd_cluster(ns) -> None:
 
 def cmd_plan(ns) -> None:
     from shardlm.config import parse_size
+    from shardlm.model_loader.gptq_awq import checkpoint_method
     from shardlm.planner import ModelShape, Workload, load_config, recommend
     from shardlm.planner.hardware import detect_hardware
     from shardlm.planner.report import render, to_json
@@ -215,9 +216,12 @@ def cmd_plan(ns) -> None:
                                                                       "bfloat16")
     max_len = ns.max_model_len or min(shape.max_position, 8192)
     bits = ns.quantization_bits
-    if ns.quantization:          # what the engine loads: the integers plus a float32 scale and min per group
+    stored = checkpoint_method(cfg.get("quantization_config"))     # a GPTQ/AWQ checkpoint
+    if ns.quantization or (stored and bits is None):
+        # what the engine loads: the integers plus a float32 scale and min per group
         from shardlm.engine.arg_utils import resolve_quantization
-        bits = resolve_quantization(ns.quantization, ns.quantization_group_size).effective_bits(shape.hidden)
+        bits = resolve_quantization(ns.quantization, ns.quantization_group_size,
+                                    checkpoint=stored).effective_bits(shape.hidden)
     workload = Workload(dtype=dtype, quantization_bits=bits, max_model_len=max_len,
                         concurrency=ns.concurrency)
     rec = recommend(shape, hw, workload, ns.model)
@@ -274,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the checkpoint's (bfloat16 unless it says float32/float16)")
     p.add_argument("--quantization-bits", type=int, choices=[2, 3, 4, 8], default=None,
                    help="weight quantization width for linear layers")
-    p.add_argument("--quantization", choices=["int8", "int4"], default=None,
+    p.add_argument("--quantization", choices=["int8", "int4", "gptq", "awq"], default=None,
                    help="as `serve --quantization`: the bits the engine loads, scales included")
     p.add_argument("--quantization-group-size", type=int, default=None, help="as `serve`")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's maximum, at most 8192")

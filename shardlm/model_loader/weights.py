@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from shardlm.config import ModelConfig
+from shardlm.model_loader.gptq_awq import PACKED_SUFFIXES, PackedLinears, is_v1
 from shardlm.models.registry import get_model_class
 
 
@@ -46,18 +47,40 @@ def quantize_linears(model: torch.nn.Module, config) -> None:
             module.quantize(config)
 
 
-def take_gguf_linears(model: torch.nn.Module, path: str, hf_config) -> None:
-    """Each tensor parallel linear takes its rank's part of the GGUF file's quantized tensors (the
-    float weights loaded from the converted directory are dropped)."""
+def take_quantized_linears(model: torch.nn.Module, tensors: dict[str, tuple]) -> None:
+    """Each tensor parallel linear takes its rank's part of the already-quantized weights
+    (`tensors`: (q, scales, mins, bits) by Hugging Face weight name, from a GGUF file or a
+    GPTQ/AWQ checkpoint); a float weight loaded before is dropped."""
     from shardlm.layers.linear import ColumnParallelLinear, RowParallelLinear
-    from shardlm.model_loader.gguf_weights import read_linears
-    tensors = read_linears(path, hf_config)
+    taken = set()
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             prefix, _, leaf = name.rpartition(".")
             # a merged matrix (qkv_proj, gate_up_proj) takes its checkpoint tensors in shard order
             parts = [part.strip(".") for merged, part, _ in model.stacked_params if merged.strip(".") == leaf]
-            module.take_quantized([tensors[f"{prefix}.{part}.weight"] for part in parts or [leaf]])
+            names = [f"{prefix}.{part}.weight" for part in parts or [leaf]]
+            if all(n in tensors for n in names):
+                module.take_quantized([tensors[n] for n in names])
+                taken.update(names)
+    left = sorted(n for n in set(tensors) - taken if _stage_filter(model)(n))
+    if left:
+        raise ValueError(f"The checkpoint has quantized weights shardlm runs in float only: {', '.join(left[:4])}"
+                         f"{' ...' if len(left) > 4 else ''} (quantized are the attention and dense MLP projections; "
+                         "not embeddings, the LM head or MoE experts).")
+
+
+def _stage_filter(model: torch.nn.Module):
+    """Whether a checkpoint tensor belongs to this pipeline stage's part of the model."""
+    return getattr(model, "_on_this_stage", lambda name: True)
+
+
+def _float_weights(weights: Iterator[tuple[str, object]], packed: PackedLinears, on_stage) -> Iterator:
+    for name, tensor in weights:
+        if name.endswith(PACKED_SUFFIXES):
+            if on_stage(name):
+                packed.take(name, tensor)
+        else:
+            yield name, tensor
 
 
 def load_model(model_config: ModelConfig, device: torch.device,
@@ -72,15 +95,24 @@ def load_model(model_config: ModelConfig, device: torch.device,
             model = cls(model_config.hf_config, model_config.max_model_len, model_config.dtype, layer_range)
     finally:
         torch.set_default_dtype(old_dtype)
-    loaded = model.load_weights(iterate_weights(model_config.model))
+    quant = model_config.quantization
+    packed = PackedLinears(quant.method, quant.group_size, is_v1(getattr(model_config.hf_config, "quantization_config", None))) \
+        if quant is not None and quant.method in ("gptq", "awq") else None
+    weights = iterate_weights(model_config.model)
+    if packed is not None:     # the packed linears are collected aside, the rest loads as usual
+        weights = _float_weights(weights, packed, _stage_filter(model))
+    loaded = model.load_weights(weights)
+    if packed is not None:
+        take_quantized_linears(model, packed.decoded())
+    elif quant is not None and quant.method == "gguf":
+        from shardlm.model_loader.gguf_weights import read_linears
+        take_quantized_linears(model, read_linears(quant.source, model_config.hf_config))
+    elif quant is not None:
+        quantize_linears(model, quant)
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"The checkpoint in {model_config.model} lacks weights for: {', '.join(sorted(missing)[:8])}"
                          f"{' ...' if len(missing) > 8 else ''}")
-    if model_config.quantization is not None and model_config.quantization.method == "gguf":
-        take_gguf_linears(model, model_config.quantization.source, model_config.hf_config)
-    elif model_config.quantization is not None:
-        quantize_linears(model, model_config.quantization)
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()

@@ -138,3 +138,78 @@ def test_a_gguf_file_as_the_model_serves_its_own_blocks(tmp_path):
 def test_gguf_quantization_needs_a_gguf_model(tiny_model_dir):
     with pytest.raises(ValueError, match="give a .gguf file as the model"):
         LLM(tiny_model_dir("llama-gqa"), **ENGINE, quantization="gguf")
+
+
+def _packed_checkpoints(src: str, root, group: int = 32) -> dict[str, str]:
+    """The tiny model with its linears 4-bit quantized, written three ways: as a GPTQ checkpoint,
+    as an AWQ checkpoint, and as the float model of their dequantized weights (the reference)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.unit.test_gptq_awq import pack_awq, pack_gptq, rtn_int4
+    tensors = load_file(f"{src}/model.safetensors")
+    with open(f"{src}/config.json") as f:
+        config = json.load(f)
+    quant_configs = {"gptq": {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+                              "sym": False, "checkpoint_format": "gptq"},
+                     "awq": {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                             "version": "gemm"}}
+    out = {name: {} for name in ("gptq", "awq", "dequantized")}
+    for name, w in tensors.items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf != "weight" or prefix.rsplit(".", 1)[-1] not in QUANTIZED:
+            for part in out.values():
+                part[name] = w
+            continue
+        q, zero, scale = rtn_int4(w, group)
+        out["dequantized"][name] = (scale.float().repeat_interleave(group, 1) *
+                                    (q - zero.repeat_interleave(group, 1))).contiguous()
+        for method, pack in (("gptq", pack_gptq), ("awq", pack_awq)):
+            out[method].update({f"{prefix}.{k}": v for k, v in pack(q, zero, scale).items()})
+    dirs = {}
+    for name, weights in out.items():
+        dst = root / name
+        dst.mkdir()
+        save_file(weights, str(dst / "model.safetensors"))
+        with open(dst / "config.json", "w") as f:
+            json.dump({**config, **({"quantization_config": quant_configs[name]} if name in quant_configs else {})}, f)
+        for extra in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+            if os.path.exists(f"{src}/{extra}"):
+                shutil.copy(f"{src}/{extra}", dst)
+        dirs[name] = str(dst)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def packed_checkpoints(tiny_model_dir, tmp_path_factory, hf):
+    dirs = _packed_checkpoints(tiny_model_dir("llama-gqa"), tmp_path_factory.mktemp("packed"))
+    return dirs, hf.greedy(dirs["dequantized"], _prompts(), MAX_TOKENS)
+
+
+@pytest.mark.parametrize("method, layout", [("gptq", {}), ("gptq", {"tensor_parallel_size": 2}),
+                                            ("awq", {"pipeline_parallel_size": 2})],
+                         ids=["gptq", "gptq-tp2", "awq-pp2"])
+def test_gptq_and_awq_checkpoints_run_as_stored(method, layout, packed_checkpoints, hf):
+    """The packed checkpoint is detected from config.json (no flag), each rank takes its part of the
+    4-bit linears, and the engine equals transformers on the dequantized float weights."""
+    dirs, reference = packed_checkpoints
+    llm = LLM(dirs[method], **ENGINE, **layout)
+    try:
+        assert llm.engine.config.model.quantization.method == method
+        kernels = llm.collective_rpc("quantized_kernels")
+        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert sum(sum(k.values()) for k in kernels) == 8 * (2 if "tensor_parallel_size" in layout else 1)
+    exact = hf.assert_close(reference, outs, f"{method} {layout}")
+    assert exact >= 4, f"only {exact}/6 sequences equal HF exactly"
+
+
+def test_packed_checkpoints_refuse_other_quantization_flags(packed_checkpoints, tiny_model_dir):
+    dirs, _ = packed_checkpoints
+    with pytest.raises(ValueError, match="GPTQ-quantized.*leave out --quantization"):
+        LLM(dirs["gptq"], **ENGINE, quantization="int4")
+    with pytest.raises(ValueError, match="has no quantization_config"):
+        LLM(tiny_model_dir("llama-gqa"), **ENGINE, quantization="awq")
