@@ -164,7 +164,8 @@ class EngineArgs:
             quantization=resolve_quantization(
                 self.quantization, self.quantization_group_size,
                 linear_inputs(hf_config, parallel.tensor_parallel_size) if self.quantization else None,
-                gguf_source=gguf_source(self.model), checkpoint=checkpoint_method(getattr(hf_config, "quantization_config", None))))
+                gguf_source=gguf_source(self.model),
+                checkpoint=checkpoint_method(getattr(hf_config, "quantization_config", None))))
         cache = CacheConfig(self.block_size, parse_size(self.kv_cache_memory),
                             self.gpu_memory_utilization, self.enable_prefix_caching)
         scheduler = SchedulerConfig(

@@ -96,8 +96,10 @@ def load_model(model_config: ModelConfig, device: torch.device,
     finally:
         torch.set_default_dtype(old_dtype)
     quant = model_config.quantization
-    packed = PackedLinears(quant.method, quant.group_size, is_v1(getattr(model_config.hf_config, "quantization_config", None))) \
-        if quant is not None and quant.method in ("gptq", "awq") else None
+    packed = None
+    if quant is not None and quant.method in ("gptq", "awq"):
+        packed = PackedLinears(quant.method, quant.group_size,
+                               is_v1(getattr(model_config.hf_config, "quantization_config", None)))
     weights = iterate_weights(model_config.model)
     if packed is not None:     # the packed linears are collected aside, the rest loads as usual
         weights = _float_weights(weights, packed, _stage_filter(model))

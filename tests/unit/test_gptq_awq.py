@@ -25,7 +25,8 @@ def rtn_int4(w: torch.Tensor, group: int):
 def _words(nibbles: np.ndarray) -> torch.Tensor:
     """[..., 8] values 0..15 -> int32 words, value j at bits 4j."""
     shifted = nibbles.astype(np.uint32) << (4 * np.arange(8, dtype=np.uint32))
-    return torch.from_numpy(np.ascontiguousarray(np.bitwise_or.reduce(shifted, axis=-1).astype(np.uint32)).view(np.int32))
+    words = np.bitwise_or.reduce(shifted, axis=-1).astype(np.uint32)
+    return torch.from_numpy(np.ascontiguousarray(words).view(np.int32))
 
 
 def pack_gptq(q, zero, scale, v1: bool = True) -> dict[str, torch.Tensor]:
