@@ -115,7 +115,8 @@ def int4_layout_understood() -> bool:
 class QuantizedWeight:
     """One linear layer's quantized weight, and its product with activations."""
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, dtype: torch.dtype):
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, dtype: torch.dtype,
+                 measure: bool = True):
         self.out_features, self.in_features = q.shape
         self.bits, self.group = bits, self.in_features // scales.shape[1]
         self.dtype = dtype                                  # of activations and outputs
@@ -125,7 +126,8 @@ class QuantizedWeight:
         self.q = q if bits == 8 else None
         if bits == 4 and self.kernel is None:
             self.packed = pack_nibbles(q)
-        self.kernel_max_rows = self._measure() if self.kernel else 0
+        # measure=False: the owner measures against its own alternative (the LM head's float weight)
+        self.kernel_max_rows = self._measure() if self.kernel and measure else 0
 
     def _kernel_format(self, q: torch.Tensor) -> str | None:
         # the packed kernels multiply in bfloat16: a float32 model dequantizes instead (exact)
@@ -175,16 +177,22 @@ class QuantizedWeight:
         """The most rows for which the packed kernel beats dequantize + matmul on this shape."""
         key = (self.kernel, self.out_features, self.in_features, self.group, self.dtype)
         if key not in _measured:
-            best = 0
-            for rows in (1, 2, 4, 8, 16, 32):
-                x = torch.randn(rows, self.in_features, dtype=self.dtype)
-                if median_seconds(lambda: self._kernel(x)) > median_seconds(lambda: F.linear(x, self.dequantized())):
-                    break
-                best = rows
-            _measured[key] = best
+            _measured[key] = rows_kernel_wins(self._kernel, lambda x: F.linear(x, self.dequantized()),
+                                              self.in_features, self.dtype)
             logger.debug("Quantized %s [%d, %d]: packed kernel up to %d rows", self.kernel, self.out_features,
-                         self.in_features, best)
+                         self.in_features, _measured[key])
         return _measured[key]
+
+
+def rows_kernel_wins(kernel, alternative, in_features: int, dtype: torch.dtype) -> int:
+    """The most rows x (1 to 32, doubling) for which kernel(x) is measured faster than alternative(x)."""
+    best = 0
+    for rows in (1, 2, 4, 8, 16, 32):
+        x = torch.randn(rows, in_features, dtype=dtype)
+        if median_seconds(lambda: kernel(x)) > median_seconds(lambda: alternative(x)):
+            break
+        best = rows
+    return best
 
 
 _measured: dict[tuple, int] = {}
