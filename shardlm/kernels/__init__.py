@@ -80,3 +80,20 @@ def paged_decode_attention():
     fn.argtypes = [ptr, ptr, ctypes.c_int64, ptr, ptr, i64p, i64p, i, i, i, i, i, i, i, ctypes.c_float, i]
     fn.restype = ctypes.c_int
     return fn
+
+
+_fused: list = []
+
+
+def fused_ops() -> ctypes.CDLL | None:
+    """add_rmsnorm and silu_and_mul (kernels/fused_ops.c), or None."""
+    if not _fused:
+        lib = load("fused_ops")
+        if lib is not None:
+            ptr, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+            lib.add_rmsnorm.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i, i, ctypes.c_float, i]
+            lib.add_rmsnorm.restype = None
+            lib.silu_and_mul.argtypes = [ptr, ptr, i, i, i]
+            lib.silu_and_mul.restype = None
+        _fused.append(lib)
+    return _fused[0]

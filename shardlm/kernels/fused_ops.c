@@ -1,0 +1,67 @@
+// Elementwise steps of a decoder layer fused into one pass each, on CPU: residual add + RMSNorm,
+// SiLU-and-mul. In eager torch each is 3-9 operator calls; at decode (a few rows) their
+// dispatch, not their arithmetic, is the cost.
+//
+// They round where torch's sequence of operators rounds (dtype 1 = bfloat16: every operator's
+// result is a bfloat16), so a float32 model matches the operators up to the order of a sum.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);                                           // round to nearest even
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load(const void *p, int64_t i, int dtype) {
+    return dtype == 0 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+static inline float round_to(float v, int dtype) { return dtype == 0 ? v : bf16_to_f32(f32_to_bf16(v)); }
+
+static inline void store(void *p, int64_t i, float v, int dtype) {
+    if (dtype == 0) ((float *)p)[i] = v;
+    else ((uint16_t *)p)[i] = f32_to_bf16(v);
+}
+
+// summed = x + residual (if residual), out = weight * dtype(summed / rms(summed)); rows of H.
+// x_stride / out_stride: elements between rows (x may be a view).
+void add_rmsnorm(const void *x, int64_t x_stride, const void *residual, void *summed, void *out,
+                 const void *weight, int T, int H, float eps, int dtype) {
+    for (int t = 0; t < T; t++) {
+        float row[H];
+        float squares = 0.f;
+        for (int h = 0; h < H; h++) {
+            float v = load(x, (int64_t)t * x_stride + h, dtype);
+            if (residual) v = round_to(v + load(residual, (int64_t)t * H + h, dtype), dtype);
+            row[h] = v;
+            squares += v * v;
+        }
+        if (residual)
+            for (int h = 0; h < H; h++) store(summed, (int64_t)t * H + h, row[h], dtype);
+        const float inv = 1.f / sqrtf(squares / H + eps);
+        for (int h = 0; h < H; h++)
+            store(out, (int64_t)t * H + h, load(weight, h, dtype) * round_to(row[h] * inv, dtype), dtype);
+    }
+}
+
+// out[t, i] = dtype(silu(gate)) * up, where x[t] = [gate (I) | up (I)]
+void silu_and_mul(const void *x, void *out, int T, int I, int dtype) {
+    for (int t = 0; t < T; t++) {
+        #pragma omp simd
+        for (int i = 0; i < I; i++) {
+            float g = load(x, (int64_t)t * 2 * I + i, dtype), u = load(x, (int64_t)t * 2 * I + I + i, dtype);
+            store(out, (int64_t)t * I + i, round_to(g / (1.f + expf(-g)), dtype) * u, dtype);
+        }
+    }
+}
