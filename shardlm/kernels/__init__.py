@@ -86,7 +86,7 @@ _fused: list = []
 
 
 def fused_ops() -> ctypes.CDLL | None:
-    """add_rmsnorm and silu_and_mul (kernels/fused_ops.c), or None."""
+    """add_rmsnorm, silu_and_mul and rotary (kernels/fused_ops.c), or None."""
     if not _fused:
         lib = load("fused_ops")
         if lib is not None:
@@ -95,5 +95,7 @@ def fused_ops() -> ctypes.CDLL | None:
             lib.add_rmsnorm.restype = None
             lib.silu_and_mul.argtypes = [ptr, ptr, i, i, i]
             lib.silu_and_mul.restype = None
+            lib.rotary.argtypes = [ptr, i64, ptr, ptr, i, i, i, i]
+            lib.rotary.restype = None
         _fused.append(lib)
     return _fused[0]

@@ -65,3 +65,23 @@ void silu_and_mul(const void *x, void *out, int T, int I, int dtype) {
         }
     }
 }
+
+// Rotary embedding (neox style) in place: x[t, h] = dtype(x * cos) + rotate_half(x) * signed_sin,
+// for T rows of `heads` heads of D values (row stride x_stride; heads contiguous within a row);
+// cos and signed_sin are [T, D].
+void rotary(void *x, int64_t x_stride, const void *cos, const void *signed_sin, int T, int heads, int D,
+            int dtype) {
+    const int half = D / 2;
+    for (int t = 0; t < T; t++) {
+        for (int h = 0; h < heads; h++) {
+            const int64_t base = (int64_t)t * x_stride + (int64_t)h * D;
+            float v[D];
+            for (int d = 0; d < D; d++) v[d] = load(x, base + d, dtype);
+            for (int d = 0; d < D; d++) {
+                float rotated = v[d < half ? d + half : d - half];
+                float c = load(cos, (int64_t)t * D + d, dtype), s = load(signed_sin, (int64_t)t * D + d, dtype);
+                store(x, base + d, round_to(v[d] * c, dtype) + rotated * s, dtype);
+            }
+        }
+    }
+}

@@ -39,3 +39,22 @@ def test_silu_and_mul_equals_the_operators(dtype):
     x = (4 * torch.randn(5, 2 * 1536, generator=torch.Generator().manual_seed(0))).to(dtype)
     gate, up = x.chunk(2, dim=-1)
     _close(SiluAndMul()(x), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_equals_the_operators(dtype):
+    from types import SimpleNamespace
+
+    from shardlm.layers.rotary import RotaryEmbedding, apply_rotary
+    rope = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), 64, 512, dtype)
+    cos_sin = rope.lookup(torch.tensor([0, 5, 300]))
+    qkv = (3 * torch.randn(3, (9 + 3 + 3) * 64, generator=torch.Generator().manual_seed(0))).to(dtype)
+    qk = qkv[:, :12 * 64].view(3, 12, 64)                  # q and k heads of a qkv output, as the model has them
+    cos, signed_sin = cos_sin
+    half = 32
+    expected = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), signed_sin)
+    v_before = qkv[:, 12 * 64:].clone()
+    rotated = apply_rotary(qk, cos_sin)
+    assert rotated.data_ptr() == qk.data_ptr()               # in place
+    _close(rotated, expected, dtype)
+    assert torch.equal(qkv[:, 12 * 64:], v_before)           # v untouched
