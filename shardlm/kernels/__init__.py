@@ -86,7 +86,7 @@ _fused: list = []
 
 
 def fused_ops() -> ctypes.CDLL | None:
-    """add_rmsnorm, silu_and_mul and rotary (kernels/fused_ops.c), or None."""
+    """add_rmsnorm, silu_and_mul, rotary and dequantize_int4pack (kernels/fused_ops.c), or None."""
     if not _fused:
         lib = load("fused_ops")
         if lib is not None:
@@ -97,5 +97,7 @@ def fused_ops() -> ctypes.CDLL | None:
             lib.silu_and_mul.restype = None
             lib.rotary.argtypes = [ptr, i64, ptr, ptr, i, i, i, i]
             lib.rotary.restype = None
+            lib.dequantize_int4pack.argtypes = [ptr, i, i, ptr, ptr, i, ptr, i]
+            lib.dequantize_int4pack.restype = None
         _fused.append(lib)
     return _fused[0]

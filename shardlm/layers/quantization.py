@@ -7,8 +7,9 @@ and 8x against float32), which is what batch-1 decode on CPU is bound by.
 
 In a bfloat16 model the product picks its kernel by the number of rows M of x, per weight
 shape, from a measurement at load (`kernel_max_rows`): torch's packed CPU kernels
-(`_weight_int8pack_mm`, one scale per row; `_weight_int4pack_mm_for_cpu`) multiply a few rows
-fastest; past a few rows they fall behind dequantize + the float matmul, which is used there.
+(`_weight_int8pack_mm`, one scale per row; `_weight_int4pack_mm_for_cpu`) multiply decode rows
+fastest (int4: up to a few hundred rows); past that, dequantize (one C pass for torch's int4
+layout, kernels/fused_ops.c) + the float matmul is used.
 Those kernels run in bfloat16 only (their float32 paths are 10x slower), so a float32 model
 dequantizes for every product: exact, smaller in memory, not faster. Round-to-nearest
 quantization happens at load (`quantize_rtn`), after each rank loaded its float slice; a row's
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shardlm.kernels import fused_ops
 from shardlm.logger import init_logger
 from shardlm.utils import median_seconds
 
@@ -29,6 +31,7 @@ logger = init_logger(__name__)
 METHODS = {"int8": 8, "int4": 4}
 DEFAULT_GROUP_SIZE = {"int8": -1, "int4": 128}       # -1: one group per row (per-channel)
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)                # what torch's int4 CPU kernel takes
+_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}   # kernels/fused_ops.c's dtype codes
 
 
 def check_group_size(method: str, group_size: int, in_features: int, where: str) -> int:
@@ -120,7 +123,7 @@ class QuantizedWeight:
         self.out_features, self.in_features = q.shape
         self.bits, self.group = bits, self.in_features // scales.shape[1]
         self.dtype = dtype                                  # of activations and outputs
-        self.scales, self.mins = scales, mins
+        self.scales, self.mins = scales.float().contiguous(), mins.float().contiguous()   # as the kernels read them
         self.kernel = self._kernel_format(q)
         # the integers, stored once: int8 as they are; int4 two per byte (the kernel's layout, or plain)
         self.q = q if bits == 8 else None
@@ -156,6 +159,13 @@ class QuantizedWeight:
         return unpack_nibbles(self.packed)
 
     def dequantized(self) -> torch.Tensor:
+        lib = fused_ops()
+        if self.kernel == "int4pack" and lib is not None:      # one pass in C instead of ~8 operators
+            out = torch.empty(self.out_features, self.in_features, dtype=self.dtype)
+            lib.dequantize_int4pack(self.packed.data_ptr(), self.out_features, self.in_features,
+                                    self.scales.data_ptr(), self.mins.data_ptr(), self.group, out.data_ptr(),
+                                    _KERNEL_DTYPES[self.dtype])
+            return out
         return dequantize(self.integers(), self.scales, self.mins, self.dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,12 +194,16 @@ class QuantizedWeight:
         return _measured[key]
 
 
-def rows_kernel_wins(kernel, alternative, in_features: int, dtype: torch.dtype) -> int:
-    """The most rows x (1 to 32, doubling) for which kernel(x) is measured faster than alternative(x)."""
+def rows_kernel_wins(kernel, alternative, in_features: int, dtype: torch.dtype,
+                     sizes: tuple[int, ...] = (1, 8, 64, 256)) -> int:
+    """The most rows x (of `sizes`, until it first loses) for which kernel(x) is measured faster
+    than alternative(x). torch's int4 kernel keeps up with the bfloat16 matmul to a few hundred
+    rows on a 2-core Xeon, so batched decode steps use it too; long prefills dequantize."""
     best = 0
-    for rows in (1, 2, 4, 8, 16, 32):
+    for rows in sizes:
         x = torch.randn(rows, in_features, dtype=dtype)
-        if median_seconds(lambda: kernel(x)) > median_seconds(lambda: alternative(x)):
+        reps = 5 if rows <= 8 else 3
+        if median_seconds(lambda: kernel(x), reps) > median_seconds(lambda: alternative(x), reps):
             break
         best = rows
     return best

@@ -67,7 +67,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         float_weight = onednn_pack(w)
         float_weight = w if float_weight is None else float_weight
         quant.kernel_max_rows = rows_kernel_wins(quant._kernel, lambda x: linear(x, float_weight, None),
-                                                 w.shape[1], w.dtype)
+                                                 w.shape[1], w.dtype, sizes=(1, 2, 4, 8, 16, 32))
         self.int8 = quant
 
     def process_weights_after_loading(self) -> None:

@@ -116,3 +116,12 @@ def test_lm_head_int8_copy_serves_decode_rows_at_tp2():
         assert (to_int8 < to_float) == copy_used, (rows, to_int8, to_float)
         assert min(to_int8, to_float) < 0.05
         assert greedy == logits.float().argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("n", [64, 80, 208])
+def test_int4pack_dequantizes_in_c_exactly(n):
+    """dequantized() of torch's int4 layout (one C pass) equals the operators on the unpacked
+    integers bit for bit: full 64-row blocks and the tail block."""
+    qw = QuantizedWeight(*quantize_rtn(torch.randn(n, 128), 4, 32), 4, torch.bfloat16, measure=False)
+    assert qw.kernel == "int4pack"
+    assert torch.equal(qw.dequantized(), dequantize(qw.integers(), qw.scales, qw.mins, torch.bfloat16))
