@@ -26,6 +26,12 @@ def _peak_rss_bytes(llm) -> int:
     return own
 
 
+def _engine_facts(llm) -> dict:
+    model = llm.engine.config.model
+    return {"engine": "shardlm", "dtype": str(model.dtype).replace("torch.", ""),
+            "quantization": model.quantization.method if model.quantization else None}
+
+
 def _expert_load(llm) -> dict:
     """MoE models: tokens routed to each expert per layer over the run, and each layer's
     imbalance (the busiest expert's tokens over the mean: 1.0 is even); {} for dense models."""
@@ -66,8 +72,7 @@ def run_throughput(engine_args, workload_path, num_prompts, output_len, reps) ->
             "elapsed_s": times, "output_tok_s": out_tokens / med,
             "total_tok_s": (out_tokens + w.num_prompt_tokens) / med,
             "output_tok_s_all": [out_tokens / t for t in times], "startup_s": startup_s,
-            "peak_rss_bytes": _peak_rss_bytes(llm), "dtype": str(llm.engine.config.model.dtype).replace("torch.", ""),
-            **_expert_load(llm)}
+            "peak_rss_bytes": _peak_rss_bytes(llm), **_engine_facts(llm), **_expert_load(llm)}
 
 
 def run_latency(engine_args, workload_path, output_len, reps, batch_size: int = 1) -> dict:
@@ -87,8 +92,8 @@ def run_latency(engine_args, workload_path, output_len, reps, batch_size: int = 
             "time_to_first_token_s": statistics.median(t1),
             "decode_step_ms": step_s * 1000, "decode_tok_s": batch_size / step_s,
             "startup_s": startup_s, "startup_to_first_token_s": startup_to_first_token,
-            "cold_first_request_s": first, "peak_rss_bytes": _peak_rss_bytes(llm),
-            "dtype": str(llm.engine.config.model.dtype).replace("torch.", ""), **_expert_load(llm)}
+            "cold_first_request_s": first, "peak_rss_bytes": _peak_rss_bytes(llm), **_engine_facts(llm),
+            **_expert_load(llm)}
 
 
 def report(result: dict, as_json: bool) -> None:
@@ -103,9 +108,6 @@ def report(result: dict, as_json: bool) -> None:
               f"median of {result['reps']}):\n"
               f"  output tokens/s: {result['output_tok_s']:.1f}\n  total tokens/s:  {result['total_tok_s']:.1f}\n"
               f"  start-up: {result['startup_s']:.1f} s, peak memory (RSS): {gib:.2f} GiB")
-    if "expert_imbalance_max" in result:
-        print(f"  expert load: busiest expert / mean, worst layer: {result['expert_imbalance_max']:.2f} "
-              "(per-layer counts in --json)")
     else:
         print(f"Latency (batch {result['batch_size']}, {result['prompt_tokens']} prompt tokens, "
               f"{result['output_tokens']} new tokens, dtype {result['dtype']}, median of {result['reps']}):\n"
@@ -114,3 +116,6 @@ def report(result: dict, as_json: bool) -> None:
               f"  time to first token: {result['time_to_first_token_s'] * 1000:.0f} ms\n"
               f"  start-up to first token: {result['startup_to_first_token_s']:.1f} s "
               f"(engine start-up {result['startup_s']:.1f} s)\n  peak memory (RSS): {gib:.2f} GiB")
+    if "expert_imbalance_max" in result:
+        print(f"  expert load: busiest expert / mean, worst layer: {result['expert_imbalance_max']:.2f} "
+              "(per-layer counts in --json)")

@@ -108,6 +108,12 @@ def cmd_bench(ns) -> None:
         else:
             report_moe(result)
         return
+    if ns.bench_kind == "plot":
+        from shardlm.bench.plot import plot
+        for metric, values in plot(ns.results, ns.out, ns.title).items():
+            print(f"{metric}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(values.items())))
+        print(f"wrote {ns.out}")
+        return
     if ns.bench_kind == "serve":
         from shardlm.bench.serve import report as report_serve
         from shardlm.bench.serve import run_serve_bench
@@ -339,6 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workload", default=None, help="workload JSON (shared format; token ids are sent as they are)")
     b.add_argument("--output-len", type=int, default=None, help="new tokens per request (default: workload's, 128)")
     b.add_argument("--json", action="store_true", help="print JSON")
+    b.set_defaults(func=cmd_bench)
+    b = bsub.add_parser("plot", help="W1 and batch-1 decode of shardlm and peers (vLLM, llama.cpp) per precision, "
+                        "as a PNG, from `bench throughput|latency --json` files and ../shared/bench/peers.sh results")
+    b.add_argument("results", nargs="+", help="JSON result files (several of one kind: their median)")
+    b.add_argument("--out", default="shardlm-bench.png")
+    b.add_argument("--title", default=None, help="e.g. the CPU model and flags")
     b.set_defaults(func=cmd_bench)
     b = bsub.add_parser("make-model", help="write a random-weight Llama (default ~113M parameters) or, with --moe, "
                         "Mixtral (default ~132M: 8 experts, 2 per token) for benchmarks")
