@@ -3,9 +3,7 @@
 The vocabulary is padded to a multiple of tp; rank r holds rows [r * V/tp, (r + 1) * V/tp).
 Embedding: each rank looks up the ids in its range (zeros elsewhere) and an all-reduce sums the
 parts. LM head: each rank computes the logits of its rows; they are gathered on the group's
-first rank, which samples (the other ranks get None). With --quantization gguf in bfloat16 the
-LM head also keeps an int8 copy (one scale per row) for the decode rows torch's int8 kernel
-multiplies faster; larger batches use the float weight.
+first rank, which samples (the other ranks get None).
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from torch import nn
 
 from shardlm.distributed.parallel_state import get_tp_group
 from shardlm.layers.linear import checkpoint_shape, linear, onednn_pack, read_checkpoint
-from shardlm.layers.quantization import QuantizedWeight, quantize_rtn, rows_kernel_wins
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -51,46 +48,24 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary; with tied embeddings it shares the embedding's weight slice."""
 
-    int8: QuantizedWeight | None = None      # an int8 copy for decode rows (keep_int8_copy)
-
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
-
-    def keep_int8_copy(self) -> None:
-        """Add an int8 copy of this rank's rows (one scale per row) if torch's int8 kernel serves
-        this model's dtype; it is used for as many rows as it measures faster than the float weight.
-        Decode at batch 1 reads the LM head every step: half of its bytes, or less, is time saved."""
-        w = self.weight.data
-        quant = QuantizedWeight(*quantize_rtn(w, 8, w.shape[1]), 8, w.dtype, measure=False)
-        if quant.kernel is None:
-            return
-        float_weight = onednn_pack(w)
-        float_weight = w if float_weight is None else float_weight
-        quant.kernel_max_rows = rows_kernel_wins(quant._kernel, lambda x: linear(x, float_weight, None),
-                                                 w.shape[1], w.dtype, sizes=(1, 2, 4, 8, 16, 32))
-        self.int8 = quant
 
     def process_weights_after_loading(self) -> None:
         packed = onednn_pack(self.weight.data)
         if packed is not None:   # a new Parameter: a tied embedding keeps its plain weight
             self.weight = nn.Parameter(packed, requires_grad=False)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """This rank's [T, V / tp] logits."""
-        if self.int8 is not None and hidden.shape[0] <= self.int8.kernel_max_rows:     # 0: never
-            return self.int8.matmul(hidden)
-        return linear(hidden, self.weight, None)
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full logits [T, vocab_size] on the group's first rank, None on the others."""
-        logits = self.tp.gather(self._logits(hidden), dst=0, dim=-1)
+        logits = self.tp.gather(linear(hidden, self.weight, None), dst=0, dim=-1)
         return logits[:, :self.vocab_size] if logits is not None else None
 
     def greedy(self, hidden: torch.Tensor) -> list[int] | None:
         """The argmax token of each row, on the group's first rank (None on the others): each rank
         sends only its rows' (max, index) instead of its [T, V/tp] logits. Equal to argmax of the
         full logits, ties included: the first maximum of the first rank that has it."""
-        local = self._logits(hidden)[:, :max(0, min(self.end, self.vocab_size) - self.start)]
+        local = linear(hidden, self.weight, None)[:, :max(0, min(self.end, self.vocab_size) - self.start)]
         best, index = local.float().max(dim=-1)
         pairs = torch.stack([best, (index + self.start).float()], dim=1)     # ids < 2^24: exact in float32
         gathered = self.tp.gather(pairs, dst=0, dim=0)

@@ -109,8 +109,6 @@ def load_model(model_config: ModelConfig, device: torch.device,
     elif quant is not None and quant.method == "gguf":
         from shardlm.model_loader.gguf_weights import read_linears
         take_quantized_linears(model, read_linears(quant.source, model_config.hf_config))
-        if getattr(model, "lm_head", None) is not None:    # the file's LM head is 8-bit too (Q8_0)
-            model.lm_head.keep_int8_copy()
     elif quant is not None:
         quantize_linears(model, quant)
     missing = {n for n, _ in model.named_parameters()} - loaded

@@ -106,14 +106,11 @@ class Worker:
         return parallel_state.get_dp_group().all_reduce(torch.tensor([value], dtype=torch.float64)).item()
 
     def quantized_kernels(self) -> dict[str, int]:
-        """How many quantized linears use each kernel ("none": dequantize + matmul), and
-        "lm_head int8pack" where the LM head keeps an int8 copy for decode rows."""
+        """How many quantized linears use each kernel ("none": dequantize + matmul)."""
         counts: dict[str, int] = {}
         for m in self.runner.model.modules():
             if getattr(m, "quant", None) is not None:
                 counts[m.quant.kernel or "none"] = counts.get(m.quant.kernel or "none", 0) + 1
-            if getattr(m, "int8", None) is not None and m.int8.kernel_max_rows:
-                counts["lm_head int8pack"] = 1
         return counts
 
     def peak_rss_bytes(self) -> int:

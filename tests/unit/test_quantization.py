@@ -81,43 +81,6 @@ def test_packed_kernels_serve_bfloat16_models():
     assert QuantizedWeight(*quantize_rtn(w, 4, 32), 4, torch.float32).kernel is None   # float32: exact path
 
 
-def _lm_head_rank(rank, world, port, results):
-    from shardlm.distributed import parallel_state as ps
-    from shardlm.layers.vocab_parallel_embedding import ParallelLMHead
-    ps.init_distributed_environment(world, rank, "127.0.0.1", port, "gloo", 60)
-    ps.initialize_model_parallel(world, 1, rank=rank, backend="gloo")
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(224, 64, generator=gen) / 8        # 112 rows per rank: a multiple of 16
-    weight[:, 0] = 4                                        # an outlier per row: int8 rounds the rest coarsely
-    torch.set_default_dtype(torch.bfloat16)            # as the model loader does for a bfloat16 model
-    head = ParallelLMHead(224, 64)
-    head.weight_loader(head.weight, weight)
-    head.keep_int8_copy()
-    head.int8.kernel_max_rows = 4                           # used whatever this CPU measured
-    int8_weight = ps.get_tp_group().all_gather(head.int8.dequantized(), dim=0)
-    head.process_weights_after_loading()
-    x = torch.randn(8, 64, generator=gen).to(torch.bfloat16)
-    out = {rows: (head(x[:rows]), head.greedy(x[:rows])) for rows in (3, 8)}
-    results.put((rank, (weight, int8_weight, x, out)))
-    ps.destroy_model_parallel()
-
-
-def test_lm_head_int8_copy_serves_decode_rows_at_tp2():
-    """--quantization gguf in bfloat16: up to kernel_max_rows rows the LM head's logits are the
-    int8 copy's (per vocabulary shard, gathered), past them the float weight's; greedy on the
-    shards picks the argmax of whichever logits were used."""
-    from tests.distributed.ranks import run_ranks
-    weight, int8_weight, x, out = run_ranks(_lm_head_rank, 2)[0]
-    assert not torch.equal(int8_weight, weight.to(torch.bfloat16))
-    for rows, copy_used in ((3, True), (8, False)):
-        logits, greedy = out[rows]
-        to_int8 = (logits.float() - F.linear(x[:rows].float(), int8_weight.float())).abs().max()
-        to_float = (logits.float() - F.linear(x[:rows].float(), weight.to(torch.bfloat16).float())).abs().max()
-        assert (to_int8 < to_float) == copy_used, (rows, to_int8, to_float)
-        assert min(to_int8, to_float) < 0.05
-        assert greedy == logits.float().argmax(-1).tolist()
-
-
 @pytest.mark.parametrize("n", [64, 80, 208])
 def test_int4pack_dequantizes_in_c_exactly(n):
     """dequantized() of torch's int4 layout (one C pass) equals the operators on the unpacked
