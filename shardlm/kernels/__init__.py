@@ -82,6 +82,22 @@ def paged_decode_attention():
     return fn
 
 
+_skinny: list = []
+
+
+def skinny_matmul():
+    """skinny_matmul(x, x_stride, w, bias, y, M, N, K, dtype) (kernels/skinny_matmul.c), or None."""
+    if not _skinny:
+        lib = load("skinny_matmul")
+        fn = None if lib is None else lib.skinny_matmul
+        if fn is not None:
+            ptr, i = ctypes.c_void_p, ctypes.c_int
+            fn.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, i, i, i, i]
+            fn.restype = None
+        _skinny.append(fn)
+    return _skinny[0]
+
+
 _fused: list = []
 
 

@@ -11,18 +11,17 @@ Each parameter's `weight_loader(param, loaded, shard_id)` copies its part of a c
 `loaded` may be a safetensors slice: only the rows or columns this rank keeps are read from
 disk, never the whole tensor. At tp=1 the layers are plain linears with no collectives.
 
-On CPU, weights are repacked once after loading into oneDNN's blocked layout and multiplied
-by oneDNN (as torch.compile's CPU backend does): 1.6x faster than torch's default GEMM in
-bfloat16 here and 2.5x in float32 (MKL does not use AVX-512 on AMD CPUs).
+On CPU, each weight's layout and kernels (shardlm's skinny kernel for decode rows, oneDNN
+for the rest) are chosen after loading by measurement: layers/cpu_matmul.py.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardlm.distributed.parallel_state import get_tp_group
+from shardlm.layers.cpu_matmul import linear, prepare_weight
 from shardlm.layers.quantization import QuantizedWeight, check_group_size, quantize_rtn
 
 
@@ -57,44 +56,11 @@ def load_slice(param: torch.Tensor, loaded, dim: int, start: int, size: int) -> 
     param.data.copy_(read_checkpoint(loaded, dim, start, size))
 
 
-_onednn_ok: dict[torch.dtype, bool] = {}
-
-
-def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight in oneDNN's layout, or None where that path is unavailable or disagrees."""
-    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    if weight.dtype not in _onednn_ok:
-        _onednn_ok[weight.dtype] = _onednn_self_test(weight.dtype)
-    if not _onednn_ok[weight.dtype]:
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-
-
-def _onednn_self_test(dtype: torch.dtype) -> bool:
-    """oneDNN's packed path per dtype: bf16 needs AVX-512 (or AVX-NE-CONVERT) on the CPU."""
-    try:
-        if not torch.backends.mkldnn.is_available():
-            return False
-        w, b, x = (torch.randn(48, 32, dtype=dtype), torch.randn(48, dtype=dtype), torch.randn(5, 32, dtype=dtype))
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
-        got = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-        tol = 1e-4 if dtype == torch.float32 else 5e-2
-        return torch.allclose(got.float(), F.linear(x, w, b).float(), atol=tol, rtol=tol)
-    except (RuntimeError, AttributeError):
-        return False
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
 class Linear(nn.Module):
     """A replicated linear (every rank holds all of it); the base of the parallel ones."""
 
     quant: QuantizedWeight | None = None     # set by quantize(): the weight is then None
+    skinny_rows = 0                          # products of up to this many rows use the skinny kernel
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -124,16 +90,15 @@ class Linear(nn.Module):
     def process_weights_after_loading(self) -> None:
         if self.quant is not None:
             return
-        packed = onednn_pack(self.weight.data)
+        packed, self.skinny_rows = prepare_weight(self.weight.data)
         if packed is not None:
-            # a new Parameter: a tied LM head keeps the embedding's plain weight untouched
             self.weight = nn.Parameter(packed, requires_grad=False)
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:
             out = self.quant.matmul(x)
             return out + bias if bias is not None else out
-        return linear(x, self.weight, bias)
+        return linear(x, self.weight, bias, self.skinny_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.bias)

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from shardlm.kernels import fused_ops
+from shardlm.layers.cpu_matmul import rows_kernel_wins
 from shardlm.logger import init_logger
-from shardlm.utils import median_seconds
 
 logger = init_logger(__name__)
 
@@ -192,21 +192,6 @@ class QuantizedWeight:
             logger.debug("Quantized %s [%d, %d]: packed kernel up to %d rows", self.kernel, self.out_features,
                          self.in_features, _measured[key])
         return _measured[key]
-
-
-def rows_kernel_wins(kernel, alternative, in_features: int, dtype: torch.dtype,
-                     sizes: tuple[int, ...] = (1, 8, 64, 256)) -> int:
-    """The most rows x (of `sizes`, until it first loses) for which kernel(x) is measured faster
-    than alternative(x). torch's int4 kernel keeps up with the bfloat16 matmul to a few hundred
-    rows on a 2-core Xeon, so batched decode steps use it too; long prefills dequantize."""
-    best = 0
-    for rows in sizes:
-        x = torch.randn(rows, in_features, dtype=dtype)
-        reps = 5 if rows <= 8 else 3
-        if median_seconds(lambda: kernel(x), reps) > median_seconds(lambda: alternative(x), reps):
-            break
-        best = rows
-    return best
 
 
 _measured: dict[tuple, int] = {}

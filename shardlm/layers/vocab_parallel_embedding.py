@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.distributed.parallel_state import get_tp_group
-from shardlm.layers.linear import checkpoint_shape, linear, onednn_pack, read_checkpoint
+from shardlm.layers.cpu_matmul import linear, prepare_weight
+from shardlm.layers.linear import checkpoint_shape, read_checkpoint
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -51,21 +52,27 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
+    skinny_rows = 0
+
     def process_weights_after_loading(self) -> None:
-        packed = onednn_pack(self.weight.data)
+        packed, self.skinny_rows = prepare_weight(self.weight.data)
         if packed is not None:   # a new Parameter: a tied embedding keeps its plain weight
             self.weight = nn.Parameter(packed, requires_grad=False)
 
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over this rank's vocabulary shard (its padding rows included)."""
+        return linear(hidden, self.weight, None, self.skinny_rows)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full logits [T, vocab_size] on the group's first rank, None on the others."""
-        logits = self.tp.gather(linear(hidden, self.weight, None), dst=0, dim=-1)
+        logits = self.tp.gather(self._local_logits(hidden), dst=0, dim=-1)
         return logits[:, :self.vocab_size] if logits is not None else None
 
     def greedy(self, hidden: torch.Tensor) -> list[int] | None:
         """The argmax token of each row, on the group's first rank (None on the others): each rank
         sends only its rows' (max, index) instead of its [T, V/tp] logits. Equal to argmax of the
         full logits, ties included: the first maximum of the first rank that has it."""
-        local = linear(hidden, self.weight, None)[:, :max(0, min(self.end, self.vocab_size) - self.start)]
+        local = self._local_logits(hidden)[:, :max(0, min(self.end, self.vocab_size) - self.start)]
         best, index = local.float().max(dim=-1)
         pairs = torch.stack([best, (index + self.start).float()], dim=1)     # ids < 2^24: exact in float32
         gathered = self.tp.gather(pairs, dst=0, dim=0)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardlm.layers.linear import linear, onednn_pack
+from shardlm.layers.cpu_matmul import linear, onednn_pack
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

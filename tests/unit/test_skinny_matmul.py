@@ -1,0 +1,73 @@
+"""kernels/skinny_matmul.c (decode rows times a plain row-major weight) equals the product in
+float64 rounded once: in each of its three builds (AVX-512 with and without bfloat16
+instructions, and the portable one for CPUs without AVX-512), for row counts that fill and do
+not fill its tiles, a K with a tail, a bias and strided rows. And a Linear's product is the same
+whichever kernel the load-time measurement picked."""
+
+import ctypes
+import os
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardlm import kernels
+from shardlm.layers import cpu_matmul
+from shardlm.utils import cpu_flags
+
+pytestmark = pytest.mark.skipif(kernels.skinny_matmul() is None, reason="no C compiler")
+
+_BUILDS = {"native": [], "avx512-without-bf16": ["-mno-avx512bf16"], "portable": ["-mno-avx512f"]}
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """Each variant of the kernel this CPU can run, compiled as shardlm compiles it."""
+    out, src = {}, os.path.join(os.path.dirname(kernels.__file__), "skinny_matmul.c")
+    cc = os.environ.get("CC") or "cc"
+    for name, extra in _BUILDS.items():
+        if name != "portable" and "avx512f" not in cpu_flags():
+            continue
+        obj, lib = tmp_path_factory.mktemp(name) / "k.o", None
+        subprocess.run([cc, *kernels._FLAGS, *extra, "-c", src, "-o", str(obj)], check=True)
+        lib = obj.with_suffix(".so")
+        subprocess.run([cc, *kernels._LINK_FLAGS, str(obj), "-o", str(lib), "-lm"], check=True)
+        fn = ctypes.CDLL(str(lib)).skinny_matmul
+        fn.argtypes = kernels.skinny_matmul().argtypes
+        out[name] = fn
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,N,K", [(1, 64, 576), (3, 30, 100), (6, 13, 47), (9, 128, 1536)])
+def test_skinny_matmul_equals_the_exact_product(builds, dtype, M, N, K):
+    gen = torch.Generator().manual_seed(M * N + K)
+    wide = torch.randn(M, K + 40, generator=gen).to(dtype)
+    x = wide[:, 8:8 + K]                                      # rows with a stride of their own
+    w, bias = torch.randn(N, K, generator=gen).to(dtype), torch.randn(N, generator=gen).to(dtype)
+    exact = (x.double() @ w.double().t() + bias.double()).to(dtype)
+    for name, fn in builds.items():
+        y = torch.empty(M, N, dtype=dtype)
+        code = 0 if dtype == torch.float32 else 1
+        fn(x.data_ptr(), x.stride(0), w.data_ptr(), bias.data_ptr(), y.data_ptr(), M, N, K, code)
+        if dtype == torch.bfloat16:
+            # float32 sums round once more: within one bfloat16 step of the exact product
+            assert ((y.float() - exact.float()).abs() <= exact.float().abs() / 128 + 1e-2).all(), name
+        else:
+            torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_is_the_same_product_for_every_row_count(dtype):
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(200, 96, generator=gen).to(dtype), torch.randn(200, generator=gen).to(dtype)
+    packed, skinny_rows = cpu_matmul.prepare_weight(w)
+    weight = w if packed is None else packed
+    for rows in (1, 4, 5, 70):
+        x = torch.randn(rows, 96, generator=gen).to(dtype)
+        got = cpu_matmul.linear(x, weight, b, skinny_rows)
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), atol=tol, rtol=tol)
+    forced = cpu_matmul.linear(x[:1], w, b, skinny_rows=1)     # the skinny kernel itself
+    torch.testing.assert_close(forced.float(), F.linear(x[:1], w, b).float(), atol=tol, rtol=tol)
