@@ -6,7 +6,8 @@ A backend owns three decisions:
   - the KV cache layout (kv_cache_shape), since kernels want different ones;
   - the metadata of a step (build_metadata), built once per step from the scheduled chunks
     and read by every layer;
-  - the attention itself (forward): write this step's K/V into the cache, attend.
+  - the attention itself (forward): write this step's K/V into the cache, attend; optionally
+    with the rotary embedding fused in (rotary_and_attend, CPU decode steps).
 A backend that can be captured in a CUDA graph keeps its metadata in preallocated device
 tensors and says so (supports_graph_capture); nothing captures it yet.
 """
@@ -42,6 +43,13 @@ class AttentionBackend(ABC):
     def forward(self, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
         """layer: the calling layers.attention.Attention (its heads, scale and KV cache).
         q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]. Writes k, v into the layer's cache first."""
+
+    def rotary_and_attend(self, layer: nn.Module, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                          meta: Any) -> torch.Tensor | None:
+        """A fused path for a whole step, where the backend has one: from the fresh projection
+        qkv [T, (H + 2 Hkv) * D], the rotary embedding on q and k, K/V into the cache, attention
+        -> [T, H * D]. None: the layer does those steps itself, then calls forward."""
+        return None
 
     def prepare_graph_capture(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         """Allocate what a captured decode step reads (backends with supports_graph_capture)."""

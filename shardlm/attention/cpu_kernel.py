@@ -1,12 +1,17 @@
 """The CPU attention backend: decode sequences through shardlm's C kernel
 (kernels/paged_attention.c), which reads K and V straight from the paged cache with no
-gathered copy; prefill chunks through the torch path."""
+gathered copy; prefill chunks through the torch path. A step of decodes only is one C call
+per layer from the qkv projection: rotary embedding, cache write and attention (at one row
+those are a dozen torch operators whose dispatch costs more than their work)."""
 
 from __future__ import annotations
 
 import torch
 
+from shardlm import kernels
 from shardlm.attention.torch_paged import AttentionBucket, TorchPagedAttention
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class CpuKernelAttention(TorchPagedAttention):
@@ -16,6 +21,22 @@ class CpuKernelAttention(TorchPagedAttention):
         """kernel: shardlm.kernels.paged_decode_attention() (float32 and bfloat16)."""
         super().__init__(block_size, device)
         self.kernel = kernel
+        self.kernel_qkv = kernels.paged_decode_attention_qkv()
+
+    def rotary_and_attend(self, layer, qkv: torch.Tensor, cos_sin, meta) -> torch.Tensor | None:
+        cos, signed_sin = cos_sin
+        if len(meta.buckets) != 1 or not meta.buckets[0].in_order or qkv.stride(1) != 1 or cos.dtype != qkv.dtype:
+            return None
+        b, T = meta.buckets[0], qkv.shape[0]
+        out = torch.empty(T, layer.num_heads * layer.head_dim, dtype=qkv.dtype)
+        Hkv, num_blocks, block_size, D = layer.k_cache.shape
+        rc = self.kernel_qkv(out.data_ptr(), qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), signed_sin.data_ptr(),
+                             layer.k_cache.data_ptr(), layer.v_cache.data_ptr(), meta.slot_mapping.data_ptr(),
+                             b.block_table.data_ptr(), b.context_lens.data_ptr(), T, layer.num_heads, Hkv, D,
+                             num_blocks, block_size, b.block_table.shape[1], layer.scale, _DTYPE_CODES[qkv.dtype])
+        if rc != 0:
+            raise MemoryError("paged attention kernel could not allocate its work buffers")
+        return out
 
     def decode(self, layer, q: torch.Tensor, b: AttentionBucket) -> torch.Tensor:
         B, H, D = q.shape
@@ -24,7 +45,7 @@ class CpuKernelAttention(TorchPagedAttention):
         rc = self.kernel(out.data_ptr(), q.data_ptr(), q.stride(0), layer.k_cache.data_ptr(),
                          layer.v_cache.data_ptr(), b.block_table.data_ptr(), b.context_lens.data_ptr(),
                          B, H, Hkv, D, num_blocks, block_size, b.block_table.shape[1], layer.scale,
-                         0 if q.dtype == torch.float32 else 1)
+                         _DTYPE_CODES[q.dtype])
         if rc != 0:
             raise MemoryError("paged attention kernel could not allocate its work buffers")
         return out

@@ -1,14 +1,15 @@
 """shardlm's own CPU kernels: small C files compiled once per machine and called via ctypes.
 
 No torch headers, so a kernel builds in about a second with the system C compiler. The
-shared library is cached under the shardlm cache directory, keyed by the source, the
-compiler and this CPU's instruction set. Without a compiler the engine uses its torch path.
+shared library is cached under the shardlm cache directory, keyed by the source (with the
+shared header), the compiler and this CPU's instruction set. Without a compiler the engine uses its torch path.
 OpenMP resolves to torch's own libgomp (same soname, already loaded): one thread pool.
 """
 
 from __future__ import annotations
 
 import ctypes
+import glob
 import hashlib
 import os
 import shutil
@@ -45,8 +46,10 @@ def _build(name: str) -> ctypes.CDLL | None:
     if cc is None:
         logger.info("No C compiler found: using torch ops for %s (slower on CPU).", name)
         return None
-    with open(src, "rb") as f:
-        source = f.read()
+    source = b""
+    for path in [src] + sorted(glob.glob(os.path.join(_HERE, "*.h"))):   # the headers it may include
+        with open(path, "rb") as f:
+            source += f.read()
     flags = " ".join(_FLAGS + _LINK_FLAGS).encode()
     key = hashlib.sha256(source + cc.encode() + flags + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     out_dir = os.path.join(envs.SHARDLM_CACHE_DIR, "kernels")
@@ -78,6 +81,18 @@ def paged_decode_attention():
     fn = lib.paged_decode_attention
     ptr, i, i64p = ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, ctypes.c_int64, ptr, ptr, i64p, i64p, i, i, i, i, i, i, i, ctypes.c_float, i]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def paged_decode_attention_qkv():
+    """Rotary + KV cache write + paged decode attention from a qkv projection, or None."""
+    lib = load("paged_attention")
+    if lib is None:
+        return None
+    fn = lib.paged_decode_attention_qkv
+    ptr, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i, i, i, i, i, i, i, ctypes.c_float, i]
     fn.restype = ctypes.c_int
     return fn
 

@@ -6,33 +6,8 @@
 // result is a bfloat16), so a float32 model matches the operators up to the order of a sum.
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
-    u += 0x7fffu + ((u >> 16) & 1u);                                           // round to nearest even
-    return (uint16_t)(u >> 16);
-}
-
-static inline float load(const void *p, int64_t i, int dtype) {
-    return dtype == 0 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
-}
-
-static inline float round_to(float v, int dtype) { return dtype == 0 ? v : bf16_to_f32(f32_to_bf16(v)); }
-
-static inline void store(void *p, int64_t i, float v, int dtype) {
-    if (dtype == 0) ((float *)p)[i] = v;
-    else ((uint16_t *)p)[i] = f32_to_bf16(v);
-}
+#include "cpu_common.h"
 
 // summed = x + residual (if residual), out = weight * dtype(summed / rms(summed)); rows of H.
 // x_stride / out_stride: elements between rows (x may be a view).
@@ -66,24 +41,14 @@ void silu_and_mul(const void *x, void *out, int T, int I, int dtype) {
     }
 }
 
-// Rotary embedding (neox style) in place: x[t, h] = dtype(x * cos) + rotate_half(x) * signed_sin,
-// for T rows of `heads` heads of D values (row stride x_stride; heads contiguous within a row);
-// cos and signed_sin are [T, D].
+// Rotary embedding in place on T rows of `heads` heads (row stride x_stride; heads contiguous
+// within a row); cos and signed_sin are [T, D].
 void rotary(void *x, int64_t x_stride, const void *cos, const void *signed_sin, int T, int heads, int D,
             int dtype) {
-    const int half = D / 2;
-    for (int t = 0; t < T; t++) {
-        for (int h = 0; h < heads; h++) {
-            const int64_t base = (int64_t)t * x_stride + (int64_t)h * D;
-            float v[D];
-            for (int d = 0; d < D; d++) v[d] = load(x, base + d, dtype);
-            for (int d = 0; d < D; d++) {
-                float rotated = v[d < half ? d + half : d - half];
-                float c = load(cos, (int64_t)t * D + d, dtype), s = load(signed_sin, (int64_t)t * D + d, dtype);
-                store(x, base + d, round_to(v[d] * c, dtype) + rotated * s, dtype);
-            }
-        }
-    }
+    const int esize = dtype == 0 ? 4 : 2;
+    for (int t = 0; t < T; t++)
+        rotary_heads((char *)x + t * x_stride * esize, (const char *)cos + (int64_t)t * D * esize,
+                     (const char *)signed_sin + (int64_t)t * D * esize, heads, D, dtype);
 }
 
 // Dequantize 4-bit weights stored in torch's CPU int4 layout (`_convert_weight_to_int4pack_for_cpu`,

@@ -11,20 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
-    u += 0x7fffu + ((u >> 16) & 1u);                                           // round to nearest even
-    return (uint16_t)(u >> 16);
-}
+#include "cpu_common.h"
 
 // row of D values -> float32
 static inline void load_row(const void *base, int64_t index, int D, int dtype, float *dst) {
@@ -118,4 +105,30 @@ int paged_decode_attention(void *out, const void *q, int64_t q_stride, const voi
         free(scores); free(qf); free(acc); free(row);
     }
     return failed ? -1 : 0;
+}
+
+// A decode step from the fresh qkv projection [B, (H + 2 Hkv) * D] (row stride qkv_stride), in
+// one call: the rotary embedding on q and k in place (cos, signed_sin [B, D]), k and v written
+// to the cache at slot_mapping, then paged_decode_attention over each sequence's context,
+// which includes the new token.
+int paged_decode_attention_qkv(void *out, void *qkv, int64_t qkv_stride, const void *cos, const void *signed_sin,
+                               void *k_cache, void *v_cache, const int64_t *slot_mapping,
+                               const int64_t *block_tables, const int64_t *context_lens,
+                               int B, int H, int Hkv, int D, int num_blocks, int block_size,
+                               int max_blocks, float scale, int dtype) {
+    const int esize = dtype == 0 ? 4 : 2;
+    const int64_t head_stride = (int64_t)num_blocks * block_size * D;    // elements between KV heads
+    for (int b = 0; b < B; b++) {
+        char *row = (char *)qkv + b * qkv_stride * esize;
+        rotary_heads(row, (const char *)cos + (int64_t)b * D * esize, (const char *)signed_sin + (int64_t)b * D * esize,
+                     H + Hkv, D, dtype);
+        const char *k = row + (int64_t)H * D * esize, *v = k + (int64_t)Hkv * D * esize;
+        for (int h = 0; h < Hkv; h++) {
+            const int64_t dst = (h * head_stride + slot_mapping[b] * D) * esize;
+            memcpy((char *)k_cache + dst, k + (int64_t)h * D * esize, (size_t)D * esize);
+            memcpy((char *)v_cache + dst, v + (int64_t)h * D * esize, (size_t)D * esize);
+        }
+    }
+    return paged_decode_attention(out, qkv, qkv_stride, k_cache, v_cache, block_tables, context_lens, B, H, Hkv,
+                                  D, num_blocks, block_size, max_blocks, scale, dtype);
 }

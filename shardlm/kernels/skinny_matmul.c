@@ -8,31 +8,17 @@
 //
 // dtype 0 = float32, 1 = bfloat16 (x, w, bias and y all in it). x rows have stride x_stride.
 #include <stdint.h>
-#include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+#include "cpu_common.h"
 
 #define WR 4   // weight rows per tile
 #define XR 4   // activation rows per tile
 #ifndef PF_TILES
 #define PF_TILES 2
 #endif
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
-    u += 0x7fffu + ((u >> 16) & 1u);                                           // round to nearest even
-    return (uint16_t)(u >> 16);
-}
 
 #if defined(__AVX512F__)
 // acc[m][r] = dot(x row m, w row r) over K, for NX x rows (a constant, so that the WR x NX

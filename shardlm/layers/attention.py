@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from shardlm.attention.backend import AttentionBackend
+from shardlm.layers.rotary import apply_rotary
 
 
 class Attention(nn.Module):
@@ -21,3 +22,20 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]"""
         return self.backend.forward(self, q, k, v, meta)
+
+    def forward_qkv(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta,
+                    qk_norm=None) -> torch.Tensor:
+        """From the fresh projection qkv [T, (H + 2 Hkv) * D] -> [T, H * D]: the rotary embedding
+        on q and k (after qk_norm, a transform of [T, H + Hkv, D], where the model has one), K/V
+        into the cache, attention. One fused call where the backend has it for this step."""
+        if qk_norm is None:
+            out = self.backend.rotary_and_attend(self, qkv, cos_sin, meta)
+            if out is not None:
+                return out
+        T, H, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qk, v = qkv.split([(H + Hkv) * D, Hkv * D], dim=-1)
+        qk = qk.view(T, H + Hkv, D)
+        if qk_norm is not None:
+            qk = qk_norm(qk)
+        q, k = apply_rotary(qk, cos_sin).split([H, Hkv], dim=1)
+        return self.forward(q, k, v.view(T, Hkv, D), meta)

@@ -22,7 +22,7 @@ from shardlm.layers.linear import (
     default_weight_loader,
 )
 from shardlm.layers.norm import RMSNorm
-from shardlm.layers.rotary import RotaryEmbedding, apply_rotary
+from shardlm.layers.rotary import RotaryEmbedding
 from shardlm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 
@@ -38,21 +38,16 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads   # this rank's
         self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias=o_bias)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
-        self._split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                       self.num_kv_heads * self.head_dim]
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
     def forward(self, cos_sin, x, meta):
-        T = x.shape[0]
-        qk, v = self.qkv_proj(x).split([self._split[0] + self._split[1], self._split[2]], dim=-1)
-        qk = qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
-        qk = apply_rotary(qk, cos_sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = self.attn(q, k, v.view(T, self.num_kv_heads, self.head_dim), meta)
-        return self.o_proj(out)
+        qk_norm = self._qk_norm if self.q_norm is not None else None
+        return self.o_proj(self.attn.forward_qkv(self.qkv_proj(x), cos_sin, meta, qk_norm))
+
+    def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        """[T, H + Hkv, D]: an RMSNorm over each q head and each k head."""
+        return torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
 
 
 class LlamaMLP(nn.Module):

@@ -85,3 +85,36 @@ def test_loading_the_kernel_keeps_subnormal_numbers():
             "import torch; print(5e-324 * 1.0 > 0, bool(torch.tensor([1e-40]).mul(1.0).item() > 0))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["True", "True"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_step_equals_the_unfused_one(dtype):
+    """One C call per layer (rotary + cache write + attention) from the qkv projection: the same
+    output and cache contents, bit for bit, as rotary, the cache write and the kernel one by one."""
+    from shardlm.layers.rotary import apply_rotary
+
+    lens = [1, 5, 16, 17, 40, 100]
+    outs, caches = [], []
+    for fused in (True, False):
+        attn, meta, tables, q, k, v = _setup(dtype, lens, use_kernel=True)
+        T = len(lens)
+        qkv = torch.cat([q.view(T, -1), k.view(T, -1), v.view(T, -1)], dim=1)
+        gen = torch.Generator().manual_seed(1)
+        cos, signed_sin = (torch.randn(T, 1, D, generator=gen).to(dtype) for _ in range(2))
+        if fused:
+            out = attn.backend.rotary_and_attend(attn, qkv, (cos, signed_sin), meta)
+            assert out is not None, "a step of decodes only takes the fused path"
+        else:
+            qk = apply_rotary(qkv[:, :(H + HKV) * D].reshape(T, H + HKV, D), (cos, signed_sin))
+            out = attn(qk[:, :H], qk[:, H:], v, meta)
+        outs.append(out)
+        caches.append((attn.k_cache.clone(), attn.v_cache.clone()))
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_a_step_with_a_prompt_chunk_is_not_fused():
+    attn, meta, tables, q, k, v = _setup(torch.float32, [20, 7], [1, 7], use_kernel=True)
+    qkv = torch.cat([q.view(8, -1), k.view(8, -1), v.view(8, -1)], dim=1)
+    cos = torch.ones(8, 1, D)
+    assert attn.backend.rotary_and_attend(attn, qkv, (cos, cos), meta) is None
