@@ -1,8 +1,8 @@
 """shardlm's own CPU kernels: small C files compiled once per machine and called via ctypes.
 
 No torch headers, so a kernel builds in about a second with the system C compiler. The
-shared library is cached under the shardlm cache directory, keyed by the source (with the
-shared header), the compiler and this CPU's instruction set. Without a compiler the engine uses its torch path.
+shared library is cached under the shardlm cache directory, keyed by the sources (a kernel
+may include another), the compiler and this CPU's instruction set. Without a compiler the engine uses its torch path.
 OpenMP resolves to torch's own libgomp (same soname, already loaded): one thread pool.
 """
 
@@ -47,7 +47,7 @@ def _build(name: str) -> ctypes.CDLL | None:
         logger.info("No C compiler found: using torch ops for %s (slower on CPU).", name)
         return None
     source = b""
-    for path in [src] + sorted(glob.glob(os.path.join(_HERE, "*.h"))):   # the headers it may include
+    for path in [src] + sorted(glob.glob(os.path.join(_HERE, "*.[ch]"))):   # what it may include
         with open(path, "rb") as f:
             source += f.read()
     flags = " ".join(_FLAGS + _LINK_FLAGS).encode()
@@ -111,6 +111,18 @@ def skinny_matmul():
             fn.restype = None
         _skinny.append(fn)
     return _skinny[0]
+
+
+def llama_decode_layers():
+    """A stage's Llama decoder layers for one decode step in one call (kernels/llama_decode.c), or None."""
+    lib = load("llama_decode")
+    if lib is None:
+        return None
+    fn = lib.llama_decode_layers
+    ptr, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    fn.argtypes = [ptr, i, ptr, ptr, i, ptr, ptr, ptr, ptr, ptr, i, i, i, i, i, i, i, i, i, f, f, i, ptr]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 _fused: list = []

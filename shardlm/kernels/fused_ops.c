@@ -11,7 +11,7 @@
 
 // summed = x + residual (if residual), out = weight * dtype(summed / rms(summed)); rows of H.
 // x_stride / out_stride: elements between rows (x may be a view).
-void add_rmsnorm(const void *x, int64_t x_stride, const void *residual, void *summed, void *out,
+KERNEL_API void add_rmsnorm(const void *x, int64_t x_stride, const void *residual, void *summed, void *out,
                  const void *weight, int T, int H, float eps, int dtype) {
     for (int t = 0; t < T; t++) {
         float row[H];
@@ -31,7 +31,7 @@ void add_rmsnorm(const void *x, int64_t x_stride, const void *residual, void *su
 }
 
 // out[t, i] = dtype(silu(gate)) * up, where x[t] = [gate (I) | up (I)]
-void silu_and_mul(const void *x, void *out, int T, int I, int dtype) {
+KERNEL_API void silu_and_mul(const void *x, void *out, int T, int I, int dtype) {
     for (int t = 0; t < T; t++) {
         #pragma omp simd
         for (int i = 0; i < I; i++) {
@@ -43,7 +43,7 @@ void silu_and_mul(const void *x, void *out, int T, int I, int dtype) {
 
 // Rotary embedding in place on T rows of `heads` heads (row stride x_stride; heads contiguous
 // within a row); cos and signed_sin are [T, D].
-void rotary(void *x, int64_t x_stride, const void *cos, const void *signed_sin, int T, int heads, int D,
+KERNEL_API void rotary(void *x, int64_t x_stride, const void *cos, const void *signed_sin, int T, int heads, int D,
             int dtype) {
     const int esize = dtype == 0 ? 4 : 2;
     for (int t = 0; t < T; t++)

@@ -25,7 +25,7 @@ static inline void load_row(const void *base, int64_t index, int D, int dtype, f
     }
 }
 
-int paged_decode_attention(void *out, const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, const int64_t *context_lens,
                            int B, int H, int Hkv, int D, int num_blocks, int block_size,
                            int max_blocks, float scale, int dtype) {
@@ -111,7 +111,7 @@ int paged_decode_attention(void *out, const void *q, int64_t q_stride, const voi
 // one call: the rotary embedding on q and k in place (cos, signed_sin [B, D]), k and v written
 // to the cache at slot_mapping, then paged_decode_attention over each sequence's context,
 // which includes the new token.
-int paged_decode_attention_qkv(void *out, void *qkv, int64_t qkv_stride, const void *cos, const void *signed_sin,
+KERNEL_API int paged_decode_attention_qkv(void *out, void *qkv, int64_t qkv_stride, const void *cos, const void *signed_sin,
                                void *k_cache, void *v_cache, const int64_t *slot_mapping,
                                const int64_t *block_tables, const int64_t *context_lens,
                                int B, int H, int Hkv, int D, int num_blocks, int block_size,

@@ -96,7 +96,7 @@ static void tile(const void *x, int64_t x_stride, const void *const w[WR], int K
 }
 #endif
 
-void skinny_matmul(const void *x, int64_t x_stride, const void *w, const void *bias, void *y, int M, int N, int K,
+KERNEL_API void skinny_matmul(const void *x, int64_t x_stride, const void *w, const void *bias, void *y, int M, int N, int K,
                    int dtype) {
     const int esize = dtype == 0 ? 4 : 2;
     const int blocks = (N + WR - 1) / WR;

@@ -24,6 +24,7 @@ from shardlm.layers.linear import (
 from shardlm.layers.norm import RMSNorm
 from shardlm.layers.rotary import RotaryEmbedding
 from shardlm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from shardlm.models.llama_cpu_decode import FusedDecodeLayers
 
 
 class LlamaAttention(nn.Module):
@@ -102,6 +103,7 @@ class LlamaModel(nn.Module):
                                     if self.start <= i < self.end else PPMissingLayer()
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last_rank else None
+        self.fused_decode: FusedDecodeLayers | None | bool = False    # False: not built yet
 
     def forward(self, input_ids, positions, meta, intermediate: list[torch.Tensor] | None = None):
         """First stage: from token ids; later stages: from the previous stage's [hidden, residual].
@@ -111,12 +113,27 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = intermediate
         cos_sin = self.rotary.lookup(positions)
-        for layer in self.layers[self.start:self.end]:
-            hidden, residual = layer(cos_sin, hidden, residual, meta)
+        fused = self._fused_decode(meta)
+        done = fused(hidden, residual, cos_sin, meta) if fused is not None else None
+        if done is not None:
+            hidden, residual = done
+        else:
+            for layer in self.layers[self.start:self.end]:
+                hidden, residual = layer(cos_sin, hidden, residual, meta)
         if self.norm is None:
             return [hidden, residual]
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+
+    def _fused_decode(self, meta) -> FusedDecodeLayers | None:
+        """The one-call decode path of this stage where it applies, built at the first decode step
+        (the weights are final and the KV cache bound by then)."""
+        if self.fused_decode is False:
+            if not (hasattr(meta, "buckets") and len(meta.buckets) == 1 and meta.buckets[0].in_order):
+                return None
+            self.fused_decode = FusedDecodeLayers.build(self)
+        return self.fused_decode
 
 
 class LlamaForCausalLM(nn.Module):

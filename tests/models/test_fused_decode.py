@@ -1,0 +1,36 @@
+"""The one-call decode path of a stage's Llama layers (models/llama_cpu_decode.py) gives the
+same tokens and the same log-probabilities, bit for bit, as the layer-by-layer path; and it is
+really taken on decode steps."""
+
+import pytest
+
+from shardlm import LLM, SamplingParams, kernels
+from shardlm.models import llama_cpu_decode
+
+pytestmark = pytest.mark.skipif(kernels.llama_decode_layers() is None, reason="no C compiler")
+
+PROMPTS = [[101, 2054, 2003, 1037], [7592, 1010, 2088, 999, 102, 4000, 321] * 5]
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_equals_the_layer_by_layer_path(name, dtype, tiny_model_dir, monkeypatch):
+    taken = []
+    fused_call = llama_cpu_decode.FusedDecodeLayers.__call__
+
+    def call(self, *args):
+        out = fused_call(self, *args) if enabled else None
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(llama_cpu_decode.FusedDecodeLayers, "__call__", call)
+    # no prefix caching: the second run must compute its prompts as the first did
+    llm = LLM(tiny_model_dir(name), dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
+    results = {}
+    for enabled in (True, False):
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        results[enabled] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        if enabled:
+            assert sum(taken) >= 19, "decode steps should take the fused path"
+    assert results[True] == results[False]
