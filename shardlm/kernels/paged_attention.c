@@ -25,6 +25,13 @@ static inline void load_row(const void *base, int64_t index, int D, int dtype, f
     }
 }
 
+// cache row `index` as float32: in place for a float32 cache, else widened into buf
+static inline const float *row_f32(const void *base, int64_t index, int D, int dtype, float *buf) {
+    if (dtype == 0) return (const float *)base + index * D;
+    load_row(base, index, D, dtype, buf);
+    return buf;
+}
+
 KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, const int64_t *context_lens,
                            int B, int H, int Hkv, int D, int num_blocks, int block_size,
@@ -52,17 +59,18 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
             const int64_t *table = block_tables + (int64_t)b * max_blocks;
             for (int g = 0; g < G; g++) load_row((const char *)q + (b * q_stride + (int64_t)(h * G + g) * D) * (dtype ? 2 : 4), 0, D, dtype, qf + g * D);
 
-            // scores = q . k * scale, for every context position, block by block
+            // scores = q . k * scale, for every context position, block by block; float32 rows
+            // are read in place, bfloat16 rows widened once for the G heads
             for (int64_t blk = 0, t0 = 0; t0 < ctx; blk++, t0 += block_size) {
                 const int64_t first = ((int64_t)h * num_blocks + table[blk]) * block_size;
                 const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
                 for (int i = 0; i < n; i++) {
-                    load_row(k_cache, first + i, D, dtype, row);
+                    const float *kr = row_f32(k_cache, first + i, D, dtype, row);
                     for (int g = 0; g < G; g++) {
                         const float *qg = qf + g * D;
                         float s = 0.f;
                         #pragma omp simd reduction(+:s)
-                        for (int d = 0; d < D; d++) s += qg[d] * row[d];
+                        for (int d = 0; d < D; d++) s += qg[d] * kr[d];
                         scores[g * ctx + t0 + i] = s * scale;
                     }
                 }
@@ -83,12 +91,12 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
                 const int64_t first = ((int64_t)h * num_blocks + table[blk]) * block_size;
                 const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
                 for (int i = 0; i < n; i++) {
-                    load_row(v_cache, first + i, D, dtype, row);
+                    const float *vr = row_f32(v_cache, first + i, D, dtype, row);
                     for (int g = 0; g < G; g++) {
                         const float p = scores[g * ctx + t0 + i];
                         float *a = acc + g * D;
                         #pragma omp simd
-                        for (int d = 0; d < D; d++) a[d] += p * row[d];
+                        for (int d = 0; d < D; d++) a[d] += p * vr[d];
                     }
                 }
             }
