@@ -73,56 +73,45 @@ def _build(name: str) -> ctypes.CDLL | None:
     return ctypes.CDLL(path)
 
 
+_functions: dict[str, object] = {}
+
+
+def _function(library: str, name: str, argtypes: list, restype):
+    """The C function `name` of kernels/<library>.c with its signature set, or None (looked up once)."""
+    if name not in _functions:
+        lib = load(library)
+        fn = None if lib is None else getattr(lib, name)
+        if fn is not None:
+            fn.argtypes, fn.restype = argtypes, restype
+        _functions[name] = fn
+    return _functions[name]
+
+
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
 def paged_decode_attention():
     """The paged decode attention function, or None."""
-    lib = load("paged_attention")
-    if lib is None:
-        return None
-    fn = lib.paged_decode_attention
-    ptr, i, i64p = ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ctypes.c_int64, ptr, ptr, i64p, i64p, i, i, i, i, i, i, i, ctypes.c_float, i]
-    fn.restype = ctypes.c_int
-    return fn
+    return _function("paged_attention", "paged_decode_attention",
+                     [_P, _P, _I64, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I], ctypes.c_int)
 
 
 def paged_decode_attention_qkv():
     """Rotary + KV cache write + paged decode attention from a qkv projection, or None."""
-    lib = load("paged_attention")
-    if lib is None:
-        return None
-    fn = lib.paged_decode_attention_qkv
-    ptr, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i, i, i, i, i, i, i, ctypes.c_float, i]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_skinny: list = []
+    return _function("paged_attention", "paged_decode_attention_qkv",
+                     [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I], ctypes.c_int)
 
 
 def skinny_matmul():
     """skinny_matmul(x, x_stride, w, bias, y, M, N, K, dtype) (kernels/skinny_matmul.c), or None."""
-    if not _skinny:
-        lib = load("skinny_matmul")
-        fn = None if lib is None else lib.skinny_matmul
-        if fn is not None:
-            ptr, i = ctypes.c_void_p, ctypes.c_int
-            fn.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, i, i, i, i]
-            fn.restype = None
-        _skinny.append(fn)
-    return _skinny[0]
+    return _function("skinny_matmul", "skinny_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], None)
 
 
 def llama_decode_layers():
     """A stage's Llama decoder layers for one decode step in one call (kernels/llama_decode.c), or None."""
-    lib = load("llama_decode")
-    if lib is None:
-        return None
-    fn = lib.llama_decode_layers
-    ptr, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [ptr, i, ptr, ptr, i, ptr, ptr, ptr, ptr, ptr, i, i, i, i, i, i, i, i, i, f, f, i, ptr]
-    fn.restype = ctypes.c_int
-    return fn
+    return _function("llama_decode", "llama_decode_layers",
+                     [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F, _I, _P],
+                     ctypes.c_int)
 
 
 _fused: list = []
