@@ -49,20 +49,17 @@ class FusedDecodeLayers:
         layers = list(model.layers[model.start:model.end])
         if not layers or get_tp_group().world_size != 1:
             return None
-        kernel = kernels.llama_decode_layers()
-        if kernel is None:
-            return None
         for layer in layers:
             attn = layer.self_attn
-            linears = (attn.qkv_proj, attn.o_proj, getattr(layer.mlp, "gate_up_proj", None),
-                       getattr(layer.mlp, "down_proj", None))
             if (type(layer.mlp) is not LlamaMLP or attn.q_norm is not None
-                    or getattr(attn.attn.backend, "kernel_qkv", None) is None
+                    or getattr(attn.attn.backend, "kernel_qkv", None) is None      # the CPU backend only
                     or layer.input_layernorm.weight.dtype not in _DTYPE_CODES
                     or any(m.quant is not None or m.skinny_rows < 1 or m.weight.is_mkldnn
-                           or m.weight.dtype != layer.input_layernorm.weight.dtype for m in linears)):
+                           or m.weight.dtype != layer.input_layernorm.weight.dtype
+                           for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))):
                 return None
-        return cls(layers, kernel)
+        kernel = kernels.llama_decode_layers()
+        return None if kernel is None else cls(layers, kernel)
 
     def _layer_table(self) -> torch.Tensor:
         """The weight and cache addresses of every layer (rebuilt if the caches were reallocated)."""
