@@ -10,8 +10,7 @@ import torch
 
 from shardlm import kernels
 from shardlm.attention.torch_paged import AttentionBucket, TorchPagedAttention
-
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+from shardlm.kernels import DTYPE_CODES
 
 
 class CpuKernelAttention(TorchPagedAttention):
@@ -33,7 +32,7 @@ class CpuKernelAttention(TorchPagedAttention):
         rc = self.kernel_qkv(out.data_ptr(), qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), signed_sin.data_ptr(),
                              layer.k_cache.data_ptr(), layer.v_cache.data_ptr(), meta.slot_mapping.data_ptr(),
                              b.block_table.data_ptr(), b.context_lens.data_ptr(), T, layer.num_heads, Hkv, D,
-                             num_blocks, block_size, b.block_table.shape[1], layer.scale, _DTYPE_CODES[qkv.dtype])
+                             num_blocks, block_size, b.block_table.shape[1], layer.scale, DTYPE_CODES[qkv.dtype])
         if rc != 0:
             raise MemoryError("paged attention kernel could not allocate its work buffers")
         return out
@@ -45,7 +44,7 @@ class CpuKernelAttention(TorchPagedAttention):
         rc = self.kernel(out.data_ptr(), q.data_ptr(), q.stride(0), layer.k_cache.data_ptr(),
                          layer.v_cache.data_ptr(), b.block_table.data_ptr(), b.context_lens.data_ptr(),
                          B, H, Hkv, D, num_blocks, block_size, b.block_table.shape[1], layer.scale,
-                         _DTYPE_CODES[q.dtype])
+                         DTYPE_CODES[q.dtype])
         if rc != 0:
             raise MemoryError("paged attention kernel could not allocate its work buffers")
         return out

@@ -2,7 +2,8 @@
 
 No torch headers, so a kernel builds in about a second with the system C compiler. The
 shared library is cached under the shardlm cache directory, keyed by the sources (a kernel
-may include another), the compiler and this CPU's instruction set. Without a compiler the engine uses its torch path.
+may include another), the compiler and this CPU's instruction set. Without a compiler the
+engine uses its torch path.
 OpenMP resolves to torch's own libgomp (same soname, already loaded): one thread pool.
 """
 
@@ -15,6 +16,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+
+import torch
 
 from shardlm import envs
 from shardlm.logger import init_logger
@@ -30,6 +33,9 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-fno-strict-aliasing", "
           "-fno-finite-math-only"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 _loaded: dict[str, ctypes.CDLL | None] = {}
+
+# the `dtype` argument every kernel takes
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def load(name: str) -> ctypes.CDLL | None:

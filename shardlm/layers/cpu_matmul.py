@@ -17,13 +17,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardlm.kernels import skinny_matmul
+from shardlm.kernels import DTYPE_CODES, skinny_matmul
 from shardlm.logger import init_logger
 from shardlm.utils import median_seconds
 
 logger = init_logger(__name__)
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 SKINNY_ROW_SIZES = (1, 4, 16, 64)     # the row counts measured at load
 _onednn_ok: dict[torch.dtype, bool] = {}
 _skinny_rows: dict[tuple, int] = {}
@@ -51,7 +50,7 @@ def _onednn_self_test(dtype: torch.dtype) -> bool:
 
 def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight in oneDNN's blocked layout, or None where that path is unavailable or disagrees."""
-    if weight.device.type != "cpu" or weight.dtype not in _DTYPE_CODES or not onednn_ok(weight.dtype):
+    if weight.device.type != "cpu" or weight.dtype not in DTYPE_CODES or not onednn_ok(weight.dtype):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
 
@@ -61,7 +60,7 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     M, K = x.shape
     out = torch.empty(M, weight.shape[0], dtype=x.dtype)
     skinny_matmul()(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                    out.data_ptr(), M, weight.shape[0], K, _DTYPE_CODES[x.dtype])
+                    out.data_ptr(), M, weight.shape[0], K, DTYPE_CODES[x.dtype])
     return out
 
 
@@ -69,7 +68,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ski
     """x . weight^T + bias, weight as prepare_weight left it; skinny_rows: what it measured."""
     if skinny_rows and x.dim() == 2 and x.shape[0] <= skinny_rows and x.stride(1) == 1:
         return skinny(x, weight, bias)
-    if weight.is_mkldnn or (x.device.type == "cpu" and x.dtype in _DTYPE_CODES and onednn_ok(x.dtype)):
+    if weight.is_mkldnn or (x.device.type == "cpu" and x.dtype in DTYPE_CODES and onednn_ok(x.dtype)):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -77,7 +76,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ski
 def prepare_weight(weight: torch.Tensor) -> tuple[torch.Tensor | None, int]:
     """(the weight repacked for oneDNN, or None to keep it plain; the most rows for which the
     skinny kernel beats oneDNN on the plain weight, 0 for none)."""
-    if weight.device.type != "cpu" or weight.dtype not in _DTYPE_CODES:
+    if weight.device.type != "cpu" or weight.dtype not in DTYPE_CODES:
         return None, 0
     rows = skinny_max_rows(weight)
     return (None if rows else onednn_pack(weight)), rows

@@ -6,9 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardlm.kernels import fused_ops
-
-_FUSED_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+from shardlm.kernels import DTYPE_CODES, fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -25,7 +23,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With: (norm(x + residual), x + residual)."""
-        if (x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1 and x.dtype in _FUSED_DTYPES
+        if (x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1 and x.dtype in DTYPE_CODES
                 and self.weight.dtype == x.dtype and fused_ops() is not None):
             return self._fused(x, residual)
         if residual is None:
@@ -42,5 +40,5 @@ class RMSNorm(nn.Module):
             summed = torch.empty(T, H, dtype=x.dtype)
         fused_ops().add_rmsnorm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
                                 None if summed is None else summed.data_ptr(), out.data_ptr(),
-                                self.weight.data_ptr(), T, H, self.eps, _FUSED_DTYPES[x.dtype])
+                                self.weight.data_ptr(), T, H, self.eps, DTYPE_CODES[x.dtype])
         return out if residual is None else (out, summed)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardlm.kernels import fused_ops
+from shardlm.kernels import DTYPE_CODES, fused_ops
 from shardlm.layers.cpu_matmul import rows_kernel_wins
 from shardlm.logger import init_logger
 
@@ -31,7 +31,6 @@ logger = init_logger(__name__)
 METHODS = {"int8": 8, "int4": 4}
 DEFAULT_GROUP_SIZE = {"int8": -1, "int4": 128}       # -1: one group per row (per-channel)
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)                # what torch's int4 CPU kernel takes
-_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}   # kernels/fused_ops.c's dtype codes
 
 
 def check_group_size(method: str, group_size: int, in_features: int, where: str) -> int:
@@ -164,7 +163,7 @@ class QuantizedWeight:
             out = torch.empty(self.out_features, self.in_features, dtype=self.dtype)
             lib.dequantize_int4pack(self.packed.data_ptr(), self.out_features, self.in_features,
                                     self.scales.data_ptr(), self.mins.data_ptr(), self.group, out.data_ptr(),
-                                    _KERNEL_DTYPES[self.dtype])
+                                    DTYPE_CODES[self.dtype])
             return out
         return dequantize(self.integers(), self.scales, self.mins, self.dtype)
 

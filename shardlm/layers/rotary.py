@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardlm.kernels import fused_ops
-from shardlm.layers.norm import _FUSED_DTYPES
+from shardlm.kernels import DTYPE_CODES, fused_ops
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -53,11 +52,11 @@ def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) ->
     (x is a fresh projection output that nothing else reads)."""
     cos, signed_sin = cos_sin
     T, heads, D = x.shape
-    if (x.device.type == "cpu" and x.stride(2) == 1 and x.stride(1) == D and x.dtype in _FUSED_DTYPES
+    if (x.device.type == "cpu" and x.stride(2) == 1 and x.stride(1) == D and x.dtype in DTYPE_CODES
             and cos.dtype == x.dtype and cos.is_contiguous() and signed_sin.is_contiguous()
             and fused_ops() is not None):
         fused_ops().rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), T, heads, D,
-                           _FUSED_DTYPES[x.dtype])
+                           DTYPE_CODES[x.dtype])
         return x
     half = x.shape[-1] // 2
     return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), signed_sin)

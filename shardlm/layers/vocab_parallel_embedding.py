@@ -49,10 +49,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary; with tied embeddings it shares the embedding's weight slice."""
 
+    skinny_rows = 0     # products of up to this many rows use the skinny kernel (cpu_matmul.py)
+
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
-
-    skinny_rows = 0
 
     def process_weights_after_loading(self) -> None:
         packed, self.skinny_rows = prepare_weight(self.weight.data)

@@ -17,8 +17,7 @@ import torch
 
 from shardlm import kernels
 from shardlm.distributed.parallel_state import get_tp_group
-
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+from shardlm.kernels import DTYPE_CODES
 
 
 def _address(t: torch.Tensor | None) -> int:
@@ -53,7 +52,7 @@ class FusedDecodeLayers:
             attn = layer.self_attn
             if (type(layer.mlp) is not LlamaMLP or attn.q_norm is not None
                     or getattr(attn.attn.backend, "kernel_qkv", None) is None      # the CPU backend only
-                    or layer.input_layernorm.weight.dtype not in _DTYPE_CODES
+                    or layer.input_layernorm.weight.dtype not in DTYPE_CODES
                     or any(m.quant is not None or m.skinny_rows < 1 or m.weight.is_mkldnn
                            or m.weight.dtype != layer.input_layernorm.weight.dtype
                            for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))):
@@ -95,7 +94,7 @@ class FusedDecodeLayers:
                          int(has_residual), cos.data_ptr(), signed_sin.data_ptr(), meta.slot_mapping.data_ptr(),
                          b.block_table.data_ptr(), b.context_lens.data_ptr(), T, self.hidden_size, H, Hkv, D, inter,
                          k_cache.shape[1], k_cache.shape[2], b.block_table.shape[1], self.scale, self.eps,
-                         _DTYPE_CODES[self.dtype], scratch.data_ptr())
+                         DTYPE_CODES[self.dtype], scratch.data_ptr())
         if rc != 0:
             raise MemoryError("paged attention kernel could not allocate its work buffers")
         return hidden, residual
