@@ -109,8 +109,9 @@ def paged_decode_attention_qkv():
 
 
 def skinny_matmul():
-    """skinny_matmul(x, x_stride, w, bias, y, M, N, K, dtype) (kernels/skinny_matmul.c), or None."""
-    return _function("skinny_matmul", "skinny_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], None)
+    """skinny_matmul(x, x_stride, w, bias, y, M, N, K, dtype) -> 0, or -1 if out of memory
+    (kernels/skinny_matmul.c); None where it cannot be built."""
+    return _function("skinny_matmul", "skinny_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I)
 
 
 def llama_decode_layers():

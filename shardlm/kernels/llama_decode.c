@@ -17,7 +17,7 @@ enum { IN_NORM, QKV_W, QKV_B, O_W, O_B, POST_NORM, GATE_UP_W, GATE_UP_B, DOWN_W,
 
 // hidden, residual [T, E] in place: on entry the stage's input (has_residual = 0: the first
 // stage's embeddings, residual unset), on exit the last layer's output and the running residual.
-// scratch: T * ((H + 2 Hkv) * D + H * D + 3 * I) elements. Returns nonzero if attention failed.
+// scratch: T * ((H + 2 Hkv) * D + H * D + 3 * I) elements. Returns nonzero if a work buffer could not be allocated.
 int llama_decode_layers(const int64_t *layers, int L, void *hidden, void *residual, int has_residual,
                         const void *cos, const void *signed_sin, const int64_t *slot_mapping,
                         const int64_t *block_tables, const int64_t *context_lens, int T, int E, int H, int Hkv,
@@ -33,16 +33,16 @@ int llama_decode_layers(const int64_t *layers, int L, void *hidden, void *residu
         } else {
             add_rmsnorm(hidden, E, residual, residual, hidden, P(l, IN_NORM), T, E, eps, dtype);
         }
-        skinny_matmul(hidden, E, P(l, QKV_W), P(l, QKV_B), qkv, T, Q, E, dtype);
+        if (skinny_matmul(hidden, E, P(l, QKV_W), P(l, QKV_B), qkv, T, Q, E, dtype)) return -1;
         if (paged_decode_attention_qkv(attn, qkv, Q, cos, signed_sin, P(l, K_CACHE), P(l, V_CACHE), slot_mapping,
                                        block_tables, context_lens, T, H, Hkv, D, num_blocks, block_size,
                                        max_blocks, scale, dtype))
             return -1;
-        skinny_matmul(attn, H * D, P(l, O_W), P(l, O_B), hidden, T, E, H * D, dtype);
+        if (skinny_matmul(attn, H * D, P(l, O_W), P(l, O_B), hidden, T, E, H * D, dtype)) return -1;
         add_rmsnorm(hidden, E, residual, residual, hidden, P(l, POST_NORM), T, E, eps, dtype);
-        skinny_matmul(hidden, E, P(l, GATE_UP_W), P(l, GATE_UP_B), gate_up, T, 2 * I, E, dtype);
+        if (skinny_matmul(hidden, E, P(l, GATE_UP_W), P(l, GATE_UP_B), gate_up, T, 2 * I, E, dtype)) return -1;
         silu_and_mul(gate_up, act, T, I, dtype);
-        skinny_matmul(act, I, P(l, DOWN_W), P(l, DOWN_B), hidden, T, E, I, dtype);
+        if (skinny_matmul(act, I, P(l, DOWN_W), P(l, DOWN_B), hidden, T, E, I, dtype)) return -1;
     }
     return 0;
 }

@@ -96,5 +96,5 @@ class FusedDecodeLayers:
                          k_cache.shape[1], k_cache.shape[2], b.block_table.shape[1], self.scale, self.eps,
                          DTYPE_CODES[self.dtype], scratch.data_ptr())
         if rc != 0:
-            raise MemoryError("paged attention kernel could not allocate its work buffers")
+            raise MemoryError("the fused decode kernels could not allocate their work buffers")
         return hidden, residual
