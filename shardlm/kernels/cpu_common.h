@@ -1,8 +1,12 @@
 // Helpers shared by shardlm's CPU kernels: bfloat16 conversions, dtype-generic loads and stores
 // (dtype 0 = float32, 1 = bfloat16), and the rotary embedding of one row of heads.
 #pragma once
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 // An entry point called from Python. Never inlined or specialized (noipa), also where one kernel
 // file includes another (llama_decode.c): compiled into another context, fast-math could order
@@ -51,3 +55,52 @@ static inline void rotary_heads(void *x, const void *cos, const void *signed_sin
         }
     }
 }
+
+#if defined(__AVX512F__)
+// e^x for 16 floats, within 2 ulp of expf (Cephes' polynomial after x = n ln2 + r, |r| <= ln2/2);
+// past expf's range: 0 below, infinity above; NaN stays NaN (the operand order of min/max)
+static inline __m512 exp16(__m512 x) {
+    const __mmask16 overflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.7f), _CMP_GT_OQ);
+    x = _mm512_min_ps(_mm512_set1_ps(88.7f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_mask_mov_ps(_mm512_scalef_ps(p, n), overflow, _mm512_set1_ps(INFINITY));
+}
+
+// 16 values (those in mask m) from element i of a float32 or bfloat16 array, as float32
+static inline __m512 load16(const void *p, int64_t i, __mmask16 m, int dtype) {
+    if (dtype == 0) return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i)), 16));
+}
+
+// v rounded to dtype (bfloat16: to nearest even, NaN kept NaN, as f32_to_bf16), as float32 bits
+// in the high half of each lane
+static inline __m512i round16_bits(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                   _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+}
+
+// round_to() for 16 values
+static inline __m512 round16(__m512 v, int dtype) {
+    return dtype == 0 ? v : _mm512_castsi512_ps(round16_bits(v));
+}
+
+// store() for the 16 values in mask m, at element i
+static inline void store16(void *p, int64_t i, __m512 v, __mmask16 m, int dtype) {
+    if (dtype == 0) _mm512_mask_storeu_ps((float *)p + i, m, v);
+    else _mm256_mask_storeu_epi16((uint16_t *)p + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(round16_bits(v), 16)));
+}
+#endif

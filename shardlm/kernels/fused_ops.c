@@ -30,14 +30,25 @@ KERNEL_API void add_rmsnorm(const void *x, int64_t x_stride, const void *residua
     }
 }
 
-// out[t, i] = dtype(silu(gate)) * up, where x[t] = [gate (I) | up (I)]
+// out[t, i] = dtype(silu(gate)) * up, where x[t] = [gate (I) | up (I)]; rows in parallel where
+// there are enough of them to pay for the threads' wake-up
 KERNEL_API void silu_and_mul(const void *x, void *out, int T, int I, int dtype) {
+    #pragma omp parallel for schedule(static) if ((int64_t)T * I >= 32768)
     for (int t = 0; t < T; t++) {
-        #pragma omp simd
+        const int64_t row = (int64_t)t * 2 * I;
+#if defined(__AVX512F__)
+        for (int i = 0; i < I; i += 16) {
+            const __mmask16 m = I - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (I - i)) - 1);
+            const __m512 g = load16(x, row + i, m, dtype), u = load16(x, row + I + i, m, dtype);
+            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            store16(out, (int64_t)t * I + i, _mm512_mul_ps(round16(silu, dtype), u), m, dtype);
+        }
+#else
         for (int i = 0; i < I; i++) {
-            float g = load(x, (int64_t)t * 2 * I + i, dtype), u = load(x, (int64_t)t * 2 * I + I + i, dtype);
+            float g = load(x, row + i, dtype), u = load(x, row + I + i, dtype);
             store(out, (int64_t)t * I + i, round_to(g / (1.f + expf(-g)), dtype) * u, dtype);
         }
+#endif
     }
 }
 

@@ -32,6 +32,94 @@ static inline const float *row_f32(const void *base, int64_t index, int D, int d
     return buf;
 }
 
+// out[b, h * G + g] = acc[g] for the G query heads of KV head h, in the cache's dtype
+static void write_out(void *out, const float *acc, int b, int H, int h, int G, int D, int dtype) {
+    for (int g = 0; g < G; g++) {
+        const int64_t o = ((int64_t)b * H + h * G + g) * D;
+        if (dtype == 0) {
+            memcpy((float *)out + o, acc + g * D, sizeof(float) * D);
+        } else {
+            uint16_t *dst = (uint16_t *)out + o;
+            for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(acc[g * D + d]);
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+// lane i = the sum of v[i]'s 16 lanes, for 16 vectors at once (a transposing tree of adds)
+static inline __m512 reduce16(const __m512 v[16]) {
+    __m512 s[8], t[4], u[2];
+    for (int i = 0; i < 8; i++)
+        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        u[i] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
+    const __m512 w = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]))),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]))));
+    // lane 4j + k holds v[4k + j]
+    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), w);
+}
+
+// One (sequence, KV head) of decode attention for head sizes of NC * 16: the G query heads qf
+// (float32, G x D) against the context's keys and values, 16 cache rows at a time.
+static inline __attribute__((always_inline)) void attend_simd(const int NC, const float *qf, int G, const void *k_cache,
+        const void *v_cache, const int64_t *table, int64_t ctx, int64_t head_rows, int block_size, float scale,
+        int dtype, float *scores, float *out_acc) {
+    const int D = NC * 16;
+    for (int64_t blk = 0, t0 = 0; t0 < ctx; blk++, t0 += block_size) {
+        const int64_t first = head_rows + table[blk] * block_size;
+        const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
+        for (int i0 = 0; i0 < n; i0 += 16) {
+            const int rows = n - i0 < 16 ? n - i0 : 16;
+            for (int g = 0; g < G; g++) {
+                __m512 q[NC], dots[16];
+                for (int c = 0; c < NC; c++) q[c] = _mm512_loadu_ps(qf + g * D + 16 * c);
+                for (int i = 0; i < 16; i++) {
+                    dots[i] = _mm512_setzero_ps();
+                    if (i < rows)
+                        for (int c = 0; c < NC; c++)
+                            dots[i] = _mm512_fmadd_ps(q[c], load16(k_cache, (first + i0 + i) * D + 16 * c, 0xffff, dtype), dots[i]);
+                }
+                _mm512_mask_storeu_ps(scores + g * ctx + t0 + i0, (__mmask16)((1u << rows) - 1),
+                                      _mm512_mul_ps(reduce16(dots), _mm512_set1_ps(scale)));
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float *sg = scores + g * ctx;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < ctx; t += 16) {
+            const __mmask16 m = ctx - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (ctx - t)) - 1);
+            mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, sg + t));
+        }
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < ctx; t += 16) {
+            const __mmask16 m = ctx - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (ctx - t)) - 1);
+            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + t), top)));
+            _mm512_mask_storeu_ps(sg + t, m, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        const float inv = 1.f / _mm512_reduce_add_ps(sum);
+        __m512 acc[NC];
+        for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
+        for (int64_t blk = 0, t0 = 0; t0 < ctx; blk++, t0 += block_size) {
+            const int64_t first = head_rows + table[blk] * block_size;
+            const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
+            for (int i = 0; i < n; i++) {
+                const __m512 p = _mm512_set1_ps(sg[t0 + i]);
+                for (int c = 0; c < NC; c++)
+                    acc[c] = _mm512_fmadd_ps(p, load16(v_cache, (first + i) * D + 16 * c, 0xffff, dtype), acc[c]);
+            }
+        }
+        for (int c = 0; c < NC; c++) _mm512_storeu_ps(out_acc + g * D + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+    }
+}
+#endif
+
 KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, const int64_t *context_lens,
                            int B, int H, int Hkv, int D, int num_blocks, int block_size,
@@ -58,6 +146,16 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
             const int64_t ctx = context_lens[b];
             const int64_t *table = block_tables + (int64_t)b * max_blocks;
             for (int g = 0; g < G; g++) load_row((const char *)q + (b * q_stride + (int64_t)(h * G + g) * D) * (dtype ? 2 : 4), 0, D, dtype, qf + g * D);
+#if defined(__AVX512F__)
+            // the common head sizes: scores, softmax and sum of values in registers
+            if (D == 64 || D == 128) {
+                const int64_t head_rows = (int64_t)h * num_blocks * block_size;
+                if (D == 64) attend_simd(4, qf, G, k_cache, v_cache, table, ctx, head_rows, block_size, scale, dtype, scores, acc);
+                else attend_simd(8, qf, G, k_cache, v_cache, table, ctx, head_rows, block_size, scale, dtype, scores, acc);
+                write_out(out, acc, b, H, h, G, D, dtype);
+                continue;
+            }
+#endif
 
             // scores = q . k * scale, for every context position, block by block; float32 rows
             // are read in place, bfloat16 rows widened once for the G heads
@@ -100,15 +198,7 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
                     }
                 }
             }
-            for (int g = 0; g < G; g++) {
-                const int64_t o = ((int64_t)b * H + h * G + g) * D;
-                if (dtype == 0) {
-                    memcpy((float *)out + o, acc + g * D, sizeof(float) * D);
-                } else {
-                    uint16_t *dst = (uint16_t *)out + o;
-                    for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(acc[g * D + d]);
-                }
-            }
+            write_out(out, acc, b, H, h, G, D, dtype);
         }
         free(scores); free(qf); free(acc); free(row);
     }

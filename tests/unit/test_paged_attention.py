@@ -2,6 +2,7 @@
 both equal plain attention over the sequence's keys, whatever the block layout."""
 
 import random
+import sys
 
 import pytest
 import torch
@@ -62,7 +63,9 @@ def _reference(attn, tables, lens, q_lens, q):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("use_kernel", [False, True])
-def test_decode_matches_plain_attention(dtype, tol, use_kernel):
+@pytest.mark.parametrize("head_size", [32, 64, 128])    # 64 and 128 have the kernel's vector path
+def test_decode_matches_plain_attention(dtype, tol, use_kernel, head_size, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "D", head_size)
     lens = [1, 5, 16, 17, 40, 100]
     attn, meta, tables, q, k, v = _setup(dtype, lens, use_kernel=use_kernel)
     out = attn(q, k, v, meta)
