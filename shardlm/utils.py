@@ -33,6 +33,21 @@ def median_seconds(fn, reps: int = 5, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def median_seconds_side_by_side(a, b, reps: int = 7) -> tuple[float, float]:
+    """Median wall times of a() and b(), their calls interleaved (after one warm-up call each) so
+    that a slow spell of a noisy machine falls on both alike."""
+    import statistics
+    import time
+    a(), b()
+    times: tuple[list, list] = ([], [])
+    for _ in range(reps):
+        for fn, out in ((a, times[0]), (b, times[1])):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 def os_thread_count() -> int:
     """Threads of this process as the OS sees them (C++, BLAS and OpenMP threads included)."""
     try:

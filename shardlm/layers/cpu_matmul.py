@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from shardlm.kernels import DTYPE_CODES, skinny_matmul
 from shardlm.logger import init_logger
-from shardlm.utils import median_seconds
+from shardlm.utils import median_seconds_side_by_side
 
 logger = init_logger(__name__)
 
@@ -59,8 +59,9 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """x [M, K] (rows with unit stride) . weight [N, K]^T + bias through the skinny kernel."""
     M, K = x.shape
     out = torch.empty(M, weight.shape[0], dtype=x.dtype)
-    skinny_matmul()(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                    out.data_ptr(), M, weight.shape[0], K, DTYPE_CODES[x.dtype])
+    if skinny_matmul()(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                       out.data_ptr(), M, weight.shape[0], K, DTYPE_CODES[x.dtype]):
+        raise MemoryError(f"skinny matmul could not allocate its {M} x {K} work buffer")
     return out
 
 
@@ -87,26 +88,26 @@ def skinny_max_rows(weight: torch.Tensor) -> int:
         return 0
     key = (tuple(weight.shape), weight.dtype)
     if key not in _skinny_rows:
-        # a near-tie at one row goes to the skinny kernel: the measurement runs with the weight in
-        # cache, where oneDNN does best; in a model's step the weights come from memory, where
-        # the skinny kernel streams faster (the float32 LM head: tied in cache, 10% faster in a step)
+        # near-ties go to the skinny kernel: the measurement runs with the weight in cache, where
+        # oneDNN does best (in a model's step the weights come from memory, where the skinny
+        # kernel streams faster: the float32 LM head, tied in cache, is 10% faster in a step),
+        # and only skinny linears let a decode step run as one C call (llama_cpu_decode.py)
         _skinny_rows[key] = rows_kernel_wins(lambda x: skinny(x, weight, None), lambda x: linear(x, weight, None),
-                                             weight.shape[1], weight.dtype, SKINNY_ROW_SIZES, tie=1.1)
+                                             weight.shape[1], weight.dtype, SKINNY_ROW_SIZES, tie=1.1, first_tie=1.25)
         logger.debug("Linear %s %s: skinny kernel up to %d rows", tuple(weight.shape), weight.dtype,
                      _skinny_rows[key])
     return _skinny_rows[key]
 
 
 def rows_kernel_wins(kernel, alternative, in_features: int, dtype: torch.dtype,
-                     sizes: tuple[int, ...] = (1, 8, 64, 256), tie: float = 1.0) -> int:
+                     sizes: tuple[int, ...] = (1, 8, 64, 256), tie: float = 1.0, first_tie: float | None = None) -> int:
     """The most rows x (of `sizes`, until it first loses) for which kernel(x) is measured faster
-    than alternative(x); at the first size, at most `tie` times slower is a win too."""
+    than alternative(x); at most `tie` times slower is a win too (`first_tie` at the first size)."""
     best = 0
     for rows in sizes:
         x = torch.randn(rows, in_features, dtype=dtype)
-        reps = 5 if rows <= 8 else 3
-        allowed = tie if rows == sizes[0] else 1.0
-        if median_seconds(lambda: kernel(x), reps) > allowed * median_seconds(lambda: alternative(x), reps):
+        mine, theirs = median_seconds_side_by_side(lambda: kernel(x), lambda: alternative(x), 7 if rows <= 16 else 5)
+        if mine > (first_tie if rows == sizes[0] and first_tie is not None else tie) * theirs:
             break
         best = rows
     return best
