@@ -114,10 +114,33 @@ def skinny_matmul():
     return _function("skinny_matmul", "skinny_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I)
 
 
+def blocked_matmul():
+    """blocked_matmul(x, x_stride, packed_w, bias, y, M, N, K, dtype) -> 0, -1 if out of memory
+    (kernels/blocked_matmul.c); None where it cannot be built or this CPU lacks AVX-512."""
+    supported = _function("blocked_matmul", "blocked_supported", [], _I)
+    if supported is None or not supported():
+        return None
+    return _function("blocked_matmul", "blocked_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I)
+
+
+def blocked_pack():
+    """(blocked_packed_size(N, K, dtype) -> elements, blocked_pack(w, N, K, dtype, out)) for
+    blocked_matmul's weight layout; None where blocked_matmul() is None."""
+    if blocked_matmul() is None:
+        return None
+    return (_function("blocked_matmul", "blocked_packed_size", [_I, _I, _I], _I64),
+            _function("blocked_matmul", "blocked_pack", [_P, _I, _I, _I, _P], None))
+
+
+def blocked_panel_width():
+    """blocked_panel_width() -> the output features per panel of blocked_matmul's layout."""
+    return _function("blocked_matmul", "blocked_panel_width", [], _I)
+
+
 def llama_decode_layers():
     """A stage's Llama decoder layers for one decode step in one call (kernels/llama_decode.c), or None."""
     return _function("llama_decode", "llama_decode_layers",
-                     [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F, _I, _P],
+                     [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F, _I, _I, _P],
                      ctypes.c_int)
 
 

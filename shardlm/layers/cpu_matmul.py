@@ -1,23 +1,28 @@
 """How a float weight is multiplied on CPU: the layout it is stored in and the kernel per call.
 
-Two kernels, chosen per weight shape from a measurement at load:
-- few rows (decode steps): shardlm's skinny kernel (kernels/skinny_matmul.c) on the plain
-  row-major weight. oneDNN pays a fixed cost per call and reads float32 weights well below
-  memory bandwidth at one row; the skinny kernel streams each weight row once (batch-1 decode
-  of the default model: float32 31 -> 39 tok/s on a 2-core Xeon).
-- more rows (prefill, large batches): oneDNN, on the same plain weight.
+On CPUs with AVX-512, every weight is repacked once at load into shardlm's panel layout and
+every product, from one decode row to a whole prompt, runs kernels/blocked_matmul.c on it: a
+broadcast-form GEMM that beats oneDNN on its own packed layout at a few dozen rows (float32
+1.05-1.25x, bfloat16 1.4-1.8x on a 2-core Xeon) and streams at memory bandwidth at one row. Its
+results do not depend on the batch a row is in.
+
+Elsewhere two kernels share the plain row-major weight, chosen per shape by measurement at load:
+- few rows (decode steps): shardlm's skinny kernel (kernels/skinny_matmul.c). oneDNN pays a
+  fixed cost per call and reads float32 weights well below memory bandwidth at one row.
+- more rows (prefill, large batches): oneDNN.
 Where the skinny kernel never wins (or cannot be built), the weight is repacked once into
-oneDNN's blocked layout instead (as torch.compile's CPU backend does): faster than the plain
-weight at many rows (bfloat16 ~1.1x at 64 rows), and 2.5x faster than torch's default float32
-GEMM on AMD CPUs (MKL does not use AVX-512 there). One layout is kept, never both.
+oneDNN's blocked layout instead (as torch.compile's CPU backend does). One layout is kept, never
+both.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from shardlm.kernels import DTYPE_CODES, skinny_matmul
+from shardlm.kernels import DTYPE_CODES, blocked_matmul, blocked_pack, blocked_panel_width, skinny_matmul
 from shardlm.logger import init_logger
 from shardlm.utils import median_seconds_side_by_side
 
@@ -26,6 +31,15 @@ logger = init_logger(__name__)
 SKINNY_ROW_SIZES = (1, 4, 16, 64)     # the row counts measured at load
 _onednn_ok: dict[torch.dtype, bool] = {}
 _skinny_rows: dict[tuple, int] = {}
+
+
+@dataclass(frozen=True)
+class CpuMatmul:
+    """How one weight is multiplied on CPU, decided at load by prepare_weight."""
+    out_features: int
+    in_features: int
+    blocked: bool = False     # the weight is in blocked_matmul's panel layout; every product uses it
+    skinny_rows: int = 0      # else: products of up to this many rows use the skinny kernel
 
 
 def onednn_ok(dtype: torch.dtype) -> bool:
@@ -65,22 +79,63 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny_rows: int = 0) -> torch.Tensor:
-    """x . weight^T + bias, weight as prepare_weight left it; skinny_rows: what it measured."""
-    if skinny_rows and x.dim() == 2 and x.shape[0] <= skinny_rows and x.stride(1) == 1:
+def blocked(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [..., K] . W^T + bias, W packed by pack_blocked."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    M, K = rows.shape
+    out = torch.empty(M, out_features, dtype=x.dtype)
+    if blocked_matmul()(rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                        out.data_ptr(), M, out_features, K, DTYPE_CODES[x.dtype]):
+        raise MemoryError(f"blocked matmul could not allocate its {M} x {K} work buffer")
+    return out.view(*x.shape[:-1], out_features)
+
+
+def pack_blocked(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] in blocked_matmul's panel layout (a flat tensor of its dtype)."""
+    size, pack = blocked_pack()
+    N, K = weight.shape
+    code = DTYPE_CODES[weight.dtype]
+    packed = torch.empty(size(N, K, code), dtype=weight.dtype)
+    pack(weight.contiguous().data_ptr(), N, K, code, packed.data_ptr())
+    return packed
+
+
+def blocked_rows(packed: torch.Tensor, plan: CpuMatmul, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` (any shape) of a weight packed by pack_blocked, as [*index.shape, K]: an
+    embedding lookup in a tied LM head's packed table."""
+    K, width, flat = plan.in_features, blocked_panel_width()(), index.reshape(-1)
+    if packed.dtype == torch.float32:
+        rows = packed.view(-1, K, width)[flat // width, :, flat % width]
+    else:     # bfloat16: k in pairs
+        Kp = K + K % 2
+        rows = packed.view(-1, Kp // 2, width, 2)[flat // width, :, flat % width, :].reshape(-1, Kp)[:, :K]
+    return rows.reshape(*index.shape, K)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           plan: CpuMatmul | None = None) -> torch.Tensor:
+    """x . weight^T + bias, weight as prepare_weight left it, plan what it decided."""
+    if plan is not None and plan.blocked:
+        return blocked(x, weight, bias, plan.out_features)
+    if plan is not None and plan.skinny_rows and x.dim() == 2 and x.shape[0] <= plan.skinny_rows and x.stride(1) == 1:
         return skinny(x, weight, bias)
     if weight.is_mkldnn or (x.device.type == "cpu" and x.dtype in DTYPE_CODES and onednn_ok(x.dtype)):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-def prepare_weight(weight: torch.Tensor) -> tuple[torch.Tensor | None, int]:
-    """(the weight repacked for oneDNN, or None to keep it plain; the most rows for which the
-    skinny kernel beats oneDNN on the plain weight, 0 for none)."""
-    if weight.device.type != "cpu" or weight.dtype not in DTYPE_CODES:
-        return None, 0
+def prepare_weight(weight: torch.Tensor) -> tuple[torch.Tensor | None, CpuMatmul | None]:
+    """(the weight to keep in its place, or None to keep it as it is; how to multiply it), for a
+    float weight on CPU; (None, None) elsewhere."""
+    if weight.device.type != "cpu" or weight.dtype not in DTYPE_CODES or weight.dim() != 2:
+        return None, None
+    N, K = weight.shape
+    if blocked_matmul() is not None:
+        return pack_blocked(weight), CpuMatmul(N, K, blocked=True)
     rows = skinny_max_rows(weight)
-    return (None if rows else onednn_pack(weight)), rows
+    return (None if rows else onednn_pack(weight)), CpuMatmul(N, K, skinny_rows=rows)
 
 
 def skinny_max_rows(weight: torch.Tensor) -> int:

@@ -11,8 +11,9 @@ Each parameter's `weight_loader(param, loaded, shard_id)` copies its part of a c
 `loaded` may be a safetensors slice: only the rows or columns this rank keeps are read from
 disk, never the whole tensor. At tp=1 the layers are plain linears with no collectives.
 
-On CPU, each weight's layout and kernels (shardlm's skinny kernel for decode rows, oneDNN
-for the rest) are chosen after loading by measurement: layers/cpu_matmul.py.
+On CPU, each weight's layout and kernels (shardlm's blocked kernel on AVX-512 CPUs; elsewhere
+its skinny kernel for decode rows and oneDNN for the rest) are chosen after loading:
+layers/cpu_matmul.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from shardlm.distributed.parallel_state import get_tp_group
-from shardlm.layers.cpu_matmul import linear, prepare_weight
+from shardlm.layers.cpu_matmul import CpuMatmul, linear, prepare_weight
 from shardlm.layers.quantization import QuantizedWeight, check_group_size, quantize_rtn
 
 
@@ -60,7 +61,7 @@ class Linear(nn.Module):
     """A replicated linear (every rank holds all of it); the base of the parallel ones."""
 
     quant: QuantizedWeight | None = None     # set by quantize(): the weight is then None
-    skinny_rows = 0                          # products of up to this many rows use the skinny kernel
+    cpu_matmul: CpuMatmul | None = None      # on CPU: the weight's layout and kernels (cpu_matmul.py)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -90,7 +91,7 @@ class Linear(nn.Module):
     def process_weights_after_loading(self) -> None:
         if self.quant is not None:
             return
-        packed, self.skinny_rows = prepare_weight(self.weight.data)
+        packed, self.cpu_matmul = prepare_weight(self.weight.data)
         if packed is not None:
             self.weight = nn.Parameter(packed, requires_grad=False)
 
@@ -98,7 +99,7 @@ class Linear(nn.Module):
         if self.quant is not None:
             out = self.quant.matmul(x)
             return out + bias if bias is not None else out
-        return linear(x, self.weight, bias, self.skinny_rows)
+        return linear(x, self.weight, bias, self.cpu_matmul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.bias)

@@ -13,11 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.distributed.parallel_state import get_tp_group
-from shardlm.layers.cpu_matmul import linear, prepare_weight
+from shardlm.layers.cpu_matmul import CpuMatmul, blocked_rows, linear, prepare_weight
 from shardlm.layers.linear import checkpoint_shape, read_checkpoint
 
 
 class VocabParallelEmbedding(nn.Module):
+    # on CPU: the weight's layout (cpu_matmul.py); the embedding's own is plain, a tied LM head's
+    # packed one is shared with it
+    cpu_matmul: CpuMatmul | None = None
+
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         self.tp = get_tp_group()
@@ -37,11 +41,16 @@ class VocabParallelEmbedding(nn.Module):
         param.data[real:].zero_()
         param.data[:real].copy_(read_checkpoint(loaded, 0, self.start, real))
 
+    def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.cpu_matmul is not None and self.cpu_matmul.blocked:
+            return blocked_rows(self.weight, self.cpu_matmul, rows)
+        return F.embedding(rows, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = (input_ids >= self.start) & (input_ids < self.end)
-        out = F.embedding((input_ids - self.start) * local, self.weight)
+        out = self._lookup((input_ids - self.start) * local)
         out.mul_(local.unsqueeze(-1).to(out.dtype))
         return self.tp.all_reduce(out)
 
@@ -49,19 +58,24 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary; with tied embeddings it shares the embedding's weight slice."""
 
-    skinny_rows = 0     # products of up to this many rows use the skinny kernel (cpu_matmul.py)
+    tied_to: VocabParallelEmbedding | None = None
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
-        self.weight = embedding.weight
+        self.weight, self.tied_to = embedding.weight, embedding
 
     def process_weights_after_loading(self) -> None:
-        packed, self.skinny_rows = prepare_weight(self.weight.data)
-        if packed is not None:   # a new Parameter: a tied embedding keeps its plain weight
+        packed, self.cpu_matmul = prepare_weight(self.weight.data)
+        if packed is not None:
             self.weight = nn.Parameter(packed, requires_grad=False)
+            if self.tied_to is not None and self.cpu_matmul.blocked:
+                # the embedding looks its rows up in the packed weight: one copy of the table
+                # (two would push the bfloat16 default model past a 260 MiB L3: 110 -> 71 tok/s)
+                self.tied_to.weight, self.tied_to.cpu_matmul = self.weight, self.cpu_matmul
+            # else a tied embedding keeps its plain weight and this is a second copy
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over this rank's vocabulary shard (its padding rows included)."""
-        return linear(hidden, self.weight, None, self.skinny_rows)
+        return linear(hidden, self.weight, None, self.cpu_matmul)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full logits [T, vocab_size] on the group's first rank, None on the others."""

@@ -32,11 +32,13 @@ class FusedDecodeLayers:
         self.dtype = first.input_layernorm.weight.dtype
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.hidden_size = first.input_layernorm.weight.shape[0]
-        self.inter = first.mlp.down_proj.weight.shape[1]
+        self.inter = first.mlp.down_proj.cpu_matmul.in_features
         self.eps, self.scale = first.input_layernorm.eps, attn.attn.scale
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        self.max_rows = min(m.skinny_rows for m in linears)
+        plans = [m.cpu_matmul for m in linears]
+        self.blocked = plans[0].blocked          # all blocked, or all plain (build checks)
+        self.max_rows = 1 << 30 if self.blocked else min(p.skinny_rows for p in plans)
         self._table: torch.Tensor | None = None
         self._cache_address = None
 
@@ -48,12 +50,15 @@ class FusedDecodeLayers:
         layers = list(model.layers[model.start:model.end])
         if not layers or get_tp_group().world_size != 1:
             return None
+        first_plan = layers[0].self_attn.qkv_proj.cpu_matmul
         for layer in layers:
             attn = layer.self_attn
-            if (type(layer.mlp) is not LlamaMLP or attn.q_norm is not None
+            if (first_plan is None or type(layer.mlp) is not LlamaMLP or attn.q_norm is not None
                     or getattr(attn.attn.backend, "kernel_qkv", None) is None      # the CPU backend only
                     or layer.input_layernorm.weight.dtype not in DTYPE_CODES
-                    or any(m.quant is not None or m.skinny_rows < 1 or m.weight.is_mkldnn
+                    or any(m.quant is not None or m.cpu_matmul is None
+                           or m.cpu_matmul.blocked != first_plan.blocked
+                           or not (m.cpu_matmul.blocked or m.cpu_matmul.skinny_rows >= 1)
                            or m.weight.dtype != layer.input_layernorm.weight.dtype
                            for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))):
                 return None
@@ -94,7 +99,7 @@ class FusedDecodeLayers:
                          int(has_residual), cos.data_ptr(), signed_sin.data_ptr(), meta.slot_mapping.data_ptr(),
                          b.block_table.data_ptr(), b.context_lens.data_ptr(), T, self.hidden_size, H, Hkv, D, inter,
                          k_cache.shape[1], k_cache.shape[2], b.block_table.shape[1], self.scale, self.eps,
-                         DTYPE_CODES[self.dtype], scratch.data_ptr())
+                         DTYPE_CODES[self.dtype], int(self.blocked), scratch.data_ptr())
         if rc != 0:
             raise MemoryError("the fused decode kernels could not allocate their work buffers")
         return hidden, residual

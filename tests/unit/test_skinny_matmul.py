@@ -75,14 +75,16 @@ def test_a_rows_result_does_not_depend_on_the_batch(builds, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_is_the_same_product_for_every_row_count(dtype):
+    """The plain-weight path (CPUs without AVX-512): skinny kernel up to the measured rows, oneDNN past them."""
     gen = torch.Generator().manual_seed(0)
     w, b = torch.randn(200, 96, generator=gen).to(dtype), torch.randn(200, generator=gen).to(dtype)
-    packed, skinny_rows = cpu_matmul.prepare_weight(w)
-    weight = w if packed is None else packed
+    rows_measured = cpu_matmul.skinny_max_rows(w)
+    weight = w if rows_measured else (cpu_matmul.onednn_pack(w) if cpu_matmul.onednn_pack(w) is not None else w)
+    plan = cpu_matmul.CpuMatmul(200, 96, skinny_rows=rows_measured)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
     for rows in (1, 4, 5, 70):
         x = torch.randn(rows, 96, generator=gen).to(dtype)
-        got = cpu_matmul.linear(x, weight, b, skinny_rows)
-        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        got = cpu_matmul.linear(x, weight, b, plan)
         torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), atol=tol, rtol=tol)
-    forced = cpu_matmul.linear(x[:1], w, b, skinny_rows=1)     # the skinny kernel itself
+    forced = cpu_matmul.linear(x[:1], w, b, cpu_matmul.CpuMatmul(200, 96, skinny_rows=1))   # the skinny kernel itself
     torch.testing.assert_close(forced.float(), F.linear(x[:1], w, b).float(), atol=tol, rtol=tol)
