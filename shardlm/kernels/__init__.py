@@ -132,6 +132,17 @@ def blocked_pack():
             _function("blocked_matmul", "blocked_pack", [_P, _I, _I, _I, _P], None))
 
 
+def blocked_int4():
+    """(blocked_int4_size(N, K, group) -> bytes, blocked_int4_pack(q, scales, mins, N, K, group, out),
+    blocked_int4_matmul(x, x_stride, packed, bias, y, M, N, K, group, dtype) -> 0 / -1 if out of
+    memory) for 4-bit weights in blocked panels; None where blocked_matmul() is None."""
+    if blocked_matmul() is None:
+        return None
+    return (_function("blocked_matmul", "blocked_int4_size", [_I, _I, _I], _I64),
+            _function("blocked_matmul", "blocked_int4_pack", [_P, _P, _P, _I, _I, _I, _P], None),
+            _function("blocked_matmul", "blocked_int4_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I], _I))
+
+
 def blocked_panel_width():
     """blocked_panel_width() -> the output features per panel of blocked_matmul's layout."""
     return _function("blocked_matmul", "blocked_panel_width", [], _I)
@@ -140,7 +151,7 @@ def blocked_panel_width():
 def llama_decode_layers():
     """A stage's Llama decoder layers for one decode step in one call (kernels/llama_decode.c), or None."""
     return _function("llama_decode", "llama_decode_layers",
-                     [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F, _I, _I, _P],
+                     [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F, _I, _I, _I, _P],
                      ctypes.c_int)
 
 

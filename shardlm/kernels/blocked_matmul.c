@@ -14,6 +14,11 @@
 // Every output is the sum over k in order, one FMA at a time: a row's result does not depend on
 // how many rows are computed with it. bfloat16 weights and x are widened to float32 exactly.
 //
+// 4-bit weights (w = q * scale + min per group of input columns) have panels of their own: per
+// k pair, a byte per output feature holds q[k] (low nibble) and q[k + 1] (high), then the
+// panel's scales and mins per group. They are widened to float32 in registers, so a decode step
+// reads a quarter of the bytes of bfloat16.
+//
 // dtype 0 = float32, 1 = bfloat16 (x, w, bias and y all in it). x rows have stride x_stride.
 #include <stdint.h>
 #include <stdlib.h>
@@ -22,6 +27,7 @@
 
 #define NR 48            // output features per panel: three vectors
 #define MR 8             // x rows per register tile: 24 accumulators
+#define MR4 6            // for 4-bit weights, whose widening needs 12 more registers
 #define NV (NR / 16)
 #ifndef PF_BYTES
 #define PF_BYTES 8192    // the first pass over a panel fetches this far ahead in the weight stream
@@ -70,6 +76,34 @@ KERNEL_API void blocked_pack(const void *w, int N, int K, int dtype, void *out) 
     }
 }
 
+// Bytes of a packed 4-bit weight [N, K] (K and group even): per panel, K / 2 * NR bytes of
+// nibble pairs, then [K / group][NR] float32 scales and as many mins.
+KERNEL_API int64_t blocked_int4_size(int N, int K, int group) {
+    const int64_t panels = (N + NR - 1) / NR;
+    return panels * ((int64_t)K / 2 * NR + 2 * (int64_t)(K / group) * NR * 4);
+}
+
+// q [N, K] (0..15), scales and mins [N, K / group] -> the 4-bit panel layout above
+KERNEL_API void blocked_int4_pack(const int8_t *q, const float *scales, const float *mins, int N, int K, int group,
+                                  uint8_t *out) {
+    const int panels = (N + NR - 1) / NR, groups = K / group;
+    const int64_t panel_bytes = blocked_int4_size(NR, K, group);
+    #pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; p++) {
+        uint8_t *o = out + p * panel_bytes;
+        float *s = (float *)(o + (int64_t)K / 2 * NR), *m = s + (int64_t)groups * NR;
+        for (int j = 0; j < NR; j++) {
+            const int n = p * NR + j;
+            for (int k = 0; k < K; k += 2)
+                o[(int64_t)(k / 2) * NR + j] = n < N ? (uint8_t)((q[(int64_t)n * K + k] & 15) | (q[(int64_t)n * K + k + 1] & 15) << 4) : 0;
+            for (int g = 0; g < groups; g++) {
+                s[(int64_t)g * NR + j] = n < N ? scales[(int64_t)n * groups + g] : 0.f;
+                m[(int64_t)g * NR + j] = n < N ? mins[(int64_t)n * groups + g] : 0.f;
+            }
+        }
+    }
+}
+
 #if defined(__AVX512F__)
 // acc[m][v] = x rows m (NM of them, a constant: the accumulators stay in registers) . the panel's
 // vector v of output features, over Kp (even for bfloat16) values of k
@@ -110,18 +144,51 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
         }
     }
 }
+// panel_tile for a 4-bit panel: each k pair's NR bytes widened to two float32 vectors per 16
+// features, w = q * scale + min (one rounding), then as panel_tile
+static inline __attribute__((always_inline)) void int4_tile(const float *x, int64_t x_stride, const uint8_t *panel, int K,
+                                                      int group, const int NM, __m512 acc[MR][NV], int prefetch) {
+    const float *scales = (const float *)(panel + (int64_t)K / 2 * NR), *mins = scales + (int64_t)(K / group) * NR;
+    const __m512i nibble = _mm512_set1_epi32(15);
+    for (int m = 0; m < NM; m++)
+        for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
+    for (int g0 = 0; g0 < K; g0 += group) {
+        __m512 s[NV], mn[NV];
+        for (int v = 0; v < NV; v++) {
+            s[v] = _mm512_loadu_ps(scales + (int64_t)(g0 / group) * NR + 16 * v);
+            mn[v] = _mm512_loadu_ps(mins + (int64_t)(g0 / group) * NR + 16 * v);
+        }
+        for (int k = g0; k < g0 + group; k += 2) {
+            const uint8_t *bytes = panel + (int64_t)(k / 2) * NR;
+            if (prefetch) _mm_prefetch((const char *)bytes + PF_BYTES, _MM_HINT_T0);
+            __m512 even[NV], odd[NV];
+            for (int v = 0; v < NV; v++) {
+                const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 16 * v)));
+                even[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, nibble)), s[v], mn[v]);
+                odd[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), s[v], mn[v]);
+            }
+            for (int m = 0; m < NM; m++) {
+                const __m512 xe = _mm512_set1_ps(x[m * x_stride + k]), xo = _mm512_set1_ps(x[m * x_stride + k + 1]);
+                for (int v = 0; v < NV; v++) acc[m][v] = _mm512_fmadd_ps(xe, even[v], acc[m][v]);
+                for (int v = 0; v < NV; v++) acc[m][v] = _mm512_fmadd_ps(xo, odd[v], acc[m][v]);
+            }
+        }
+    }
+}
 #endif
 
-// y = x . w^T (+ bias) with w packed by blocked_pack. Returns 0; -1 where the work buffer could
-// not be allocated; -2 in a build without AVX-512.
-KERNEL_API int blocked_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M,
-                              int N, int K, int dtype) {
 #if defined(__AVX512F__)
-    const int panels = (N + NR - 1) / NR, Kp = dtype == 0 ? K : (K + 1) / 2 * 2;
+// The product over all panels, for float panels (group 0) or 4-bit ones (group: columns per
+// scale). x as float32 rows (bfloat16 widened once, a zero past an odd K); parallel over panels.
+static int run_panels(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M, int N,
+                      int K, int group, int dtype) {
+    const int panels = (N + NR - 1) / NR, Kp = dtype == 0 || group ? K : K + K % 2;
+    const int64_t panel_bytes = group ? blocked_int4_size(NR, K, group) : (int64_t)Kp * NR * (dtype == 0 ? 4 : 2);
+    const int mr = group ? MR4 : MR;
     const float *xf = (const float *)x;
     int64_t xs = x_stride;
     float *widened = NULL;
-    if (dtype == 1) {      // x to float32 once (a zero past an odd K), not once per panel
+    if (dtype == 1) {
         widened = (float *)malloc(sizeof(float) * (size_t)M * (size_t)Kp);
         if (!widened) return -1;
         for (int m = 0; m < M; m++) {
@@ -130,24 +197,35 @@ KERNEL_API int blocked_matmul(const void *x, int64_t x_stride, const void *packe
         }
         xf = widened, xs = Kp;
     }
-    const int esize = dtype == 0 ? 4 : 2;
     #pragma omp parallel for schedule(static) if (panels > 1 && (int64_t)N * K >= 65536)
     for (int p = 0; p < panels; p++) {
-        const char *panel = (const char *)packed + (int64_t)p * Kp * NR * esize;
+        const char *panel = (const char *)packed + p * panel_bytes;
         const int n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
-        for (int m0 = 0; m0 < M; m0 += MR) {
-            const int rows = M - m0 < MR ? M - m0 : MR;
+        for (int m0 = 0; m0 < M; m0 += mr) {
+            const int rows = M - m0 < mr ? M - m0 : mr, first = m0 == 0;
             const float *xm = xf + m0 * xs;
             __m512 acc[MR][NV];
-            switch (rows) {     // constant row counts: the accumulators stay in registers
-                case 1: panel_tile(xm, xs, panel, Kp, 1, dtype, acc, m0 == 0); break;
-                case 2: panel_tile(xm, xs, panel, Kp, 2, dtype, acc, m0 == 0); break;
-                case 3: panel_tile(xm, xs, panel, Kp, 3, dtype, acc, m0 == 0); break;
-                case 4: panel_tile(xm, xs, panel, Kp, 4, dtype, acc, m0 == 0); break;
-                case 5: panel_tile(xm, xs, panel, Kp, 5, dtype, acc, m0 == 0); break;
-                case 6: panel_tile(xm, xs, panel, Kp, 6, dtype, acc, m0 == 0); break;
-                case 7: panel_tile(xm, xs, panel, Kp, 7, dtype, acc, m0 == 0); break;
-                default: panel_tile(xm, xs, panel, Kp, MR, dtype, acc, m0 == 0); break;
+            if (group) {
+                const uint8_t *q = (const uint8_t *)panel;
+                switch (rows) {     // constant row counts: the accumulators stay in registers
+                    case 1: int4_tile(xm, xs, q, K, group, 1, acc, first); break;
+                    case 2: int4_tile(xm, xs, q, K, group, 2, acc, first); break;
+                    case 3: int4_tile(xm, xs, q, K, group, 3, acc, first); break;
+                    case 4: int4_tile(xm, xs, q, K, group, 4, acc, first); break;
+                    case 5: int4_tile(xm, xs, q, K, group, 5, acc, first); break;
+                    default: int4_tile(xm, xs, q, K, group, MR4, acc, first); break;
+                }
+            } else {
+                switch (rows) {
+                    case 1: panel_tile(xm, xs, panel, Kp, 1, dtype, acc, first); break;
+                    case 2: panel_tile(xm, xs, panel, Kp, 2, dtype, acc, first); break;
+                    case 3: panel_tile(xm, xs, panel, Kp, 3, dtype, acc, first); break;
+                    case 4: panel_tile(xm, xs, panel, Kp, 4, dtype, acc, first); break;
+                    case 5: panel_tile(xm, xs, panel, Kp, 5, dtype, acc, first); break;
+                    case 6: panel_tile(xm, xs, panel, Kp, 6, dtype, acc, first); break;
+                    case 7: panel_tile(xm, xs, panel, Kp, 7, dtype, acc, first); break;
+                    default: panel_tile(xm, xs, panel, Kp, MR, dtype, acc, first); break;
+                }
             }
             for (int m = 0; m < rows; m++)
                 for (int v = 0; v < NV && 16 * v < width; v++) {
@@ -161,8 +239,28 @@ KERNEL_API int blocked_matmul(const void *x, int64_t x_stride, const void *packe
     }
     free(widened);
     return 0;
+}
+#endif
+
+// y = x . w^T (+ bias) with w packed by blocked_pack. Returns 0; -1 where the work buffer could
+// not be allocated; -2 in a build without AVX-512.
+KERNEL_API int blocked_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M,
+                              int N, int K, int dtype) {
+#if defined(__AVX512F__)
+    return run_panels(x, x_stride, packed, bias, y, M, N, K, 0, dtype);
 #else
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)dtype;
+    return -2;
+#endif
+}
+
+// The same with a 4-bit weight packed by blocked_int4_pack (group: input columns per scale).
+KERNEL_API int blocked_int4_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y,
+                                   int M, int N, int K, int group, int dtype) {
+#if defined(__AVX512F__)
+    return run_panels(x, x_stride, packed, bias, y, M, N, K, group, dtype);
+#else
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)group, (void)dtype;
     return -2;
 #endif
 }

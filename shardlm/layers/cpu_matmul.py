@@ -98,7 +98,8 @@ def pack_blocked(weight: torch.Tensor) -> torch.Tensor:
     N, K = weight.shape
     code = DTYPE_CODES[weight.dtype]
     packed = torch.empty(size(N, K, code), dtype=weight.dtype)
-    pack(weight.contiguous().data_ptr(), N, K, code, packed.data_ptr())
+    weight = weight.contiguous()     # held while C reads it
+    pack(weight.data_ptr(), N, K, code, packed.data_ptr())
     return packed
 
 

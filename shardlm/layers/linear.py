@@ -97,8 +97,7 @@ class Linear(nn.Module):
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:
-            out = self.quant.matmul(x)
-            return out + bias if bias is not None else out
+            return self.quant.matmul(x, bias)
         return linear(x, self.weight, bias, self.cpu_matmul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardlm.kernels import DTYPE_CODES, fused_ops
+from shardlm.kernels import DTYPE_CODES, blocked_int4, blocked_panel_width, fused_ops
 from shardlm.layers.cpu_matmul import rows_kernel_wins
 from shardlm.logger import init_logger
 
@@ -122,39 +122,70 @@ class QuantizedWeight:
         self.out_features, self.in_features = q.shape
         self.bits, self.group = bits, self.in_features // scales.shape[1]
         self.dtype = dtype                                  # of activations and outputs
-        self.scales, self.mins = scales.float().contiguous(), mins.float().contiguous()   # as the kernels read them
+        self._scales, self._mins = scales.float().contiguous(), mins.float().contiguous()   # as the kernels read them
         self.kernel = self._kernel_format(q)
-        # the integers, stored once: int8 as they are; int4 two per byte (the kernel's layout, or plain)
+        # the integers, stored once: int8 as they are; int4 two per byte (a kernel's layout, or plain)
         self.q = q if bits == 8 else None
         if bits == 4 and self.kernel is None:
             self.packed = pack_nibbles(q)
+        if self.kernel == "blocked4":        # the panels hold the scales and mins too
+            self._scales = self._mins = None
         # measure=False: the owner measures against its own alternative (the LM head's float weight)
-        self.kernel_max_rows = self._measure() if self.kernel and measure else 0
+        self.kernel_max_rows = self._measure() if self.kernel in ("int4pack", "int8pack") and measure else 0
 
     def _kernel_format(self, q: torch.Tensor) -> str | None:
-        # the packed kernels multiply in bfloat16: a float32 model dequantizes instead (exact)
+        if (q.device.type == "cpu" and self.bits == 4 and self.dtype in DTYPE_CODES and blocked_int4() is not None
+                and self.group % 2 == 0):
+            size, pack, _ = blocked_int4()
+            self.packed = torch.empty(size(self.out_features, self.in_features, self.group), dtype=torch.uint8)
+            q = q.contiguous()       # held while C reads it (a slice of a rank's columns is not)
+            pack(q.data_ptr(), self._scales.data_ptr(), self._mins.data_ptr(), self.out_features,
+                 self.in_features, self.group, self.packed.data_ptr())
+            return "blocked4"
+        # torch's packed kernels multiply in bfloat16: a float32 model dequantizes instead (exact)
         if q.device.type != "cpu" or self.dtype != torch.bfloat16 or self.out_features % 16:
             return None
         if self.bits == 8 and self.group == self.in_features:
-            self._int8_scales = self.scales.view(-1).to(torch.bfloat16)
+            self._int8_scales = self._scales.view(-1).to(torch.bfloat16)
             return "int8pack"
         if self.bits == 4 and self.group in KERNEL_GROUP_SIZES and int4_layout_understood():
             self.packed = pack_int4(q)
             # the kernel computes (q - 8) * scale + zero: zero = min + 8 * scale
-            self._scales_and_zeros = torch.stack([self.scales.t(), (self.mins + 8 * self.scales).t()],
+            self._scales_and_zeros = torch.stack([self._scales.t(), (self._mins + 8 * self._scales).t()],
                                                  dim=-1).to(torch.bfloat16).contiguous()
             return "int4pack"
         return None
 
+    def _panels(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """blocked4's panels, unpacked: (q [N, K] int8, scales, mins [N, K / group] float32)."""
+        width, K, G = blocked_panel_width()(), self.in_features, self.in_features // self.group
+        panels = self.packed.view(-1, K // 2 * width + 2 * G * width * 4)
+        nibbles = panels[:, :K // 2 * width].reshape(-1, K // 2, width)
+        q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).permute(0, 2, 1, 3).reshape(-1, K)
+        tables = panels[:, K // 2 * width:].contiguous().view(torch.float32).view(-1, 2, G, width)
+        scales, mins = (tables[:, i].permute(0, 2, 1).reshape(-1, G)[:self.out_features] for i in range(2))
+        return q[:self.out_features].to(torch.int8), scales.contiguous(), mins.contiguous()
+
+    @property
+    def scales(self) -> torch.Tensor:
+        return self._panels()[1] if self._scales is None else self._scales
+
+    @property
+    def mins(self) -> torch.Tensor:
+        return self._panels()[2] if self._mins is None else self._mins
+
     def weight_bytes(self) -> int:
         stored = self.packed if self.q is None else self.q
-        return stored.numel() * stored.element_size() + 2 * self.scales.numel() * 4
+        tables = 0 if self.kernel == "blocked4" else 2 * self._scales.numel() * 4   # blocked4's are in its panels
+        return stored.numel() * stored.element_size() + tables
 
     def integers(self) -> torch.Tensor:
         if self.q is not None:
             return self.q
         if self.kernel == "int4pack":
             return unpack_int4(self.packed, self.out_features, self.in_features)
+        if self.kernel == "blocked4":
+            return self._panels()[0]
         return unpack_nibbles(self.packed)
 
     def dequantized(self) -> torch.Tensor:
@@ -162,16 +193,17 @@ class QuantizedWeight:
         if self.kernel == "int4pack" and lib is not None:      # one pass in C instead of ~8 operators
             out = torch.empty(self.out_features, self.in_features, dtype=self.dtype)
             lib.dequantize_int4pack(self.packed.data_ptr(), self.out_features, self.in_features,
-                                    self.scales.data_ptr(), self.mins.data_ptr(), self.group, out.data_ptr(),
+                                    self._scales.data_ptr(), self._mins.data_ptr(), self.group, out.data_ptr(),
                                     DTYPE_CODES[self.dtype])
             return out
         return dequantize(self.integers(), self.scales, self.mins, self.dtype)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.kernel == "blocked4":
+            return self._blocked4(x, bias)
         rows = x.numel() // self.in_features
-        if rows <= self.kernel_max_rows:
-            return self._kernel(x)
-        return F.linear(x, self.dequantized())
+        out = self._kernel(x) if rows <= self.kernel_max_rows else F.linear(x, self.dequantized())
+        return out if bias is None else out + bias
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -181,6 +213,18 @@ class QuantizedWeight:
         else:
             out = torch._weight_int4pack_mm_for_cpu(xb, self.packed, self.group, self._scales_and_zeros)
         return out.to(self.dtype).view(*shape[:-1], self.out_features)
+
+    def _blocked4(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+        bias = None if bias is None else bias.to(x.dtype).contiguous()     # held while C reads it
+        if blocked_int4()[2](rows.data_ptr(), rows.stride(0), self.packed.data_ptr(),
+                             None if bias is None else bias.data_ptr(), out.data_ptr(),
+                             rows.shape[0], self.out_features, self.in_features, self.group, DTYPE_CODES[x.dtype]):
+            raise MemoryError(f"blocked int4 matmul could not allocate its {rows.shape[0]} x {self.in_features} buffer")
+        return out.view(*x.shape[:-1], self.out_features)
 
     def _measure(self) -> int:
         """The most rows for which the packed kernel beats dequantize + matmul on this shape."""

@@ -24,6 +24,42 @@ def _address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+SKINNY, BLOCKED, BLOCKED_INT4 = 0, 1, 2     # the weight layouts the C path multiplies (llama_decode.c)
+
+
+def _layout(linear) -> tuple[int, int] | None:
+    """(layout, group) of a linear's weight where the C path has its kernel, else None."""
+    if linear.quant is not None:
+        return (BLOCKED_INT4, linear.quant.group) if linear.quant.kernel == "blocked4" else None
+    plan = linear.cpu_matmul
+    if plan is None:
+        return None
+    if plan.blocked:
+        return BLOCKED, 0
+    return (SKINNY, 0) if plan.skinny_rows >= 1 else None
+
+
+def _weight(linear) -> torch.Tensor:
+    return linear.quant.packed if linear.quant is not None else linear.weight
+
+
+def _fits(layer, layout: tuple[int, int], dense_mlp: type) -> bool:
+    """A decoder layer the C path runs: dense MLP, no q/k norm, the CPU attention backend, and
+    every linear's weight in `layout` (float weights in the norms' dtype)."""
+    attn = layer.self_attn
+    if (type(layer.mlp) is not dense_mlp or attn.q_norm is not None
+            or getattr(attn.attn.backend, "kernel_qkv", None) is None       # the CPU backend only
+            or layer.input_layernorm.weight.dtype not in DTYPE_CODES):
+        return False
+    linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    return all(_layout(m) == layout and (m.quant is not None or m.weight.dtype == layer.input_layernorm.weight.dtype)
+               for m in linears)
+
+
+def _in_features(linear) -> int:
+    return linear.quant.in_features if linear.quant is not None else linear.cpu_matmul.in_features
+
+
 class FusedDecodeLayers:
     def __init__(self, layers: list, kernel):
         self.layers, self.kernel = layers, kernel
@@ -32,13 +68,12 @@ class FusedDecodeLayers:
         self.dtype = first.input_layernorm.weight.dtype
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.hidden_size = first.input_layernorm.weight.shape[0]
-        self.inter = first.mlp.down_proj.cpu_matmul.in_features
+        self.inter = _in_features(first.mlp.down_proj)
         self.eps, self.scale = first.input_layernorm.eps, attn.attn.scale
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        plans = [m.cpu_matmul for m in linears]
-        self.blocked = plans[0].blocked          # all blocked, or all plain (build checks)
-        self.max_rows = 1 << 30 if self.blocked else min(p.skinny_rows for p in plans)
+        self.layout, self.group = _layout(linears[0])         # the same for all (build checks)
+        self.max_rows = min(m.cpu_matmul.skinny_rows for m in linears) if self.layout == SKINNY else 1 << 30
         self._table: torch.Tensor | None = None
         self._cache_address = None
 
@@ -50,18 +85,9 @@ class FusedDecodeLayers:
         layers = list(model.layers[model.start:model.end])
         if not layers or get_tp_group().world_size != 1:
             return None
-        first_plan = layers[0].self_attn.qkv_proj.cpu_matmul
-        for layer in layers:
-            attn = layer.self_attn
-            if (first_plan is None or type(layer.mlp) is not LlamaMLP or attn.q_norm is not None
-                    or getattr(attn.attn.backend, "kernel_qkv", None) is None      # the CPU backend only
-                    or layer.input_layernorm.weight.dtype not in DTYPE_CODES
-                    or any(m.quant is not None or m.cpu_matmul is None
-                           or m.cpu_matmul.blocked != first_plan.blocked
-                           or not (m.cpu_matmul.blocked or m.cpu_matmul.skinny_rows >= 1)
-                           or m.weight.dtype != layer.input_layernorm.weight.dtype
-                           for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))):
-                return None
+        layout = _layout(layers[0].self_attn.qkv_proj)
+        if layout is None or not all(_fits(layer, layout, LlamaMLP) for layer in layers):
+            return None
         kernel = kernels.llama_decode_layers()
         return None if kernel is None else cls(layers, kernel)
 
@@ -73,9 +99,9 @@ class FusedDecodeLayers:
             for layer in self.layers:
                 attn, mlp = layer.self_attn, layer.mlp
                 rows.append([_address(t) for t in (
-                    layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
-                    attn.o_proj.bias, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
-                    mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias, attn.attn.k_cache,
+                    layer.input_layernorm.weight, _weight(attn.qkv_proj), attn.qkv_proj.bias, _weight(attn.o_proj),
+                    attn.o_proj.bias, layer.post_attention_layernorm.weight, _weight(mlp.gate_up_proj),
+                    mlp.gate_up_proj.bias, _weight(mlp.down_proj), mlp.down_proj.bias, attn.attn.k_cache,
                     attn.attn.v_cache)])
             self._table, self._cache_address = torch.tensor(rows, dtype=torch.int64), caches
         return self._table
@@ -99,7 +125,7 @@ class FusedDecodeLayers:
                          int(has_residual), cos.data_ptr(), signed_sin.data_ptr(), meta.slot_mapping.data_ptr(),
                          b.block_table.data_ptr(), b.context_lens.data_ptr(), T, self.hidden_size, H, Hkv, D, inter,
                          k_cache.shape[1], k_cache.shape[2], b.block_table.shape[1], self.scale, self.eps,
-                         DTYPE_CODES[self.dtype], int(self.blocked), scratch.data_ptr())
+                         DTYPE_CODES[self.dtype], self.layout, self.group, scratch.data_ptr())
         if rc != 0:
             raise MemoryError("the fused decode kernels could not allocate their work buffers")
         return hidden, residual

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from shardlm import LLM, SamplingParams
+from shardlm.kernels import blocked_int4
 
 PROMPTS = json.load(open(os.path.join(os.path.dirname(__file__), "..", "data", "default_model_prompts.json")))
 
@@ -37,9 +38,9 @@ def test_default_model_chat_is_coherent():
 
 
 def test_default_model_from_its_q4_1_file(reference, hf):
-    """--quantization gguf: the linears stay in the file's Q4_1 blocks. In float32 (dequantized per
-    product) it equals transformers on the float conversion; in bfloat16 (torch's int4 kernel for
-    decode rows) it parts from it only at near-ties."""
+    """--quantization gguf: the linears stay in the file's Q4_1 blocks. In float32 it equals
+    transformers on the float conversion (the blocked kernel widens each weight with one rounding,
+    the conversion with two: near-ties may part); in bfloat16 it parts from it only at near-ties."""
     prompts = [p["token_ids"] for p in PROMPTS["prompts"]]
     ref = [(ids[:48], top[:48]) for ids, top in reference]      # greedy: the first 48 of the 128
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=5)
@@ -48,7 +49,10 @@ def test_default_model_from_its_q4_1_file(reference, hf):
         llm = LLM(dtype=dtype, quantization="gguf")
         try:
             kernels = llm.collective_rpc("quantized_kernels")[0]
-            assert kernels == ({"none": 120} if dtype == "float32" else {"int4pack": 120})
+            if blocked_int4() is not None:      # AVX-512: 4-bit panels in both dtypes
+                assert kernels == {"blocked4": 120}
+            else:
+                assert kernels == ({"none": 120} if dtype == "float32" else {"int4pack": 120})
             outs = llm.generate(prompts, params, use_tqdm=False)
         finally:
             llm.shutdown()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shardlm import LLM
+from shardlm.kernels import blocked_int4
 from shardlm.layers.quantization import dequantize, quantize_rtn
 from tests.models.test_tiny_models_vs_hf import MAX_TOKENS, PARAMS, _prompts
 
@@ -94,11 +95,14 @@ def test_bad_quantization_settings_say_what_works(tiny_model_dir):
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_bfloat16_packed_kernels_equal_hf_in_bfloat16(method, tiny_model_dir, tmp_path, hf):
-    """bfloat16 runs torch's packed int8/int4 kernels for decode rows, against transformers in
-    bfloat16 on the same integers."""
+    """bfloat16 runs the packed kernels (int8: torch's; int4: the blocked kernel's 4-bit panels on
+    AVX-512 CPUs, else torch's) against transformers on the same integers."""
     group = -1 if method == "int8" else 32
     path = _round_trip_model(tiny_model_dir("llama-gqa"), tmp_path, 8 if method == "int8" else 4, group)
-    reference = hf.greedy(path, _prompts(), MAX_TOKENS, dtype=torch.bfloat16)
+    blocked = method == "int4" and blocked_int4() is not None
+    # the blocked kernel widens 4-bit weights to float32 in registers (transformers in bfloat16
+    # rounds each dequantized weight to bfloat16): its reference is float32
+    reference = hf.greedy(path, _prompts(), MAX_TOKENS, dtype=torch.float32 if blocked else torch.bfloat16)
     llm = LLM(tiny_model_dir("llama-gqa"), **{**ENGINE, "dtype": "bfloat16"}, quantization=method,
               quantization_group_size=group)
     try:
@@ -106,7 +110,8 @@ def test_bfloat16_packed_kernels_equal_hf_in_bfloat16(method, tiny_model_dir, tm
         outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
     finally:
         llm.shutdown()
-    assert kernels == {f"{method}pack": 4 * 2}          # qkv, o, gate_up, down of both layers
+    expected = "blocked4" if blocked else f"{method}pack"
+    assert kernels == {expected: 4 * 2}          # qkv, o, gate_up, down of both layers
     # every sequence may part from HF only at a near-tie (each side's token in the other's top 5).
     # No count of exact sequences: in bfloat16 these tiny random models part within a few tokens even
     # unquantized (transformers in bfloat16 against itself in float32 too)
@@ -128,7 +133,7 @@ def test_a_gguf_file_as_the_model_serves_its_own_blocks(tmp_path):
     for model in (None, str(copy)):
         llm = LLM(model, dtype="float32", kv_cache_memory="64MiB", max_model_len=256, quantization="gguf")
         try:
-            assert llm.collective_rpc("quantized_kernels")[0] == {"none": 120}
+            assert llm.collective_rpc("quantized_kernels")[0] == {"blocked4" if blocked_int4() else "none": 120}
             outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         finally:
             llm.shutdown()

@@ -1,11 +1,14 @@
 """Weight-only int8 / int4: round-to-nearest equals a reference written from the definition,
-torch's int4 packing is understood (unpack inverts it), and the product through either kernel
-equals dequantize + float matmul within the kernel's rounding (bfloat16 activations)."""
+torch's int4 packing is understood (unpack inverts it), the blocked kernel's 4-bit panels hold
+what was quantized, and the product through any kernel equals dequantize + float matmul within
+the kernel's rounding."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from shardlm import kernels
+from shardlm.layers import quantization
 from shardlm.layers.quantization import (
     QuantizedWeight,
     dequantize,
@@ -72,7 +75,9 @@ def test_product_equals_dequantize_then_matmul(bits, group, rows, dtype):
     assert qw.weight_bytes() == w.numel() * bits // 8 + 2 * 4 * 192 * groups     # integers + float32 scale, min
 
 
-def test_packed_kernels_serve_bfloat16_models():
+def test_packed_kernels_serve_bfloat16_models(monkeypatch):
+    """Where torch's packed kernels are used: CPUs without AVX-512 (here: the blocked kernel switched off)."""
+    monkeypatch.setattr(quantization, "blocked_int4", lambda: None)
     w, bf16 = torch.randn(192, 256), torch.bfloat16
     assert QuantizedWeight(*quantize_rtn(w, 4, 32), 4, bf16).kernel == "int4pack"
     assert QuantizedWeight(*quantize_rtn(w, 8, 256), 8, bf16).kernel == "int8pack"
@@ -81,10 +86,28 @@ def test_packed_kernels_serve_bfloat16_models():
     assert QuantizedWeight(*quantize_rtn(w, 4, 32), 4, torch.float32).kernel is None   # float32: exact path
 
 
+@pytest.mark.skipif(kernels.blocked_int4() is None, reason="no compiler or no AVX-512")
+@pytest.mark.parametrize("n, k, group", [(48, 64, 32), (100, 256, 128), (208, 96, 32)])
+def test_blocked_4bit_panels_hold_the_integers_scales_and_mins(n, k, group):
+    """On AVX-512 CPUs every 4-bit weight, float32 or bfloat16 model, goes into the blocked
+    kernel's panels (scales and mins inside them): read back, they are what was quantized."""
+    whole = quantize_rtn(torch.randn(n, 2 * k), 4, group)
+    # the second half of the columns: a row-parallel rank's slice, not contiguous
+    q, scales, mins = whole[0][:, k:], *(t[:, k // group:] for t in whole[1:])
+    x = torch.randn(3, k)
+    for dtype in (torch.float32, torch.bfloat16):
+        qw = QuantizedWeight(q, scales, mins, 4, dtype)
+        assert qw.kernel == "blocked4"
+        assert torch.equal(qw.integers(), q) and torch.equal(qw.scales, scales) and torch.equal(qw.mins, mins)
+        expected = F.linear(x.to(dtype).float(), dequantize(q, scales, mins, torch.float32))
+        torch.testing.assert_close(qw.matmul(x.to(dtype)).float(), expected, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("n", [64, 80, 208])
-def test_int4pack_dequantizes_in_c_exactly(n):
+def test_int4pack_dequantizes_in_c_exactly(n, monkeypatch):
     """dequantized() of torch's int4 layout (one C pass) equals the operators on the unpacked
     integers bit for bit: full 64-row blocks and the tail block."""
+    monkeypatch.setattr(quantization, "blocked_int4", lambda: None)
     qw = QuantizedWeight(*quantize_rtn(torch.randn(n, 128), 4, 32), 4, torch.bfloat16, measure=False)
     assert qw.kernel == "int4pack"
     assert torch.equal(qw.dequantized(), dequantize(qw.integers(), qw.scales, qw.mins, torch.bfloat16))
