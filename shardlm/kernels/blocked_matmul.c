@@ -178,6 +178,20 @@ static inline __attribute__((always_inline)) void int4_tile(const float *x, int6
 #endif
 
 #if defined(__AVX512F__)
+// A 4-bit panel as a float32 one ([K][NR]): w = q * scale + min, rounded once, as int4_tile has it
+static void widen_int4_panel(const uint8_t *panel, int K, int group, float *out) {
+    const float *scales = (const float *)(panel + (int64_t)K / 2 * NR), *mins = scales + (int64_t)(K / group) * NR;
+    const __m512i nibble = _mm512_set1_epi32(15);
+    for (int k = 0; k < K; k += 2)
+        for (int v = 0; v < NV; v++) {
+            const int64_t g = (int64_t)(k / group) * NR + 16 * v;
+            const __m512 s = _mm512_loadu_ps(scales + g), mn = _mm512_loadu_ps(mins + g);
+            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(panel + (int64_t)(k / 2) * NR + 16 * v)));
+            _mm512_storeu_ps(out + (int64_t)k * NR + 16 * v, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, nibble)), s, mn));
+            _mm512_storeu_ps(out + (int64_t)(k + 1) * NR + 16 * v, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), s, mn));
+        }
+}
+
 // The product over all panels, for float panels (group 0) or 4-bit ones (group: columns per
 // scale). x as float32 rows (bfloat16 widened once, a zero past an odd K); parallel over panels.
 static int run_panels(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M, int N,
@@ -197,15 +211,40 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
         }
         xf = widened, xs = Kp;
     }
-    #pragma omp parallel for schedule(static) if (panels > 1 && (int64_t)N * K >= 65536)
+    // 4-bit panels against more than one tile of rows: each panel widened once into float32
+    // (the same values, so the same sums) and multiplied by the float tile, instead of widened
+    // again for every tile
+    const int widen_once = group && M > MR4;
+    int failed = 0;
+    #pragma omp parallel if (panels > 1 && (int64_t)N * K >= 65536)
+    {
+    float *wide_panel = widen_once ? (float *)malloc(sizeof(float) * (size_t)K * NR) : NULL;
+    if (widen_once && !wide_panel) {
+        #pragma omp atomic write
+        failed = 1;
+    }
+    #pragma omp for schedule(static)
     for (int p = 0; p < panels; p++) {
+        if (widen_once && !wide_panel) continue;
         const char *panel = (const char *)packed + p * panel_bytes;
         const int n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
-        for (int m0 = 0; m0 < M; m0 += mr) {
-            const int rows = M - m0 < mr ? M - m0 : mr, first = m0 == 0;
+        if (widen_once) widen_int4_panel((const uint8_t *)panel, K, group, wide_panel);
+        for (int m0 = 0; m0 < M; m0 += widen_once ? MR : mr) {
+            const int step = widen_once ? MR : mr, rows = M - m0 < step ? M - m0 : step, first = m0 == 0;
             const float *xm = xf + m0 * xs;
             __m512 acc[MR][NV];
-            if (group) {
+            if (widen_once) {
+                switch (rows) {     // float32 weights: dtype 0 (x is float32 already)
+                    case 1: panel_tile(xm, xs, wide_panel, K, 1, 0, acc, 0); break;
+                    case 2: panel_tile(xm, xs, wide_panel, K, 2, 0, acc, 0); break;
+                    case 3: panel_tile(xm, xs, wide_panel, K, 3, 0, acc, 0); break;
+                    case 4: panel_tile(xm, xs, wide_panel, K, 4, 0, acc, 0); break;
+                    case 5: panel_tile(xm, xs, wide_panel, K, 5, 0, acc, 0); break;
+                    case 6: panel_tile(xm, xs, wide_panel, K, 6, 0, acc, 0); break;
+                    case 7: panel_tile(xm, xs, wide_panel, K, 7, 0, acc, 0); break;
+                    default: panel_tile(xm, xs, wide_panel, K, MR, 0, acc, 0); break;
+                }
+            } else if (group) {
                 const uint8_t *q = (const uint8_t *)panel;
                 switch (rows) {     // constant row counts: the accumulators stay in registers
                     case 1: int4_tile(xm, xs, q, K, group, 1, acc, first); break;
@@ -237,8 +276,10 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
                 }
         }
     }
+    free(wide_panel);
+    }
     free(widened);
-    return 0;
+    return failed ? -1 : 0;
 }
 #endif
 

@@ -101,6 +101,9 @@ def test_blocked_4bit_panels_hold_the_integers_scales_and_mins(n, k, group):
         assert torch.equal(qw.integers(), q) and torch.equal(qw.scales, scales) and torch.equal(qw.mins, mins)
         expected = F.linear(x.to(dtype).float(), dequantize(q, scales, mins, torch.float32))
         torch.testing.assert_close(qw.matmul(x.to(dtype)).float(), expected, rtol=2e-2, atol=2e-2)
+        # many rows widen each panel once, few widen it per tile: the same weights, the same sums
+        many = torch.randn(20, k).to(dtype)
+        assert torch.equal(qw.matmul(many)[7:10], qw.matmul(many[7:10]))
 
 
 @pytest.mark.parametrize("n", [64, 80, 208])
