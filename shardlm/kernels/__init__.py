@@ -151,7 +151,8 @@ def blocked_panel_width():
 def llama_decode_layers():
     """A stage's Llama decoder layers for one decode step in one call (kernels/llama_decode.c), or None."""
     return _function("llama_decode", "llama_decode_layers",
-                     [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F, _I, _I, _I, _P],
+                     [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F,
+                      _I, _I, _I, _P],
                      ctypes.c_int)
 
 
