@@ -6,9 +6,10 @@ costs about as much as the norms, rotary and attention themselves. This runs the
 in the same order, from C: the results are bit for bit those of the layer-by-layer path.
 
 It applies where every piece has its CPU kernel: one tensor parallel rank, float32 or
-bfloat16, plain Llama layers (dense MLP, no q/k norm) whose linears all use the skinny kernel
-at the step's rows, the CPU attention backend, and a step of decodes only. Anything else takes
-the layer-by-layer path.
+bfloat16, plain Llama layers (dense MLP, no q/k norm) whose linears all have one layout the C
+kernels read (the blocked kernel's float or 4-bit panels at any rows; plain weights on the
+skinny kernel up to the rows it was measured for), the CPU attention backend, and a step of
+decodes only. Anything else takes the layer-by-layer path.
 """
 
 from __future__ import annotations
