@@ -114,13 +114,17 @@ def skinny_matmul():
     return _function("skinny_matmul", "skinny_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I)
 
 
+_blocked: list = []
+
+
 def blocked_matmul():
     """blocked_matmul(x, x_stride, packed_w, bias, y, M, N, K, dtype) -> 0, -1 if out of memory
     (kernels/blocked_matmul.c); None where it cannot be built or this CPU lacks AVX-512."""
-    supported = _function("blocked_matmul", "blocked_supported", [], _I)
-    if supported is None or not supported():
-        return None
-    return _function("blocked_matmul", "blocked_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I)
+    if not _blocked:        # looked up once: every product on CPU asks
+        supported = _function("blocked_matmul", "blocked_supported", [], _I)
+        _blocked.append(None if supported is None or not supported() else
+                        _function("blocked_matmul", "blocked_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I))
+    return _blocked[0]
 
 
 def blocked_pack():

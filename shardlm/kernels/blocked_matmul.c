@@ -144,12 +144,20 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
         }
     }
 }
+// 16 bytes of a 4-bit panel (features j .. j+15 at a k pair) as the float32 weights of k (low
+// nibbles) and k + 1 (high): q * scale + min, rounded once
+static inline __attribute__((always_inline)) void widen_int4_pair(const uint8_t *bytes, __m512 scale, __m512 min,
+                                                            __m512 *even, __m512 *odd) {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+    *even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), scale, min);
+    *odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), scale, min);
+}
+
 // panel_tile for a 4-bit panel: each k pair's NR bytes widened to two float32 vectors per 16
 // features, w = q * scale + min (one rounding), then as panel_tile
 static inline __attribute__((always_inline)) void int4_tile(const float *x, int64_t x_stride, const uint8_t *panel, int K,
                                                       int group, const int NM, __m512 acc[MR][NV], int prefetch) {
     const float *scales = (const float *)(panel + (int64_t)K / 2 * NR), *mins = scales + (int64_t)(K / group) * NR;
-    const __m512i nibble = _mm512_set1_epi32(15);
     for (int m = 0; m < NM; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
     for (int g0 = 0; g0 < K; g0 += group) {
@@ -162,11 +170,7 @@ static inline __attribute__((always_inline)) void int4_tile(const float *x, int6
             const uint8_t *bytes = panel + (int64_t)(k / 2) * NR;
             if (prefetch) _mm_prefetch((const char *)bytes + PF_BYTES, _MM_HINT_T0);
             __m512 even[NV], odd[NV];
-            for (int v = 0; v < NV; v++) {
-                const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 16 * v)));
-                even[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, nibble)), s[v], mn[v]);
-                odd[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), s[v], mn[v]);
-            }
+            for (int v = 0; v < NV; v++) widen_int4_pair(bytes + 16 * v, s[v], mn[v], &even[v], &odd[v]);
             for (int m = 0; m < NM; m++) {
                 const __m512 xe = _mm512_set1_ps(x[m * x_stride + k]), xo = _mm512_set1_ps(x[m * x_stride + k + 1]);
                 for (int v = 0; v < NV; v++) acc[m][v] = _mm512_fmadd_ps(xe, even[v], acc[m][v]);
@@ -181,14 +185,14 @@ static inline __attribute__((always_inline)) void int4_tile(const float *x, int6
 // A 4-bit panel as a float32 one ([K][NR]): w = q * scale + min, rounded once, as int4_tile has it
 static void widen_int4_panel(const uint8_t *panel, int K, int group, float *out) {
     const float *scales = (const float *)(panel + (int64_t)K / 2 * NR), *mins = scales + (int64_t)(K / group) * NR;
-    const __m512i nibble = _mm512_set1_epi32(15);
     for (int k = 0; k < K; k += 2)
         for (int v = 0; v < NV; v++) {
             const int64_t g = (int64_t)(k / group) * NR + 16 * v;
-            const __m512 s = _mm512_loadu_ps(scales + g), mn = _mm512_loadu_ps(mins + g);
-            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(panel + (int64_t)(k / 2) * NR + 16 * v)));
-            _mm512_storeu_ps(out + (int64_t)k * NR + 16 * v, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, nibble)), s, mn));
-            _mm512_storeu_ps(out + (int64_t)(k + 1) * NR + 16 * v, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), s, mn));
+            __m512 even, odd;
+            widen_int4_pair(panel + (int64_t)(k / 2) * NR + 16 * v, _mm512_loadu_ps(scales + g), _mm512_loadu_ps(mins + g),
+                            &even, &odd);
+            _mm512_storeu_ps(out + (int64_t)k * NR + 16 * v, even);
+            _mm512_storeu_ps(out + (int64_t)(k + 1) * NR + 16 * v, odd);
         }
 }
 
