@@ -84,13 +84,14 @@ _functions: dict[str, object] = {}
 
 def _function(library: str, name: str, argtypes: list, restype):
     """The C function `name` of kernels/<library>.c with its signature set, or None (looked up once)."""
-    if name not in _functions:
+    key = f"{library}.{name}"       # two libraries may hold one function (llama_decode includes others)
+    if key not in _functions:
         lib = load(library)
         fn = None if lib is None else getattr(lib, name)
         if fn is not None:
             fn.argtypes, fn.restype = argtypes, restype
-        _functions[name] = fn
-    return _functions[name]
+        _functions[key] = fn
+    return _functions[key]
 
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -122,9 +123,61 @@ def blocked_matmul():
     (kernels/blocked_matmul.c); None where it cannot be built or this CPU lacks AVX-512."""
     if not _blocked:        # looked up once: every product on CPU asks
         supported = _function("blocked_matmul", "blocked_supported", [], _I)
-        _blocked.append(None if supported is None or not supported() else
-                        _function("blocked_matmul", "blocked_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I))
+        fn = None if supported is None or not supported() else \
+            _function("blocked_matmul", "blocked_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I)
+        if fn is not None:
+            _use_bf16_dot("blocked_matmul", _bf16_dot_pays(fn))
+        _blocked.append(fn)
     return _blocked[0]
+
+
+_bf16_dot: list = []
+
+
+def _use_bf16_dot(library: str, on: bool) -> bool:
+    """Tell a library holding blocked_matmul.c whether bfloat16 products use the dot product;
+    False where it was built without AVX512_BF16."""
+    return bool(_function(library, "blocked_set_bf16_dot", [_I], _I)(int(on)))
+
+
+def use_bf16_dot(on: bool) -> bool:
+    """Switch bfloat16 products between the dot product and float32 FMAs in every library holding
+    blocked_matmul.c (tests run both); False where this build lacks AVX512_BF16."""
+    if blocked_matmul() is None:
+        return False
+    return all([_use_bf16_dot(library, on) for library in ("blocked_matmul", "llama_decode")
+                if load(library) is not None])
+
+
+def _bf16_dot_pays(matmul) -> bool:
+    """Whether bfloat16 products run faster with the CPU's bfloat16 dot product (vdpbf16ps) than
+    widened to float32 FMAs: twice the multiply-adds on AMD Zen 4, none more on Intel CPUs without
+    AMX. Timed once per process, interleaved, on a product of this model family's size; the
+    answer then holds for every product, so all of them sum in the same order."""
+    if _bf16_dot:
+        return _bf16_dot[0]
+    setter = _function("blocked_matmul", "blocked_set_bf16_dot", [_I], _I)
+    pays = False
+    if setter(1):       # built with AVX512_BF16
+        from shardlm.utils import median_seconds_side_by_side
+        pack_size = _function("blocked_matmul", "blocked_packed_size", [_I, _I, _I], _I64)
+        pack = _function("blocked_matmul", "blocked_pack", [_P, _I, _I, _I, _P], None)
+        M, N, K = 64, 1536, 576
+        w = torch.randn(N, K).to(torch.bfloat16)
+        packed = torch.empty(pack_size(N, K, 1), dtype=torch.bfloat16)
+        pack(w.data_ptr(), N, K, 1, packed.data_ptr())
+        x, y = torch.randn(M, K).to(torch.bfloat16), torch.empty(M, N, dtype=torch.bfloat16)
+
+        def product(on: int):
+            setter(on)
+            matmul(x.data_ptr(), K, packed.data_ptr(), None, y.data_ptr(), M, N, K, 1)
+        widened, dot = median_seconds_side_by_side(lambda: product(0), lambda: product(1), 9)
+        pays = widened > 1.2 * dot
+        logger.info("bfloat16 products: %s (the dot product took %.2fx the time of widening to float32)",
+                    "vdpbf16ps" if pays else "widened to float32", dot / widened)
+    setter(int(pays))
+    _bf16_dot.append(pays)
+    return pays
 
 
 def blocked_pack():
@@ -154,6 +207,8 @@ def blocked_panel_width():
 
 def llama_decode_layers():
     """A stage's Llama decoder layers for one decode step in one call (kernels/llama_decode.c), or None."""
+    if "llama_decode.llama_decode_layers" not in _functions and load("llama_decode") is not None and blocked_matmul() is not None:
+        _use_bf16_dot("llama_decode", _bf16_dot_pays(blocked_matmul()))   # its own copy of the choice
     return _function("llama_decode", "llama_decode_layers",
                      [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F,
                       _I, _I, _I, _P],

@@ -14,6 +14,17 @@ from shardlm.layers import cpu_matmul
 pytestmark = pytest.mark.skipif(kernels.blocked_matmul() is None, reason="no compiler or no AVX-512")
 
 
+@pytest.fixture(params=["widened", "dot"])
+def bf16_products(request):
+    """bfloat16 products both ways: widened to float32 FMAs, and with the CPU's bfloat16 dot
+    product (vdpbf16ps) where this build has it; the engine's own choice restored after."""
+    if not kernels.use_bf16_dot(request.param == "dot") and request.param == "dot":
+        kernels.use_bf16_dot(kernels._bf16_dot_pays(kernels.blocked_matmul()))
+        pytest.skip("this build has no AVX512_BF16 dot product")
+    yield request.param
+    kernels.use_bf16_dot(kernels._bf16_dot_pays(kernels.blocked_matmul()))
+
+
 def _product(x, w, bias):
     packed = cpu_matmul.pack_blocked(w)
     return cpu_matmul.blocked(x, packed, bias, w.shape[0])
@@ -21,7 +32,7 @@ def _product(x, w, bias):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M,N,K", [(1, 48, 576), (3, 30, 101), (8, 100, 64), (9, 97, 1537), (37, 200, 96)])
-def test_blocked_matmul_equals_the_exact_product(dtype, M, N, K):
+def test_blocked_matmul_equals_the_exact_product(dtype, M, N, K, bf16_products):
     gen = torch.Generator().manual_seed(M * N + K)
     wide = torch.randn(M, K + 40, generator=gen).to(dtype)
     x = wide[:, 8:8 + K]                                      # rows with a stride of their own
@@ -36,7 +47,7 @@ def test_blocked_matmul_equals_the_exact_product(dtype, M, N, K):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_rows_result_does_not_depend_on_the_batch(dtype):
+def test_a_rows_result_does_not_depend_on_the_batch(dtype, bf16_products):
     gen = torch.Generator().manual_seed(7)
     x, w = torch.randn(64, 200, generator=gen).to(dtype), torch.randn(100, 200, generator=gen).to(dtype)
     whole = _product(x, w, None)
