@@ -207,7 +207,8 @@ def blocked_panel_width():
 
 def llama_decode_layers():
     """A stage's Llama decoder layers for one decode step in one call (kernels/llama_decode.c), or None."""
-    if "llama_decode.llama_decode_layers" not in _functions and load("llama_decode") is not None and blocked_matmul() is not None:
+    first = "llama_decode.llama_decode_layers" not in _functions
+    if first and load("llama_decode") is not None and blocked_matmul() is not None:
         _use_bf16_dot("llama_decode", _bf16_dot_pays(blocked_matmul()))   # its own copy of the choice
     return _function("llama_decode", "llama_decode_layers",
                      [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F,
