@@ -110,8 +110,8 @@ class EngineArgs:
         "distributed_init_timeout": "seconds to wait for every rank to join before failing with the missing ones",
         "execute_model_timeout": "seconds a step of worker processes may take (the first excluded) before the "
                                  "engine fails, naming the ranks that did not answer (a hung or stopped worker)",
-        "pp_layer_partition": "layers per pipeline stage, e.g. 16,14 (default: even, the remainder to the "
-                              "stages before the last)",
+        "pp_layer_partition": "layers per pipeline stage, e.g. 16,14 (default: balanced, the LM head "
+                              "counted as the decoder layers it weighs on the last stage)",
         "allow_cross_node_tp": "Ray: allow a tensor parallel group to span nodes (two all-reduces per layer "
                                "over the network; refused by default)",
         "quantization": "weight-only quantization of the linear layers at load: int8 (one scale per row) or "

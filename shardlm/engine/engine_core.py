@@ -15,7 +15,7 @@ import time
 from collections import deque
 
 from shardlm.config import EngineConfig, format_bytes
-from shardlm.distributed.utils import describe_partition, pp_layer_partition
+from shardlm.distributed.utils import describe_partition, stage_layers
 from shardlm.engine.request import Request
 from shardlm.engine.scheduler import Scheduler
 from shardlm.engine.wave import Wave
@@ -43,8 +43,8 @@ class EngineCore:
         logger.info("Parallel layout: TP=%d PP=%d DP=%d, executor %s", par.tensor_parallel_size,
                     par.pipeline_parallel_size, par.data_parallel_size, type(self.executor).__name__)
         if par.pipeline_parallel_size > 1:
-            logger.info("PP %s; up to %d batches in flight", describe_partition(pp_layer_partition(
-                config.model.num_layers, par.pipeline_parallel_size, par.pp_layer_partition)), self.max_in_flight)
+            logger.info("PP %s; up to %d batches in flight", describe_partition(stage_layers(config.model, par)),
+                        self.max_in_flight)
         if par.world_size > 1:
             weights, tp = self.executor.collective_rpc("weight_bytes"), par.tensor_parallel_size
             logger.info("Memory per rank: %s; KV cache %d blocks (%d tokens) on every rank", "; ".join(

@@ -168,6 +168,12 @@ class ModelShape:
         unused = (self.num_experts - self.experts_per_token) * 3 * self.hidden * self.expert_intermediate
         return self.total_params() - unused * sum(self.is_moe_layer(i) for i in range(self.layers))
 
+    def lm_head_layers(self) -> float:
+        """The LM head's work per token in decoder layers (active parameters: routed experts
+        count as those a token uses): what a pipeline's last stage carries besides its layers."""
+        layers = self.active_params() - self.total_params() + sum(self.layer_params(i) for i in range(self.layers))
+        return self.vocab * self.hidden / (layers / self.layers)
+
     # ---- KV cache ----
     def kv_bytes_per_token(self, dtype_bytes: float, layers: int | None = None, tp: int = 1) -> float:
         """Standard attention: 2 (K and V) x layers x kv_heads x head_dim x bytes. MLA caches one

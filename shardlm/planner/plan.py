@@ -105,7 +105,7 @@ def evaluate(shape: ModelShape, tp: int, pp: int, hw: Hardware, w: Workload, ep:
         return plan
     reserve = activation_reserve(shape, tp, w, hw)
     worst_weights, worst_kv = 0.0, 0.0
-    for s, (start, end) in enumerate(pp_layer_partition(shape.layers, pp)):
+    for s, (start, end) in enumerate(pp_layer_partition(shape.layers, pp, head_layers=shape.lm_head_layers())):
         params = sum(shape.layer_params(i, tp, ep) for i in range(start, end))
         linear = params - 2 * shape.hidden * (end - start)
         extra = []
@@ -282,7 +282,8 @@ def expert_bytes_per_rank(shape: ModelShape, plan: SplitPlan, w: Workload) -> fl
     """Routed expert weights on the fullest rank of the fullest stage."""
     expert = 3 * shape.hidden * shape.expert_intermediate
     per_layer = shape.experts_per_rank(plan.ep) * expert if plan.ep else shape.num_experts * expert / plan.tp
-    layers = max(sum(shape.is_moe_layer(i) for i in range(a, b)) for a, b in pp_layer_partition(shape.layers, plan.pp))
+    stages = pp_layer_partition(shape.layers, plan.pp, head_layers=shape.lm_head_layers())
+    layers = max(sum(shape.is_moe_layer(i) for i in range(a, b)) for a, b in stages)
     return weight_bytes(shape, per_layer * layers, per_layer * layers, w)
 
 

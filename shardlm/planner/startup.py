@@ -9,7 +9,7 @@ import psutil
 import torch
 
 from shardlm.config import EngineConfig
-from shardlm.distributed.utils import pp_layer_partition
+from shardlm.distributed.utils import stage_layers
 from shardlm.logger import init_logger
 from shardlm.planner.hardware import detect_hardware
 from shardlm.planner.model_shape import ModelShape
@@ -32,7 +32,7 @@ def check_parallel_layout(config: EngineConfig) -> None:
         raise ValueError(f"{shape.name} has {shape.heads} attention heads and {shape.kv_heads} KV heads: "
                          f"tensor parallel size {tp} cannot split it ({'; '.join(problems)}). "
                          f"Valid tensor parallel sizes are {valid}.")
-    pp_layer_partition(m.num_layers, par.pipeline_parallel_size, par.pp_layer_partition)   # raises if impossible
+    stage_layers(m, par)   # raises if impossible
     if m.quantization is not None and m.quantization.group_size != -1:
         _check_quantization_groups(shape, tp, m.quantization)
     local_ranks = par.world_size * par.data_parallel_size_local

@@ -16,7 +16,7 @@ import torch
 from shardlm.attention.selector import get_attention_backend
 from shardlm.config import EngineConfig
 from shardlm.distributed.parallel_state import get_dp_group, get_pp_group, get_tp_group
-from shardlm.distributed.utils import pp_layer_partition
+from shardlm.distributed.utils import stage_layers
 from shardlm.layers.attention import Attention
 from shardlm.layers.moe import FusedMoE, dp_token_counts
 from shardlm.layers.sampler import Sampler, SamplingBatch, token_logprobs
@@ -51,7 +51,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         par = self.config.parallel
-        stages = pp_layer_partition(self.config.model.num_layers, par.pipeline_parallel_size, par.pp_layer_partition)
+        stages = stage_layers(self.config.model, par)
         self.pp, self.tp = get_pp_group(), get_tp_group()
         self.model = load_model(self.config.model, self.device, stages[self.pp.rank_in_group])
 

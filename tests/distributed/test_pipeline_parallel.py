@@ -24,8 +24,8 @@ def _run(path, prompts, params, **kwargs):
 
 
 @pytest.mark.parametrize("name,tp,pp,partition", [
-    ("llama-gqa", 1, 2, None),                    # even split
-    ("llama-5-layers", 1, 3, None),               # uneven: 2, 2, 1
+    ("llama-gqa", 1, 2, None),                    # one layer each
+    ("llama-5-layers", 1, 3, None),               # uneven: 2, 2, 1 (the LM head weighs 85 layers)
     ("llama-5-layers", 1, 3, "1,3,1"),            # explicit
     ("llama-gqa", 2, 2, None),                    # 4 processes, TP inside each stage
     ("llama-tied-llama3rope", 1, 2, None),        # the last stage's LM head is the first's embedding
@@ -48,9 +48,9 @@ def test_many_requests_in_flight_equal_pp1(tiny_model_dir):
         params[i] = SamplingParams(n=3, temperature=1.0, seed=i, max_tokens=12, ignore_eos=True)
     path = tiny_model_dir("llama-5-layers")
     ref, _ = _run(path, prompts, params)
-    # chunked prefill (256-token steps) and a KV cache of 60 blocks on stage 0 (3 layers x 4 KiB
-    # per block), too small for all 64 requests at once: preemptions
-    llm = LLM(path, dtype="float32", kv_cache_memory=12288 * 60, max_model_len=128, pipeline_parallel_size=2,
+    # chunked prefill (256-token steps) and a KV cache of 60 blocks on stage 0 (4 layers x 4 KiB
+    # per block: the LM head leaves stage 1 one layer), too small for all 64 requests at once: preemptions
+    llm = LLM(path, dtype="float32", kv_cache_memory=16384 * 60, max_model_len=128, pipeline_parallel_size=2,
               max_num_batched_tokens=256)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)

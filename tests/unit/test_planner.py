@@ -75,7 +75,8 @@ def test_per_rank_weights_follow_the_split():
     pp2 = evaluate(s, 1, 2, hw, Workload())
     first, last = pp2.stages
     assert first["holds"] == ["embed"] and last["holds"] == ["norm", "lm_head"]
-    assert first["layers"] == [0, 39] and last["layers"] == [40, 79]
+    # the LM head (128256 x 8192) weighs 1.23 of its layers: one layer fewer on the last stage
+    assert first["layers"] == [0, 40] and last["layers"] == [41, 79]
 
 
 def test_pp_layer_partition():
@@ -84,6 +85,21 @@ def test_pp_layer_partition():
     assert pp_layer_partition(30, 2, [16, 14]) == [(0, 16), (16, 30)]
     with pytest.raises(ValueError, match="summing to 30"):
         pp_layer_partition(30, 2, [16, 13])
+
+
+def test_the_default_split_counts_the_lm_head_as_layers():
+    """The last stage runs the LM head for every token: as many layers fewer as it weighs."""
+    assert pp_layer_partition(12, 2, head_layers=6.0) == [(0, 9), (9, 12)]
+    assert pp_layer_partition(12, 2, explicit=[6, 6], head_layers=6.0) == [(0, 6), (6, 12)]  # asked for
+    assert pp_layer_partition(5, 2, head_layers=80.0) == [(0, 4), (4, 5)]     # at least one layer each
+    assert abs(shape("Llama-3.1-70B").lm_head_layers() - 1.23) < 0.01
+    s = shape("Llama-3.1-70B")
+    assert [b - a for a, b in pp_layer_partition(s.layers, 4, head_layers=s.lm_head_layers())] == [21, 20, 20, 19]
+    # an MoE layer weighs the experts a token uses: Mixtral's head is a third of a layer, too
+    # little to move one
+    m = shape("Mixtral-8x7B")
+    assert 0.3 < m.lm_head_layers() < 0.4
+    assert pp_layer_partition(m.layers, 4, head_layers=m.lm_head_layers()) == pp_layer_partition(m.layers, 4)
 
 
 def _rec(name, gpn, nodes, mem=80, **w):
