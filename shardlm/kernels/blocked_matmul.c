@@ -149,7 +149,7 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
 // instruction multiplies a k pair of x into a k pair of 16 features and adds both products to the
 // float32 accumulators. Where it runs at the FMA rate (AMD Zen 4) that is twice the
 // multiply-adds of widening to float32; where it runs at half that rate (Intel without AMX) it
-// is no faster, and blocked_bf16_dot_speedup() tells which.
+// is no faster. kernels._bf16_dot_pays times both once per process and sets the choice.
 static inline __attribute__((always_inline)) void panel_tile_dot(const uint16_t *x, int64_t x_stride, const uint32_t *w,
                                                            int Kp, const int NM, __m512 acc[MR][NV], int prefetch) {
     for (int m = 0; m < NM; m++)
@@ -236,11 +236,11 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
     const uint16_t *xh = (const uint16_t *)x;     // bfloat16 x for the dot-product tile
     int64_t xs = x_stride;
     float *widened = NULL;
+    uint16_t *padded = NULL;
     const int dot = dtype == 1 && !group && bf16_dot;
     if (dot && Kp > K) {    // an odd K: rows copied with a zero after them, to make whole pairs
-        widened = (float *)malloc(sizeof(uint16_t) * (size_t)M * (size_t)Kp);
-        if (!widened) return -1;
-        uint16_t *padded = (uint16_t *)widened;
+        padded = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)M * (size_t)Kp);
+        if (!padded) return -1;
         for (int m = 0; m < M; m++) {
             memcpy(padded + (int64_t)m * Kp, xh + m * x_stride, sizeof(uint16_t) * K);
             padded[(int64_t)m * Kp + K] = 0;
@@ -338,6 +338,7 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
     free(wide_panel);
     }
     free(widened);
+    free(padded);
     return failed ? -1 : 0;
 }
 #endif
