@@ -57,6 +57,7 @@ KERNEL_API void silu_and_mul(const void *x, void *out, int T, int I, int dtype) 
 KERNEL_API void rotary(void *x, int64_t x_stride, const void *cos, const void *signed_sin, int T, int heads, int D,
             int dtype) {
     const int esize = dtype == 0 ? 4 : 2;
+    #pragma omp parallel for schedule(static) if (T >= 8)
     for (int t = 0; t < T; t++)
         rotary_heads((char *)x + t * x_stride * esize, (const char *)cos + (int64_t)t * D * esize,
                      (const char *)signed_sin + (int64_t)t * D * esize, heads, D, dtype);
