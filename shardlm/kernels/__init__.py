@@ -220,7 +220,8 @@ _fused: list = []
 
 
 def fused_ops() -> ctypes.CDLL | None:
-    """add_rmsnorm, silu_and_mul, rotary and dequantize_int4pack (kernels/fused_ops.c), or None."""
+    """add_rmsnorm, silu_and_mul, rotary, dequantize_int4pack and argmax_rows (kernels/fused_ops.c),
+    or None."""
     if not _fused:
         lib = load("fused_ops")
         if lib is not None:
@@ -233,5 +234,7 @@ def fused_ops() -> ctypes.CDLL | None:
             lib.rotary.restype = None
             lib.dequantize_int4pack.argtypes = [ptr, i, i, ptr, ptr, i, ptr, i]
             lib.dequantize_int4pack.restype = None
+            lib.argmax_rows.argtypes = [ptr, i64, i, i, i, ptr]
+            lib.argmax_rows.restype = None
         _fused.append(lib)
     return _fused[0]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardlm.kernels import DTYPE_CODES, fused_ops
 from shardlm.messages import TokenLogprobs
 
 
@@ -43,8 +44,7 @@ class Sampler:
         if batch.logprobs_k and any(k is not None for k in batch.logprobs_k):
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
         elif batch.plain_greedy:
-            # all greedy: no copy for penalties or bans needed (float32 first: bf16 argmax is slow on CPU)
-            return logits.float().argmax(dim=-1).tolist(), {}
+            return argmax_rows(logits).tolist(), {}   # all greedy: no copy for penalties or bans needed
         logits = logits.float()
         if batch.biases:
             logits = apply_biases(logits, batch.biases)
@@ -54,7 +54,7 @@ class Sampler:
             logits = logits.clone()   # never write into the caller's logits
             for row, ids in batch.banned:
                 logits[row, ids] = float("-inf")
-        sampled = logits.argmax(dim=-1)
+        sampled = argmax_rows(logits)
         if batch.temperature is not None:
             random = sample_random(logits, batch)
             sampled = torch.where(batch.greedy, sampled, random)
@@ -65,6 +65,17 @@ class Sampler:
                 if k is not None:
                     logprobs[row] = token_logprobs(raw_logprobs[row], tokens[row], k)
         return tokens, logprobs
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of a [T, V] tensor; on CPU one C call with the rows in parallel
+    (torch's argmax runs on one thread, and on bfloat16 slowly)."""
+    if (x.device.type == "cpu" and x.dtype in DTYPE_CODES and x.dim() == 2 and x.stride(1) == 1
+            and x.shape[1] > 0 and fused_ops() is not None):
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        fused_ops().argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], DTYPE_CODES[x.dtype], out.data_ptr())
+        return out
+    return x.float().argmax(dim=-1)
 
 
 def token_logprobs(row_logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:

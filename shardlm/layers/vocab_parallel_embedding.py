@@ -15,6 +15,7 @@ from torch import nn
 from shardlm.distributed.parallel_state import get_tp_group
 from shardlm.layers.cpu_matmul import CpuMatmul, blocked_rows, linear, prepare_weight
 from shardlm.layers.linear import checkpoint_shape, read_checkpoint
+from shardlm.layers.sampler import argmax_rows
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -87,7 +88,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         sends only its rows' (max, index) instead of its [T, V/tp] logits. Equal to argmax of the
         full logits, ties included: the first maximum of the first rank that has it."""
         local = self._local_logits(hidden)[:, :max(0, min(self.end, self.vocab_size) - self.start)]
-        best, index = local.float().max(dim=-1)
+        index = argmax_rows(local)
+        best = local.gather(1, index[:, None])[:, 0].float()
         pairs = torch.stack([best, (index + self.start).float()], dim=1)     # ids < 2^24: exact in float32
         gathered = self.tp.gather(pairs, dst=0, dim=0)
         if gathered is None:

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from shardlm.layers.sampler import Sampler, SamplingBatch, apply_penalties
@@ -98,3 +99,23 @@ def test_allowed_token_ids_bound_random_sampling():
     allowed = [4, 17, 33]
     tokens, _ = Sampler()(logits, batch_for(300, temperature=3.0, biases=[(r, None, allowed) for r in range(300)]))
     assert set(tokens) == set(allowed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_equals_torch_argmax(dtype):
+    """The C argmax (rows in parallel) picks what torch.argmax picks: the first of equal maxima,
+    the first NaN, index 0 of a row of -inf; vocabularies that are not a multiple of 16; a view."""
+    from shardlm.kernels import fused_ops
+    from shardlm.layers.sampler import argmax_rows
+    assert fused_ops() is not None, "the C kernel is what is under test"
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(70, 49157, generator=gen).to(dtype)
+    x[1, 100] = x[1, 20000] = x[1, 49156] = 50.0          # ties: the first wins
+    x[2, :] = float("-inf")
+    x[3, 300] = x[3, 7] = float("nan")                      # the first NaN wins
+    x[4, 49150:] = 60.0                                     # maxima in the tail past the last 16
+    x[5, 0] = 70.0
+    x[6, 3] = float("inf")
+    x[7, :] = 1.0                                           # all equal
+    for rows in (x, x[:1], x[:, :49141], x[:, 5:]):        # one row; views with a row stride of their own
+        assert torch.equal(argmax_rows(rows), rows.float().argmax(dim=-1))
