@@ -134,3 +134,16 @@ def references(tiny_model_dir):
             cache[name] = hf_reference.greedy(tiny_model_dir(name), _prompts(), MAX_TOKENS)
         return cache[name]
     return get
+
+
+@pytest.fixture(params=["widened", "dot"])
+def bf16_products(request):
+    """bfloat16 products both ways in the blocked kernel: widened to float32 FMAs, and with the
+    CPU's bfloat16 dot product (vdpbf16ps) where this build has it; the engine's own choice
+    restored after."""
+    from shardlm import kernels
+    if not kernels.use_bf16_dot(request.param == "dot") and request.param == "dot":
+        kernels.use_bf16_dot(kernels._bf16_dot_pays(kernels.blocked_matmul()))
+        pytest.skip("this build has no AVX512_BF16 dot product")
+    yield request.param
+    kernels.use_bf16_dot(kernels._bf16_dot_pays(kernels.blocked_matmul()))

@@ -17,7 +17,8 @@
 // 4-bit weights (w = q * scale + min per group of input columns) have panels of their own: per
 // k pair, a byte per output feature holds q[k] (low nibble) and q[k + 1] (high), then the
 // panel's scales and mins per group. They are widened to float32 in registers, so a decode step
-// reads a quarter of the bytes of bfloat16.
+// reads a quarter of the bytes of bfloat16; with the bfloat16 dot product, the integers are
+// multiplied as they are and scale and min applied once per group (int4_tile_dot).
 //
 // dtype 0 = float32, 1 = bfloat16 (x, w, bias and y all in it). x rows have stride x_stride.
 #include <stdint.h>
@@ -28,6 +29,7 @@
 #define NR 48            // output features per panel: three vectors
 #define MR 8             // x rows per register tile: 24 accumulators
 #define MR4 6            // for 4-bit weights, whose widening needs 12 more registers
+#define MR4_DOT 4        // for 4-bit weights with the dot product: a partial and a total accumulator per vector
 #define NV (NR / 16)
 #ifndef PF_BYTES
 #define PF_BYTES 8192    // the first pass over a panel fetches this far ahead in the weight stream
@@ -204,65 +206,182 @@ static inline __attribute__((always_inline)) void int4_tile(const float *x, int6
         }
     }
 }
+#if defined(__AVX512BF16__)
+// 16 bytes of a 4-bit panel (features j .. j+15 at a k pair) as bfloat16 pairs for the dot
+// product: lane j = (128 + q[k], 128 + q[k + 1]). 128 + q is exact in bfloat16 (0x4300 | q), so
+// the integers go in as they are, with two integer operations instead of a float conversion.
+static inline __attribute__((always_inline)) __m512i int4_pairs(const uint8_t *bytes) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+    // (b | b << 12) & 0x000F000F: q[k] in bits 0-3, q[k + 1] in bits 16-19
+    const __m512i q = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+    return _mm512_or_si512(q, _mm512_set1_epi32(0x43004300));
+}
+
+// A 4-bit tile for bfloat16 x with the CPU's bfloat16 dot product, per group g of columns:
+//   sum_k x[k] * (q[k] * scale + min) = scale * sum_k x[k] * (128 + q[k]) + (min - 128 * scale) * xsum[g]
+// where xsum[g] = sum_k x[k] over the group (xsum_row: NM rows of K / group, row stride xsum_stride).
+// The integers are multiplied as they are (no weight is rounded), and a weight costs two integer
+// operations and half a dot product instead of a conversion and two multiply-adds: batch-1 decode
+// of 4-bit weights was bound by that widening. pairs: the panel's pairs widened once
+// (widen_int4_panel), or NULL to widen them here.
+static inline __attribute__((always_inline)) void int4_tile_dot(const uint16_t *x, int64_t x_stride, const float *xsum,
+        int64_t xsum_stride, const uint8_t *panel, const uint32_t *pairs, int K, int group, const int NM,
+        __m512 acc[MR][NV], int prefetch) {
+    const float *scales = (const float *)(panel + (int64_t)K / 2 * NR), *mins = scales + (int64_t)(K / group) * NR;
+    for (int m = 0; m < NM; m++)
+        for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
+    for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
+        __m512 part[MR4_DOT][NV];
+        for (int m = 0; m < NM; m++)
+            for (int v = 0; v < NV; v++) part[m][v] = _mm512_setzero_ps();
+        for (int k = g0; k < g0 + group; k += 2) {
+            __m512i w[NV];
+            if (pairs) {
+                for (int v = 0; v < NV; v++) w[v] = _mm512_loadu_si512(pairs + (int64_t)(k / 2) * NR + 16 * v);
+            } else {
+                const uint8_t *bytes = panel + (int64_t)(k / 2) * NR;
+                if (prefetch) _mm_prefetch((const char *)bytes + PF_BYTES, _MM_HINT_T0);
+                for (int v = 0; v < NV; v++) w[v] = int4_pairs(bytes + 16 * v);
+            }
+            for (int m = 0; m < NM; m++) {
+                uint32_t pair;
+                memcpy(&pair, x + m * x_stride + k, 4);
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pair);
+                for (int v = 0; v < NV; v++) part[m][v] = _mm512_dpbf16_ps(part[m][v], xb, (__m512bh)w[v]);
+            }
+        }
+        for (int v = 0; v < NV; v++) {
+            const __m512 s = _mm512_loadu_ps(scales + (int64_t)g * NR + 16 * v);
+            const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, _mm512_loadu_ps(mins + (int64_t)g * NR + 16 * v));
+            for (int m = 0; m < NM; m++) {
+                acc[m][v] = _mm512_fmadd_ps(s, part[m][v], acc[m][v]);
+                acc[m][v] = _mm512_fmadd_ps(c, _mm512_set1_ps(xsum[m * xsum_stride + g]), acc[m][v]);
+            }
+        }
+    }
+}
+#endif
+
 #endif
 
 #if defined(__AVX512F__)
-// A 4-bit panel as a float32 one ([K][NR]): w = q * scale + min, rounded once, as int4_tile has it
-static void widen_int4_panel(const uint8_t *panel, int K, int group, float *out) {
+// 1: bfloat16 products use the dot-product tiles (set by blocked_set_bf16_dot, once per
+// process, before the first product: every product then sums in the same order)
+static int bf16_dot = 0;
+
+// A 4-bit panel widened as the 4-bit tiles widen it, for a call with many rows: into float32
+// ([K][NR], as int4_tile's weights) or, for the dot product, into bfloat16 pairs of 128 + q
+// ([K / 2][NR], as int4_tile_dot's)
+static void widen_int4_panel(const uint8_t *panel, int K, int group, int dot, void *out) {
     const float *scales = (const float *)(panel + (int64_t)K / 2 * NR), *mins = scales + (int64_t)(K / group) * NR;
     for (int k = 0; k < K; k += 2)
         for (int v = 0; v < NV; v++) {
+            const uint8_t *bytes = panel + (int64_t)(k / 2) * NR + 16 * v;
+#if defined(__AVX512BF16__)
+            if (dot) {
+                _mm512_storeu_si512((uint32_t *)out + (int64_t)(k / 2) * NR + 16 * v, int4_pairs(bytes));
+                continue;
+            }
+#endif
             const int64_t g = (int64_t)(k / group) * NR + 16 * v;
             __m512 even, odd;
-            widen_int4_pair(panel + (int64_t)(k / 2) * NR + 16 * v, _mm512_loadu_ps(scales + g), _mm512_loadu_ps(mins + g),
-                            &even, &odd);
-            _mm512_storeu_ps(out + (int64_t)k * NR + 16 * v, even);
-            _mm512_storeu_ps(out + (int64_t)(k + 1) * NR + 16 * v, odd);
+            widen_int4_pair(bytes, _mm512_loadu_ps(scales + g), _mm512_loadu_ps(mins + g), &even, &odd);
+            _mm512_storeu_ps((float *)out + (int64_t)k * NR + 16 * v, even);
+            _mm512_storeu_ps((float *)out + (int64_t)(k + 1) * NR + 16 * v, odd);
         }
 }
 
-// 1: bfloat16 products use panel_tile_dot (set by blocked_set_bf16_dot, once per process,
-// before the first product: every product then sums in the same order)
-static int bf16_dot = 0;
+// The register tiles, by the panel they read and the x they take
+enum {
+    TILE_F32,       // float32 panel, float32 x
+    TILE_BF16,      // bfloat16 panel widened to float32, float32 x
+    TILE_DOT,       // bfloat16 panel, bfloat16 x, dot product
+    TILE_INT4,      // 4-bit panel widened to float32, float32 x
+    TILE_INT4_DOT,  // 4-bit panel as bfloat16 integer pairs, bfloat16 x, dot product per group
+};
+
+// acc = `rows` rows of x (at most MR; MR4 / MR4_DOT for 4-bit tiles) . one panel, by a tile of
+// that constant row count (its accumulators stay in registers). pairs, xsum: int4_tile_dot's.
+static inline __attribute__((always_inline)) void panel_product(int kind, const void *x, int64_t xs, const void *panel,
+        const uint32_t *pairs, const float *xsum, int64_t xsum_stride, int Kp, int group, int rows,
+        __m512 acc[MR][NV], int prefetch) {
+#define ROWS(CALL) switch (rows) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
+    case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(MR); }
+#define F32(n) panel_tile((const float *)x, xs, panel, Kp, n, 0, acc, prefetch)
+#define BF16(n) panel_tile((const float *)x, xs, panel, Kp, n, 1, acc, prefetch)
+#define INT4(n) int4_tile((const float *)x, xs, (const uint8_t *)panel, Kp, group, n < MR4 ? n : MR4, acc, prefetch)
+#define DOT(n) panel_tile_dot((const uint16_t *)x, xs, (const uint32_t *)panel, Kp, n, acc, prefetch)
+#define INT4_DOT(n) int4_tile_dot((const uint16_t *)x, xs, xsum, xsum_stride, (const uint8_t *)panel, pairs, Kp, group, \
+                                  n < MR4_DOT ? n : MR4_DOT, acc, prefetch)
+    switch (kind) {
+        case TILE_F32: ROWS(F32) break;
+        case TILE_BF16: ROWS(BF16) break;
+        case TILE_INT4: ROWS(INT4) break;
+#if defined(__AVX512BF16__)
+        case TILE_DOT: ROWS(DOT) break;
+        case TILE_INT4_DOT: ROWS(INT4_DOT) break;
+#endif
+    }
+#undef ROWS
+#undef F32
+#undef BF16
+#undef INT4
+#undef DOT
+#undef INT4_DOT
+}
 
 // The product over all panels, for float panels (group 0) or 4-bit ones (group: columns per
-// scale). x as float32 rows (bfloat16 widened once, a zero past an odd K); parallel over panels.
+// scale); parallel over panels. Returns -1 where a work buffer could not be allocated.
 static int run_panels(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M, int N,
                       int K, int group, int dtype) {
     const int panels = (N + NR - 1) / NR, Kp = dtype == 0 || group ? K : K + K % 2;
     const int64_t panel_bytes = group ? blocked_int4_size(NR, K, group) : (int64_t)Kp * NR * (dtype == 0 ? 4 : 2);
-    const int mr = group ? MR4 : MR;
-    const float *xf = (const float *)x;
-    const uint16_t *xh = (const uint16_t *)x;     // bfloat16 x for the dot-product tile
+    const int dot = dtype == 1 && bf16_dot;
+    const int kind = group ? (dot ? TILE_INT4_DOT : TILE_INT4) : dot ? TILE_DOT : dtype == 0 ? TILE_F32 : TILE_BF16;
+    // x as the tiles take it: bfloat16 for the dot product (an odd K's rows copied with a zero
+    // after them, to make whole pairs), else float32 (bfloat16 widened once)
+    const void *xt = x;
     int64_t xs = x_stride;
-    float *widened = NULL;
-    uint16_t *padded = NULL;
-    const int dot = dtype == 1 && !group && bf16_dot;
-    if (dot && Kp > K) {    // an odd K: rows copied with a zero after them, to make whole pairs
-        padded = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)M * (size_t)Kp);
-        if (!padded) return -1;
+    const size_t x_size = dot ? sizeof(uint16_t) : sizeof(float);
+    void *copy = NULL;
+    if (dtype == 1 && (!dot || Kp > K)) {
+        copy = malloc(x_size * (size_t)M * (size_t)Kp);
+        if (!copy) return -1;
         for (int m = 0; m < M; m++) {
-            memcpy(padded + (int64_t)m * Kp, xh + m * x_stride, sizeof(uint16_t) * K);
-            padded[(int64_t)m * Kp + K] = 0;
+            const uint16_t *row = (const uint16_t *)x + m * x_stride;
+            if (dot) {
+                memcpy((uint16_t *)copy + (int64_t)m * Kp, row, sizeof(uint16_t) * K);
+                ((uint16_t *)copy)[(int64_t)m * Kp + K] = 0;
+            } else {
+                for (int k = 0; k < K; k++) ((float *)copy)[(int64_t)m * Kp + k] = bf16_to_f32(row[k]);
+                if (Kp > K) ((float *)copy)[(int64_t)m * Kp + K] = 0.f;
+            }
         }
-        xh = padded, xs = Kp;
-    } else if (dtype == 1 && !dot) {
-        widened = (float *)malloc(sizeof(float) * (size_t)M * (size_t)Kp);
-        if (!widened) return -1;
-        for (int m = 0; m < M; m++) {
-            for (int k = 0; k < K; k++) widened[(int64_t)m * Kp + k] = bf16_to_f32(((const uint16_t *)x)[m * x_stride + k]);
-            if (Kp > K) widened[(int64_t)m * Kp + K] = 0.f;
-        }
-        xf = widened, xs = Kp;
+        xt = copy, xs = Kp;
     }
-    // 4-bit panels against more than one tile of rows: each panel widened once into float32
-    // (the same values, so the same sums) and multiplied by the float tile, instead of widened
-    // again for every tile
-    const int widen_once = group && M > MR4;
+    // the 4-bit dot tile's per-group sums of x (in k order: a row's sums do not depend on the batch)
+    const int groups = group ? K / group : 0;
+    float *xsum = NULL;
+    if (kind == TILE_INT4_DOT) {
+        xsum = (float *)malloc(sizeof(float) * (size_t)M * (size_t)groups);
+        if (!xsum) { free(copy); return -1; }
+        for (int m = 0; m < M; m++)
+            for (int g = 0; g < groups; g++) {
+                float sum = 0.f;
+                for (int k = g * group; k < (g + 1) * group; k++) sum += bf16_to_f32(((const uint16_t *)x)[m * x_stride + k]);
+                xsum[(int64_t)m * groups + g] = sum;
+            }
+    }
+    // 4-bit panels against more than one tile of rows: each panel widened once (the same values
+    // as the 4-bit tile's, so the same sums), instead of widened again for every tile: float32
+    // weights for the float tile, or the dot tile's integer pairs
+    const int rows4 = kind == TILE_INT4_DOT ? MR4_DOT : MR4;
+    const int widen_once = group && M > rows4, step = kind == TILE_INT4_DOT || (group && !widen_once) ? rows4 : MR;
+    const int wide_kind = kind == TILE_INT4_DOT ? TILE_INT4_DOT : TILE_F32;
     int failed = 0;
     #pragma omp parallel if (panels > 1 && (int64_t)N * K >= 65536)
     {
-    float *wide_panel = widen_once ? (float *)malloc(sizeof(float) * (size_t)K * NR) : NULL;
+    void *wide_panel = widen_once ? malloc((dot ? sizeof(uint16_t) : sizeof(float)) * (size_t)K * NR) : NULL;
     if (widen_once && !wide_panel) {
         #pragma omp atomic write
         failed = 1;
@@ -272,59 +391,14 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
         if (widen_once && !wide_panel) continue;
         const char *panel = (const char *)packed + p * panel_bytes;
         const int n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
-        if (widen_once) widen_int4_panel((const uint8_t *)panel, K, group, wide_panel);
-        for (int m0 = 0; m0 < M; m0 += widen_once ? MR : mr) {
-            const int step = widen_once ? MR : mr, rows = M - m0 < step ? M - m0 : step, first = m0 == 0;
-            const float *xm = xf + m0 * xs;
+        if (widen_once) widen_int4_panel((const uint8_t *)panel, K, group, dot, wide_panel);
+        const int pairs_only = widen_once && kind == TILE_INT4_DOT;    // the dot tile reads the tables from the panel
+        for (int m0 = 0; m0 < M; m0 += step) {
+            const int rows = M - m0 < step ? M - m0 : step;
             __m512 acc[MR][NV];
-            if (dot) {
-#if defined(__AVX512BF16__)
-                const uint16_t *xr = xh + m0 * xs;
-                const uint32_t *w = (const uint32_t *)panel;
-                switch (rows) {
-                    case 1: panel_tile_dot(xr, xs, w, Kp, 1, acc, first); break;
-                    case 2: panel_tile_dot(xr, xs, w, Kp, 2, acc, first); break;
-                    case 3: panel_tile_dot(xr, xs, w, Kp, 3, acc, first); break;
-                    case 4: panel_tile_dot(xr, xs, w, Kp, 4, acc, first); break;
-                    case 5: panel_tile_dot(xr, xs, w, Kp, 5, acc, first); break;
-                    case 6: panel_tile_dot(xr, xs, w, Kp, 6, acc, first); break;
-                    case 7: panel_tile_dot(xr, xs, w, Kp, 7, acc, first); break;
-                    default: panel_tile_dot(xr, xs, w, Kp, MR, acc, first); break;
-                }
-#endif
-            } else if (widen_once) {
-                switch (rows) {     // float32 weights: dtype 0 (x is float32 already)
-                    case 1: panel_tile(xm, xs, wide_panel, K, 1, 0, acc, 0); break;
-                    case 2: panel_tile(xm, xs, wide_panel, K, 2, 0, acc, 0); break;
-                    case 3: panel_tile(xm, xs, wide_panel, K, 3, 0, acc, 0); break;
-                    case 4: panel_tile(xm, xs, wide_panel, K, 4, 0, acc, 0); break;
-                    case 5: panel_tile(xm, xs, wide_panel, K, 5, 0, acc, 0); break;
-                    case 6: panel_tile(xm, xs, wide_panel, K, 6, 0, acc, 0); break;
-                    case 7: panel_tile(xm, xs, wide_panel, K, 7, 0, acc, 0); break;
-                    default: panel_tile(xm, xs, wide_panel, K, MR, 0, acc, 0); break;
-                }
-            } else if (group) {
-                const uint8_t *q = (const uint8_t *)panel;
-                switch (rows) {     // constant row counts: the accumulators stay in registers
-                    case 1: int4_tile(xm, xs, q, K, group, 1, acc, first); break;
-                    case 2: int4_tile(xm, xs, q, K, group, 2, acc, first); break;
-                    case 3: int4_tile(xm, xs, q, K, group, 3, acc, first); break;
-                    case 4: int4_tile(xm, xs, q, K, group, 4, acc, first); break;
-                    case 5: int4_tile(xm, xs, q, K, group, 5, acc, first); break;
-                    default: int4_tile(xm, xs, q, K, group, MR4, acc, first); break;
-                }
-            } else {
-                switch (rows) {
-                    case 1: panel_tile(xm, xs, panel, Kp, 1, dtype, acc, first); break;
-                    case 2: panel_tile(xm, xs, panel, Kp, 2, dtype, acc, first); break;
-                    case 3: panel_tile(xm, xs, panel, Kp, 3, dtype, acc, first); break;
-                    case 4: panel_tile(xm, xs, panel, Kp, 4, dtype, acc, first); break;
-                    case 5: panel_tile(xm, xs, panel, Kp, 5, dtype, acc, first); break;
-                    case 6: panel_tile(xm, xs, panel, Kp, 6, dtype, acc, first); break;
-                    case 7: panel_tile(xm, xs, panel, Kp, 7, dtype, acc, first); break;
-                    default: panel_tile(xm, xs, panel, Kp, MR, dtype, acc, first); break;
-                }
-            }
+            panel_product(widen_once ? wide_kind : kind, (const char *)xt + m0 * xs * (int64_t)x_size, xs,
+                          widen_once && !pairs_only ? wide_panel : panel, pairs_only ? (const uint32_t *)wide_panel : NULL,
+                          xsum ? xsum + (int64_t)m0 * groups : NULL, groups, Kp, group, rows, acc, m0 == 0 && !widen_once);
             for (int m = 0; m < rows; m++)
                 for (int v = 0; v < NV && 16 * v < width; v++) {
                     const int c = 16 * v;
@@ -337,8 +411,8 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
     }
     free(wide_panel);
     }
-    free(widened);
-    free(padded);
+    free(copy);
+    free(xsum);
     return failed ? -1 : 0;
 }
 #endif

@@ -14,17 +14,6 @@ from shardlm.layers import cpu_matmul
 pytestmark = pytest.mark.skipif(kernels.blocked_matmul() is None, reason="no compiler or no AVX-512")
 
 
-@pytest.fixture(params=["widened", "dot"])
-def bf16_products(request):
-    """bfloat16 products both ways: widened to float32 FMAs, and with the CPU's bfloat16 dot
-    product (vdpbf16ps) where this build has it; the engine's own choice restored after."""
-    if not kernels.use_bf16_dot(request.param == "dot") and request.param == "dot":
-        kernels.use_bf16_dot(kernels._bf16_dot_pays(kernels.blocked_matmul()))
-        pytest.skip("this build has no AVX512_BF16 dot product")
-    yield request.param
-    kernels.use_bf16_dot(kernels._bf16_dot_pays(kernels.blocked_matmul()))
-
-
 def _product(x, w, bias):
     packed = cpu_matmul.pack_blocked(w)
     return cpu_matmul.blocked(x, packed, bias, w.shape[0])

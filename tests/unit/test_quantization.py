@@ -88,9 +88,12 @@ def test_packed_kernels_serve_bfloat16_models(monkeypatch):
 
 @pytest.mark.skipif(kernels.blocked_int4() is None, reason="no compiler or no AVX-512")
 @pytest.mark.parametrize("n, k, group", [(48, 64, 32), (100, 256, 128), (208, 96, 32)])
-def test_blocked_4bit_panels_hold_the_integers_scales_and_mins(n, k, group):
+def test_blocked_4bit_panels_hold_the_integers_scales_and_mins(n, k, group, bf16_products):
     """On AVX-512 CPUs every 4-bit weight, float32 or bfloat16 model, goes into the blocked
-    kernel's panels (scales and mins inside them): read back, they are what was quantized."""
+    kernel's panels (scales and mins inside them): read back, they are what was quantized. The
+    product is the dequantized one (with the dot product too, which multiplies the integers and
+    applies scale and min per group), and does not depend on how many rows are multiplied with a
+    row: 3, 20 (each panel widened once) or 1."""
     whole = quantize_rtn(torch.randn(n, 2 * k), 4, group)
     # the second half of the columns: a row-parallel rank's slice, not contiguous
     q, scales, mins = whole[0][:, k:], *(t[:, k // group:] for t in whole[1:])
@@ -104,6 +107,7 @@ def test_blocked_4bit_panels_hold_the_integers_scales_and_mins(n, k, group):
         # many rows widen each panel once, few widen it per tile: the same weights, the same sums
         many = torch.randn(20, k).to(dtype)
         assert torch.equal(qw.matmul(many)[7:10], qw.matmul(many[7:10]))
+        assert torch.equal(qw.matmul(many)[11:12], qw.matmul(many[11:12]))
 
 
 @pytest.mark.parametrize("n", [64, 80, 208])
