@@ -15,10 +15,12 @@
 // how many rows are computed with it. bfloat16 weights and x are widened to float32 exactly.
 //
 // 4-bit weights (w = q * scale + min per group of input columns) have panels of their own: per
-// k pair, a byte per output feature holds q[k] (low nibble) and q[k + 1] (high), then the
-// panel's scales and mins per group. They are widened to float32 in registers, so a decode step
-// reads a quarter of the bytes of bfloat16; with the bfloat16 dot product, the integers are
-// multiplied as they are and scale and min applied once per group (int4_tile_dot).
+// 8 k's, a 32-bit word per output feature holds q[k + 2i] in bits 4i..4i+3 and q[k + 2i + 1] in
+// bits 16+4i.., i = 0..3 (so a k pair comes out of a word with a shift and a mask, in lane);
+// each group's words are followed by its NR scales and NR mins, so a panel is one stream. They
+// are widened to float32 in registers, so a decode step reads a quarter of the bytes of
+// bfloat16; with the bfloat16 dot product, the integers are multiplied as they are and scale and
+// min applied once per group (int4_tile_dot).
 //
 // dtype 0 = float32, 1 = bfloat16 (x, w, bias and y all in it). x rows have stride x_stride.
 #include <stdint.h>
@@ -78,11 +80,19 @@ KERNEL_API void blocked_pack(const void *w, int N, int K, int dtype, void *out) 
     }
 }
 
-// Bytes of a packed 4-bit weight [N, K] (K and group even): per panel, K / 2 * NR bytes of
-// nibble pairs, then [K / group][NR] float32 scales and as many mins.
+// A 4-bit panel's group: [group / 8][NR] words, then [NR] float32 scales and [NR] mins
+static inline int64_t int4_group_bytes(int group) { return (int64_t)group / 2 * NR + 2 * NR * 4; }
+static inline const uint32_t *int4_words(const uint8_t *panel, int group, int k8) {   // k8: a multiple of 8
+    return (const uint32_t *)(panel + k8 / group * int4_group_bytes(group)) + (int64_t)(k8 % group / 8) * NR;
+}
+static inline const float *int4_scales(const uint8_t *panel, int group, int g) {      // the mins follow, NR on
+    return (const float *)(panel + g * int4_group_bytes(group) + (int64_t)group / 2 * NR);
+}
+
+// Bytes of a packed 4-bit weight [N, K] (group a multiple of 8): K / group groups per panel
 KERNEL_API int64_t blocked_int4_size(int N, int K, int group) {
     const int64_t panels = (N + NR - 1) / NR;
-    return panels * ((int64_t)K / 2 * NR + 2 * (int64_t)(K / group) * NR * 4);
+    return panels * (K / group) * int4_group_bytes(group);
 }
 
 // q [N, K] (0..15), scales and mins [N, K / group] -> the 4-bit panel layout above
@@ -93,14 +103,19 @@ KERNEL_API void blocked_int4_pack(const int8_t *q, const float *scales, const fl
     #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; p++) {
         uint8_t *o = out + p * panel_bytes;
-        float *s = (float *)(o + (int64_t)K / 2 * NR), *m = s + (int64_t)groups * NR;
         for (int j = 0; j < NR; j++) {
             const int n = p * NR + j;
-            for (int k = 0; k < K; k += 2)
-                o[(int64_t)(k / 2) * NR + j] = n < N ? (uint8_t)((q[(int64_t)n * K + k] & 15) | (q[(int64_t)n * K + k + 1] & 15) << 4) : 0;
+            for (int k = 0; k < K; k += 8) {
+                uint32_t word = 0;
+                for (int i = 0; n < N && i < 4; i++)
+                    word |= (uint32_t)(q[(int64_t)n * K + k + 2 * i] & 15) << 4 * i
+                          | (uint32_t)(q[(int64_t)n * K + k + 2 * i + 1] & 15) << (16 + 4 * i);
+                memcpy((uint8_t *)(int4_words(o, group, k) + j), &word, 4);
+            }
             for (int g = 0; g < groups; g++) {
-                s[(int64_t)g * NR + j] = n < N ? scales[(int64_t)n * groups + g] : 0.f;
-                m[(int64_t)g * NR + j] = n < N ? mins[(int64_t)n * groups + g] : 0.f;
+                float *s = (float *)int4_scales(o, group, g);
+                s[j] = n < N ? scales[(int64_t)n * groups + g] : 0.f;
+                s[NR + j] = n < N ? mins[(int64_t)n * groups + g] : 0.f;
             }
         }
     }
@@ -171,50 +186,59 @@ static inline __attribute__((always_inline)) void panel_tile_dot(const uint16_t 
 }
 #endif
 
-// 16 bytes of a 4-bit panel (features j .. j+15 at a k pair) as the float32 weights of k (low
-// nibbles) and k + 1 (high): q * scale + min, rounded once
-static inline __attribute__((always_inline)) void widen_int4_pair(const uint8_t *bytes, __m512 scale, __m512 min,
+// k pair i (k = 8o + 2i, 8o + 2i + 1) of 16 features' words of a 4-bit panel as float32 weights:
+// q * scale + min, rounded once
+static inline __attribute__((always_inline)) void widen_int4_pair(__m512i words, int i, __m512 scale, __m512 min,
                                                             __m512 *even, __m512 *odd) {
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
-    *even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), scale, min);
-    *odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), scale, min);
+    const __m512i q = _mm512_srli_epi32(words, 4 * i), nibble = _mm512_set1_epi32(15);
+    *even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, nibble)), scale, min);
+    *odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(q, 16), nibble)), scale, min);
+}
+
+// Asks for group g's bytes PF_BYTES ahead in the panel's stream (the first pass over a panel)
+static inline __attribute__((always_inline)) void prefetch_int4_group(const uint8_t *panel, int group, int g) {
+    const char *at = (const char *)panel + g * int4_group_bytes(group) + PF_BYTES;
+    for (int64_t off = 0; off < int4_group_bytes(group); off += 64) _mm_prefetch(at + off, _MM_HINT_T0);
 }
 
 // panel_tile for a 4-bit panel: each k pair's NR bytes widened to two float32 vectors per 16
 // features, w = q * scale + min (one rounding), then as panel_tile
 static inline __attribute__((always_inline)) void int4_tile(const float *x, int64_t x_stride, const uint8_t *panel, int K,
                                                       int group, const int NM, __m512 acc[MR][NV], int prefetch) {
-    const float *scales = (const float *)(panel + (int64_t)K / 2 * NR), *mins = scales + (int64_t)(K / group) * NR;
     for (int m = 0; m < NM; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
-    for (int g0 = 0; g0 < K; g0 += group) {
+    for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
+        if (prefetch) prefetch_int4_group(panel, group, g);
+        const float *scales = int4_scales(panel, group, g);
         __m512 s[NV], mn[NV];
         for (int v = 0; v < NV; v++) {
-            s[v] = _mm512_loadu_ps(scales + (int64_t)(g0 / group) * NR + 16 * v);
-            mn[v] = _mm512_loadu_ps(mins + (int64_t)(g0 / group) * NR + 16 * v);
+            s[v] = _mm512_loadu_ps(scales + 16 * v);
+            mn[v] = _mm512_loadu_ps(scales + NR + 16 * v);
         }
-        for (int k = g0; k < g0 + group; k += 2) {
-            const uint8_t *bytes = panel + (int64_t)(k / 2) * NR;
-            if (prefetch) _mm_prefetch((const char *)bytes + PF_BYTES, _MM_HINT_T0);
-            __m512 even[NV], odd[NV];
-            for (int v = 0; v < NV; v++) widen_int4_pair(bytes + 16 * v, s[v], mn[v], &even[v], &odd[v]);
-            for (int m = 0; m < NM; m++) {
-                const __m512 xe = _mm512_set1_ps(x[m * x_stride + k]), xo = _mm512_set1_ps(x[m * x_stride + k + 1]);
-                for (int v = 0; v < NV; v++) acc[m][v] = _mm512_fmadd_ps(xe, even[v], acc[m][v]);
-                for (int v = 0; v < NV; v++) acc[m][v] = _mm512_fmadd_ps(xo, odd[v], acc[m][v]);
+        for (int k8 = g0; k8 < g0 + group; k8 += 8) {
+            const uint32_t *words = int4_words(panel, group, k8);
+            __m512i w[NV];
+            for (int v = 0; v < NV; v++) w[v] = _mm512_loadu_si512(words + 16 * v);
+            for (int i = 0, k = k8; i < 4; i++, k += 2) {
+                __m512 even[NV], odd[NV];
+                for (int v = 0; v < NV; v++) widen_int4_pair(w[v], i, s[v], mn[v], &even[v], &odd[v]);
+                for (int m = 0; m < NM; m++) {
+                    const __m512 xe = _mm512_set1_ps(x[m * x_stride + k]), xo = _mm512_set1_ps(x[m * x_stride + k + 1]);
+                    for (int v = 0; v < NV; v++) acc[m][v] = _mm512_fmadd_ps(xe, even[v], acc[m][v]);
+                    for (int v = 0; v < NV; v++) acc[m][v] = _mm512_fmadd_ps(xo, odd[v], acc[m][v]);
+                }
             }
         }
     }
 }
 #if defined(__AVX512BF16__)
-// 16 bytes of a 4-bit panel (features j .. j+15 at a k pair) as bfloat16 pairs for the dot
-// product: lane j = (128 + q[k], 128 + q[k + 1]). 128 + q is exact in bfloat16 (0x4300 | q), so
-// the integers go in as they are, with two integer operations instead of a float conversion.
-static inline __attribute__((always_inline)) __m512i int4_pairs(const uint8_t *bytes) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
-    // (b | b << 12) & 0x000F000F: q[k] in bits 0-3, q[k + 1] in bits 16-19
-    const __m512i q = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
-    return _mm512_or_si512(q, _mm512_set1_epi32(0x43004300));
+// k pair i of 16 features' words of a 4-bit panel as bfloat16 pairs for the dot product:
+// lane j = (128 + q[k], 128 + q[k + 1]). 128 + q is exact in bfloat16 (0x4300 | q), so the
+// integers go in as they are, with a shift and one logic operation instead of a conversion.
+static inline __attribute__((always_inline)) __m512i int4_pairs(__m512i words, int i) {
+    // (words >> 4i) & 0x000F000F | 0x43004300
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi32(words, 4 * i), _mm512_set1_epi32(0x000F000F),
+                                     _mm512_set1_epi32(0x43004300), 0xEA);
 }
 
 // A 4-bit tile for bfloat16 x with the CPU's bfloat16 dot product, per group g of columns:
@@ -227,32 +251,34 @@ static inline __attribute__((always_inline)) __m512i int4_pairs(const uint8_t *b
 static inline __attribute__((always_inline)) void int4_tile_dot(const uint16_t *x, int64_t x_stride, const float *xsum,
         int64_t xsum_stride, const uint8_t *panel, const uint32_t *pairs, int K, int group, const int NM,
         __m512 acc[MR][NV], int prefetch) {
-    const float *scales = (const float *)(panel + (int64_t)K / 2 * NR), *mins = scales + (int64_t)(K / group) * NR;
     for (int m = 0; m < NM; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
     for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
+        if (prefetch) prefetch_int4_group(panel, group, g);
         __m512 part[MR4_DOT][NV];
         for (int m = 0; m < NM; m++)
             for (int v = 0; v < NV; v++) part[m][v] = _mm512_setzero_ps();
-        for (int k = g0; k < g0 + group; k += 2) {
-            __m512i w[NV];
-            if (pairs) {
-                for (int v = 0; v < NV; v++) w[v] = _mm512_loadu_si512(pairs + (int64_t)(k / 2) * NR + 16 * v);
-            } else {
-                const uint8_t *bytes = panel + (int64_t)(k / 2) * NR;
-                if (prefetch) _mm_prefetch((const char *)bytes + PF_BYTES, _MM_HINT_T0);
-                for (int v = 0; v < NV; v++) w[v] = int4_pairs(bytes + 16 * v);
-            }
-            for (int m = 0; m < NM; m++) {
-                uint32_t pair;
-                memcpy(&pair, x + m * x_stride + k, 4);
-                const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pair);
-                for (int v = 0; v < NV; v++) part[m][v] = _mm512_dpbf16_ps(part[m][v], xb, (__m512bh)w[v]);
+        for (int k8 = g0; k8 < g0 + group; k8 += 8) {
+            const uint32_t *words = int4_words(panel, group, k8);
+            __m512i packed[NV];
+            if (!pairs)
+                for (int v = 0; v < NV; v++) packed[v] = _mm512_loadu_si512(words + 16 * v);
+            for (int i = 0, k = k8; i < 4; i++, k += 2) {
+                __m512i w[NV];
+                for (int v = 0; v < NV; v++)
+                    w[v] = pairs ? _mm512_loadu_si512(pairs + (int64_t)(k / 2) * NR + 16 * v) : int4_pairs(packed[v], i);
+                for (int m = 0; m < NM; m++) {
+                    uint32_t pair;
+                    memcpy(&pair, x + m * x_stride + k, 4);
+                    const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pair);
+                    for (int v = 0; v < NV; v++) part[m][v] = _mm512_dpbf16_ps(part[m][v], xb, (__m512bh)w[v]);
+                }
             }
         }
+        const float *scales = int4_scales(panel, group, g);
         for (int v = 0; v < NV; v++) {
-            const __m512 s = _mm512_loadu_ps(scales + (int64_t)g * NR + 16 * v);
-            const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, _mm512_loadu_ps(mins + (int64_t)g * NR + 16 * v));
+            const __m512 s = _mm512_loadu_ps(scales + 16 * v);
+            const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, _mm512_loadu_ps(scales + NR + 16 * v));
             for (int m = 0; m < NM; m++) {
                 acc[m][v] = _mm512_fmadd_ps(s, part[m][v], acc[m][v]);
                 acc[m][v] = _mm512_fmadd_ps(c, _mm512_set1_ps(xsum[m * xsum_stride + g]), acc[m][v]);
@@ -273,21 +299,22 @@ static int bf16_dot = 0;
 // ([K][NR], as int4_tile's weights) or, for the dot product, into bfloat16 pairs of 128 + q
 // ([K / 2][NR], as int4_tile_dot's)
 static void widen_int4_panel(const uint8_t *panel, int K, int group, int dot, void *out) {
-    const float *scales = (const float *)(panel + (int64_t)K / 2 * NR), *mins = scales + (int64_t)(K / group) * NR;
-    for (int k = 0; k < K; k += 2)
+    for (int k8 = 0; k8 < K; k8 += 8)
         for (int v = 0; v < NV; v++) {
-            const uint8_t *bytes = panel + (int64_t)(k / 2) * NR + 16 * v;
+            const __m512i words = _mm512_loadu_si512(int4_words(panel, group, k8) + 16 * v);
+            const float *scales = int4_scales(panel, group, k8 / group) + 16 * v;
+            for (int i = 0, k = k8; i < 4; i++, k += 2) {
 #if defined(__AVX512BF16__)
-            if (dot) {
-                _mm512_storeu_si512((uint32_t *)out + (int64_t)(k / 2) * NR + 16 * v, int4_pairs(bytes));
-                continue;
-            }
+                if (dot) {
+                    _mm512_storeu_si512((uint32_t *)out + (int64_t)(k / 2) * NR + 16 * v, int4_pairs(words, i));
+                    continue;
+                }
 #endif
-            const int64_t g = (int64_t)(k / group) * NR + 16 * v;
-            __m512 even, odd;
-            widen_int4_pair(bytes, _mm512_loadu_ps(scales + g), _mm512_loadu_ps(mins + g), &even, &odd);
-            _mm512_storeu_ps((float *)out + (int64_t)k * NR + 16 * v, even);
-            _mm512_storeu_ps((float *)out + (int64_t)(k + 1) * NR + 16 * v, odd);
+                __m512 even, odd;
+                widen_int4_pair(words, i, _mm512_loadu_ps(scales), _mm512_loadu_ps(scales + NR), &even, &odd);
+                _mm512_storeu_ps((float *)out + (int64_t)k * NR + 16 * v, even);
+                _mm512_storeu_ps((float *)out + (int64_t)(k + 1) * NR + 16 * v, odd);
+            }
         }
 }
 

@@ -135,7 +135,7 @@ class QuantizedWeight:
 
     def _kernel_format(self, q: torch.Tensor) -> str | None:
         if (q.device.type == "cpu" and self.bits == 4 and self.dtype in DTYPE_CODES and blocked_int4() is not None
-                and self.group % 2 == 0):
+                and self.group % 8 == 0):
             size, pack, _ = blocked_int4()
             self.packed = torch.empty(size(self.out_features, self.in_features, self.group), dtype=torch.uint8)
             q = q.contiguous()       # held while C reads it (a slice of a rank's columns is not)
@@ -158,12 +158,15 @@ class QuantizedWeight:
 
     def _panels(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """blocked4's panels, unpacked: (q [N, K] int8, scales, mins [N, K / group] float32)."""
-        width, K, G = blocked_panel_width()(), self.in_features, self.in_features // self.group
-        panels = self.packed.view(-1, K // 2 * width + 2 * G * width * 4)
-        nibbles = panels[:, :K // 2 * width].reshape(-1, K // 2, width)
-        q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).permute(0, 2, 1, 3).reshape(-1, K)
-        tables = panels[:, K // 2 * width:].contiguous().view(torch.float32).view(-1, 2, G, width)
-        scales, mins = (tables[:, i].permute(0, 2, 1).reshape(-1, G)[:self.out_features] for i in range(2))
+        width, K, G, group = blocked_panel_width()(), self.in_features, self.in_features // self.group, self.group
+        # per panel and group: per 8 k's a 32-bit word per feature (q[k + 2i] at bits 4i,
+        # q[k + 2i + 1] at bits 16 + 4i), then the group's scales and mins (float32)
+        groups = self.packed.view(-1, G, group // 2 * width + 2 * width * 4)
+        words = groups[..., :group // 2 * width].contiguous().view(torch.int32).view(-1, G, group // 8, width)
+        shifts = torch.tensor([[4 * i, 16 + 4 * i] for i in range(4)], dtype=torch.int32).view(-1)   # k order
+        q = ((words.unsqueeze(-1) >> shifts) & 15).permute(0, 3, 1, 2, 4).reshape(-1, K)
+        tables = groups[..., group // 2 * width:].contiguous().view(torch.float32).view(-1, G, 2, width)
+        scales, mins = (tables[:, :, i].permute(0, 2, 1).reshape(-1, G)[:self.out_features] for i in range(2))
         return q[:self.out_features].to(torch.int8), scales.contiguous(), mins.contiguous()
 
     @property
