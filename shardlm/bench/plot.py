@@ -35,7 +35,9 @@ def points(result: dict) -> list[tuple[str, str, str, float]]:
     if engine.startswith("vllm") or engine.startswith("llama"):
         name = "vLLM-CPU" if engine.startswith("vllm") else "llama.cpp (one prompt at a time)"
         precision = "Q4_1 (gguf)" if engine.startswith("llama") else result["dtype"]
-        out = [(W1, name, precision, result["output_tok_s"]["median"])]
+        out = []
+        if "output_tok_s" in result:                  # absent from a run with --skip-seq
+            out.append((W1, name, precision, result["output_tok_s"]["median"]))
         if "latency" in result:
             out.append((DECODE, name, precision, result["latency"]["decode_tok_s_median"]))
         return out

@@ -44,6 +44,12 @@ def test_results_are_collected_by_engine_and_precision(results):
     assert ("shardlm", "bfloat16") in table[DECODE] and len(table[DECODE]) == 4   # batch 32 is not batch-1 decode
 
 
+def test_a_peer_run_without_the_throughput_part_gives_its_decode_only(tmp_path):
+    table = collect([_write(tmp_path, "llamacpp.json", {"engine": "llama-cpp-python", "dtype": "Q4_1 (GGUF)",
+                                                        "latency": {"decode_tok_s_median": 120.0}})])
+    assert W1 not in table and table[DECODE] == {("llama.cpp (one prompt at a time)", "Q4_1 (gguf)"): 120.0}
+
+
 def test_plot_writes_a_png(results, tmp_path, capsys):
     out = tmp_path / "bench.png"
     main(["bench", "plot", *results, "--out", str(out), "--title", "test CPU"])
