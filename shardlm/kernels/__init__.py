@@ -200,6 +200,17 @@ def blocked_int4():
             _function("blocked_matmul", "blocked_int4_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I], _I))
 
 
+def blocked_int8():
+    """(blocked_int8_size(N, K, group) -> bytes, blocked_int8_pack(q, scales, N, K, group, out),
+    blocked_int8_matmul(x, x_stride, packed, bias, y, M, N, K, group, dtype) -> 0 / -1 if out of
+    memory) for symmetric 8-bit weights in blocked panels; None where blocked_matmul() is None."""
+    if blocked_matmul() is None:
+        return None
+    return (_function("blocked_matmul", "blocked_int8_size", [_I, _I, _I], _I64),
+            _function("blocked_matmul", "blocked_int8_pack", [_P, _P, _I, _I, _I, _P], None),
+            _function("blocked_matmul", "blocked_int8_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I], _I))
+
+
 def blocked_panel_width():
     """blocked_panel_width() -> the output features per panel of blocked_matmul's layout."""
     return _function("blocked_matmul", "blocked_panel_width", [], _I)

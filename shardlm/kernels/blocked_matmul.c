@@ -22,6 +22,12 @@
 // bfloat16; with the bfloat16 dot product, the integers are multiplied as they are and scale and
 // min applied once per group (int4_tile_dot).
 //
+// 8-bit weights (w = q * scale per group, symmetric: int8 and GGUF's Q8_0) likewise: per k, the
+// NR integers side by side, each group's followed by its NR scales. Widened to float32 (q * scale,
+// one rounding) or, for the dot product, converted to exact bfloat16 integers with the group's
+// scale applied to its sum (int8_tile_dot): a tied LM head read from Q8_0 moves half the bytes of
+// bfloat16.
+//
 // dtype 0 = float32, 1 = bfloat16 (x, w, bias and y all in it). x rows have stride x_stride.
 #include <stdint.h>
 #include <stdlib.h>
@@ -117,6 +123,37 @@ KERNEL_API void blocked_int4_pack(const int8_t *q, const float *scales, const fl
                 s[j] = n < N ? scales[(int64_t)n * groups + g] : 0.f;
                 s[NR + j] = n < N ? mins[(int64_t)n * groups + g] : 0.f;
             }
+        }
+    }
+}
+
+// An 8-bit panel's group: [group][NR] int8, then [NR] float32 scales
+static inline int64_t int8_group_bytes(int group) { return (int64_t)group * NR + NR * 4; }
+static inline const int8_t *int8_column(const uint8_t *panel, int group, int k) {      // the NR integers of k
+    return (const int8_t *)(panel + k / group * int8_group_bytes(group)) + (int64_t)(k % group) * NR;
+}
+static inline const float *int8_scales(const uint8_t *panel, int group, int g) {
+    return (const float *)(panel + g * int8_group_bytes(group) + (int64_t)group * NR);
+}
+
+// Bytes of a packed 8-bit weight [N, K] (group even, dividing K)
+KERNEL_API int64_t blocked_int8_size(int N, int K, int group) {
+    const int64_t panels = (N + NR - 1) / NR;
+    return panels * (K / group) * int8_group_bytes(group);
+}
+
+// q [N, K] (-128..127), scales [N, K / group] -> the 8-bit panel layout above
+KERNEL_API void blocked_int8_pack(const int8_t *q, const float *scales, int N, int K, int group, uint8_t *out) {
+    const int panels = (N + NR - 1) / NR, groups = K / group;
+    const int64_t panel_bytes = blocked_int8_size(NR, K, group);
+    #pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; p++) {
+        uint8_t *o = out + p * panel_bytes;
+        for (int j = 0; j < NR; j++) {
+            const int n = p * NR + j;
+            for (int k = 0; k < K; k++) ((int8_t *)int8_column(o, group, k))[j] = n < N ? q[(int64_t)n * K + k] : 0;
+            for (int g = 0; g < groups; g++)
+                ((float *)int8_scales(o, group, g))[j] = n < N ? scales[(int64_t)n * groups + g] : 0.f;
         }
     }
 }
@@ -288,6 +325,88 @@ static inline __attribute__((always_inline)) void int4_tile_dot(const uint16_t *
 }
 #endif
 
+
+// 16 features' integers of one k of an 8-bit panel, as float32
+static inline __attribute__((always_inline)) __m512 int8_floats(const int8_t *column) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)column)));
+}
+
+// Asks for the bytes of an 8-bit panel's k pair PF_BYTES ahead in the stream (2 NR = 96 bytes:
+// two lines 64 bytes apart cover each pair's), and at a group's end for its tables' bytes
+static inline __attribute__((always_inline)) void prefetch_int8_pair(const int8_t *column) {
+    _mm_prefetch((const char *)column + PF_BYTES, _MM_HINT_T0);
+    _mm_prefetch((const char *)column + PF_BYTES + 64, _MM_HINT_T0);
+}
+static inline __attribute__((always_inline)) void prefetch_int8_tables(const float *scales) {
+    for (int off = 0; off < NR * 4; off += 64) _mm_prefetch((const char *)scales + PF_BYTES + off, _MM_HINT_T0);
+}
+
+// panel_tile for an 8-bit panel: each k's weights widened to float32, w = q * scale (one
+// rounding), then as panel_tile
+static inline __attribute__((always_inline)) void int8_tile(const float *x, int64_t x_stride, const uint8_t *panel, int K,
+                                                      int group, const int NM, __m512 acc[MR][NV], int prefetch) {
+    for (int m = 0; m < NM; m++)
+        for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
+    for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
+        const float *scales = int8_scales(panel, group, g);
+        __m512 s[NV];
+        for (int v = 0; v < NV; v++) s[v] = _mm512_loadu_ps(scales + 16 * v);
+        for (int k = g0; k < g0 + group; k++) {
+            const int8_t *column = int8_column(panel, group, k);
+            if (prefetch && k % 2 == 0) prefetch_int8_pair(column);
+            __m512 w[NV];
+            for (int v = 0; v < NV; v++) w[v] = _mm512_mul_ps(int8_floats(column + 16 * v), s[v]);
+            for (int m = 0; m < NM; m++) {
+                const __m512 xb = _mm512_set1_ps(x[m * x_stride + k]);
+                for (int v = 0; v < NV; v++) acc[m][v] = _mm512_fmadd_ps(xb, w[v], acc[m][v]);
+            }
+        }
+        if (prefetch) prefetch_int8_tables(scales);
+    }
+}
+#if defined(__AVX512BF16__)
+// k pair (k, k + 1) of 16 features of an 8-bit panel as bfloat16 pairs for the dot product. The
+// integers are exact in bfloat16 (at most 8 significant bits), so the high half of their float32
+// conversion is their bfloat16 value: lane j = (q[k], q[k + 1]).
+static inline __attribute__((always_inline)) __m512i int8_pairs(const int8_t *column) {
+    const __m512i even = _mm512_castps_si512(int8_floats(column)), odd = _mm512_castps_si512(int8_floats(column + NR));
+    // even >> 16 | odd & 0xffff0000
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi32(even, 16), odd, _mm512_set1_epi32((int)0xffff0000u), 0xF8);
+}
+
+// An 8-bit tile for bfloat16 x with the CPU's bfloat16 dot product: per group,
+// sum_k x[k] * q[k] * scale = scale * sum_k x[k] * q[k], the integers multiplied as they are.
+// pairs: the panel's pairs converted once (widen_int8_panel), or NULL to convert them here.
+static inline __attribute__((always_inline)) void int8_tile_dot(const uint16_t *x, int64_t x_stride, const uint8_t *panel,
+        const uint32_t *pairs, int K, int group, const int NM, __m512 acc[MR][NV], int prefetch) {
+    for (int m = 0; m < NM; m++)
+        for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
+    for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
+        __m512 part[MR4_DOT][NV];
+        for (int m = 0; m < NM; m++)
+            for (int v = 0; v < NV; v++) part[m][v] = _mm512_setzero_ps();
+        for (int k = g0; k < g0 + group; k += 2) {
+            const int8_t *column = int8_column(panel, group, k);
+            if (prefetch) prefetch_int8_pair(column);
+            __m512i w[NV];
+            for (int v = 0; v < NV; v++)
+                w[v] = pairs ? _mm512_loadu_si512(pairs + (int64_t)(k / 2) * NR + 16 * v) : int8_pairs(column + 16 * v);
+            for (int m = 0; m < NM; m++) {
+                uint32_t pair;
+                memcpy(&pair, x + m * x_stride + k, 4);
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pair);
+                for (int v = 0; v < NV; v++) part[m][v] = _mm512_dpbf16_ps(part[m][v], xb, (__m512bh)w[v]);
+            }
+        }
+        const float *scales = int8_scales(panel, group, g);
+        if (prefetch) prefetch_int8_tables(scales);
+        for (int v = 0; v < NV; v++) {
+            const __m512 s = _mm512_loadu_ps(scales + 16 * v);
+            for (int m = 0; m < NM; m++) acc[m][v] = _mm512_fmadd_ps(s, part[m][v], acc[m][v]);
+        }
+    }
+}
+#endif
 #endif
 
 #if defined(__AVX512F__)
@@ -318,6 +437,24 @@ static void widen_int4_panel(const uint8_t *panel, int K, int group, int dot, vo
         }
 }
 
+// An 8-bit panel widened as the 8-bit tiles widen it: float32 q * scale ([K][NR]) or the dot
+// tile's bfloat16 integer pairs ([K / 2][NR])
+static void widen_int8_panel(const uint8_t *panel, int K, int group, int dot, void *out) {
+    for (int k = 0; k < K; k += 2)
+        for (int v = 0; v < NV; v++) {
+            const int8_t *column = int8_column(panel, group, k) + 16 * v;
+#if defined(__AVX512BF16__)
+            if (dot) {
+                _mm512_storeu_si512((uint32_t *)out + (int64_t)(k / 2) * NR + 16 * v, int8_pairs(column));
+                continue;
+            }
+#endif
+            const __m512 s = _mm512_loadu_ps(int8_scales(panel, group, k / group) + 16 * v);
+            _mm512_storeu_ps((float *)out + (int64_t)k * NR + 16 * v, _mm512_mul_ps(int8_floats(column), s));
+            _mm512_storeu_ps((float *)out + (int64_t)(k + 1) * NR + 16 * v, _mm512_mul_ps(int8_floats(column + NR), s));
+        }
+}
+
 // The register tiles, by the panel they read and the x they take
 enum {
     TILE_F32,       // float32 panel, float32 x
@@ -325,10 +462,13 @@ enum {
     TILE_DOT,       // bfloat16 panel, bfloat16 x, dot product
     TILE_INT4,      // 4-bit panel widened to float32, float32 x
     TILE_INT4_DOT,  // 4-bit panel as bfloat16 integer pairs, bfloat16 x, dot product per group
+    TILE_INT8,      // 8-bit panel widened to float32, float32 x
+    TILE_INT8_DOT,  // 8-bit panel as bfloat16 integer pairs, bfloat16 x, dot product per group
 };
 
-// acc = `rows` rows of x (at most MR; MR4 / MR4_DOT for 4-bit tiles) . one panel, by a tile of
-// that constant row count (its accumulators stay in registers). pairs, xsum: int4_tile_dot's.
+// acc = `rows` rows of x (at most MR; MR4 / MR4_DOT for 4- and 8-bit tiles) . one panel, by a
+// tile of that constant row count (its accumulators stay in registers). pairs: the quantized dot
+// tiles'; xsum: int4_tile_dot's.
 static inline __attribute__((always_inline)) void panel_product(int kind, const void *x, int64_t xs, const void *panel,
         const uint32_t *pairs, const float *xsum, int64_t xsum_stride, int Kp, int group, int rows,
         __m512 acc[MR][NV], int prefetch) {
@@ -340,13 +480,18 @@ static inline __attribute__((always_inline)) void panel_product(int kind, const 
 #define DOT(n) panel_tile_dot((const uint16_t *)x, xs, (const uint32_t *)panel, Kp, n, acc, prefetch)
 #define INT4_DOT(n) int4_tile_dot((const uint16_t *)x, xs, xsum, xsum_stride, (const uint8_t *)panel, pairs, Kp, group, \
                                   n < MR4_DOT ? n : MR4_DOT, acc, prefetch)
+#define INT8(n) int8_tile((const float *)x, xs, (const uint8_t *)panel, Kp, group, n < MR4 ? n : MR4, acc, prefetch)
+#define INT8_DOT(n) int8_tile_dot((const uint16_t *)x, xs, (const uint8_t *)panel, pairs, Kp, group, \
+                                  n < MR4_DOT ? n : MR4_DOT, acc, prefetch)
     switch (kind) {
         case TILE_F32: ROWS(F32) break;
         case TILE_BF16: ROWS(BF16) break;
         case TILE_INT4: ROWS(INT4) break;
+        case TILE_INT8: ROWS(INT8) break;
 #if defined(__AVX512BF16__)
         case TILE_DOT: ROWS(DOT) break;
         case TILE_INT4_DOT: ROWS(INT4_DOT) break;
+        case TILE_INT8_DOT: ROWS(INT8_DOT) break;
 #endif
     }
 #undef ROWS
@@ -355,16 +500,20 @@ static inline __attribute__((always_inline)) void panel_product(int kind, const 
 #undef INT4
 #undef DOT
 #undef INT4_DOT
+#undef INT8
+#undef INT8_DOT
 }
 
-// The product over all panels, for float panels (group 0) or 4-bit ones (group: columns per
-// scale); parallel over panels. Returns -1 where a work buffer could not be allocated.
+// The product over all panels, for float panels (bits 0) or 4- or 8-bit ones (group: columns
+// per scale); parallel over panels. Returns -1 where a work buffer could not be allocated.
 static int run_panels(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M, int N,
-                      int K, int group, int dtype) {
-    const int panels = (N + NR - 1) / NR, Kp = dtype == 0 || group ? K : K + K % 2;
-    const int64_t panel_bytes = group ? blocked_int4_size(NR, K, group) : (int64_t)Kp * NR * (dtype == 0 ? 4 : 2);
+                      int K, int bits, int group, int dtype) {
+    const int panels = (N + NR - 1) / NR, Kp = dtype == 0 || bits ? K : K + K % 2;
+    const int64_t panel_bytes = bits == 4 ? blocked_int4_size(NR, K, group) : bits == 8 ? blocked_int8_size(NR, K, group)
+                                                                            : (int64_t)Kp * NR * (dtype == 0 ? 4 : 2);
     const int dot = dtype == 1 && bf16_dot;
-    const int kind = group ? (dot ? TILE_INT4_DOT : TILE_INT4) : dot ? TILE_DOT : dtype == 0 ? TILE_F32 : TILE_BF16;
+    const int kind = bits == 4 ? (dot ? TILE_INT4_DOT : TILE_INT4) : bits == 8 ? (dot ? TILE_INT8_DOT : TILE_INT8)
+                   : dot ? TILE_DOT : dtype == 0 ? TILE_F32 : TILE_BF16;
     // x as the tiles take it: bfloat16 for the dot product (an odd K's rows copied with a zero
     // after them, to make whole pairs), else float32 (bfloat16 widened once)
     const void *xt = x;
@@ -387,7 +536,7 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
         xt = copy, xs = Kp;
     }
     // the 4-bit dot tile's per-group sums of x (in k order: a row's sums do not depend on the batch)
-    const int groups = group ? K / group : 0;
+    const int groups = bits ? K / group : 0;
     float *xsum = NULL;
     if (kind == TILE_INT4_DOT) {
         xsum = (float *)malloc(sizeof(float) * (size_t)M * (size_t)groups);
@@ -399,12 +548,12 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
                 xsum[(int64_t)m * groups + g] = sum;
             }
     }
-    // 4-bit panels against more than one tile of rows: each panel widened once (the same values
-    // as the 4-bit tile's, so the same sums), instead of widened again for every tile: float32
+    // quantized panels against more than one tile of rows: each panel widened once (the same values
+    // as the quantized tile's, so the same sums), instead of widened again for every tile: float32
     // weights for the float tile, or the dot tile's integer pairs
-    const int rows4 = kind == TILE_INT4_DOT ? MR4_DOT : MR4;
-    const int widen_once = group && M > rows4, step = kind == TILE_INT4_DOT || (group && !widen_once) ? rows4 : MR;
-    const int wide_kind = kind == TILE_INT4_DOT ? TILE_INT4_DOT : TILE_F32;
+    const int rows_q = dot ? MR4_DOT : MR4;
+    const int widen_once = bits && M > rows_q, step = bits && (dot || !widen_once) ? rows_q : MR;
+    const int wide_kind = dot ? kind : TILE_F32;
     int failed = 0;
     #pragma omp parallel if (panels > 1 && (int64_t)N * K >= 65536)
     {
@@ -418,8 +567,9 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
         if (widen_once && !wide_panel) continue;
         const char *panel = (const char *)packed + p * panel_bytes;
         const int n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
-        if (widen_once) widen_int4_panel((const uint8_t *)panel, K, group, dot, wide_panel);
-        const int pairs_only = widen_once && kind == TILE_INT4_DOT;    // the dot tile reads the tables from the panel
+        if (widen_once && bits == 4) widen_int4_panel((const uint8_t *)panel, K, group, dot, wide_panel);
+        if (widen_once && bits == 8) widen_int8_panel((const uint8_t *)panel, K, group, dot, wide_panel);
+        const int pairs_only = widen_once && dot;    // the dot tiles read the tables from the panel
         for (int m0 = 0; m0 < M; m0 += step) {
             const int rows = M - m0 < step ? M - m0 : step;
             __m512 acc[MR][NV];
@@ -461,7 +611,7 @@ KERNEL_API int blocked_set_bf16_dot(int on) {
 KERNEL_API int blocked_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M,
                               int N, int K, int dtype) {
 #if defined(__AVX512F__)
-    return run_panels(x, x_stride, packed, bias, y, M, N, K, 0, dtype);
+    return run_panels(x, x_stride, packed, bias, y, M, N, K, 0, 0, dtype);
 #else
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)dtype;
     return -2;
@@ -472,7 +622,18 @@ KERNEL_API int blocked_matmul(const void *x, int64_t x_stride, const void *packe
 KERNEL_API int blocked_int4_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y,
                                    int M, int N, int K, int group, int dtype) {
 #if defined(__AVX512F__)
-    return run_panels(x, x_stride, packed, bias, y, M, N, K, group, dtype);
+    return run_panels(x, x_stride, packed, bias, y, M, N, K, 4, group, dtype);
+#else
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)group, (void)dtype;
+    return -2;
+#endif
+}
+
+// The same with an 8-bit weight packed by blocked_int8_pack.
+KERNEL_API int blocked_int8_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y,
+                                   int M, int N, int K, int group, int dtype) {
+#if defined(__AVX512F__)
+    return run_panels(x, x_stride, packed, bias, y, M, N, K, 8, group, dtype);
 #else
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)group, (void)dtype;
     return -2;

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardlm.kernels import DTYPE_CODES, blocked_int4, blocked_panel_width, fused_ops
+from shardlm.kernels import DTYPE_CODES, blocked_int4, blocked_int8, blocked_panel_width, fused_ops
 from shardlm.layers.cpu_matmul import rows_kernel_wins
 from shardlm.logger import init_logger
 
@@ -124,24 +124,25 @@ class QuantizedWeight:
         self.dtype = dtype                                  # of activations and outputs
         self._scales, self._mins = scales.float().contiguous(), mins.float().contiguous()   # as the kernels read them
         self.kernel = self._kernel_format(q)
-        # the integers, stored once: int8 as they are; int4 two per byte (a kernel's layout, or plain)
-        self.q = q if bits == 8 else None
+        # the integers, stored once: in blocked panels, which hold the scales and mins too; else
+        # int8 as they are, int4 two per byte (a torch kernel's layout, or plain)
+        self.q = q if bits == 8 and not self.blocked else None
         if bits == 4 and self.kernel is None:
             self.packed = pack_nibbles(q)
-        if self.kernel == "blocked4":        # the panels hold the scales and mins too
+        if self.blocked:
             self._scales = self._mins = None
         # measure=False: the owner measures against its own alternative (the LM head's float weight)
         self.kernel_max_rows = self._measure() if self.kernel in ("int4pack", "int8pack") and measure else 0
 
+    @property
+    def blocked(self) -> bool:
+        """In blocked_matmul's 4- or 8-bit panels (every product, any rows, uses them)."""
+        return self.kernel in ("blocked4", "blocked8")
+
     def _kernel_format(self, q: torch.Tensor) -> str | None:
-        if (q.device.type == "cpu" and self.bits == 4 and self.dtype in DTYPE_CODES and blocked_int4() is not None
-                and self.group % 8 == 0):
-            size, pack, _ = blocked_int4()
-            self.packed = torch.empty(size(self.out_features, self.in_features, self.group), dtype=torch.uint8)
-            q = q.contiguous()       # held while C reads it (a slice of a rank's columns is not)
-            pack(q.data_ptr(), self._scales.data_ptr(), self._mins.data_ptr(), self.out_features,
-                 self.in_features, self.group, self.packed.data_ptr())
-            return "blocked4"
+        blocked = self._pack_blocked(q)
+        if blocked is not None:
+            return blocked
         # torch's packed kernels multiply in bfloat16: a float32 model dequantizes instead (exact)
         if q.device.type != "cpu" or self.dtype != torch.bfloat16 or self.out_features % 16:
             return None
@@ -156,9 +157,34 @@ class QuantizedWeight:
             return "int4pack"
         return None
 
+    def _pack_blocked(self, q: torch.Tensor) -> str | None:
+        """Packs q into blocked_matmul's panels where they apply: 4-bit groups a multiple of 8,
+        symmetric 8-bit groups of an even size."""
+        if q.device.type != "cpu" or self.dtype not in DTYPE_CODES:
+            return None
+        if self.bits == 4 and self.group % 8 == 0 and blocked_int4() is not None:
+            size, pack, _ = blocked_int4()
+            tables = (self._scales.data_ptr(), self._mins.data_ptr())
+        elif self.bits == 8 and self.group % 2 == 0 and blocked_int8() is not None and not self._mins.any():
+            size, pack, _ = blocked_int8()
+            tables = (self._scales.data_ptr(),)
+        else:
+            return None
+        self.packed = torch.empty(size(self.out_features, self.in_features, self.group), dtype=torch.uint8)
+        q = q.contiguous()       # held while C reads it (a slice of a rank's columns is not)
+        pack(q.data_ptr(), *tables, self.out_features, self.in_features, self.group, self.packed.data_ptr())
+        return f"blocked{self.bits}"
+
     def _panels(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """blocked4's panels, unpacked: (q [N, K] int8, scales, mins [N, K / group] float32)."""
+        """The blocked panels, unpacked: (q [N, K] int8, scales, mins [N, K / group] float32)."""
         width, K, G, group = blocked_panel_width()(), self.in_features, self.in_features // self.group, self.group
+        if self.bits == 8:     # per panel and group: [group][width] int8, then the group's scales
+            groups = self.packed.view(-1, G, group * width + width * 4)
+            q = groups[..., :group * width].contiguous().view(torch.int8).view(-1, G, group, width)
+            q = q.permute(0, 3, 1, 2).reshape(-1, K)[:self.out_features]
+            scales = groups[..., group * width:].contiguous().view(torch.float32).view(-1, G, width)
+            scales = scales.permute(0, 2, 1).reshape(-1, G)[:self.out_features].contiguous()
+            return q, scales, torch.zeros_like(scales)
         # per panel and group: per 8 k's a 32-bit word per feature (q[k + 2i] at bits 4i,
         # q[k + 2i + 1] at bits 16 + 4i), then the group's scales and mins (float32)
         groups = self.packed.view(-1, G, group // 2 * width + 2 * width * 4)
@@ -179,7 +205,7 @@ class QuantizedWeight:
 
     def weight_bytes(self) -> int:
         stored = self.packed if self.q is None else self.q
-        tables = 0 if self.kernel == "blocked4" else 2 * self._scales.numel() * 4   # blocked4's are in its panels
+        tables = 0 if self.blocked else 2 * self._scales.numel() * 4   # the panels hold their own
         return stored.numel() * stored.element_size() + tables
 
     def integers(self) -> torch.Tensor:
@@ -187,9 +213,25 @@ class QuantizedWeight:
             return self.q
         if self.kernel == "int4pack":
             return unpack_int4(self.packed, self.out_features, self.in_features)
-        if self.kernel == "blocked4":
+        if self.blocked:
             return self._panels()[0]
         return unpack_nibbles(self.packed)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` (any shape) of the weight, dequantized: [*index.shape, K] (an embedding
+        lookup in a quantized table); read straight from 8-bit panels."""
+        flat = index.reshape(-1)
+        if self.kernel == "blocked8":
+            width, G, group = blocked_panel_width()(), self.in_features // self.group, self.group
+            groups = self.packed.view(-1, G, group * width + width * 4)
+            panel, j = flat // width, flat % width
+            q = groups[..., :group * width].view(torch.int8).view(-1, G, group, width)[panel, :, :, j]
+            scales = groups[..., group * width:].view(torch.float32)[panel, :, j]
+            w = q.float() * scales.unsqueeze(-1)
+        else:
+            q, scales, mins = self.integers()[flat], self.scales[flat], self.mins[flat]
+            w = q.float().view(len(flat), -1, self.group) * scales.unsqueeze(-1) + mins.unsqueeze(-1)
+        return w.reshape(*index.shape, self.in_features).to(self.dtype)
 
     def dequantized(self) -> torch.Tensor:
         lib = fused_ops()
@@ -202,8 +244,8 @@ class QuantizedWeight:
         return dequantize(self.integers(), self.scales, self.mins, self.dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.kernel == "blocked4":
-            return self._blocked4(x, bias)
+        if self.blocked:
+            return self._blocked(x, bias)
         rows = x.numel() // self.in_features
         out = self._kernel(x) if rows <= self.kernel_max_rows else F.linear(x, self.dequantized())
         return out if bias is None else out + bias
@@ -217,16 +259,17 @@ class QuantizedWeight:
             out = torch._weight_int4pack_mm_for_cpu(xb, self.packed, self.group, self._scales_and_zeros)
         return out.to(self.dtype).view(*shape[:-1], self.out_features)
 
-    def _blocked4(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _blocked(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
         bias = None if bias is None else bias.to(x.dtype).contiguous()     # held while C reads it
-        if blocked_int4()[2](rows.data_ptr(), rows.stride(0), self.packed.data_ptr(),
+        product = (blocked_int4() if self.bits == 4 else blocked_int8())[2]
+        if product(rows.data_ptr(), rows.stride(0), self.packed.data_ptr(),
                              None if bias is None else bias.data_ptr(), out.data_ptr(),
                              rows.shape[0], self.out_features, self.in_features, self.group, DTYPE_CODES[x.dtype]):
-            raise MemoryError(f"blocked int4 matmul could not allocate its {rows.shape[0]} x {self.in_features} buffer")
+            raise MemoryError(f"blocked int{self.bits} matmul could not allocate its {rows.shape[0]} x {self.in_features} buffer")
         return out.view(*x.shape[:-1], self.out_features)
 
     def _measure(self) -> int:

@@ -4,6 +4,10 @@ The vocabulary is padded to a multiple of tp; rank r holds rows [r * V/tp, (r + 
 Embedding: each rank looks up the ids in its range (zeros elsewhere) and an all-reduce sums the
 parts. LM head: each rank computes the logits of its rows; they are gathered on the group's
 first rank, which samples (the other ranks get None).
+
+A GGUF model run in its own quantization (`--quantization gguf`) keeps a Q8_0 table as it is
+(8-bit blocked panels): the LM head multiplies it directly, and an embedding lookup dequantizes
+its rows (the float values the default float conversion computes, bit for bit).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from torch import nn
 from shardlm.distributed.parallel_state import get_tp_group
 from shardlm.layers.cpu_matmul import CpuMatmul, blocked_rows, linear, prepare_weight
 from shardlm.layers.linear import checkpoint_shape, read_checkpoint
+from shardlm.layers.quantization import QuantizedWeight
 from shardlm.layers.sampler import argmax_rows
 
 
@@ -22,6 +27,7 @@ class VocabParallelEmbedding(nn.Module):
     # on CPU: the weight's layout (cpu_matmul.py); the embedding's own is plain, a tied LM head's
     # packed one is shared with it
     cpu_matmul: CpuMatmul | None = None
+    quant: QuantizedWeight | None = None     # a quantized table (take_quantized): the weight is then None
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
@@ -42,7 +48,25 @@ class VocabParallelEmbedding(nn.Module):
         param.data[real:].zero_()
         param.data[:real].copy_(read_checkpoint(loaded, 0, self.start, real))
 
+    def take_quantized(self, parts: list[tuple]) -> None:
+        """parts: [(q, scales, mins, bits)] of the whole table (from a GGUF file); this rank's rows
+        are kept quantized where they go into 8-bit panels, whose rows a lookup reads directly
+        (else the float table loaded before stays)."""
+        q, scales, mins, bits = parts[0]
+        if tuple(q.shape) != (self.vocab_size, self.weight.shape[1]):
+            raise ValueError(f"A quantized vocabulary table of shape {tuple(q.shape)}, the model expects "
+                             f"{(self.vocab_size, self.weight.shape[1])}: the quantized file does not match the config.")
+        real = max(0, min(self.end, self.vocab_size) - self.start)
+
+        def mine(t: torch.Tensor) -> torch.Tensor:     # this rank's rows, zero rows for the padding
+            return torch.cat([t[self.start:self.start + real], t.new_zeros(self.rows_per_rank - real, t.shape[1])])
+        quant = QuantizedWeight(mine(q), mine(scales), mine(mins), bits, self.weight.dtype, measure=False)
+        if quant.kernel == "blocked8":
+            self.quant, self.weight = quant, None
+
     def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.rows(rows)
         if self.cpu_matmul is not None and self.cpu_matmul.blocked:
             return blocked_rows(self.weight, self.cpu_matmul, rows)
         return F.embedding(rows, self.weight)
@@ -65,6 +89,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight, self.tied_to = embedding.weight, embedding
 
     def process_weights_after_loading(self) -> None:
+        if self.tied_to is not None and self.tied_to.quant is not None:
+            self.quant, self.weight = self.tied_to.quant, None     # one quantized table for both
+        if self.quant is not None:
+            return
         packed, self.cpu_matmul = prepare_weight(self.weight.data)
         if packed is not None:
             self.weight = nn.Parameter(packed, requires_grad=False)
@@ -76,6 +104,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over this rank's vocabulary shard (its padding rows included)."""
+        if self.quant is not None:
+            return self.quant.matmul(hidden)
         return linear(hidden, self.weight, None, self.cpu_matmul)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:

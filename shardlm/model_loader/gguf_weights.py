@@ -9,7 +9,9 @@ GGUF stores a weight [N, K] row by row in blocks of 32 columns (ggml's block for
 where byte j of the nibbles holds column j (low) and j + 16 (high). Each becomes the integers,
 scales and minimums of a `QuantizedWeight` (w = q * scale + min, groups of 32): the same
 values, bit for bit, as ggml's dequantization. llama.cpp stores q_proj and k_proj rows permuted
-for its rotary layout; they are put back in the Hugging Face order here.
+for its rotary layout; they are put back in the Hugging Face order here. The token embedding and
+the LM head are read too where they are Q8_0 (the embedded default model's tied table is); in
+another type (F16, K-quants, 4-bit) they stay float.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import torch
 from shardlm import envs
 
 GROUP = 32
-_CACHE_VERSION = 1        # bump when decoding changes
+_CACHE_VERSION = 2        # bump when decoding changes
+_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+_TABLES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
 _HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
              "ffn_down": "mlp.down_proj"}
@@ -57,8 +61,9 @@ def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 
 
 def read_linears(path: str, hf_config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
-    """Every quantized attention/MLP weight of a llama-architecture GGUF file, by its Hugging Face
-    name (`model.layers.I.self_attn.q_proj.weight`, ...). Decoded once per file and kept in the
+    """Every quantized attention/MLP weight of a llama-architecture GGUF file, and its embedding
+    and LM head where Q8_0, by Hugging Face name
+    (`model.layers.I.self_attn.q_proj.weight`, `model.embed_tokens.weight`, ...). Decoded once per file and kept in the
     cache directory as safetensors: gguf's reader alone takes seconds (it parses the whole
     vocabulary), reading the decoded copy a fraction of one."""
     from safetensors.torch import load_file, save_file
@@ -85,11 +90,13 @@ def _decode_file(path: str, hf_config) -> dict[str, tuple[torch.Tensor, torch.Te
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     out = {}
     for tensor in gguf.GGUFReader(path).tensors:
+        type_name = tensor.tensor_type.name
+        if tensor.name in _TABLES and type_name == "Q8_0":
+            out[_TABLES[tensor.name]] = decode_blocks(np.asarray(tensor.data), type_name)
         parts = tensor.name.split(".")
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _HF_NAMES:
             continue
-        type_name = tensor.tensor_type.name
-        if type_name not in ("Q8_0", "Q4_0", "Q4_1"):
+        if type_name not in _TYPES:
             raise ValueError(f"{path}: {tensor.name} is {type_name}; --quantization gguf reads Q8_0, Q4_0 and Q4_1 "
                              "tensors (K-quants are not supported yet). Leave out --quantization to run it in float.")
         q, scales, mins, bits = decode_blocks(np.asarray(tensor.data), type_name)

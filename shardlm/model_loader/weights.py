@@ -50,10 +50,20 @@ def quantize_linears(model: torch.nn.Module, config) -> None:
 def take_quantized_linears(model: torch.nn.Module, tensors: dict[str, tuple]) -> None:
     """Each tensor parallel linear takes its rank's part of the already-quantized weights
     (`tensors`: (q, scales, mins, bits) by Hugging Face weight name, from a GGUF file or a
-    GPTQ/AWQ checkpoint); a float weight loaded before is dropped."""
+    GPTQ/AWQ checkpoint); a float weight loaded before is dropped. A vocabulary table (embedding,
+    LM head; a tied head shares its embedding's) is offered its tensor and keeps it where it has a
+    kernel for it, else keeps the float table loaded before."""
     from shardlm.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from shardlm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
     taken = set()
     for name, module in model.named_modules():
+        if isinstance(module, VocabParallelEmbedding):
+            tied = isinstance(module, ParallelLMHead) and getattr(model, "tie_word_embeddings", False)
+            table = "lm_head.weight" if isinstance(module, ParallelLMHead) and not tied else "model.embed_tokens.weight"
+            if table in tensors:
+                if not (tied and module.tied_to is not None):
+                    module.take_quantized([tensors[table]])
+                taken.add(table)
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             prefix, _, leaf = name.rpartition(".")
             # a merged matrix (qkv_proj, gate_up_proj) takes its checkpoint tensors in shard order

@@ -7,7 +7,7 @@ in the same order, from C: the results are bit for bit those of the layer-by-lay
 
 It applies where every piece has its CPU kernel: one tensor parallel rank, float32 or
 bfloat16, plain Llama layers (dense MLP, no q/k norm) whose linears all have one layout the C
-kernels read (the blocked kernel's float or 4-bit panels at any rows; plain weights on the
+kernels read (the blocked kernel's float, 4- or 8-bit panels at any rows; plain weights on the
 skinny kernel up to the rows it was measured for), the CPU attention backend, and a step of
 decodes only. Anything else takes the layer-by-layer path.
 """
@@ -25,13 +25,15 @@ def _address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-SKINNY, BLOCKED, BLOCKED_INT4 = 0, 1, 2     # the weight layouts the C path multiplies (llama_decode.c)
+SKINNY, BLOCKED, BLOCKED_INT4, BLOCKED_INT8 = 0, 1, 2, 3     # the weight layouts the C path multiplies (llama_decode.c)
+_QUANTIZED = {"blocked4": BLOCKED_INT4, "blocked8": BLOCKED_INT8}
 
 
 def _layout(linear) -> tuple[int, int] | None:
     """(layout, group) of a linear's weight where the C path has its kernel, else None."""
     if linear.quant is not None:
-        return (BLOCKED_INT4, linear.quant.group) if linear.quant.kernel == "blocked4" else None
+        kind = _QUANTIZED.get(linear.quant.kernel)
+        return None if kind is None else (kind, linear.quant.group)
     plan = linear.cpu_matmul
     if plan is None:
         return None

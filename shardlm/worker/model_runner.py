@@ -90,7 +90,9 @@ class ModelRunner:
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def weight_bytes(self) -> int:
-        quantized = sum(m.quant.weight_bytes() for m in self.model.modules() if getattr(m, "quant", None) is not None)
+        # a tied LM head shares its embedding's quantized table: counted once
+        tables = {id(m.quant): m.quant for m in self.model.modules() if getattr(m, "quant", None) is not None}
+        quantized = sum(q.weight_bytes() for q in tables.values())
         return sum(p.numel() * p.element_size() for p in self.model.parameters()) + quantized
 
     # ---- one step ----

@@ -38,7 +38,8 @@ def test_default_model_chat_is_coherent():
 
 
 def test_default_model_from_its_q4_1_file(reference, hf):
-    """--quantization gguf: the linears stay in the file's Q4_1 blocks. In float32 it equals
+    """--quantization gguf: the linears stay in the file's Q4_1 blocks, the tied embedding / LM
+    head in its Q8_0 ones. In float32 it equals
     transformers on the float conversion (the blocked kernel widens each weight with one rounding,
     the conversion with two: near-ties may part); in bfloat16 it parts from it only at near-ties."""
     prompts = [p["token_ids"] for p in PROMPTS["prompts"]]
@@ -49,8 +50,8 @@ def test_default_model_from_its_q4_1_file(reference, hf):
         llm = LLM(dtype=dtype, quantization="gguf")
         try:
             kernels = llm.collective_rpc("quantized_kernels")[0]
-            if blocked_int4() is not None:      # AVX-512: 4-bit panels in both dtypes
-                assert kernels == {"blocked4": 120}
+            if blocked_int4() is not None:      # AVX-512: 4-bit panels in both dtypes, the Q8_0 table in 8-bit ones
+                assert kernels == {"blocked4": 120, "blocked8": 2}      # the embedding and its tied LM head
             else:
                 assert kernels == ({"none": 120} if dtype == "float32" else {"int4pack": 120})
             outs = llm.generate(prompts, params, use_tqdm=False)

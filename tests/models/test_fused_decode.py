@@ -16,10 +16,11 @@ PROMPTS = [[101, 2054, 2003, 1037], [7592, 1010, 2088, 999, 102, 4000, 321] * 5]
     ("llama-gqa", "float32", None), ("llama-gqa", "bfloat16", None), ("qwen2-bias", "float32", None),
     ("qwen2-bias", "bfloat16", None),
     ("qwen2-bias", "bfloat16", "int4"),      # 4-bit panels, where the blocked kernel is built
+    ("llama-gqa", "bfloat16", "int8"),       # 8-bit panels
 ])
 def test_fused_decode_equals_the_layer_by_layer_path(name, dtype, quantization, tiny_model_dir, monkeypatch):
     if quantization and kernels.blocked_int4() is None:
-        pytest.skip("4-bit weights take the fused path only with the blocked kernel (AVX-512)")
+        pytest.skip("quantized weights take the fused path only with the blocked kernel (AVX-512)")
     taken = []
     fused_call = llama_cpu_decode.FusedDecodeLayers.__call__
 

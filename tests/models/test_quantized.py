@@ -95,12 +95,12 @@ def test_bad_quantization_settings_say_what_works(tiny_model_dir):
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_bfloat16_packed_kernels_equal_hf_in_bfloat16(method, tiny_model_dir, tmp_path, hf):
-    """bfloat16 runs the packed kernels (int8: torch's; int4: the blocked kernel's 4-bit panels on
-    AVX-512 CPUs, else torch's) against transformers on the same integers."""
+    """bfloat16 runs the packed kernels (the blocked kernel's 8- and 4-bit panels on AVX-512 CPUs,
+    else torch's) against transformers on the same integers."""
     group = -1 if method == "int8" else 32
     path = _round_trip_model(tiny_model_dir("llama-gqa"), tmp_path, 8 if method == "int8" else 4, group)
-    blocked = method == "int4" and blocked_int4() is not None
-    # the blocked kernel widens 4-bit weights to float32 in registers (transformers in bfloat16
+    blocked = blocked_int4() is not None
+    # the blocked kernel widens weights to float32 in registers (transformers in bfloat16
     # rounds each dequantized weight to bfloat16): its reference is float32
     reference = hf.greedy(path, _prompts(), MAX_TOKENS, dtype=torch.float32 if blocked else torch.bfloat16)
     llm = LLM(tiny_model_dir("llama-gqa"), **{**ENGINE, "dtype": "bfloat16"}, quantization=method,
@@ -110,7 +110,7 @@ def test_bfloat16_packed_kernels_equal_hf_in_bfloat16(method, tiny_model_dir, tm
         outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
     finally:
         llm.shutdown()
-    expected = "blocked4" if blocked else f"{method}pack"
+    expected = f"blocked{method[3:]}" if blocked else f"{method}pack"
     assert kernels == {expected: 4 * 2}          # qkv, o, gate_up, down of both layers
     # every sequence may part from HF only at a near-tie (each side's token in the other's top 5).
     # No count of exact sequences: in bfloat16 these tiny random models part within a few tokens even
@@ -133,7 +133,8 @@ def test_a_gguf_file_as_the_model_serves_its_own_blocks(tmp_path):
     for model in (None, str(copy)):
         llm = LLM(model, dtype="float32", kv_cache_memory="64MiB", max_model_len=256, quantization="gguf")
         try:
-            assert llm.collective_rpc("quantized_kernels")[0] == {"blocked4" if blocked_int4() else "none": 120}
+            kernels = {"blocked4": 120, "blocked8": 2} if blocked_int4() else {"none": 120}   # blocked8: the Q8_0 table
+            assert llm.collective_rpc("quantized_kernels")[0] == kernels
             outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         finally:
             llm.shutdown()

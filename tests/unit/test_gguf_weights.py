@@ -1,6 +1,7 @@
 """GGUF's Q8_0 / Q4_0 / Q4_1 blocks decoded into integers, scales and minimums dequantize to
 exactly what gguf's own numpy dequantizer gives; the embedded default model's Q4_1 linears,
-un-permuted, equal its float conversion bit for bit, and so does their cached copy."""
+un-permuted, and its Q8_0 token embedding equal its float conversion bit for bit, and so does
+their cached copy."""
 
 import gguf
 import numpy as np
@@ -33,9 +34,9 @@ def test_default_models_q4_1_linears_equal_its_float_conversion(default_model_di
     config = AutoConfig.from_pretrained(default_model_dir)
     linears = _decode_file(gguf_path(), config)
     floats = load_file(os.path.join(default_model_dir, "model.safetensors"))
-    assert len(linears) == 30 * 7
+    assert len(linears) == 30 * 7 + 1           # and the tied embedding / LM head table
     for name, (q, scales, mins, bits) in linears.items():
-        assert bits == 4
+        assert bits == (8 if name == "model.embed_tokens.weight" else 4), name
         assert torch.equal(dequantize(q, scales, mins, torch.float32), floats[name]), name
     cached = read_linears(gguf_path(), config)          # the decoded copy in the cache directory
     read_linears(gguf_path(), config)

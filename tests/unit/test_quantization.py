@@ -72,12 +72,14 @@ def test_product_equals_dequantize_then_matmul(bits, group, rows, dtype):
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
     groups = 1 if group == -1 else 256 // group
-    assert qw.weight_bytes() == w.numel() * bits // 8 + 2 * 4 * 192 * groups     # integers + float32 scale, min
+    tables = 1 if qw.kernel == "blocked8" else 2          # float32 scales, and mins (not stored for symmetric panels)
+    assert qw.weight_bytes() == w.numel() * bits // 8 + tables * 4 * 192 * groups
 
 
 def test_packed_kernels_serve_bfloat16_models(monkeypatch):
     """Where torch's packed kernels are used: CPUs without AVX-512 (here: the blocked kernel switched off)."""
     monkeypatch.setattr(quantization, "blocked_int4", lambda: None)
+    monkeypatch.setattr(quantization, "blocked_int8", lambda: None)
     w, bf16 = torch.randn(192, 256), torch.bfloat16
     assert QuantizedWeight(*quantize_rtn(w, 4, 32), 4, bf16).kernel == "int4pack"
     assert QuantizedWeight(*quantize_rtn(w, 8, 256), 8, bf16).kernel == "int8pack"
@@ -87,20 +89,21 @@ def test_packed_kernels_serve_bfloat16_models(monkeypatch):
 
 
 @pytest.mark.skipif(kernels.blocked_int4() is None, reason="no compiler or no AVX-512")
-@pytest.mark.parametrize("n, k, group", [(48, 64, 32), (100, 256, 128), (208, 96, 32)])
-def test_blocked_4bit_panels_hold_the_integers_scales_and_mins(n, k, group, bf16_products):
-    """On AVX-512 CPUs every 4-bit weight, float32 or bfloat16 model, goes into the blocked
-    kernel's panels (scales and mins inside them): read back, they are what was quantized. The
-    product is the dequantized one (with the dot product too, which multiplies the integers and
-    applies scale and min per group), and does not depend on how many rows are multiplied with a
-    row: 3, 20 (each panel widened once) or 1."""
-    whole = quantize_rtn(torch.randn(n, 2 * k), 4, group)
+@pytest.mark.parametrize("bits, n, k, group", [(4, 48, 64, 32), (4, 100, 256, 128), (4, 208, 96, 32),
+                                               (8, 48, 64, 32), (8, 100, 256, 256), (8, 208, 96, 2)])
+def test_blocked_panels_hold_the_integers_scales_and_mins(bits, n, k, group, bf16_products):
+    """On AVX-512 CPUs every 4-bit and symmetric 8-bit weight, float32 or bfloat16 model, goes
+    into the blocked kernel's panels (scales and mins inside them): read back, they are what was
+    quantized. The product is the dequantized one (with the dot product too, which multiplies the
+    integers and applies scale and min per group), and does not depend on how many rows are
+    multiplied with a row: 3, 20 (each panel widened once) or 1."""
+    whole = quantize_rtn(torch.randn(n, 2 * k), bits, group)
     # the second half of the columns: a row-parallel rank's slice, not contiguous
     q, scales, mins = whole[0][:, k:], *(t[:, k // group:] for t in whole[1:])
     x = torch.randn(3, k)
     for dtype in (torch.float32, torch.bfloat16):
-        qw = QuantizedWeight(q, scales, mins, 4, dtype)
-        assert qw.kernel == "blocked4"
+        qw = QuantizedWeight(q, scales, mins, bits, dtype)
+        assert qw.kernel == f"blocked{bits}"
         assert torch.equal(qw.integers(), q) and torch.equal(qw.scales, scales) and torch.equal(qw.mins, mins)
         expected = F.linear(x.to(dtype).float(), dequantize(q, scales, mins, torch.float32))
         torch.testing.assert_close(qw.matmul(x.to(dtype)).float(), expected, rtol=2e-2, atol=2e-2)
