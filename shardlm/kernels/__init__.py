@@ -190,25 +190,26 @@ def blocked_pack():
 
 
 def blocked_int4():
-    """(blocked_int4_size(N, K, group) -> bytes, blocked_int4_pack(q, scales, mins, N, K, group, out),
-    blocked_int4_matmul(x, x_stride, packed, bias, y, M, N, K, group, dtype) -> 0 / -1 if out of
-    memory) for 4-bit weights in blocked panels; None where blocked_matmul() is None."""
+    """(blocked_int4_size(N, K, group, tb) -> bytes, blocked_int4_pack(q, scales, mins, N, K, group,
+    tb, out), blocked_int4_matmul(x, x_stride, packed, bias, y, M, N, K, group, tb, dtype) -> 0 / -1
+    if out of memory) for 4-bit weights in blocked panels, scales and mins tb bytes each (4:
+    float32, 2: float16); None where blocked_matmul() is None."""
     if blocked_matmul() is None:
         return None
-    return (_function("blocked_matmul", "blocked_int4_size", [_I, _I, _I], _I64),
-            _function("blocked_matmul", "blocked_int4_pack", [_P, _P, _P, _I, _I, _I, _P], None),
-            _function("blocked_matmul", "blocked_int4_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I], _I))
+    return (_function("blocked_matmul", "blocked_int4_size", [_I, _I, _I, _I], _I64),
+            _function("blocked_matmul", "blocked_int4_pack", [_P, _P, _P, _I, _I, _I, _I, _P], None),
+            _function("blocked_matmul", "blocked_int4_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I))
 
 
 def blocked_int8():
-    """(blocked_int8_size(N, K, group) -> bytes, blocked_int8_pack(q, scales, N, K, group, out),
-    blocked_int8_matmul(x, x_stride, packed, bias, y, M, N, K, group, dtype) -> 0 / -1 if out of
+    """(blocked_int8_size(N, K, group, tb) -> bytes, blocked_int8_pack(q, scales, N, K, group, tb, out),
+    blocked_int8_matmul(x, x_stride, packed, bias, y, M, N, K, group, tb, dtype) -> 0 / -1 if out of
     memory) for symmetric 8-bit weights in blocked panels; None where blocked_matmul() is None."""
     if blocked_matmul() is None:
         return None
-    return (_function("blocked_matmul", "blocked_int8_size", [_I, _I, _I], _I64),
-            _function("blocked_matmul", "blocked_int8_pack", [_P, _P, _I, _I, _I, _P], None),
-            _function("blocked_matmul", "blocked_int8_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I], _I))
+    return (_function("blocked_matmul", "blocked_int8_size", [_I, _I, _I, _I], _I64),
+            _function("blocked_matmul", "blocked_int8_pack", [_P, _P, _I, _I, _I, _I, _P], None),
+            _function("blocked_matmul", "blocked_int8_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I))
 
 
 def blocked_panel_width():
@@ -223,7 +224,7 @@ def llama_decode_layers():
         _use_bf16_dot("llama_decode", _bf16_dot_pays(blocked_matmul()))   # its own copy of the choice
     return _function("llama_decode", "llama_decode_layers",
                      [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F,
-                      _I, _I, _I, _P],
+                      _I, _I, _I, _I, _P],
                      ctypes.c_int)
 
 

@@ -86,26 +86,28 @@ KERNEL_API void blocked_pack(const void *w, int N, int K, int dtype, void *out) 
     }
 }
 
-// A 4-bit panel's group: [group / 8][NR] words, then [NR] float32 scales and [NR] mins
-static inline int64_t int4_group_bytes(int group) { return (int64_t)group / 2 * NR + 2 * NR * 4; }
-static inline const uint32_t *int4_words(const uint8_t *panel, int group, int k8) {   // k8: a multiple of 8
-    return (const uint32_t *)(panel + k8 / group * int4_group_bytes(group)) + (int64_t)(k8 % group / 8) * NR;
+// Scales and mins ("tables") are float32 (tb = 4 bytes each) or, where the quantization made
+// them float16 (GGUF's blocks), float16 (tb = 2): fewer bytes to read per weight.
+// A 4-bit panel's group: [group / 8][NR] words, then [NR] scales and [NR] mins
+static inline int64_t int4_group_bytes(int group, int tb) { return (int64_t)group / 2 * NR + 2 * NR * tb; }
+static inline const uint32_t *int4_words(const uint8_t *panel, int group, int tb, int k8) {   // k8: a multiple of 8
+    return (const uint32_t *)(panel + k8 / group * int4_group_bytes(group, tb)) + (int64_t)(k8 % group / 8) * NR;
 }
-static inline const float *int4_scales(const uint8_t *panel, int group, int g) {      // the mins follow, NR on
-    return (const float *)(panel + g * int4_group_bytes(group) + (int64_t)group / 2 * NR);
+static inline const uint8_t *int4_tables(const uint8_t *panel, int group, int tb, int g) {   // scales, then mins
+    return panel + g * int4_group_bytes(group, tb) + (int64_t)group / 2 * NR;
 }
 
 // Bytes of a packed 4-bit weight [N, K] (group a multiple of 8): K / group groups per panel
-KERNEL_API int64_t blocked_int4_size(int N, int K, int group) {
+KERNEL_API int64_t blocked_int4_size(int N, int K, int group, int tb) {
     const int64_t panels = (N + NR - 1) / NR;
-    return panels * (K / group) * int4_group_bytes(group);
+    return panels * (K / group) * int4_group_bytes(group, tb);
 }
 
-// q [N, K] (0..15), scales and mins [N, K / group] -> the 4-bit panel layout above
-KERNEL_API void blocked_int4_pack(const int8_t *q, const float *scales, const float *mins, int N, int K, int group,
-                                  uint8_t *out) {
+// q [N, K] (0..15), scales and mins [N, K / group] (tb bytes each) -> the 4-bit panel layout above
+KERNEL_API void blocked_int4_pack(const int8_t *q, const void *scales, const void *mins, int N, int K, int group,
+                                  int tb, uint8_t *out) {
     const int panels = (N + NR - 1) / NR, groups = K / group;
-    const int64_t panel_bytes = blocked_int4_size(NR, K, group);
+    const int64_t panel_bytes = blocked_int4_size(NR, K, group, tb);
     #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; p++) {
         uint8_t *o = out + p * panel_bytes;
@@ -116,49 +118,61 @@ KERNEL_API void blocked_int4_pack(const int8_t *q, const float *scales, const fl
                 for (int i = 0; n < N && i < 4; i++)
                     word |= (uint32_t)(q[(int64_t)n * K + k + 2 * i] & 15) << 4 * i
                           | (uint32_t)(q[(int64_t)n * K + k + 2 * i + 1] & 15) << (16 + 4 * i);
-                memcpy((uint8_t *)(int4_words(o, group, k) + j), &word, 4);
+                memcpy((uint8_t *)(int4_words(o, group, tb, k) + j), &word, 4);
             }
             for (int g = 0; g < groups; g++) {
-                float *s = (float *)int4_scales(o, group, g);
-                s[j] = n < N ? scales[(int64_t)n * groups + g] : 0.f;
-                s[NR + j] = n < N ? mins[(int64_t)n * groups + g] : 0.f;
+                uint8_t *t = (uint8_t *)int4_tables(o, group, tb, g);
+                memset(t + j * tb, 0, tb);
+                memset(t + (NR + j) * tb, 0, tb);
+                if (n >= N) continue;
+                memcpy(t + j * tb, (const uint8_t *)scales + ((int64_t)n * groups + g) * tb, tb);
+                memcpy(t + (NR + j) * tb, (const uint8_t *)mins + ((int64_t)n * groups + g) * tb, tb);
             }
         }
     }
 }
 
-// An 8-bit panel's group: [group][NR] int8, then [NR] float32 scales
-static inline int64_t int8_group_bytes(int group) { return (int64_t)group * NR + NR * 4; }
-static inline const int8_t *int8_column(const uint8_t *panel, int group, int k) {      // the NR integers of k
-    return (const int8_t *)(panel + k / group * int8_group_bytes(group)) + (int64_t)(k % group) * NR;
+// An 8-bit panel's group: [group][NR] int8, then [NR] scales
+static inline int64_t int8_group_bytes(int group, int tb) { return (int64_t)group * NR + NR * tb; }
+static inline const int8_t *int8_column(const uint8_t *panel, int group, int tb, int k) {      // the NR integers of k
+    return (const int8_t *)(panel + k / group * int8_group_bytes(group, tb)) + (int64_t)(k % group) * NR;
 }
-static inline const float *int8_scales(const uint8_t *panel, int group, int g) {
-    return (const float *)(panel + g * int8_group_bytes(group) + (int64_t)group * NR);
+static inline const uint8_t *int8_tables(const uint8_t *panel, int group, int tb, int g) {
+    return panel + g * int8_group_bytes(group, tb) + (int64_t)group * NR;
 }
 
 // Bytes of a packed 8-bit weight [N, K] (group even, dividing K)
-KERNEL_API int64_t blocked_int8_size(int N, int K, int group) {
+KERNEL_API int64_t blocked_int8_size(int N, int K, int group, int tb) {
     const int64_t panels = (N + NR - 1) / NR;
-    return panels * (K / group) * int8_group_bytes(group);
+    return panels * (K / group) * int8_group_bytes(group, tb);
 }
 
-// q [N, K] (-128..127), scales [N, K / group] -> the 8-bit panel layout above
-KERNEL_API void blocked_int8_pack(const int8_t *q, const float *scales, int N, int K, int group, uint8_t *out) {
+// q [N, K] (-128..127), scales [N, K / group] (tb bytes each) -> the 8-bit panel layout above
+KERNEL_API void blocked_int8_pack(const int8_t *q, const void *scales, int N, int K, int group, int tb, uint8_t *out) {
     const int panels = (N + NR - 1) / NR, groups = K / group;
-    const int64_t panel_bytes = blocked_int8_size(NR, K, group);
+    const int64_t panel_bytes = blocked_int8_size(NR, K, group, tb);
     #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; p++) {
         uint8_t *o = out + p * panel_bytes;
         for (int j = 0; j < NR; j++) {
             const int n = p * NR + j;
-            for (int k = 0; k < K; k++) ((int8_t *)int8_column(o, group, k))[j] = n < N ? q[(int64_t)n * K + k] : 0;
-            for (int g = 0; g < groups; g++)
-                ((float *)int8_scales(o, group, g))[j] = n < N ? scales[(int64_t)n * groups + g] : 0.f;
+            for (int k = 0; k < K; k++) ((int8_t *)int8_column(o, group, tb, k))[j] = n < N ? q[(int64_t)n * K + k] : 0;
+            for (int g = 0; g < groups; g++) {
+                uint8_t *t = (uint8_t *)int8_tables(o, group, tb, g) + j * tb;
+                memset(t, 0, tb);
+                if (n < N) memcpy(t, (const uint8_t *)scales + ((int64_t)n * groups + g) * tb, tb);
+            }
         }
     }
 }
 
 #if defined(__AVX512F__)
+// 16 table entries from j on (float32 or float16, tb bytes each) as float32
+static inline __attribute__((always_inline)) __m512 load_table(const uint8_t *table, int j, int tb) {
+    return tb == 4 ? _mm512_loadu_ps((const float *)table + j)
+                   : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)table + j)));
+}
+
 // acc[m][v] = x rows m (NM of them, a constant: the accumulators stay in registers) . the panel's
 // vector v of output features, over Kp (even for bfloat16) values of k
 static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t x_stride, const void *panel, int Kp,
@@ -233,27 +247,27 @@ static inline __attribute__((always_inline)) void widen_int4_pair(__m512i words,
 }
 
 // Asks for group g's bytes PF_BYTES ahead in the panel's stream (the first pass over a panel)
-static inline __attribute__((always_inline)) void prefetch_int4_group(const uint8_t *panel, int group, int g) {
-    const char *at = (const char *)panel + g * int4_group_bytes(group) + PF_BYTES;
-    for (int64_t off = 0; off < int4_group_bytes(group); off += 64) _mm_prefetch(at + off, _MM_HINT_T0);
+static inline __attribute__((always_inline)) void prefetch_int4_group(const uint8_t *panel, int group, int tb, int g) {
+    const char *at = (const char *)panel + g * int4_group_bytes(group, tb) + PF_BYTES;
+    for (int64_t off = 0; off < int4_group_bytes(group, tb); off += 64) _mm_prefetch(at + off, _MM_HINT_T0);
 }
 
 // panel_tile for a 4-bit panel: each k pair's NR bytes widened to two float32 vectors per 16
 // features, w = q * scale + min (one rounding), then as panel_tile
 static inline __attribute__((always_inline)) void int4_tile(const float *x, int64_t x_stride, const uint8_t *panel, int K,
-                                                      int group, const int NM, __m512 acc[MR][NV], int prefetch) {
+                                                      int group, int tb, const int NM, __m512 acc[MR][NV], int prefetch) {
     for (int m = 0; m < NM; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
     for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
-        if (prefetch) prefetch_int4_group(panel, group, g);
-        const float *scales = int4_scales(panel, group, g);
+        if (prefetch) prefetch_int4_group(panel, group, tb, g);
+        const uint8_t *tables = int4_tables(panel, group, tb, g);
         __m512 s[NV], mn[NV];
         for (int v = 0; v < NV; v++) {
-            s[v] = _mm512_loadu_ps(scales + 16 * v);
-            mn[v] = _mm512_loadu_ps(scales + NR + 16 * v);
+            s[v] = load_table(tables, 16 * v, tb);
+            mn[v] = load_table(tables, NR + 16 * v, tb);
         }
         for (int k8 = g0; k8 < g0 + group; k8 += 8) {
-            const uint32_t *words = int4_words(panel, group, k8);
+            const uint32_t *words = int4_words(panel, group, tb, k8);
             __m512i w[NV];
             for (int v = 0; v < NV; v++) w[v] = _mm512_loadu_si512(words + 16 * v);
             for (int i = 0, k = k8; i < 4; i++, k += 2) {
@@ -286,17 +300,17 @@ static inline __attribute__((always_inline)) __m512i int4_pairs(__m512i words, i
 // of 4-bit weights was bound by that widening. pairs: the panel's pairs widened once
 // (widen_int4_panel), or NULL to widen them here.
 static inline __attribute__((always_inline)) void int4_tile_dot(const uint16_t *x, int64_t x_stride, const float *xsum,
-        int64_t xsum_stride, const uint8_t *panel, const uint32_t *pairs, int K, int group, const int NM,
+        int64_t xsum_stride, const uint8_t *panel, const uint32_t *pairs, int K, int group, int tb, const int NM,
         __m512 acc[MR][NV], int prefetch) {
     for (int m = 0; m < NM; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
     for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
-        if (prefetch) prefetch_int4_group(panel, group, g);
+        if (prefetch) prefetch_int4_group(panel, group, tb, g);
         __m512 part[MR4_DOT][NV];
         for (int m = 0; m < NM; m++)
             for (int v = 0; v < NV; v++) part[m][v] = _mm512_setzero_ps();
         for (int k8 = g0; k8 < g0 + group; k8 += 8) {
-            const uint32_t *words = int4_words(panel, group, k8);
+            const uint32_t *words = int4_words(panel, group, tb, k8);
             __m512i packed[NV];
             if (!pairs)
                 for (int v = 0; v < NV; v++) packed[v] = _mm512_loadu_si512(words + 16 * v);
@@ -312,10 +326,10 @@ static inline __attribute__((always_inline)) void int4_tile_dot(const uint16_t *
                 }
             }
         }
-        const float *scales = int4_scales(panel, group, g);
+        const uint8_t *tables = int4_tables(panel, group, tb, g);
         for (int v = 0; v < NV; v++) {
-            const __m512 s = _mm512_loadu_ps(scales + 16 * v);
-            const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, _mm512_loadu_ps(scales + NR + 16 * v));
+            const __m512 s = load_table(tables, 16 * v, tb);
+            const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, load_table(tables, NR + 16 * v, tb));
             for (int m = 0; m < NM; m++) {
                 acc[m][v] = _mm512_fmadd_ps(s, part[m][v], acc[m][v]);
                 acc[m][v] = _mm512_fmadd_ps(c, _mm512_set1_ps(xsum[m * xsum_stride + g]), acc[m][v]);
@@ -337,22 +351,22 @@ static inline __attribute__((always_inline)) void prefetch_int8_pair(const int8_
     _mm_prefetch((const char *)column + PF_BYTES, _MM_HINT_T0);
     _mm_prefetch((const char *)column + PF_BYTES + 64, _MM_HINT_T0);
 }
-static inline __attribute__((always_inline)) void prefetch_int8_tables(const float *scales) {
-    for (int off = 0; off < NR * 4; off += 64) _mm_prefetch((const char *)scales + PF_BYTES + off, _MM_HINT_T0);
+static inline __attribute__((always_inline)) void prefetch_int8_tables(const uint8_t *tables, int tb) {
+    for (int off = 0; off < NR * tb; off += 64) _mm_prefetch((const char *)tables + PF_BYTES + off, _MM_HINT_T0);
 }
 
 // panel_tile for an 8-bit panel: each k's weights widened to float32, w = q * scale (one
 // rounding), then as panel_tile
 static inline __attribute__((always_inline)) void int8_tile(const float *x, int64_t x_stride, const uint8_t *panel, int K,
-                                                      int group, const int NM, __m512 acc[MR][NV], int prefetch) {
+                                                      int group, int tb, const int NM, __m512 acc[MR][NV], int prefetch) {
     for (int m = 0; m < NM; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
     for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
-        const float *scales = int8_scales(panel, group, g);
+        const uint8_t *tables = int8_tables(panel, group, tb, g);
         __m512 s[NV];
-        for (int v = 0; v < NV; v++) s[v] = _mm512_loadu_ps(scales + 16 * v);
+        for (int v = 0; v < NV; v++) s[v] = load_table(tables, 16 * v, tb);
         for (int k = g0; k < g0 + group; k++) {
-            const int8_t *column = int8_column(panel, group, k);
+            const int8_t *column = int8_column(panel, group, tb, k);
             if (prefetch && k % 2 == 0) prefetch_int8_pair(column);
             __m512 w[NV];
             for (int v = 0; v < NV; v++) w[v] = _mm512_mul_ps(int8_floats(column + 16 * v), s[v]);
@@ -361,7 +375,7 @@ static inline __attribute__((always_inline)) void int8_tile(const float *x, int6
                 for (int v = 0; v < NV; v++) acc[m][v] = _mm512_fmadd_ps(xb, w[v], acc[m][v]);
             }
         }
-        if (prefetch) prefetch_int8_tables(scales);
+        if (prefetch) prefetch_int8_tables(tables, tb);
     }
 }
 #if defined(__AVX512BF16__)
@@ -378,7 +392,7 @@ static inline __attribute__((always_inline)) __m512i int8_pairs(const int8_t *co
 // sum_k x[k] * q[k] * scale = scale * sum_k x[k] * q[k], the integers multiplied as they are.
 // pairs: the panel's pairs converted once (widen_int8_panel), or NULL to convert them here.
 static inline __attribute__((always_inline)) void int8_tile_dot(const uint16_t *x, int64_t x_stride, const uint8_t *panel,
-        const uint32_t *pairs, int K, int group, const int NM, __m512 acc[MR][NV], int prefetch) {
+        const uint32_t *pairs, int K, int group, int tb, const int NM, __m512 acc[MR][NV], int prefetch) {
     for (int m = 0; m < NM; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
     for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
@@ -386,7 +400,7 @@ static inline __attribute__((always_inline)) void int8_tile_dot(const uint16_t *
         for (int m = 0; m < NM; m++)
             for (int v = 0; v < NV; v++) part[m][v] = _mm512_setzero_ps();
         for (int k = g0; k < g0 + group; k += 2) {
-            const int8_t *column = int8_column(panel, group, k);
+            const int8_t *column = int8_column(panel, group, tb, k);
             if (prefetch) prefetch_int8_pair(column);
             __m512i w[NV];
             for (int v = 0; v < NV; v++)
@@ -398,10 +412,10 @@ static inline __attribute__((always_inline)) void int8_tile_dot(const uint16_t *
                 for (int v = 0; v < NV; v++) part[m][v] = _mm512_dpbf16_ps(part[m][v], xb, (__m512bh)w[v]);
             }
         }
-        const float *scales = int8_scales(panel, group, g);
-        if (prefetch) prefetch_int8_tables(scales);
+        const uint8_t *tables = int8_tables(panel, group, tb, g);
+        if (prefetch) prefetch_int8_tables(tables, tb);
         for (int v = 0; v < NV; v++) {
-            const __m512 s = _mm512_loadu_ps(scales + 16 * v);
+            const __m512 s = load_table(tables, 16 * v, tb);
             for (int m = 0; m < NM; m++) acc[m][v] = _mm512_fmadd_ps(s, part[m][v], acc[m][v]);
         }
     }
@@ -417,11 +431,11 @@ static int bf16_dot = 0;
 // A 4-bit panel widened as the 4-bit tiles widen it, for a call with many rows: into float32
 // ([K][NR], as int4_tile's weights) or, for the dot product, into bfloat16 pairs of 128 + q
 // ([K / 2][NR], as int4_tile_dot's)
-static void widen_int4_panel(const uint8_t *panel, int K, int group, int dot, void *out) {
+static void widen_int4_panel(const uint8_t *panel, int K, int group, int tb, int dot, void *out) {
     for (int k8 = 0; k8 < K; k8 += 8)
         for (int v = 0; v < NV; v++) {
-            const __m512i words = _mm512_loadu_si512(int4_words(panel, group, k8) + 16 * v);
-            const float *scales = int4_scales(panel, group, k8 / group) + 16 * v;
+            const __m512i words = _mm512_loadu_si512(int4_words(panel, group, tb, k8) + 16 * v);
+            const uint8_t *tables = int4_tables(panel, group, tb, k8 / group);
             for (int i = 0, k = k8; i < 4; i++, k += 2) {
 #if defined(__AVX512BF16__)
                 if (dot) {
@@ -430,7 +444,7 @@ static void widen_int4_panel(const uint8_t *panel, int K, int group, int dot, vo
                 }
 #endif
                 __m512 even, odd;
-                widen_int4_pair(words, i, _mm512_loadu_ps(scales), _mm512_loadu_ps(scales + NR), &even, &odd);
+                widen_int4_pair(words, i, load_table(tables, 16 * v, tb), load_table(tables, NR + 16 * v, tb), &even, &odd);
                 _mm512_storeu_ps((float *)out + (int64_t)k * NR + 16 * v, even);
                 _mm512_storeu_ps((float *)out + (int64_t)(k + 1) * NR + 16 * v, odd);
             }
@@ -439,17 +453,17 @@ static void widen_int4_panel(const uint8_t *panel, int K, int group, int dot, vo
 
 // An 8-bit panel widened as the 8-bit tiles widen it: float32 q * scale ([K][NR]) or the dot
 // tile's bfloat16 integer pairs ([K / 2][NR])
-static void widen_int8_panel(const uint8_t *panel, int K, int group, int dot, void *out) {
+static void widen_int8_panel(const uint8_t *panel, int K, int group, int tb, int dot, void *out) {
     for (int k = 0; k < K; k += 2)
         for (int v = 0; v < NV; v++) {
-            const int8_t *column = int8_column(panel, group, k) + 16 * v;
+            const int8_t *column = int8_column(panel, group, tb, k) + 16 * v;
 #if defined(__AVX512BF16__)
             if (dot) {
                 _mm512_storeu_si512((uint32_t *)out + (int64_t)(k / 2) * NR + 16 * v, int8_pairs(column));
                 continue;
             }
 #endif
-            const __m512 s = _mm512_loadu_ps(int8_scales(panel, group, k / group) + 16 * v);
+            const __m512 s = load_table(int8_tables(panel, group, tb, k / group), 16 * v, tb);
             _mm512_storeu_ps((float *)out + (int64_t)k * NR + 16 * v, _mm512_mul_ps(int8_floats(column), s));
             _mm512_storeu_ps((float *)out + (int64_t)(k + 1) * NR + 16 * v, _mm512_mul_ps(int8_floats(column + NR), s));
         }
@@ -470,18 +484,18 @@ enum {
 // tile of that constant row count (its accumulators stay in registers). pairs: the quantized dot
 // tiles'; xsum: int4_tile_dot's.
 static inline __attribute__((always_inline)) void panel_product(int kind, const void *x, int64_t xs, const void *panel,
-        const uint32_t *pairs, const float *xsum, int64_t xsum_stride, int Kp, int group, int rows,
+        const uint32_t *pairs, const float *xsum, int64_t xsum_stride, int Kp, int group, int tb, int rows,
         __m512 acc[MR][NV], int prefetch) {
 #define ROWS(CALL) switch (rows) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
     case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(MR); }
 #define F32(n) panel_tile((const float *)x, xs, panel, Kp, n, 0, acc, prefetch)
 #define BF16(n) panel_tile((const float *)x, xs, panel, Kp, n, 1, acc, prefetch)
-#define INT4(n) int4_tile((const float *)x, xs, (const uint8_t *)panel, Kp, group, n < MR4 ? n : MR4, acc, prefetch)
+#define INT4(n) int4_tile((const float *)x, xs, (const uint8_t *)panel, Kp, group, tb, n < MR4 ? n : MR4, acc, prefetch)
 #define DOT(n) panel_tile_dot((const uint16_t *)x, xs, (const uint32_t *)panel, Kp, n, acc, prefetch)
 #define INT4_DOT(n) int4_tile_dot((const uint16_t *)x, xs, xsum, xsum_stride, (const uint8_t *)panel, pairs, Kp, group, \
-                                  n < MR4_DOT ? n : MR4_DOT, acc, prefetch)
-#define INT8(n) int8_tile((const float *)x, xs, (const uint8_t *)panel, Kp, group, n < MR4 ? n : MR4, acc, prefetch)
-#define INT8_DOT(n) int8_tile_dot((const uint16_t *)x, xs, (const uint8_t *)panel, pairs, Kp, group, \
+                                  tb, n < MR4_DOT ? n : MR4_DOT, acc, prefetch)
+#define INT8(n) int8_tile((const float *)x, xs, (const uint8_t *)panel, Kp, group, tb, n < MR4 ? n : MR4, acc, prefetch)
+#define INT8_DOT(n) int8_tile_dot((const uint16_t *)x, xs, (const uint8_t *)panel, pairs, Kp, group, tb, \
                                   n < MR4_DOT ? n : MR4_DOT, acc, prefetch)
     switch (kind) {
         case TILE_F32: ROWS(F32) break;
@@ -505,11 +519,13 @@ static inline __attribute__((always_inline)) void panel_product(int kind, const 
 }
 
 // The product over all panels, for float panels (bits 0) or 4- or 8-bit ones (group: columns
-// per scale); parallel over panels. Returns -1 where a work buffer could not be allocated.
+// per scale, tb: bytes per table entry); parallel over panels. Returns -1 where a work buffer
+// could not be allocated.
 static int run_panels(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M, int N,
-                      int K, int bits, int group, int dtype) {
+                      int K, int bits, int group, int tb, int dtype) {
     const int panels = (N + NR - 1) / NR, Kp = dtype == 0 || bits ? K : K + K % 2;
-    const int64_t panel_bytes = bits == 4 ? blocked_int4_size(NR, K, group) : bits == 8 ? blocked_int8_size(NR, K, group)
+    const int64_t panel_bytes = bits == 4 ? blocked_int4_size(NR, K, group, tb)
+                              : bits == 8 ? blocked_int8_size(NR, K, group, tb)
                                                                             : (int64_t)Kp * NR * (dtype == 0 ? 4 : 2);
     const int dot = dtype == 1 && bf16_dot;
     const int kind = bits == 4 ? (dot ? TILE_INT4_DOT : TILE_INT4) : bits == 8 ? (dot ? TILE_INT8_DOT : TILE_INT8)
@@ -567,15 +583,15 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
         if (widen_once && !wide_panel) continue;
         const char *panel = (const char *)packed + p * panel_bytes;
         const int n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
-        if (widen_once && bits == 4) widen_int4_panel((const uint8_t *)panel, K, group, dot, wide_panel);
-        if (widen_once && bits == 8) widen_int8_panel((const uint8_t *)panel, K, group, dot, wide_panel);
+        if (widen_once && bits == 4) widen_int4_panel((const uint8_t *)panel, K, group, tb, dot, wide_panel);
+        if (widen_once && bits == 8) widen_int8_panel((const uint8_t *)panel, K, group, tb, dot, wide_panel);
         const int pairs_only = widen_once && dot;    // the dot tiles read the tables from the panel
         for (int m0 = 0; m0 < M; m0 += step) {
             const int rows = M - m0 < step ? M - m0 : step;
             __m512 acc[MR][NV];
             panel_product(widen_once ? wide_kind : kind, (const char *)xt + m0 * xs * (int64_t)x_size, xs,
                           widen_once && !pairs_only ? wide_panel : panel, pairs_only ? (const uint32_t *)wide_panel : NULL,
-                          xsum ? xsum + (int64_t)m0 * groups : NULL, groups, Kp, group, rows, acc, m0 == 0 && !widen_once);
+                          xsum ? xsum + (int64_t)m0 * groups : NULL, groups, Kp, group, tb, rows, acc, m0 == 0 && !widen_once);
             for (int m = 0; m < rows; m++)
                 for (int v = 0; v < NV && 16 * v < width; v++) {
                     const int c = 16 * v;
@@ -611,31 +627,34 @@ KERNEL_API int blocked_set_bf16_dot(int on) {
 KERNEL_API int blocked_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M,
                               int N, int K, int dtype) {
 #if defined(__AVX512F__)
-    return run_panels(x, x_stride, packed, bias, y, M, N, K, 0, 0, dtype);
+    return run_panels(x, x_stride, packed, bias, y, M, N, K, 0, 0, 0, dtype);
 #else
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)dtype;
     return -2;
 #endif
 }
 
-// The same with a 4-bit weight packed by blocked_int4_pack (group: input columns per scale).
+// The same with a 4-bit weight packed by blocked_int4_pack (group: input columns per scale, tb:
+// bytes per scale and min).
 KERNEL_API int blocked_int4_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y,
-                                   int M, int N, int K, int group, int dtype) {
+                                   int M, int N, int K, int group, int tb, int dtype) {
 #if defined(__AVX512F__)
-    return run_panels(x, x_stride, packed, bias, y, M, N, K, 4, group, dtype);
+    return run_panels(x, x_stride, packed, bias, y, M, N, K, 4, group, tb, dtype);
 #else
-    (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)group, (void)dtype;
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)group, (void)tb;
+    (void)dtype;
     return -2;
 #endif
 }
 
 // The same with an 8-bit weight packed by blocked_int8_pack.
 KERNEL_API int blocked_int8_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y,
-                                   int M, int N, int K, int group, int dtype) {
+                                   int M, int N, int K, int group, int tb, int dtype) {
 #if defined(__AVX512F__)
-    return run_panels(x, x_stride, packed, bias, y, M, N, K, 8, group, dtype);
+    return run_panels(x, x_stride, packed, bias, y, M, N, K, 8, group, tb, dtype);
 #else
-    (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)group, (void)dtype;
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)group, (void)tb;
+    (void)dtype;
     return -2;
 #endif
 }

@@ -15,11 +15,12 @@
 enum { IN_NORM, QKV_W, QKV_B, O_W, O_B, POST_NORM, GATE_UP_W, GATE_UP_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE, NPTR };
 
 // The product with a layer's weight: plain for the skinny kernel (kind 0), in blocked_matmul's
-// float panels (1), its 4-bit ones (2) or its 8-bit ones (3; group: input columns per scale).
-static int matmul(int kind, int group, const void *x, int64_t x_stride, const void *w, const void *bias, void *y,
-                  int M, int N, int K, int dtype) {
-    if (kind == 2) return blocked_int4_matmul(x, x_stride, w, bias, y, M, N, K, group, dtype);
-    if (kind == 3) return blocked_int8_matmul(x, x_stride, w, bias, y, M, N, K, group, dtype);
+// float panels (1), its 4-bit ones (2) or its 8-bit ones (3; group: input columns per scale, tb:
+// bytes per table entry).
+static int matmul(int kind, int group, int tb, const void *x, int64_t x_stride, const void *w, const void *bias,
+                  void *y, int M, int N, int K, int dtype) {
+    if (kind == 2) return blocked_int4_matmul(x, x_stride, w, bias, y, M, N, K, group, tb, dtype);
+    if (kind == 3) return blocked_int8_matmul(x, x_stride, w, bias, y, M, N, K, group, tb, dtype);
     return kind == 1 ? blocked_matmul(x, x_stride, w, bias, y, M, N, K, dtype)
                      : skinny_matmul(x, x_stride, w, bias, y, M, N, K, dtype);
 }
@@ -33,7 +34,7 @@ int llama_decode_layers(const int64_t *layers, int L, void *hidden, void *residu
                         const void *cos, const void *signed_sin, const int64_t *slot_mapping,
                         const int64_t *block_tables, const int64_t *context_lens, int T, int E, int H, int Hkv,
                         int D, int I, int num_blocks, int block_size, int max_blocks, float scale, float eps,
-                        int dtype, int kind, int group, void *scratch) {
+                        int dtype, int kind, int group, int tb, void *scratch) {
     const int esize = dtype == 0 ? 4 : 2, Q = (H + 2 * Hkv) * D;
     char *qkv = (char *)scratch, *attn = qkv + (int64_t)T * Q * esize, *gate_up = attn + (int64_t)T * H * D * esize;
     char *act = gate_up + (int64_t)T * 2 * I * esize;
@@ -44,16 +45,16 @@ int llama_decode_layers(const int64_t *layers, int L, void *hidden, void *residu
         } else {
             add_rmsnorm(hidden, E, residual, residual, hidden, P(l, IN_NORM), T, E, eps, dtype);
         }
-        if (matmul(kind, group, hidden, E, P(l, QKV_W), P(l, QKV_B), qkv, T, Q, E, dtype)) return -1;
+        if (matmul(kind, group, tb, hidden, E, P(l, QKV_W), P(l, QKV_B), qkv, T, Q, E, dtype)) return -1;
         if (paged_decode_attention_qkv(attn, qkv, Q, cos, signed_sin, P(l, K_CACHE), P(l, V_CACHE), slot_mapping,
                                        block_tables, context_lens, T, H, Hkv, D, num_blocks, block_size,
                                        max_blocks, scale, dtype))
             return -1;
-        if (matmul(kind, group, attn, H * D, P(l, O_W), P(l, O_B), hidden, T, E, H * D, dtype)) return -1;
+        if (matmul(kind, group, tb, attn, H * D, P(l, O_W), P(l, O_B), hidden, T, E, H * D, dtype)) return -1;
         add_rmsnorm(hidden, E, residual, residual, hidden, P(l, POST_NORM), T, E, eps, dtype);
-        if (matmul(kind, group, hidden, E, P(l, GATE_UP_W), P(l, GATE_UP_B), gate_up, T, 2 * I, E, dtype)) return -1;
+        if (matmul(kind, group, tb, hidden, E, P(l, GATE_UP_W), P(l, GATE_UP_B), gate_up, T, 2 * I, E, dtype)) return -1;
         silu_and_mul(gate_up, act, T, I, dtype);
-        if (matmul(kind, group, act, I, P(l, DOWN_W), P(l, DOWN_B), hidden, T, E, I, dtype)) return -1;
+        if (matmul(kind, group, tb, act, I, P(l, DOWN_W), P(l, DOWN_B), hidden, T, E, I, dtype)) return -1;
     }
     return 0;
 }

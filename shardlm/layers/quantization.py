@@ -114,8 +114,14 @@ def int4_layout_understood() -> bool:
     return _layout_ok
 
 
+def _exact_in_float16(t: torch.Tensor) -> bool:
+    return bool(torch.equal(t.half().float(), t))
+
+
 class QuantizedWeight:
     """One linear layer's quantized weight, and its product with activations."""
+
+    table_bytes = 4     # of a scale or min in blocked panels: 2 where all are float16 values (GGUF's)
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, dtype: torch.dtype,
                  measure: bool = True):
@@ -159,41 +165,52 @@ class QuantizedWeight:
 
     def _pack_blocked(self, q: torch.Tensor) -> str | None:
         """Packs q into blocked_matmul's panels where they apply: 4-bit groups a multiple of 8,
-        symmetric 8-bit groups of an even size."""
+        symmetric 8-bit groups of an even size. Scales and mins that are all float16 values (a
+        GGUF file's) are stored as float16: a 4-bit weight in groups of 32 then reads 0.625
+        bytes instead of 0.75."""
         if q.device.type != "cpu" or self.dtype not in DTYPE_CODES:
             return None
         if self.bits == 4 and self.group % 8 == 0 and blocked_int4() is not None:
             size, pack, _ = blocked_int4()
-            tables = (self._scales.data_ptr(), self._mins.data_ptr())
+            tables = [self._scales, self._mins]
         elif self.bits == 8 and self.group % 2 == 0 and blocked_int8() is not None and not self._mins.any():
             size, pack, _ = blocked_int8()
-            tables = (self._scales.data_ptr(),)
+            tables = [self._scales]
         else:
             return None
-        self.packed = torch.empty(size(self.out_features, self.in_features, self.group), dtype=torch.uint8)
+        if all(_exact_in_float16(t) for t in tables):
+            self.table_bytes, tables = 2, [t.half() for t in tables]     # held while C reads them
+        self.packed = torch.empty(size(self.out_features, self.in_features, self.group, self.table_bytes),
+                                  dtype=torch.uint8)
         q = q.contiguous()       # held while C reads it (a slice of a rank's columns is not)
-        pack(q.data_ptr(), *tables, self.out_features, self.in_features, self.group, self.packed.data_ptr())
+        pack(q.data_ptr(), *(t.data_ptr() for t in tables), self.out_features, self.in_features, self.group,
+             self.table_bytes, self.packed.data_ptr())
         return f"blocked{self.bits}"
+
+    def _table_view(self, raw: torch.Tensor) -> torch.Tensor:
+        """Bytes of a panel's scales or mins as their float dtype."""
+        return raw.view(torch.float16 if self.table_bytes == 2 else torch.float32)
 
     def _panels(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The blocked panels, unpacked: (q [N, K] int8, scales, mins [N, K / group] float32)."""
         width, K, G, group = blocked_panel_width()(), self.in_features, self.in_features // self.group, self.group
+        tb = self.table_bytes
         if self.bits == 8:     # per panel and group: [group][width] int8, then the group's scales
-            groups = self.packed.view(-1, G, group * width + width * 4)
+            groups = self.packed.view(-1, G, group * width + width * tb)
             q = groups[..., :group * width].contiguous().view(torch.int8).view(-1, G, group, width)
             q = q.permute(0, 3, 1, 2).reshape(-1, K)[:self.out_features]
-            scales = groups[..., group * width:].contiguous().view(torch.float32).view(-1, G, width)
-            scales = scales.permute(0, 2, 1).reshape(-1, G)[:self.out_features].contiguous()
+            scales = self._table_view(groups[..., group * width:].contiguous()).view(-1, G, width)
+            scales = scales.permute(0, 2, 1).reshape(-1, G)[:self.out_features].float().contiguous()
             return q, scales, torch.zeros_like(scales)
         # per panel and group: per 8 k's a 32-bit word per feature (q[k + 2i] at bits 4i,
-        # q[k + 2i + 1] at bits 16 + 4i), then the group's scales and mins (float32)
-        groups = self.packed.view(-1, G, group // 2 * width + 2 * width * 4)
+        # q[k + 2i + 1] at bits 16 + 4i), then the group's scales and mins
+        groups = self.packed.view(-1, G, group // 2 * width + 2 * width * tb)
         words = groups[..., :group // 2 * width].contiguous().view(torch.int32).view(-1, G, group // 8, width)
         shifts = torch.tensor([[4 * i, 16 + 4 * i] for i in range(4)], dtype=torch.int32).view(-1)   # k order
         q = ((words.unsqueeze(-1) >> shifts) & 15).permute(0, 3, 1, 2, 4).reshape(-1, K)
-        tables = groups[..., group // 2 * width:].contiguous().view(torch.float32).view(-1, G, 2, width)
+        tables = self._table_view(groups[..., group // 2 * width:].contiguous()).view(-1, G, 2, width)
         scales, mins = (tables[:, :, i].permute(0, 2, 1).reshape(-1, G)[:self.out_features] for i in range(2))
-        return q[:self.out_features].to(torch.int8), scales.contiguous(), mins.contiguous()
+        return q[:self.out_features].to(torch.int8), scales.float().contiguous(), mins.float().contiguous()
 
     @property
     def scales(self) -> torch.Tensor:
@@ -223,10 +240,10 @@ class QuantizedWeight:
         flat = index.reshape(-1)
         if self.kernel == "blocked8":
             width, G, group = blocked_panel_width()(), self.in_features // self.group, self.group
-            groups = self.packed.view(-1, G, group * width + width * 4)
+            groups = self.packed.view(-1, G, group * width + width * self.table_bytes)
             panel, j = flat // width, flat % width
             q = groups[..., :group * width].view(torch.int8).view(-1, G, group, width)[panel, :, :, j]
-            scales = groups[..., group * width:].view(torch.float32)[panel, :, j]
+            scales = self._table_view(groups[..., group * width:])[panel, :, j].float()
             w = q.float() * scales.unsqueeze(-1)
         else:
             q, scales, mins = self.integers()[flat], self.scales[flat], self.mins[flat]
@@ -266,9 +283,9 @@ class QuantizedWeight:
         out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
         bias = None if bias is None else bias.to(x.dtype).contiguous()     # held while C reads it
         product = (blocked_int4() if self.bits == 4 else blocked_int8())[2]
-        if product(rows.data_ptr(), rows.stride(0), self.packed.data_ptr(),
-                             None if bias is None else bias.data_ptr(), out.data_ptr(),
-                             rows.shape[0], self.out_features, self.in_features, self.group, DTYPE_CODES[x.dtype]):
+        if product(rows.data_ptr(), rows.stride(0), self.packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                   out.data_ptr(), rows.shape[0], self.out_features, self.in_features, self.group, self.table_bytes,
+                   DTYPE_CODES[x.dtype]):
             raise MemoryError(f"blocked int{self.bits} matmul could not allocate its {rows.shape[0]} x {self.in_features} buffer")
         return out.view(*x.shape[:-1], self.out_features)
 

@@ -29,17 +29,17 @@ SKINNY, BLOCKED, BLOCKED_INT4, BLOCKED_INT8 = 0, 1, 2, 3     # the weight layout
 _QUANTIZED = {"blocked4": BLOCKED_INT4, "blocked8": BLOCKED_INT8}
 
 
-def _layout(linear) -> tuple[int, int] | None:
-    """(layout, group) of a linear's weight where the C path has its kernel, else None."""
+def _layout(linear) -> tuple[int, int, int] | None:
+    """(layout, group, bytes per scale) of a linear's weight where the C path has its kernel, else None."""
     if linear.quant is not None:
         kind = _QUANTIZED.get(linear.quant.kernel)
-        return None if kind is None else (kind, linear.quant.group)
+        return None if kind is None else (kind, linear.quant.group, linear.quant.table_bytes)
     plan = linear.cpu_matmul
     if plan is None:
         return None
     if plan.blocked:
-        return BLOCKED, 0
-    return (SKINNY, 0) if plan.skinny_rows >= 1 else None
+        return BLOCKED, 0, 0
+    return (SKINNY, 0, 0) if plan.skinny_rows >= 1 else None
 
 
 def _weight(linear) -> torch.Tensor:
@@ -75,7 +75,7 @@ class FusedDecodeLayers:
         self.eps, self.scale = first.input_layernorm.eps, attn.attn.scale
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        self.layout, self.group = _layout(linears[0])         # the same for all (build checks)
+        self.layout, self.group, self.table_bytes = _layout(linears[0])     # the same for all (build checks)
         self.max_rows = min(m.cpu_matmul.skinny_rows for m in linears) if self.layout == SKINNY else 1 << 30
         self._table: torch.Tensor | None = None
         self._cache_address = None
@@ -128,7 +128,7 @@ class FusedDecodeLayers:
                          int(has_residual), cos.data_ptr(), signed_sin.data_ptr(), meta.slot_mapping.data_ptr(),
                          b.block_table.data_ptr(), b.context_lens.data_ptr(), T, self.hidden_size, H, Hkv, D, inter,
                          k_cache.shape[1], k_cache.shape[2], b.block_table.shape[1], self.scale, self.eps,
-                         DTYPE_CODES[self.dtype], self.layout, self.group, scratch.data_ptr())
+                         DTYPE_CODES[self.dtype], self.layout, self.group, self.table_bytes, scratch.data_ptr())
         if rc != 0:
             raise MemoryError("the fused decode kernels could not allocate their work buffers")
         return hidden, residual

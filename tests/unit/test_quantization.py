@@ -91,19 +91,26 @@ def test_packed_kernels_serve_bfloat16_models(monkeypatch):
 @pytest.mark.skipif(kernels.blocked_int4() is None, reason="no compiler or no AVX-512")
 @pytest.mark.parametrize("bits, n, k, group", [(4, 48, 64, 32), (4, 100, 256, 128), (4, 208, 96, 32),
                                                (8, 48, 64, 32), (8, 100, 256, 256), (8, 208, 96, 2)])
-def test_blocked_panels_hold_the_integers_scales_and_mins(bits, n, k, group, bf16_products):
+@pytest.mark.parametrize("float16_tables", [False, True])
+def test_blocked_panels_hold_the_integers_scales_and_mins(bits, n, k, group, float16_tables, bf16_products):
     """On AVX-512 CPUs every 4-bit and symmetric 8-bit weight, float32 or bfloat16 model, goes
-    into the blocked kernel's panels (scales and mins inside them): read back, they are what was
-    quantized. The product is the dequantized one (with the dot product too, which multiplies the
-    integers and applies scale and min per group), and does not depend on how many rows are
-    multiplied with a row: 3, 20 (each panel widened once) or 1."""
+    into the blocked kernel's panels (scales and mins inside them, as float16 where they all are
+    float16 values, as in GGUF files): read back, they are what was quantized. The product is the
+    dequantized one (with the dot product too, which multiplies the integers and applies scale and
+    min per group), and does not depend on how many rows are multiplied with a row: 3, 20 (each
+    panel widened once) or 1."""
     whole = quantize_rtn(torch.randn(n, 2 * k), bits, group)
+    if float16_tables:
+        whole = (whole[0], *(t.half().float() for t in whole[1:]))
     # the second half of the columns: a row-parallel rank's slice, not contiguous
     q, scales, mins = whole[0][:, k:], *(t[:, k // group:] for t in whole[1:])
     x = torch.randn(3, k)
     for dtype in (torch.float32, torch.bfloat16):
         qw = QuantizedWeight(q, scales, mins, bits, dtype)
-        assert qw.kernel == f"blocked{bits}"
+        assert qw.kernel == f"blocked{bits}" and qw.table_bytes == (2 if float16_tables else 4)
+        padded_rows, tables = -(-n // 48) * 48, 1 if bits == 8 else 2     # panels of 48 rows; scales (and mins)
+        assert qw.weight_bytes() == padded_rows * (k * bits // 8 + k // group * tables * qw.table_bytes)
+        assert torch.equal(qw.rows(torch.tensor([[n - 1], [0]])), dequantize(q, scales, mins, dtype)[[n - 1, 0]][:, None])
         assert torch.equal(qw.integers(), q) and torch.equal(qw.scales, scales) and torch.equal(qw.mins, mins)
         expected = F.linear(x.to(dtype).float(), dequantize(q, scales, mins, torch.float32))
         torch.testing.assert_close(qw.matmul(x.to(dtype)).float(), expected, rtol=2e-2, atol=2e-2)
