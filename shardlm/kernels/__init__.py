@@ -212,6 +212,15 @@ def blocked_int8():
             _function("blocked_matmul", "blocked_int8_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I))
 
 
+def blocked_rows():
+    """blocked_rows(packed, index, n, K, bits, group, tb, dtype, out): rows of a weight in float or
+    8-bit blocked panels (an embedding lookup in a tied LM head's table); None where
+    blocked_matmul() is None."""
+    if blocked_matmul() is None:
+        return None
+    return _function("blocked_matmul", "blocked_rows", [_P, _P, _I, _I, _I, _I, _I, _I, _P], None)
+
+
 def blocked_panel_width():
     """blocked_panel_width() -> the output features per panel of blocked_matmul's layout."""
     return _function("blocked_matmul", "blocked_panel_width", [], _I)

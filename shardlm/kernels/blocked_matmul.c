@@ -166,6 +166,39 @@ KERNEL_API void blocked_int8_pack(const int8_t *q, const void *scales, int N, in
     }
 }
 
+static inline float f16_to_f32(uint16_t h) {
+    const int exponent = h >> 10 & 31, mantissa = h & 1023;
+    const float magnitude = exponent == 0 ? ldexpf((float)mantissa, -24)
+                          : exponent == 31 ? (mantissa ? NAN : INFINITY) : ldexpf((float)(mantissa | 1024), exponent - 25);
+    return h & 0x8000 ? -magnitude : magnitude;
+}
+
+// Rows index[0..n) of a weight [N, K] packed by blocked_pack (bits 0, in dtype) or by
+// blocked_int8_pack (bits 8: q * scale in float32, rounded to dtype), as out [n, K]: an embedding
+// lookup in a tied LM head's table.
+KERNEL_API void blocked_rows(const void *packed, const int64_t *index, int n, int K, int bits, int group, int tb,
+                             int dtype, void *out) {
+    for (int i = 0; i < n; i++) {
+        const int64_t panel = index[i] / NR, j = index[i] % NR;
+        if (bits == 8) {
+            const uint8_t *p = (const uint8_t *)packed + panel * blocked_int8_size(NR, K, group, tb);
+            for (int k = 0; k < K; k++) {
+                const uint8_t *scale = int8_tables(p, group, tb, k / group) + j * tb;
+                float s;
+                if (tb == 4) memcpy(&s, scale, 4);
+                else { uint16_t h; memcpy(&h, scale, 2); s = f16_to_f32(h); }
+                store(out, (int64_t)i * K + k, (float)int8_column(p, group, tb, k)[j] * s, dtype);
+            }
+        } else if (dtype == 0) {
+            for (int k = 0; k < K; k++) ((float *)out)[(int64_t)i * K + k] = ((const float *)packed)[(panel * K + k) * NR + j];
+        } else {     // k pairs: panel p's words [Kp / 2][NR], k in the low half, k + 1 in the high
+            const int64_t Kp = K + K % 2;
+            for (int k = 0; k < K; k++)
+                ((uint16_t *)out)[(int64_t)i * K + k] = ((const uint16_t *)packed)[((panel * (Kp / 2) + k / 2) * NR + j) * 2 + (k & 1)];
+        }
+    }
+}
+
 #if defined(__AVX512F__)
 // 16 table entries from j on (float32 or float16, tb bytes each) as float32
 static inline __attribute__((always_inline)) __m512 load_table(const uint8_t *table, int j, int tb) {

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shardlm.kernels import DTYPE_CODES, blocked_matmul, blocked_pack, blocked_panel_width, skinny_matmul
+from shardlm import kernels
+from shardlm.kernels import DTYPE_CODES, blocked_matmul, blocked_pack, skinny_matmul
 from shardlm.logger import init_logger
 from shardlm.utils import median_seconds_side_by_side
 
@@ -104,15 +105,19 @@ def pack_blocked(weight: torch.Tensor) -> torch.Tensor:
 
 
 def blocked_rows(packed: torch.Tensor, plan: CpuMatmul, index: torch.Tensor) -> torch.Tensor:
-    """Rows `index` (any shape) of a weight packed by pack_blocked, as [*index.shape, K]: an
-    embedding lookup in a tied LM head's packed table."""
-    K, width, flat = plan.in_features, blocked_panel_width()(), index.reshape(-1)
-    if packed.dtype == torch.float32:
-        rows = packed.view(-1, K, width)[flat // width, :, flat % width]
-    else:     # bfloat16: k in pairs
-        Kp = K + K % 2
-        rows = packed.view(-1, Kp // 2, width, 2)[flat // width, :, flat % width, :].reshape(-1, Kp)[:, :K]
-    return rows.reshape(*index.shape, K)
+    """Rows `index` (any shape; ids checked by the caller) of a weight packed by pack_blocked, as
+    [*index.shape, K]: an embedding lookup in a tied LM head's packed table."""
+    return panel_rows(packed, index, plan.in_features, packed.dtype)
+
+
+def panel_rows(packed: torch.Tensor, index: torch.Tensor, K: int, dtype: torch.dtype, bits: int = 0, group: int = 0,
+               table_bytes: int = 0) -> torch.Tensor:
+    """Rows of a weight in float (bits 0) or 8-bit blocked panels, as [*index.shape, K] of dtype."""
+    flat = index.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.numel(), K, dtype=dtype)
+    kernels.blocked_rows()(packed.data_ptr(), flat.data_ptr(), flat.numel(), K, bits, group, table_bytes,
+                           DTYPE_CODES[dtype], out.data_ptr())
+    return out.view(*index.shape, K)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from shardlm.kernels import DTYPE_CODES, blocked_int4, blocked_int8, blocked_panel_width, fused_ops
-from shardlm.layers.cpu_matmul import rows_kernel_wins
+from shardlm.layers.cpu_matmul import panel_rows, rows_kernel_wins
 from shardlm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -237,17 +237,11 @@ class QuantizedWeight:
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` (any shape) of the weight, dequantized: [*index.shape, K] (an embedding
         lookup in a quantized table); read straight from 8-bit panels."""
-        flat = index.reshape(-1)
         if self.kernel == "blocked8":
-            width, G, group = blocked_panel_width()(), self.in_features // self.group, self.group
-            groups = self.packed.view(-1, G, group * width + width * self.table_bytes)
-            panel, j = flat // width, flat % width
-            q = groups[..., :group * width].view(torch.int8).view(-1, G, group, width)[panel, :, :, j]
-            scales = self._table_view(groups[..., group * width:])[panel, :, j].float()
-            w = q.float() * scales.unsqueeze(-1)
-        else:
-            q, scales, mins = self.integers()[flat], self.scales[flat], self.mins[flat]
-            w = q.float().view(len(flat), -1, self.group) * scales.unsqueeze(-1) + mins.unsqueeze(-1)
+            return panel_rows(self.packed, index, self.in_features, self.dtype, 8, self.group, self.table_bytes)
+        flat = index.reshape(-1)
+        q, scales, mins = self.integers()[flat], self.scales[flat], self.mins[flat]
+        w = q.float().view(len(flat), -1, self.group) * scales.unsqueeze(-1) + mins.unsqueeze(-1)
         return w.reshape(*index.shape, self.in_features).to(self.dtype)
 
     def dequantized(self) -> torch.Tensor:
