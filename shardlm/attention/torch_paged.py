@@ -18,6 +18,7 @@ The CPU backend (cpu_kernel.py) replaces its decode bucket with a C kernel; the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +30,26 @@ from shardlm.attention.backend import AttentionBackend
 class AttentionBucket:
     token_index: torch.Tensor   # [B, Q] rows of the step's tokens (padding repeats a valid row)
     block_table: torch.Tensor   # [B, N] blocks of each sequence's context (padding: null block)
-    mask: torch.Tensor          # [B, 1, Q, N * block_size] True where a query may attend
-    masked_out: torch.Tensor    # ~mask, shaped [1, B, 1, N * block_size] for decode
     context_lens: torch.Tensor  # [B] int64: tokens of context after this step
     is_decode: bool
     out_rows: torch.Tensor | None = None   # valid entries of token_index.flatten() (None: all)
     in_order: bool = False                 # the bucket's outputs are the step's rows 0..T-1, in order
+    # what the masks are made of, on first use (the CPU decode kernel needs none)
+    query_pos: torch.Tensor | None = None  # [B, Q] position of each query (CPU)
+    context: torch.Tensor | None = None    # [B] context_lens on CPU
+    block_size: int = 0
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, Q, N * block_size]: True where a query may attend."""
+        kj = torch.arange(self.block_table.shape[1] * self.block_size)
+        mask = (kj[None, None, :] <= self.query_pos[:, :, None]) & (kj[None, None, :] < self.context[:, None, None])
+        return mask.unsqueeze(1).to(self.block_table.device)
+
+    @cached_property
+    def masked_out(self) -> torch.Tensor:
+        """~mask, shaped [1, B, 1, N * block_size] (decode)."""
+        return ~self.mask.view(1, self.block_table.shape[0], 1, -1)
 
 
 @dataclass
@@ -68,17 +83,12 @@ def _bucket(rows, query_lens, starts, tables, offsets, block_size, device) -> At
 
     qi = torch.arange(max_q)
     token_index = torch.tensor([offsets[i] for i in rows])[:, None] + torch.minimum(qi[None, :], qlens[:, None] - 1)
-    kj = torch.arange(max_blocks * block_size)
-    q_pos = start[:, None] + qi[None, :]                                   # [B, Q]
-    mask = (kj[None, None, :] <= q_pos[:, :, None]) & (kj[None, None, :] < ctx[:, None, None])
     out_rows = None
     if max_q > 1 and bool((qlens != max_q).any()):
         out_rows = (qi[None, :] < qlens[:, None]).flatten().nonzero().squeeze(1).to(device)
     in_order = len(rows) == len(query_lens) and max_q == 1
-    mask = mask.unsqueeze(1).to(device)
-    masked_out = ~mask.view(1, len(rows), 1, -1) if max_q == 1 else None
-    return AttentionBucket(token_index.to(device), table.to(device), mask, masked_out, ctx.to(device),
-                           max_q == 1, out_rows, in_order)
+    return AttentionBucket(token_index.to(device), table.to(device), ctx.to(device), max_q == 1, out_rows, in_order,
+                           query_pos=start[:, None] + qi[None, :], context=ctx, block_size=block_size)
 
 
 class TorchPagedAttention(AttentionBackend):
