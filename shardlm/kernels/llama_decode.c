@@ -15,10 +15,11 @@
 enum { IN_NORM, QKV_W, QKV_B, O_W, O_B, POST_NORM, GATE_UP_W, GATE_UP_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE, NPTR };
 
 // The product with a layer's weight: plain for the skinny kernel (kind 0), in blocked_matmul's
-// float panels (1), its 4-bit ones (2) or its 8-bit ones (3; group: input columns per scale, tb:
-// bytes per table entry).
+// float panels (1), its 4-bit ones (2) or its 8-bit ones (3; group: input columns per scale, 0 for
+// one scale per row; tb: bytes per table entry).
 static int matmul(int kind, int group, int tb, const void *x, int64_t x_stride, const void *w, const void *bias,
                   void *y, int M, int N, int K, int dtype) {
+    if (group == 0) group = K;
     if (kind == 2) return blocked_int4_matmul(x, x_stride, w, bias, y, M, N, K, group, tb, dtype);
     if (kind == 3) return blocked_int8_matmul(x, x_stride, w, bias, y, M, N, K, group, tb, dtype);
     return kind == 1 ? blocked_matmul(x, x_stride, w, bias, y, M, N, K, dtype)

@@ -32,8 +32,9 @@ _QUANTIZED = {"blocked4": BLOCKED_INT4, "blocked8": BLOCKED_INT8}
 def _layout(linear) -> tuple[int, int, int] | None:
     """(layout, group, bytes per scale) of a linear's weight where the C path has its kernel, else None."""
     if linear.quant is not None:
-        kind = _QUANTIZED.get(linear.quant.kernel)
-        return None if kind is None else (kind, linear.quant.group, linear.quant.table_bytes)
+        kind, quant = _QUANTIZED.get(linear.quant.kernel), linear.quant
+        group = 0 if quant.group == quant.in_features else quant.group      # 0: one group per row (per channel)
+        return None if kind is None else (kind, group, quant.table_bytes)
     plan = linear.cpu_matmul
     if plan is None:
         return None

@@ -12,13 +12,13 @@ pytestmark = pytest.mark.skipif(kernels.llama_decode_layers() is None, reason="n
 PROMPTS = [[101, 2054, 2003, 1037], [7592, 1010, 2088, 999, 102, 4000, 321] * 5]
 
 
-@pytest.mark.parametrize("name, dtype, quantization", [
-    ("llama-gqa", "float32", None), ("llama-gqa", "bfloat16", None), ("qwen2-bias", "float32", None),
-    ("qwen2-bias", "bfloat16", None),
-    ("qwen2-bias", "bfloat16", "int4"),      # 4-bit panels, where the blocked kernel is built
-    ("llama-gqa", "bfloat16", "int8"),       # 8-bit panels
+@pytest.mark.parametrize("name, dtype, quantization, group", [
+    ("llama-gqa", "float32", None, None), ("llama-gqa", "bfloat16", None, None), ("qwen2-bias", "float32", None, None),
+    ("qwen2-bias", "bfloat16", None, None),
+    ("qwen2-bias", "bfloat16", "int4", 32),      # 4-bit panels, where the blocked kernel is built
+    ("llama-gqa", "bfloat16", "int8", -1),       # 8-bit panels, one scale per row (rows of 64 and 128 columns)
 ])
-def test_fused_decode_equals_the_layer_by_layer_path(name, dtype, quantization, tiny_model_dir, monkeypatch):
+def test_fused_decode_equals_the_layer_by_layer_path(name, dtype, quantization, group, tiny_model_dir, monkeypatch):
     if quantization and kernels.blocked_int4() is None:
         pytest.skip("quantized weights take the fused path only with the blocked kernel (AVX-512)")
     taken = []
@@ -32,7 +32,7 @@ def test_fused_decode_equals_the_layer_by_layer_path(name, dtype, quantization, 
     monkeypatch.setattr(llama_cpu_decode.FusedDecodeLayers, "__call__", call)
     # no prefix caching: the second run must compute its prompts as the first did
     llm = LLM(tiny_model_dir(name), dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=False,
-              quantization=quantization, quantization_group_size=32 if quantization else None)
+              quantization=quantization, quantization_group_size=group)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
     results = {}
     for enabled in (True, False):
