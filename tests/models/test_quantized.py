@@ -141,6 +141,34 @@ def test_a_gguf_file_as_the_model_serves_its_own_blocks(tmp_path):
     assert outputs[0] == outputs[1]
 
 
+def test_gguf_blocks_at_tp3_and_pp2_equal_one_rank(hf):
+    """The default model from its GGUF file at tp=3 (its 9 heads and 3 KV heads split in 3; each
+    rank its rows of the Q4_1 linears and of the Q8_0 vocabulary table) and pp=2 (the last stage's tied LM head takes the Q8_0 table
+    itself) gives one rank's tokens: pp=2 exactly (the same sums), tp=3 parting only at near-ties
+    (its row-parallel sums are split)."""
+    from shardlm import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+    layouts = {"one": {}, "tp3": {"tensor_parallel_size": 3}, "pp2": {"pipeline_parallel_size": 2}}
+    outputs = {}
+    for name, layout in layouts.items():
+        llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=256, quantization="gguf", **layout)
+        try:
+            if blocked_int4() is not None:
+                ranks = llm.collective_rpc("quantized_kernels")
+                if name == "pp2":       # stage 0 holds the embedding, stage 1 the LM head: one table each
+                    assert [r["blocked8"] for r in ranks] == [1, 1] and sum(r["blocked4"] for r in ranks) == 120
+                else:
+                    assert ranks == [{"blocked4": 120, "blocked8": 2}] * len(ranks), name
+            outputs[name] = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+    one = [(o.outputs[0].token_ids, [{t for t, lp in d.items() if lp.rank <= 5} for d in o.outputs[0].logprobs])
+           for o in outputs["one"]]
+    assert [o.outputs[0].token_ids for o in outputs["pp2"]] == [ids for ids, _ in one]
+    assert hf.assert_close(one, outputs["tp3"], "gguf tp=3") >= 2
+
+
 def test_gguf_quantization_needs_a_gguf_model(tiny_model_dir):
     with pytest.raises(ValueError, match="give a .gguf file as the model"):
         LLM(tiny_model_dir("llama-gqa"), **ENGINE, quantization="gguf")
