@@ -152,7 +152,7 @@ class QuantizedWeight:
         # torch's packed kernels multiply in bfloat16: a float32 model dequantizes instead (exact)
         if q.device.type != "cpu" or self.dtype != torch.bfloat16 or self.out_features % 16:
             return None
-        if self.bits == 8 and self.group == self.in_features:
+        if self.bits == 8 and self.group == self.in_features and not self._mins.any():
             self._int8_scales = self._scales.view(-1).to(torch.bfloat16)
             return "int8pack"
         if self.bits == 4 and self.group in KERNEL_GROUP_SIZES and int4_layout_understood():

@@ -6,9 +6,18 @@ GGUF stores a weight [N, K] row by row in blocks of 32 columns (ggml's block for
     Q4_0  18 bytes: d (float16), 16 bytes of nibbles          w = (q - 8) * d
     Q4_1  20 bytes: d, m (float16), 16 bytes of nibbles       w = q * d + m
 
-where byte j of the nibbles holds column j (low) and j + 16 (high). Each becomes the integers,
-scales and minimums of a `QuantizedWeight` (w = q * scale + min, groups of 32): the same
-values, bit for bit, as ggml's dequantization. llama.cpp stores q_proj and k_proj rows permuted
+where byte j of the nibbles holds column j (low) and j + 16 (high). The K-quants have super-blocks
+of 256 columns whose sub-block scales are themselves quantized (6 or 8 bits times a float16):
+
+    Q4_K  144 bytes: d, dmin, 12 bytes of 6-bit scales/mins, 128 of nibbles   w = q * d*sc - dmin*m  (groups of 32)
+    Q5_K  176 bytes: as Q4_K plus 32 bytes holding each q's fifth bit
+    Q6_K  210 bytes: 128 bytes low nibbles, 64 of high 2 bits, 16 int8 scales, d   w = (q - 32) * d*sc  (groups of 16)
+
+Each becomes the integers, scales and minimums of a `QuantizedWeight` (w = q * scale + min):
+the same values, bit for bit, as ggml's dequantization (d * sc and dmin * m are exact in
+float32). Q4_K runs on the 4-bit panels, Q6_K (q - 32 in -32..31) on the 8-bit ones; Q5_K
+(asymmetric, 5 bits) is held as 8-bit integers with minimums, which no blocked kernel takes: it
+is dequantized for each product (correct, slow). llama.cpp stores q_proj and k_proj rows permuted
 for its rotary layout; they are put back in the Hugging Face order here. The token embedding and
 the LM head are read too where they are Q8_0 (the embedded default model's tied table is); in
 another type (F16, K-quants, 4-bit) they stay float.
@@ -25,8 +34,9 @@ import torch
 from shardlm import envs
 
 GROUP = 32
-_CACHE_VERSION = 2        # bump when decoding changes
-_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+_CACHE_VERSION = 3        # bump when decoding changes
+_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 _TABLES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
 _HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -34,10 +44,11 @@ _HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v
 
 
 def decode_blocks(raw: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """raw [N, row bytes] of one tensor -> (q int8 [N, K], scales, mins float32 [N, K / 32], bits)."""
+    """raw [N, row bytes] of one tensor -> (q int8 [N, K], scales, mins float32 [N, K / group], bits)."""
     n = raw.shape[0]
-    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[type_name]
-    blocks = np.ascontiguousarray(raw).reshape(n, -1, size)
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, _BLOCK_BYTES[type_name])
+    if type_name.endswith("_K"):
+        return _decode_k_quant(blocks, type_name)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     if type_name == "Q8_0":
         q = blocks[..., 2:].copy().view(np.int8)
@@ -46,6 +57,38 @@ def decode_blocks(raw: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.
     q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(np.int8)
     mins = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if type_name == "Q4_1" else -8 * d
     return _tensors(q, d, mins, 4)
+
+
+def _float16(raw: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes -> [...] float32"""
+    return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _decode_k_quant(blocks: np.ndarray, type_name: str):
+    """blocks [N, super-blocks, bytes] of a K-quant, decoded as ggml lays them out."""
+    from gguf.quants import Q4_K
+    n, nb = blocks.shape[:2]
+    if type_name == "Q6_K":
+        ql, qh, sc, d = blocks[..., :128], blocks[..., 128:192], blocks[..., 192:208], _float16(blocks[..., 208:210])
+        # per half of 128 columns: 64 bytes of low nibbles (columns 0-63 low, 64-127 high) and 32
+        # bytes of 2-bit pairs (columns 0-31, 32-63, 64-95, 96-127 at bits 0, 2, 4, 6)
+        low = (ql.reshape(n, nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 15
+        high = (qh.reshape(n, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+        q = (low.reshape(n, nb, 8, 32) | (high.reshape(n, nb, 8, 32) << 4)).astype(np.int8) - 32
+        scales = d[..., None] * sc.copy().view(np.int8).astype(np.float32)          # [n, nb, 16]: groups of 16
+        return _tensors(q.reshape(n, -1), scales.reshape(n, -1), np.zeros((n, nb * 16), np.float32), 8)
+    d, dmin = _float16(blocks[..., 0:2]), _float16(blocks[..., 2:4])
+    sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(n * nb, 12))
+    scales = d[..., None] * sc.reshape(n, nb, 8).astype(np.float32)
+    mins = -(dmin[..., None] * m.reshape(n, nb, 8).astype(np.float32))
+    # per 64 columns, 32 bytes: columns 0-31 in the low nibbles, 32-63 in the high ones
+    nibbles = blocks[..., -128:].reshape(n, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    q = (nibbles & 15).reshape(n, nb, 8, 32)
+    bits = 4
+    if type_name == "Q5_K":     # each q's fifth bit: bit i of byte j is column j of group i
+        fifth = (blocks[..., 16:48].reshape(n, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+        q, bits = q | (fifth << 4), 8
+    return _tensors(q.astype(np.int8).reshape(n, -1), scales.reshape(n, -1), mins.reshape(n, -1), bits)
 
 
 def _tensors(q: np.ndarray, scales: np.ndarray, mins: np.ndarray, bits: int):
@@ -97,8 +140,8 @@ def _decode_file(path: str, hf_config) -> dict[str, tuple[torch.Tensor, torch.Te
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _HF_NAMES:
             continue
         if type_name not in _TYPES:
-            raise ValueError(f"{path}: {tensor.name} is {type_name}; --quantization gguf reads Q8_0, Q4_0 and Q4_1 "
-                             "tensors (K-quants are not supported yet). Leave out --quantization to run it in float.")
+            raise ValueError(f"{path}: {tensor.name} is {type_name}; --quantization gguf reads {', '.join(_TYPES)} "
+                             "tensors. Leave out --quantization to run it in float.")
         q, scales, mins, bits = decode_blocks(np.asarray(tensor.data), type_name)
         if parts[2] in ("attn_q", "attn_k"):
             order = unpermute_rows(q.shape[0], heads if parts[2] == "attn_q" else kv_heads)
