@@ -280,7 +280,8 @@ class QuantizedWeight:
         if product(rows.data_ptr(), rows.stride(0), self.packed.data_ptr(), None if bias is None else bias.data_ptr(),
                    out.data_ptr(), rows.shape[0], self.out_features, self.in_features, self.group, self.table_bytes,
                    DTYPE_CODES[x.dtype]):
-            raise MemoryError(f"blocked int{self.bits} matmul could not allocate its {rows.shape[0]} x {self.in_features} buffer")
+            raise MemoryError(f"blocked int{self.bits} matmul could not allocate its {rows.shape[0]} x "
+                              f"{self.in_features} buffer")
         return out.view(*x.shape[:-1], self.out_features)
 
     def _measure(self) -> int:

@@ -55,7 +55,8 @@ class VocabParallelEmbedding(nn.Module):
         q, scales, mins, bits = parts[0]
         if tuple(q.shape) != (self.vocab_size, self.weight.shape[1]):
             raise ValueError(f"A quantized vocabulary table of shape {tuple(q.shape)}, the model expects "
-                             f"{(self.vocab_size, self.weight.shape[1])}: the quantized file does not match the config.")
+                             f"{(self.vocab_size, self.weight.shape[1])}: the quantized file does not match the "
+                             "config.")
         real = max(0, min(self.end, self.vocab_size) - self.start)
 
         def mine(t: torch.Tensor) -> torch.Tensor:     # this rank's rows, zero rows for the padding

@@ -143,9 +143,9 @@ def test_a_gguf_file_as_the_model_serves_its_own_blocks(tmp_path):
 
 def test_gguf_blocks_at_tp3_and_pp2_equal_one_rank(hf):
     """The default model from its GGUF file at tp=3 (its 9 heads and 3 KV heads split in 3; each
-    rank its rows of the Q4_1 linears and of the Q8_0 vocabulary table) and pp=2 (the last stage's tied LM head takes the Q8_0 table
-    itself) gives one rank's tokens: pp=2 exactly (the same sums), tp=3 parting only at near-ties
-    (its row-parallel sums are split)."""
+    rank its rows of the Q4_1 linears and of the Q8_0 vocabulary table) and pp=2 (the last
+    stage's tied LM head takes the Q8_0 table itself) gives one rank's tokens: pp=2 exactly (the
+    same sums), tp=3 parting only at near-ties (its row-parallel sums are split)."""
     from shardlm import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]

@@ -1,7 +1,7 @@
-"""GGUF's Q8_0 / Q4_0 / Q4_1 blocks and Q4_K / Q5_K / Q6_K super-blocks decoded into integers, scales and minimums dequantize to
-exactly what gguf's own numpy dequantizer gives; the embedded default model's Q4_1 linears,
-un-permuted, and its Q8_0 token embedding equal its float conversion bit for bit, and so does
-their cached copy."""
+"""GGUF's Q8_0 / Q4_0 / Q4_1 blocks and Q4_K / Q5_K / Q6_K super-blocks decoded into integers,
+scales and minimums dequantize to exactly what gguf's own numpy dequantizer gives; the embedded
+default model's Q4_1 linears, un-permuted, and its Q8_0 token embedding equal its float
+conversion bit for bit, and so does their cached copy."""
 
 import gguf
 import numpy as np

@@ -110,7 +110,8 @@ def test_blocked_panels_hold_the_integers_scales_and_mins(bits, n, k, group, flo
         assert qw.kernel == f"blocked{bits}" and qw.table_bytes == (2 if float16_tables else 4)
         padded_rows, tables = -(-n // 48) * 48, 1 if bits == 8 else 2     # panels of 48 rows; scales (and mins)
         assert qw.weight_bytes() == padded_rows * (k * bits // 8 + k // group * tables * qw.table_bytes)
-        assert torch.equal(qw.rows(torch.tensor([[n - 1], [0]])), dequantize(q, scales, mins, dtype)[[n - 1, 0]][:, None])
+        rows = dequantize(q, scales, mins, dtype)[[n - 1, 0]][:, None]
+        assert torch.equal(qw.rows(torch.tensor([[n - 1], [0]])), rows)       # an embedding lookup
         assert torch.equal(qw.integers(), q) and torch.equal(qw.scales, scales) and torch.equal(qw.mins, mins)
         expected = F.linear(x.to(dtype).float(), dequantize(q, scales, mins, torch.float32))
         torch.testing.assert_close(qw.matmul(x.to(dtype)).float(), expected, rtol=2e-2, atol=2e-2)
