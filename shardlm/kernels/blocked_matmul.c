@@ -246,6 +246,17 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
     }
 }
 #if defined(__AVX512BF16__)
+// acc[m][v] += NM rows m of x at the k pair (k, k + 1) . 16 features' pairs of bfloat16 weights w[v]
+static inline __attribute__((always_inline)) void dot_step(const uint16_t *x, int64_t x_stride, int k, const int NM,
+                                                     const __m512i w[NV], __m512 acc[][NV]) {
+    for (int m = 0; m < NM; m++) {
+        uint32_t pair;
+        memcpy(&pair, x + m * x_stride + k, 4);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pair);
+        for (int v = 0; v < NV; v++) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xb, (__m512bh)w[v]);
+    }
+}
+
 // panel_tile for bfloat16 x and weights with the CPU's bfloat16 dot product (vdpbf16ps): each
 // instruction multiplies a k pair of x into a k pair of 16 features and adds both products to the
 // float32 accumulators. Where it runs at the FMA rate (AMD Zen 4) that is twice the
@@ -260,12 +271,7 @@ static inline __attribute__((always_inline)) void panel_tile_dot(const uint16_t 
         if (prefetch)
             for (int v = 0; v < NV; v++) _mm_prefetch((const char *)(w + (int64_t)(k / 2) * NR + 16 * v) + PF_BYTES, _MM_HINT_T0);
         for (int v = 0; v < NV; v++) wv[v] = _mm512_loadu_si512(w + (int64_t)(k / 2) * NR + 16 * v);
-        for (int m = 0; m < NM; m++) {
-            uint32_t pair;
-            memcpy(&pair, x + m * x_stride + k, 4);
-            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pair);
-            for (int v = 0; v < NV; v++) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xb, (__m512bh)wv[v]);
-        }
+        dot_step(x, x_stride, k, NM, wv, acc);
     }
 }
 #endif
@@ -351,12 +357,7 @@ static inline __attribute__((always_inline)) void int4_tile_dot(const uint16_t *
                 __m512i w[NV];
                 for (int v = 0; v < NV; v++)
                     w[v] = pairs ? _mm512_loadu_si512(pairs + (int64_t)(k / 2) * NR + 16 * v) : int4_pairs(packed[v], i);
-                for (int m = 0; m < NM; m++) {
-                    uint32_t pair;
-                    memcpy(&pair, x + m * x_stride + k, 4);
-                    const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pair);
-                    for (int v = 0; v < NV; v++) part[m][v] = _mm512_dpbf16_ps(part[m][v], xb, (__m512bh)w[v]);
-                }
+                dot_step(x, x_stride, k, NM, w, part);
             }
         }
         const uint8_t *tables = int4_tables(panel, group, tb, g);
@@ -438,12 +439,7 @@ static inline __attribute__((always_inline)) void int8_tile_dot(const uint16_t *
             __m512i w[NV];
             for (int v = 0; v < NV; v++)
                 w[v] = pairs ? _mm512_loadu_si512(pairs + (int64_t)(k / 2) * NR + 16 * v) : int8_pairs(column + 16 * v);
-            for (int m = 0; m < NM; m++) {
-                uint32_t pair;
-                memcpy(&pair, x + m * x_stride + k, 4);
-                const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pair);
-                for (int v = 0; v < NV; v++) part[m][v] = _mm512_dpbf16_ps(part[m][v], xb, (__m512bh)w[v]);
-            }
+            dot_step(x, x_stride, k, NM, w, part);
         }
         const uint8_t *tables = int8_tables(panel, group, tb, g);
         if (prefetch) prefetch_int8_tables(tables, tb);
