@@ -84,14 +84,21 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary; with tied embeddings it shares the embedding's weight slice."""
 
-    tied_to: VocabParallelEmbedding | None = None
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__(vocab_size, hidden_size)
+        # the embedding this head is tied to (tie()). Set here, not as a class attribute: nn.Module
+        # keeps a module attribute in its _modules, which a class-level default would shadow
+        self.tied_to: VocabParallelEmbedding | None = None
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight, self.tied_to = embedding.weight, embedding
 
+    def share_tied_table(self) -> None:
+        """After the tied embedding was offered a quantized table: hold what it holds (one copy)."""
+        if self.tied_to.quant is not None:
+            self.quant, self.weight = self.tied_to.quant, None
+
     def process_weights_after_loading(self) -> None:
-        if self.tied_to is not None and self.tied_to.quant is not None:
-            self.quant, self.weight = self.tied_to.quant, None     # one quantized table for both
         if self.quant is not None:
             return
         packed, self.cpu_matmul = prepare_weight(self.weight.data)

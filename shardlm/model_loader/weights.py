@@ -61,7 +61,9 @@ def take_quantized_linears(model: torch.nn.Module, tensors: dict[str, tuple]) ->
             tied = isinstance(module, ParallelLMHead) and getattr(model, "tie_word_embeddings", False)
             table = "lm_head.weight" if isinstance(module, ParallelLMHead) and not tied else "model.embed_tokens.weight"
             if table in tensors:
-                if not (tied and module.tied_to is not None):
+                if tied and module.tied_to is not None:     # its embedding came first in named_modules
+                    module.share_tied_table()
+                else:
                     module.take_quantized([tensors[table]])
                 taken.add(table)
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):

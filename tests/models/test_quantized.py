@@ -169,6 +169,29 @@ def test_gguf_blocks_at_tp3_and_pp2_equal_one_rank(hf):
     assert hf.assert_close(one, outputs["tp3"], "gguf tp=3") >= 2
 
 
+def test_tied_embedding_and_lm_head_keep_one_table(tiny_model_dir):
+    """A tied LM head and its embedding hold one vocabulary table: the float one (packed for the
+    LM head's kernel, the embedding reading its rows from it) and the default model's Q8_0 one."""
+    from transformers import AutoModelForCausalLM
+    path = tiny_model_dir("llama-tied-llama3rope")       # mostly its 49152 x 64 table
+    hf_bytes = sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(path).parameters())
+    llm = LLM(path, **ENGINE)
+    try:
+        assert llm.collective_rpc("weight_bytes")[0] < 1.2 * hf_bytes      # two tables: ~1.9x
+    finally:
+        llm.shutdown()
+    llm = LLM(dtype="bfloat16", quantization="gguf")
+    try:
+        model = llm.engine.engine_core.engine_core.executor.worker.runner.model   # tp=1: in this process
+        embed, head = model.model.embed_tokens, model.lm_head
+        if blocked_int4() is not None:      # AVX-512: the Q8_0 table is kept in 8-bit panels
+            assert embed.quant is not None and head.quant is embed.quant and head.weight is None
+        else:
+            assert head.weight is embed.weight
+    finally:
+        llm.shutdown()
+
+
 def test_gguf_quantization_needs_a_gguf_model(tiny_model_dir):
     with pytest.raises(ValueError, match="give a .gguf file as the model"):
         LLM(tiny_model_dir("llama-gqa"), **ENGINE, quantization="gguf")
