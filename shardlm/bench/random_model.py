@@ -50,6 +50,9 @@ def make_random_model(out_dir: str, hidden: int = 768, layers: int = 12, heads: 
     for name in os.listdir(tokenizer_dir):
         if name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
+    if not os.path.isfile(os.path.join(out_dir, "tokenizer.json")):
+        raise RuntimeError(f"The default model's tokenizer was not found in {tokenizer_dir}; delete that "
+                           "directory (it is converted again on next use) and run make-model again.")
     params = sum(p.numel() for p in model.parameters())
     print(f"Wrote a random-weight {kind} with {params / 1e6:.0f}M parameters to {out_dir}")
     return out_dir

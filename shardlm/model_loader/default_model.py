@@ -75,9 +75,13 @@ def default_model_dir() -> str:
 def converted_dir(src: str, name: str, declared_dtype: str | None = None, tied: bool = False) -> str:
     stamp = f"{os.path.getsize(src)}-{int(os.path.getmtime(src))}-v{_FORMAT_VERSION}"
     out = os.path.join(envs.SHARDLM_CACHE_DIR, "models", f"{name}-{stamp}")
-    if not all(os.path.isfile(os.path.join(out, f)) for f in _NEEDED):
+    if not _complete(out):
         convert_gguf(src, out, declared_dtype, tied)
     return out
+
+
+def _complete(model_dir: str) -> bool:
+    return all(os.path.isfile(os.path.join(model_dir, f)) for f in _NEEDED)
 
 
 def convert_gguf(src: str, out: str, declared_dtype: str | None = None, tied: bool = False) -> None:
@@ -115,9 +119,12 @@ def convert_gguf(src: str, out: str, declared_dtype: str | None = None, tied: bo
         _keep_chat_template(tmp, tokenizer.chat_template)
         if declared_dtype:
             _declare_dtype(tmp, declared_dtype)
-        if os.path.isdir(out):
-            shutil.rmtree(out)
-        os.rename(tmp, out)   # atomic: a concurrent reader sees all or nothing
+        if _complete(out):      # another process converted it meanwhile: keep theirs, which may be in use
+            shutil.rmtree(tmp)
+        else:
+            if os.path.isdir(out):
+                shutil.rmtree(out)     # an incomplete copy (an older process stopped midway)
+            os.rename(tmp, out)   # atomic: a concurrent reader sees all or nothing
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if not os.path.isdir(out):

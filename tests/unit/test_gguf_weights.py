@@ -71,3 +71,17 @@ def test_default_models_q4_1_linears_equal_its_float_conversion(default_model_di
     assert cached.keys() == linears.keys()
     for name, parts in linears.items():
         assert all(torch.equal(a, b) for a, b in zip(parts[:3], cached[name][:3])) and parts[3] == cached[name][3]
+
+
+def test_a_conversion_finished_by_another_process_is_kept(tmp_path):
+    """Two processes converting one GGUF at once (DP replicas, a test beside `bench make-model`):
+    the later one keeps the copy already there, which a reader may be using, and leaves no
+    temporary directory behind."""
+    from shardlm.model_loader.default_model import _NEEDED, convert_gguf, gguf_path
+    out = tmp_path / "model"
+    out.mkdir()
+    for name in (*_NEEDED, "theirs"):
+        (out / name).write_text("{}")
+    convert_gguf(gguf_path(), str(out))
+    assert (out / "theirs").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
