@@ -81,10 +81,13 @@ def plot(paths: list[str], out: str, title: str | None = None) -> dict:
             ax.bar_label(bars, labels=[f"{y:.0f}" if y else "" for y in ys], fontsize=8)
         ax.set_xticks(range(len(precisions)), precisions, rotation=15, fontsize=8)
         ax.set_title(metric)
-        ax.legend(fontsize=8)
+        ax.margins(y=0.12)          # room for the bars' labels
+    # one legend for both panels, below them: inside a panel it covered bars and their labels
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(engines), fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return {m: {f"{e} / {p}": v for (e, p), v in table[m].items()} for m in metrics}
