@@ -66,6 +66,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     generation_defaults: dict = field(default_factory=dict)
     quantization: QuantizationConfig | None = None
+    enforce_eager: bool = False      # no one-call decode path (models/llama_cpu_decode.py)
 
     @property
     def num_layers(self) -> int:

@@ -77,6 +77,7 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     quantization: str | None = None
     quantization_group_size: int | None = None
+    enforce_eager: bool = False
 
     HELP = {
         "model": "Hugging Face model directory (config.json, safetensors, tokenizer); "
@@ -121,6 +122,8 @@ class EngineArgs:
                         "from config.json and run as stored",
         "quantization_group_size": "input columns per quantization scale (-1: one per row; default: int8 -1, "
                                    "int4 128)",
+        "enforce_eager": "run every step layer by layer from Python: no one-call C decode path on CPU (the "
+                         "counterpart of the CUDA graphs vLLM's flag turns off); the same results, slower",
         "enable_expert_parallel": "MoE models: place whole experts on the ranks of each stage's DP x TP group "
                                   "(each loads only its experts) instead of slicing every expert across TP; "
                                   "with -dp the replicas run their MoE layers in lock-step",
@@ -165,7 +168,8 @@ class EngineArgs:
                 self.quantization, self.quantization_group_size,
                 linear_inputs(hf_config, parallel.tensor_parallel_size) if self.quantization else None,
                 gguf_source=gguf_source(self.model),
-                checkpoint=checkpoint_method(getattr(hf_config, "quantization_config", None))))
+                checkpoint=checkpoint_method(getattr(hf_config, "quantization_config", None))),
+            enforce_eager=self.enforce_eager)
         cache = CacheConfig(self.block_size, parse_size(self.kv_cache_memory),
                             self.gpu_memory_utilization, self.enable_prefix_caching)
         scheduler = SchedulerConfig(

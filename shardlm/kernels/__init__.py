@@ -226,6 +226,9 @@ def blocked_panel_width():
     return _function("blocked_matmul", "blocked_panel_width", [], _I)
 
 
+ALL_REDUCE_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int)     # llama_decode_layers' tensor parallel all-reduce
+
+
 def llama_decode_layers():
     """A stage's Llama decoder layers for one decode step in one call (kernels/llama_decode.c), or None."""
     first = "llama_decode.llama_decode_layers" not in _functions
@@ -233,7 +236,7 @@ def llama_decode_layers():
         _use_bf16_dot("llama_decode", _bf16_dot_pays(blocked_matmul()))   # its own copy of the choice
     return _function("llama_decode", "llama_decode_layers",
                      [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F,
-                      _I, _I, _I, _I, _P],
+                      _I, _I, _I, _I, _P, ALL_REDUCE_CALLBACK],
                      ctypes.c_int)
 
 

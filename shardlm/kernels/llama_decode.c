@@ -1,5 +1,5 @@
 // The decode step of a pipeline stage's Llama decoder layers in one C call, on CPU, for one
-// tensor parallel rank: each layer is add + RMSNorm, the qkv product, rotary + cache write +
+// tensor parallel rank (of one or more): each layer is add + RMSNorm, the qkv product, rotary + cache write +
 // attention, the output product, add + RMSNorm, the gate/up product, SiLU-and-mul and the down
 // product -- the same kernels, in the same order, as the layer-by-layer path (so the same
 // results, bit for bit), without the Python and operator dispatch between them, which at a few
@@ -30,12 +30,16 @@ static int matmul(int kind, int group, int tb, const void *x, int64_t x_stride, 
 
 // hidden, residual [T, E] in place: on entry the stage's input (has_residual = 0: the first
 // stage's embeddings, residual unset), on exit the last layer's output and the running residual.
-// scratch: T * ((H + 2 Hkv) * D + H * D + 3 * I) elements. Returns nonzero if a work buffer could not be allocated.
+// scratch: T * ((H + 2 Hkv) * D + H * D + 3 * I) elements. H, Hkv and I are this rank's.
+// all_reduce (NULL with one tensor parallel rank): sums hidden over the ranks in place, after each
+// row-parallel product (output and down; they have no bias then), as the layer-by-layer path does;
+// nonzero if it failed.
+// Returns -1 if a work buffer could not be allocated, -2 if an all-reduce failed.
 int llama_decode_layers(const int64_t *layers, int L, void *hidden, void *residual, int has_residual,
                         const void *cos, const void *signed_sin, const int64_t *slot_mapping,
                         const int64_t *block_tables, const int64_t *context_lens, int T, int E, int H, int Hkv,
                         int D, int I, int num_blocks, int block_size, int max_blocks, float scale, float eps,
-                        int dtype, int kind, int group, int tb, void *scratch) {
+                        int dtype, int kind, int group, int tb, void *scratch, int (*all_reduce)(void)) {
     const int esize = dtype == 0 ? 4 : 2, Q = (H + 2 * Hkv) * D;
     char *qkv = (char *)scratch, *attn = qkv + (int64_t)T * Q * esize, *gate_up = attn + (int64_t)T * H * D * esize;
     char *act = gate_up + (int64_t)T * 2 * I * esize;
@@ -52,10 +56,12 @@ int llama_decode_layers(const int64_t *layers, int L, void *hidden, void *residu
                                        max_blocks, scale, dtype))
             return -1;
         if (matmul(kind, group, tb, attn, H * D, P(l, O_W), P(l, O_B), hidden, T, E, H * D, dtype)) return -1;
+        if (all_reduce && all_reduce()) return -2;
         add_rmsnorm(hidden, E, residual, residual, hidden, P(l, POST_NORM), T, E, eps, dtype);
         if (matmul(kind, group, tb, hidden, E, P(l, GATE_UP_W), P(l, GATE_UP_B), gate_up, T, 2 * I, E, dtype)) return -1;
         silu_and_mul(gate_up, act, T, I, dtype);
         if (matmul(kind, group, tb, act, I, P(l, DOWN_W), P(l, DOWN_B), hidden, T, E, I, dtype)) return -1;
+        if (all_reduce && all_reduce()) return -2;
     }
     return 0;
 }

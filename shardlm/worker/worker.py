@@ -113,6 +113,11 @@ class Worker:
                 counts[m.quant.kernel or "none"] = counts.get(m.quant.kernel or "none", 0) + 1
         return counts
 
+    def fused_decode_steps(self) -> int:
+        """Decode steps this rank ran through the one-call path (models/llama_cpu_decode.py)."""
+        fused = (getattr(m, "fused_decode", None) for m in self.runner.model.modules())
+        return sum(f.steps for f in fused if hasattr(f, "steps"))
+
     def peak_rss_bytes(self) -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
