@@ -269,6 +269,7 @@ static inline __attribute__((always_inline)) void dot_step(const uint16_t *x, in
 // float32 accumulators. Where it runs at the FMA rate (AMD Zen 4) that is twice the
 // multiply-adds of widening to float32; where it runs at half that rate (Intel without AMX) it
 // is no faster. kernels._bf16_dot_pays times both once per process and sets the choice.
+// panel_dot_pair is its step over one k pair.
 static inline __attribute__((always_inline)) void panel_dot_pair(const uint16_t *x, int64_t x_stride, const uint32_t *w,
                                                            int k, const int NM, __m512 acc[MR][NV], int prefetch) {
     __m512i wv[NV];
