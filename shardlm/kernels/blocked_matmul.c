@@ -629,6 +629,12 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
     const int rows_q = dot ? MR4_DOT : MR4;
     const int widen_once = bits && M > rows_q, step = bits && (dot || !widen_once) ? rows_q : MR;
     const int wide_kind = dot ? kind : TILE_F32;
+    // with 3 row tiles or more, the tiles after the first share asking for the next panel: a slice
+    // each, ahead_lines every AHEAD_SEGMENT k (with 2, one tile's asks come in bursts that cost
+    // more than they save; ahead_lines 0: none)
+    const int tiles = (M + step - 1) / step, segments = (Kp + AHEAD_SEGMENT - 1) / AHEAD_SEGMENT;
+    const int64_t ahead_slice = tiles >= 3 ? (panel_bytes / (tiles - 1) + 63) / 64 * 64 : 0;
+    const int ahead_lines = (int)((ahead_slice / 64 + segments - 1) / segments);
     int failed = 0;
     #pragma omp parallel if (panels > 1 && (int64_t)N * K >= 65536)
     {
@@ -645,19 +651,15 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
         if (widen_once && bits == 4) widen_int4_panel((const uint8_t *)panel, K, group, tb, dot, wide_panel);
         if (widen_once && bits == 8) widen_int8_panel((const uint8_t *)panel, K, group, tb, dot, wide_panel);
         const int pairs_only = widen_once && dot;    // the dot tiles read the tables from the panel
-        // with 3 tiles or more, the tiles after the first share asking for the next panel (with 2,
-        // one tile's asks come in bursts that cost more than they save)
-        const int tiles = (M + step - 1) / step, segments = (Kp + AHEAD_SEGMENT - 1) / AHEAD_SEGMENT;
-        const int64_t slice = tiles > 1 ? (panel_bytes / (tiles - 1) + 63) / 64 * 64 : 0;
         for (int m0 = 0; m0 < M; m0 += step) {
             const int rows = M - m0 < step ? M - m0 : step, tile = m0 / step;
             ahead_t ahead = {NULL, NULL, 0};
             int tile_kind = widen_once ? wide_kind : kind;
-            if (tile_kind == TILE_DOT && tile >= 1 && tiles >= 3 && p + 1 < panels) {
+            if (ahead_lines && tile_kind == TILE_DOT && tile >= 1 && p + 1 < panels) {
                 const char *next = panel + panel_bytes;
-                ahead.at = next + (tile - 1) * slice;
-                ahead.end = ahead.at + slice < next + panel_bytes ? ahead.at + slice : next + panel_bytes;
-                ahead.lines = (int)((slice / 64 + segments - 1) / segments);
+                ahead.at = next + (tile - 1) * ahead_slice;
+                ahead.end = ahead.at + ahead_slice < next + panel_bytes ? ahead.at + ahead_slice : next + panel_bytes;
+                ahead.lines = ahead_lines;
                 tile_kind = TILE_DOT_AHEAD;
             }
             __m512 acc[MR][NV];
