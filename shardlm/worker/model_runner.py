@@ -108,7 +108,12 @@ class ModelRunner:
         if hidden is None:                  # not the last pipeline stage: sent on
             return None
         rows, sample_chunks, prompt_rows = self._logits_rows(so.chunks)
-        hidden = hidden[torch.tensor(rows, device=self.device)]
+        if not rows:
+            # only unfinished prompt chunks (a prompt longer than the step's token budget is
+            # prefilled over several steps): no logits needed, nothing to sample. Every TP rank
+            # of the stage sees the same chunks, so they all skip the LM head's collectives.
+            return ModelRunnerOutput({})
+        hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
         states = [self.requests[c.req_id] for c in sample_chunks]
         if sample_chunks and not prompt_rows and self._greedy_on_vocab_shards(states):
             # each TP rank sends its (max, index) per row instead of its logits
