@@ -33,6 +33,7 @@ class RequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs_done: int = 0       # prompt positions answered (a recompute after preemption skips them)
 
 
 class ModelRunner:
@@ -188,9 +189,9 @@ class ModelRunner:
     def _logits_rows(self, chunks: list[ScheduledChunk]):
         """Rows whose logits are needed: the last token of each sampling chunk, then the prompt
         positions of requests that asked for prompt logprobs.
-        -> (rows, sampling chunks, [(chunk, first row, count)])"""
+        -> (rows, sampling chunks, [(request id, first prompt position, first row, count)])"""
         sample_chunks, rows, end = [], [], 0
-        prompt_rows: list[tuple[ScheduledChunk, int, int]] = []
+        prompt_rows: list[tuple[str, int, int, int]] = []
         for c in chunks:
             end += len(c.token_ids)
             if c.sample:
@@ -200,10 +201,14 @@ class ModelRunner:
         for c in chunks:
             state = self.requests[c.req_id]
             if state.sampling_params.prompt_logprobs is not None:
-                n = min(c.start_pos + len(c.token_ids), len(state.prompt_token_ids) - 1) - c.start_pos
-                if n > 0:
-                    prompt_rows.append((c, len(rows), n))
-                    rows.extend(range(offset, offset + n))
+                # the logits at position p score prompt token p + 1; a prompt split across steps is
+                # answered chunk by chunk, each position once
+                first = max(c.start_pos, state.prompt_logprobs_done)
+                end = min(c.start_pos + len(c.token_ids), len(state.prompt_token_ids) - 1)
+                if end > first:
+                    prompt_rows.append((c.req_id, first, len(rows), end - first))
+                    rows.extend(range(offset + first - c.start_pos, offset + end - c.start_pos))
+                    state.prompt_logprobs_done = end
             offset += len(c.token_ids)
         return rows, sample_chunks, prompt_rows
 
@@ -219,12 +224,12 @@ class ModelRunner:
         return out
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows, out: ModelRunnerOutput) -> None:
-        for chunk, first, n in prompt_rows:
-            state = self.requests[chunk.req_id]
-            lps = torch.log_softmax(logits[first:first + n].float(), dim=-1)
+        for req_id, first_pos, first_row, n in prompt_rows:
+            state = self.requests[req_id]
+            lps = torch.log_softmax(logits[first_row:first_row + n].float(), dim=-1)
             k = state.sampling_params.prompt_logprobs
-            targets = state.prompt_token_ids[chunk.start_pos + 1:chunk.start_pos + 1 + n]
-            out.prompt_logprobs[chunk.req_id] = [token_logprobs(lps[i], t, k) for i, t in enumerate(targets)]
+            targets = state.prompt_token_ids[first_pos + 1:first_pos + 1 + n]
+            out.prompt_logprobs[req_id] = [token_logprobs(lps[i], t, k) for i, t in enumerate(targets)]
 
     # ---- between pipeline stages: hidden states and residual ----
     def _split_across_tp(self) -> bool:

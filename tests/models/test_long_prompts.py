@@ -1,0 +1,141 @@
+"""Prompts several times longer than the step's token budget (max_num_batched_tokens) are
+prefilled over several steps, some of which sample nothing. On every layout they give
+transformers' tokens and prompt logprobs: alone, beside running decodes, with n > 1, after a
+prefix-cache hit that ends mid-prompt, and when preempted in the middle of their prefill."""
+
+import random
+
+import pytest
+import torch
+
+from shardlm import LLM, SamplingParams
+
+BUDGET = 32                      # tokens per step: the long prompts take 4-7 steps to prefill
+ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=512, max_num_batched_tokens=BUDGET)
+MAX_TOKENS = 8
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+LONG, LONGER, SHORT = _tokens(150, 1), _tokens(200, 2), _tokens(9, 3)
+# shares LONG's first 100 tokens: a prefix-cache hit of 6 blocks (96 tokens) that ends mid-prompt
+SHARED = LONG[:100] + _tokens(110, 4)
+PROMPTS = {"long": LONG, "longer": LONGER, "short": SHORT, "shared": SHARED}
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def hf_long(tiny_model_dir, hf):
+    """Per model: transformers' greedy tokens (and top-5 sets) for each prompt, and the logprob
+    of every prompt token of LONGER given the ones before it."""
+    cache = {}
+
+    def get(name: str, path: str | None = None):
+        """path: another copy of the model's weights (transformers runs that one)."""
+        path = path or tiny_model_dir(name)
+        if path not in cache:
+            greedy = dict(zip(PROMPTS, hf.greedy(path, list(PROMPTS.values()), MAX_TOKENS)))
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            with torch.inference_mode():
+                logits = model(torch.tensor([LONGER])).logits[0]
+            lps = torch.log_softmax(logits.float(), dim=-1)
+            prompt_lps = [lps[i, LONGER[i + 1]].item() for i in range(len(LONGER) - 1)]
+            cache[path] = greedy, prompt_lps
+        return cache[path]
+    return get
+
+
+def run_long_prompt_workload(llm: LLM) -> dict:
+    """The long-prompt cases, each through `llm`; -> their outputs by name."""
+    out = {}
+    # alone: the first steps hold nothing but a partial prompt (nothing to sample)
+    [out["alone"]] = llm.generate([{"prompt_token_ids": LONGER}], GREEDY, use_tqdm=False)
+    # without logprobs: under TP the vocabulary shards' greedy path
+    [out["plain"]] = llm.generate([{"prompt_token_ids": LONGER}], SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    # beside running decodes, with n = 2 and prompt logprobs of a prompt split across steps
+    mixed = llm.generate([{"prompt_token_ids": p} for p in (SHORT, LONG, LONGER)],
+                         [GREEDY, SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                 logprobs=5),
+                          SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5,
+                                         prompt_logprobs=2)], use_tqdm=False)
+    out["short"], out["long"], out["longer"] = mixed
+    # LONG's blocks are cached now: SHARED starts after its first 96 tokens
+    [out["shared"]] = llm.generate([{"prompt_token_ids": SHARED}], GREEDY, use_tqdm=False)
+    return out
+
+
+def assert_long_prompts_match_hf(out: dict, reference, hf, label: str) -> None:
+    greedy, prompt_lps = reference
+    for name, prompt in (("alone", "longer"), ("short", "short"), ("long", "long"), ("longer", "longer"),
+                         ("shared", "shared")):
+        hf.assert_close([greedy[prompt]], [out[name]], f"{label} {name}")
+    assert out["long"].outputs[0].token_ids == out["long"].outputs[1].token_ids   # n = 2, greedy
+    assert out["plain"].outputs[0].token_ids == out["alone"].outputs[0].token_ids
+    plp = out["longer"].prompt_logprobs
+    assert len(plp) == len(LONGER) and plp[0] is None, f"{label}: {len(plp)} prompt logprobs"
+    ours = [plp[i + 1][LONGER[i + 1]].logprob for i in range(len(LONGER) - 1)]
+    assert ours == pytest.approx(prompt_lps, abs=2e-4), label
+    assert all(len(pos) >= 2 for pos in plp[1:])     # the prompt token and the top-2
+
+
+def test_long_prompts_on_one_rank(tiny_model_dir, hf_long, hf):
+    llm = LLM(tiny_model_dir("llama-gqa"), **ENGINE)
+    out = run_long_prompt_workload(llm)
+    assert_long_prompts_match_hf(out, hf_long("llama-gqa"), hf, "tp=1")
+    assert out["shared"].num_cached_tokens == 96
+    assert sum(llm.collective_rpc("fused_decode_steps")) > 0     # the one-call decode path ran too
+    # the same tokens as a budget that takes every prompt in one step
+    whole = LLM(tiny_model_dir("llama-gqa"), **{**ENGINE, "max_num_batched_tokens": 2048})
+    again = run_long_prompt_workload(whole)
+    for name in out:
+        assert [c.token_ids for c in out[name].outputs] == [c.token_ids for c in again[name].outputs], name
+
+
+def test_preempted_in_the_middle_of_its_prefill(tiny_model_dir, hf_long, hf):
+    """A cache of 12 usable blocks (192 tokens): LONG (150 tokens) prefills 31 tokens a step beside
+    another request's decodes until the cache runs out, is preempted part-way and recomputed; its
+    prompt logprobs are still answered once per position."""
+    # 2 layers x 2 kv heads x 16 dims x 4 bytes x 2 (K, V) x 16 tokens = 8 KiB per block
+    llm = LLM(tiny_model_dir("llama-gqa"), **{**ENGINE, "kv_cache_memory": 8192 * 13, "max_model_len": 192})
+    lp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5, prompt_logprobs=1)
+    long_decode = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True, logprobs=5)
+    decoding, long = llm.generate([{"prompt_token_ids": _tokens(60, 5)}, {"prompt_token_ids": LONG}],
+                                  [long_decode, lp], use_tqdm=False)
+    assert llm.engine.engine_core.call_utility("stats")["num_preemptions"] > 0
+    greedy, _ = hf_long("llama-gqa")
+    hf.assert_close([greedy["long"]], [long], "preempted")
+    assert len(long.prompt_logprobs) == len(LONG)
+    alone = LLM(tiny_model_dir("llama-gqa"), **ENGINE).generate([{"prompt_token_ids": LONG}], lp, use_tqdm=False)[0]
+    assert [p[t].logprob for p, t in zip(long.prompt_logprobs[1:], LONG[1:])] == pytest.approx(
+        [p[t].logprob for p, t in zip(alone.prompt_logprobs[1:], LONG[1:])], abs=1e-5)
+    assert long.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert len(decoding.outputs[0].token_ids) == 100
+
+
+@pytest.mark.parametrize("name, layout", [
+    ("llama-gqa", dict(tensor_parallel_size=2)),
+    ("llama-gqa", dict(pipeline_parallel_size=2)),
+    ("llama-gqa", dict(data_parallel_size=2)),
+    ("mixtral", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    ("mixtral", dict(data_parallel_size=2, enable_expert_parallel=True)),
+    ("llama-gqa", dict(quantization="int8")),
+], ids=["tp2", "pp2", "dp2", "tp2-ep", "dp2-ep", "int8"])
+def test_long_prompts_on_every_layout(name, layout, tiny_model_dir, hf_long, hf, tmp_path):
+    """Against transformers. Under DP + EP the replica without work runs dummy steps beside the
+    other's partial prompt chunks."""
+    llm = LLM(tiny_model_dir(name), **ENGINE, **layout)
+    try:
+        out = run_long_prompt_workload(llm)
+    finally:
+        llm.shutdown()
+    reference = hf_long(name)
+    if layout.get("quantization") == "int8":
+        # transformers runs the weights the engine holds: each linear's int8 round trip
+        from tests.models.test_quantized import _round_trip_model
+        reference = hf_long(name, _round_trip_model(tiny_model_dir(name), tmp_path, bits=8, group=-1))
+    assert_long_prompts_match_hf(out, reference, hf, str(layout))
