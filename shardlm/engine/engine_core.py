@@ -21,10 +21,22 @@ from shardlm.engine.scheduler import Scheduler
 from shardlm.engine.wave import Wave
 from shardlm.executor.selection import executor_class
 from shardlm.logger import init_logger
-from shardlm.messages import EngineCoreOutputs, EngineCoreRequest
+from shardlm.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
 from shardlm.utils import cdiv
 
 logger = init_logger(__name__)
+
+
+class StepFailed(RuntimeError):
+    """Running a step raised: the message names the step's requests, so that the log line a
+    supervisor reads says which request took the engine down."""
+
+    def __init__(self, scheduler_output: SchedulerOutput, error: BaseException):
+        chunks = scheduler_output.chunks
+        shown = ", ".join(f"{c.req_id} (positions {c.start_pos}-{c.start_pos + len(c.token_ids) - 1})"
+                          for c in chunks[:8])
+        more = f" and {len(chunks) - 8} more" if len(chunks) > 8 else ""
+        super().__init__(f"{type(error).__name__}: {error} [in a step of {len(chunks)} request(s): {shown}{more}]")
 
 
 class EngineCore:
@@ -96,7 +108,11 @@ class EngineCore:
                 self._dummy_step()
             return self._outputs([])
         scheduler_output, wait = self.batch_queue.popleft()
-        outputs = self.scheduler.update(scheduler_output, wait())
+        try:
+            result = wait()
+        except Exception as e:
+            raise StepFailed(scheduler_output, e) from e
+        outputs = self.scheduler.update(scheduler_output, result)
         if self.executor.runs_async:
             # the workers start on the next batch while the caller detokenizes these outputs
             self._fill_pipeline()
@@ -117,7 +133,11 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.chunks:
                 return
-            self.batch_queue.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
+            try:
+                wait = self.executor.execute_model_async(scheduler_output)
+            except Exception as e:       # the in-process executor runs the step right here
+                raise StepFailed(scheduler_output, e) from e
+            self.batch_queue.append((scheduler_output, wait))
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()

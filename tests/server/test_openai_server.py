@@ -1,6 +1,7 @@
 """A real `shardlm serve` on a free loopback port, used through the official openai client."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -178,6 +179,73 @@ def test_dead_engine_turns_health_503_and_ends_the_server(tiny_model_dir):
     assert proc.wait(timeout=20) != 0
     assert "died" in proc.stderr.read()
     assert seen_503
+
+
+def test_prompts_longer_than_the_step_budget(tiny_model_dir):
+    """A prompt several times --max-num-batched-tokens is prefilled over several steps (some of
+    which sample nothing), streamed or not, beside other requests; the server goes on serving."""
+    import random
+    path = tiny_model_dir("llama-gqa")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (200, 150, 7)]
+    ref = LLM(path, dtype="float32", kv_cache_memory="64MiB", max_model_len=256, max_num_batched_tokens=2048).generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False)
+    proc, url = _start(path, "--max-num-batched-tokens", "32")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        alone = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert alone.choices[0].text == ref[0].outputs[0].text and alone.usage.prompt_tokens == 200
+        together = client.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True})
+        assert [c.text for c in sorted(together.choices, key=lambda c: c.index)] == [r.outputs[0].text for r in ref]
+        streamed = client.completions.create(model="tiny", prompt=prompts[1], max_tokens=8, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == ref[1].outputs[0].text
+        assert httpx.get(url + "/health").status_code == 200
+    finally:
+        _stop(proc)
+
+
+# Loaded by every Python process of the server below (sitecustomize): a step holding token 31337 raises.
+_FAULTY_STEP = """
+from shardlm.worker.model_runner import ModelRunner
+_execute = ModelRunner.execute_model
+def _faulty(self, so):
+    if any(31337 in c.token_ids for c in so.chunks):
+        raise RuntimeError("injected fault")
+    return _execute(self, so)
+ModelRunner.execute_model = _faulty
+"""
+
+
+def test_a_failing_step_names_its_requests_and_ends_the_server(tiny_model_dir, tmp_path):
+    """An error inside a step stops the engine (as in vLLM): the request gets a 503, /health turns
+    503, the log names the step's requests and the server exits with code 1 for its supervisor."""
+    (tmp_path / "sitecustomize.py").write_text(_FAULTY_STEP)
+    pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    proc, url = _start(tiny_model_dir("llama-gqa"), env={"PYTHONPATH": pythonpath})
+    try:
+        ok = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+        bad = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [5, 31337, 7], "max_tokens": 2},
+                         timeout=30)
+        assert bad.status_code == 503 and "injected fault" in bad.json()["error"]["message"]
+        seen_503 = False
+        while proc.poll() is None:
+            try:
+                seen_503 |= httpx.get(url + "/health", timeout=1).status_code == 503
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        assert proc.wait(timeout=20) == 1 and seen_503
+        log = proc.stderr.read()
+        assert re.search(r"The engine core stopped: RuntimeError: injected fault \[in a step of 1 request\(s\): "
+                         r"cmpl-[0-9a-f]+-0 \(positions 0-2\)\]", log), log[-3000:]
+    finally:
+        if proc.poll() is None:
+            _stop(proc)
 
 
 def _metric(url, name) -> float:
