@@ -1,0 +1,164 @@
+"""Property-based scheduler test: random arrivals, prompts from 1 token to several step budgets,
+budgets, max_num_seqs, pipeline depths, KV caches small enough to force preemption, shared
+prefixes for the prefix cache, and aborts.
+
+The model is a stand-in that keeps its "KV cache" honest: each step writes every scheduled
+token into the slot its block table names, then reads each request's whole context back
+through the block table, and its next token is a hash of what it read. A wrong block table, a
+prefix-cache block shared with the wrong content or a chunk scheduled twice changes the tokens
+(or trips an assertion), so: every request that is not aborted must end with exactly the tokens
+it gets when run alone; no step holds more tokens than the budget or more requests than
+max_num_seqs; and once the engine is idle every block is free again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shardlm.config import CacheConfig, SchedulerConfig
+from shardlm.engine.request import Request
+from shardlm.engine.scheduler import Scheduler
+from shardlm.messages import ModelRunnerOutput, SchedulerOutput
+from shardlm.sampling_params import SamplingParams
+from shardlm.utils import cdiv
+
+VOCAB, EOS = 64, 0
+
+
+def next_token(context: list[int]) -> int:
+    return hashlib.blake2b(bytes(str(context), "ascii"), digest_size=4).digest()[0] % VOCAB
+
+
+def run_alone(prompt: list[int], max_tokens: int) -> list[int]:
+    """The tokens a request gets by itself: the model's tokens until EOS or max_tokens."""
+    out: list[int] = []
+    while len(out) < max_tokens:
+        out.append(next_token(prompt + out))
+        if out[-1] == EOS:
+            break
+    return out
+
+
+class CheckingModel:
+    """Writes each scheduled token to its KV slot, then reads every request's context back
+    through its block table; samples from what it read."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.bs = block_size
+        self.slots = [None] * (num_blocks * block_size)
+        self.context: dict[str, list[int]] = {}     # what each request's tokens are (the truth)
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for c in so.chunks:
+            assert c.token_ids, "an empty chunk"
+            known = self.context[c.req_id]
+            assert c.token_ids == known[c.start_pos:c.start_pos + len(c.token_ids)], "a chunk of the wrong tokens"
+            for i, token in enumerate(c.token_ids):
+                pos = c.start_pos + i
+                block = c.block_ids[pos // self.bs]
+                assert block != 0, "a token written to the null block"
+                self.slots[block * self.bs + pos % self.bs] = token
+        sampled = {}
+        for c in so.chunks:     # every layer's K/V is written before attention reads it
+            end = c.start_pos + len(c.token_ids)
+            seen = [self.slots[c.block_ids[p // self.bs] * self.bs + p % self.bs] for p in range(end)]
+            assert seen == self.context[c.req_id][:end], f"{c.req_id}: the KV cache holds other tokens"
+            if c.sample:
+                sampled[c.req_id] = next_token(seen)
+        return ModelRunnerOutput(sampled)
+
+
+@dataclass
+class Arrival:
+    step: int
+    prompt: list[int]
+    max_tokens: int
+    abort_at: int | None     # the step at which the client aborts it (None: never)
+
+
+@st.composite
+def workloads(draw):
+    block_size = draw(st.sampled_from([4, 16]))
+    budget = draw(st.integers(1, 48))
+    max_model_len = draw(st.integers(8, 160))
+    min_blocks = cdiv(max_model_len, block_size) + 1          # the engine refuses fewer (one full request)
+    num_blocks = draw(st.integers(min_blocks, min_blocks + 24))
+    max_num_seqs = draw(st.integers(1, 8))
+    depth = draw(st.integers(1, 3))                             # batches in flight (pipeline stages)
+    prefix = draw(st.lists(st.integers(1, VOCAB - 1), min_size=40, max_size=40))
+    arrivals = []
+    for _ in range(draw(st.integers(1, 10))):
+        length = draw(st.integers(1, min(max_model_len - 1, 3 * budget + 8)))
+        shared = draw(st.integers(0, length))                   # a prefix other prompts may share
+        prompt = prefix[:min(shared, 40)] + draw(st.lists(st.integers(1, VOCAB - 1), min_size=length,
+                                                          max_size=length))
+        prompt = prompt[:length]
+        if arrivals and draw(st.integers(0, 3)) == 0:          # a repeat: its whole prompt may be cached
+            prompt = draw(st.sampled_from(arrivals)).prompt
+        step = draw(st.integers(0, 30))
+        abort_at = draw(st.one_of(st.none(), st.integers(step, step + 40)))
+        arrivals.append(Arrival(step, prompt, draw(st.integers(1, 24)), abort_at))
+    return block_size, budget, max_model_len, num_blocks, max_num_seqs, depth, arrivals
+
+
+def simulate(block_size, budget, max_model_len, num_blocks, max_num_seqs, depth, arrivals):
+    """Runs the workload as the engine core does (up to `depth` batches in flight);
+    -> ({request id: output tokens} of the requests that finished, the scheduler)."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len),
+                      CacheConfig(block_size=block_size, enable_prefix_caching=True), num_blocks, depth)
+    model = CheckingModel(num_blocks, block_size)
+    requests: dict[str, Request] = {}
+    finished: dict[str, list[int]] = {}
+    in_flight: deque = deque()
+    step = 0
+    while step <= 40 or sched.has_unfinished() or in_flight:
+        assert step < 20_000, "the engine did not finish the workload"
+        for i, a in enumerate(arrivals):
+            rid = f"r{i}"
+            if a.step == step:
+                requests[rid] = Request(rid, a.prompt, SamplingParams(max_tokens=a.max_tokens), [EOS],
+                                        max_model_len, block_size)
+                model.context[rid] = list(a.prompt)
+                sched.add_request(requests[rid])
+            if a.abort_at == step and rid in requests:
+                sched.finish_requests([rid])
+        while len(in_flight) < depth:
+            so = sched.schedule()
+            if not so.chunks:
+                break
+            assert so.num_tokens <= budget, f"a step of {so.num_tokens} tokens, budget {budget}"
+            assert len(so.chunks) <= max_num_seqs
+            assert len({c.req_id for c in so.chunks}) == len(so.chunks), "a request twice in one step"
+            in_flight.append((so, model.execute(so)))
+        if not in_flight:
+            assert not sched.has_unfinished(), "unfinished requests, and nothing could be scheduled"
+        else:
+            so, result = in_flight.popleft()
+            for out in sched.update(so, result):
+                model.context[out.req_id].extend(out.new_token_ids)
+                if out.finish_reason is not None:
+                    finished[out.req_id] = requests[out.req_id].output_token_ids
+        step += 1
+    return finished, sched
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_every_request_gets_its_own_tokens_within_the_budget(workload):
+    block_size, budget, max_model_len, num_blocks, max_num_seqs, depth, arrivals = workload
+    finished, sched = simulate(*workload)
+    for i, a in enumerate(arrivals):
+        rid = f"r{i}"
+        room = min(a.max_tokens, max_model_len - len(a.prompt))
+        if a.abort_at is None:
+            assert rid in finished, f"{rid} never finished"
+        if rid in finished:
+            assert finished[rid] == run_alone(a.prompt, room), f"{rid}: other tokens than alone"
+    # idle again: no request holds a block, every block but the null block is free
+    assert not sched.has_unfinished() and not sched.kv.req_blocks
+    assert sched.kv.pool.num_free_blocks == num_blocks - 1
