@@ -18,7 +18,7 @@ MOE_DEFAULTS = dict(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1024
 
 def make_random_model(out_dir: str, hidden: int = 768, layers: int = 12, heads: int = 12, kv_heads: int = 4,
                       intermediate: int = 2048, num_experts: int = 0, experts_per_token: int = 2,
-                      seed: int = 0) -> str:
+                      seed: int = 0, max_position_embeddings: int = 8192) -> str:
     """A Llama, or with num_experts > 0 a Mixtral whose experts have `intermediate` each."""
     import torch
     import transformers
@@ -27,8 +27,9 @@ def make_random_model(out_dir: str, hidden: int = 768, layers: int = 12, heads: 
 
     tokenizer_dir = default_model_dir()
     common = dict(vocab_size=49152, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=8192,
-                  tie_word_embeddings=True, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2)
+                  num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=max_position_embeddings, tie_word_embeddings=True, torch_dtype="bfloat16",
+                  bos_token_id=1, eos_token_id=2)
     if num_experts:
         config = transformers.MixtralConfig(**common, num_local_experts=num_experts,
                                             num_experts_per_tok=experts_per_token, sliding_window=None)

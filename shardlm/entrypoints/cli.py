@@ -95,7 +95,8 @@ def cmd_bench(ns) -> None:
                      intermediate=ns.intermediate_size)
         defaults = MOE_DEFAULTS if ns.moe else DENSE_DEFAULTS
         make_random_model(ns.out_dir, **{k: defaults[k] if v is None else v for k, v in given.items()},
-                          num_experts=ns.num_experts if ns.moe else 0, experts_per_token=ns.experts_per_token)
+                          num_experts=ns.num_experts if ns.moe else 0, experts_per_token=ns.experts_per_token,
+                          max_position_embeddings=ns.max_position_embeddings)
         return
     if ns.bench_kind == "moe-layer":
         from shardlm.bench.moe_layer import report as report_moe
@@ -364,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "default 2048 (--moe: 1024)")
     b.add_argument("--num-experts", type=int, default=8, help="--moe: routed experts per layer")
     b.add_argument("--experts-per-token", type=int, default=2, help="--moe: experts each token uses")
+    b.add_argument("--max-position-embeddings", type=int, default=8192, help="the context length it declares "
+                   "(e.g. 32768 for long-prompt runs)")
     b.set_defaults(func=cmd_bench)
     b = bsub.add_parser("moe-layer", help="the fused MoE layer alone: its per-expert dispatch against a grouped "
                         "(padded batched matmul) one, and the bytes its collectives move")

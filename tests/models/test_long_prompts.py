@@ -7,6 +7,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from shardlm import LLM, SamplingParams
 
@@ -139,3 +141,49 @@ def test_long_prompts_on_every_layout(name, layout, tiny_model_dir, hf_long, hf,
         from tests.models.test_quantized import _round_trip_model
         reference = hf_long(name, _round_trip_model(tiny_model_dir(name), tmp_path, bits=8, group=-1))
     assert_long_prompts_match_hf(out, reference, hf, str(layout))
+
+
+_ALONE: dict[tuple, list[int]] = {}
+
+
+def _alone(path: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """The greedy tokens of one prompt run by itself, in one step's budget."""
+    key = (path, tuple(prompt), max_tokens)
+    if key not in _ALONE:
+        llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", max_model_len=256)
+        _ALONE[key] = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
+            temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    return _ALONE[key]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(budget=st.integers(4, 48), max_num_seqs=st.integers(1, 6), extra_blocks=st.integers(0, 14),
+       arrivals=st.lists(st.tuples(st.integers(0, 12), st.integers(1, 200), st.integers(1, 12),
+                                   st.one_of(st.none(), st.integers(0, 20))), min_size=1, max_size=6))
+def test_random_arrivals_on_the_real_engine(tiny_model_dir, budget, max_num_seqs, extra_blocks, arrivals):
+    """The scheduler property test's claim on the real engine (tests/unit/test_scheduler_properties.py):
+    random arrivals, budgets, cache sizes (down to one max_model_len: preemptions) and aborts; every
+    request not aborted gets its tokens when run alone, and the cache is empty when idle."""
+    path = tiny_model_dir("llama-gqa")
+    llm = LLM(path, dtype="float32", kv_cache_memory=8192 * (17 + extra_blocks), max_model_len=256,
+              max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
+    engine, finished = llm.engine, {}
+    prompts = [(_tokens(length, seed), max_tokens, step, abort)
+               for seed, (step, length, max_tokens, abort) in enumerate(arrivals)]
+    step = 0
+    while step <= 12 or engine.has_unfinished_requests():
+        for i, (prompt, max_tokens, arrive, abort) in enumerate(prompts):
+            if arrive == step:
+                engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, SamplingParams(
+                    temperature=0, max_tokens=max_tokens, ignore_eos=True))
+            if abort is not None and arrive + abort == step and f"r{i}" not in finished:
+                engine.abort_request(f"r{i}")
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    for i, (prompt, max_tokens, _, abort) in enumerate(prompts):
+        if abort is None or f"r{i}" in finished:
+            assert finished[f"r{i}"] == _alone(path, prompt, max_tokens), f"r{i}"
+    stats = llm.engine.engine_core.call_utility("stats")
+    assert stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0
