@@ -42,7 +42,7 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
                     node_address: str | None = None) -> None:
     """Entry point of the engine core process. node_address: this node's address when the data
     parallel groups cross nodes (gloo/NCCL of this process and its workers bind to it)."""
-    from shardlm.engine.engine_core import EngineCore, StepFailed
+    from shardlm.engine.engine_core import EngineCore
 
     if multiprocessing.parent_process() is not None:
         die_with_parent()         # its client died (even during start-up): so does it, and its workers
@@ -85,11 +85,10 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
     except (EOFError, BrokenPipeError):   # the parent is gone
         return
     except Exception as e:
-        # a step's error names its requests (StepFailed); the traceback is for the bug report
-        why = str(e) if isinstance(e, StepFailed) else f"{type(e).__name__}: {e}"
-        logger.error("The engine core stopped: %s", why, exc_info=True)
+        # the traceback is for a bug report; the failed step's requests were logged just before
+        logger.error("The engine core stopped: %s: %s", type(e).__name__, e, exc_info=True)
         try:
-            outputs.send_bytes(encode(Failed(why)))
+            outputs.send_bytes(encode(Failed(f"{type(e).__name__}: {e}")))
         except (BrokenPipeError, OSError):
             pass
     finally:

@@ -27,16 +27,12 @@ from shardlm.utils import cdiv
 logger = init_logger(__name__)
 
 
-class StepFailed(RuntimeError):
-    """Running a step raised: the message names the step's requests, so that the log line a
-    supervisor reads says which request took the engine down."""
-
-    def __init__(self, scheduler_output: SchedulerOutput, error: BaseException):
-        chunks = scheduler_output.chunks
-        shown = ", ".join(f"{c.req_id} (positions {c.start_pos}-{c.start_pos + len(c.token_ids) - 1})"
-                          for c in chunks[:8])
-        more = f" and {len(chunks) - 8} more" if len(chunks) > 8 else ""
-        super().__init__(f"{type(error).__name__}: {error} [in a step of {len(chunks)} request(s): {shown}{more}]")
+def describe_step(scheduler_output: SchedulerOutput) -> str:
+    """The requests of a step and the positions it computes for each, for the log."""
+    chunks = scheduler_output.chunks
+    shown = ", ".join(f"{c.req_id} (positions {c.start_pos}-{c.start_pos + len(c.token_ids) - 1})"
+                      for c in chunks[:8])
+    return f"{len(chunks)} request(s): {shown}" + (f" and {len(chunks) - 8} more" if len(chunks) > 8 else "")
 
 
 class EngineCore:
@@ -111,12 +107,18 @@ class EngineCore:
         try:
             result = wait()
         except Exception as e:
-            raise StepFailed(scheduler_output, e) from e
+            self._log_failed_step(scheduler_output, e)
+            raise
         outputs = self.scheduler.update(scheduler_output, result)
         if self.executor.runs_async:
             # the workers start on the next batch while the caller detokenizes these outputs
             self._fill_pipeline()
         return self._outputs(outputs)
+
+    @staticmethod
+    def _log_failed_step(scheduler_output: SchedulerOutput, error: Exception) -> None:
+        """The line a supervisor's log search finds: which requests were in the step that failed."""
+        logger.error("A step failed (%s: %s); it held %s", type(error).__name__, error, describe_step(scheduler_output))
 
     def _dummy_step(self) -> None:
         """Join the other replicas' MoE layers with no tokens; when none had any, the wave ends."""
@@ -136,7 +138,8 @@ class EngineCore:
             try:
                 wait = self.executor.execute_model_async(scheduler_output)
             except Exception as e:       # the in-process executor runs the step right here
-                raise StepFailed(scheduler_output, e) from e
+                self._log_failed_step(scheduler_output, e)
+                raise
             self.batch_queue.append((scheduler_output, wait))
 
     def reset_prefix_cache(self) -> bool:

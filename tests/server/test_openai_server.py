@@ -241,8 +241,9 @@ def test_a_failing_step_names_its_requests_and_ends_the_server(tiny_model_dir, t
             time.sleep(0.1)
         assert proc.wait(timeout=20) == 1 and seen_503
         log = proc.stderr.read()
-        assert re.search(r"The engine core stopped: RuntimeError: injected fault \[in a step of 1 request\(s\): "
-                         r"cmpl-[0-9a-f]+-0 \(positions 0-2\)\]", log), log[-3000:]
+        assert re.search(r"A step failed \(RuntimeError: injected fault\); it held 1 request\(s\): "
+                         r"cmpl-[0-9a-f]+-0 \(positions 0-2\)", log), log[-3000:]
+        assert "The engine core stopped: RuntimeError: injected fault" in log
     finally:
         if proc.poll() is None:
             _stop(proc)
