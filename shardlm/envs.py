@@ -20,3 +20,11 @@ SHARDLM_FORWARD_ENV = os.environ.get("SHARDLM_FORWARD_ENV", "")
 # thread and has no CUDA context (what makes fork safe), else spawn (which re-imports the main
 # script, so scripts then need an `if __name__ == "__main__":` guard).
 SHARDLM_WORKER_MULTIPROC_METHOD = os.environ.get("SHARDLM_WORKER_MULTIPROC_METHOD", "")
+# The most a CPU kernel of shardlm's may use: portable (plain C), avx2, avx512, avx512_bf16 or
+# native (the default: everything this CPU has). A cap, as oneDNN's ONEDNN_MAX_CPU_ISA: it makes
+# every variant testable and measurable on a CPU that has a better one. For torch's own kernels
+# set ATEN_CPU_CAPABILITY (and ONEDNN_MAX_CPU_ISA) too.
+SHARDLM_CPU_ISA = os.environ.get("SHARDLM_CPU_ISA", "native")
+# Set to 1 to make a kernel that cannot be built or loaded an error instead of a logged fallback
+# to torch ops (CI sets it: a compile error must fail the run, not turn into skipped tests).
+SHARDLM_REQUIRE_KERNELS = os.environ.get("SHARDLM_REQUIRE_KERNELS", "0") not in ("", "0")

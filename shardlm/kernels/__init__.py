@@ -2,9 +2,15 @@
 
 No torch headers, so a kernel builds in about a second with the system C compiler. The
 shared library is cached under the shardlm cache directory, keyed by the sources (a kernel
-may include another), the compiler and this CPU's instruction set. Without a compiler the
-engine uses its torch path.
+may include another), the compiler, the ISA variant it is built for and this CPU's flags.
 OpenMP resolves to torch's own libgomp (same soname, already loaded): one thread pool.
+
+ISA variants, each a superset of the one before: portable (plain C, vectorized by the
+compiler for the baseline), avx2 (+FMA, F16C), avx512 (F, BW, VL, DQ), avx512_bf16 (+BF16,
+VNNI) and native (-march=native: all this CPU has). The kernels are built for the best one this
+CPU has, at most SHARDLM_CPU_ISA; the C code picks its paths by the compiler's __AVX512F__ etc.
+A kernel that cannot be built or loaded (no compiler, a bad CC, an unwritable cache, a compile
+error) is logged once and its layer runs on torch ops, unless SHARDLM_REQUIRE_KERNELS is set.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import ctypes
 import glob
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -29,13 +36,69 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # fast-math for vectorized expf (glibc's libmvec); finite-math stays off: -inf is used as a mask value.
 # Compiled and linked in two steps: a fast-math *link* adds crtfastmath.o, which turns on
 # flush-to-zero for the whole process that loads the library (torch's numerics included).
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-fno-strict-aliasing", "-ffast-math",
-          "-fno-finite-math-only"]
+_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-fno-strict-aliasing", "-ffast-math", "-fno-finite-math-only"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
 # the `dtype` argument every kernel takes
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+# ISA variant -> (the /proc/cpuinfo flags it needs, its compiler flags), lowest first; x86-64 only
+ISA_VARIANTS: dict[str, tuple[set[str], list[str]]] = {
+    "portable": (set(), []),
+    "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]),
+    "avx512": ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
+               ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]),
+    "avx512_bf16": ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+                     "avx512_vnni"},
+                    ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                     "-mavx512bf16", "-mavx512vnni"]),
+}
+_isa_cap = [envs.SHARDLM_CPU_ISA]
+
+
+def supported_isas() -> list[str]:
+    """The variants this CPU can run, lowest first (native last: all it has)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ["portable", "native"]
+    flags = cpu_flags()
+    return [name for name, (needs, _) in ISA_VARIANTS.items() if needs <= flags] + ["native"]
+
+
+def active_isa() -> str:
+    """The variant the kernels are built for: the best this CPU has, at most the cap."""
+    cap, supported = _isa_cap[0], supported_isas()
+    if cap == "native" or cap not in ISA_VARIANTS:
+        return "native"
+    order = list(ISA_VARIANTS)
+    return max((v for v in supported if v in ISA_VARIANTS and order.index(v) <= order.index(cap)), key=order.index)
+
+
+def best_isa() -> str:
+    """The best named variant this CPU has (what native amounts to, by name)."""
+    return [v for v in supported_isas() if v != "native"][-1]
+
+
+def use_isa(cap: str) -> str:
+    """Cap the variant from now on (tests run each kernel under each; SHARDLM_CPU_ISA at start-up):
+    libraries are looked up again. -> the variant in use."""
+    if cap != "native" and cap not in ISA_VARIANTS:
+        raise ValueError(f"SHARDLM_CPU_ISA={cap!r}: use one of {', '.join([*ISA_VARIANTS, 'native'])}.")
+    _isa_cap[0] = cap
+    for cache in (_loaded, _functions):
+        cache.clear()
+    for cache in (_blocked, _fused, _bf16_dot):
+        cache.clear()
+    return active_isa()
+
+
+def _isa_flags() -> list[str]:
+    isa = active_isa()
+    if isa == "native":
+        return ["-march=native"]
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    return ["-march=x86-64", "-mtune=native", *ISA_VARIANTS[isa][1]]
 
 
 def load(name: str) -> ctypes.CDLL | None:
@@ -46,37 +109,73 @@ def load(name: str) -> ctypes.CDLL | None:
     return lib
 
 
+class KernelBuildError(RuntimeError):
+    """A kernel could not be built or loaded (raised only with SHARDLM_REQUIRE_KERNELS)."""
+
+
+def _unavailable(name: str, why: str) -> None:
+    if envs.SHARDLM_REQUIRE_KERNELS:
+        raise KernelBuildError(f"The {name} kernel is unavailable: {why} (SHARDLM_REQUIRE_KERNELS is set).")
+    logger.warning("The %s kernel is unavailable: %s. Its layers run on torch ops instead (on CPU several "
+                   "times slower); outputs are the same.", name, why)
+
+
 def _build(name: str) -> ctypes.CDLL | None:
     src = os.path.join(_HERE, f"{name}.c")
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        logger.info("No C compiler found: using torch ops for %s (slower on CPU).", name)
+        _unavailable(name, "no C compiler found (install gcc, or set CC)")
         return None
     source = b""
     for path in [src] + sorted(glob.glob(os.path.join(_HERE, "*.[ch]"))):   # what it may include
         with open(path, "rb") as f:
             source += f.read()
-    flags = " ".join(_FLAGS + _LINK_FLAGS).encode()
-    key = hashlib.sha256(source + cc.encode() + flags + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
-    out_dir = os.path.join(envs.SHARDLM_CACHE_DIR, "kernels")
-    path = os.path.join(out_dir, f"{name}-{key}.so")
+    flags = [*_FLAGS, *_isa_flags()]
+    key = hashlib.sha256(source + cc.encode() + " ".join(flags + _LINK_FLAGS).encode()
+                         + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
+    filename = f"{name}-{active_isa()}-{key}.so"
+    path = os.path.join(envs.SHARDLM_CACHE_DIR, "kernels", filename)
     if not os.path.exists(path):
-        os.makedirs(out_dir, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        obj = tmp + ".o"
-        result = subprocess.run([cc, *_FLAGS, "-c", src, "-o", obj], capture_output=True, text=True)
+        try:
+            path = _compile(cc, src, flags, path)
+        except OSError as e:         # an unwritable or full cache: build in a private directory instead
+            logger.warning("Cannot write the kernel cache %s (%s); building %s in a temporary directory (again "
+                           "at every start).", os.path.dirname(path), e, name)
+            try:
+                path = _compile(cc, src, flags, os.path.join(tempfile.mkdtemp(prefix="shardlm-kernels-"), filename))
+            except OSError as e2:
+                _unavailable(name, f"{cc} could not be run or its output not written ({e2})")
+                return None
+        except RuntimeError as e:
+            _unavailable(name, str(e))
+            return None
+    try:
+        return ctypes.CDLL(path)
+    except OSError as e:
+        _unavailable(name, f"the built library does not load ({e})")
+        return None
+
+
+def _compile(cc: str, src: str, flags: list[str], path: str) -> str:
+    """Compiles src into the shared library at path (atomically: concurrent builders agree).
+    Raises OSError where cc cannot run or path cannot be written, RuntimeError on a compile error."""
+    out_dir = os.path.dirname(path)
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    obj = tmp + ".o"
+    try:
+        result = subprocess.run([cc, *flags, "-c", src, "-o", obj], capture_output=True, text=True)
         if result.returncode == 0:
             result = subprocess.run([cc, *_LINK_FLAGS, obj, "-o", tmp, "-lm"], capture_output=True, text=True)
-        if os.path.exists(obj):
-            os.unlink(obj)
         if result.returncode != 0:
-            os.unlink(tmp)
-            logger.warning("Could not compile the %s kernel (%s); using torch ops instead:\n%s",
-                           name, cc, result.stderr[-2000:])
-            return None
-        os.replace(tmp, path)   # atomic: concurrent builders agree
-    return ctypes.CDLL(path)
+            raise RuntimeError(f"{cc} failed to compile it:\n{result.stderr[-2000:]}")
+        os.replace(tmp, path)
+        return path
+    finally:
+        for leftover in (obj, tmp):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
 
 
 _functions: dict[str, object] = {}
@@ -256,7 +355,7 @@ def fused_ops() -> ctypes.CDLL | None:
             lib.silu_and_mul.restype = None
             lib.rotary.argtypes = [ptr, i64, ptr, ptr, i, i, i, i]
             lib.rotary.restype = None
-            lib.dequantize_int4pack.argtypes = [ptr, i, i, ptr, ptr, i, ptr, i]
+            lib.dequantize_int4pack.argtypes = [ptr, i, i, i, i, ptr, ptr, i, ptr, i]
             lib.dequantize_int4pack.restype = None
             lib.argmax_rows.argtypes = [ptr, i64, i, i, i, ptr]
             lib.argmax_rows.restype = None

@@ -65,26 +65,28 @@ KERNEL_API void rotary(void *x, int64_t x_stride, const void *cos, const void *s
 
 // Dequantize 4-bit weights stored in torch's CPU int4 layout (`_convert_weight_to_int4pack_for_cpu`,
 // see layers/quantization.py: unpack_int4) into out [N, K] (dtype): w = q * scale + min per group.
-// For the products past the packed kernel's rows; parallel over blocks of 64 rows. No fused
-// multiply-add: q * scale and + min round separately, as torch's operators do.
+// For the products past the packed kernel's rows; parallel over blocks of `block` rows. A
+// column's block / 2 bytes hold the block's first half of rows in low nibbles and the second
+// half in high ones, or (pairs = 1) rows 2j, 2j + 1 in byte j; the last N % block rows are pairs.
+// No fused multiply-add: q * scale and + min round separately, as torch's operators do.
 __attribute__((optimize("fp-contract=off")))
-void dequantize_int4pack(const uint8_t *packed, int N, int K, const float *scales, const float *mins, int group,
-                         void *out, int dtype) {
-    const int full = N / 64, groups = K / group;
+KERNEL_API void dequantize_int4pack(const uint8_t *packed, int N, int K, int block, int pairs, const float *scales,
+                                    const float *mins, int group, void *out, int dtype) {
+    const int full = N / block, groups = K / group, half = block / 2;
     #pragma omp parallel for schedule(static)
     for (int blk = 0; blk <= full; blk++) {
-        const int rows = blk < full ? 64 : N - full * 64;
+        const int rows = blk < full ? block : N - full * block;
         if (rows == 0) continue;
-        const uint8_t *src = packed + (int64_t)blk * 64 * K / 2;
+        const uint8_t *src = packed + (int64_t)blk * block * K / 2;
         for (int r = 0; r < rows; r++) {
-            const int n = blk * 64 + r;
+            const int n = blk * block + r;
             const float *s = scales + (int64_t)n * groups, *m = mins + (int64_t)n * groups;
             for (int k = 0; k < K; k++) {
                 int q;
-                if (blk < full) {            // column k: 32 bytes, rows 0-31 low nibbles, 32-63 high
-                    uint8_t byte = src[(int64_t)k * 32 + (r & 31)];
-                    q = r < 32 ? byte & 15 : byte >> 4;
-                } else {                      // the last N % 64 rows: byte j of column k holds rows 2j, 2j + 1
+                if (blk < full && !pairs) {
+                    uint8_t byte = src[(int64_t)k * half + r % half];
+                    q = r < half ? byte & 15 : byte >> 4;
+                } else {
                     uint8_t byte = src[(int64_t)k * (rows / 2) + r / 2];
                     q = r % 2 ? byte >> 4 : byte & 15;
                 }

@@ -83,35 +83,53 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
 
 
-def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+# torch's int4 CPU layouts (they follow the capability its kernels dispatch to, ATEN_CPU_CAPABILITY):
+# (rows per block, how a column's bytes hold a block's rows) for AVX-512, AVX2 and plain C
+INT4_LAYOUTS = ((64, "halves"), (32, "halves"), (32, "pairs"))
+
+
+def unpack_int4(packed: torch.Tensor, n: int, k: int, layout: tuple[int, str] | None = None) -> torch.Tensor:
     """q [n, k] (int8, 0..15) from `_convert_weight_to_int4pack_for_cpu`'s layout (torch 2.x):
-    blocks of 64 rows, where for each column 32 bytes hold rows 0-31 (low nibbles) and 32-63
-    (high nibbles); the last n % 64 rows are one block whose bytes hold rows (2j, 2j + 1)."""
+    blocks of `block` rows, column after column; a column's block / 2 bytes hold the block's
+    first half of rows in their low nibbles and the second half in their high ones ("halves"),
+    or rows (2j, 2j + 1) in byte j ("pairs"); the last n % block rows are one block of pairs.
+    layout: (block, kind), this torch's (int4_layout()) unless given."""
+    block, kind = int4_layout() if layout is None else layout
     flat = packed.view(-1)
-    full = n // 64 * 64
+    full = n // block * block
     parts = []
     if full:
-        v = flat[:full * k // 2].view(n // 64, k, 32)
-        parts.append(torch.cat([v & 15, v >> 4], dim=2).transpose(1, 2).reshape(full, k))
+        v = flat[:full * k // 2].view(n // block, k, block // 2)
+        nibbles = [v & 15, v >> 4]
+        rows = torch.cat(nibbles, dim=2) if kind == "halves" else torch.stack(nibbles, dim=3).view(n // block, k, block)
+        parts.append(rows.transpose(1, 2).reshape(full, k))
     if n > full:
         v = flat[full * k // 2:].view(k, (n - full) // 2)
         parts.append(torch.stack([v & 15, v >> 4], dim=2).reshape(k, n - full).t())
     return torch.cat(parts).to(torch.int8)
 
 
-_layout_ok: bool | None = None
+_int4_layout: list[tuple[int, str] | None] = []
+
+
+def int4_layout() -> tuple[int, str] | None:
+    """This torch's int4 layout (one of INT4_LAYOUTS), found once by packing a test matrix; None
+    if none fits."""
+    if not _int4_layout:
+        found = None
+        try:
+            q = torch.randint(0, 16, (80, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+            packed = pack_int4(q)
+            found = next((lay for lay in INT4_LAYOUTS if torch.equal(unpack_int4(packed, 80, 64, lay), q)), None)
+        except (RuntimeError, AttributeError):
+            pass
+        _int4_layout.append(found)
+    return _int4_layout[0]
 
 
 def int4_layout_understood() -> bool:
-    """unpack_int4 inverts this torch's pack_int4 (checked once; else no int4 kernel is used)."""
-    global _layout_ok
-    if _layout_ok is None:
-        try:
-            q = torch.randint(0, 16, (80, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
-            _layout_ok = torch.equal(unpack_int4(pack_int4(q), 80, 64), q)
-        except (RuntimeError, AttributeError):
-            _layout_ok = False
-    return _layout_ok
+    """unpack_int4 inverts this torch's pack_int4 (else no int4 kernel of torch's is used)."""
+    return int4_layout() is not None
 
 
 def _exact_in_float16(t: torch.Tensor) -> bool:
@@ -248,7 +266,9 @@ class QuantizedWeight:
         lib = fused_ops()
         if self.kernel == "int4pack" and lib is not None:      # one pass in C instead of ~8 operators
             out = torch.empty(self.out_features, self.in_features, dtype=self.dtype)
-            lib.dequantize_int4pack(self.packed.data_ptr(), self.out_features, self.in_features,
+            block, kind = int4_layout()
+            lib.dequantize_int4pack(self.packed.data_ptr(), self.out_features, self.in_features, block,
+                                    int(kind == "pairs"),
                                     self._scales.data_ptr(), self._mins.data_ptr(), self.group, out.data_ptr(),
                                     DTYPE_CODES[self.dtype])
             return out
