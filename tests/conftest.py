@@ -136,6 +136,21 @@ def references(tiny_model_dir):
     return get
 
 
+def _supported_isas() -> list[str]:
+    from shardlm import kernels
+    return kernels.supported_isas()
+
+
+@pytest.fixture(params=_supported_isas())
+def cpu_isa(request):
+    """Each ISA variant of the kernels this CPU can run (portable C, AVX2, AVX-512, ..., native),
+    as SHARDLM_CPU_ISA would cap them; the start-up choice restored after."""
+    from shardlm import envs, kernels
+    kernels.use_isa(request.param)
+    yield request.param
+    kernels.use_isa(envs.SHARDLM_CPU_ISA)
+
+
 @pytest.fixture(params=["widened", "dot"])
 def bf16_products(request):
     """bfloat16 products both ways in the blocked kernel: widened to float32 FMAs, and with the

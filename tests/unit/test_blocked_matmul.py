@@ -1,8 +1,9 @@
 """kernels/blocked_matmul.c (the weight repacked into panels, used for every product on AVX-512
-CPUs) equals the product in float64 rounded once, for row counts that fill and do not fill its
-register tiles, output sizes that do not fill a panel, an odd K (bfloat16 packs k in pairs), a
-bias and strided rows; a row's result does not depend on the other rows computed with it; and a
-Linear prepared at load multiplies through it."""
+CPUs), in every ISA variant of this CPU that has it, equals the product in float64 rounded
+once, for row counts that fill and do not fill its register tiles, output sizes that do not
+fill a panel, an odd K (bfloat16 packs k in pairs), a bias and strided rows; a row's result
+does not depend on the other rows computed with it; and a Linear prepared at load multiplies
+through it."""
 
 import pytest
 import torch
@@ -11,7 +12,12 @@ import torch.nn.functional as F
 from shardlm import kernels
 from shardlm.layers import cpu_matmul
 
-pytestmark = pytest.mark.skipif(kernels.blocked_matmul() is None, reason="no compiler or no AVX-512")
+
+@pytest.fixture(autouse=True)
+def blocked_variant(cpu_isa):
+    if kernels.blocked_matmul() is None:
+        pytest.skip(f"no blocked kernel in the {cpu_isa} variant (no compiler, or no AVX-512)")
+    return cpu_isa
 
 
 def _product(x, w, bias):

@@ -10,7 +10,13 @@ from shardlm.kernels import fused_ops
 from shardlm.layers.activation import SiluAndMul
 from shardlm.layers.norm import RMSNorm
 
-pytestmark = pytest.mark.skipif(fused_ops() is None, reason="no C compiler")
+
+@pytest.fixture(autouse=True)
+def every_variant(cpu_isa):
+    """Each test runs in every ISA variant of the kernels this CPU can run."""
+    if fused_ops() is None:
+        pytest.skip("no C compiler")
+    return cpu_isa
 
 
 def _close(got, expected, dtype):

@@ -1,5 +1,6 @@
 """Paged attention: the CPU backend (compiled decode kernel) and the torch backend agree, and
-both equal plain attention over the sequence's keys, whatever the block layout."""
+both equal plain attention over the sequence's keys, whatever the block layout (the kernel in
+every ISA variant this CPU can run)."""
 
 import random
 import sys
@@ -64,7 +65,7 @@ def _reference(attn, tables, lens, q_lens, q):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("use_kernel", [False, True])
 @pytest.mark.parametrize("head_size", [32, 64, 128])    # 64 and 128 have the kernel's vector path
-def test_decode_matches_plain_attention(dtype, tol, use_kernel, head_size, monkeypatch):
+def test_decode_matches_plain_attention(dtype, tol, use_kernel, head_size, monkeypatch, cpu_isa):
     monkeypatch.setattr(sys.modules[__name__], "D", head_size)
     lens = [1, 5, 16, 17, 40, 100]
     attn, meta, tables, q, k, v = _setup(dtype, lens, use_kernel=use_kernel)
@@ -73,7 +74,7 @@ def test_decode_matches_plain_attention(dtype, tol, use_kernel, head_size, monke
     assert (out.float() - ref).abs().max() < tol
 
 
-def test_mixed_prefill_and_decode_step():
+def test_mixed_prefill_and_decode_step(cpu_isa):
     lens, q_lens = [20, 7, 50, 3], [1, 7, 13, 1]
     attn, meta, tables, q, k, v = _setup(torch.float32, lens, q_lens, use_kernel=True)
     out = attn(q, k, v, meta)
@@ -91,7 +92,7 @@ def test_loading_the_kernel_keeps_subnormal_numbers():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_decode_step_equals_the_unfused_one(dtype):
+def test_fused_decode_step_equals_the_unfused_one(dtype, cpu_isa):
     """One C call per layer (rotary + cache write + attention) from the qkv projection: the same
     output and cache contents, bit for bit, as rotary, the cache write and the kernel one by one."""
     from shardlm.layers.rotary import apply_rotary

@@ -88,17 +88,19 @@ def test_packed_kernels_serve_bfloat16_models(monkeypatch):
     assert QuantizedWeight(*quantize_rtn(w, 4, 32), 4, torch.float32).kernel is None   # float32: exact path
 
 
-@pytest.mark.skipif(kernels.blocked_int4() is None, reason="no compiler or no AVX-512")
 @pytest.mark.parametrize("bits, n, k, group", [(4, 48, 64, 32), (4, 100, 256, 128), (4, 208, 96, 32),
                                                (8, 48, 64, 32), (8, 100, 256, 256), (8, 208, 96, 2)])
 @pytest.mark.parametrize("float16_tables", [False, True])
-def test_blocked_panels_hold_the_integers_scales_and_mins(bits, n, k, group, float16_tables, bf16_products):
+def test_blocked_panels_hold_the_integers_scales_and_mins(bits, n, k, group, float16_tables, cpu_isa,
+                                                          bf16_products):
     """On AVX-512 CPUs every 4-bit and symmetric 8-bit weight, float32 or bfloat16 model, goes
     into the blocked kernel's panels (scales and mins inside them, as float16 where they all are
     float16 values, as in GGUF files): read back, they are what was quantized. The product is the
     dequantized one (with the dot product too, which multiplies the integers and applies scale and
     min per group), and does not depend on how many rows are multiplied with a row: 3, 20 (each
     panel widened once) or 1."""
+    if kernels.blocked_int4() is None:
+        pytest.skip(f"no blocked kernel in the {cpu_isa} variant (no compiler, or no AVX-512)")
     whole = quantize_rtn(torch.randn(n, 2 * k), bits, group)
     if float16_tables:
         whole = (whole[0], *(t.half().float() for t in whole[1:]))

@@ -1,12 +1,9 @@
 """kernels/skinny_matmul.c (decode rows times a plain row-major weight) equals the product in
-float64 rounded once: in each of its builds (AVX-512, and the portable one for CPUs without
-AVX-512), for row counts that fill and do not fill its tiles, a K with a tail, a bias and
+float64 rounded once: in each ISA variant this CPU can run (AVX-512's path and the portable
+one), for row counts that fill and do not fill its tiles, a K with a tail, a bias and
 strided rows. A row's result does not depend on the other rows computed with it. And a
 Linear's product is the same whichever kernel the load-time measurement picked."""
 
-import ctypes
-import os
-import subprocess
 
 import pytest
 import torch
@@ -14,29 +11,14 @@ import torch.nn.functional as F
 
 from shardlm import kernels
 from shardlm.layers import cpu_matmul
-from shardlm.utils import cpu_flags
-
-pytestmark = pytest.mark.skipif(kernels.skinny_matmul() is None, reason="no C compiler")
-
-_BUILDS = {"native": [], "portable": ["-mno-avx512f"]}
 
 
-@pytest.fixture(scope="module")
-def builds(tmp_path_factory):
-    """Each variant of the kernel this CPU can run, compiled as shardlm compiles it."""
-    out, src = {}, os.path.join(os.path.dirname(kernels.__file__), "skinny_matmul.c")
-    cc = os.environ.get("CC") or "cc"
-    for name, extra in _BUILDS.items():
-        if name != "portable" and "avx512f" not in cpu_flags():
-            continue
-        obj, lib = tmp_path_factory.mktemp(name) / "k.o", None
-        subprocess.run([cc, *kernels._FLAGS, *extra, "-c", src, "-o", str(obj)], check=True)
-        lib = obj.with_suffix(".so")
-        subprocess.run([cc, *kernels._LINK_FLAGS, str(obj), "-o", str(lib), "-lm"], check=True)
-        fn = ctypes.CDLL(str(lib)).skinny_matmul
-        fn.argtypes = kernels.skinny_matmul().argtypes
-        out[name] = fn
-    return out
+@pytest.fixture
+def builds(cpu_isa):
+    """The kernel as built for each ISA variant this CPU can run."""
+    if kernels.skinny_matmul() is None:
+        pytest.skip("no C compiler")
+    return {cpu_isa: kernels.skinny_matmul()}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
