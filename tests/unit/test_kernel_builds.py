@@ -1,0 +1,103 @@
+"""Kernels that ship and fail safe: a built wheel carries every file the kernels compile from
+and they load from an install; each way a build can fail (no compiler, a compile error, an
+unwritable cache, a library that does not load) is logged and the layer falls back to torch ops,
+unless SHARDLM_REQUIRE_KERNELS makes it an error; SHARDLM_CPU_ISA caps the variant."""
+
+import logging
+import os
+import subprocess
+import sys
+import venv
+
+import pytest
+
+from shardlm import envs, kernels
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def fresh_kernels(monkeypatch, tmp_path, caplog):
+    """A kernel cache of the test's own, looked up anew, and shardlm's log in caplog; the engine's
+    kernels restored after."""
+    monkeypatch.setattr(envs, "SHARDLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(envs, "SHARDLM_REQUIRE_KERNELS", False)      # CI sets it
+    kernels.use_isa(envs.SHARDLM_CPU_ISA)
+    shardlm_log = logging.getLogger("shardlm")         # it does not propagate to the root logger
+    shardlm_log.addHandler(caplog.handler)
+    yield tmp_path
+    shardlm_log.removeHandler(caplog.handler)
+    monkeypatch.undo()
+    kernels.use_isa(envs.SHARDLM_CPU_ISA)
+
+
+def _script(path, body: str) -> str:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.parametrize("failure", ["missing compiler", "compile error", "library that does not load"])
+def test_a_kernel_that_cannot_be_built_falls_back_with_a_warning(failure, fresh_kernels, monkeypatch, caplog):
+    tmp = fresh_kernels
+    cc = {"missing compiler": str(tmp / "no-such-cc"),
+          "compile error": _script(tmp / "cc-error", "echo 'kernel.c:1: error: broken' >&2; exit 1\n"),
+          # "compiles" by writing a file that is not a shared library where the output goes
+          "library that does not load": _script(tmp / "cc-junk", 'while [ $# -gt 1 ]; do [ "$1" = -o ] && '
+                                                'echo junk > "$2"; shift; done; exit 0\n')}[failure]
+    monkeypatch.setenv("CC", cc)
+    assert kernels.load("fused_ops") is None and kernels.fused_ops() is None
+    assert "fused_ops kernel is unavailable" in caplog.text and "torch ops" in caplog.text
+    if failure == "compile error":
+        assert "error: broken" in caplog.text
+    monkeypatch.setattr(envs, "SHARDLM_REQUIRE_KERNELS", True)
+    kernels.use_isa(envs.SHARDLM_CPU_ISA)
+    with pytest.raises(kernels.KernelBuildError, match="SHARDLM_REQUIRE_KERNELS"):
+        kernels.load("fused_ops")
+
+
+def test_an_unwritable_cache_builds_in_a_temporary_directory(fresh_kernels, monkeypatch, caplog):
+    blocker = fresh_kernels / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(envs, "SHARDLM_CACHE_DIR", str(blocker / "cache"))     # below a file: cannot be made
+    assert kernels.fused_ops() is not None
+    assert "Cannot write the kernel cache" in caplog.text
+
+
+def test_the_isa_cap_selects_the_variant(fresh_kernels):
+    assert kernels.use_isa("portable") == "portable" and kernels.blocked_matmul() is None
+    assert kernels.fused_ops() is not None                 # plain C: every CPU
+    best = kernels.best_isa()
+    assert kernels.use_isa("native") == "native" and kernels.fused_ops() is not None
+    assert (kernels.blocked_matmul() is not None) == best.startswith("avx512")
+    with pytest.raises(ValueError, match="use one of portable, avx2"):
+        kernels.use_isa("sse9")
+    built = os.listdir(os.path.join(envs.SHARDLM_CACHE_DIR, "kernels"))
+    assert any(name.startswith("fused_ops-portable-") for name in built)
+    assert any(name.startswith("fused_ops-native-") for name in built)
+
+
+def test_a_built_wheel_carries_the_kernels_and_they_load_from_the_install(tmp_path):
+    """pip wheel, installed into a fresh environment (beside this one's torch): every kernel
+    builds from the installed files, with SHARDLM_REQUIRE_KERNELS set."""
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(wheels), ROOT], check=True, capture_output=True)
+    [wheel] = list(wheels.glob("shardlm-*.whl"))
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, system_site_packages=True, with_pip=False)
+    python = str(env_dir / "bin" / "python")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", site, str(wheel)],
+                   check=True, capture_output=True)
+    code = ("from shardlm import kernels; import os; "
+            "libs = [kernels.fused_ops(), kernels.skinny_matmul(), kernels.paged_decode_attention(), "
+            "kernels.llama_decode_layers()]; "
+            "print(os.path.dirname(kernels.__file__)); print(all(lib is not None for lib in libs))")
+    run = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "SHARDLM_REQUIRE_KERNELS": "1",
+                              "SHARDLM_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": ""})
+    assert run.returncode == 0, run.stderr[-3000:]
+    where, loaded = run.stdout.split()
+    assert where.startswith(site) and loaded == "True"
