@@ -44,6 +44,8 @@ def node_facts() -> dict:
         facts["versions"]["ray"] = importlib.metadata.version("ray")
     except importlib.metadata.PackageNotFoundError:
         pass
+    from shardlm import kernels
+    facts["cpu_kernels"] = kernels.describe()
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(i)
@@ -184,6 +186,10 @@ def render(facts: dict, comm: dict, found: list[str]) -> str:
              f"{facts['memory_total'] / gib:.1f} GiB free, /dev/shm {facts['dev_shm_free'] / gib:.1f} GiB free",
              "  GPUs: " + (", ".join(f"{g['index']}: {g['name']} ({g['free'] / gib:.1f} of {g['total'] / gib:.1f} GiB "
                                      "free)" for g in facts["gpus"]) or "none")]
+    if "cpu_kernels" in facts:
+        ck = facts["cpu_kernels"]
+        lines.append(f"  CPU kernels: {ck['variant']} (best on this CPU: {ck['best']}; SHARDLM_CPU_ISA={ck['cap']}): "
+                     + ", ".join(f"{name} {state}" for name, state in ck["kernels"].items()))
     if "all_reduce_ok" in comm:
         lines.append(f"Communication ({comm['ranks']} local ranks, {comm['backend']}, rendezvous {comm['address']}, "
                      f"{comm['seconds']:.1f} s): all-reduce {'ok' if comm['all_reduce_ok'] else 'WRONG'}, "

@@ -109,6 +109,17 @@ def load(name: str) -> ctypes.CDLL | None:
     return lib
 
 
+LIBRARIES = ("fused_ops", "paged_attention", "skinny_matmul", "blocked_matmul", "llama_decode")
+
+
+def describe() -> dict:
+    """What `shardlm env check` shows: the variant in use and each kernel library's state in it."""
+    state = {name: "ok" if load(name) is not None else "unavailable (torch ops)" for name in LIBRARIES}
+    if state["blocked_matmul"] == "ok" and blocked_matmul() is None:
+        state["blocked_matmul"] = "not in this variant (AVX-512 only): plain weights use skinny_matmul / oneDNN"
+    return {"variant": active_isa(), "best": best_isa(), "cap": _isa_cap[0], "kernels": state}
+
+
 class KernelBuildError(RuntimeError):
     """A kernel could not be built or loaded (raised only with SHARDLM_REQUIRE_KERNELS)."""
 

@@ -20,6 +20,13 @@ def test_env_check_reports_the_node_and_measures_collectives():
     assert comm["all_reduce_ok"] and comm["send_recv_ok"] and comm["backend"] == "gloo"
     assert comm["all_reduce_latency_us"] > 0 and comm["all_reduce_GBps"] > 0 and comm["send_recv_GBps"] > 0
     assert report["problems"] == []
+    assert node["cpu_kernels"]["variant"] == "native" and node["cpu_kernels"]["kernels"]["fused_ops"] == "ok"
+
+
+def test_env_check_says_which_kernel_variant_runs():
+    run = _check(env={"SHARDLM_CPU_ISA": "portable"})
+    assert "CPU kernels: portable (best on this CPU: " in run.stdout and "fused_ops ok" in run.stdout, run.stdout
+    assert "blocked_matmul not in this variant" in run.stdout
 
 
 def test_env_check_names_an_unusable_address():
