@@ -115,8 +115,10 @@ LIBRARIES = ("fused_ops", "paged_attention", "skinny_matmul", "blocked_matmul", 
 def describe() -> dict:
     """What `shardlm env check` shows: the variant in use and each kernel library's state in it."""
     state = {name: "ok" if load(name) is not None else "unavailable (torch ops)" for name in LIBRARIES}
-    if state["blocked_matmul"] == "ok" and blocked_matmul() is None:
-        state["blocked_matmul"] = "not in this variant (AVX-512 only): plain weights use skinny_matmul / oneDNN"
+    if state["blocked_matmul"] == "ok" and not blocked_vector_bits():
+        state["blocked_matmul"] = "not in this variant (AVX2 or AVX-512 only)"
+    elif state["blocked_matmul"] == "ok" and blocked_vector_bits() == 256:
+        state["blocked_matmul"] = "ok (AVX2: 4- and 8-bit panels; float weights on skinny_matmul / oneDNN)"
     return {"variant": active_isa(), "best": best_isa(), "cap": _isa_cap[0], "kernels": state}
 
 
@@ -228,17 +230,25 @@ def skinny_matmul():
 _blocked: list = []
 
 
+def blocked_vector_bits() -> int:
+    """The vector width the blocked panels run at in this variant: 512 (AVX-512), 256 (AVX2), or
+    0 (none: no SIMD build, or no compiler). Looked up once: every product on CPU asks."""
+    if not _blocked:
+        bits = _function("blocked_matmul", "blocked_vector_bits", [], _I)
+        width = 0 if bits is None else bits()
+        if width:
+            _use_bf16_dot("blocked_matmul", _bf16_dot_pays(
+                _function("blocked_matmul", "blocked_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I)))
+        _blocked.append(width)
+    return _blocked[0]
+
+
 def blocked_matmul():
     """blocked_matmul(x, x_stride, packed_w, bias, y, M, N, K, dtype) -> 0, -1 if out of memory
-    (kernels/blocked_matmul.c); None where it cannot be built or this CPU lacks AVX-512."""
-    if not _blocked:        # looked up once: every product on CPU asks
-        supported = _function("blocked_matmul", "blocked_supported", [], _I)
-        fn = None if supported is None or not supported() else \
-            _function("blocked_matmul", "blocked_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I)
-        if fn is not None:
-            _use_bf16_dot("blocked_matmul", _bf16_dot_pays(fn))
-        _blocked.append(fn)
-    return _blocked[0]
+    (kernels/blocked_matmul.c) for float weights; None where this variant has no blocked panels."""
+    if not blocked_vector_bits():
+        return None
+    return _function("blocked_matmul", "blocked_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I)
 
 
 _bf16_dot: list = []
@@ -253,7 +263,7 @@ def _use_bf16_dot(library: str, on: bool) -> bool:
 def use_bf16_dot(on: bool) -> bool:
     """Switch bfloat16 products between the dot product and float32 FMAs in every library holding
     blocked_matmul.c (tests run both); False where this build lacks AVX512_BF16."""
-    if blocked_matmul() is None:
+    if not blocked_vector_bits():
         return False
     return all([_use_bf16_dot(library, on) for library in ("blocked_matmul", "llama_decode")
                 if load(library) is not None])
@@ -303,8 +313,8 @@ def blocked_int4():
     """(blocked_int4_size(N, K, group, tb) -> bytes, blocked_int4_pack(q, scales, mins, N, K, group,
     tb, out), blocked_int4_matmul(x, x_stride, packed, bias, y, M, N, K, group, tb, dtype) -> 0 / -1
     if out of memory) for 4-bit weights in blocked panels, scales and mins tb bytes each (4:
-    float32, 2: float16); None where blocked_matmul() is None."""
-    if blocked_matmul() is None:
+    float32, 2: float16); None where this variant has no blocked panels."""
+    if not blocked_vector_bits():
         return None
     return (_function("blocked_matmul", "blocked_int4_size", [_I, _I, _I, _I], _I64),
             _function("blocked_matmul", "blocked_int4_pack", [_P, _P, _P, _I, _I, _I, _I, _P], None),
@@ -314,8 +324,8 @@ def blocked_int4():
 def blocked_int8():
     """(blocked_int8_size(N, K, group, tb) -> bytes, blocked_int8_pack(q, scales, N, K, group, tb, out),
     blocked_int8_matmul(x, x_stride, packed, bias, y, M, N, K, group, tb, dtype) -> 0 / -1 if out of
-    memory) for symmetric 8-bit weights in blocked panels; None where blocked_matmul() is None."""
-    if blocked_matmul() is None:
+    memory) for symmetric 8-bit weights in blocked panels; None where this variant has no blocked panels."""
+    if not blocked_vector_bits():
         return None
     return (_function("blocked_matmul", "blocked_int8_size", [_I, _I, _I, _I], _I64),
             _function("blocked_matmul", "blocked_int8_pack", [_P, _P, _I, _I, _I, _I, _P], None),
@@ -324,9 +334,9 @@ def blocked_int8():
 
 def blocked_rows():
     """blocked_rows(packed, index, n, K, bits, group, tb, dtype, out): rows of a weight in float or
-    8-bit blocked panels (an embedding lookup in a tied LM head's table); None where
-    blocked_matmul() is None."""
-    if blocked_matmul() is None:
+    8-bit blocked panels (an embedding lookup in a tied LM head's table); None where this variant
+    has no blocked panels."""
+    if not blocked_vector_bits():
         return None
     return _function("blocked_matmul", "blocked_rows", [_P, _P, _I, _I, _I, _I, _I, _I, _P], None)
 
@@ -342,8 +352,9 @@ ALL_REDUCE_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int)     # llama_decode_layers' 
 def llama_decode_layers():
     """A stage's Llama decoder layers for one decode step in one call (kernels/llama_decode.c), or None."""
     first = "llama_decode.llama_decode_layers" not in _functions
-    if first and load("llama_decode") is not None and blocked_matmul() is not None:
-        _use_bf16_dot("llama_decode", _bf16_dot_pays(blocked_matmul()))   # its own copy of the choice
+    if first and load("llama_decode") is not None and blocked_vector_bits():
+        _use_bf16_dot("llama_decode", _bf16_dot_pays(
+            _function("blocked_matmul", "blocked_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I)))
     return _function("llama_decode", "llama_decode_layers",
                      [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F,
                       _I, _I, _I, _I, _P, ALL_REDUCE_CALLBACK],

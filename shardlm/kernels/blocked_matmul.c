@@ -1,4 +1,4 @@
-// Blocked matmul on CPUs with AVX-512: y[M, N] = x[M, K] . w[N, K]^T (+ bias), with the weight
+// Blocked matmul on CPUs with AVX-512 or AVX2: y[M, N] = x[M, K] . w[N, K]^T (+ bias), with the weight
 // repacked once at load into panels of NR output features: panel p holds, for each k in order,
 // the NR weights w[p*NR .. p*NR+NR-1][k] side by side (bfloat16: two k's per 32-bit word).
 //
@@ -33,20 +33,37 @@
 #include <stdlib.h>
 
 #include "cpu_common.h"
+#include "simd16.h"
 
+// The tiles are written with 16-lane vectors (simd16.h): one AVX-512 register or two AVX2 ones.
+// AVX2 has 16 registers of 8 lanes, so its tiles hold fewer rows; the panel layout is the same.
 #define NR 48            // output features per panel: three vectors
+#if SIMD16_BITS == 256
+#define MR 2             // x rows per register tile: 12 accumulator registers
+#define MR4 1            // for 4- and 8-bit weights, whose widening needs more registers
+#else
 #define MR 8             // x rows per register tile: 24 accumulators
 #define MR4 6            // for 4-bit weights, whose widening needs 12 more registers
+#endif
 #define MR4_DOT 4        // for 4-bit weights with the dot product: a partial and a total accumulator per vector
 #define NV (NR / 16)
 #ifndef PF_BYTES
 #define PF_BYTES 8192    // the first pass over a panel fetches this far ahead in the weight stream
 #endif
 
-// 1 where this build has the kernel (AVX-512), 0 where it does not
+// 1 where this build has the kernel (AVX-512 or AVX2), 0 where it does not
 KERNEL_API int blocked_supported(void) {
-#if defined(__AVX512F__)
+#if defined(HAVE_SIMD16)
     return 1;
+#else
+    return 0;
+#endif
+}
+
+// The vector width the tiles run at: 512 (AVX-512), 256 (AVX2) or 0 (none)
+KERNEL_API int blocked_vector_bits(void) {
+#if defined(HAVE_SIMD16)
+    return SIMD16_BITS;
 #else
     return 0;
 #endif
@@ -199,11 +216,10 @@ KERNEL_API void blocked_rows(const void *packed, const int64_t *index, int n, in
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(HAVE_SIMD16)
 // 16 table entries from j on (float32 or float16, tb bytes each) as float32
-static inline __attribute__((always_inline)) __m512 load_table(const uint8_t *table, int j, int tb) {
-    return tb == 4 ? _mm512_loadu_ps((const float *)table + j)
-                   : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)table + j)));
+static inline __attribute__((always_inline)) vf16 load_table(const uint8_t *table, int j, int tb) {
+    return tb == 4 ? vf_load((const float *)table + j) : vf_half((const uint16_t *)table + j);
 }
 
 // The next panel's bytes, asked for into L2 while this panel's later row tiles run from cache
@@ -216,38 +232,38 @@ typedef struct { const char *at, *end; int lines; } ahead_t;
 // acc[m][v] = x rows m (NM of them, a constant: the accumulators stay in registers) . the panel's
 // vector v of output features, over Kp (even for bfloat16) values of k
 static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t x_stride, const void *panel, int Kp,
-                                                       const int NM, int dtype, __m512 acc[MR][NV], int prefetch) {
+                                                       const int NM, int dtype, vf16 acc[MR][NV], int prefetch) {
     for (int m = 0; m < NM; m++)
-        for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
+        for (int v = 0; v < NV; v++) acc[m][v] = vf_zero();
     if (dtype == 0) {
         const float *w = (const float *)panel;
         for (int k = 0; k < Kp; k++) {
-            __m512 wv[NV];
+            vf16 wv[NV];
             if (prefetch)
                 for (int v = 0; v < NV; v++) _mm_prefetch((const char *)(w + (int64_t)k * NR + 16 * v) + PF_BYTES, _MM_HINT_T0);
-            for (int v = 0; v < NV; v++) wv[v] = _mm512_loadu_ps(w + (int64_t)k * NR + 16 * v);
+            for (int v = 0; v < NV; v++) wv[v] = vf_load(w + (int64_t)k * NR + 16 * v);
             for (int m = 0; m < NM; m++) {
-                const __m512 xb = _mm512_set1_ps(x[m * x_stride + k]);
-                for (int v = 0; v < NV; v++) acc[m][v] = _mm512_fmadd_ps(xb, wv[v], acc[m][v]);
+                const vf16 xb = vf_set1(x[m * x_stride + k]);
+                for (int v = 0; v < NV; v++) acc[m][v] = vf_fmadd(xb, wv[v], acc[m][v]);
             }
         }
     } else {
         // a 32-bit word holds k (low half) and k + 1 (high half): a shift or a mask widens each
         const uint32_t *w = (const uint32_t *)panel;
-        const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+        const vi16 high = vi_set1((int)0xffff0000u);
         for (int k = 0; k < Kp; k += 2) {
-            __m512 even[NV], odd[NV];
+            vf16 even[NV], odd[NV];
             if (prefetch)
                 for (int v = 0; v < NV; v++) _mm_prefetch((const char *)(w + (int64_t)(k / 2) * NR + 16 * v) + PF_BYTES, _MM_HINT_T0);
             for (int v = 0; v < NV; v++) {
-                const __m512i pair = _mm512_loadu_si512(w + (int64_t)(k / 2) * NR + 16 * v);
-                even[v] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-                odd[v] = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
+                const vi16 pair = vi_load(w + (int64_t)(k / 2) * NR + 16 * v);
+                even[v] = vi_bits_f(vi_slli(pair, 16));
+                odd[v] = vi_bits_f(vi_and(pair, high));
             }
             for (int m = 0; m < NM; m++) {
-                const __m512 xe = _mm512_set1_ps(x[m * x_stride + k]), xo = _mm512_set1_ps(x[m * x_stride + k + 1]);
-                for (int v = 0; v < NV; v++) acc[m][v] = _mm512_fmadd_ps(xe, even[v], acc[m][v]);
-                for (int v = 0; v < NV; v++) acc[m][v] = _mm512_fmadd_ps(xo, odd[v], acc[m][v]);
+                const vf16 xe = vf_set1(x[m * x_stride + k]), xo = vf_set1(x[m * x_stride + k + 1]);
+                for (int v = 0; v < NV; v++) acc[m][v] = vf_fmadd(xe, even[v], acc[m][v]);
+                for (int v = 0; v < NV; v++) acc[m][v] = vf_fmadd(xo, odd[v], acc[m][v]);
             }
         }
     }
@@ -304,11 +320,11 @@ static inline __attribute__((always_inline)) void panel_tile_dot(const uint16_t 
 
 // k pair i (k = 8o + 2i, 8o + 2i + 1) of 16 features' words of a 4-bit panel as float32 weights:
 // q * scale + min, rounded once
-static inline __attribute__((always_inline)) void widen_int4_pair(__m512i words, int i, __m512 scale, __m512 min,
-                                                            __m512 *even, __m512 *odd) {
-    const __m512i q = _mm512_srli_epi32(words, 4 * i), nibble = _mm512_set1_epi32(15);
-    *even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, nibble)), scale, min);
-    *odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(q, 16), nibble)), scale, min);
+static inline __attribute__((always_inline)) void widen_int4_pair(vi16 words, int i, vf16 scale, vf16 min,
+                                                            vf16 *even, vf16 *odd) {
+    const vi16 q = vi_srli(words, 4 * i), nibble = vi_set1(15);
+    *even = vf_fmadd(vi_to_f(vi_and(q, nibble)), scale, min);
+    *odd = vf_fmadd(vi_to_f(vi_and(vi_srli(q, 16), nibble)), scale, min);
 }
 
 // Asks for group g's bytes PF_BYTES ahead in the panel's stream (the first pass over a panel)
@@ -320,28 +336,28 @@ static inline __attribute__((always_inline)) void prefetch_int4_group(const uint
 // panel_tile for a 4-bit panel: each k pair's NR bytes widened to two float32 vectors per 16
 // features, w = q * scale + min (one rounding), then as panel_tile
 static inline __attribute__((always_inline)) void int4_tile(const float *x, int64_t x_stride, const uint8_t *panel, int K,
-                                                      int group, int tb, const int NM, __m512 acc[MR][NV], int prefetch) {
+                                                      int group, int tb, const int NM, vf16 acc[MR][NV], int prefetch) {
     for (int m = 0; m < NM; m++)
-        for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
+        for (int v = 0; v < NV; v++) acc[m][v] = vf_zero();
     for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
         if (prefetch) prefetch_int4_group(panel, group, tb, g);
         const uint8_t *tables = int4_tables(panel, group, tb, g);
-        __m512 s[NV], mn[NV];
+        vf16 s[NV], mn[NV];
         for (int v = 0; v < NV; v++) {
             s[v] = load_table(tables, 16 * v, tb);
             mn[v] = load_table(tables, NR + 16 * v, tb);
         }
         for (int k8 = g0; k8 < g0 + group; k8 += 8) {
             const uint32_t *words = int4_words(panel, group, tb, k8);
-            __m512i w[NV];
-            for (int v = 0; v < NV; v++) w[v] = _mm512_loadu_si512(words + 16 * v);
+            vi16 w[NV];
+            for (int v = 0; v < NV; v++) w[v] = vi_load(words + 16 * v);
             for (int i = 0, k = k8; i < 4; i++, k += 2) {
-                __m512 even[NV], odd[NV];
+                vf16 even[NV], odd[NV];
                 for (int v = 0; v < NV; v++) widen_int4_pair(w[v], i, s[v], mn[v], &even[v], &odd[v]);
                 for (int m = 0; m < NM; m++) {
-                    const __m512 xe = _mm512_set1_ps(x[m * x_stride + k]), xo = _mm512_set1_ps(x[m * x_stride + k + 1]);
-                    for (int v = 0; v < NV; v++) acc[m][v] = _mm512_fmadd_ps(xe, even[v], acc[m][v]);
-                    for (int v = 0; v < NV; v++) acc[m][v] = _mm512_fmadd_ps(xo, odd[v], acc[m][v]);
+                    const vf16 xe = vf_set1(x[m * x_stride + k]), xo = vf_set1(x[m * x_stride + k + 1]);
+                    for (int v = 0; v < NV; v++) acc[m][v] = vf_fmadd(xe, even[v], acc[m][v]);
+                    for (int v = 0; v < NV; v++) acc[m][v] = vf_fmadd(xo, odd[v], acc[m][v]);
                 }
             }
         }
@@ -401,8 +417,8 @@ static inline __attribute__((always_inline)) void int4_tile_dot(const uint16_t *
 
 
 // 16 features' integers of one k of an 8-bit panel, as float32
-static inline __attribute__((always_inline)) __m512 int8_floats(const int8_t *column) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)column)));
+static inline __attribute__((always_inline)) vf16 int8_floats(const int8_t *column) {
+    return vf_int8(column);
 }
 
 // Asks for the bytes of an 8-bit panel's k pair PF_BYTES ahead in the stream (2 NR = 96 bytes:
@@ -418,21 +434,21 @@ static inline __attribute__((always_inline)) void prefetch_int8_tables(const uin
 // panel_tile for an 8-bit panel: each k's weights widened to float32, w = q * scale (one
 // rounding), then as panel_tile
 static inline __attribute__((always_inline)) void int8_tile(const float *x, int64_t x_stride, const uint8_t *panel, int K,
-                                                      int group, int tb, const int NM, __m512 acc[MR][NV], int prefetch) {
+                                                      int group, int tb, const int NM, vf16 acc[MR][NV], int prefetch) {
     for (int m = 0; m < NM; m++)
-        for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
+        for (int v = 0; v < NV; v++) acc[m][v] = vf_zero();
     for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
         const uint8_t *tables = int8_tables(panel, group, tb, g);
-        __m512 s[NV];
+        vf16 s[NV];
         for (int v = 0; v < NV; v++) s[v] = load_table(tables, 16 * v, tb);
         for (int k = g0; k < g0 + group; k++) {
             const int8_t *column = int8_column(panel, group, tb, k);
             if (prefetch && k % 2 == 0) prefetch_int8_pair(column);
-            __m512 w[NV];
-            for (int v = 0; v < NV; v++) w[v] = _mm512_mul_ps(int8_floats(column + 16 * v), s[v]);
+            vf16 w[NV];
+            for (int v = 0; v < NV; v++) w[v] = vf_mul(int8_floats(column + 16 * v), s[v]);
             for (int m = 0; m < NM; m++) {
-                const __m512 xb = _mm512_set1_ps(x[m * x_stride + k]);
-                for (int v = 0; v < NV; v++) acc[m][v] = _mm512_fmadd_ps(xb, w[v], acc[m][v]);
+                const vf16 xb = vf_set1(x[m * x_stride + k]);
+                for (int v = 0; v < NV; v++) acc[m][v] = vf_fmadd(xb, w[v], acc[m][v]);
             }
         }
         if (prefetch) prefetch_int8_tables(tables, tb);
@@ -478,7 +494,7 @@ static inline __attribute__((always_inline)) void int8_tile_dot(const uint16_t *
 #endif
 #endif
 
-#if defined(__AVX512F__)
+#if defined(HAVE_SIMD16)
 // 1: bfloat16 products use the dot-product tiles (set by blocked_set_bf16_dot, once per
 // process, before the first product: every product then sums in the same order)
 static int bf16_dot = 0;
@@ -489,7 +505,7 @@ static int bf16_dot = 0;
 static void widen_int4_panel(const uint8_t *panel, int K, int group, int tb, int dot, void *out) {
     for (int k8 = 0; k8 < K; k8 += 8)
         for (int v = 0; v < NV; v++) {
-            const __m512i words = _mm512_loadu_si512(int4_words(panel, group, tb, k8) + 16 * v);
+            const vi16 words = vi_load(int4_words(panel, group, tb, k8) + 16 * v);
             const uint8_t *tables = int4_tables(panel, group, tb, k8 / group);
             for (int i = 0, k = k8; i < 4; i++, k += 2) {
 #if defined(__AVX512BF16__)
@@ -498,10 +514,10 @@ static void widen_int4_panel(const uint8_t *panel, int K, int group, int tb, int
                     continue;
                 }
 #endif
-                __m512 even, odd;
+                vf16 even, odd;
                 widen_int4_pair(words, i, load_table(tables, 16 * v, tb), load_table(tables, NR + 16 * v, tb), &even, &odd);
-                _mm512_storeu_ps((float *)out + (int64_t)k * NR + 16 * v, even);
-                _mm512_storeu_ps((float *)out + (int64_t)(k + 1) * NR + 16 * v, odd);
+                vf_store((float *)out + (int64_t)k * NR + 16 * v, even);
+                vf_store((float *)out + (int64_t)(k + 1) * NR + 16 * v, odd);
             }
         }
 }
@@ -518,9 +534,9 @@ static void widen_int8_panel(const uint8_t *panel, int K, int group, int tb, int
                 continue;
             }
 #endif
-            const __m512 s = load_table(int8_tables(panel, group, tb, k / group), 16 * v, tb);
-            _mm512_storeu_ps((float *)out + (int64_t)k * NR + 16 * v, _mm512_mul_ps(int8_floats(column), s));
-            _mm512_storeu_ps((float *)out + (int64_t)(k + 1) * NR + 16 * v, _mm512_mul_ps(int8_floats(column + NR), s));
+            const vf16 s = load_table(int8_tables(panel, group, tb, k / group), 16 * v, tb);
+            vf_store((float *)out + (int64_t)k * NR + 16 * v, vf_mul(int8_floats(column), s));
+            vf_store((float *)out + (int64_t)(k + 1) * NR + 16 * v, vf_mul(int8_floats(column + NR), s));
         }
 }
 
@@ -541,9 +557,13 @@ enum {
 // tiles'; xsum: int4_tile_dot's.
 static inline __attribute__((always_inline)) void panel_product(int kind, const void *x, int64_t xs, const void *panel,
         const uint32_t *pairs, const float *xsum, int64_t xsum_stride, int Kp, int group, int tb, int rows,
-        __m512 acc[MR][NV], int prefetch, const ahead_t *ahead) {
+        vf16 acc[MR][NV], int prefetch, const ahead_t *ahead) {
+#if MR == 2
+#define ROWS(CALL) switch (rows) { case 1: CALL(1); break; default: CALL(MR); }
+#else
 #define ROWS(CALL) switch (rows) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
     case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(MR); }
+#endif
 #define F32(n) panel_tile((const float *)x, xs, panel, Kp, n, 0, acc, prefetch)
 #define BF16(n) panel_tile((const float *)x, xs, panel, Kp, n, 1, acc, prefetch)
 #define INT4(n) int4_tile((const float *)x, xs, (const uint8_t *)panel, Kp, group, tb, n < MR4 ? n : MR4, acc, prefetch)
@@ -575,6 +595,20 @@ static inline __attribute__((always_inline)) void panel_product(int kind, const 
 #undef INT4_DOT
 #undef INT8
 #undef INT8_DOT
+}
+
+// y[i..i+n) = r (+ bias[b..b+n)), rounded to dtype; n <= 16
+static inline __attribute__((always_inline)) void store_outputs(void *y, int64_t i, vf16 r, const void *bias, int b,
+                                                                int n, int dtype) {
+#if defined(__AVX512F__)
+    const __mmask16 mask = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    if (bias) r = _mm512_add_ps(r, load16(bias, b, mask, dtype));
+    store16(y, i, r, mask, dtype);
+#else
+    float lanes[16];
+    vf_store(lanes, r);
+    for (int j = 0; j < n; j++) store(y, i + j, bias ? lanes[j] + load(bias, b + j, dtype) : lanes[j], dtype);
+#endif
 }
 
 // The product over all panels, for float panels (bits 0) or 4- or 8-bit ones (group: columns
@@ -662,19 +696,15 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
                 ahead.lines = ahead_lines;
                 tile_kind = TILE_DOT_AHEAD;
             }
-            __m512 acc[MR][NV];
+            vf16 acc[MR][NV];
             panel_product(tile_kind, (const char *)xt + m0 * xs * (int64_t)x_size, xs,
                           widen_once && !pairs_only ? wide_panel : panel, pairs_only ? (const uint32_t *)wide_panel : NULL,
                           xsum ? xsum + (int64_t)m0 * groups : NULL, groups, Kp, group, tb, rows, acc, m0 == 0 && !widen_once,
                           &ahead);
             for (int m = 0; m < rows; m++)
-                for (int v = 0; v < NV && 16 * v < width; v++) {
-                    const int c = 16 * v;
-                    const __mmask16 mask = width - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (width - c)) - 1);
-                    __m512 r = acc[m][v];
-                    if (bias) r = _mm512_add_ps(r, load16(bias, n0 + c, mask, dtype));
-                    store16(y, (int64_t)(m0 + m) * N + n0 + c, r, mask, dtype);
-                }
+                for (int v = 0; v < NV && 16 * v < width; v++)
+                    store_outputs(y, (int64_t)(m0 + m) * N + n0 + 16 * v, acc[m][v], bias, n0 + 16 * v,
+                                  width - 16 * v < 16 ? width - 16 * v : 16, dtype);
         }
     }
     free(wide_panel);
@@ -698,10 +728,10 @@ KERNEL_API int blocked_set_bf16_dot(int on) {
 }
 
 // y = x . w^T (+ bias) with w packed by blocked_pack. Returns 0; -1 where the work buffer could
-// not be allocated; -2 in a build without AVX-512.
+// not be allocated; -2 in a build without AVX-512 or AVX2.
 KERNEL_API int blocked_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M,
                               int N, int K, int dtype) {
-#if defined(__AVX512F__)
+#if defined(HAVE_SIMD16)
     return run_panels(x, x_stride, packed, bias, y, M, N, K, 0, 0, 0, dtype);
 #else
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)dtype;
@@ -713,7 +743,7 @@ KERNEL_API int blocked_matmul(const void *x, int64_t x_stride, const void *packe
 // bytes per scale and min).
 KERNEL_API int blocked_int4_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y,
                                    int M, int N, int K, int group, int tb, int dtype) {
-#if defined(__AVX512F__)
+#if defined(HAVE_SIMD16)
     return run_panels(x, x_stride, packed, bias, y, M, N, K, 4, group, tb, dtype);
 #else
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)group, (void)tb;
@@ -725,7 +755,7 @@ KERNEL_API int blocked_int4_matmul(const void *x, int64_t x_stride, const void *
 // The same with an 8-bit weight packed by blocked_int8_pack.
 KERNEL_API int blocked_int8_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y,
                                    int M, int N, int K, int group, int tb, int dtype) {
-#if defined(__AVX512F__)
+#if defined(HAVE_SIMD16)
     return run_panels(x, x_stride, packed, bias, y, M, N, K, 8, group, tb, dtype);
 #else
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)group, (void)tb;

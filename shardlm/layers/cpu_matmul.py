@@ -138,7 +138,9 @@ def prepare_weight(weight: torch.Tensor) -> tuple[torch.Tensor | None, CpuMatmul
     if weight.device.type != "cpu" or weight.dtype not in DTYPE_CODES or weight.dim() != 2:
         return None, None
     N, K = weight.shape
-    if blocked_matmul() is not None:
+    # AVX-512's panels beat oneDNN from one row to a prompt; AVX2's tiles (half the registers'
+    # width, a quarter of the rows per tile) are kept to 4- and 8-bit weights until measured so
+    if blocked_matmul() is not None and kernels.blocked_vector_bits() == 512:
         return pack_blocked(weight), CpuMatmul(N, K, blocked=True)
     rows = skinny_max_rows(weight)
     return (None if rows else onednn_pack(weight)), CpuMatmul(N, K, skinny_rows=rows)

@@ -100,7 +100,7 @@ def test_blocked_panels_hold_the_integers_scales_and_mins(bits, n, k, group, flo
     min per group), and does not depend on how many rows are multiplied with a row: 3, 20 (each
     panel widened once) or 1."""
     if kernels.blocked_int4() is None:
-        pytest.skip(f"no blocked kernel in the {cpu_isa} variant (no compiler, or no AVX-512)")
+        pytest.skip(f"no blocked kernel in the {cpu_isa} variant (no compiler, or neither AVX2 nor AVX-512)")
     whole = quantize_rtn(torch.randn(n, 2 * k), bits, group)
     if float16_tables:
         whole = (whole[0], *(t.half().float() for t in whole[1:]))

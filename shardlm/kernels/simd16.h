@@ -1,0 +1,67 @@
+// 16 float32 (vf16) or int32 (vi16) lanes: one AVX-512 register, or a pair of AVX2 ones. The
+// kernels written with these build for both; HAVE_SIMD16 says whether this build has either.
+// Loads and stores are unaligned; shift counts are compile-time constants in the callers.
+#pragma once
+#include <stdint.h>
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#include <immintrin.h>
+#define HAVE_SIMD16 1
+#endif
+
+#if defined(__AVX512F__)
+#define SIMD16_BITS 512
+typedef __m512 vf16;
+typedef __m512i vi16;
+#define INL static inline __attribute__((always_inline))
+INL vf16 vf_zero(void) { return _mm512_setzero_ps(); }
+INL vf16 vf_set1(float x) { return _mm512_set1_ps(x); }
+INL vf16 vf_load(const float *p) { return _mm512_loadu_ps(p); }
+INL void vf_store(float *p, vf16 v) { _mm512_storeu_ps(p, v); }
+INL vf16 vf_add(vf16 a, vf16 b) { return _mm512_add_ps(a, b); }
+INL vf16 vf_mul(vf16 a, vf16 b) { return _mm512_mul_ps(a, b); }
+INL vf16 vf_fmadd(vf16 a, vf16 b, vf16 c) { return _mm512_fmadd_ps(a, b, c); }
+INL vi16 vi_load(const void *p) { return _mm512_loadu_si512(p); }
+INL vi16 vi_set1(int x) { return _mm512_set1_epi32(x); }
+INL vi16 vi_and(vi16 a, vi16 b) { return _mm512_and_si512(a, b); }
+INL vi16 vi_srli(vi16 a, int n) { return _mm512_srli_epi32(a, n); }
+INL vi16 vi_slli(vi16 a, int n) { return _mm512_slli_epi32(a, n); }
+INL vf16 vi_to_f(vi16 a) { return _mm512_cvtepi32_ps(a); }
+INL vf16 vi_bits_f(vi16 a) { return _mm512_castsi512_ps(a); }
+// 16 float16 values as float32
+INL vf16 vf_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+// 16 int8 values as float32
+INL vf16 vf_int8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+#undef INL
+#elif defined(HAVE_SIMD16)
+#define SIMD16_BITS 256
+typedef struct { __m256 lo, hi; } vf16;
+typedef struct { __m256i lo, hi; } vi16;
+#define INL static inline __attribute__((always_inline))
+INL vf16 vf_zero(void) { return (vf16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+INL vf16 vf_set1(float x) { const __m256 b = _mm256_set1_ps(x); return (vf16){b, b}; }
+INL vf16 vf_load(const float *p) { return (vf16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+INL void vf_store(float *p, vf16 v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+INL vf16 vf_add(vf16 a, vf16 b) { return (vf16){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+INL vf16 vf_mul(vf16 a, vf16 b) { return (vf16){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+INL vf16 vf_fmadd(vf16 a, vf16 b, vf16 c) {
+    return (vf16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+INL vi16 vi_load(const void *p) {
+    return (vi16){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)p + 1)};
+}
+INL vi16 vi_set1(int x) { const __m256i b = _mm256_set1_epi32(x); return (vi16){b, b}; }
+INL vi16 vi_and(vi16 a, vi16 b) { return (vi16){_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)}; }
+INL vi16 vi_srli(vi16 a, int n) { return (vi16){_mm256_srli_epi32(a.lo, n), _mm256_srli_epi32(a.hi, n)}; }
+INL vi16 vi_slli(vi16 a, int n) { return (vi16){_mm256_slli_epi32(a.lo, n), _mm256_slli_epi32(a.hi, n)}; }
+INL vf16 vi_to_f(vi16 a) { return (vf16){_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+INL vf16 vi_bits_f(vi16 a) { return (vf16){_mm256_castsi256_ps(a.lo), _mm256_castsi256_ps(a.hi)}; }
+INL vf16 vf_half(const uint16_t *p) {
+    return (vf16){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
+                  _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)))};
+}
+INL vf16 vf_int8(const int8_t *p) {
+    return (vf16){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))),
+                  _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))))};
+}
+#undef INL
+#endif
