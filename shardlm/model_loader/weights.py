@@ -107,10 +107,6 @@ def load_model(model_config: ModelConfig, device: torch.device,
             model = cls(model_config.hf_config, model_config.max_model_len, model_config.dtype, layer_range)
     finally:
         torch.set_default_dtype(old_dtype)
-    if model_config.enforce_eager:
-        for module in model.modules():
-            if hasattr(module, "fused_decode"):
-                module.fused_decode = None      # None: never built, every step layer by layer
     quant = model_config.quantization
     packed = None
     if quant is not None and quant.method in ("gptq", "awq"):

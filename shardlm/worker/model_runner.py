@@ -55,6 +55,15 @@ class ModelRunner:
         stages = stage_layers(self.config.model, par)
         self.pp, self.tp = get_pp_group(), get_tp_group()
         self.model = load_model(self.config.model, self.device, stages[self.pp.rank_in_group])
+        self.set_enforce_eager(self.config.model.enforce_eager)
+
+    def set_enforce_eager(self, on: bool) -> None:
+        """--enforce-eager: every step layer by layer (on), or decode steps through the one-call path
+        where it applies (off: built at the next decode step). Switchable at run time, to compare
+        the two on the same weights and kernel choices."""
+        for module in self.model.modules():
+            if hasattr(module, "fused_decode"):
+                module.fused_decode = None if on else False     # None: never built; False: not built yet
 
     def attention_layers(self) -> list[Attention]:
         if self._attention_layers is None:

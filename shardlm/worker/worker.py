@@ -113,6 +113,9 @@ class Worker:
                 counts[m.quant.kernel or "none"] = counts.get(m.quant.kernel or "none", 0) + 1
         return counts
 
+    def set_enforce_eager(self, on: bool) -> None:
+        self.runner.set_enforce_eager(on)
+
     def fused_decode_steps(self) -> int:
         """Decode steps this rank ran through the one-call path (models/llama_cpu_decode.py)."""
         fused = (getattr(m, "fused_decode", None) for m in self.runner.model.modules())
