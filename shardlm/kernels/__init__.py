@@ -118,7 +118,7 @@ def describe() -> dict:
     if state["blocked_matmul"] == "ok" and not blocked_vector_bits():
         state["blocked_matmul"] = "not in this variant (AVX2 or AVX-512 only)"
     elif state["blocked_matmul"] == "ok" and blocked_vector_bits() == 256:
-        state["blocked_matmul"] = "ok (AVX2: 4- and 8-bit panels; float weights on skinny_matmul / oneDNN)"
+        state["blocked_matmul"] = "ok (AVX2: bfloat16, 4- and 8-bit panels; float32 on skinny_matmul / oneDNN)"
     return {"variant": active_isa(), "best": best_isa(), "cap": _isa_cap[0], "kernels": state}
 
 

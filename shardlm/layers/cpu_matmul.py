@@ -4,7 +4,8 @@ On CPUs with AVX-512, every weight is repacked once at load into shardlm's panel
 every product, from one decode row to a whole prompt, runs kernels/blocked_matmul.c on it: a
 broadcast-form GEMM that beats oneDNN on its own packed layout at a few dozen rows (float32
 1.05-1.25x, bfloat16 1.4-1.8x on a 2-core Xeon) and streams at memory bandwidth at one row. Its
-results do not depend on the batch a row is in.
+results do not depend on the batch a row is in. On CPUs with AVX2 only, bfloat16 weights go into
+the same panels (AVX2 tiles; oneDNN has no native bfloat16 there), float32 ones do not.
 
 Elsewhere two kernels share the plain row-major weight, chosen per shape by measurement at load:
 - few rows (decode steps): shardlm's skinny kernel (kernels/skinny_matmul.c). oneDNN pays a
@@ -138,9 +139,10 @@ def prepare_weight(weight: torch.Tensor) -> tuple[torch.Tensor | None, CpuMatmul
     if weight.device.type != "cpu" or weight.dtype not in DTYPE_CODES or weight.dim() != 2:
         return None, None
     N, K = weight.shape
-    # AVX-512's panels beat oneDNN from one row to a prompt; AVX2's tiles (half the registers'
-    # width, a quarter of the rows per tile) are kept to 4- and 8-bit weights until measured so
-    if blocked_matmul() is not None and kernels.blocked_vector_bits() == 512:
+    # AVX-512's panels beat oneDNN from one row to a prompt. AVX2's tiles (a quarter of the rows
+    # per tile) do for bfloat16 (oneDNN widens it without native instructions: 2.4-3.3x at 64
+    # rows), not quite for float32 at many rows (0.87x of oneDNN at 64), which keeps its kernels
+    if blocked_matmul() is not None and (kernels.blocked_vector_bits() == 512 or weight.dtype == torch.bfloat16):
         return pack_blocked(weight), CpuMatmul(N, K, blocked=True)
     rows = skinny_max_rows(weight)
     return (None if rows else onednn_pack(weight)), CpuMatmul(N, K, skinny_rows=rows)

@@ -213,11 +213,11 @@ class ModelRunner:
                 # the logits at position p score prompt token p + 1; a prompt split across steps is
                 # answered chunk by chunk, each position once
                 first = max(c.start_pos, state.prompt_logprobs_done)
-                end = min(c.start_pos + len(c.token_ids), len(state.prompt_token_ids) - 1)
-                if end > first:
-                    prompt_rows.append((c.req_id, first, len(rows), end - first))
-                    rows.extend(range(offset + first - c.start_pos, offset + end - c.start_pos))
-                    state.prompt_logprobs_done = end
+                last = min(c.start_pos + len(c.token_ids), len(state.prompt_token_ids) - 1)
+                if last > first:
+                    prompt_rows.append((c.req_id, first, len(rows), last - first))
+                    rows.extend(range(offset + first - c.start_pos, offset + last - c.start_pos))
+                    state.prompt_logprobs_done = last
             offset += len(c.token_ids)
         return rows, sample_chunks, prompt_rows
 
