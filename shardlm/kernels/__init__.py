@@ -43,17 +43,17 @@ _loaded: dict[str, ctypes.CDLL | None] = {}
 # the `dtype` argument every kernel takes
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
-# ISA variant -> (the /proc/cpuinfo flags it needs, its compiler flags), lowest first; x86-64 only
-ISA_VARIANTS: dict[str, tuple[set[str], list[str]]] = {
-    "portable": (set(), []),
-    "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]),
-    "avx512": ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
-               ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]),
-    "avx512_bf16": ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
-                     "avx512_vnni"},
-                    ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                     "-mavx512bf16", "-mavx512vnni"]),
-}
+# ISA variant -> (the /proc/cpuinfo flags it needs, its compiler flags), lowest first; x86-64 only.
+# Each adds these to the one before.
+_ISA_STEPS = (("portable", set(), []),
+              ("avx2", {"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]),
+              ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]),
+              ("avx512_bf16", {"avx512_bf16", "avx512_vnni"}, ["-mavx512bf16", "-mavx512vnni"]))
+ISA_VARIANTS: dict[str, tuple[set[str], list[str]]] = {}
+for _name, _needs, _flags in _ISA_STEPS:
+    _below = list(ISA_VARIANTS.values())[-1] if ISA_VARIANTS else (set(), [])
+    ISA_VARIANTS[_name] = (_below[0] | _needs, _below[1] + _flags)
 _isa_cap = [envs.SHARDLM_CPU_ISA]
 
 
@@ -85,9 +85,7 @@ def use_isa(cap: str) -> str:
     if cap != "native" and cap not in ISA_VARIANTS:
         raise ValueError(f"SHARDLM_CPU_ISA={cap!r}: use one of {', '.join([*ISA_VARIANTS, 'native'])}.")
     _isa_cap[0] = cap
-    for cache in (_loaded, _functions):
-        cache.clear()
-    for cache in (_blocked, _fused, _bf16_dot):
+    for cache in (_loaded, _functions, _blocked, _fused, _bf16_dot):
         cache.clear()
     return active_isa()
 
@@ -237,18 +235,19 @@ def blocked_vector_bits() -> int:
         bits = _function("blocked_matmul", "blocked_vector_bits", [], _I)
         width = 0 if bits is None else bits()
         if width:
-            _use_bf16_dot("blocked_matmul", _bf16_dot_pays(
-                _function("blocked_matmul", "blocked_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I)))
+            _use_bf16_dot("blocked_matmul", _bf16_dot_pays(_blocked_matmul_function()))
         _blocked.append(width)
     return _blocked[0]
+
+
+def _blocked_matmul_function():
+    return _function("blocked_matmul", "blocked_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I)
 
 
 def blocked_matmul():
     """blocked_matmul(x, x_stride, packed_w, bias, y, M, N, K, dtype) -> 0, -1 if out of memory
     (kernels/blocked_matmul.c) for float weights; None where this variant has no blocked panels."""
-    if not blocked_vector_bits():
-        return None
-    return _function("blocked_matmul", "blocked_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I)
+    return _blocked_matmul_function() if blocked_vector_bits() else None
 
 
 _bf16_dot: list = []
@@ -353,8 +352,7 @@ def llama_decode_layers():
     """A stage's Llama decoder layers for one decode step in one call (kernels/llama_decode.c), or None."""
     first = "llama_decode.llama_decode_layers" not in _functions
     if first and load("llama_decode") is not None and blocked_vector_bits():
-        _use_bf16_dot("llama_decode", _bf16_dot_pays(
-            _function("blocked_matmul", "blocked_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I)))
+        _use_bf16_dot("llama_decode", _bf16_dot_pays(blocked_matmul()))   # its own copy of the choice
     return _function("llama_decode", "llama_decode_layers",
                      [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F,
                       _I, _I, _I, _I, _P, ALL_REDUCE_CALLBACK],

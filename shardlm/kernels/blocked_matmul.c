@@ -51,16 +51,7 @@
 #define PF_BYTES 8192    // the first pass over a panel fetches this far ahead in the weight stream
 #endif
 
-// 1 where this build has the kernel (AVX-512 or AVX2), 0 where it does not
-KERNEL_API int blocked_supported(void) {
-#if defined(HAVE_SIMD16)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-// The vector width the tiles run at: 512 (AVX-512), 256 (AVX2) or 0 (none)
+// The vector width the tiles run at: 512 (AVX-512), 256 (AVX2) or 0 (this build has no kernel)
 KERNEL_API int blocked_vector_bits(void) {
 #if defined(HAVE_SIMD16)
     return SIMD16_BITS;
