@@ -126,6 +126,13 @@ class Worker:
 
     def shutdown(self) -> None:
         parallel_state.destroy_model_parallel()
+        # drop the weights and KV cache now, not when the LLM object goes: a process may start
+        # another engine, whose memory profile would otherwise count this one's
+        self.runner = None
+        gc.unfreeze()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _cuda_kv_budget(self) -> int:
         sched = self.config.scheduler

@@ -16,9 +16,26 @@ from tests.server.test_openai_server import _start, _stop
 CUDA = torch.device("cuda")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def _divergence_margins(ref, outs) -> list[float]:
+    """Where our greedy token parts from HF's: how many nats our own logprobs put HF's token
+    below ours (a near-tie when small)."""
+    margins = []
+    for (ref_ids, _), out in zip(ref, outs):
+        comp = out.outputs[0]
+        for pos, (a, b) in enumerate(zip(ref_ids, comp.token_ids)):
+            if a != b:
+                margins.append(comp.logprobs[pos][b].logprob - comp.logprobs[pos][a].logprob)
+                break
+    return margins
+
+
+# float32 must equal HF as on CPU; in 16-bit types kernels round differently (SDPA vs paged
+# attention, fused vs plain norms), so sequences may part, but only where HF's token is within
+# a hair of ours in our own logprobs
+@pytest.mark.parametrize("dtype, min_exact, max_margin", [(torch.float32, 4, 1e-3), (torch.bfloat16, 0, 0.1),
+                                                          (torch.float16, 0, 0.02)])
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
-def test_engine_matches_hf_on_cuda(name, dtype, tiny_model_dir, hf):
+def test_engine_matches_hf_on_cuda(name, dtype, min_exact, max_margin, tiny_model_dir, hf):
     path = tiny_model_dir(name)
     ref = hf.greedy(path, _prompts(), MAX_TOKENS, dtype=dtype, device="cuda")
     llm = LLM(path, dtype=str(dtype).removeprefix("torch."), device="cuda", gpu_memory_utilization=0.3)
@@ -28,7 +45,10 @@ def test_engine_matches_hf_on_cuda(name, dtype, tiny_model_dir, hf):
     finally:
         llm.shutdown()
     exact = hf.assert_close(ref, outs, f"{name} {dtype}")
-    assert exact >= 3, f"only {exact}/6 sequences equal HF exactly in {dtype}"
+    margins = _divergence_margins(ref, outs)
+    print(f"{name} {dtype}: {exact}/6 exact, divergence margins {margins}")
+    assert exact >= min_exact, f"only {exact}/6 sequences equal HF exactly in {dtype}"
+    assert max(margins, default=0) <= max_margin, f"{dtype}: parted from HF at a margin of {max(margins)} nats"
 
 
 def _plain_attention(k_cache, v_cache, tables, lens, q_lens, q, scale):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import weakref
 
 import pytest
 import torch
@@ -152,3 +153,14 @@ def test_generation_config_defaults_apply(tiny_model_dir, tmp_path):
     sp = llm.get_default_sampling_params()
     assert (sp.temperature, sp.top_p, sp.max_tokens) == (0.6, 0.9, 5)
     assert len(llm.generate(PROMPTS[0], use_tqdm=False)[0].outputs[0].token_ids) <= 5
+
+
+def test_shutdown_releases_weights_and_kv_cache(tiny_model_dir):
+    """A process may start a second engine after the first (CUDA: its memory profile must not
+    count the first one's weights and KV cache, which stayed allocated before this)."""
+    llm = LLM(tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory="64MiB")
+    runner = llm.engine.engine_core.engine_core.executor.worker.runner
+    model, k_cache = weakref.ref(runner.model), weakref.ref(runner.attention_layers()[0].k_cache)
+    del runner
+    llm.shutdown()
+    assert model() is None and k_cache() is None
