@@ -9,7 +9,7 @@ A backend owns three decisions:
   - the attention itself (forward): write this step's K/V into the cache, attend; optionally
     with the rotary embedding fused in (rotary_and_attend, CPU decode steps).
 A backend that can be captured in a CUDA graph keeps its metadata in preallocated device
-tensors and says so (supports_graph_capture); nothing captures it yet.
+tensors and says so (supports_graph_capture); worker/cuda_graphs.py captures its decode steps.
 """
 
 from __future__ import annotations

@@ -67,6 +67,16 @@ class CudaAttention(TorchPagedAttention):
         return CudaDecodeMetadata(self.slot_mapping[:B], self.block_tables[:B, :N], self.context_lens[:B],
                                   self.positions[:N * self.block_size])
 
+    def padded_decode_metadata(self, num_seqs: int, padded_seqs: int, padded_blocks: int) -> CudaDecodeMetadata:
+        """This step's decode metadata (build_metadata ran) widened to fixed bucket shapes for a
+        captured graph: rows past num_seqs write to slot 0 of the null block and attend to it;
+        columns past a sequence's blocks lie beyond its context length, so they are masked."""
+        self.slot_mapping[num_seqs:padded_seqs].zero_()
+        self.context_lens[num_seqs:padded_seqs].fill_(1)
+        self.block_tables[num_seqs:padded_seqs].zero_()
+        return CudaDecodeMetadata(self.slot_mapping[:padded_seqs], self.block_tables[:padded_seqs, :padded_blocks],
+                                  self.context_lens[:padded_seqs], self.positions[:padded_blocks * self.block_size])
+
     def forward(self, layer, q, k, v, meta):
         if not isinstance(meta, CudaDecodeMetadata):
             return super().forward(layer, q, k, v, meta)

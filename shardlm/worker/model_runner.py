@@ -20,10 +20,14 @@ from shardlm.distributed.utils import stage_layers
 from shardlm.layers.attention import Attention
 from shardlm.layers.moe import FusedMoE, dp_token_counts
 from shardlm.layers.sampler import Sampler, SamplingBatch, token_logprobs
+from shardlm.logger import init_logger
 from shardlm.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from shardlm.model_loader.weights import load_model
 from shardlm.sampling_params import SamplingParams
 from shardlm.worker.cpu_tuning import zeroed_buffer
+from shardlm.worker.cuda_graphs import CudaGraphs, graphs_unavailable_reason
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -49,18 +53,27 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.stop_ids_for_min_tokens = list(config.model.eos_token_ids)
         self.dp_lockstep = config.dp_lockstep
+        self.cuda_graphs: CudaGraphs | None = None
+        self.use_cuda_graphs = False
 
     def load_model(self) -> None:
         par = self.config.parallel
         stages = stage_layers(self.config.model, par)
         self.pp, self.tp = get_pp_group(), get_tp_group()
         self.model = load_model(self.config.model, self.device, stages[self.pp.rank_in_group])
+        if self.device.type == "cuda":
+            reason = graphs_unavailable_reason(self)
+            if reason is None:
+                self.cuda_graphs = CudaGraphs(self.model, self.attn_backend)
+            elif not self.config.model.enforce_eager:
+                logger.info("CUDA graphs off (%s): every step runs eagerly", reason)
         self.set_enforce_eager(self.config.model.enforce_eager)
 
     def set_enforce_eager(self, on: bool) -> None:
-        """--enforce-eager: every step layer by layer (on), or decode steps through the one-call path
-        where it applies (off: built at the next decode step). Switchable at run time, to compare
-        the two on the same weights and kernel choices."""
+        """--enforce-eager: every step layer by layer (on); off: decode steps replayed from CUDA
+        graphs on a GPU, through the one-call path on CPU, where they apply. Switchable at run
+        time, to compare the two on the same weights and kernel choices."""
+        self.use_cuda_graphs = not on and self.cuda_graphs is not None
         for module in self.model.modules():
             if hasattr(module, "fused_decode"):
                 module.fused_decode = None if on else False     # None: never built; False: not built yet
@@ -188,6 +201,10 @@ class ModelRunner:
     def _run_model(self, input_ids, positions, meta):
         """This rank's layers; between pipeline stages, the hidden states come in and go out.
         -> the final hidden states on the last stage, None on the others."""
+        if self.use_cuda_graphs:
+            hidden = self.cuda_graphs.run(input_ids, positions, meta)
+            if hidden is not None:
+                return hidden
         intermediate = None if self.pp.is_first_rank else self._receive_from_previous_stage()
         hidden = self.model(input_ids, positions, meta, intermediate)
         if not self.pp.is_last_rank:

@@ -121,6 +121,11 @@ class Worker:
         fused = (getattr(m, "fused_decode", None) for m in self.runner.model.modules())
         return sum(f.steps for f in fused if hasattr(f, "steps"))
 
+    def cuda_graph_steps(self) -> int:
+        """Decode steps this rank replayed from CUDA graphs (worker/cuda_graphs.py)."""
+        graphs = self.runner.cuda_graphs
+        return graphs.steps if graphs is not None else 0
+
     def peak_rss_bytes(self) -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

@@ -99,6 +99,32 @@ def test_cuda_attention_backend_matches_plain_attention(dtype, tol, q_lens):
         assert (out.float() - ref).abs().max() < tol, f"step {step}"
 
 
+def test_cuda_graphs_give_the_eager_tokens(tiny_model_dir):
+    """Decode steps replayed from CUDA graphs give the eager path's tokens and log-probabilities:
+    batches padded to buckets (6 sequences -> 8, then fewer as they finish at different lengths:
+    8, 4, 2, 1) and contexts crossing block buckets (1 to 16 blocks); --enforce-eager (switched in
+    the same engine) runs no graph."""
+    llm = LLM(tiny_model_dir("llama-gqa"), dtype="float32", device="cuda", gpu_memory_utilization=0.3,
+              enable_prefix_caching=False)
+    params = [SamplingParams(temperature=0, max_tokens=10 + 9 * i, ignore_eos=True, logprobs=3) for i in range(6)]
+    results = {}
+    try:
+        for graphs in (True, False):
+            llm.collective_rpc("set_enforce_eager", (not graphs,))
+            before = llm.collective_rpc("cuda_graph_steps")[0]
+            outs = llm.generate(_prompts(), params, use_tqdm=False)
+            steps = llm.collective_rpc("cuda_graph_steps")[0] - before
+            assert steps >= 50 if graphs else steps == 0, steps
+            results[graphs] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    finally:
+        llm.shutdown()
+    for (ids, logprobs), (eager_ids, eager_logprobs) in zip(results[True], results[False]):
+        assert ids == eager_ids
+        for step, eager_step in zip(logprobs, eager_logprobs):
+            assert step.keys() == eager_step.keys()
+            assert all(abs(step[t].logprob - eager_step[t].logprob) < 1e-4 for t in step)
+
+
 def test_kv_budget_follows_gpu_memory_utilization(tiny_model_dir):
     path = tiny_model_dir("llama-gqa")
     blocks = {}
