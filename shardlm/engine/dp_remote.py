@@ -38,9 +38,9 @@ def fingerprint(config: EngineConfig) -> dict[str, str]:
     """What every replica must agree on to serve as one model."""
     import torch
 
-    import shardlm
+    from shardlm.version import __version__
     m, par, c = config.model, config.parallel, config.cache
-    return {"shardlm": shardlm.__version__, "torch": torch.__version__.split("+")[0],
+    return {"shardlm": __version__, "torch": torch.__version__.split("+")[0],
             "architecture": m.architecture, "layers": str(m.num_layers), "vocab": str(m.vocab_size),
             "dtype": str(m.dtype).replace("torch.", ""), "max_model_len": str(m.max_model_len),
             "block_size": str(c.block_size), "tensor_parallel_size": str(par.tensor_parallel_size),

@@ -15,7 +15,7 @@ import time
 from collections import deque
 
 from shardlm.config import EngineConfig, format_bytes
-from shardlm.distributed.utils import describe_partition, stage_layers
+from shardlm.planner.layer_placement import describe_partition, stage_layers
 from shardlm.engine.request import Request
 from shardlm.engine.scheduler import Scheduler
 from shardlm.engine.wave import Wave

@@ -302,10 +302,10 @@ def worker_start_method() -> tuple[str, str]:
         return forced, "SHARDLM_WORKER_MULTIPROC_METHOD"
     import torch
 
-    import shardlm
+    from shardlm import startup
     if torch.cuda.is_initialized():
         return "spawn", "CUDA is initialized in this process"
-    threads, baseline = os_thread_count(), shardlm.THREADS_AT_IMPORT
+    threads, baseline = os_thread_count(), startup.THREADS_AT_IMPORT
     if threads < 0 or baseline < 0:
         return "spawn", "this process's threads cannot be counted"
     if threads > baseline or threading.active_count() > 1:

@@ -36,8 +36,8 @@ def node_versions() -> dict[str, str]:
     """What every node must run alike: checked when a node joins and when `serve` starts."""
     import torch
 
-    import shardlm
-    return {"shardlm": shardlm.__version__, "torch": torch.__version__, "ray": importlib.metadata.version("ray"),
+    from shardlm.version import __version__
+    return {"shardlm": __version__, "torch": torch.__version__, "ray": importlib.metadata.version("ray"),
             "python": platform.python_version()}
 
 

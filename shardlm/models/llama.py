@@ -132,7 +132,7 @@ class LlamaModel(nn.Module):
         if self.fused_decode is False:
             if not (hasattr(meta, "buckets") and len(meta.buckets) == 1 and meta.buckets[0].in_order):
                 return None
-            self.fused_decode = FusedDecodeLayers.build(self)
+            self.fused_decode = FusedDecodeLayers.build(self, LlamaMLP)
         return self.fused_decode
 
 

@@ -97,15 +97,14 @@ class FusedDecodeLayers:
                             else kernels.ALL_REDUCE_CALLBACK())
 
     @classmethod
-    def build(cls, model) -> FusedDecodeLayers | None:
-        """For a LlamaModel stage, or None where the fused path does not apply to it."""
-        from shardlm.models.llama import LlamaMLP
-
+    def build(cls, model, dense_mlp: type) -> FusedDecodeLayers | None:
+        """For a LlamaModel stage whose dense MLPs are of class `dense_mlp`, or None where the
+        fused path does not apply to it."""
         layers = list(model.layers[model.start:model.end])
         if not layers:
             return None
         layout = _layout(layers[0].self_attn.qkv_proj)
-        if layout is None or not all(_fits(layer, layout, LlamaMLP) for layer in layers):
+        if layout is None or not all(_fits(layer, layout, dense_mlp) for layer in layers):
             return None
         kernel = kernels.llama_decode_layers()
         return None if kernel is None else cls(layers, kernel)

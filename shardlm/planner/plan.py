@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from shardlm.distributed.utils import pp_layer_partition
+from shardlm.planner.layer_placement import pp_layer_partition
 from shardlm.planner.model_shape import ModelShape
 
 GiB = 1 << 30

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from shardlm.distributed.utils import describe_partition
+from shardlm.planner.layer_placement import describe_partition
 from shardlm.planner.plan import GiB, Recommendation
 
 

@@ -9,7 +9,7 @@ import psutil
 import torch
 
 from shardlm.config import EngineConfig
-from shardlm.distributed.utils import stage_layers
+from shardlm.planner.layer_placement import stage_layers
 from shardlm.logger import init_logger
 from shardlm.planner.hardware import detect_hardware
 from shardlm.planner.model_shape import ModelShape

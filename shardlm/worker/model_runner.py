@@ -16,7 +16,7 @@ import torch
 from shardlm.attention.selector import get_attention_backend
 from shardlm.config import EngineConfig
 from shardlm.distributed.parallel_state import get_dp_group, get_pp_group, get_tp_group
-from shardlm.distributed.utils import stage_layers
+from shardlm.planner.layer_placement import stage_layers
 from shardlm.layers.attention import Attention
 from shardlm.layers.moe import FusedMoE, dp_token_counts
 from shardlm.layers.sampler import Sampler, SamplingBatch, token_logprobs

@@ -61,12 +61,12 @@ def test_spawn_without_main_guard_names_the_guard(tmp_path, tiny_model_dir):
 def test_start_method_choice(monkeypatch):
     import threading
 
-    import shardlm
+    from shardlm import startup
     from shardlm.utils import os_thread_count
 
-    monkeypatch.setattr(shardlm, "THREADS_AT_IMPORT", os_thread_count() - 1)    # one thread more than torch's
+    monkeypatch.setattr(startup, "THREADS_AT_IMPORT", os_thread_count() - 1)    # one thread more than torch's
     assert worker_start_method() == ("spawn", "this process runs 1 more thread(s) than after importing torch")
-    monkeypatch.setattr(shardlm, "THREADS_AT_IMPORT", os_thread_count())
+    monkeypatch.setattr(startup, "THREADS_AT_IMPORT", os_thread_count())
     if threading.active_count() == 1:
         assert worker_start_method()[0] == "fork"
     monkeypatch.setattr("shardlm.envs.SHARDLM_WORKER_MULTIPROC_METHOD", "spawn")

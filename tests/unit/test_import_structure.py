@@ -1,5 +1,6 @@
-"""The package's shape: no import cycles among shardlm's modules at module level, config.py and
-messages.py are leaves, and distributed/ is the runtime only (no CLI diagnostics in it)."""
+"""The package's shape: no import cycles among shardlm's modules (function-level imports
+counted), config.py and messages.py are leaves, nothing below the entry points imports the
+package's face, and distributed/ is the runtime only (no CLI diagnostics in it)."""
 
 import ast
 import pathlib
@@ -14,39 +15,38 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _module_level_imports(path: pathlib.Path, modules: set[str]) -> set[str]:
-    """shardlm modules imported at module level (not inside functions or `if TYPE_CHECKING`)."""
+def _imports(path: pathlib.Path, modules: set[str]) -> set[str]:
+    """shardlm modules imported anywhere in the file, inside functions too (they run when called);
+    not under `if TYPE_CHECKING` (they never run)."""
     tree = ast.parse(path.read_text())
     found = set()
     package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
 
-    def visit(nodes):
-        for node in nodes:
-            if isinstance(node, ast.Import):
-                found.update(a.name for a in node.names if a.name in modules)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base
-                                                                                                      else []))
-                for alias in node.names:
-                    sub = f"{base}.{alias.name}"
-                    found.add(sub if sub in modules else base)
-            elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                continue
-            elif isinstance(node, (ast.If, ast.Try)):
-                visit(node.body)
-                visit(getattr(node, "orelse", []))
-                for handler in getattr(node, "handlers", []):
-                    visit(handler.body)
+    def visit(node):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base
+                                                                                                  else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in modules else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
 
-    visit(tree.body)
+    visit(tree)
     return {m for m in found if m in modules and m != _module_name(path)}
 
 
 def _graph() -> dict[str, set[str]]:
     files = {_module_name(p): p for p in ROOT.rglob("*.py")}
-    return {name: _module_level_imports(path, set(files)) for name, path in files.items()}
+    return {name: _imports(path, set(files)) for name, path in files.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -101,5 +101,7 @@ def test_leaves_and_layers():
         if name.startswith("shardlm.distributed"):
             assert not any(m.startswith(("shardlm.entrypoints", "shardlm.engine", "shardlm.executor"))
                            for m in imports), name
+        if not name.startswith("shardlm.entrypoints") and name != "shardlm":
+            assert "shardlm" not in imports, f"{name} imports the package's face (shardlm/__init__.py)"
     assert not (ROOT / "distributed" / "preflight.py").exists()
     assert not (ROOT / "distributed" / "cluster_check.py").exists()

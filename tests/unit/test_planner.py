@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from shardlm.distributed.utils import pp_layer_partition
+from shardlm.planner.layer_placement import pp_layer_partition
 from shardlm.planner import Hardware, ModelShape, Workload, evaluate, load_config, load_presets, recommend
 from shardlm.planner.plan import GiB
 

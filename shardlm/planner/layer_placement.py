@@ -1,6 +1,9 @@
-"""Small helpers for distributed layouts."""
+"""Which pipeline stage holds which decoder layers: the one rule the planner, the engine and the
+workers all follow."""
 
 from __future__ import annotations
+
+from shardlm.planner.model_shape import ModelShape
 
 
 def pp_layer_partition(num_layers: int, pp: int, explicit: list[int] | None = None,
@@ -45,7 +48,6 @@ def stage_layers(model, parallel) -> list[tuple[int, int]]:
     """The layer ranges of this engine's pipeline stages (ModelConfig, ParallelConfig): the
     explicit --pp-layer-partition, else balanced with the LM head counted on the last stage.
     Everything that places layers asks here, so workers and the engine agree."""
-    from shardlm.planner.model_shape import ModelShape
     head = ModelShape.from_config("model", model.hf_config.to_dict()).lm_head_layers()
     return pp_layer_partition(model.num_layers, parallel.pipeline_parallel_size, parallel.pp_layer_partition, head)
 
