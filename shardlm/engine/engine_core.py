@@ -15,13 +15,13 @@ import time
 from collections import deque
 
 from shardlm.config import EngineConfig, format_bytes
-from shardlm.planner.layer_placement import describe_partition, stage_layers
 from shardlm.engine.request import Request
 from shardlm.engine.scheduler import Scheduler
 from shardlm.engine.wave import Wave
 from shardlm.executor.selection import executor_class
 from shardlm.logger import init_logger
 from shardlm.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
+from shardlm.planner.layer_placement import describe_partition, stage_layers
 from shardlm.utils import cdiv
 
 logger = init_logger(__name__)

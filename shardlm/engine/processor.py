@@ -40,6 +40,16 @@ def split_prompt(prompt) -> tuple[str | None, list[int] | None]:
     raise TypeError(f"Cannot read prompt {prompt!r}: use a string, a list of token ids, or a dict.")
 
 
+def check_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+    """The one max_tokens rule, offline and in the server (vLLM's server rule): the prompt and
+    max_tokens must fit in max_model_len; None asks for the rest of the context."""
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise ValueError(f"max_tokens={max_tokens} is too large: this model's maximum context length is "
+                         f"{max_model_len} tokens and the prompt has {prompt_len}, which leaves room for "
+                         f"{max_model_len - prompt_len} new tokens. Lower max_tokens (or leave it out for the rest "
+                         "of the context), or shorten the prompt.")
+
+
 class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer):
         self.config = config
@@ -64,6 +74,7 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, not {type(params).__name__}.")
         params.check_vocabulary(self.config.model.vocab_size)
+        check_max_tokens(len(prompt_token_ids), params.max_tokens, self.config.model.max_model_len)
         arrival_time = arrival_time or time.time()
         parent = ParentRequest(request_id, text, prompt_token_ids, params, RequestMetrics(arrival_time))
         if params.n == 1:

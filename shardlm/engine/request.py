@@ -54,7 +54,10 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         room = max_model_len - len(prompt_token_ids)
-        self.max_tokens = room if sampling_params.max_tokens is None else min(sampling_params.max_tokens, room)
+        if sampling_params.max_tokens is not None and sampling_params.max_tokens > room:
+            # the processor refuses such requests (check_max_tokens); the scheduler relies on it
+            raise ValueError(f"max_tokens={sampling_params.max_tokens} exceeds the {room} tokens left in the context")
+        self.max_tokens = room if sampling_params.max_tokens is None else sampling_params.max_tokens
         self.block_size = block_size
         self.block_hashes: list[int] = []
         self._update_block_hashes()

@@ -9,9 +9,9 @@ import psutil
 import torch
 
 from shardlm.config import EngineConfig
-from shardlm.planner.layer_placement import stage_layers
 from shardlm.logger import init_logger
 from shardlm.planner.hardware import detect_hardware
+from shardlm.planner.layer_placement import stage_layers
 from shardlm.planner.model_shape import ModelShape
 from shardlm.planner.plan import GiB, Workload, evaluate, recommend
 

@@ -16,13 +16,13 @@ import torch
 from shardlm.attention.selector import get_attention_backend
 from shardlm.config import EngineConfig
 from shardlm.distributed.parallel_state import get_dp_group, get_pp_group, get_tp_group
-from shardlm.planner.layer_placement import stage_layers
 from shardlm.layers.attention import Attention
 from shardlm.layers.moe import FusedMoE, dp_token_counts
 from shardlm.layers.sampler import Sampler, SamplingBatch, token_logprobs
 from shardlm.logger import init_logger
 from shardlm.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from shardlm.model_loader.weights import load_model
+from shardlm.planner.layer_placement import stage_layers
 from shardlm.sampling_params import SamplingParams
 from shardlm.worker.cpu_tuning import zeroed_buffer
 from shardlm.worker.cuda_graphs import CudaGraphs, graphs_unavailable_reason

@@ -164,3 +164,17 @@ def test_shutdown_releases_weights_and_kv_cache(tiny_model_dir):
     del runner
     llm.shutdown()
     assert model() is None and k_cache() is None
+
+
+def test_one_max_tokens_rule_offline_as_in_the_server(tiny_model_dir):
+    """prompt + max_tokens must fit in max_model_len (the server answers 400 with the same words);
+    max_tokens=None runs to the end of the context."""
+    llm = LLM(tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory="16MiB", max_model_len=64)
+    prompt = list(range(100, 150))
+    with pytest.raises(ValueError, match=r"max_tokens=20 is too large: .* 64 tokens and the prompt has 50, which "
+                                         r"leaves room for 14 new tokens"):
+        llm.generate(prompt, SamplingParams(max_tokens=20), use_tqdm=False)
+    fits = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True), use_tqdm=False)
+    rest = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
+    assert len(fits[0].outputs[0].token_ids) == len(rest[0].outputs[0].token_ids) == 14
+    assert rest[0].outputs[0].finish_reason == "length"

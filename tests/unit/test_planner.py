@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from shardlm.planner.layer_placement import pp_layer_partition
 from shardlm.planner import Hardware, ModelShape, Workload, evaluate, load_config, load_presets, recommend
+from shardlm.planner.layer_placement import pp_layer_partition
 from shardlm.planner.plan import GiB
 
 

@@ -77,7 +77,7 @@ class CheckingModel:
 class Arrival:
     step: int
     prompt: list[int]
-    max_tokens: int
+    max_tokens: int | None       # None: the rest of the context
     abort_at: int | None     # the step at which the client aborts it (None: never)
 
 
@@ -102,7 +102,8 @@ def workloads(draw):
             prompt = draw(st.sampled_from(arrivals)).prompt
         step = draw(st.integers(0, 30))
         abort_at = draw(st.one_of(st.none(), st.integers(step, step + 40)))
-        arrivals.append(Arrival(step, prompt, draw(st.integers(1, 24)), abort_at))
+        room = max_model_len - len(prompt)                      # max_tokens must fit (processor.check_max_tokens)
+        arrivals.append(Arrival(step, prompt, draw(st.one_of(st.none(), st.integers(1, min(24, room)))), abort_at))
     return block_size, budget, max_model_len, num_blocks, max_num_seqs, depth, arrivals
 
 
@@ -154,7 +155,7 @@ def test_every_request_gets_its_own_tokens_within_the_budget(workload):
     finished, sched = simulate(*workload)
     for i, a in enumerate(arrivals):
         rid = f"r{i}"
-        room = min(a.max_tokens, max_model_len - len(a.prompt))
+        room = max_model_len - len(a.prompt) if a.max_tokens is None else a.max_tokens
         if a.abort_at is None:
             assert rid in finished, f"{rid} never finished"
         if rid in finished:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from shardlm.engine.async_llm import AsyncLLM
+from shardlm.engine.processor import check_max_tokens
 from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, RequestLimits
 from shardlm.outputs import Logprob, RequestOutput
 from shardlm.sampling_params import RequestOutputKind, SamplingParams
@@ -76,11 +77,10 @@ class OpenAIServing:
 
     def sampling_params(self, req, max_tokens: int | None, prompt_len: int, **extra) -> SamplingParams:
         """Streams get deltas (only what is new each step); the others one final output."""
-        if max_tokens is not None and prompt_len + max_tokens > self.max_model_len:
-            raise OpenAIError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
-                "Please reduce the length of the prompt or the completion.", 400, "max_tokens")
+        try:
+            check_max_tokens(prompt_len, max_tokens, self.max_model_len)
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, "max_tokens") from e
         values = {f: getattr(req, f) if getattr(req, f) is not None else getattr(self.defaults, f) for f in _DEFAULTED}
         try:
             return SamplingParams(
