@@ -204,7 +204,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 # CPU instructions that multiply bfloat16 natively; without them oneDNN converts every weight
-# to float32 on the fly (2.7x slower than float32 on an Ice Lake Xeon)
+# to float32 on the fly, slower than float32 itself
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 

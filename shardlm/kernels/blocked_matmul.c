@@ -6,10 +6,9 @@
 // broadcast and multiplied into NR/16 vectors of the panel, MR x NR/16 float32 accumulators in
 // registers. A panel is one contiguous stream (the hardware prefetcher follows it) and each of
 // its bytes feeds MR rows; the dot-product form of the skinny kernel instead reloads x for every
-// four weight rows and sums each accumulator horizontally. Measured on a 2-core Xeon (AVX-512
-// BF16, no AMX), 64 rows: float32 1.05-1.25x oneDNN on its own packed layout, bfloat16 1.4-1.8x
-// (oneDNN multiplies bfloat16 with vdpbf16ps, at half the FMA rate on this CPU); one row: at
-// memory bandwidth, as the skinny kernel.
+// four weight rows and sums each accumulator horizontally. At a few dozen rows this beats oneDNN
+// on its own packed layout; at one row it streams at memory bandwidth, as the skinny kernel
+// (figures: docs/ARCHITECTURE.md, "Measured choices").
 //
 // Every output is the sum over k in order, one FMA at a time: a row's result does not depend on
 // how many rows are computed with it. bfloat16 weights and x are widened to float32 exactly.
@@ -216,7 +215,6 @@ static inline __attribute__((always_inline)) vf16 load_table(const uint8_t *tabl
 // The next panel's bytes, asked for into L2 while this panel's later row tiles run from cache
 // (only the first tile over a panel reads it from memory; without this the memory bus idles
 // during the others): `lines` cache lines every AHEAD_SEGMENT values of k, from at until end.
-// 2-core Zen 5, bfloat16 2048 x 768 from DRAM, 32 rows: 374-380 -> 423-426 GFLOP/s.
 typedef struct { const char *at, *end; int lines; } ahead_t;
 #define AHEAD_SEGMENT 16
 

@@ -2,8 +2,8 @@
 
 On CPUs with AVX-512, every weight is repacked once at load into shardlm's panel layout and
 every product, from one decode row to a whole prompt, runs kernels/blocked_matmul.c on it: a
-broadcast-form GEMM that beats oneDNN on its own packed layout at a few dozen rows (float32
-1.05-1.25x, bfloat16 1.4-1.8x on a 2-core Xeon) and streams at memory bandwidth at one row. Its
+broadcast-form GEMM that beats oneDNN on its own packed layout at a few dozen rows and streams
+at memory bandwidth at one row (figures: docs/ARCHITECTURE.md, "Measured choices"). Its
 results do not depend on the batch a row is in. On CPUs with AVX2 only, bfloat16 weights go into
 the same panels (AVX2 tiles; oneDNN has no native bfloat16 there), float32 ones do not.
 
@@ -140,8 +140,8 @@ def prepare_weight(weight: torch.Tensor) -> tuple[torch.Tensor | None, CpuMatmul
         return None, None
     N, K = weight.shape
     # AVX-512's panels beat oneDNN from one row to a prompt. AVX2's tiles (a quarter of the rows
-    # per tile) do for bfloat16 (oneDNN widens it without native instructions: 2.4-3.3x at 64
-    # rows), not quite for float32 at many rows (0.87x of oneDNN at 64), which keeps its kernels
+    # per tile) do for bfloat16, which oneDNN widens without native instructions, but not for
+    # float32 at many rows, which keeps its kernels
     if blocked_matmul() is not None and (kernels.blocked_vector_bits() == 512 or weight.dtype == torch.bfloat16):
         return pack_blocked(weight), CpuMatmul(N, K, blocked=True)
     rows = skinny_max_rows(weight)

@@ -106,7 +106,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight = nn.Parameter(packed, requires_grad=False)
             if self.tied_to is not None and self.cpu_matmul.blocked:
                 # the embedding looks its rows up in the packed weight: one copy of the table
-                # (two would push the bfloat16 default model past a 260 MiB L3: 110 -> 71 tok/s)
+                # (a second would push a small model's weights out of the last-level cache)
                 self.tied_to.weight, self.tied_to.cpu_matmul = self.weight, self.cpu_matmul
             # else a tied embedding keeps its plain weight and this is a second copy
 

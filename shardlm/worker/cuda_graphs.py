@@ -1,8 +1,8 @@
 """Decode steps replayed from CUDA graphs (what vLLM's --enforce-eager turns off).
 
-A decode step of a small model on a GPU is mostly launch overhead: on an H100 the default
-model's kernels took 0.44 s of a 6.5 s run of the shared workload; the rest was Python and the
-launch path of some 600 kernels a step. A captured graph replays a step's kernels in one launch.
+A decode step of a small model on a GPU is mostly launch overhead: the GPU's kernels are a
+small part of it, the rest is Python and the launch path of some 600 kernels a step. A captured
+graph replays a step's kernels in one launch.
 
 A graph reads fixed addresses with fixed shapes. The attention metadata already lives in the
 CUDA backend's preallocated buffers (attention/cuda.py); token ids and positions are copied into
