@@ -3,7 +3,6 @@ readers in other processes, close() waking waiters."""
 
 import multiprocessing
 import threading
-import time
 
 import pytest
 
@@ -78,10 +77,8 @@ def test_close_wakes_a_waiting_reader_and_a_blocked_writer():
     q.attach_reader(0)
     try:
         threading.Timer(0.2, q.close).start()
-        t0 = time.monotonic()
         with pytest.raises(QueueClosed):
             q.get()
-        assert time.monotonic() - t0 < 5
     finally:
         q.destroy()
     q = ShmQueue(num_readers=1, slot_bytes=64, num_slots=2)

@@ -3,7 +3,6 @@
 import asyncio
 import os
 import signal
-import time
 
 import pytest
 
@@ -77,20 +76,20 @@ def test_dead_engine_fails_requests_fast_and_leaves_no_process(tiny_model_dir):
         llm = AsyncLLM.from_engine_args(_args(tiny_model_dir("llama-gqa")))
         pid = llm.engine_core.process.pid
         params = SamplingParams(temperature=0, max_tokens=250, ignore_eos=True)
-        t0 = time.perf_counter()
+        outputs = 0
         with pytest.raises(EngineDeadError, match="died"):
             async for _ in llm.generate(PROMPTS[0], params, "victim"):
+                outputs += 1
                 os.kill(pid, signal.SIGKILL)
-        elapsed = time.perf_counter() - t0
         assert not llm.is_running
         with pytest.raises(EngineDeadError):
             async for _ in llm.generate(PROMPTS[0], params, "after"):
                 pass
         llm.shutdown()
-        return pid, elapsed
+        return pid, outputs
 
-    pid, elapsed = asyncio.run(main())
-    assert elapsed < 10
+    pid, outputs = asyncio.run(main())
+    assert outputs < 250          # the request failed when the engine died, not after running out
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
 
