@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -42,110 +42,143 @@ _DTYPES = {
 }
 
 
+def knob(default, lands_in: str, help: str, short: str | None = None):
+    """An EngineArgs field: its default, the config it lands in ("model", "cache", "scheduler",
+    "parallel", or "engine" for the device), its help text and an optional short flag."""
+    return field(default=default, metadata={"lands_in": lands_in, "help": help, "short": short})
+
+
 @dataclass
 class EngineArgs:
-    """Every user-facing engine knob, with vLLM's names. `LLM(**kwargs)` and the CLI use this."""
+    """Every user-facing engine knob, with vLLM's names, each declared once here: type, default,
+    help, the config it lands in (a field of the same name there, unless resolved) and a short
+    flag. The CLI flags (entrypoints/cli.py) and `LLM(**kwargs)` are made from these fields."""
 
-    model: str | None = None           # HF model directory; None = the embedded default model
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    device: str = "auto"
-    served_model_name: str | None = None
-    download_dir: str | None = None
-    block_size: int = 16
-    kv_cache_memory: int | str = 4 << 30
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    data_parallel_size_local: int | None = None
-    data_parallel_start_rank: int = 0
-    data_parallel_address: str | None = None
-    data_parallel_rpc_port: int | None = None
-    data_parallel_backend: str = "mp"
-    distributed_executor_backend: str | None = None
-    distributed_init_timeout: float = 300.0
-    cpu_threads_bind: str = "auto"
-    pp_layer_partition: str | None = None
-    allow_cross_node_tp: bool = False
-    execute_model_timeout: float = 300.0
-    enable_expert_parallel: bool = False
-    quantization: str | None = None
-    quantization_group_size: int | None = None
-    enforce_eager: bool = False
-
-    HELP = {
-        "model": "Hugging Face model directory (config.json, safetensors, tokenizer); "
-                 "leave out for the embedded default model, SmolLM2-135M-Instruct",
-        "tokenizer": "tokenizer directory, if not the model's",
-        "dtype": "auto (the checkpoint's; float32 on CPU for float16 checkpoints), float32, bfloat16, "
-                 "float16 (CUDA only)",
-        "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's maximum",
-        "seed": "random seed for sampling without a per-request seed",
-        "device": "auto, cpu or cuda",
-        "served_model_name": "model name reported by the server",
-        "download_dir": "directory to look for the model in",
-        "block_size": "tokens per KV cache block",
-        "kv_cache_memory": "CPU: memory for the KV cache, bytes or e.g. 4GiB",
-        "gpu_memory_utilization": "CUDA: fraction of device memory for weights, activations and KV cache",
-        "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
-        "max_num_seqs": "most sequences in one step",
-        "max_num_batched_tokens": "most tokens in one step (long prompts are prefilled in chunks)",
-        "tensor_parallel_size": "number of tensor parallel ranks",
-        "pipeline_parallel_size": "number of pipeline stages",
-        "data_parallel_size": "number of data parallel replicas (each an engine core with its own TP x PP "
-                              "ranks and KV cache; the server spreads requests over them)",
-        "data_parallel_size_local": "replicas this node runs (default: all of them)",
-        "data_parallel_start_rank": "the first replica this node runs (multi-node data parallel)",
-        "data_parallel_address": "address of the node that runs the API server (multi-node data parallel)",
-        "data_parallel_rpc_port": "port on that address where remote replicas join (multi-node data parallel)",
-        "data_parallel_backend": "mp (replicas as processes of this node) or ray (replicas placed on Ray nodes)",
-        "distributed_executor_backend": "uni (one process), mp (processes on this node) or ray (nodes); "
-                                        "default: uni for one rank, mp when every rank fits on this node "
-                                        "and this is not a Ray placement group, else ray",
-        "distributed_init_timeout": "seconds to wait for every rank to join before failing with the missing ones",
-        "execute_model_timeout": "seconds a step of worker processes may take (the first excluded) before the "
-                                 "engine fails, naming the ranks that did not answer (a hung or stopped worker)",
-        "pp_layer_partition": "layers per pipeline stage, e.g. 16,14 (default: balanced, the LM head "
-                              "counted as the decoder layers it weighs on the last stage)",
-        "allow_cross_node_tp": "Ray: allow a tensor parallel group to span nodes (two all-reduces per layer "
-                               "over the network; refused by default)",
-        "quantization": "weight-only quantization of the linear layers at load: int8 (one scale per row) or "
-                        "int4 (asymmetric, groups of 128 columns, else 64 or 32 where 128 does not divide); "
-                        "embeddings, LM head and experts stay in --dtype. Faster only with --dtype bfloat16. gguf: a "
-                        ".gguf model's own Q8_0/Q4_0/Q4_1 blocks; GPTQ and AWQ checkpoints (4-bit) are detected "
-                        "from config.json and run as stored",
-        "quantization_group_size": "input columns per quantization scale (-1: one per row; default: int8 -1, "
-                                   "int4 128)",
-        "enforce_eager": "run every step layer by layer from Python: no one-call C decode path on CPU (the "
-                         "counterpart of the CUDA graphs vLLM's flag turns off); the same results, slower",
-        "enable_expert_parallel": "MoE models: place whole experts on the ranks of each stage's DP x TP group "
-                                  "(each loads only its experts) instead of slicing every expert across TP; "
-                                  "with -dp the replicas run their MoE layers in lock-step",
-        "cpu_threads_bind": "CPU: 'auto' (share this machine's cores evenly among ranks), 'nobind', or one core "
-                            "list per rank separated by '|', e.g. '0-3|4-7' (pins each rank to its cores)",
-    }
-    SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
+    model: str | None = knob(
+        None, "model",
+        "Hugging Face model directory (config.json, safetensors, tokenizer); leave out for the "
+        "embedded default model, SmolLM2-135M-Instruct")
+    tokenizer: str | None = knob(
+        None, "model",
+        "tokenizer directory, if not the model's")
+    dtype: str = knob(
+        "auto", "model",
+        "auto (the checkpoint's; float32 on CPU for float16 checkpoints), float32, bfloat16, "
+        "float16 (CUDA only)")
+    max_model_len: int | None = knob(
+        None, "model",
+        "longest sequence (prompt + output) in tokens; default: the model's maximum")
+    seed: int = knob(
+        0, "model",
+        "random seed for sampling without a per-request seed")
+    device: str = knob(
+        "auto", "engine",
+        "auto, cpu or cuda")
+    served_model_name: str | None = knob(
+        None, "model",
+        "model name reported by the server")
+    download_dir: str | None = knob(
+        None, "model",
+        "directory to look for the model in")
+    block_size: int = knob(
+        16, "cache",
+        "tokens per KV cache block")
+    kv_cache_memory: int | str = knob(
+        4 << 30, "cache",
+        "CPU: memory for the KV cache, bytes or e.g. 4GiB")
+    gpu_memory_utilization: float = knob(
+        0.9, "cache",
+        "CUDA: fraction of device memory for weights, activations and KV cache")
+    enable_prefix_caching: bool = knob(
+        True, "cache",
+        "reuse the KV cache of shared prompt prefixes")
+    max_num_seqs: int = knob(
+        256, "scheduler",
+        "most sequences in one step")
+    max_num_batched_tokens: int | None = knob(
+        None, "scheduler",
+        "most tokens in one step (long prompts are prefilled in chunks)")
+    tensor_parallel_size: int = knob(
+        1, "parallel",
+        "number of tensor parallel ranks", short="-tp")
+    pipeline_parallel_size: int = knob(
+        1, "parallel",
+        "number of pipeline stages", short="-pp")
+    data_parallel_size: int = knob(
+        1, "parallel",
+        "number of data parallel replicas (each an engine core with its own TP x PP ranks and KV "
+        "cache; the server spreads requests over them)", short="-dp")
+    data_parallel_size_local: int | None = knob(
+        None, "parallel",
+        "replicas this node runs (default: all of them)")
+    data_parallel_start_rank: int = knob(
+        0, "parallel",
+        "the first replica this node runs (multi-node data parallel)")
+    data_parallel_address: str | None = knob(
+        None, "parallel",
+        "address of the node that runs the API server (multi-node data parallel)")
+    data_parallel_rpc_port: int | None = knob(
+        None, "parallel",
+        "port on that address where remote replicas join (multi-node data parallel)")
+    data_parallel_backend: str = knob(
+        "mp", "parallel",
+        "mp (replicas as processes of this node) or ray (replicas placed on Ray nodes)")
+    distributed_executor_backend: str | None = knob(
+        None, "parallel",
+        "uni (one process), mp (processes on this node) or ray (nodes); default: uni for one "
+        "rank, mp when every rank fits on this node and this is not a Ray placement group, else "
+        "ray")
+    distributed_init_timeout: float = knob(
+        300.0, "parallel",
+        "seconds to wait for every rank to join before failing with the missing ones")
+    cpu_threads_bind: str = knob(
+        "auto", "parallel",
+        "CPU: 'auto' (share this machine's cores evenly among ranks), 'nobind', or one core list "
+        "per rank separated by '|', e.g. '0-3|4-7' (pins each rank to its cores)")
+    pp_layer_partition: str | None = knob(
+        None, "parallel",
+        "layers per pipeline stage, e.g. 16,14 (default: balanced, the LM head counted as the "
+        "decoder layers it weighs on the last stage)")
+    allow_cross_node_tp: bool = knob(
+        False, "parallel",
+        "Ray: allow a tensor parallel group to span nodes (two all-reduces per layer over the "
+        "network; refused by default)")
+    execute_model_timeout: float = knob(
+        300.0, "parallel",
+        "seconds a step of worker processes may take (the first excluded) before the engine "
+        "fails, naming the ranks that did not answer (a hung or stopped worker)")
+    enable_expert_parallel: bool = knob(
+        False, "parallel",
+        "MoE models: place whole experts on the ranks of each stage's DP x TP group (each loads "
+        "only its experts) instead of slicing every expert across TP; with -dp the replicas run "
+        "their MoE layers in lock-step")
+    quantization: str | None = knob(
+        None, "model",
+        "weight-only quantization of the linear layers at load: int8 (one scale per row) or int4 "
+        "(asymmetric, groups of 128 columns, else 64 or 32 where 128 does not divide); "
+        "embeddings, LM head and experts stay in --dtype. Faster only with --dtype bfloat16. "
+        "gguf: a .gguf model's own Q8_0/Q4_0/Q4_1 blocks; GPTQ and AWQ checkpoints (4-bit) are "
+        "detected from config.json and run as stored")
+    quantization_group_size: int | None = knob(
+        None, "model",
+        "input columns per quantization scale (-1: one per row; default: int8 -1, int4 128)")
+    enforce_eager: bool = knob(
+        False, "model",
+        "run every step layer by layer: no CUDA graphs on a GPU, no one-call C decode path on "
+        "CPU; the same results, slower")
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
 
+    def landing_in(self, config: str) -> dict:
+        """The knobs that land in `config` as they were given, by field name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata["lands_in"] == config}
+
     def create_engine_config(self) -> EngineConfig:
         """Resolve every knob and check the layout and memory; raises ValueError with what to do."""
-        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                  self.data_parallel_size, self.distributed_executor_backend,
-                                  self.distributed_init_timeout, self.cpu_threads_bind,
-                                  _parse_partition(self.pp_layer_partition), self.allow_cross_node_tp,
-                                  self.execute_model_timeout, self.data_parallel_size_local,
-                                  self.data_parallel_start_rank, self.data_parallel_backend,
-                                  self.data_parallel_address, self.data_parallel_rpc_port,
-                                  enable_expert_parallel=self.enable_expert_parallel)
+        parallel = ParallelConfig(**{**self.landing_in("parallel"),
+                                     "pp_layer_partition": _parse_partition(self.pp_layer_partition)})
         self._check_data_parallel(parallel)
         # on Ray a core list is per node (checked when the ranks are placed)
         validate_binding(parallel.cpu_threads_bind, None if parallel.distributed_executor_backend == "ray"
@@ -170,8 +203,7 @@ class EngineArgs:
                 gguf_source=gguf_source(self.model),
                 checkpoint=checkpoint_method(getattr(hf_config, "quantization_config", None))),
             enforce_eager=self.enforce_eager)
-        cache = CacheConfig(self.block_size, parse_size(self.kv_cache_memory),
-                            self.gpu_memory_utilization, self.enable_prefix_caching)
+        cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
         scheduler = SchedulerConfig(
             self.max_num_seqs, self.max_num_batched_tokens or max(8192, self.max_num_seqs), max_model_len)
         config = EngineConfig(model_cfg, cache, scheduler, parallel, device)

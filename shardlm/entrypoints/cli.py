@@ -14,15 +14,13 @@ from shardlm.executor.selection import BACKENDS
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineArgs field, named as vLLM names them."""
-    parser.add_argument("model", nargs="?", default=None, help=EngineArgs.HELP["model"])
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineArgs):
         if f.name == "model":
+            parser.add_argument("model", nargs="?", default=None, help=f.metadata["help"])
             continue
-        flags = [f"--{f.name.replace('_', '-')}"]
-        if f.name in EngineArgs.SHORT_FLAGS:
-            flags.append(EngineArgs.SHORT_FLAGS[f.name])
-        kwargs = {"dest": f.name, "default": f.default, "help": EngineArgs.HELP.get(f.name, "")}
+        flags = [f"--{f.name.replace('_', '-')}"] + ([f.metadata["short"]] if f.metadata["short"] else [])
+        kwargs = {"dest": f.name, "default": f.default, "help": f.metadata["help"]}
         if isinstance(f.default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
         else:   # from the annotation: "int | str" takes a string (e.g. 4GiB), "float", else int

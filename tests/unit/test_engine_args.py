@@ -1,0 +1,34 @@
+"""Each engine knob is declared once (engine/arg_utils.py: EngineArgs): the CLI flags, the LLM
+keywords and the configs are made from that one declaration."""
+
+import argparse
+import dataclasses
+
+from shardlm.config import CacheConfig, ParallelConfig
+from shardlm.engine.arg_utils import EngineArgs
+from shardlm.entrypoints.cli import add_engine_args, engine_args_from
+
+CONFIGS = {"parallel": ParallelConfig, "cache": CacheConfig}
+
+
+def test_every_knob_is_declared_whole_and_lands_in_a_config_field():
+    for f in dataclasses.fields(EngineArgs):
+        assert f.metadata["help"], f.name
+        target = CONFIGS.get(f.metadata["lands_in"])
+        if target is not None:
+            assert f.name in {g.name for g in dataclasses.fields(target)}, f"{f.name} is no field of {target}"
+        else:
+            assert f.metadata["lands_in"] in ("model", "scheduler", "engine"), f.name
+
+
+def test_the_cli_has_one_flag_per_knob_with_its_default():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    defaults = engine_args_from(parser.parse_args([]))
+    assert defaults == EngineArgs()
+    given = engine_args_from(parser.parse_args(["m", "-tp", "2", "--no-enable-prefix-caching", "--kv-cache-memory",
+                                                "1GiB", "--execute-model-timeout", "7.5"]))
+    assert (given.model, given.tensor_parallel_size, given.enable_prefix_caching, given.kv_cache_memory,
+            given.execute_model_timeout) == ("m", 2, False, "1GiB", 7.5)
+    assert given.landing_in("cache") == {"block_size": 16, "kv_cache_memory": "1GiB", "gpu_memory_utilization": 0.9,
+                                         "enable_prefix_caching": False}
