@@ -113,7 +113,7 @@ class UtilityResult(msgspec.Struct, tag=True):
 
 
 class StartWave(msgspec.Struct, tag=True):
-    """To an engine core: another replica started lock-step wave `number` (engine/wave.py)."""
+    """To an engine core: another replica started lock-step wave `number` (core/wave.py)."""
     number: int
 
 

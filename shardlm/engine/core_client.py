@@ -91,7 +91,7 @@ class InprocClient(EngineCoreClient):
     """The engine core in this process: get_output() runs one step."""
 
     def __init__(self, config: EngineConfig):
-        from shardlm.engine.engine_core import EngineCore
+        from shardlm.core.engine_core import EngineCore
         self.engine_core = EngineCore(config)
         self.num_blocks = self.engine_core.num_blocks
 
@@ -330,7 +330,7 @@ class MPClient(EngineCoreClient):
 
     # ---- from the engine cores (reader threads) ----
     def _on_core_message(self, index: int, msg: EngineCoreOutputs | UtilityResult | WaveStarted) -> None:
-        if isinstance(msg, WaveStarted):        # DP + EP lock-step: every replica joins (engine/wave.py)
+        if isinstance(msg, WaveStarted):        # DP + EP lock-step: every replica joins (core/wave.py)
             for core in self.cores:
                 if core.index != index and core.dead_reason is None:
                     try:

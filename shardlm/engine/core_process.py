@@ -42,7 +42,7 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
                     node_address: str | None = None) -> None:
     """Entry point of the engine core process. node_address: this node's address when the data
     parallel groups cross nodes (gloo/NCCL of this process and its workers bind to it)."""
-    from shardlm.engine.engine_core import EngineCore
+    from shardlm.core.engine_core import EngineCore
 
     if multiprocessing.parent_process() is not None:
         die_with_parent()         # its client died (even during start-up): so does it, and its workers

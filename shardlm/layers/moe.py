@@ -11,7 +11,7 @@ and `w2` [E_local, H, I']. Two ways to spread them over ranks:
   token routed to them and an all-reduce over the EP group sums the ranks' parts. With data
   parallel the replicas' tokens are first all-gathered across the DP group (so each replica's
   ranks see every token), and after the all-reduce each replica keeps its own rows. That is why
-  DP + EP replicas must run every step together (see `dp_token_counts`, engine/wave.py).
+  DP + EP replicas must run every step together (see `dp_token_counts`, core/wave.py).
 
 Dispatch has no loop over tokens: the (token, expert) pairs this rank serves are sorted by
 expert once per step, each active expert runs its tokens as one matmul, and the results are

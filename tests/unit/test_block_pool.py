@@ -1,8 +1,8 @@
 import pytest
 
-from shardlm.engine.block_pool import BlockPool
-from shardlm.engine.kv_cache_manager import KVCacheManager
-from shardlm.engine.request import Request, hash_block_tokens
+from shardlm.core.block_pool import BlockPool
+from shardlm.core.kv_cache_manager import KVCacheManager
+from shardlm.core.request import Request, hash_block_tokens
 from shardlm.sampling_params import SamplingParams
 
 
@@ -115,7 +115,7 @@ def test_prefix_keys_are_keyed_per_process():
     drawn per process, so the same tokens give another key in another process."""
     import subprocess
     import sys
-    code = "from shardlm.engine.request import hash_block_tokens as h; print(h(None, (1, 2, 3, 4)).hex())"
+    code = "from shardlm.core.request import hash_block_tokens as h; print(h(None, (1, 2, 3, 4)).hex())"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     here = hash_block_tokens(None, (1, 2, 3, 4))
     assert len(here) == 16 and other != here.hex()

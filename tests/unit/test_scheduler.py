@@ -1,6 +1,6 @@
 from shardlm.config import CacheConfig, SchedulerConfig
-from shardlm.engine.request import Request, RequestStatus
-from shardlm.engine.scheduler import Scheduler
+from shardlm.core.request import Request, RequestStatus
+from shardlm.core.scheduler import Scheduler
 from shardlm.messages import ModelRunnerOutput
 from shardlm.sampling_params import SamplingParams
 

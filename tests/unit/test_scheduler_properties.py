@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardlm.config import CacheConfig, SchedulerConfig
-from shardlm.engine.request import Request
-from shardlm.engine.scheduler import Scheduler
+from shardlm.core.request import Request
+from shardlm.core.scheduler import Scheduler
 from shardlm.messages import ModelRunnerOutput, SchedulerOutput
 from shardlm.sampling_params import SamplingParams
 from shardlm.utils import cdiv

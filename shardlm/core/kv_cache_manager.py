@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shardlm.engine.block_pool import BlockPool, KVCacheBlock
-from shardlm.engine.request import Request
+from shardlm.core.block_pool import BlockPool, KVCacheBlock
+from shardlm.core.request import Request
 from shardlm.utils import cdiv
 
 

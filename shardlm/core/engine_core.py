@@ -15,9 +15,9 @@ import time
 from collections import deque
 
 from shardlm.config import EngineConfig, format_bytes
-from shardlm.engine.request import Request
-from shardlm.engine.scheduler import Scheduler
-from shardlm.engine.wave import Wave
+from shardlm.core.request import Request
+from shardlm.core.scheduler import Scheduler
+from shardlm.core.wave import Wave
 from shardlm.executor.selection import executor_class
 from shardlm.logger import init_logger
 from shardlm.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput

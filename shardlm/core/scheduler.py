@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections import deque
 
 from shardlm.config import CacheConfig, SchedulerConfig
-from shardlm.engine.kv_cache_manager import KVCacheManager
-from shardlm.engine.request import Request, RequestStatus
+from shardlm.core.kv_cache_manager import KVCacheManager
+from shardlm.core.request import Request, RequestStatus
 from shardlm.logger import init_logger
 from shardlm.messages import EngineCoreOutput, ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 
