@@ -8,9 +8,11 @@
         SyncMPClient            get_output() blocks
         AsyncMPClient           get_output_async() awaits, on the caller's event loop
 
-In the multiprocess clients a reader thread per engine core drains its output pipe at once (so
-neither side ever blocks on a full pipe) and hands each message on: outputs to one queue,
-utility results to the waiting caller, a core's death to everything that waits on it.
+The multiprocess clients start their cores through launcher.py and reach each through its
+channel (core_channel.py), whose reader thread drains its output pipe at once (so neither side
+ever blocks on a full pipe) and hands each message on: outputs to one queue, utility results to
+the waiting caller, a core's death to everything that waits on it. With data parallel, the
+routing of requests to replicas is the LoadBalancer's (dp.py).
 """
 
 from __future__ import annotations
@@ -18,34 +20,27 @@ from __future__ import annotations
 import asyncio
 import atexit
 import itertools
-import multiprocessing
 import queue
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from concurrent.futures import Future
-from multiprocessing.connection import wait
 from typing import Any
 
 import msgspec
 
 from shardlm.config import EngineConfig
-from shardlm.distributed.network import host_ip
-from shardlm.distributed.parallel_state import host_store
-from shardlm.engine.core_process import call_utility, check_utility, run_engine_core
-from shardlm.engine.dp import LoadBalancer, combine_utility, replica_configs
-from shardlm.engine.dp_remote import JoinListener, fingerprint
+from shardlm.engine.core_channel import EngineDeadError
+from shardlm.engine.core_process import call_utility, check_utility
+from shardlm.engine.dp import LoadBalancer, combine_utility
+from shardlm.engine.launcher import LaunchedCores
 from shardlm.logger import init_logger
 from shardlm.messages import (
     AbortRequests,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    Failed,
-    FromEngineCore,
-    Ready,
     Shutdown,
-    StartupFailed,
     StartWave,
     UtilityCall,
     UtilityResult,
@@ -53,10 +48,6 @@ from shardlm.messages import (
 )
 
 logger = init_logger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core is gone; requests in flight cannot finish."""
 
 
 class EngineCoreClient(ABC):
@@ -111,146 +102,6 @@ class InprocClient(EngineCoreClient):
         self.engine_core.shutdown()
 
 
-class CoreChannel:
-    """One engine core as its client sees it: messages to it, messages from it, and its death.
-    A reader thread hands each message to `on_message(index, msg)` and the death (a Failed
-    message, the connection closing or the process exiting) to `on_death(index, reason)`."""
-
-    def __init__(self, config: EngineConfig, index: int, send_conn, recv_conn, sentinels: list):
-        self.index = index
-        self.config = config
-        self._send_conn, self._recv_conn, self._sentinels = send_conn, recv_conn, sentinels
-        self._decode = msgspec.msgpack.Decoder(FromEngineCore).decode
-        self._send_lock = threading.Lock()
-        self.closing = False
-        self.dead_reason: str | None = None
-        self._reader: threading.Thread | None = None
-
-    @property
-    def name(self) -> str:
-        par = self.config.parallel
-        if par.data_parallel_size == 1:
-            return "The engine core"
-        first = par.rank_offset
-        ranks = f"world rank {first}" if par.world_size == 1 else f"world ranks {first}-{first + par.world_size - 1}"
-        return f"Data parallel replica {par.data_parallel_rank} ({ranks})"
-
-    def _gone(self) -> str:
-        """Why the channel ended without a Failed message."""
-        raise NotImplementedError
-
-    def wait_ready(self) -> int:
-        """Its KV cache blocks once it started; raises why it did not."""
-        ready = wait([self._recv_conn, *self._sentinels])
-        if self._recv_conn in ready:
-            try:
-                msg = self._decode(self._recv_conn.recv_bytes())
-            except (EOFError, OSError):
-                msg = None
-            if isinstance(msg, Ready):
-                return msg.num_blocks
-            if isinstance(msg, StartupFailed):
-                raise RuntimeError(f"{self.name} failed to start: {msg.error}")
-        raise EngineDeadError(f"{self.name} ended during start-up: {self._gone()}")
-
-    def start_reader(self, on_message, on_death) -> None:
-        self._reader = threading.Thread(target=self._read, args=(on_message, on_death),
-                                        name=f"shardlm-core-outputs-{self.index}", daemon=True)
-        self._reader.start()
-
-    def _read(self, on_message, on_death) -> None:
-        while True:
-            ready = wait([self._recv_conn, *self._sentinels])
-            if self._recv_conn in ready:
-                try:
-                    msg = self._decode(self._recv_conn.recv_bytes())
-                except (EOFError, OSError):
-                    msg = None
-                if isinstance(msg, (EngineCoreOutputs, UtilityResult, WaveStarted)):
-                    on_message(self.index, msg)
-                    continue
-                if isinstance(msg, Failed):
-                    self.dead_reason = f"{self.name} stopped: {msg.error}"
-                    on_death(self.index, self.dead_reason)
-                    return
-            if not self.closing:
-                self.dead_reason = f"{self.name} {self._gone()}"
-                on_death(self.index, self.dead_reason)
-            return
-
-    def send(self, data: bytes) -> None:
-        if self.dead_reason:
-            raise EngineDeadError(self.dead_reason)
-        with self._send_lock:
-            try:
-                self._send_conn.send_bytes(data)
-            except (BrokenPipeError, OSError) as e:
-                raise EngineDeadError(self.dead_reason or f"{self.name} is gone.") from e
-
-    def shutdown(self, shutdown_msg: bytes, timeout: float) -> None:
-        self.closing = True
-        try:
-            self.send(shutdown_msg)
-        except EngineDeadError:
-            pass
-
-    def _close(self) -> None:
-        if self._reader is not None:
-            self._reader.join(5)
-        for conn in {id(c): c for c in (self._send_conn, self._recv_conn)}.values():
-            conn.close()
-
-
-class CoreProcess(CoreChannel):
-    """An engine core in a process of this node, behind two pipes."""
-
-    def __init__(self, config: EngineConfig, index: int, node_address: str | None = None):
-        ctx = multiprocessing.get_context("spawn")
-        req_recv, req_send = ctx.Pipe(duplex=False)
-        out_recv, out_send = ctx.Pipe(duplex=False)
-        # not daemonic: it starts the worker processes itself; the client stops it
-        self.process = ctx.Process(target=run_engine_core, name=f"shardlm-engine-core-{index}",
-                                   args=(config, req_recv, out_send, node_address))
-        self.process.start()
-        req_recv.close()
-        out_send.close()
-        super().__init__(config, index, req_send, out_recv, [self.process.sentinel])
-
-    def _gone(self) -> str:
-        self.process.join(1)
-        return f"process (pid {self.process.pid}) died (exit code {self.process.exitcode})."
-
-    def shutdown(self, shutdown_msg: bytes, timeout: float) -> None:
-        if self.process.is_alive():
-            super().shutdown(shutdown_msg, timeout)
-            self.process.join(timeout)
-        self.closing = True
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(5)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-        self._close()
-
-
-class RemoteCore(CoreChannel):
-    """An engine core on a headless node, behind the socket it joined through (dp_remote.py)."""
-
-    def __init__(self, config: EngineConfig, index: int, conn):
-        super().__init__(config, index, conn, conn, [])
-
-    def _gone(self) -> str:
-        return "closed its connection (its node or process is gone)."
-
-    def shutdown(self, shutdown_msg: bytes, timeout: float) -> None:
-        super().shutdown(shutdown_msg, timeout)
-        # it exits after Shutdown; the reader sees the connection close
-        if self._reader is not None:
-            self._reader.join(timeout)
-        self._close()
-
-
 class _Gather:
     """A utility call sent to several engine cores: the caller's future gets the combined answer."""
 
@@ -273,51 +124,14 @@ class MPClient(EngineCoreClient):
         self._call_ids = itertools.count()
         self._gathers: dict[int, tuple[_Gather, int]] = {}     # call id -> (its gather, replica)
         self._state_lock = threading.Lock()
-        par = config.parallel
-        self._store, self._ray_replicas = None, None
-        master, listener, node_address = None, None, None
-        if par.data_parallel_size > 1:
-            # every replica's ranks join one world through this store (the DP x PP x TP grid)
-            # the Ray actors may be on other nodes: they reach this node by its address
-            host = par.data_parallel_address or (host_ip() if par.data_parallel_backend == "ray" else "127.0.0.1")
-            if par.data_parallel_size_local < par.data_parallel_size:
-                listener = JoinListener(host, par.data_parallel_rpc_port or 0)   # before anything can join
-                node_address = host        # our replicas' DP groups cross nodes: gloo/NCCL bind to it
-            self._store = host_store(host, par.world_size_across_dp, par.distributed_init_timeout)
-            master = (host, self._store.port)
-        # all start before any is waited for: their ranks rendezvous together
-        local = replica_configs(config, master) if par.data_parallel_size_local else []
-        self.cores: list[CoreChannel] = [CoreProcess(c, k, node_address) for k, c in enumerate(local)]
-        try:
-            if par.data_parallel_backend == "ray" and par.data_parallel_size > 1:
-                from shardlm.engine.dp_ray import RayReplicas
-                self._ray_replicas = RayReplicas(config, listener.address)
-            if listener is not None:
-                self.cores += self._accept_remote(config, listener, master, local)
-            self.num_blocks_per_engine = [core.wait_ready() for core in self.cores]
-        except BaseException:
-            self._stop_cores(timeout=5)
-            raise
-        finally:
-            if listener is not None:
-                listener.close()
+        self.launched = LaunchedCores(config)
+        self.cores = self.launched.cores
+        self.num_blocks_per_engine = self.launched.num_blocks
         self.num_blocks = self.num_blocks_per_engine[0]
         self.balancer = LoadBalancer(len(self.cores), config.cache.block_size)
         for core in self.cores:
             core.start_reader(self._on_core_message, self._on_core_death)
         atexit.register(self.shutdown)
-
-    @staticmethod
-    def _accept_remote(config: EngineConfig, listener: JoinListener, master: tuple[str, int],
-                       local: list[EngineConfig]) -> list[CoreChannel]:
-        """The replicas of the other nodes, once each has joined (in replica order after ours)."""
-        import dataclasses
-        par = config.parallel
-        ours = {c.parallel.data_parallel_rank for c in local}
-        expected = [r for r in range(par.data_parallel_size) if r not in ours]
-        joined = listener.accept_replicas(expected, fingerprint(config), master, par.distributed_init_timeout)
-        return [RemoteCore(dataclasses.replace(config, parallel=dataclasses.replace(par, data_parallel_rank=r)),
-                           len(local) + i, joined[r]) for i, r in enumerate(expected)]
 
     @property
     def process(self):
@@ -458,15 +272,7 @@ class MPClient(EngineCoreClient):
         self._stop_cores(timeout)
 
     def _stop_cores(self, timeout: float) -> None:
-        shutdown = self._encode(Shutdown())
-        for core in self.cores:
-            core.closing = True
-        for core in self.cores:
-            core.shutdown(shutdown, timeout)
-        if self._ray_replicas is not None:
-            self._ray_replicas.shutdown()
-            self._ray_replicas = None
-        self._store = None
+        self.launched.stop(self._encode(Shutdown()), timeout)
 
 
 class SyncMPClient(MPClient):

@@ -1,0 +1,71 @@
+"""Starting the engine cores a client speaks to (vLLM's engine/utils.py): one process on this
+node; with data parallel, this node's replicas (processes), those of headless nodes (they join
+over the network, dp_remote.py) and those placed on Ray nodes (actors, dp_ray.py), all of whose
+ranks rendezvous in one DP x PP x TP world through one store."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardlm.config import EngineConfig
+from shardlm.distributed.network import host_ip
+from shardlm.distributed.parallel_state import host_store
+from shardlm.engine.core_channel import CoreChannel, CoreProcess, RemoteCore
+from shardlm.engine.dp import replica_configs
+from shardlm.engine.dp_remote import JoinListener, fingerprint
+
+
+class LaunchedCores:
+    """The started engine cores, ready (num_blocks: each one's KV cache blocks), and what keeps
+    their world together (the rendezvous store, the Ray replicas) until stop()."""
+
+    def __init__(self, config: EngineConfig):
+        par = config.parallel
+        self._store, self._ray_replicas = None, None
+        master, listener, node_address = None, None, None
+        if par.data_parallel_size > 1:
+            # the Ray actors may be on other nodes: they reach this node by its address
+            host = par.data_parallel_address or (host_ip() if par.data_parallel_backend == "ray" else "127.0.0.1")
+            if par.data_parallel_size_local < par.data_parallel_size:
+                listener = JoinListener(host, par.data_parallel_rpc_port or 0)   # before anything can join
+                node_address = host        # our replicas' DP groups cross nodes: gloo/NCCL bind to it
+            self._store = host_store(host, par.world_size_across_dp, par.distributed_init_timeout)
+            master = (host, self._store.port)
+        # all start before any is waited for: their ranks rendezvous together
+        local = replica_configs(config, master) if par.data_parallel_size_local else []
+        self.cores: list[CoreChannel] = [CoreProcess(c, k, node_address) for k, c in enumerate(local)]
+        try:
+            if par.data_parallel_backend == "ray" and par.data_parallel_size > 1:
+                from shardlm.engine.dp_ray import RayReplicas
+                self._ray_replicas = RayReplicas(config, listener.address)
+            if listener is not None:
+                self.cores += _accept_remote(config, listener, master, local)
+            self.num_blocks = [core.wait_ready() for core in self.cores]
+        except BaseException:
+            self.stop(b"", timeout=5)
+            raise
+        finally:
+            if listener is not None:
+                listener.close()
+
+    def stop(self, shutdown_msg: bytes, timeout: float) -> None:
+        """Ask every core to shut down (`shutdown_msg`), wait up to `timeout`, then end them."""
+        for core in self.cores:
+            core.closing = True
+        for core in self.cores:
+            core.shutdown(shutdown_msg, timeout)
+        if self._ray_replicas is not None:
+            self._ray_replicas.shutdown()
+            self._ray_replicas = None
+        self._store = None
+
+
+def _accept_remote(config: EngineConfig, listener: JoinListener, master: tuple[str, int],
+                   local: list[EngineConfig]) -> list[CoreChannel]:
+    """The replicas of the other nodes, once each has joined (in replica order after ours)."""
+    par = config.parallel
+    ours = {c.parallel.data_parallel_rank for c in local}
+    expected = [r for r in range(par.data_parallel_size) if r not in ours]
+    joined = listener.accept_replicas(expected, fingerprint(config), master, par.distributed_init_timeout)
+    return [RemoteCore(dataclasses.replace(config, parallel=dataclasses.replace(par, data_parallel_rank=r)),
+                       len(local) + i, joined[r]) for i, r in enumerate(expected)]
