@@ -52,7 +52,7 @@ def knob(default, lands_in: str, help: str, short: str | None = None):
 class EngineArgs:
     """Every user-facing engine knob, with vLLM's names, each declared once here: type, default,
     help, the config it lands in (a field of the same name there, unless resolved) and a short
-    flag. The CLI flags (entrypoints/cli.py) and `LLM(**kwargs)` are made from these fields."""
+    flag. The CLI flags (entrypoints/cli/) and `LLM(**kwargs)` are made from these fields."""
 
     model: str | None = knob(
         None, "model",

@@ -42,6 +42,16 @@ class Workload:
     max_num_seqs: int = 256
     block_size: int = 16
 
+    @classmethod
+    def for_checkpoint(cls, cfg: dict, shape: ModelShape, dtype: str | None = None, max_model_len: int | None = None,
+                       quantization_bits: int | None = None, concurrency: int | None = None) -> Workload:
+        """`shardlm plan`'s defaults: the checkpoint's dtype (bfloat16 unless it says float32 or
+        float16) and its context, at most 8192."""
+        stored = cfg.get("torch_dtype") or cfg.get("dtype")
+        dtype = dtype or {"float32": "float32", "float16": "float16"}.get(stored, "bfloat16")
+        return cls(dtype=dtype, quantization_bits=quantization_bits,
+                   max_model_len=max_model_len or min(shape.max_position, 8192), concurrency=concurrency)
+
     @property
     def dtype_bytes(self) -> int:
         return _DTYPE_BYTES[self.dtype]

@@ -1,0 +1,109 @@
+"""`shardlm bench ...`: offline throughput and latency, a server under load, plots, random models
+and the MoE layer alone."""
+
+from __future__ import annotations
+
+from shardlm.entrypoints.cli.engine_flags import add_engine_args, engine_args_from
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="offline benchmarks")
+    bsub = p.add_subparsers(dest="bench_kind", required=True)
+    for kind, text in (("throughput", "all prompts at once: output and total tokens/s"),
+                       ("latency", "one prompt: batch-1 decode tokens/s and time to first token")):
+        b = bsub.add_parser(kind, help=text)
+        add_engine_args(b)
+        b.add_argument("--workload", default=None, help="workload JSON (shared format); default: a synthetic "
+                       "64-prompt chat workload")
+        if kind == "throughput":
+            b.add_argument("--num-prompts", type=int, default=None, help="repeat/cut the workload to this many")
+        else:
+            b.add_argument("--batch-size", type=int, default=1, help="copies of the prompt decoding together")
+        b.add_argument("--output-len", type=int, default=None, help="new tokens per prompt (default: workload's, 128)")
+        b.add_argument("--reps", type=int, default=3)
+        b.add_argument("--json", action="store_true", help="print JSON")
+        b.set_defaults(func=run)
+    b = bsub.add_parser("serve", help="load an OpenAI-compatible server (shardlm, vLLM, ...) with streaming requests")
+    b.add_argument("--base-url", default="http://127.0.0.1:8000")
+    b.add_argument("--model", default=None, help="default: the server's first model")
+    b.add_argument("--api-key", default=None)
+    b.add_argument("--concurrency", type=int, default=8)
+    b.add_argument("--num-prompts", type=int, default=64)
+    b.add_argument("--workload", default=None, help="workload JSON (shared format; token ids are sent as they are)")
+    b.add_argument("--output-len", type=int, default=None, help="new tokens per request (default: workload's, 128)")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b.set_defaults(func=run)
+    b = bsub.add_parser("plot", help="W1 and batch-1 decode of shardlm and peers (vLLM, llama.cpp) per precision, "
+                        "as a PNG, from `bench throughput|latency --json` files and ../shared/bench/peers.sh results")
+    b.add_argument("results", nargs="+", help="JSON result files (several of one kind: their median)")
+    b.add_argument("--out", default="shardlm-bench.png")
+    b.add_argument("--title", default=None, help="e.g. the CPU model and flags")
+    b.set_defaults(func=run)
+    b = bsub.add_parser("make-model", help="write a random-weight Llama (default ~113M parameters) or, with --moe, "
+                        "Mixtral (default ~132M: 8 experts, 2 per token) for benchmarks")
+    b.add_argument("out_dir")
+    b.add_argument("--moe", action="store_true", help="a mixture-of-experts model (Mixtral)")
+    b.add_argument("--hidden-size", type=int, default=None, help="default 768 (--moe: 512)")
+    b.add_argument("--num-layers", type=int, default=None, help="default 12 (--moe: 8)")
+    b.add_argument("--num-heads", type=int, default=None, help="default 12 (--moe: 8)")
+    b.add_argument("--num-kv-heads", type=int, default=None, help="default 4")
+    b.add_argument("--intermediate-size", type=int, default=None, help="MLP size, of each expert with --moe; "
+                   "default 2048 (--moe: 1024)")
+    b.add_argument("--num-experts", type=int, default=8, help="--moe: routed experts per layer")
+    b.add_argument("--experts-per-token", type=int, default=2, help="--moe: experts each token uses")
+    b.add_argument("--max-position-embeddings", type=int, default=8192, help="the context length it declares "
+                   "(e.g. 32768 for long-prompt runs)")
+    b.set_defaults(func=run)
+    b = bsub.add_parser("moe-layer", help="the fused MoE layer alone: its per-expert dispatch against a grouped "
+                        "(padded batched matmul) one, and the bytes its collectives move")
+    b.add_argument("--num-experts", type=int, default=8)
+    b.add_argument("--experts-per-token", type=int, default=2)
+    b.add_argument("--hidden-size", type=int, default=512)
+    b.add_argument("--intermediate-size", type=int, default=1024, help="each expert's MLP size")
+    b.add_argument("--tokens", default="1,8,32,64,256,2048", help="token counts per step, comma-separated")
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    b.add_argument("--threads", type=int, default=1)
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b.set_defaults(func=run)
+
+
+def run(ns) -> None:
+    if ns.bench_kind == "make-model":
+        from shardlm.bench.random_model import DENSE_DEFAULTS, MOE_DEFAULTS, make_random_model
+        given = dict(hidden=ns.hidden_size, layers=ns.num_layers, heads=ns.num_heads, kv_heads=ns.num_kv_heads,
+                     intermediate=ns.intermediate_size)
+        defaults = MOE_DEFAULTS if ns.moe else DENSE_DEFAULTS
+        make_random_model(ns.out_dir, **{k: defaults[k] if v is None else v for k, v in given.items()},
+                          num_experts=ns.num_experts if ns.moe else 0, experts_per_token=ns.experts_per_token,
+                          max_position_embeddings=ns.max_position_embeddings)
+        return
+    if ns.bench_kind == "moe-layer":
+        from shardlm.bench.moe_layer import report as report_moe
+        from shardlm.bench.moe_layer import run_moe_layer_bench
+        result = run_moe_layer_bench(ns.num_experts, ns.experts_per_token, ns.hidden_size, ns.intermediate_size,
+                                     [int(t) for t in ns.tokens.split(",")], ns.dtype, ns.threads)
+        if ns.json:
+            import json
+            print(json.dumps(result, indent=1))
+        else:
+            report_moe(result)
+        return
+    if ns.bench_kind == "plot":
+        from shardlm.bench.plot import plot
+        for metric, values in plot(ns.results, ns.out, ns.title).items():
+            print(f"{metric}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(values.items())))
+        print(f"wrote {ns.out}")
+        return
+    if ns.bench_kind == "serve":
+        from shardlm.bench.serve import report as report_serve
+        from shardlm.bench.serve import run_serve_bench
+        report_serve(run_serve_bench(ns.base_url, ns.model, ns.api_key, ns.concurrency, ns.num_prompts, ns.workload,
+                                     ns.output_len), ns.json)
+        return
+    from shardlm.bench.offline import report, run_latency, run_throughput
+    args = engine_args_from(ns)
+    if ns.bench_kind == "throughput":
+        result = run_throughput(args, ns.workload, ns.num_prompts, ns.output_len, ns.reps)
+    else:
+        result = run_latency(args, ns.workload, ns.output_len, ns.reps, ns.batch_size)
+    report(result, ns.json)

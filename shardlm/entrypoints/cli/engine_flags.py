@@ -1,0 +1,47 @@
+"""The engine flags, one per EngineArgs field with vLLM's names (each knob declared once in
+engine/arg_utils.py), and the sampling flags of `generate` and `chat`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from shardlm.engine.arg_utils import EngineArgs
+from shardlm.executor.selection import BACKENDS
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineArgs field, named as vLLM names them."""
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineArgs):
+        if f.name == "model":
+            parser.add_argument("model", nargs="?", default=None, help=f.metadata["help"])
+            continue
+        flags = [f"--{f.name.replace('_', '-')}"] + ([f.metadata["short"]] if f.metadata["short"] else [])
+        kwargs = {"dest": f.name, "default": f.default, "help": f.metadata["help"]}
+        if isinstance(f.default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:   # from the annotation: "int | str" takes a string (e.g. 4GiB), "float", else int
+            kwargs["type"] = str if "str" in f.type else float if "float" in f.type else int
+        if f.name == "distributed_executor_backend":
+            kwargs["choices"] = list(BACKENDS)
+        if kwargs["help"] and f.default is not None and not isinstance(f.default, bool):
+            kwargs["help"] += " (default: %(default)s)"
+        group.add_argument(*flags, **kwargs)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+
+
+def sampling_params_from(ns):
+    from shardlm.sampling_params import SamplingParams
+    return SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_tokens=ns.max_tokens)

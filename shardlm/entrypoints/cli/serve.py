@@ -1,0 +1,58 @@
+"""`shardlm serve`: the OpenAI-compatible server, or with --headless this node's replicas."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+from shardlm.entrypoints.cli.engine_flags import add_engine_args, engine_args_from
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible server (the engine core runs in its own process)")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all routes but "
+                   "/health, /metrics, /version); default: $SHARDLM_API_KEY or $VLLM_API_KEY (which keep it out "
+                   "of `ps`)")
+    p.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too")
+    p.add_argument("--headless", action="store_true",
+                   help="data parallel across nodes: run this node's replicas (--data-parallel-size-local from "
+                        "--data-parallel-start-rank) and no API server; they join the head at "
+                        "--data-parallel-address:--data-parallel-rpc-port")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    from shardlm.entrypoints.openai.protocol import RequestLimits
+    limits = p.add_argument_group("request limits")
+    for f in dataclasses.fields(RequestLimits):
+        limits.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default,
+                            help=RequestLimits.HELP[f.name] + " (default: %(default)s)")
+    p.set_defaults(func=run)
+
+
+def run(ns) -> None:
+    if ns.headless:
+        from shardlm.engine.dp_remote import run_headless
+        config = engine_args_from(ns).create_engine_config()
+        par = config.parallel
+        if par.data_parallel_size_local == par.data_parallel_size or par.data_parallel_start_rank == 0:
+            raise ValueError("--headless runs replicas that join a head on another node: give "
+                             "--data-parallel-start-rank (its first replica, above the head's) and "
+                             "--data-parallel-size-local, with --data-parallel-address/--data-parallel-rpc-port.")
+        sys.exit(run_headless(config))
+    from shardlm.entrypoints.openai.server import run_server
+    chat_template = ns.chat_template
+    if chat_template and os.path.isfile(chat_template):
+        with open(chat_template) as f:
+            chat_template = f.read()
+    from shardlm.entrypoints.openai.protocol import RequestLimits
+    limits = RequestLimits(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(RequestLimits)})
+    api_key = ns.api_key if ns.api_key is not None else (os.environ.get("SHARDLM_API_KEY")
+                                                         or os.environ.get("VLLM_API_KEY"))
+    if api_key is not None and not api_key.strip():
+        sys.exit("shardlm: error: the API key is empty: give a key, or leave --api-key out to serve without one.")
+    run_server(engine_args_from(ns), ns.host, ns.port, api_key, chat_template, ns.uvicorn_log_level, limits,
+               ns.metrics_require_key)
