@@ -109,7 +109,7 @@ def test_an_idle_replica_steps_with_the_busy_one_and_all_go_quiet(tiny_model_dir
     llm = LLM(path, **ENGINE, data_parallel_size=2, enable_expert_parallel=True)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.engine.engine_core.balancer.assigned_total == [2, 2]
+        assert [e["num_routed"] for e in llm.engine.engine_core.call_utility("stats")["engines"]] == [2, 2]
         assert _token_ids(outs) == expected
         cores = [psutil.Process(c.process.pid) for c in llm.engine.engine_core.cores]
         time.sleep(0.5)
