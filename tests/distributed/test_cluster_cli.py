@@ -56,6 +56,7 @@ _CONNECT = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='error
             "print(len(ray.nodes())); ray.shutdown()")
 
 
+@pytest.mark.slow
 def test_cluster_refuses_a_client_without_its_token(cluster):
     address, _ = cluster
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
@@ -79,6 +80,7 @@ def test_cluster_status_lists_both_nodes(cluster):
     assert text.startswith("2 node(s) alive") and "head " in text and "worker " in text
 
 
+@pytest.mark.slow
 def test_env_check_across_the_nodes(cluster):
     address, _ = cluster
     run = _cli("env", "check", "--address", address, "--json")
@@ -92,6 +94,7 @@ def test_env_check_across_the_nodes(cluster):
     assert text.startswith("2 node(s):") and "Across nodes (2 ranks, one per node, gloo" in text
 
 
+@pytest.mark.slow
 def test_joining_node_that_differs_from_the_head_is_named(cluster):
     """The head's record says another torch and a model path this node lacks: the join fails,
     naming this node and both differences. (Last in the module: the node has joined meanwhile.)"""

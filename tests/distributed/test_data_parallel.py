@@ -35,6 +35,7 @@ def _routed(llm) -> list[int]:
     return [e["num_routed"] for e in llm.engine.engine_core.call_utility("stats")["engines"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
 def test_dp2_equals_dp1_and_hf(tp, pp, tiny_model_dir, references, hf, dp1_outputs):
     llm = LLM(tiny_model_dir("llama-gqa"), **ENGINE, data_parallel_size=2, tensor_parallel_size=tp,
@@ -56,6 +57,7 @@ def test_dp2_equals_dp1_and_hf(tp, pp, tiny_model_dir, references, hf, dp1_outpu
     assert sums == [2.0] * world, "an all-reduce over the DP group reaches both replicas"
 
 
+@pytest.mark.slow
 def test_n_samples_and_aborts_across_replicas(tiny_model_dir):
     llm = LLM(tiny_model_dir("llama-gqa"), **ENGINE, data_parallel_size=2)
     try:
@@ -87,6 +89,7 @@ def test_dp_options_this_version_does_not_run_are_clear_errors(tiny_model_dir):
         LLM(path, **ENGINE, data_parallel_size=2, data_parallel_start_rank=2)
 
 
+@pytest.mark.slow
 def test_offline_replica_death_fails_the_call_naming_it(tiny_model_dir):
     llm = LLM(tiny_model_dir("llama-gqa"), **ENGINE, data_parallel_size=2)
     try:
@@ -117,6 +120,7 @@ def dp_server(tiny_model_dir):
         assert not alive, f"processes left: {[p.pid for p in alive]}"
 
 
+@pytest.mark.slow
 def test_dp2_server_answers_like_the_offline_engine(dp_server):
     _, url, path = dp_server
     assert_server_answers_like_llm(url, path)
@@ -178,6 +182,7 @@ def test_a_dead_replica_fails_its_streams_and_the_other_serves_on(dp_server):
     assert proc.poll() is None
 
 
+@pytest.mark.slow
 def test_headless_node_joins_the_head_and_both_serve(tiny_model_dir):
     """Two "nodes" on this machine: the head runs the API server and replica 0; a headless
     `shardlm serve` runs replica 1 and joins it over TCP. Outputs equal the offline engine's and
@@ -214,6 +219,7 @@ def test_headless_node_joins_the_head_and_both_serve(tiny_model_dir):
     assert not alive, f"processes left on the headless node: {[p.pid for p in alive]}"
 
 
+@pytest.mark.slow
 def test_a_head_without_its_remote_replicas_names_them(tiny_model_dir):
     from tests.server.test_openai_server import _free_port
     env_before = dict(os.environ)

@@ -5,12 +5,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def _check(*args, env=None):
     return subprocess.run([sys.executable, "-m", "shardlm.entrypoints.cli", "env", "check", *args],
                           capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_env_check_reports_the_node_and_measures_collectives():
     run = _check("--json")
     assert run.returncode == 0, run.stdout + run.stderr
@@ -25,6 +28,7 @@ def test_env_check_reports_the_node_and_measures_collectives():
     assert node["cpu_kernels"]["kernels"]["fused_ops"] == "ok"
 
 
+@pytest.mark.slow
 def test_env_check_says_which_kernel_variant_runs():
     run = _check(env={"SHARDLM_CPU_ISA": "portable"})
     assert "CPU kernels: portable (best on this CPU: " in run.stdout and "fused_ops ok" in run.stdout, run.stdout

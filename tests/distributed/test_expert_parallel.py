@@ -42,6 +42,7 @@ def one_rank_outputs(tiny_model_dir):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,dp,tp", [("mixtral", 1, 2), ("qwen2-moe", 1, 2), ("mixtral", 2, 1),
                                         ("qwen3-moe", 2, 2)],
                          ids=["mixtral-tp2-ep", "qwen2moe-tp2-ep", "mixtral-dp2-ep", "qwen3moe-dp2-tp2-ep"])
@@ -61,6 +62,7 @@ def test_expert_parallel_equals_one_rank_and_hf(name, dp, tp, tiny_model_dir, re
         assert sum(counts) == 2 * processed, (layer, counts)
 
 
+@pytest.mark.slow
 def test_each_rank_holds_only_its_experts(tiny_model_dir):
     """Qwen3-MoE, 6 experts on 4 ranks (2, 2, 1, 1): the weights per rank differ from tensor
     parallel's (a quarter of every expert) by exactly the experts it holds beyond 6/4."""
@@ -94,6 +96,7 @@ def _busy_seconds(procs) -> float:
     return total
 
 
+@pytest.mark.slow
 def test_an_idle_replica_steps_with_the_busy_one_and_all_go_quiet(tiny_model_dir, one_rank_outputs):
     """One long request and a few short ones: the replica whose requests finish early runs dummy
     steps for the other's many decode steps; outputs still equal one rank's, and once everything
@@ -122,6 +125,7 @@ def test_an_idle_replica_steps_with_the_busy_one_and_all_go_quiet(tiny_model_dir
         llm.shutdown()
 
 
+@pytest.mark.slow
 def test_a_dead_replica_fails_the_whole_engine(tiny_model_dir):
     llm = LLM(tiny_model_dir("mixtral"), **ENGINE, data_parallel_size=2, enable_expert_parallel=True)
     try:
@@ -150,6 +154,7 @@ def test_expert_parallel_layouts_this_version_refuses(tiny_model_dir):
         LLM(path, **ENGINE, data_parallel_size=2, tensor_parallel_size=4, enable_expert_parallel=True)
 
 
+@pytest.mark.slow
 def test_dp2_ep_server_answers_like_the_offline_engine_and_shows_the_expert_load(tiny_model_dir):
     path = tiny_model_dir("mixtral")
     proc, url = _start(path, "-dp", "2", "--enable-expert-parallel")

@@ -41,6 +41,14 @@ def _cli(*args, netns=False, env=None, timeout=180):
     return run.stdout
 
 
+def test_the_second_hosts_network_is_one_the_kernel_accepts():
+    """Interface names fit the kernel's 15 characters, and the two addresses share one /24 (the
+    veth pair is the route between the hosts), for any pid the test runs under."""
+    assert len(HOST_IF) <= 15 and len(NODE_IF) <= 15 and HOST_IF != NODE_IF
+    assert HEAD_IP.rsplit(".", 1)[0] == NODE_IP.rsplit(".", 1)[0] and HEAD_IP != NODE_IP
+    assert 1 <= int(SUBNET.split(".")[2]) <= 254
+
+
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory):
     with own_ray_auth_token(tmp_path_factory.mktemp("ray-auth")):
@@ -72,6 +80,7 @@ def _two_hosts():
         _sh("ip", "netns", "del", NS, check=False)                                         # and its veth pair
 
 
+@pytest.mark.slow
 def test_status_and_env_check_see_both_addresses(two_hosts):
     env = {"SHARDLM_HOST_IP": HEAD_IP}
     nodes = json.loads(_cli("cluster", "status", "--address", two_hosts, "--json", env=env))[1:]
@@ -83,6 +92,7 @@ def test_status_and_env_check_see_both_addresses(two_hosts):
     assert report["problems"] == []
 
 
+@pytest.mark.slow
 def test_pp2_across_the_two_hosts_equals_mp(two_hosts, tiny_model_dir):
     script = textwrap.dedent(f"""
         import json
@@ -110,6 +120,7 @@ def test_pp2_across_the_two_hosts_equals_mp(two_hosts, tiny_model_dir):
     assert out["ray"] == out["mp"]
 
 
+@pytest.mark.slow
 def test_a_rendezvous_address_the_other_node_cannot_reach_is_named(two_hosts, tiny_model_dir):
     """The classic mistake: the driver picks an address (here its outward one, or loopback)
     that the other node has no route to. env check says so, naming the node; the engine
@@ -139,6 +150,7 @@ def test_a_rendezvous_address_the_other_node_cannot_reach_is_named(two_hosts, ti
         _sh("ip", "netns", "exec", NS, "ip", "route", "add", "default", "via", HEAD_IP, check=False)
 
 
+@pytest.mark.slow
 def test_headless_data_parallel_replica_in_the_other_namespace(two_hosts, tiny_model_dir):
     """The head (this namespace, HEAD_IP) runs the API server and replica 0; a headless node in
     the other namespace runs replica 1 and joins over the veth pair. Both serve, equal to dp=1."""

@@ -107,6 +107,7 @@ def _lm_head_rank(rank, tp, port, weight, hidden, results):
     ps.destroy_model_parallel()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 3])
 def test_greedy_on_vocab_shards_equals_argmax_of_the_full_logits(tp):
     """Each rank sends (max, index) of its shard; ties across ranks go to the lowest id, as argmax does.

@@ -29,6 +29,7 @@ def assert_server_answers_like_llm(url: str, path: str) -> None:
         full.choices[0].message.content
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [["-tp", "2"], ["-pp", "2"], ["-tp", "2", "-pp", "2"]])
 def test_parallel_server_smoke(tiny_model_dir, layout):
     path = tiny_model_dir("llama-gqa")

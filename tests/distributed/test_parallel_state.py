@@ -60,6 +60,7 @@ def _collectives(rank, world, port, results):
     ps.destroy_model_parallel()
 
 
+@pytest.mark.slow
 def test_shared_memory_all_reduce_and_gather_across_processes():
     world = 3
     got = run_ranks(_collectives, world)

@@ -23,6 +23,7 @@ def _run(path, prompts, params, **kwargs):
         llm.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,tp,pp,partition", [
     ("llama-gqa", 1, 2, None),                    # one layer each
     ("llama-5-layers", 1, 3, None),               # uneven: 2, 2, 1 (the LM head weighs 85 layers)
@@ -38,6 +39,7 @@ def test_pp_matches_hf(name, tp, pp, partition, tiny_model_dir, references, hf):
     assert exact >= 4, f"only {exact}/6 sequences equal HF exactly"
 
 
+@pytest.mark.slow
 def test_many_requests_in_flight_equal_pp1(tiny_model_dir):
     """64 requests of mixed lengths and budgets, with preemptions and chunked prefill: two
     batches are always in the pipeline, and no request may ever receive another's token."""
@@ -61,6 +63,7 @@ def test_many_requests_in_flight_equal_pp1(tiny_model_dir):
     assert len(outs[0].outputs) == 3
 
 
+@pytest.mark.slow
 def test_each_stage_holds_its_layers(tiny_model_dir):
     path = tiny_model_dir("llama-5-layers")
     sizes = {}
@@ -91,6 +94,7 @@ def test_bad_partitions_are_clear_errors(tiny_model_dir):
         LLM(path, pipeline_parallel_size=2, pp_layer_partition="half,half")
 
 
+@pytest.mark.slow
 def test_default_model_pp2_equals_pp1():
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "List three colours:"]
@@ -104,5 +108,6 @@ def test_default_model_pp2_equals_pp1():
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
 
 
+@pytest.mark.slow
 def test_killed_stage_fails_fast_and_leaves_no_process(tiny_model_dir):
     assert_killed_rank_fails_fast(tiny_model_dir("llama-gqa"), rank=0, pipeline_parallel_size=2)

@@ -30,6 +30,7 @@ def _generate(path, prompts=None, params=PARAMS, **kwargs):
         llm.shutdown()
 
 
+@pytest.mark.slow
 def test_pp2_one_stage_per_node_matches_hf_and_mp(cluster, tiny_model_dir, references, hf):
     path = tiny_model_dir("llama-gqa")
     outs, executor = _generate(path, pipeline_parallel_size=2, distributed_executor_backend="ray")
@@ -44,6 +45,7 @@ def test_pp2_one_stage_per_node_matches_hf_and_mp(cluster, tiny_model_dir, refer
     assert_nothing_left()
 
 
+@pytest.mark.slow
 def test_tp_across_nodes_is_refused_unless_forced(cluster, tiny_model_dir, references, hf):
     path = tiny_model_dir("llama-gqa")
     with pytest.raises(ValueError, match=r"tensor parallel group of ranks 0-1 would span 2 nodes.*"
@@ -55,6 +57,7 @@ def test_tp_across_nodes_is_refused_unless_forced(cluster, tiny_model_dir, refer
     assert_nothing_left()
 
 
+@pytest.mark.slow
 def test_environment_is_forwarded_to_every_node(cluster, tiny_model_dir, monkeypatch):
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth-test")
     monkeypatch.setenv("SHARDLM_TEST_MARKER", "forwarded")
@@ -75,6 +78,7 @@ def test_environment_is_forwarded_to_every_node(cluster, tiny_model_dir, monkeyp
         assert env["GLOO_SOCKET_IFNAME"], "gloo bound to the interface of the node's address"
 
 
+@pytest.mark.slow
 def test_killed_actor_fails_the_engine_fast_naming_rank_and_node(cluster, tiny_model_dir):
     llm = LLM(tiny_model_dir("llama-gqa"), **ENGINE, pipeline_parallel_size=2, distributed_executor_backend="ray")
     executor = llm.engine.engine_core.engine_core.executor
@@ -85,6 +89,7 @@ def test_killed_actor_fails_the_engine_fast_naming_rank_and_node(cluster, tiny_m
     assert_nothing_left()
 
 
+@pytest.mark.slow
 def test_stopped_actor_fails_the_engine_within_the_step_timeout(cluster, tiny_model_dir):
     import contextlib
     import os
@@ -104,6 +109,7 @@ def test_stopped_actor_fails_the_engine_within_the_step_timeout(cluster, tiny_mo
     assert_nothing_left()
 
 
+@pytest.mark.slow
 def test_server_on_two_ray_nodes(cluster, tiny_model_dir):
     from tests.distributed.test_parallel_server import assert_server_answers_like_llm
     from tests.server.test_openai_server import _start, _stop
@@ -117,6 +123,7 @@ def test_server_on_two_ray_nodes(cluster, tiny_model_dir):
     assert_nothing_left()
 
 
+@pytest.mark.slow
 def test_server_ends_when_an_idle_actor_dies(cluster, tiny_model_dir):
     import psutil
 
@@ -136,6 +143,7 @@ def test_server_ends_when_an_idle_actor_dies(cluster, tiny_model_dir):
     assert_nothing_left()
 
 
+@pytest.mark.slow
 def test_data_parallel_replicas_on_two_ray_nodes(cluster, tiny_model_dir):
     """--data-parallel-backend ray: one replica per node (each node has one CPU), joined to this
     client over TCP; outputs equal dp=1's and both replicas serve; nothing is left afterwards."""

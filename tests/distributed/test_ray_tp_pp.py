@@ -6,8 +6,20 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from shardlm import LLM  # noqa: E402
+from shardlm.executor.ray_placement import check_placement  # noqa: E402
 from tests.distributed.ray_cluster import assert_nothing_left, ray_cluster  # noqa: E402
+from tests.distributed.test_executor_choice import VERSIONS, _node  # noqa: E402
 from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts  # noqa: E402
+
+
+def test_the_placement_rule_keeps_tp_inside_nodes():
+    """Two nodes of two ranks: tp=2 x pp=2 keeps each TP group on one node; tp=4 would span both
+    and is refused unless forced (the rule the cluster test below runs under)."""
+    ranks = [_node("A"), _node("A"), _node("B", "10.0.0.2", "b"), _node("B", "10.0.0.2", "b")]
+    check_placement(ranks, tp=2, pp=2, model_path="/m", driver_versions=VERSIONS, allow_cross_node_tp=False)
+    with pytest.raises(ValueError, match=r"ranks 0-3 would span 2 nodes.*ranks per node \(2 here\)"):
+        check_placement(ranks, tp=4, pp=1, model_path="/m", driver_versions=VERSIONS, allow_cross_node_tp=False)
+    check_placement(ranks, tp=4, pp=1, model_path="/m", driver_versions=VERSIONS, allow_cross_node_tp=True)
 
 
 @pytest.fixture(scope="module")
@@ -16,6 +28,7 @@ def cluster():
         yield c
 
 
+@pytest.mark.slow
 def test_tp2_inside_nodes_pp2_across_nodes_matches_hf_and_mp(cluster, tiny_model_dir, references, hf):
     path = tiny_model_dir("llama-gqa")
     outs = {}

@@ -39,6 +39,7 @@ def test_order_wraparound_and_large_messages_in_one_process():
         q.destroy()
 
 
+@pytest.mark.slow
 def test_many_readers_in_other_processes_see_every_message_in_order():
     ctx = multiprocessing.get_context("spawn")
     n_readers, n = 3, 60

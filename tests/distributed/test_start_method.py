@@ -37,6 +37,7 @@ def _run_script(tmp_path, model, env=None):
     return json.loads(line.removeprefix("RESULT ")), proc.stderr
 
 
+@pytest.mark.slow
 def test_script_without_main_guard_runs_pp2_with_fork(tmp_path, tiny_model_dir):
     model = tiny_model_dir("llama-gqa")
     result, _ = _run_script(tmp_path, model)
@@ -48,6 +49,7 @@ def test_script_without_main_guard_runs_pp2_with_fork(tmp_path, tiny_model_dir):
     assert not [p for p in result["workers"] if psutil.pid_exists(p)], "workers outlived the script"
 
 
+@pytest.mark.slow
 def test_spawn_without_main_guard_names_the_guard(tmp_path, tiny_model_dir):
     path = tmp_path / "no_main_guard.py"
     path.write_text(SCRIPT)

@@ -17,6 +17,7 @@ def _workers(llm):
     return [psutil.Process(p.pid) for p in llm.engine.engine_core.engine_core.executor.procs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,tp", [("llama-gqa", 2), ("llama-gqa", 4), ("qwen2-bias", 2),
                                      ("llama-tied-llama3rope", 2), ("mixtral", 2), ("qwen2-moe", 2),
                                      ("qwen3-moe", 2)])
@@ -34,6 +35,7 @@ def test_tp_matches_hf(name, tp, tiny_model_dir, references, hf):
     assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
 
 
+@pytest.mark.slow
 def test_tp2_weights_are_half_per_rank(tiny_model_dir):
     path = tiny_model_dir("llama-gqa")
     one = LLM(path, dtype="float32", kv_cache_memory="16MiB")
@@ -48,6 +50,7 @@ def test_tp2_weights_are_half_per_rank(tiny_model_dir):
         assert abs(b - full / 2) / (full / 2) < 0.03, (per_rank, full)
 
 
+@pytest.mark.slow
 def test_tp2_with_prefix_cache_chunked_prefill_and_preemption_equals_tp1(tiny_model_dir):
     path = tiny_model_dir("llama-gqa")
     prompts = _prompts()
@@ -69,6 +72,7 @@ def test_tp2_with_prefix_cache_chunked_prefill_and_preemption_equals_tp1(tiny_mo
     assert any(o.num_cached_tokens >= 96 for o in again)
 
 
+@pytest.mark.slow
 def test_default_model_tp3_equals_tp1():
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -93,11 +97,13 @@ def test_invalid_tp_sizes_list_the_valid_ones(tiny_model_dir):
         LLM(tiny_model_dir("llama-gqa"), tensor_parallel_size=2, cpu_threads_bind="0")
 
 
+@pytest.mark.slow
 def test_killed_worker_fails_generate_fast_and_leaves_no_process(tiny_model_dir):
     assert_killed_rank_fails_fast(tiny_model_dir("llama-gqa"), rank=1, tensor_parallel_size=2)
 
 
 
+@pytest.mark.slow
 def test_worker_start_up_error_reaches_the_caller(tiny_model_dir, tmp_path):
     import shutil
 

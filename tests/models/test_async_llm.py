@@ -24,6 +24,7 @@ async def _collect(llm, prompt, params, rid):
     return outs
 
 
+@pytest.mark.slow
 def test_async_outputs_equal_offline_and_stream(tiny_model_dir):
     path = tiny_model_dir("llama-gqa")
     offline = LLM(**vars(_args(path))).generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -48,6 +49,7 @@ def test_async_outputs_equal_offline_and_stream(tiny_model_dir):
     assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0.0
 
 
+@pytest.mark.slow
 def test_leaving_the_stream_aborts_and_frees_blocks(tiny_model_dir):
     async def main():
         llm = AsyncLLM.from_engine_args(_args(tiny_model_dir("llama-gqa")))
@@ -94,6 +96,7 @@ def test_dead_engine_fails_requests_fast_and_leaves_no_process(tiny_model_dir):
         os.kill(pid, 0)
 
 
+@pytest.mark.slow
 def test_startup_failure_in_the_engine_process_is_reported(tiny_model_dir):
     async def main():
         AsyncLLM.from_engine_args(EngineArgs(model=tiny_model_dir("llama-gqa"), dtype="float32",

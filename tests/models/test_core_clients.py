@@ -48,6 +48,7 @@ def _run_sync(config, multiprocess, prompts=PROMPTS, params=PARAMS):
         engine.shutdown()
 
 
+@pytest.mark.slow
 def test_inproc_sync_mp_and_async_clients_agree(config):
     inproc, stats_in, weights_in, blocks_in = _run_sync(config, multiprocess=False)
     mp, stats_mp, weights_mp, blocks_mp = _run_sync(config, multiprocess=True)

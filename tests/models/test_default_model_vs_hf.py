@@ -18,6 +18,7 @@ def reference(default_model_dir, hf):
     return hf.greedy(default_model_dir, [p["token_ids"] for p in PROMPTS["prompts"]], 128)
 
 
+@pytest.mark.slow
 def test_default_model_matches_hf_token_for_token(reference, hf):
     prompts = [p["token_ids"] for p in PROMPTS["prompts"]]
     ref = reference
@@ -37,6 +38,7 @@ def test_default_model_chat_is_coherent():
     assert out.outputs[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.slow
 def test_default_model_from_its_q4_1_file(reference, hf):
     """--quantization gguf: the linears stay in the file's Q4_1 blocks, the tied embedding / LM
     head in its Q8_0 ones. In float32 it equals

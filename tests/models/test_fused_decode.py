@@ -43,6 +43,7 @@ def test_fused_decode_equals_the_layer_by_layer_path(name, dtype, quantization, 
     assert results[True] == results[False]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, dtype", [("llama-gqa", "float32"), ("qwen2-bias", "bfloat16")])
 def test_fused_decode_under_tensor_parallel_equals_the_layer_by_layer_path(name, dtype, tiny_model_dir):
     """At tp=2 each rank's C loop calls back for the all-reduce after its row-parallel products:

@@ -85,6 +85,7 @@ def assert_long_prompts_match_hf(out: dict, reference, hf, label: str) -> None:
     assert all(len(pos) >= 2 for pos in plp[1:])     # the prompt token and the top-2
 
 
+@pytest.mark.slow
 def test_long_prompts_on_one_rank(tiny_model_dir, hf_long, hf):
     llm = LLM(tiny_model_dir("llama-gqa"), **ENGINE)
     out = run_long_prompt_workload(llm)
@@ -119,6 +120,7 @@ def test_preempted_in_the_middle_of_its_prefill(tiny_model_dir, hf_long, hf):
     assert len(decoding.outputs[0].token_ids) == 100
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, layout", [
     ("llama-gqa", dict(tensor_parallel_size=2)),
     ("llama-gqa", dict(pipeline_parallel_size=2)),
@@ -156,6 +158,7 @@ def _alone(path: str, prompt: list[int], max_tokens: int) -> list[int]:
     return _ALONE[key]
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(budget=st.integers(4, 48), max_num_seqs=st.integers(1, 6), extra_blocks=st.integers(0, 14),
        arrivals=st.lists(st.tuples(st.integers(0, 12), st.integers(1, 200), st.integers(1, 12),

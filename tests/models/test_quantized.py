@@ -49,6 +49,7 @@ def quantized_references(tiny_model_dir, tmp_path_factory, hf):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, group, layout", [
     ("int8", -1, {}), ("int4", 32, {}), ("int8", -1, {"tensor_parallel_size": 2}),
     ("int4", 32, {"tensor_parallel_size": 2}), ("int4", 32, {"pipeline_parallel_size": 2})],
@@ -66,6 +67,7 @@ def test_quantized_engine_equals_hf_on_the_round_tripped_weights(method, group, 
     assert len(quantized_bytes) == max(layout.values(), default=1)
 
 
+@pytest.mark.slow
 def test_quantized_weights_are_smaller(tiny_model_dir):
     path = tiny_model_dir("llama-gqa")
     sizes = {}
@@ -93,6 +95,7 @@ def test_bad_quantization_settings_say_what_works(tiny_model_dir):
         LLM(path, **ENGINE, quantization_group_size=32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_bfloat16_packed_kernels_equal_hf_in_bfloat16(method, tiny_model_dir, tmp_path, hf):
     """bfloat16 runs the packed kernels (the blocked kernel's 8- and 4-bit panels on AVX-512 CPUs,
@@ -118,6 +121,7 @@ def test_bfloat16_packed_kernels_equal_hf_in_bfloat16(method, tiny_model_dir, tm
     hf.assert_close(reference, outs, f"{method} bfloat16")
 
 
+@pytest.mark.slow
 def test_a_gguf_file_as_the_model_serves_its_own_blocks(tmp_path):
     """A .gguf path is converted once (tokenizer, config, float weights) and `--quantization gguf`
     serves its linears as stored: the same tokens as the embedded default model from the same file."""
@@ -141,6 +145,7 @@ def test_a_gguf_file_as_the_model_serves_its_own_blocks(tmp_path):
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.slow
 def test_gguf_blocks_at_tp3_and_pp2_equal_one_rank(hf):
     """The default model from its GGUF file at tp=3 (its 9 heads and 3 KV heads split in 3; each
     rank its rows of the Q4_1 linears and of the Q8_0 vocabulary table) and pp=2 (the last
@@ -169,6 +174,7 @@ def test_gguf_blocks_at_tp3_and_pp2_equal_one_rank(hf):
     assert hf.assert_close(one, outputs["tp3"], "gguf tp=3") >= 2
 
 
+@pytest.mark.slow
 def test_tied_embedding_and_lm_head_keep_one_table(tiny_model_dir):
     """A tied LM head and its embedding hold one vocabulary table: the float one (packed for the
     LM head's kernel, the embedding reading its rows from it) and the default model's Q8_0 one."""
@@ -245,6 +251,7 @@ def packed_checkpoints(tiny_model_dir, tmp_path_factory, hf):
     return dirs, hf.greedy(dirs["dequantized"], _prompts(), MAX_TOKENS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, layout", [("gptq", {}), ("gptq", {"tensor_parallel_size": 2}),
                                             ("awq", {"pipeline_parallel_size": 2})],
                          ids=["gptq", "gptq-tp2", "awq-pp2"])

@@ -34,6 +34,7 @@ ENGINE_VARIANTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
 def test_engine_variants_give_identical_outputs(variant, tiny_model_dir, references, hf):
     """Prefix caching, chunked prefill and preemption must not change any output."""

@@ -70,6 +70,7 @@ def client(server):
 PROMPTS = ["The capital of", "One two three"]
 
 
+@pytest.mark.slow
 def test_completions_equal_offline_greedy(server, client):
     path, _ = server
     ref = LLM(path, dtype="float32", kv_cache_memory="64MiB", max_model_len=256).generate(
@@ -164,6 +165,7 @@ def test_malformed_json_and_api_key(server):
     assert tok["count"] == len(tok["tokens"]) and "hello world" in text
 
 
+@pytest.mark.slow
 def test_dead_engine_turns_health_503_and_ends_the_server(tiny_model_dir):
     proc, url = _start(tiny_model_dir("llama-gqa"))
     engine = [p for p in psutil.Process(proc.pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
@@ -181,6 +183,7 @@ def test_dead_engine_turns_health_503_and_ends_the_server(tiny_model_dir):
     assert seen_503
 
 
+@pytest.mark.slow
 def test_prompts_longer_than_the_step_budget(tiny_model_dir):
     """A prompt several times --max-num-batched-tokens is prefilled over several steps (some of
     which sample nothing), streamed or not, beside other requests; the server goes on serving."""
@@ -220,6 +223,7 @@ ModelRunner.execute_model = _faulty
 """
 
 
+@pytest.mark.slow
 def test_a_failing_step_names_its_requests_and_ends_the_server(tiny_model_dir, tmp_path):
     """An error inside a step stops the engine (as in vLLM): the request gets a 503, /health turns
     503, the log names the step's requests and the server exits with code 1 for its supervisor."""
@@ -283,6 +287,7 @@ def assert_concurrent_streams_equal_offline(url: str, path: str, api_key: str = 
     assert _metric(url, "shardlm:generation_tokens_total") >= n * 16
 
 
+@pytest.mark.slow
 def test_64_concurrent_streams_complete_correctly_and_free_the_cache(server):
     path, url = server
     assert_concurrent_streams_equal_offline(url, path, KEY)
@@ -326,6 +331,7 @@ def test_a_bad_prompt_among_several_adds_none_of_them(server):
     assert _metric(url, "shardlm:kv_cache_usage_perc") == 0.0
 
 
+@pytest.mark.slow
 def test_bench_serve_reports_latencies(server):
     from shardlm.bench.serve import run_serve_bench
     r = run_serve_bench(server[1], None, KEY, concurrency=2, num_prompts=4, workload=None, output_len=8)

@@ -110,6 +110,7 @@ def test_allocation_fails_cleanly_when_short():
     assert kv.pool.num_free_blocks == 3 and kv.block_ids("a") == []
 
 
+@pytest.mark.slow
 def test_prefix_keys_are_keyed_per_process():
     """A client cannot compute the cache keys (vLLM CVE-2025-25183): they are keyed with a secret
     drawn per process, so the same tokens give another key in another process."""

@@ -75,6 +75,7 @@ def _rank(rank, world, port, dp, tp, ep, tokens_per_replica, results):
     ps.destroy_model_parallel()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp,tp,ep", [(1, 2, False), (1, 2, True), (2, 2, True), (2, 1, True)],
                          ids=["tp2", "tp2-ep", "dp2-tp2-ep", "dp2-ep"])
 def test_fused_moe_across_ranks_equals_one_rank(dp, tp, ep):

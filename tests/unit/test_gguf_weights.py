@@ -52,6 +52,7 @@ def test_k_quant_blocks_dequantize_like_ggufs_own_dequantizer(type_name, bits, g
     torch.testing.assert_close(qw.matmul(x).float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
+@pytest.mark.slow
 def test_default_models_q4_1_linears_equal_its_float_conversion(default_model_dir):
     import os
 
@@ -73,6 +74,7 @@ def test_default_models_q4_1_linears_equal_its_float_conversion(default_model_di
         assert all(torch.equal(a, b) for a, b in zip(parts[:3], cached[name][:3])) and parts[3] == cached[name][3]
 
 
+@pytest.mark.slow
 def test_a_conversion_finished_by_another_process_is_kept(tmp_path):
     """Two processes converting one GGUF at once (DP replicas, a test beside `bench make-model`):
     the later one keeps the copy already there, which a reader may be using, and leaves no

@@ -64,6 +64,7 @@ def test_an_unwritable_cache_builds_in_a_temporary_directory(fresh_kernels, monk
     assert "Cannot write the kernel cache" in caplog.text
 
 
+@pytest.mark.slow
 def test_the_isa_cap_selects_the_variant(fresh_kernels):
     assert kernels.use_isa("portable") == "portable" and kernels.blocked_matmul() is None
     assert kernels.fused_ops() is not None                 # plain C: every CPU
@@ -77,6 +78,7 @@ def test_the_isa_cap_selects_the_variant(fresh_kernels):
     assert any(name.startswith("fused_ops-native-") for name in built)
 
 
+@pytest.mark.slow
 def test_a_built_wheel_carries_the_kernels_and_they_load_from_the_install(tmp_path):
     """pip wheel, installed into a fresh environment (beside this one's torch): every kernel
     builds from the installed files, with SHARDLM_REQUIRE_KERNELS set."""

@@ -81,6 +81,7 @@ def test_mixed_prefill_and_decode_step(cpu_isa):
     assert (out - _reference(attn, tables, lens, q_lens, q)).abs().max() < 1e-5
 
 
+@pytest.mark.slow
 def test_loading_the_kernel_keeps_subnormal_numbers():
     """A fast-math link would turn on flush-to-zero for the whole process (torch included)."""
     import subprocess

@@ -88,6 +88,7 @@ def test_packed_kernels_serve_bfloat16_models(monkeypatch):
     assert QuantizedWeight(*quantize_rtn(w, 4, 32), 4, torch.float32).kernel is None   # float32: exact path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits, n, k, group", [(4, 48, 64, 32), (4, 100, 256, 128), (4, 208, 96, 32),
                                                (8, 48, 64, 32), (8, 100, 256, 256), (8, 208, 96, 2)])
 @pytest.mark.parametrize("float16_tables", [False, True])
