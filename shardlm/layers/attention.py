@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from shardlm.attention.backend import AttentionBackend
-from shardlm.layers.rotary import apply_rotary
+from shardlm.layers.rotary import ApplyRotary
 
 
 class Attention(nn.Module):
@@ -18,6 +18,7 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None   # layout: backend.kv_cache_shape(), bound by the runner
         self.v_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
+        self.rotary = ApplyRotary()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]"""
@@ -37,5 +38,5 @@ class Attention(nn.Module):
         qk = qk.view(T, H + Hkv, D)
         if qk_norm is not None:
             qk = qk_norm(qk)
-        q, k = apply_rotary(qk, cos_sin).split([H, Hkv], dim=1)
+        q, k = self.rotary(qk, cos_sin).split([H, Hkv], dim=1)
         return self.forward(q, k, v.view(T, Hkv, D), meta)

@@ -7,9 +7,12 @@ import torch
 from torch import nn
 
 from shardlm.kernels import DTYPE_CODES, fused_ops
+from shardlm.layers.custom_op import CustomOp
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
+    """norm(x) without residual; with one, (norm(x + residual), x + residual)."""
+
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -21,17 +24,16 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without residual: norm(x). With: (norm(x + residual), x + residual)."""
-        if (x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1 and x.dtype in DTYPE_CODES
-                and self.weight.dtype == x.dtype and fused_ops() is not None):
-            return self._fused(x, residual)
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
 
-    def _fused(self, x: torch.Tensor, residual: torch.Tensor | None):
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Rows in one C call (kernels/fused_ops.c) instead of nine operators."""
+        if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in DTYPE_CODES or self.weight.dtype != x.dtype:
+            return self.forward_native(x, residual)
         T, H = x.shape
         out = torch.empty(T, H, dtype=x.dtype)
         summed = None

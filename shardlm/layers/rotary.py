@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from shardlm.kernels import DTYPE_CODES, fused_ops
+from shardlm.layers.custom_op import CustomOp
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -47,16 +48,21 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x: [T, heads, D] (q and k heads together) -> rotated; on CPU in place, in one C call
-    (x is a fresh projection output that nothing else reads)."""
-    cos, signed_sin = cos_sin
-    T, heads, D = x.shape
-    if (x.device.type == "cpu" and x.stride(2) == 1 and x.stride(1) == D and x.dtype in DTYPE_CODES
-            and cos.dtype == x.dtype and cos.is_contiguous() and signed_sin.is_contiguous()
-            and fused_ops() is not None):
+class ApplyRotary(CustomOp):
+    """x: [T, heads, D] (q and k heads together), cos_sin from RotaryEmbedding.lookup -> rotated."""
+
+    def forward_native(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        cos, signed_sin = cos_sin
+        half = x.shape[-1] // 2
+        return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), signed_sin)
+
+    def forward_cpu(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """In place, in one C call (x is a fresh projection output that nothing else reads)."""
+        cos, signed_sin = cos_sin
+        T, heads, D = x.shape
+        if (x.stride(2) != 1 or x.stride(1) != D or x.dtype not in DTYPE_CODES or cos.dtype != x.dtype
+                or not cos.is_contiguous() or not signed_sin.is_contiguous()):
+            return self.forward_native(x, cos_sin)
         fused_ops().rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), T, heads, D,
                            DTYPE_CODES[x.dtype])
         return x
-    half = x.shape[-1] // 2
-    return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), signed_sin)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from shardlm.kernels import DTYPE_CODES, fused_ops
+from shardlm.layers.custom_op import CustomOp
 from shardlm.messages import TokenLogprobs
 
 
@@ -38,13 +39,16 @@ class SamplingBatch:
 
 
 class Sampler:
+    def __init__(self):
+        self.argmax_rows = ArgmaxRows()
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch):
         """logits [B, V] -> (token ids [B] list, {row: TokenLogprobs})."""
         raw_logprobs = None
         if batch.logprobs_k and any(k is not None for k in batch.logprobs_k):
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
         elif batch.plain_greedy:
-            return argmax_rows(logits).tolist(), {}   # all greedy: no copy for penalties or bans needed
+            return self.argmax_rows(logits).tolist(), {}   # all greedy: no copy for penalties or bans needed
         logits = logits.float()
         if batch.biases:
             logits = apply_biases(logits, batch.biases)
@@ -54,7 +58,7 @@ class Sampler:
             logits = logits.clone()   # never write into the caller's logits
             for row, ids in batch.banned:
                 logits[row, ids] = float("-inf")
-        sampled = argmax_rows(logits)
+        sampled = self.argmax_rows(logits)
         if batch.temperature is not None:
             random = sample_random(logits, batch)
             sampled = torch.where(batch.greedy, sampled, random)
@@ -67,15 +71,20 @@ class Sampler:
         return tokens, logprobs
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(x, dim=-1) of a [T, V] tensor; on CPU one C call with the rows in parallel
-    (torch's argmax runs on one thread, and on bfloat16 slowly)."""
-    if (x.device.type == "cpu" and x.dtype in DTYPE_CODES and x.dim() == 2 and x.stride(1) == 1
-            and x.shape[1] > 0 and fused_ops() is not None):
+class ArgmaxRows(CustomOp):
+    """torch.argmax(x, dim=-1) of a [T, V] tensor."""
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float().argmax(dim=-1)
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """One C call with the rows in parallel (torch's argmax runs on one thread, and on
+        bfloat16 slowly)."""
+        if x.dtype not in DTYPE_CODES or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] == 0:
+            return self.forward_native(x)
         out = torch.empty(x.shape[0], dtype=torch.int64)
         fused_ops().argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], DTYPE_CODES[x.dtype], out.data_ptr())
         return out
-    return x.float().argmax(dim=-1)
 
 
 def token_logprobs(row_logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:

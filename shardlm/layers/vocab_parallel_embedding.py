@@ -20,7 +20,7 @@ from shardlm.distributed.parallel_state import get_tp_group
 from shardlm.layers.cpu_matmul import CpuMatmul, blocked_rows, linear, prepare_weight
 from shardlm.layers.linear import checkpoint_shape, read_checkpoint
 from shardlm.layers.quantization import QuantizedWeight
-from shardlm.layers.sampler import argmax_rows
+from shardlm.layers.sampler import ArgmaxRows
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -86,6 +86,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__(vocab_size, hidden_size)
+        self.argmax_rows = ArgmaxRows()
         # the embedding this head is tied to (tie()). Set here, not as a class attribute: nn.Module
         # keeps a module attribute in its _modules, which a class-level default would shadow
         self.tied_to: VocabParallelEmbedding | None = None
@@ -126,7 +127,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         sends only its rows' (max, index) instead of its [T, V/tp] logits. Equal to argmax of the
         full logits, ties included: the first maximum of the first rank that has it."""
         local = self._local_logits(hidden)[:, :max(0, min(self.end, self.vocab_size) - self.start)]
-        index = argmax_rows(local)
+        index = self.argmax_rows(local)
         best = local.gather(1, index[:, None])[:, 0].float()
         pairs = torch.stack([best, (index + self.start).float()], dim=1)     # ids < 2^24: exact in float32
         gathered = self.tp.gather(pairs, dst=0, dim=0)

@@ -55,7 +55,7 @@ def test_silu_and_mul_equals_the_operators(dtype, rows, inter):
 def test_rotary_in_place_equals_the_operators(dtype):
     from types import SimpleNamespace
 
-    from shardlm.layers.rotary import RotaryEmbedding, apply_rotary
+    from shardlm.layers.rotary import ApplyRotary, RotaryEmbedding
     rope = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), 64, 512, dtype)
     cos_sin = rope.lookup(torch.tensor([0, 5, 300]))
     qkv = (3 * torch.randn(3, (9 + 3 + 3) * 64, generator=torch.Generator().manual_seed(0))).to(dtype)
@@ -64,7 +64,22 @@ def test_rotary_in_place_equals_the_operators(dtype):
     half = 32
     expected = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), signed_sin)
     v_before = qkv[:, 12 * 64:].clone()
-    rotated = apply_rotary(qk, cos_sin)
+    rotated = ApplyRotary()(qk, cos_sin)
     assert rotated.data_ptr() == qk.data_ptr()               # in place
     _close(rotated, expected, dtype)
     assert torch.equal(qkv[:, 12 * 64:], v_before)           # v untouched
+
+
+def test_each_op_chooses_its_forward_once_and_falls_back_without_kernels(monkeypatch):
+    """An op takes its CPU forward where the C kernels are built, the portable one where they are
+    not, and keeps its choice; both give the same result."""
+    from shardlm.layers import custom_op
+    from shardlm.layers.activation import SiluAndMul
+    x = torch.randn(4, 32)
+    with_kernels, without = SiluAndMul(), SiluAndMul()
+    expected = with_kernels(x)
+    assert with_kernels._impl.__func__ is SiluAndMul.forward_cpu
+    monkeypatch.setattr(custom_op, "fused_ops", lambda: None)
+    torch.testing.assert_close(without(x), expected)
+    assert without._impl.__func__ is SiluAndMul.forward_native
+    assert with_kernels(x) is not None and with_kernels._impl.__func__ is SiluAndMul.forward_cpu   # chosen once

@@ -106,7 +106,8 @@ def test_argmax_rows_equals_torch_argmax(dtype):
     """The C argmax (rows in parallel) picks what torch.argmax picks: the first of equal maxima,
     the first NaN, index 0 of a row of -inf; vocabularies that are not a multiple of 16; a view."""
     from shardlm.kernels import fused_ops
-    from shardlm.layers.sampler import argmax_rows
+    from shardlm.layers.sampler import ArgmaxRows
+    argmax_rows = ArgmaxRows()
     assert fused_ops() is not None, "the C kernel is what is under test"
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(70, 49157, generator=gen).to(dtype)
