@@ -13,9 +13,14 @@ def cpu_flags() -> set[str]:
     """This CPU's instruction-set flags (/proc/cpuinfo); empty where unknown."""
     try:
         with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
+            return flags_in_cpuinfo(f.read())
     except OSError:
         return set()
+
+
+def flags_in_cpuinfo(text: str) -> set[str]:
+    """The first processor's `flags` (x86) or `Features` (ARM) in /proc/cpuinfo's text."""
+    line = next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
     return set(line.partition(":")[2].split())
 
 

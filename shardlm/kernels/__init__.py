@@ -143,7 +143,7 @@ def _build(name: str) -> ctypes.CDLL | None:
             source += f.read()
     flags = [*_FLAGS, *_isa_flags()]
     key = hashlib.sha256(source + cc.encode() + " ".join(flags + _LINK_FLAGS).encode()
-                         + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
+                         + platform.machine().encode() + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     filename = f"{name}-{active_isa()}-{key}.so"
     path = os.path.join(envs.SHARDLM_CACHE_DIR, "kernels", filename)
     if not os.path.exists(path):

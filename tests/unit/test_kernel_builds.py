@@ -103,3 +103,15 @@ def test_a_built_wheel_carries_the_kernels_and_they_load_from_the_install(tmp_pa
     assert run.returncode == 0, run.stderr[-3000:]
     where, loaded = run.stdout.split()
     assert where.startswith(site) and loaded == "True"
+
+
+def test_the_cache_key_reads_arm_features_as_well_as_x86_flags():
+    """A library built with -march=native is cached under this CPU's flags: ARM's /proc/cpuinfo
+    names them `Features`, so two ARM CPUs with different features must not share one."""
+    from shardlm.utils import flags_in_cpuinfo
+    x86 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 fma\n"
+    neoverse = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd sve sve2 bf16\nCPU implementer\t: 0x41\n"
+    graviton2 = "processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd atomics\nCPU implementer\t: 0x41\n"
+    assert flags_in_cpuinfo(x86) == {"fpu", "sse2", "avx2", "fma"}
+    assert flags_in_cpuinfo(neoverse) == {"fp", "asimd", "sve", "sve2", "bf16"}
+    assert flags_in_cpuinfo(neoverse) != flags_in_cpuinfo(graviton2)
