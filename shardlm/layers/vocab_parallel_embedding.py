@@ -103,13 +103,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.quant is not None:
             return
         packed, self.cpu_matmul = prepare_weight(self.weight.data)
+        if self.tied_to is not None and packed is not None and not self.cpu_matmul.blocked:
+            packed = None       # a oneDNN copy would be a second table: both read the plain one
         if packed is not None:
             self.weight = nn.Parameter(packed, requires_grad=False)
             if self.tied_to is not None and self.cpu_matmul.blocked:
                 # the embedding looks its rows up in the packed weight: one copy of the table
                 # (a second would push a small model's weights out of the last-level cache)
                 self.tied_to.weight, self.tied_to.cpu_matmul = self.weight, self.cpu_matmul
-            # else a tied embedding keeps its plain weight and this is a second copy
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over this rank's vocabulary shard (its padding rows included)."""
