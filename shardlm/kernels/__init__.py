@@ -1,16 +1,19 @@
-"""shardlm's own CPU kernels: small C files compiled once per machine and called via ctypes.
+"""shardlm's own CPU kernels: small C files compiled once per machine into one library, called via ctypes.
 
-No torch headers, so a kernel builds in about a second with the system C compiler. The
-shared library is cached under the shardlm cache directory, keyed by the sources (a kernel
-may include another), the compiler, the ISA variant it is built for and this CPU's flags.
+No torch headers, so the library builds in a few seconds with the system C compiler: each
+kernels/*.c compiled on its own, then linked together. It is cached under the shardlm cache
+directory, keyed by the sources, the compiler, the ISA variant it is built for, the machine and
+this CPU's flags. Every entry point is declared once in C (shardlm_kernels.h, which each file
+includes, so the compiler checks the definitions) and once here for ctypes (SIGNATURES; a test
+checks the two agree).
 OpenMP resolves to torch's own libgomp (same soname, already loaded): one thread pool.
 
 ISA variants, each a superset of the one before: portable (plain C, vectorized by the
 compiler for the baseline), avx2 (+FMA, F16C), avx512 (F, BW, VL, DQ), avx512_bf16 (+BF16,
 VNNI) and native (-march=native: all this CPU has). The kernels are built for the best one this
 CPU has, at most SHARDLM_CPU_ISA; the C code picks its paths by the compiler's __AVX512F__ etc.
-A kernel that cannot be built or loaded (no compiler, a bad CC, an unwritable cache, a compile
-error) is logged once and its layer runs on torch ops, unless SHARDLM_REQUIRE_KERNELS is set.
+A library that cannot be built or loaded (no compiler, a bad CC, an unwritable cache, a compile
+error) is logged once and the layers run on torch ops, unless SHARDLM_REQUIRE_KERNELS is set.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # flush-to-zero for the whole process that loads the library (torch's numerics included).
 _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-fno-strict-aliasing", "-ffast-math", "-fno-finite-math-only"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
-_loaded: dict[str, ctypes.CDLL | None] = {}
+_loaded: list = []          # [the library, or None], once looked up
 
 # the `dtype` argument every kernel takes
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -99,23 +102,23 @@ def _isa_flags() -> list[str]:
     return ["-march=x86-64", "-mtune=native", *ISA_VARIANTS[isa][1]]
 
 
-def load(name: str) -> ctypes.CDLL | None:
-    """The compiled kernel library `name` (kernels/<name>.c), or None if it cannot be built."""
-    if name in _loaded:
-        return _loaded[name]
-    _loaded[name] = lib = None if envs.SHARDLM_DISABLE_KERNELS else _build(name)
-    return lib
+def library() -> ctypes.CDLL | None:
+    """The kernel library (every kernels/*.c), or None where it cannot be built or loaded."""
+    if not _loaded:
+        _loaded.append(None if envs.SHARDLM_DISABLE_KERNELS else _build())
+    return _loaded[0]
 
 
-LIBRARIES = ("fused_ops", "paged_attention", "skinny_matmul", "blocked_matmul", "llama_decode")
+KERNEL_FILES = ("fused_ops", "paged_attention", "skinny_matmul", "blocked_matmul", "llama_decode")
 
 
 def describe() -> dict:
-    """What `shardlm env check` shows: the variant in use and each kernel library's state in it."""
-    state = {name: "ok" if load(name) is not None else "unavailable (torch ops)" for name in LIBRARIES}
-    if state["blocked_matmul"] == "ok" and not blocked_vector_bits():
+    """What `shardlm env check` shows: the variant in use and the state of each kernel file's code in it."""
+    ok = library() is not None
+    state = {name: "ok" if ok else "unavailable (torch ops)" for name in KERNEL_FILES}
+    if ok and not blocked_vector_bits():
         state["blocked_matmul"] = "not in this variant (AVX2 or AVX-512 only)"
-    elif state["blocked_matmul"] == "ok" and blocked_vector_bits() == 256:
+    elif ok and blocked_vector_bits() == 256:
         state["blocked_matmul"] = "ok (AVX2: bfloat16, 4- and 8-bit panels; float32 on skinny_matmul / oneDNN)"
     return {"variant": active_isa(), "best": best_isa(), "cap": _isa_cap[0], "kernels": state}
 
@@ -124,105 +127,133 @@ class KernelBuildError(RuntimeError):
     """A kernel could not be built or loaded (raised only with SHARDLM_REQUIRE_KERNELS)."""
 
 
-def _unavailable(name: str, why: str) -> None:
+def _unavailable(why: str) -> None:
     if envs.SHARDLM_REQUIRE_KERNELS:
-        raise KernelBuildError(f"The {name} kernel is unavailable: {why} (SHARDLM_REQUIRE_KERNELS is set).")
-    logger.warning("The %s kernel is unavailable: %s. Its layers run on torch ops instead (on CPU several "
-                   "times slower); outputs are the same.", name, why)
+        raise KernelBuildError(f"The CPU kernels are unavailable: {why} (SHARDLM_REQUIRE_KERNELS is set).")
+    logger.warning("The CPU kernels are unavailable: %s. The layers run on torch ops instead (on CPU several "
+                   "times slower); outputs are the same.", why)
 
 
-def _build(name: str) -> ctypes.CDLL | None:
-    src = os.path.join(_HERE, f"{name}.c")
+def _build() -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        _unavailable(name, "no C compiler found (install gcc, or set CC)")
+        _unavailable("no C compiler found (install gcc, or set CC)")
         return None
-    source = b""
-    for path in [src] + sorted(glob.glob(os.path.join(_HERE, "*.[ch]"))):   # what it may include
+    sources = sorted(glob.glob(os.path.join(_HERE, "*.c")))
+    text = b""
+    for path in sources + sorted(glob.glob(os.path.join(_HERE, "*.h"))):
         with open(path, "rb") as f:
-            source += f.read()
+            text += f.read()
     flags = [*_FLAGS, *_isa_flags()]
-    key = hashlib.sha256(source + cc.encode() + " ".join(flags + _LINK_FLAGS).encode()
+    key = hashlib.sha256(text + cc.encode() + " ".join(flags + _LINK_FLAGS).encode()
                          + platform.machine().encode() + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
-    filename = f"{name}-{active_isa()}-{key}.so"
+    filename = f"shardlm_kernels-{active_isa()}-{key}.so"
     path = os.path.join(envs.SHARDLM_CACHE_DIR, "kernels", filename)
     if not os.path.exists(path):
         try:
-            path = _compile(cc, src, flags, path)
+            path = _compile(cc, sources, flags, path)
         except OSError as e:         # an unwritable or full cache: build in a private directory instead
-            logger.warning("Cannot write the kernel cache %s (%s); building %s in a temporary directory (again "
-                           "at every start).", os.path.dirname(path), e, name)
+            logger.warning("Cannot write the kernel cache %s (%s); building the kernels in a temporary directory "
+                           "(again at every start).", os.path.dirname(path), e)
             try:
-                path = _compile(cc, src, flags, os.path.join(tempfile.mkdtemp(prefix="shardlm-kernels-"), filename))
+                path = _compile(cc, sources, flags,
+                                os.path.join(tempfile.mkdtemp(prefix="shardlm-kernels-"), filename))
             except OSError as e2:
-                _unavailable(name, f"{cc} could not be run or its output not written ({e2})")
+                _unavailable(f"{cc} could not be run or its output not written ({e2})")
                 return None
         except RuntimeError as e:
-            _unavailable(name, str(e))
+            _unavailable(str(e))
             return None
     try:
         return ctypes.CDLL(path)
     except OSError as e:
-        _unavailable(name, f"the built library does not load ({e})")
+        _unavailable(f"the built library does not load ({e})")
         return None
 
 
-def _compile(cc: str, src: str, flags: list[str], path: str) -> str:
-    """Compiles src into the shared library at path (atomically: concurrent builders agree).
-    Raises OSError where cc cannot run or path cannot be written, RuntimeError on a compile error."""
+def _compile(cc: str, sources: list[str], flags: list[str], path: str) -> str:
+    """Compiles each source, then links them into the shared library at path (atomically:
+    concurrent builders agree). Raises OSError where cc cannot run or path cannot be written,
+    RuntimeError on a compile error."""
     out_dir = os.path.dirname(path)
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
-    obj = tmp + ".o"
+    objects = [f"{tmp}.{os.path.basename(src)}.o" for src in sources]
     try:
-        result = subprocess.run([cc, *flags, "-c", src, "-o", obj], capture_output=True, text=True)
-        if result.returncode == 0:
-            result = subprocess.run([cc, *_LINK_FLAGS, obj, "-o", tmp, "-lm"], capture_output=True, text=True)
+        for src, obj in zip(sources, objects):
+            result = subprocess.run([cc, *flags, "-c", src, "-o", obj], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{cc} failed to compile {os.path.basename(src)}:\n{result.stderr[-2000:]}")
+        result = subprocess.run([cc, *_LINK_FLAGS, *objects, "-o", tmp, "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"{cc} failed to compile it:\n{result.stderr[-2000:]}")
+            raise RuntimeError(f"{cc} failed to link the kernels:\n{result.stderr[-2000:]}")
         os.replace(tmp, path)
         return path
     finally:
-        for leftover in (obj, tmp):
+        for leftover in (*objects, tmp):
             if os.path.exists(leftover):
                 os.unlink(leftover)
 
 
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+ALL_REDUCE_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int)     # llama_decode_layers' tensor parallel all-reduce
+
+# Every entry point of shardlm_kernels.h: (argument types, result type). Pointers are c_void_p.
+SIGNATURES: dict[str, tuple[list, object]] = {
+    "add_rmsnorm": ([_P, _I64, _P, _P, _P, _P, _I, _I, _F, _I], None),
+    "silu_and_mul": ([_P, _P, _I, _I, _I], None),
+    "rotary": ([_P, _I64, _P, _P, _I, _I, _I, _I], None),
+    "dequantize_int4pack": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _I], None),
+    "argmax_rows": ([_P, _I64, _I, _I, _I, _P], None),
+    "paged_decode_attention": ([_P, _P, _I64, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I], _I),
+    "paged_decode_attention_qkv": ([_P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I],
+                                   _I),
+    "skinny_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I),
+    "blocked_vector_bits": ([], _I),
+    "blocked_panel_width": ([], _I),
+    "blocked_packed_size": ([_I, _I, _I], _I64),
+    "blocked_pack": ([_P, _I, _I, _I, _P], None),
+    "blocked_int4_size": ([_I, _I, _I, _I], _I64),
+    "blocked_int4_pack": ([_P, _P, _P, _I, _I, _I, _I, _P], None),
+    "blocked_int8_size": ([_I, _I, _I, _I], _I64),
+    "blocked_int8_pack": ([_P, _P, _I, _I, _I, _I, _P], None),
+    "blocked_rows": ([_P, _P, _I, _I, _I, _I, _I, _I, _P], None),
+    "blocked_set_bf16_dot": ([_I], _I),
+    "blocked_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I),
+    "blocked_int4_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I),
+    "blocked_int8_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I),
+    "llama_decode_layers": ([_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F,
+                             _I, _I, _I, _I, _P, ALL_REDUCE_CALLBACK], _I),
+}
 _functions: dict[str, object] = {}
 
 
-def _function(library: str, name: str, argtypes: list, restype):
-    """The C function `name` of kernels/<library>.c with its signature set, or None (looked up once)."""
-    key = f"{library}.{name}"       # two libraries may hold one function (llama_decode includes others)
-    if key not in _functions:
-        lib = load(library)
+def _function(name: str):
+    """The library's entry point `name` with its signature set, or None (looked up once)."""
+    if name not in _functions:
+        lib = library()
         fn = None if lib is None else getattr(lib, name)
         if fn is not None:
-            fn.argtypes, fn.restype = argtypes, restype
-        _functions[key] = fn
-    return _functions[key]
-
-
-_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+            fn.argtypes, fn.restype = SIGNATURES[name]
+        _functions[name] = fn
+    return _functions[name]
 
 
 def paged_decode_attention():
     """The paged decode attention function, or None."""
-    return _function("paged_attention", "paged_decode_attention",
-                     [_P, _P, _I64, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I], ctypes.c_int)
+    return _function("paged_decode_attention")
 
 
 def paged_decode_attention_qkv():
     """Rotary + KV cache write + paged decode attention from a qkv projection, or None."""
-    return _function("paged_attention", "paged_decode_attention_qkv",
-                     [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I], ctypes.c_int)
+    return _function("paged_decode_attention_qkv")
 
 
 def skinny_matmul():
     """skinny_matmul(x, x_stride, w, bias, y, M, N, K, dtype) -> 0, or -1 if out of memory
     (kernels/skinny_matmul.c); None where it cannot be built."""
-    return _function("skinny_matmul", "skinny_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I)
+    return _function("skinny_matmul")
 
 
 _blocked: list = []
@@ -232,40 +263,29 @@ def blocked_vector_bits() -> int:
     """The vector width the blocked panels run at in this variant: 512 (AVX-512), 256 (AVX2), or
     0 (none: no SIMD build, or no compiler). Looked up once: every product on CPU asks."""
     if not _blocked:
-        bits = _function("blocked_matmul", "blocked_vector_bits", [], _I)
+        bits = _function("blocked_vector_bits")
         width = 0 if bits is None else bits()
         if width:
-            _use_bf16_dot("blocked_matmul", _bf16_dot_pays(_blocked_matmul_function()))
+            use_bf16_dot(_bf16_dot_pays(_function("blocked_matmul")))
         _blocked.append(width)
     return _blocked[0]
-
-
-def _blocked_matmul_function():
-    return _function("blocked_matmul", "blocked_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I)
 
 
 def blocked_matmul():
     """blocked_matmul(x, x_stride, packed_w, bias, y, M, N, K, dtype) -> 0, -1 if out of memory
     (kernels/blocked_matmul.c) for float weights; None where this variant has no blocked panels."""
-    return _blocked_matmul_function() if blocked_vector_bits() else None
+    return _function("blocked_matmul") if blocked_vector_bits() else None
 
 
 _bf16_dot: list = []
 
 
-def _use_bf16_dot(library: str, on: bool) -> bool:
-    """Tell a library holding blocked_matmul.c whether bfloat16 products use the dot product;
-    False where it was built without AVX512_BF16."""
-    return bool(_function(library, "blocked_set_bf16_dot", [_I], _I)(int(on)))
-
-
 def use_bf16_dot(on: bool) -> bool:
-    """Switch bfloat16 products between the dot product and float32 FMAs in every library holding
-    blocked_matmul.c (tests run both); False where this build lacks AVX512_BF16."""
-    if not blocked_vector_bits():
-        return False
-    return all([_use_bf16_dot(library, on) for library in ("blocked_matmul", "llama_decode")
-                if load(library) is not None])
+    """Switch bfloat16 products between the CPU's bfloat16 dot product and float32 FMAs (the
+    blocked kernel and the one-call decode step share the setting; tests run both); False where
+    this build lacks AVX512_BF16."""
+    setter = _function("blocked_set_bf16_dot")
+    return bool(setter(int(on))) if setter is not None else False
 
 
 def _bf16_dot_pays(matmul) -> bool:
@@ -275,12 +295,11 @@ def _bf16_dot_pays(matmul) -> bool:
     answer then holds for every product, so all of them sum in the same order."""
     if _bf16_dot:
         return _bf16_dot[0]
-    setter = _function("blocked_matmul", "blocked_set_bf16_dot", [_I], _I)
+    setter = _function("blocked_set_bf16_dot")
     pays = False
     if setter(1):       # built with AVX512_BF16
         from shardlm.utils import median_seconds_side_by_side
-        pack_size = _function("blocked_matmul", "blocked_packed_size", [_I, _I, _I], _I64)
-        pack = _function("blocked_matmul", "blocked_pack", [_P, _I, _I, _I, _P], None)
+        pack_size, pack = _function("blocked_packed_size"), _function("blocked_pack")
         M, N, K = 64, 1536, 576
         w = torch.randn(N, K).to(torch.bfloat16)
         packed = torch.empty(pack_size(N, K, 1), dtype=torch.bfloat16)
@@ -304,8 +323,7 @@ def blocked_pack():
     blocked_matmul's weight layout; None where blocked_matmul() is None."""
     if blocked_matmul() is None:
         return None
-    return (_function("blocked_matmul", "blocked_packed_size", [_I, _I, _I], _I64),
-            _function("blocked_matmul", "blocked_pack", [_P, _I, _I, _I, _P], None))
+    return _function("blocked_packed_size"), _function("blocked_pack")
 
 
 def blocked_int4():
@@ -315,9 +333,7 @@ def blocked_int4():
     float32, 2: float16); None where this variant has no blocked panels."""
     if not blocked_vector_bits():
         return None
-    return (_function("blocked_matmul", "blocked_int4_size", [_I, _I, _I, _I], _I64),
-            _function("blocked_matmul", "blocked_int4_pack", [_P, _P, _P, _I, _I, _I, _I, _P], None),
-            _function("blocked_matmul", "blocked_int4_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I))
+    return _function("blocked_int4_size"), _function("blocked_int4_pack"), _function("blocked_int4_matmul")
 
 
 def blocked_int8():
@@ -326,58 +342,34 @@ def blocked_int8():
     memory) for symmetric 8-bit weights in blocked panels; None where this variant has no blocked panels."""
     if not blocked_vector_bits():
         return None
-    return (_function("blocked_matmul", "blocked_int8_size", [_I, _I, _I, _I], _I64),
-            _function("blocked_matmul", "blocked_int8_pack", [_P, _P, _I, _I, _I, _I, _P], None),
-            _function("blocked_matmul", "blocked_int8_matmul", [_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I))
+    return _function("blocked_int8_size"), _function("blocked_int8_pack"), _function("blocked_int8_matmul")
 
 
 def blocked_rows():
     """blocked_rows(packed, index, n, K, bits, group, tb, dtype, out): rows of a weight in float or
     8-bit blocked panels (an embedding lookup in a tied LM head's table); None where this variant
     has no blocked panels."""
-    if not blocked_vector_bits():
-        return None
-    return _function("blocked_matmul", "blocked_rows", [_P, _P, _I, _I, _I, _I, _I, _I, _P], None)
+    return _function("blocked_rows") if blocked_vector_bits() else None
 
 
 def blocked_panel_width():
     """blocked_panel_width() -> the output features per panel of blocked_matmul's layout."""
-    return _function("blocked_matmul", "blocked_panel_width", [], _I)
-
-
-ALL_REDUCE_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int)     # llama_decode_layers' tensor parallel all-reduce
+    return _function("blocked_panel_width")
 
 
 def llama_decode_layers():
     """A stage's Llama decoder layers for one decode step in one call (kernels/llama_decode.c), or None."""
-    first = "llama_decode.llama_decode_layers" not in _functions
-    if first and load("llama_decode") is not None and blocked_vector_bits():
-        _use_bf16_dot("llama_decode", _bf16_dot_pays(blocked_matmul()))   # its own copy of the choice
-    return _function("llama_decode", "llama_decode_layers",
-                     [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F,
-                      _I, _I, _I, _I, _P, ALL_REDUCE_CALLBACK],
-                     ctypes.c_int)
+    blocked_vector_bits()          # the bfloat16 product choice is made before the first step
+    return _function("llama_decode_layers")
 
 
 _fused: list = []
 
 
 def fused_ops() -> ctypes.CDLL | None:
-    """add_rmsnorm, silu_and_mul, rotary, dequantize_int4pack and argmax_rows (kernels/fused_ops.c),
-    or None."""
+    """The library with add_rmsnorm, silu_and_mul, rotary, dequantize_int4pack and argmax_rows
+    (kernels/fused_ops.c) ready to call, or None."""
     if not _fused:
-        lib = load("fused_ops")
-        if lib is not None:
-            ptr, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-            lib.add_rmsnorm.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i, i, ctypes.c_float, i]
-            lib.add_rmsnorm.restype = None
-            lib.silu_and_mul.argtypes = [ptr, ptr, i, i, i]
-            lib.silu_and_mul.restype = None
-            lib.rotary.argtypes = [ptr, i64, ptr, ptr, i, i, i, i]
-            lib.rotary.restype = None
-            lib.dequantize_int4pack.argtypes = [ptr, i, i, i, i, ptr, ptr, i, ptr, i]
-            lib.dequantize_int4pack.restype = None
-            lib.argmax_rows.argtypes = [ptr, i64, i, i, i, ptr]
-            lib.argmax_rows.restype = None
-        _fused.append(lib)
+        names = ("add_rmsnorm", "silu_and_mul", "rotary", "dequantize_int4pack", "argmax_rows")
+        _fused.append(library() if all(_function(n) is not None for n in names) else None)
     return _fused[0]

@@ -8,10 +8,7 @@
 #include <immintrin.h>
 #endif
 
-// An entry point called from Python. Never inlined or specialized (noipa), also where one kernel
-// file includes another (llama_decode.c): compiled into another context, fast-math could order
-// its sums differently, and the fused path would no longer equal the layer-by-layer one bit for bit.
-#define KERNEL_API __attribute__((noipa))
+#include "shardlm_kernels.h"
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

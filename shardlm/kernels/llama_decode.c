@@ -4,10 +4,10 @@
 // product -- the same kernels, in the same order, as the layer-by-layer path (so the same
 // results, bit for bit), without the Python and operator dispatch between them, which at a few
 // rows costs more than the arithmetic.
-#include "fused_ops.c"
-#include "paged_attention.c"
-#include "skinny_matmul.c"
-#include "blocked_matmul.c"
+#include <stdint.h>
+#include <string.h>
+
+#include "shardlm_kernels.h"
 
 // Per layer, the addresses of (in this order): input norm weight, qkv weight, qkv bias, o weight,
 // o bias, post-attention norm weight, gate_up weight, gate_up bias, down weight, down bias,
@@ -35,7 +35,7 @@ static int matmul(int kind, int group, int tb, const void *x, int64_t x_stride, 
 // row-parallel product (output and down; they have no bias then), as the layer-by-layer path does;
 // nonzero if it failed.
 // Returns -1 if a work buffer could not be allocated, -2 if an all-reduce failed.
-int llama_decode_layers(const int64_t *layers, int L, void *hidden, void *residual, int has_residual,
+KERNEL_API int llama_decode_layers(const int64_t *layers, int L, void *hidden, void *residual, int has_residual,
                         const void *cos, const void *signed_sin, const int64_t *slot_mapping,
                         const int64_t *block_tables, const int64_t *context_lens, int T, int E, int H, int Hkv,
                         int D, int I, int num_blocks, int block_size, int max_blocks, float scale, float eps,
