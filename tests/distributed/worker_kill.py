@@ -25,7 +25,7 @@ def kill_during_generation(llm: LLM, pid: int, match: str, sig: int = signal.SIG
         os.kill(pid, sig)
 
     threading.Thread(target=kill, daemon=True).start()
-    long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)     # to the end of the context
     with pytest.raises(WorkerDiedError, match=match) as err:
         for _ in range(100):      # far longer than 1 s unless the kill stops it
             llm.generate(_prompts(), long, use_tqdm=False)
