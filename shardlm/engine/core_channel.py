@@ -49,17 +49,21 @@ class CoreChannel:
 
     def wait_ready(self) -> int:
         """Its KV cache blocks once it started; raises why it did not."""
-        ready = wait([self._recv_conn, *self._sentinels])
-        if self._recv_conn in ready:
-            try:
-                msg = self._decode(self._recv_conn.recv_bytes())
-            except (EOFError, OSError):
-                msg = None
-            if isinstance(msg, Ready):
-                return msg.num_blocks
-            if isinstance(msg, StartupFailed):
-                raise RuntimeError(f"{self.name} failed to start: {msg.error}")
+        msg = self._next_message()
+        if isinstance(msg, Ready):
+            return msg.num_blocks
+        if isinstance(msg, StartupFailed):
+            raise RuntimeError(f"{self.name} failed to start: {msg.error}")
         raise EngineDeadError(f"{self.name} ended during start-up: {self._gone()}")
+
+    def _next_message(self):
+        """The next message from the core; None when its connection closed or its process ended."""
+        if self._recv_conn not in wait([self._recv_conn, *self._sentinels]):
+            return None
+        try:
+            return self._decode(self._recv_conn.recv_bytes())
+        except (EOFError, OSError):
+            return None
 
     def start_reader(self, on_message, on_death) -> None:
         self._reader = threading.Thread(target=self._read, args=(on_message, on_death),
@@ -68,19 +72,14 @@ class CoreChannel:
 
     def _read(self, on_message, on_death) -> None:
         while True:
-            ready = wait([self._recv_conn, *self._sentinels])
-            if self._recv_conn in ready:
-                try:
-                    msg = self._decode(self._recv_conn.recv_bytes())
-                except (EOFError, OSError):
-                    msg = None
-                if isinstance(msg, (EngineCoreOutputs, UtilityResult, WaveStarted)):
-                    on_message(self.index, msg)
-                    continue
-                if isinstance(msg, Failed):
-                    self.dead_reason = f"{self.name} stopped: {msg.error}"
-                    on_death(self.index, self.dead_reason)
-                    return
+            msg = self._next_message()
+            if isinstance(msg, (EngineCoreOutputs, UtilityResult, WaveStarted)):
+                on_message(self.index, msg)
+                continue
+            if isinstance(msg, Failed):
+                self.dead_reason = f"{self.name} stopped: {msg.error}"
+                on_death(self.index, self.dead_reason)
+                return
             if not self.closing:
                 self.dead_reason = f"{self.name} {self._gone()}"
                 on_death(self.index, self.dead_reason)
