@@ -45,3 +45,17 @@ def assert_close(ref: list[tuple[list[int], list[set[int]]]], ours, label: str =
         else:
             exact += 1
     return exact
+
+
+def divergence_margins(ref, outs) -> list[float]:
+    """Where our greedy token parts from HF's: how many nats our own logprobs put HF's token
+    below ours (a near-tie when small). ours: RequestOutputs with logprobs >= 5 (assert_close
+    has checked HF's token is among them)."""
+    margins = []
+    for (ref_ids, _), out in zip(ref, outs):
+        comp = out.outputs[0]
+        for pos, (a, b) in enumerate(zip(ref_ids, comp.token_ids)):
+            if a != b:
+                margins.append(comp.logprobs[pos][b].logprob - comp.logprobs[pos][a].logprob)
+                break
+    return margins

@@ -16,10 +16,10 @@
 // 4-bit weights (w = q * scale + min per group of input columns) have panels of their own: per
 // 8 k's, a 32-bit word per output feature holds q[k + 2i] in bits 4i..4i+3 and q[k + 2i + 1] in
 // bits 16+4i.., i = 0..3 (so a k pair comes out of a word with a shift and a mask, in lane);
-// each group's words are followed by its NR scales and NR mins, so a panel is one stream. They
-// are widened to float32 in registers, so a decode step reads a quarter of the bytes of
-// bfloat16; with the bfloat16 dot product, the integers are multiplied as they are and scale and
-// min applied once per group (int4_tile_dot).
+// each group's words are followed by its NR scales and NR mins, so a panel is one stream. x is
+// quantized to int8 per block of 32 k's, as llama.cpp and vLLM's GGUF kernels do, and the
+// integers multiplied as they are (int4_tile_q16): no weight is widened to float, so a decode step
+// reads a quarter of the bytes of bfloat16 and does little arithmetic per byte, on AVX2 too.
 //
 // 8-bit weights (w = q * scale per group, symmetric: int8 and GGUF's Q8_0) likewise: per k, the
 // NR integers side by side, each group's followed by its NR scales. Widened to float32 (q * scale,
@@ -39,12 +39,17 @@
 #define NR 48            // output features per panel: three vectors
 #if SIMD16_BITS == 256
 #define MR 2             // x rows per register tile: 12 accumulator registers
-#define MR4 1            // for 4- and 8-bit weights, whose widening needs more registers
+#define MR4 1            // for 8-bit weights, whose widening needs more registers
 #else
 #define MR 8             // x rows per register tile: 24 accumulators
-#define MR4 6            // for 4-bit weights, whose widening needs 12 more registers
+#define MR4 6            // for 8-bit weights, whose widening needs more registers
 #endif
-#define MR4_DOT 4        // for 4-bit weights with the dot product: a partial and a total accumulator per vector
+#define MR4_DOT 4        // for 8-bit weights with the dot product: a partial and a total accumulator per vector
+#if SIMD16_BITS == 256
+#define MR4_Q 2          // for 4-bit weights with integer x: an integer and a float accumulator per vector
+#else
+#define MR4_Q 6
+#endif
 #define NV (NR / 16)
 #ifndef PF_BYTES
 #define PF_BYTES 8192    // the first pass over a panel fetches this far ahead in the weight stream
@@ -307,103 +312,83 @@ static inline __attribute__((always_inline)) void panel_tile_dot(const uint16_t 
 }
 #endif
 
-// k pair i (k = 8o + 2i, 8o + 2i + 1) of 16 features' words of a 4-bit panel as float32 weights:
-// q * scale + min, rounded once
-static inline __attribute__((always_inline)) void widen_int4_pair(vi16 words, int i, vf16 scale, vf16 min,
-                                                            vf16 *even, vf16 *odd) {
-    const vi16 q = vi_srli(words, 4 * i), nibble = vi_set1(15);
-    *even = vf_fmadd(vi_to_f(vi_and(q, nibble)), scale, min);
-    *odd = vf_fmadd(vi_to_f(vi_and(vi_srli(q, 16), nibble)), scale, min);
-}
-
 // Asks for group g's bytes PF_BYTES ahead in the panel's stream (the first pass over a panel)
 static inline __attribute__((always_inline)) void prefetch_int4_group(const uint8_t *panel, int group, int tb, int g) {
     const char *at = (const char *)panel + g * int4_group_bytes(group, tb) + PF_BYTES;
     for (int64_t off = 0; off < int4_group_bytes(group, tb); off += 64) _mm_prefetch(at + off, _MM_HINT_T0);
 }
 
-// panel_tile for a 4-bit panel: each k pair's NR bytes widened to two float32 vectors per 16
-// features, w = q * scale + min (one rounding), then as panel_tile
-static inline __attribute__((always_inline)) void int4_tile(const float *x, int64_t x_stride, const uint8_t *panel, int K,
-                                                      int group, int tb, const int NM, vf16 acc[MR][NV], int prefetch) {
+// x quantized for the integer 4-bit tile: per row, int16 values q = round(x / d) with
+// d = max |x| / 32767 per group of k's, the groups' d, and their sums of x (float). 16 bits
+// keep x's rounding error near float's (llama.cpp's 8-bit blocks part from the float product by
+// tenths of a nat on the default model); a 4-bit weight times an int16 is still one integer
+// multiply-add, and a group's sum stays far inside 32 bits (group * 15 * 32767).
+typedef struct {
+    const int16_t *q;
+    const float *scale, *sum;
+    int64_t stride, groups;    // per row: K values, K / group scales and sums
+} qx_t;
+
+// A 4-bit tile with integer activations: per group, the 4-bit integers times the int16 x summed
+// in 32-bit integers (a k pair per multiply-add: the word's shift and mask give the pair in lane,
+// as int16 halves), then
+//   sum_k x[k] * (q[k] * scale + min) = scale * d * sum_k q[k] * qx[k] + min * sum_k x[k].
+// A weight costs half a shift, half a mask and half a multiply-add: no widening to float, so
+// batch-1 decode is not bound by arithmetic on AVX2.
+static inline __attribute__((always_inline)) void int4_tile_q16(const qx_t *xq, int m0, const uint8_t *panel, int K,
+        int group, int tb, const int NM, vf16 acc[MR][NV], int prefetch) {
     for (int m = 0; m < NM; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = vf_zero();
+    const vi16 nibble_pair = vi_set1(0x000F000F);
     for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
         if (prefetch) prefetch_int4_group(panel, group, tb, g);
-        const uint8_t *tables = int4_tables(panel, group, tb, g);
-        vf16 s[NV], mn[NV];
-        for (int v = 0; v < NV; v++) {
-            s[v] = load_table(tables, 16 * v, tb);
-            mn[v] = load_table(tables, NR + 16 * v, tb);
-        }
+        vi16 isum[MR4_Q][NV];
+        for (int m = 0; m < NM; m++)
+            for (int v = 0; v < NV; v++) isum[m][v] = vi_zero();
         for (int k8 = g0; k8 < g0 + group; k8 += 8) {
             const uint32_t *words = int4_words(panel, group, tb, k8);
             vi16 w[NV];
             for (int v = 0; v < NV; v++) w[v] = vi_load(words + 16 * v);
-            for (int i = 0, k = k8; i < 4; i++, k += 2) {
-                vf16 even[NV], odd[NV];
-                for (int v = 0; v < NV; v++) widen_int4_pair(w[v], i, s[v], mn[v], &even[v], &odd[v]);
+            for (int i = 0; i < 4; i++) {        // the pair (k8 + 2i, k8 + 2i + 1)
+                vi16 pair[NV];
+                for (int v = 0; v < NV; v++) pair[v] = vi_and(vi_srli(w[v], 4 * i), nibble_pair);
                 for (int m = 0; m < NM; m++) {
-                    const vf16 xe = vf_set1(x[m * x_stride + k]), xo = vf_set1(x[m * x_stride + k + 1]);
-                    for (int v = 0; v < NV; v++) acc[m][v] = vf_fmadd(xe, even[v], acc[m][v]);
-                    for (int v = 0; v < NV; v++) acc[m][v] = vf_fmadd(xo, odd[v], acc[m][v]);
+                    int32_t xp;
+                    memcpy(&xp, xq->q + (m0 + m) * xq->stride + k8 + 2 * i, 4);
+                    const vi16 xb = vi_set1(xp);
+                    for (int v = 0; v < NV; v++) isum[m][v] = vi_dot_s16(isum[m][v], pair[v], xb);
                 }
-            }
-        }
-    }
-}
-#if defined(__AVX512BF16__)
-// k pair i of 16 features' words of a 4-bit panel as bfloat16 pairs for the dot product:
-// lane j = (128 + q[k], 128 + q[k + 1]). 128 + q is exact in bfloat16 (0x4300 | q), so the
-// integers go in as they are, with a shift and one logic operation instead of a conversion.
-static inline __attribute__((always_inline)) __m512i int4_pairs(__m512i words, int i) {
-    // (words >> 4i) & 0x000F000F | 0x43004300
-    return _mm512_ternarylogic_epi32(_mm512_srli_epi32(words, 4 * i), _mm512_set1_epi32(0x000F000F),
-                                     _mm512_set1_epi32(0x43004300), 0xEA);
-}
-
-// A 4-bit tile for bfloat16 x with the CPU's bfloat16 dot product, per group g of columns:
-//   sum_k x[k] * (q[k] * scale + min) = scale * sum_k x[k] * (128 + q[k]) + (min - 128 * scale) * xsum[g]
-// where xsum[g] = sum_k x[k] over the group (xsum_row: NM rows of K / group, row stride xsum_stride).
-// The integers are multiplied as they are (no weight is rounded), and a weight costs two integer
-// operations and half a dot product instead of a conversion and two multiply-adds: batch-1 decode
-// of 4-bit weights was bound by that widening. pairs: the panel's pairs widened once
-// (widen_int4_panel), or NULL to widen them here.
-static inline __attribute__((always_inline)) void int4_tile_dot(const uint16_t *x, int64_t x_stride, const float *xsum,
-        int64_t xsum_stride, const uint8_t *panel, const uint32_t *pairs, int K, int group, int tb, const int NM,
-        __m512 acc[MR][NV], int prefetch) {
-    for (int m = 0; m < NM; m++)
-        for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
-    for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
-        if (prefetch) prefetch_int4_group(panel, group, tb, g);
-        __m512 part[MR4_DOT][NV];
-        for (int m = 0; m < NM; m++)
-            for (int v = 0; v < NV; v++) part[m][v] = _mm512_setzero_ps();
-        for (int k8 = g0; k8 < g0 + group; k8 += 8) {
-            const uint32_t *words = int4_words(panel, group, tb, k8);
-            __m512i packed[NV];
-            if (!pairs)
-                for (int v = 0; v < NV; v++) packed[v] = _mm512_loadu_si512(words + 16 * v);
-            for (int i = 0, k = k8; i < 4; i++, k += 2) {
-                __m512i w[NV];
-                for (int v = 0; v < NV; v++)
-                    w[v] = pairs ? _mm512_loadu_si512(pairs + (int64_t)(k / 2) * NR + 16 * v) : int4_pairs(packed[v], i);
-                dot_step(x, x_stride, k, NM, w, part);
             }
         }
         const uint8_t *tables = int4_tables(panel, group, tb, g);
         for (int v = 0; v < NV; v++) {
-            const __m512 s = load_table(tables, 16 * v, tb);
-            const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, load_table(tables, NR + 16 * v, tb));
+            const vf16 s = load_table(tables, 16 * v, tb), mn = load_table(tables, NR + 16 * v, tb);
             for (int m = 0; m < NM; m++) {
-                acc[m][v] = _mm512_fmadd_ps(s, part[m][v], acc[m][v]);
-                acc[m][v] = _mm512_fmadd_ps(c, _mm512_set1_ps(xsum[m * xsum_stride + g]), acc[m][v]);
+                const int64_t row = (m0 + m) * xq->groups + g;
+                acc[m][v] = vf_fmadd(vf_mul(s, vf_set1(xq->scale[row])), vi_to_f(isum[m][v]), acc[m][v]);
+                acc[m][v] = vf_fmadd(mn, vf_set1(xq->sum[row]), acc[m][v]);
             }
         }
     }
 }
-#endif
 
+// x [M, K] (dtype, row stride x_stride) quantized into xq's buffers for int4_tile_q16
+static void quantize_x(const void *x, int64_t x_stride, int M, int K, int group, int dtype, const qx_t *xq) {
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < K / group; g++) {
+            float amax = 0.f, sum = 0.f;
+            for (int k = g * group; k < (g + 1) * group; k++) {
+                const float v = load(x, m * x_stride + k, dtype);
+                amax = fmaxf(amax, fabsf(v));
+                sum += v;
+            }
+            const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+            ((float *)xq->scale)[m * xq->groups + g] = amax / 32767.f;
+            ((float *)xq->sum)[m * xq->groups + g] = sum;
+            for (int k = g * group; k < (g + 1) * group; k++)
+                ((int16_t *)xq->q)[m * xq->stride + k] = (int16_t)lrintf(load(x, m * x_stride + k, dtype) * inv);
+        }
+}
 
 // 16 features' integers of one k of an 8-bit panel, as float32
 static inline __attribute__((always_inline)) vf16 int8_floats(const int8_t *column) {
@@ -488,29 +473,6 @@ static inline __attribute__((always_inline)) void int8_tile_dot(const uint16_t *
 // process, before the first product: every product then sums in the same order)
 static int bf16_dot = 0;
 
-// A 4-bit panel widened as the 4-bit tiles widen it, for a call with many rows: into float32
-// ([K][NR], as int4_tile's weights) or, for the dot product, into bfloat16 pairs of 128 + q
-// ([K / 2][NR], as int4_tile_dot's)
-static void widen_int4_panel(const uint8_t *panel, int K, int group, int tb, int dot, void *out) {
-    for (int k8 = 0; k8 < K; k8 += 8)
-        for (int v = 0; v < NV; v++) {
-            const vi16 words = vi_load(int4_words(panel, group, tb, k8) + 16 * v);
-            const uint8_t *tables = int4_tables(panel, group, tb, k8 / group);
-            for (int i = 0, k = k8; i < 4; i++, k += 2) {
-#if defined(__AVX512BF16__)
-                if (dot) {
-                    _mm512_storeu_si512((uint32_t *)out + (int64_t)(k / 2) * NR + 16 * v, int4_pairs(words, i));
-                    continue;
-                }
-#endif
-                vf16 even, odd;
-                widen_int4_pair(words, i, load_table(tables, 16 * v, tb), load_table(tables, NR + 16 * v, tb), &even, &odd);
-                vf_store((float *)out + (int64_t)k * NR + 16 * v, even);
-                vf_store((float *)out + (int64_t)(k + 1) * NR + 16 * v, odd);
-            }
-        }
-}
-
 // An 8-bit panel widened as the 8-bit tiles widen it: float32 q * scale ([K][NR]) or the dot
 // tile's bfloat16 integer pairs ([K / 2][NR])
 static void widen_int8_panel(const uint8_t *panel, int K, int group, int tb, int dot, void *out) {
@@ -535,18 +497,17 @@ enum {
     TILE_BF16,      // bfloat16 panel widened to float32, float32 x
     TILE_DOT,       // bfloat16 panel, bfloat16 x, dot product
     TILE_DOT_AHEAD, // the same, asking for the next panel meanwhile (ahead_t)
-    TILE_INT4,      // 4-bit panel widened to float32, float32 x
-    TILE_INT4_DOT,  // 4-bit panel as bfloat16 integer pairs, bfloat16 x, dot product per group
     TILE_INT8,      // 8-bit panel widened to float32, float32 x
     TILE_INT8_DOT,  // 8-bit panel as bfloat16 integer pairs, bfloat16 x, dot product per group
+    TILE_INT4_Q16,  // 4-bit panel, x quantized to int16 per group (qx_t), integer dot product per group
 };
 
-// acc = `rows` rows of x (at most MR; MR4 / MR4_DOT for 4- and 8-bit tiles) . one panel, by a
+// acc = `rows` rows of x (at most MR; MR4_Q for 4-bit tiles, MR4 / MR4_DOT for 8-bit ones) . one panel, by a
 // tile of that constant row count (its accumulators stay in registers). pairs: the quantized dot
-// tiles'; xsum: int4_tile_dot's.
+// tiles'; xq and m0: the integer 4-bit tile's quantized x and the tile's first row in it.
 static inline __attribute__((always_inline)) void panel_product(int kind, const void *x, int64_t xs, const void *panel,
-        const uint32_t *pairs, const float *xsum, int64_t xsum_stride, int Kp, int group, int tb, int rows,
-        vf16 acc[MR][NV], int prefetch, const ahead_t *ahead) {
+        const uint32_t *pairs, const qx_t *xq, int m0, int Kp, int group, int tb,
+        int rows, vf16 acc[MR][NV], int prefetch, const ahead_t *ahead) {
 #if MR == 2
 #define ROWS(CALL) switch (rows) { case 1: CALL(1); break; default: CALL(MR); }
 #else
@@ -555,34 +516,30 @@ static inline __attribute__((always_inline)) void panel_product(int kind, const 
 #endif
 #define F32(n) panel_tile((const float *)x, xs, panel, Kp, n, 0, acc, prefetch)
 #define BF16(n) panel_tile((const float *)x, xs, panel, Kp, n, 1, acc, prefetch)
-#define INT4(n) int4_tile((const float *)x, xs, (const uint8_t *)panel, Kp, group, tb, n < MR4 ? n : MR4, acc, prefetch)
 #define DOT(n) panel_tile_dot((const uint16_t *)x, xs, (const uint32_t *)panel, Kp, n, acc, prefetch, 0, NULL)
 #define DOT_AHEAD(n) panel_tile_dot((const uint16_t *)x, xs, (const uint32_t *)panel, Kp, n, acc, prefetch, 1, ahead)
-#define INT4_DOT(n) int4_tile_dot((const uint16_t *)x, xs, xsum, xsum_stride, (const uint8_t *)panel, pairs, Kp, group, \
-                                  tb, n < MR4_DOT ? n : MR4_DOT, acc, prefetch)
+#define INT4_Q16(n) int4_tile_q16(xq, m0, (const uint8_t *)panel, Kp, group, tb, n < MR4_Q ? n : MR4_Q, acc, prefetch)
 #define INT8(n) int8_tile((const float *)x, xs, (const uint8_t *)panel, Kp, group, tb, n < MR4 ? n : MR4, acc, prefetch)
 #define INT8_DOT(n) int8_tile_dot((const uint16_t *)x, xs, (const uint8_t *)panel, pairs, Kp, group, tb, \
                                   n < MR4_DOT ? n : MR4_DOT, acc, prefetch)
     switch (kind) {
         case TILE_F32: ROWS(F32) break;
         case TILE_BF16: ROWS(BF16) break;
-        case TILE_INT4: ROWS(INT4) break;
         case TILE_INT8: ROWS(INT8) break;
+        case TILE_INT4_Q16: ROWS(INT4_Q16) break;
 #if defined(__AVX512BF16__)
         case TILE_DOT: ROWS(DOT) break;
         case TILE_DOT_AHEAD: ROWS(DOT_AHEAD) break;
-        case TILE_INT4_DOT: ROWS(INT4_DOT) break;
         case TILE_INT8_DOT: ROWS(INT8_DOT) break;
 #endif
     }
 #undef ROWS
 #undef F32
 #undef BF16
-#undef INT4
 #undef DOT
 #undef DOT_AHEAD
-#undef INT4_DOT
 #undef INT8
+#undef INT4_Q16
 #undef INT8_DOT
 }
 
@@ -610,7 +567,7 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
                               : bits == 8 ? blocked_int8_size(NR, K, group, tb)
                                                                             : (int64_t)Kp * NR * (dtype == 0 ? 4 : 2);
     const int dot = dtype == 1 && bf16_dot;
-    const int kind = bits == 4 ? (dot ? TILE_INT4_DOT : TILE_INT4) : bits == 8 ? (dot ? TILE_INT8_DOT : TILE_INT8)
+    const int kind = bits == 4 ? TILE_INT4_Q16 : bits == 8 ? (dot ? TILE_INT8_DOT : TILE_INT8)
                    : dot ? TILE_DOT : dtype == 0 ? TILE_F32 : TILE_BF16;
     // x as the tiles take it: bfloat16 for the dot product (an odd K's rows copied with a zero
     // after them, to make whole pairs), else float32 (bfloat16 widened once)
@@ -618,7 +575,7 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
     int64_t xs = x_stride;
     const size_t x_size = dot ? sizeof(uint16_t) : sizeof(float);
     void *copy = NULL;
-    if (dtype == 1 && (!dot || Kp > K)) {
+    if (dtype == 1 && bits != 4 && (!dot || Kp > K)) {
         copy = malloc(x_size * (size_t)M * (size_t)Kp);
         if (!copy) return -1;
         for (int m = 0; m < M; m++) {
@@ -633,24 +590,23 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
         }
         xt = copy, xs = Kp;
     }
-    // the 4-bit dot tile's per-group sums of x (in k order: a row's sums do not depend on the batch)
+    // the integer 4-bit tile's quantized x (per row: a row's values do not depend on the batch)
     const int groups = bits ? K / group : 0;
-    float *xsum = NULL;
-    if (kind == TILE_INT4_DOT) {
-        xsum = (float *)malloc(sizeof(float) * (size_t)M * (size_t)groups);
-        if (!xsum) { free(copy); return -1; }
-        for (int m = 0; m < M; m++)
-            for (int g = 0; g < groups; g++) {
-                float sum = 0.f;
-                for (int k = g * group; k < (g + 1) * group; k++) sum += bf16_to_f32(((const uint16_t *)x)[m * x_stride + k]);
-                xsum[(int64_t)m * groups + g] = sum;
-            }
+    qx_t xq = {NULL, NULL, NULL, K, groups};
+    void *qx_buffer = NULL;
+    if (kind == TILE_INT4_Q16) {
+        qx_buffer = malloc((size_t)M * (sizeof(int16_t) * (size_t)K + 2 * sizeof(float) * (size_t)groups));
+        if (!qx_buffer) { free(copy); return -1; }
+        xq.scale = (const float *)qx_buffer;
+        xq.sum = xq.scale + (int64_t)M * groups;
+        xq.q = (const int16_t *)(xq.sum + (int64_t)M * groups);
+        quantize_x(x, x_stride, M, K, group, dtype, &xq);
     }
     // quantized panels against more than one tile of rows: each panel widened once (the same values
     // as the quantized tile's, so the same sums), instead of widened again for every tile: float32
     // weights for the float tile, or the dot tile's integer pairs
-    const int rows_q = dot ? MR4_DOT : MR4;
-    const int widen_once = bits && M > rows_q, step = bits && (dot || !widen_once) ? rows_q : MR;
+    const int rows_q = bits == 4 ? MR4_Q : dot ? MR4_DOT : MR4;
+    const int widen_once = bits == 8 && M > rows_q, step = bits && (dot || !widen_once) ? rows_q : MR;
     const int wide_kind = dot ? kind : TILE_F32;
     // with 3 row tiles or more, the tiles after the first share asking for the next panel: a slice
     // each, ahead_lines every AHEAD_SEGMENT k (with 2, one tile's asks come in bursts that cost
@@ -671,8 +627,7 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
         if (widen_once && !wide_panel) continue;
         const char *panel = (const char *)packed + p * panel_bytes;
         const int n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
-        if (widen_once && bits == 4) widen_int4_panel((const uint8_t *)panel, K, group, tb, dot, wide_panel);
-        if (widen_once && bits == 8) widen_int8_panel((const uint8_t *)panel, K, group, tb, dot, wide_panel);
+        if (widen_once) widen_int8_panel((const uint8_t *)panel, K, group, tb, dot, wide_panel);
         const int pairs_only = widen_once && dot;    // the dot tiles read the tables from the panel
         for (int m0 = 0; m0 < M; m0 += step) {
             const int rows = M - m0 < step ? M - m0 : step, tile = m0 / step;
@@ -688,7 +643,7 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
             vf16 acc[MR][NV];
             panel_product(tile_kind, (const char *)xt + m0 * xs * (int64_t)x_size, xs,
                           widen_once && !pairs_only ? wide_panel : panel, pairs_only ? (const uint32_t *)wide_panel : NULL,
-                          xsum ? xsum + (int64_t)m0 * groups : NULL, groups, Kp, group, tb, rows, acc, m0 == 0 && !widen_once,
+                          &xq, m0, Kp, group, tb, rows, acc, m0 == 0 && !widen_once,
                           &ahead);
             for (int m = 0; m < rows; m++)
                 for (int v = 0; v < NV && 16 * v < width; v++)
@@ -699,7 +654,7 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
     free(wide_panel);
     }
     free(copy);
-    free(xsum);
+    free(qx_buffer);
     return failed ? -1 : 0;
 }
 #endif

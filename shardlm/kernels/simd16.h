@@ -31,6 +31,17 @@ INL vf16 vi_bits_f(vi16 a) { return _mm512_castsi512_ps(a); }
 INL vf16 vf_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 // 16 int8 values as float32
 INL vf16 vf_int8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+INL vi16 vi_zero(void) { return _mm512_setzero_si512(); }
+INL vi16 vi_add(vi16 a, vi16 b) { return _mm512_add_epi32(a, b); }
+// acc + per 32-bit lane a[0] * b[0] + a[1] * b[1] of its two int16 halves (VNNI's vpdpwssd, else
+// vpmaddwd and an add)
+INL vi16 vi_dot_s16(vi16 acc, vi16 a, vi16 b) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
 #undef INL
 #elif defined(HAVE_SIMD16)
 #define SIMD16_BITS 256
@@ -62,6 +73,18 @@ INL vf16 vf_half(const uint16_t *p) {
 INL vf16 vf_int8(const int8_t *p) {
     return (vf16){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))),
                   _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))))};
+}
+INL vi16 vi_zero(void) { return (vi16){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+INL vi16 vi_add(vi16 a, vi16 b) { return (vi16){_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+INL __m256i dot8_s16(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+INL vi16 vi_dot_s16(vi16 acc, vi16 a, vi16 b) {
+    return (vi16){dot8_s16(acc.lo, a.lo, b.lo), dot8_s16(acc.hi, a.hi, b.hi)};
 }
 #undef INL
 #endif

@@ -16,19 +16,6 @@ from tests.server.test_openai_server import _start, _stop
 CUDA = torch.device("cuda")
 
 
-def _divergence_margins(ref, outs) -> list[float]:
-    """Where our greedy token parts from HF's: how many nats our own logprobs put HF's token
-    below ours (a near-tie when small)."""
-    margins = []
-    for (ref_ids, _), out in zip(ref, outs):
-        comp = out.outputs[0]
-        for pos, (a, b) in enumerate(zip(ref_ids, comp.token_ids)):
-            if a != b:
-                margins.append(comp.logprobs[pos][b].logprob - comp.logprobs[pos][a].logprob)
-                break
-    return margins
-
-
 # float32 must equal HF as on CPU; in 16-bit types kernels round differently (SDPA vs paged
 # attention, fused vs plain norms), so sequences may part, but only where HF's token is within
 # a hair of ours in our own logprobs
@@ -45,7 +32,7 @@ def test_engine_matches_hf_on_cuda(name, dtype, min_exact, max_margin, tiny_mode
     finally:
         llm.shutdown()
     exact = hf.assert_close(ref, outs, f"{name} {dtype}")
-    margins = _divergence_margins(ref, outs)
+    margins = hf.divergence_margins(ref, outs)
     print(f"{name} {dtype}: {exact}/6 exact, divergence margins {margins}")
     assert exact >= min_exact, f"only {exact}/6 sequences equal HF exactly in {dtype}"
     assert max(margins, default=0) <= max_margin, f"{dtype}: parted from HF at a margin of {max(margins)} nats"

@@ -34,6 +34,28 @@ def _reference_rtn(w: torch.Tensor, bits: int, group: int):
     return q.view(n, k), scale, low
 
 
+def quantized_x(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as the blocked 4-bit kernel quantizes it: int16 values round(x / d) with
+    d = max |x| / 32767 per group of k's, computed in float32 as the C code does. Returns (q, d
+    per k), both float64."""
+    rows = x.float().reshape(x.shape[0], -1, group)
+    amax = rows.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros_like(amax))
+    q = torch.round(rows * inv)
+    return q.reshape(x.shape).double(), (amax / 32767).expand_as(rows).reshape(x.shape).double()
+
+
+def int4_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """x [M, K] . (q * scale + min)^T as the 4-bit kernel defines it, in float64: per group g,
+    scale * d * sum_k q[k] * qx[k] + min * sum_k x[k] (x quantized, the min term on x as it is)."""
+    (M, K), (N, G) = x.shape, scales.shape
+    group = K // G
+    qx, d = quantized_x(x, group)
+    integer_part = torch.einsum("mgk,ngk->mng", (qx * d).view(M, G, group), q.double().view(N, G, group))
+    x_sums = x.double().view(M, G, group).sum(-1)
+    return (integer_part * scales.double()).sum(-1) + x_sums @ mins.double().t()
+
+
 @pytest.mark.parametrize("bits, group", [(8, 64), (8, 256), (4, 32), (4, 128)])
 def test_rtn_equals_the_reference_and_dequantizes_exactly(bits, group):
     w = torch.randn(96, 256, generator=torch.Generator().manual_seed(bits + group))
@@ -70,6 +92,15 @@ def test_product_equals_dequantize_then_matmul(bits, group, rows, dtype):
     assert got.dtype == dtype and got.shape == (rows, 192)
     # bfloat16: within its rounding of the weights and the output (relative ~2^-8)
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    if qw.kernel == "blocked4":
+        # x quantized to int8 per block: the definition's value, and within half a step of x per
+        # weight of the float product
+        exact = int4_product(x, qw.integers(), qw.scales, qw.mins).float()
+        torch.testing.assert_close(got.float(), exact, rtol=tol, atol=tol * 10)
+        half_steps = quantized_x(x, qw.group)[1].float() / 2
+        bound = half_steps @ qw.dequantized().float().abs().t()
+        assert ((got.float() - expected).abs() <= bound * 1.01 + tol * expected.abs() + tol).all()
+        return
     torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
     groups = 1 if group == -1 else 256 // group
     tables = 1 if qw.kernel == "blocked8" else 2          # float32 scales, and mins (not stored for symmetric panels)
@@ -98,8 +129,8 @@ def test_blocked_panels_hold_the_integers_scales_and_mins(bits, n, k, group, flo
     into the blocked kernel's panels (scales and mins inside them, as float16 where they all are
     float16 values, as in GGUF files): read back, they are what was quantized. The product is the
     dequantized one (with the dot product too, which multiplies the integers and applies scale and
-    min per group), and does not depend on how many rows are multiplied with a row: 3, 20 (each
-    panel widened once) or 1."""
+    min per group; 4-bit: with x quantized per block), and does not depend on how many rows are
+    multiplied with a row: 3, 20 (8-bit: each panel widened once) or 1."""
     if kernels.blocked_int4() is None:
         pytest.skip(f"no blocked kernel in the {cpu_isa} variant (no compiler, or neither AVX2 nor AVX-512)")
     whole = quantize_rtn(torch.randn(n, 2 * k), bits, group)
@@ -117,6 +148,8 @@ def test_blocked_panels_hold_the_integers_scales_and_mins(bits, n, k, group, flo
         assert torch.equal(qw.rows(torch.tensor([[n - 1], [0]])), rows)       # an embedding lookup
         assert torch.equal(qw.integers(), q) and torch.equal(qw.scales, scales) and torch.equal(qw.mins, mins)
         expected = F.linear(x.to(dtype).float(), dequantize(q, scales, mins, torch.float32))
+        if bits == 4:         # x quantized to int8 per block (test_product_equals_dequantize_then_matmul)
+            expected = int4_product(x.to(dtype), q, scales, mins).float()
         torch.testing.assert_close(qw.matmul(x.to(dtype)).float(), expected, rtol=2e-2, atol=2e-2)
         # many rows widen each panel once, few widen it per tile: the same weights, the same sums
         many = torch.randn(20, k).to(dtype)
