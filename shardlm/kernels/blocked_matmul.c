@@ -372,21 +372,41 @@ static inline __attribute__((always_inline)) void int4_tile_q16(const qx_t *xq, 
     }
 }
 
-// x [M, K] (dtype, row stride x_stride) quantized into xq's buffers for int4_tile_q16
+// 16 values of x from element i (float32 or bfloat16) as float32
+static inline __attribute__((always_inline)) vf16 x_values(const void *x, int64_t i, int dtype) {
+    return dtype == 0 ? vf_load((const float *)x + i) : vf_bf16((const uint16_t *)x + i);
+}
+
+// x [M, K] (dtype, row stride x_stride) quantized into xq's buffers for int4_tile_q16: 16 values at
+// a time where the group allows (sums in that order: a row's values do not depend on the batch)
 static void quantize_x(const void *x, int64_t x_stride, int M, int K, int group, int dtype, const qx_t *xq) {
     for (int m = 0; m < M; m++)
         for (int g = 0; g < K / group; g++) {
+            const int64_t at = m * x_stride + (int64_t)g * group;
+            int16_t *q = (int16_t *)xq->q + m * xq->stride + (int64_t)g * group;
             float amax = 0.f, sum = 0.f;
-            for (int k = g * group; k < (g + 1) * group; k++) {
-                const float v = load(x, m * x_stride + k, dtype);
-                amax = fmaxf(amax, fabsf(v));
-                sum += v;
+            if (group % 16 == 0) {
+                vf16 vmax = vf_zero(), vsum = vf_zero();
+                for (int k = 0; k < group; k += 16) {
+                    const vf16 v = x_values(x, at + k, dtype);
+                    vmax = vf_max(vmax, vf_abs(v));
+                    vsum = vf_add(vsum, v);
+                }
+                amax = vf_reduce_max(vmax), sum = vf_reduce_add(vsum);
+            } else {
+                for (int k = 0; k < group; k++) {
+                    const float v = load(x, at + k, dtype);
+                    amax = fmaxf(amax, fabsf(v));
+                    sum += v;
+                }
             }
             const float inv = amax > 0.f ? 32767.f / amax : 0.f;
             ((float *)xq->scale)[m * xq->groups + g] = amax / 32767.f;
             ((float *)xq->sum)[m * xq->groups + g] = sum;
-            for (int k = g * group; k < (g + 1) * group; k++)
-                ((int16_t *)xq->q)[m * xq->stride + k] = (int16_t)lrintf(load(x, m * x_stride + k, dtype) * inv);
+            if (group % 16 == 0)
+                for (int k = 0; k < group; k += 16) vf_store_int16(q + k, vf_mul(x_values(x, at + k, dtype), vf_set1(inv)));
+            else
+                for (int k = 0; k < group; k++) q[k] = (int16_t)lrintf(load(x, at + k, dtype) * inv);
         }
 }
 

@@ -32,6 +32,18 @@ INL vf16 vf_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256(
 // 16 int8 values as float32
 INL vf16 vf_int8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 INL vi16 vi_zero(void) { return _mm512_setzero_si512(); }
+// 16 bfloat16 values as float32
+INL vf16 vf_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+INL vf16 vf_max(vf16 a, vf16 b) { return _mm512_max_ps(a, b); }
+INL vf16 vf_abs(vf16 a) { return _mm512_abs_ps(a); }
+INL float vf_reduce_max(vf16 a) { return _mm512_reduce_max_ps(a); }
+INL float vf_reduce_add(vf16 a) { return _mm512_reduce_add_ps(a); }
+// 16 floats rounded to the nearest integer (ties to even, as lrintf), stored as int16 (|a| < 2^15)
+INL void vf_store_int16(int16_t *p, vf16 a) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(a)));
+}
 INL vi16 vi_add(vi16 a, vi16 b) { return _mm512_add_epi32(a, b); }
 // acc + per 32-bit lane a[0] * b[0] + a[1] * b[1] of its two int16 halves (VNNI's vpdpwssd, else
 // vpmaddwd and an add)
@@ -75,6 +87,33 @@ INL vf16 vf_int8(const int8_t *p) {
                   _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))))};
 }
 INL vi16 vi_zero(void) { return (vi16){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+INL vf16 vf_bf16(const uint16_t *p) {
+    const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8)));
+    return (vf16){_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+}
+INL vf16 vf_max(vf16 a, vf16 b) { return (vf16){_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+INL vf16 vf_abs(vf16 a) {
+    const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    return (vf16){_mm256_and_ps(a.lo, m), _mm256_and_ps(a.hi, m)};
+}
+INL float vf_reduce_max(vf16 a) {
+    __m256 m = _mm256_max_ps(a.lo, a.hi);
+    __m128 r = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_max_ss(r, _mm_movehdup_ps(r)));
+}
+INL float vf_reduce_add(vf16 a) {
+    __m256 s = _mm256_add_ps(a.lo, a.hi);
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+INL void vf_store_int16(int16_t *p, vf16 a) {
+    // packs interleaves the halves per 128-bit lane: the permute puts them back in order
+    const __m256i packed = _mm256_packs_epi32(_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi));
+    _mm256_storeu_si256((__m256i *)p, _mm256_permute4x64_epi64(packed, 0xD8));
+}
 INL vi16 vi_add(vi16 a, vi16 b) { return (vi16){_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 INL __m256i dot8_s16(__m256i acc, __m256i a, __m256i b) {
 #if defined(__AVXVNNI__)

@@ -79,7 +79,7 @@ def test_int4_packing_is_understood(n):
     assert torch.equal(unpack_nibbles(pack_nibbles(q)), q)
 
 
-@pytest.mark.parametrize("bits, group", [(8, -1), (8, 64), (4, 32), (4, 128)])
+@pytest.mark.parametrize("bits, group", [(8, -1), (8, 64), (4, 8), (4, 32), (4, 128)])
 @pytest.mark.parametrize("rows", [1, 3, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_product_equals_dequantize_then_matmul(bits, group, rows, dtype):
