@@ -347,16 +347,19 @@ static inline __attribute__((always_inline)) void int4_tile_q16(const qx_t *xq, 
             for (int v = 0; v < NV; v++) isum[m][v] = vi_zero();
         for (int k8 = g0; k8 < g0 + group; k8 += 8) {
             const uint32_t *words = int4_words(panel, group, tb, k8);
-            vi16 w[NV];
-            for (int v = 0; v < NV; v++) w[v] = vi_load(words + 16 * v);
-            for (int i = 0; i < 4; i++) {        // the pair (k8 + 2i, k8 + 2i + 1)
-                vi16 pair[NV];
-                for (int v = 0; v < NV; v++) pair[v] = vi_and(vi_srli(w[v], 4 * i), nibble_pair);
-                for (int m = 0; m < NM; m++) {
+            vi16 xb[MR4_Q][4];                   // x's pairs (k8 + 2i, k8 + 2i + 1), broadcast
+            for (int m = 0; m < NM; m++)
+                for (int i = 0; i < 4; i++) {
                     int32_t xp;
                     memcpy(&xp, xq->q + (m0 + m) * xq->stride + k8 + 2 * i, 4);
-                    const vi16 xb = vi_set1(xp);
-                    for (int v = 0; v < NV; v++) isum[m][v] = vi_dot_s16(isum[m][v], pair[v], xb);
+                    xb[m][i] = vi_set1(xp);
+                }
+            // one vector of features at a time: few registers live (AVX2 has 16)
+            for (int v = 0; v < NV; v++) {
+                const vi16 w = vi_load(words + 16 * v);
+                for (int i = 0; i < 4; i++) {
+                    const vi16 pair = vi_and(vi_srli(w, 4 * i), nibble_pair);
+                    for (int m = 0; m < NM; m++) isum[m][v] = vi_dot_s16(isum[m][v], pair, xb[m][i]);
                 }
             }
         }
