@@ -22,10 +22,10 @@
 // reads a quarter of the bytes of bfloat16 and does little arithmetic per byte, on AVX2 too.
 //
 // 8-bit weights (w = q * scale per group, symmetric: int8 and GGUF's Q8_0) likewise: per k, the
-// NR integers side by side, each group's followed by its NR scales. A k pair of them is made
-// int16 pairs in lane and multiplied with x quantized to int16 per block of 32 (int8_tile_q16): a
-// tied LM head read from Q8_0 moves half the bytes of bfloat16, with a quarter of the arithmetic
-// of widening it to float.
+// NR integers side by side, each group's followed by its NR scales. Widened to float32 (q * scale,
+// one rounding) or, for the dot product, converted to exact bfloat16 integers with the group's
+// scale applied to its sum (int8_tile_dot): a tied LM head read from Q8_0 moves half the bytes of
+// bfloat16.
 //
 // dtype 0 = float32, 1 = bfloat16 (x, w, bias and y all in it). x rows have stride x_stride.
 #include <stdint.h>
@@ -39,15 +39,16 @@
 #define NR 48            // output features per panel: three vectors
 #if SIMD16_BITS == 256
 #define MR 2             // x rows per register tile: 12 accumulator registers
+#define MR4 1            // for 8-bit weights, whose widening needs more registers
 #else
 #define MR 8             // x rows per register tile: 24 accumulators
+#define MR4 6            // for 8-bit weights, whose widening needs more registers
 #endif
+#define MR4_DOT 4        // for 8-bit weights with the dot product: a partial and a total accumulator per vector
 #if SIMD16_BITS == 256
 #define MR4_Q 2          // for 4-bit weights with integer x: an integer and a float accumulator per vector
-#define MR8_Q 1          // for 8-bit weights with integer x: an integer, a partial and a total accumulator per vector
 #else
 #define MR4_Q 6
-#define MR8_Q 4
 #endif
 #define NV (NR / 16)
 #ifndef PF_BYTES
@@ -317,16 +318,15 @@ static inline __attribute__((always_inline)) void prefetch_int4_group(const uint
     for (int64_t off = 0; off < int4_group_bytes(group, tb); off += 64) _mm_prefetch(at + off, _MM_HINT_T0);
 }
 
-// x quantized for the integer tiles: per row, int16 values q = round(x / d) with d = max |x| / 32767
-// per block of k's (the 4-bit tile's blocks are its groups), the blocks' d, and their sums of x
-// (float). 16 bits keep x's rounding error near float's (llama.cpp's 8-bit blocks part from the
-// float product by tenths of a nat on the default model); a weight times an int16 is still one
-// integer multiply-add, and a block's sum stays far inside 32 bits.
+// x quantized for the integer 4-bit tile: per row, int16 values q = round(x / d) with
+// d = max |x| / 32767 per group of k's, the groups' d, and their sums of x (float). 16 bits
+// keep x's rounding error near float's (llama.cpp's 8-bit blocks part from the float product by
+// tenths of a nat on the default model); a 4-bit weight times an int16 is still one integer
+// multiply-add, and a group's sum stays far inside 32 bits (group * 15 * 32767).
 typedef struct {
     const int16_t *q;
     const float *scale, *sum;
-    int64_t stride, groups;    // per row: K values, K / block scales and sums
-    int block;
+    int64_t stride, groups;    // per row: K values, K / group scales and sums
 } qx_t;
 
 // A 4-bit tile with integer activations: per group, the 4-bit integers times the int16 x summed
@@ -380,8 +380,8 @@ static inline __attribute__((always_inline)) vf16 x_values(const void *x, int64_
     return dtype == 0 ? vf_load((const float *)x + i) : vf_bf16((const uint16_t *)x + i);
 }
 
-// x [M, K] (dtype, row stride x_stride) quantized into xq's buffers, per block of `group` k's: 16
-// values at a time where the block allows (sums in that order: a row's values do not depend on the batch)
+// x [M, K] (dtype, row stride x_stride) quantized into xq's buffers for int4_tile_q16: 16 values at
+// a time where the group allows (sums in that order: a row's values do not depend on the batch)
 static void quantize_x(const void *x, int64_t x_stride, int M, int K, int group, int dtype, const qx_t *xq) {
     for (int m = 0; m < M; m++)
         for (int g = 0; g < K / group; g++) {
@@ -413,6 +413,11 @@ static void quantize_x(const void *x, int64_t x_stride, int M, int K, int group,
         }
 }
 
+// 16 features' integers of one k of an 8-bit panel, as float32
+static inline __attribute__((always_inline)) vf16 int8_floats(const int8_t *column) {
+    return vf_int8(column);
+}
+
 // Asks for the bytes of an 8-bit panel's k pair PF_BYTES ahead in the stream (2 NR = 96 bytes:
 // two lines 64 bytes apart cover each pair's), and at a group's end for its tables' bytes
 static inline __attribute__((always_inline)) void prefetch_int8_pair(const int8_t *column) {
@@ -423,53 +428,67 @@ static inline __attribute__((always_inline)) void prefetch_int8_tables(const uin
     for (int off = 0; off < NR * tb; off += 64) _mm_prefetch((const char *)tables + PF_BYTES + off, _MM_HINT_T0);
 }
 
-// An 8-bit tile with integer activations, as the 4-bit one: per block of x (xq->block k's, a
-// divisor of the group), a k pair of 16 features' int8 weights made int16 pairs in lane, times x's
-// int16 pair, summed in 32-bit integers (a block's sum stays inside them: block * 128 * 32767);
-// then per block part += d * sum, and per group acc += scale * part. x has its own blocks here
-// because an 8-bit group may be a whole row (int8 per row): one d over thousands of columns would
-// lose the small values of x beside an outlier.
-// pairs: the panel's int16 pairs made once (int8_panel_pairs, for many rows), or NULL to make them here.
-static inline __attribute__((always_inline)) void int8_tile_q16(const qx_t *xq, int m0, const uint8_t *panel,
-        const uint32_t *pairs, int K, int group, int tb, const int NM, vf16 acc[MR][NV], int prefetch) {
+// panel_tile for an 8-bit panel: each k's weights widened to float32, w = q * scale (one
+// rounding), then as panel_tile
+static inline __attribute__((always_inline)) void int8_tile(const float *x, int64_t x_stride, const uint8_t *panel, int K,
+                                                      int group, int tb, const int NM, vf16 acc[MR][NV], int prefetch) {
     for (int m = 0; m < NM; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = vf_zero();
     for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
-        vf16 part[MR8_Q][NV];
-        for (int m = 0; m < NM; m++)
-            for (int v = 0; v < NV; v++) part[m][v] = vf_zero();
-        for (int b0 = g0; b0 < g0 + group; b0 += xq->block) {
-            vi16 isum[MR8_Q][NV];
-            for (int m = 0; m < NM; m++)
-                for (int v = 0; v < NV; v++) isum[m][v] = vi_zero();
-            for (int k = b0; k < b0 + xq->block; k += 2) {
-                const int8_t *column = int8_column(panel, group, tb, k);
-                if (prefetch) prefetch_int8_pair(column);
-                vi16 xb[MR8_Q];
-                for (int m = 0; m < NM; m++) {
-                    int32_t xp;
-                    memcpy(&xp, xq->q + (m0 + m) * xq->stride + k, 4);
-                    xb[m] = vi_set1(xp);
-                }
-                for (int v = 0; v < NV; v++) {
-                    const vi16 pair = pairs ? vi_load(pairs + (int64_t)(k / 2) * NR + 16 * v)
-                                            : vi_int8_pairs(column + 16 * v, column + NR + 16 * v);
-                    for (int m = 0; m < NM; m++) isum[m][v] = vi_dot_s16(isum[m][v], pair, xb[m]);
-                }
-            }
+        const uint8_t *tables = int8_tables(panel, group, tb, g);
+        vf16 s[NV];
+        for (int v = 0; v < NV; v++) s[v] = load_table(tables, 16 * v, tb);
+        for (int k = g0; k < g0 + group; k++) {
+            const int8_t *column = int8_column(panel, group, tb, k);
+            if (prefetch && k % 2 == 0) prefetch_int8_pair(column);
+            vf16 w[NV];
+            for (int v = 0; v < NV; v++) w[v] = vf_mul(int8_floats(column + 16 * v), s[v]);
             for (int m = 0; m < NM; m++) {
-                const vf16 d = vf_set1(xq->scale[(m0 + m) * xq->groups + b0 / xq->block]);
-                for (int v = 0; v < NV; v++) part[m][v] = vf_fmadd(vi_to_f(isum[m][v]), d, part[m][v]);
+                const vf16 xb = vf_set1(x[m * x_stride + k]);
+                for (int v = 0; v < NV; v++) acc[m][v] = vf_fmadd(xb, w[v], acc[m][v]);
             }
+        }
+        if (prefetch) prefetch_int8_tables(tables, tb);
+    }
+}
+#if defined(__AVX512BF16__)
+// k pair (k, k + 1) of 16 features of an 8-bit panel as bfloat16 pairs for the dot product. The
+// integers are exact in bfloat16 (at most 8 significant bits), so the high half of their float32
+// conversion is their bfloat16 value: lane j = (q[k], q[k + 1]).
+static inline __attribute__((always_inline)) __m512i int8_pairs(const int8_t *column) {
+    const __m512i even = _mm512_castps_si512(int8_floats(column)), odd = _mm512_castps_si512(int8_floats(column + NR));
+    // even >> 16 | odd & 0xffff0000
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi32(even, 16), odd, _mm512_set1_epi32((int)0xffff0000u), 0xF8);
+}
+
+// An 8-bit tile for bfloat16 x with the CPU's bfloat16 dot product: per group,
+// sum_k x[k] * q[k] * scale = scale * sum_k x[k] * q[k], the integers multiplied as they are.
+// pairs: the panel's pairs converted once (widen_int8_panel), or NULL to convert them here.
+static inline __attribute__((always_inline)) void int8_tile_dot(const uint16_t *x, int64_t x_stride, const uint8_t *panel,
+        const uint32_t *pairs, int K, int group, int tb, const int NM, __m512 acc[MR][NV], int prefetch) {
+    for (int m = 0; m < NM; m++)
+        for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
+    for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
+        __m512 part[MR4_DOT][NV];
+        for (int m = 0; m < NM; m++)
+            for (int v = 0; v < NV; v++) part[m][v] = _mm512_setzero_ps();
+        for (int k = g0; k < g0 + group; k += 2) {
+            const int8_t *column = int8_column(panel, group, tb, k);
+            if (prefetch) prefetch_int8_pair(column);
+            __m512i w[NV];
+            for (int v = 0; v < NV; v++)
+                w[v] = pairs ? _mm512_loadu_si512(pairs + (int64_t)(k / 2) * NR + 16 * v) : int8_pairs(column + 16 * v);
+            dot_step(x, x_stride, k, NM, w, part);
         }
         const uint8_t *tables = int8_tables(panel, group, tb, g);
         if (prefetch) prefetch_int8_tables(tables, tb);
         for (int v = 0; v < NV; v++) {
-            const vf16 s = load_table(tables, 16 * v, tb);
-            for (int m = 0; m < NM; m++) acc[m][v] = vf_fmadd(s, part[m][v], acc[m][v]);
+            const __m512 s = load_table(tables, 16 * v, tb);
+            for (int m = 0; m < NM; m++) acc[m][v] = _mm512_fmadd_ps(s, part[m][v], acc[m][v]);
         }
     }
 }
+#endif
 #endif
 
 #if defined(HAVE_SIMD16)
@@ -477,14 +496,21 @@ static inline __attribute__((always_inline)) void int8_tile_q16(const qx_t *xq, 
 // process, before the first product: every product then sums in the same order)
 static int bf16_dot = 0;
 
-// An 8-bit panel's k pairs as int8_tile_q16 makes them ([K / 2][NR] words), for a call with many
-// rows: made once per panel instead of once per tile of rows
-static void int8_panel_pairs(const uint8_t *panel, int K, int group, int tb, uint32_t *out) {
+// An 8-bit panel widened as the 8-bit tiles widen it: float32 q * scale ([K][NR]) or the dot
+// tile's bfloat16 integer pairs ([K / 2][NR])
+static void widen_int8_panel(const uint8_t *panel, int K, int group, int tb, int dot, void *out) {
     for (int k = 0; k < K; k += 2)
         for (int v = 0; v < NV; v++) {
             const int8_t *column = int8_column(panel, group, tb, k) + 16 * v;
-            const vi16 pair = vi_int8_pairs(column, column + NR);
-            memcpy(out + (int64_t)(k / 2) * NR + 16 * v, &pair, sizeof(pair));
+#if defined(__AVX512BF16__)
+            if (dot) {
+                _mm512_storeu_si512((uint32_t *)out + (int64_t)(k / 2) * NR + 16 * v, int8_pairs(column));
+                continue;
+            }
+#endif
+            const vf16 s = load_table(int8_tables(panel, group, tb, k / group), 16 * v, tb);
+            vf_store((float *)out + (int64_t)k * NR + 16 * v, vf_mul(int8_floats(column), s));
+            vf_store((float *)out + (int64_t)(k + 1) * NR + 16 * v, vf_mul(int8_floats(column + NR), s));
         }
 }
 
@@ -494,13 +520,14 @@ enum {
     TILE_BF16,      // bfloat16 panel widened to float32, float32 x
     TILE_DOT,       // bfloat16 panel, bfloat16 x, dot product
     TILE_DOT_AHEAD, // the same, asking for the next panel meanwhile (ahead_t)
-    TILE_INT8_Q16,  // 8-bit panel, x quantized to int16 per block (qx_t), integer dot product per block
+    TILE_INT8,      // 8-bit panel widened to float32, float32 x
+    TILE_INT8_DOT,  // 8-bit panel as bfloat16 integer pairs, bfloat16 x, dot product per group
     TILE_INT4_Q16,  // 4-bit panel, x quantized to int16 per group (qx_t), integer dot product per group
 };
 
-// acc = `rows` rows of x (at most MR; MR4_Q for 4- and 8-bit tiles) . one panel, by a
-// tile of that constant row count (its accumulators stay in registers). xq and m0: the integer
-// tiles' quantized x and the tile's first row in it; pairs: the 8-bit tile's, made once.
+// acc = `rows` rows of x (at most MR; MR4_Q for 4-bit tiles, MR4 / MR4_DOT for 8-bit ones) . one panel, by a
+// tile of that constant row count (its accumulators stay in registers). pairs: the quantized dot
+// tiles'; xq and m0: the integer 4-bit tile's quantized x and the tile's first row in it.
 static inline __attribute__((always_inline)) void panel_product(int kind, const void *x, int64_t xs, const void *panel,
         const uint32_t *pairs, const qx_t *xq, int m0, int Kp, int group, int tb,
         int rows, vf16 acc[MR][NV], int prefetch, const ahead_t *ahead) {
@@ -515,16 +542,18 @@ static inline __attribute__((always_inline)) void panel_product(int kind, const 
 #define DOT(n) panel_tile_dot((const uint16_t *)x, xs, (const uint32_t *)panel, Kp, n, acc, prefetch, 0, NULL)
 #define DOT_AHEAD(n) panel_tile_dot((const uint16_t *)x, xs, (const uint32_t *)panel, Kp, n, acc, prefetch, 1, ahead)
 #define INT4_Q16(n) int4_tile_q16(xq, m0, (const uint8_t *)panel, Kp, group, tb, n < MR4_Q ? n : MR4_Q, acc, prefetch)
-#define INT8_Q16(n) int8_tile_q16(xq, m0, (const uint8_t *)panel, pairs, Kp, group, tb, n < MR8_Q ? n : MR8_Q, acc, \
-                                  prefetch)
+#define INT8(n) int8_tile((const float *)x, xs, (const uint8_t *)panel, Kp, group, tb, n < MR4 ? n : MR4, acc, prefetch)
+#define INT8_DOT(n) int8_tile_dot((const uint16_t *)x, xs, (const uint8_t *)panel, pairs, Kp, group, tb, \
+                                  n < MR4_DOT ? n : MR4_DOT, acc, prefetch)
     switch (kind) {
         case TILE_F32: ROWS(F32) break;
         case TILE_BF16: ROWS(BF16) break;
-        case TILE_INT8_Q16: ROWS(INT8_Q16) break;
+        case TILE_INT8: ROWS(INT8) break;
         case TILE_INT4_Q16: ROWS(INT4_Q16) break;
 #if defined(__AVX512BF16__)
         case TILE_DOT: ROWS(DOT) break;
         case TILE_DOT_AHEAD: ROWS(DOT_AHEAD) break;
+        case TILE_INT8_DOT: ROWS(INT8_DOT) break;
 #endif
     }
 #undef ROWS
@@ -532,8 +561,9 @@ static inline __attribute__((always_inline)) void panel_product(int kind, const 
 #undef BF16
 #undef DOT
 #undef DOT_AHEAD
-#undef INT8_Q16
+#undef INT8
 #undef INT4_Q16
+#undef INT8_DOT
 }
 
 // y[i..i+n) = r (+ bias[b..b+n)), rounded to dtype; n <= 16
@@ -560,15 +590,15 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
                               : bits == 8 ? blocked_int8_size(NR, K, group, tb)
                                                                             : (int64_t)Kp * NR * (dtype == 0 ? 4 : 2);
     const int dot = dtype == 1 && bf16_dot;
-    const int kind = bits == 4 ? TILE_INT4_Q16 : bits == 8 ? TILE_INT8_Q16
+    const int kind = bits == 4 ? TILE_INT4_Q16 : bits == 8 ? (dot ? TILE_INT8_DOT : TILE_INT8)
                    : dot ? TILE_DOT : dtype == 0 ? TILE_F32 : TILE_BF16;
-    // float panels: x as the tiles take it, bfloat16 for the dot product (an odd K's rows copied
-    // with a zero after them, to make whole pairs), else float32 (bfloat16 widened once)
+    // x as the tiles take it: bfloat16 for the dot product (an odd K's rows copied with a zero
+    // after them, to make whole pairs), else float32 (bfloat16 widened once)
     const void *xt = x;
     int64_t xs = x_stride;
     const size_t x_size = dot ? sizeof(uint16_t) : sizeof(float);
     void *copy = NULL;
-    if (!bits && dtype == 1 && (!dot || Kp > K)) {
+    if (dtype == 1 && bits != 4 && (!dot || Kp > K)) {
         copy = malloc(x_size * (size_t)M * (size_t)Kp);
         if (!copy) return -1;
         for (int m = 0; m < M; m++) {
@@ -583,46 +613,50 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
         }
         xt = copy, xs = Kp;
     }
-    // quantized panels: x quantized to int16 (per row: a row's values do not depend on the batch),
-    // per group for 4-bit weights, per block of 32 (or the group, where not a multiple of 32) for 8-bit
-    const int block = bits == 8 && group % 32 == 0 ? 32 : group, blocks = bits ? K / block : 0;
-    qx_t xq = {NULL, NULL, NULL, K, blocks, block};
+    // the integer 4-bit tile's quantized x (per row: a row's values do not depend on the batch)
+    const int groups = bits ? K / group : 0;
+    qx_t xq = {NULL, NULL, NULL, K, groups};
     void *qx_buffer = NULL;
-    if (bits) {
-        qx_buffer = malloc((size_t)M * (sizeof(int16_t) * (size_t)K + 2 * sizeof(float) * (size_t)blocks));
-        if (!qx_buffer) return -1;
+    if (kind == TILE_INT4_Q16) {
+        qx_buffer = malloc((size_t)M * (sizeof(int16_t) * (size_t)K + 2 * sizeof(float) * (size_t)groups));
+        if (!qx_buffer) { free(copy); return -1; }
         xq.scale = (const float *)qx_buffer;
-        xq.sum = xq.scale + (int64_t)M * blocks;
-        xq.q = (const int16_t *)(xq.sum + (int64_t)M * blocks);
-        quantize_x(x, x_stride, M, K, block, dtype, &xq);
+        xq.sum = xq.scale + (int64_t)M * groups;
+        xq.q = (const int16_t *)(xq.sum + (int64_t)M * groups);
+        quantize_x(x, x_stride, M, K, group, dtype, &xq);
     }
-    const int step = bits == 4 ? MR4_Q : bits == 8 ? MR8_Q : MR;
-    const int pairs_once = bits == 8 && M > step;      // an 8-bit panel's pairs made once, not per tile
-    int failed = 0;
+    // quantized panels against more than one tile of rows: each panel widened once (the same values
+    // as the quantized tile's, so the same sums), instead of widened again for every tile: float32
+    // weights for the float tile, or the dot tile's integer pairs
+    const int rows_q = bits == 4 ? MR4_Q : dot ? MR4_DOT : MR4;
+    const int widen_once = bits == 8 && M > rows_q, step = bits && (dot || !widen_once) ? rows_q : MR;
+    const int wide_kind = dot ? kind : TILE_F32;
     // with 3 row tiles or more, the tiles after the first share asking for the next panel: a slice
     // each, ahead_lines every AHEAD_SEGMENT k (with 2, one tile's asks come in bursts that cost
     // more than they save; ahead_lines 0: none)
     const int tiles = (M + step - 1) / step, segments = (Kp + AHEAD_SEGMENT - 1) / AHEAD_SEGMENT;
     const int64_t ahead_slice = tiles >= 3 ? (panel_bytes / (tiles - 1) + 63) / 64 * 64 : 0;
     const int ahead_lines = (int)((ahead_slice / 64 + segments - 1) / segments);
+    int failed = 0;
     #pragma omp parallel if (panels > 1 && (int64_t)N * K >= 65536)
     {
-    uint32_t *pairs = pairs_once ? malloc(sizeof(uint32_t) * (size_t)(K / 2) * NR) : NULL;
-    if (pairs_once && !pairs) {
+    void *wide_panel = widen_once ? malloc((dot ? sizeof(uint16_t) : sizeof(float)) * (size_t)K * NR) : NULL;
+    if (widen_once && !wide_panel) {
         #pragma omp atomic write
         failed = 1;
     }
     #pragma omp for schedule(static)
     for (int p = 0; p < panels; p++) {
-        if (pairs_once && !pairs) continue;
+        if (widen_once && !wide_panel) continue;
         const char *panel = (const char *)packed + p * panel_bytes;
         const int n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
-        if (pairs) int8_panel_pairs((const uint8_t *)panel, K, group, tb, pairs);
+        if (widen_once) widen_int8_panel((const uint8_t *)panel, K, group, tb, dot, wide_panel);
+        const int pairs_only = widen_once && dot;    // the dot tiles read the tables from the panel
         for (int m0 = 0; m0 < M; m0 += step) {
             const int rows = M - m0 < step ? M - m0 : step, tile = m0 / step;
             ahead_t ahead = {NULL, NULL, 0};
-            int tile_kind = kind;
-            if (ahead_lines && kind == TILE_DOT && tile >= 1 && p + 1 < panels) {
+            int tile_kind = widen_once ? wide_kind : kind;
+            if (ahead_lines && tile_kind == TILE_DOT && tile >= 1 && p + 1 < panels) {
                 const char *next = panel + panel_bytes;
                 ahead.at = next + (tile - 1) * ahead_slice;
                 ahead.end = ahead.at + ahead_slice < next + panel_bytes ? ahead.at + ahead_slice : next + panel_bytes;
@@ -630,15 +664,17 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
                 tile_kind = TILE_DOT_AHEAD;
             }
             vf16 acc[MR][NV];
-            panel_product(tile_kind, (const char *)xt + m0 * xs * (int64_t)x_size, xs, panel, pairs, &xq, m0, Kp,
-                          group, tb, rows, acc, m0 == 0 && !pairs, &ahead);
+            panel_product(tile_kind, (const char *)xt + m0 * xs * (int64_t)x_size, xs,
+                          widen_once && !pairs_only ? wide_panel : panel, pairs_only ? (const uint32_t *)wide_panel : NULL,
+                          &xq, m0, Kp, group, tb, rows, acc, m0 == 0 && !widen_once,
+                          &ahead);
             for (int m = 0; m < rows; m++)
                 for (int v = 0; v < NV && 16 * v < width; v++)
                     store_outputs(y, (int64_t)(m0 + m) * N + n0 + 16 * v, acc[m][v], bias, n0 + 16 * v,
                                   width - 16 * v < 16 ? width - 16 * v : 16, dtype);
         }
     }
-    free(pairs);
+    free(wide_panel);
     }
     free(copy);
     free(qx_buffer);

@@ -36,11 +36,6 @@ INL vi16 vi_zero(void) { return _mm512_setzero_si512(); }
 INL vf16 vf_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-// lane j = (int16) a[j] in the low half, (int16) b[j] in the high: 16 int8 pairs as int16 pairs
-INL vi16 vi_int8_pairs(const int8_t *a, const int8_t *b) {
-    const __m128i x = _mm_loadu_si128((const __m128i *)a), y = _mm_loadu_si128((const __m128i *)b);
-    return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(x, y), _mm_unpacklo_epi8(x, y)));
-}
 INL vf16 vf_max(vf16 a, vf16 b) { return _mm512_max_ps(a, b); }
 INL vf16 vf_abs(vf16 a) { return _mm512_abs_ps(a); }
 INL float vf_reduce_max(vf16 a) { return _mm512_reduce_max_ps(a); }
@@ -96,10 +91,6 @@ INL vf16 vf_bf16(const uint16_t *p) {
     const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8)));
     return (vf16){_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
-}
-INL vi16 vi_int8_pairs(const int8_t *a, const int8_t *b) {
-    const __m128i x = _mm_loadu_si128((const __m128i *)a), y = _mm_loadu_si128((const __m128i *)b);
-    return (vi16){_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x, y)), _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(x, y))};
 }
 INL vf16 vf_max(vf16 a, vf16 b) { return (vf16){_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
 INL vf16 vf_abs(vf16 a) {

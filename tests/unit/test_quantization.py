@@ -35,10 +35,9 @@ def _reference_rtn(w: torch.Tensor, bits: int, group: int):
 
 
 def quantized_x(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] as the blocked kernel's quantized tiles quantize it: int16 values round(x / d)
-    with d = max |x| / 32767 per block of k's (4-bit: the group; 8-bit: 32, or the group where
-    it is not a multiple of 32), computed in float32 as the C code does. Returns (q, d per k),
-    both float64."""
+    """x [M, K] as the blocked 4-bit kernel quantizes it: int16 values round(x / d) with
+    d = max |x| / 32767 per group of k's, computed in float32 as the C code does. Returns (q, d
+    per k), both float64."""
     rows = x.float().reshape(x.shape[0], -1, group)
     amax = rows.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros_like(amax))
@@ -55,14 +54,6 @@ def int4_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: t
     integer_part = torch.einsum("mgk,ngk->mng", (qx * d).view(M, G, group), q.double().view(N, G, group))
     x_sums = x.double().view(M, G, group).sum(-1)
     return (integer_part * scales.double()).sum(-1) + x_sums @ mins.double().t()
-
-
-def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] . (q * scale)^T as the 8-bit kernel defines it, in float64: x quantized per
-    block of 32 (or the group), sum_g scale * sum_blocks d * sum_k q[k] * qx[k]."""
-    group = x.shape[1] // scales.shape[1]
-    qx, d = quantized_x(x, 32 if group % 32 == 0 else group)
-    return (qx * d) @ (q.double() * scales.double().repeat_interleave(group, 1)).t()
 
 
 @pytest.mark.parametrize("bits, group", [(8, 64), (8, 256), (4, 32), (4, 128)])
@@ -101,18 +92,16 @@ def test_product_equals_dequantize_then_matmul(bits, group, rows, dtype):
     assert got.dtype == dtype and got.shape == (rows, 192)
     # bfloat16: within its rounding of the weights and the output (relative ~2^-8)
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
-    if qw.blocked:
-        # x quantized to int16 per block: the definition's value, and within half a step of x per
+    if qw.kernel == "blocked4":
+        # x quantized to int8 per block: the definition's value, and within half a step of x per
         # weight of the float product
-        exact = (int4_product(x, qw.integers(), qw.scales, qw.mins) if bits == 4 else
-                 int8_product(x, qw.integers(), qw.scales)).float()
+        exact = int4_product(x, qw.integers(), qw.scales, qw.mins).float()
         torch.testing.assert_close(got.float(), exact, rtol=tol, atol=tol * 10)
-        block = qw.group if bits == 4 or qw.group % 32 else 32
-        half_steps = quantized_x(x, block)[1].float() / 2
+        half_steps = quantized_x(x, qw.group)[1].float() / 2
         bound = half_steps @ qw.dequantized().float().abs().t()
         assert ((got.float() - expected).abs() <= bound * 1.01 + tol * expected.abs() + tol).all()
-    else:
-        torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+        return
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
     groups = 1 if group == -1 else 256 // group
     tables = 1 if qw.kernel == "blocked8" else 2          # float32 scales, and mins (not stored for symmetric panels)
     assert qw.weight_bytes() == w.numel() * bits // 8 + tables * 4 * 192 * groups
@@ -159,10 +148,8 @@ def test_blocked_panels_hold_the_integers_scales_and_mins(bits, n, k, group, flo
         assert torch.equal(qw.rows(torch.tensor([[n - 1], [0]])), rows)       # an embedding lookup
         assert torch.equal(qw.integers(), q) and torch.equal(qw.scales, scales) and torch.equal(qw.mins, mins)
         expected = F.linear(x.to(dtype).float(), dequantize(q, scales, mins, torch.float32))
-        if bits == 4:         # x quantized to int16 per block (test_product_equals_dequantize_then_matmul)
+        if bits == 4:         # x quantized to int8 per block (test_product_equals_dequantize_then_matmul)
             expected = int4_product(x.to(dtype), q, scales, mins).float()
-        else:
-            expected = int8_product(x.to(dtype), q, scales).float()
         torch.testing.assert_close(qw.matmul(x.to(dtype)).float(), expected, rtol=2e-2, atol=2e-2)
         # many rows widen each panel once, few widen it per tile: the same weights, the same sums
         many = torch.randn(20, k).to(dtype)
