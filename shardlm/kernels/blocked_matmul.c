@@ -46,9 +46,9 @@
 #endif
 #define MR4_DOT 4        // for 8-bit weights with the dot product: a partial and a total accumulator per vector
 #if SIMD16_BITS == 256
-#define MR4_Q 2          // for 4-bit weights with integer x: an integer and a float accumulator per vector
+#define MR4_Q 2          // for 4-bit weights with integer x (measured: 1 row per tile is slower at 64 rows)
 #else
-#define MR4_Q 6
+#define MR4_Q 4          // 12 integer sums and 16 broadcast x pairs: within 32 registers (6 rows spilled)
 #endif
 #define NV (NR / 16)
 #ifndef PF_BYTES
