@@ -17,9 +17,9 @@
 // 8 k's, a 32-bit word per output feature holds q[k + 2i] in bits 4i..4i+3 and q[k + 2i + 1] in
 // bits 16+4i.., i = 0..3 (so a k pair comes out of a word with a shift and a mask, in lane);
 // each group's words are followed by its NR scales and NR mins, so a panel is one stream. x is
-// quantized to int8 per block of 32 k's, as llama.cpp and vLLM's GGUF kernels do, and the
-// integers multiplied as they are (int4_tile_q16): no weight is widened to float, so a decode step
-// reads a quarter of the bytes of bfloat16 and does little arithmetic per byte, on AVX2 too.
+// quantized to int16 per group and the integers multiplied as they are (int4_tile_q16): no weight
+// is widened to float, so a decode step reads a quarter of the bytes of bfloat16 and does little
+// arithmetic per byte, on AVX2 too.
 //
 // 8-bit weights (w = q * scale per group, symmetric: int8 and GGUF's Q8_0) likewise: per k, the
 // NR integers side by side, each group's followed by its NR scales. Widened to float32 (q * scale,
@@ -387,8 +387,9 @@ static void quantize_x(const void *x, int64_t x_stride, int M, int K, int group,
         for (int g = 0; g < K / group; g++) {
             const int64_t at = m * x_stride + (int64_t)g * group;
             int16_t *q = (int16_t *)xq->q + m * xq->stride + (int64_t)g * group;
+            const int vectors = group % 16 == 0;      // 16 values at a time
             float amax = 0.f, sum = 0.f;
-            if (group % 16 == 0) {
+            if (vectors) {
                 vf16 vmax = vf_zero(), vsum = vf_zero();
                 for (int k = 0; k < group; k += 16) {
                     const vf16 v = x_values(x, at + k, dtype);
@@ -406,7 +407,7 @@ static void quantize_x(const void *x, int64_t x_stride, int M, int K, int group,
             const float inv = amax > 0.f ? 32767.f / amax : 0.f;
             ((float *)xq->scale)[m * xq->groups + g] = amax / 32767.f;
             ((float *)xq->sum)[m * xq->groups + g] = sum;
-            if (group % 16 == 0)
+            if (vectors)
                 for (int k = 0; k < group; k += 16) vf_store_int16(q + k, vf_mul(x_values(x, at + k, dtype), vf_set1(inv)));
             else
                 for (int k = 0; k < group; k++) q[k] = (int16_t)lrintf(load(x, at + k, dtype) * inv);

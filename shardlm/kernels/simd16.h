@@ -44,7 +44,6 @@ INL float vf_reduce_add(vf16 a) { return _mm512_reduce_add_ps(a); }
 INL void vf_store_int16(int16_t *p, vf16 a) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(a)));
 }
-INL vi16 vi_add(vi16 a, vi16 b) { return _mm512_add_epi32(a, b); }
 // acc + per 32-bit lane a[0] * b[0] + a[1] * b[1] of its two int16 halves (VNNI's vpdpwssd, else
 // vpmaddwd and an add)
 INL vi16 vi_dot_s16(vi16 acc, vi16 a, vi16 b) {
@@ -114,7 +113,6 @@ INL void vf_store_int16(int16_t *p, vf16 a) {
     const __m256i packed = _mm256_packs_epi32(_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi));
     _mm256_storeu_si256((__m256i *)p, _mm256_permute4x64_epi64(packed, 0xD8));
 }
-INL vi16 vi_add(vi16 a, vi16 b) { return (vi16){_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 INL __m256i dot8_s16(__m256i acc, __m256i a, __m256i b) {
 #if defined(__AVXVNNI__)
     return _mm256_dpwssd_avx_epi32(acc, a, b);
