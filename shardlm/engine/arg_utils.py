@@ -15,7 +15,6 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from shardlm import utils
 from shardlm.config import (
     CacheConfig,
     EngineConfig,
@@ -189,7 +188,7 @@ class EngineArgs:
         path = resolve_model_path(self.model, self.download_dir)
         hf_config = load_hf_config(path)
         architecture = resolve_architecture(hf_config)
-        dtype = resolve_dtype(self.dtype, _config_dtype(hf_config), device)
+        dtype = resolve_dtype(self.dtype, _config_dtype(hf_config), device, _mlp_shape(hf_config))
         max_model_len = _resolve_max_model_len(hf_config, self.max_model_len)
         gen_defaults = load_generation_defaults(path)
         model_cfg = ModelConfig(
@@ -235,33 +234,26 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-# CPU instructions that multiply bfloat16 natively; without them oneDNN converts every weight
-# to float32 on the fly, slower than float32 itself
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# --dtype auto keeps a bfloat16 checkpoint in bfloat16 on CPU unless float32 measures this much faster
+FLOAT32_MARGIN = 1.1
 
 
 def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, device: torch.device,
-                  cpu_flags: set[str] | None = None) -> torch.dtype:
-    """'auto': the checkpoint's dtype on CUDA; on CPU what this CPU runs fastest without losing
-    precision: bfloat16 for a bfloat16 checkpoint where the CPU has native bfloat16 instructions,
-    else float32 (for bfloat16 and float16 checkpoints alike). An explicit dtype is obeyed."""
+                  mlp_shape: tuple[int, int] | None = None, measurement=None) -> torch.dtype:
+    """'auto': the checkpoint's dtype on CUDA. On CPU, float32 for float32 and float16 checkpoints
+    (float16 runs on CUDA only; bfloat16 would lose mantissa bits); for a bfloat16 checkpoint,
+    whichever of bfloat16 and float32 the kernels run faster on this CPU, measured on a product
+    of the model's MLP shape (mlp_shape: hidden, intermediate; layers/cpu_dtype.py). An explicit
+    dtype is obeyed."""
     if isinstance(dtype, torch.dtype):
         resolved = dtype
     elif dtype == "auto":
         resolved = config_dtype or torch.float32
-        if device.type == "cpu" and resolved != torch.float32:
-            flags = utils.cpu_flags() if cpu_flags is None else cpu_flags
-            native = [f for f in NATIVE_BF16_FLAGS if f in flags]
-            if resolved == torch.bfloat16 and native:
-                logger.info("--dtype auto: bfloat16 (the checkpoint's; this CPU multiplies it natively: %s).",
-                            ", ".join(native))
-            else:
-                why = ("float16 runs on CUDA only" if resolved == torch.float16 else
-                       f"this CPU has no native bfloat16 instructions ({' or '.join(NATIVE_BF16_FLAGS)}); "
-                       "--dtype bfloat16 forces it")
-                logger.info("--dtype auto: float32 for this %s checkpoint: %s.", str(resolved).replace("torch.", ""),
-                            why)
-                resolved = torch.float32
+        if device.type == "cpu" and resolved == torch.float16:
+            logger.info("--dtype auto: float32 for this float16 checkpoint: float16 runs on CUDA only.")
+            resolved = torch.float32
+        elif device.type == "cpu" and resolved == torch.bfloat16:
+            resolved = _faster_cpu_dtype(mlp_shape, measurement)
     elif dtype in _DTYPES:
         resolved = _DTYPES[dtype]
     else:
@@ -351,6 +343,31 @@ def load_generation_defaults(path: str) -> dict:
         return {}
     with open(gen_path) as f:
         return json.load(f)
+
+
+def _faster_cpu_dtype(mlp_shape: tuple[int, int] | None, measurement) -> torch.dtype:
+    from shardlm.layers import cpu_dtype
+    if measurement is None:
+        measurement = cpu_dtype.measure(*(mlp_shape or (2048, 8192)))
+    speedup = measurement.bfloat16_speedup()
+    chosen = torch.bfloat16 if speedup * FLOAT32_MARGIN >= 1 else torch.float32
+    logger.info("--dtype auto: %s for this bfloat16 checkpoint: on this CPU bfloat16 decode-sized products take "
+                "%.2fx float32's time (%s; ISA variant %s). --dtype float32 or bfloat16 overrides.",
+                str(chosen).replace("torch.", ""), 1 / speedup, measurement.describe(), _isa())
+    return chosen
+
+
+def _isa() -> str:
+    from shardlm import kernels
+    return kernels.active_isa() if kernels.library() is not None else "none: torch ops"
+
+
+def _mlp_shape(hf_config) -> tuple[int, int] | None:
+    """(hidden, intermediate) of the model's MLP, the product measured for --dtype auto."""
+    text = getattr(hf_config, "text_config", hf_config)
+    hidden = getattr(text, "hidden_size", None)
+    inter = getattr(text, "intermediate_size", None) or getattr(text, "moe_intermediate_size", None)
+    return (hidden, inter) if hidden and inter else None
 
 
 def _config_dtype(hf_config) -> torch.dtype | None:
