@@ -188,7 +188,8 @@ def render(facts: dict, comm: dict, found: list[str]) -> str:
                                      "free)" for g in facts["gpus"]) or "none")]
     if "cpu_kernels" in facts:
         ck = facts["cpu_kernels"]
-        lines.append(f"  CPU kernels: {ck['variant']} (best on this CPU: {ck['best']}; SHARDLM_CPU_ISA={ck['cap']}): "
+        lines.append(f"  CPU kernels: {ck['variant']} (best on this CPU: {ck['best']}; SHARDLM_CPU_ISA={ck['cap']}; "
+                     f"library {ck['library']}): "
                      + ", ".join(f"{name} {state}" for name, state in ck["kernels"].items()))
     if "all_reduce_ok" in comm:
         lines.append(f"Communication ({comm['ranks']} local ranks, {comm['backend']}, rendezvous {comm['address']}, "

@@ -1,8 +1,11 @@
-"""shardlm's own CPU kernels: small C files compiled once per machine into one library, called via ctypes.
+"""shardlm's own CPU kernels: small C files compiled into one library, called via ctypes.
 
 No torch headers, so the library builds in a few seconds with the system C compiler: each
-kernels/*.c compiled on its own, then linked together. It is cached under the shardlm cache
-directory, keyed by the sources, the compiler, the ISA variant it is built for, the machine and
+kernels/*.c compiled on its own, then linked together (kernels/build.py). `pip install` builds
+one library per named ISA variant into kernels/prebuilt/ (setup.py), as ggml does its CPU
+variants; where none fits these sources (an editable checkout edited since, a machine that could
+not compile at install, a non-x86 CPU), the library is compiled at run time and cached under the
+shardlm cache directory, keyed by the sources, the compiler, the ISA variant, the machine and
 this CPU's flags. Every entry point is declared once in C (shardlm_kernels.h, which each file
 includes, so the compiler checks the definitions) and once here for ctypes (SIGNATURES; a test
 checks the two agree).
@@ -10,8 +13,8 @@ OpenMP resolves to torch's own libgomp (same soname, already loaded): one thread
 
 ISA variants, each a superset of the one before: portable (plain C, vectorized by the
 compiler for the baseline), avx2 (+FMA, F16C), avx512 (F, BW, VL, DQ), avx512_bf16 (+BF16,
-VNNI) and native (-march=native: all this CPU has). The kernels are built for the best one this
-CPU has, at most SHARDLM_CPU_ISA; the C code picks its paths by the compiler's __AVX512F__ etc.
+VNNI) and native (the best named one, or -march=native where it is compiled at run time). The
+kernels run the best one this CPU has, at most SHARDLM_CPU_ISA; the C code picks its paths by the compiler's __AVX512F__ etc.
 A library that cannot be built or loaded (no compiler, a bad CC, an unwritable cache, a compile
 error) is logged once and the layers run on torch ops, unless SHARDLM_REQUIRE_KERNELS is set.
 """
@@ -19,50 +22,33 @@ error) is logged once and the layers run on torch ops, unless SHARDLM_REQUIRE_KE
 from __future__ import annotations
 
 import ctypes
-import glob
 import hashlib
 import os
 import platform
 import shutil
-import subprocess
 import tempfile
 
 import torch
 
 from shardlm import envs
+from shardlm.kernels import build
+from shardlm.kernels.build import ISA_VARIANTS
 from shardlm.logger import init_logger
 from shardlm.utils import cpu_flags
 
 logger = init_logger(__name__)
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-# fast-math for vectorized expf (glibc's libmvec); finite-math stays off: -inf is used as a mask value.
-# Compiled and linked in two steps: a fast-math *link* adds crtfastmath.o, which turns on
-# flush-to-zero for the whole process that loads the library (torch's numerics included).
-_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-fno-strict-aliasing", "-ffast-math", "-fno-finite-math-only"]
-_LINK_FLAGS = ["-shared", "-fopenmp"]
 _loaded: list = []          # [the library, or None], once looked up
 
 # the `dtype` argument every kernel takes
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
-# ISA variant -> (the /proc/cpuinfo flags it needs, its compiler flags), lowest first; x86-64 only.
-# Each adds these to the one before.
-_ISA_STEPS = (("portable", set(), []),
-              ("avx2", {"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]),
-              ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
-               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]),
-              ("avx512_bf16", {"avx512_bf16", "avx512_vnni"}, ["-mavx512bf16", "-mavx512vnni"]))
-ISA_VARIANTS: dict[str, tuple[set[str], list[str]]] = {}
-for _name, _needs, _flags in _ISA_STEPS:
-    _below = list(ISA_VARIANTS.values())[-1] if ISA_VARIANTS else (set(), [])
-    ISA_VARIANTS[_name] = (_below[0] | _needs, _below[1] + _flags)
 _isa_cap = [envs.SHARDLM_CPU_ISA]
 
 
 def supported_isas() -> list[str]:
     """The variants this CPU can run, lowest first (native last: all it has)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if not build.is_x86():
         return ["portable", "native"]
     flags = cpu_flags()
     return [name for name, (needs, _) in ISA_VARIANTS.items() if needs <= flags] + ["native"]
@@ -93,15 +79,6 @@ def use_isa(cap: str) -> str:
     return active_isa()
 
 
-def _isa_flags() -> list[str]:
-    isa = active_isa()
-    if isa == "native":
-        return ["-march=native"]
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return []
-    return ["-march=x86-64", "-mtune=native", *ISA_VARIANTS[isa][1]]
-
-
 def library() -> ctypes.CDLL | None:
     """The kernel library (every kernels/*.c), or None where it cannot be built or loaded."""
     if not _loaded:
@@ -120,7 +97,8 @@ def describe() -> dict:
         state["blocked_matmul"] = "not in this variant (AVX2 or AVX-512 only)"
     elif ok and blocked_vector_bits() == 256:
         state["blocked_matmul"] = "ok (AVX2: bfloat16, 4- and 8-bit panels; float32 on skinny_matmul / oneDNN)"
-    return {"variant": active_isa(), "best": best_isa(), "cap": _isa_cap[0], "kernels": state}
+    return {"variant": active_isa(), "best": best_isa(), "cap": _isa_cap[0],
+            "library": _source[0] if ok and _source else "none", "kernels": state}
 
 
 class KernelBuildError(RuntimeError):
@@ -134,30 +112,53 @@ def _unavailable(why: str) -> None:
                    "times slower); outputs are the same.", why)
 
 
+def _prebuilt_library() -> tuple[str, str] | None:
+    """(variant, path) of the library built at install time for the variant in use, or None where
+    there is none for these sources. native takes the best named variant (the kernels select their
+    paths by the instruction sets a named variant spells out); where that is only the portable one
+    (not x86-64), native compiles at run time for this CPU instead."""
+    isa = active_isa()
+    if isa == "native":
+        isa = best_isa()
+        if isa == "portable":
+            return None
+    path = os.path.join(build.PREBUILT_DIR, build.prebuilt_name(isa))
+    return (isa, path) if os.path.exists(path) else None
+
+
+_source: list[str] = []       # where the loaded library came from, for `shardlm env check`
+
+
 def _build() -> ctypes.CDLL | None:
+    _source.clear()
+    prebuilt = _prebuilt_library()
+    if prebuilt is not None:
+        try:
+            lib = ctypes.CDLL(prebuilt[1])
+            _source.append(f"built at install time for {prebuilt[0]}")
+            return lib
+        except OSError as e:
+            logger.warning("The installed kernel library %s does not load (%s); compiling one for this CPU instead.",
+                           prebuilt[1], e)
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        _unavailable("no C compiler found (install gcc, or set CC)")
+        _unavailable("no C compiler found and no library built at install time for these sources "
+                     "(install gcc, or set CC)")
         return None
-    sources = sorted(glob.glob(os.path.join(_HERE, "*.c")))
-    text = b""
-    for path in sources + sorted(glob.glob(os.path.join(_HERE, "*.h"))):
-        with open(path, "rb") as f:
-            text += f.read()
-    flags = [*_FLAGS, *_isa_flags()]
-    key = hashlib.sha256(text + cc.encode() + " ".join(flags + _LINK_FLAGS).encode()
+    flags = [*build.FLAGS, *build.variant_flags(active_isa())]
+    key = hashlib.sha256(build.sources_hash().encode() + cc.encode() + " ".join(flags + build.LINK_FLAGS).encode()
                          + platform.machine().encode() + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     filename = f"shardlm_kernels-{active_isa()}-{key}.so"
     path = os.path.join(envs.SHARDLM_CACHE_DIR, "kernels", filename)
     if not os.path.exists(path):
         try:
-            path = _compile(cc, sources, flags, path)
+            path = build.compile_library(cc, flags, path)
         except OSError as e:         # an unwritable or full cache: build in a private directory instead
             logger.warning("Cannot write the kernel cache %s (%s); building the kernels in a temporary directory "
                            "(again at every start).", os.path.dirname(path), e)
             try:
-                path = _compile(cc, sources, flags,
-                                os.path.join(tempfile.mkdtemp(prefix="shardlm-kernels-"), filename))
+                path = build.compile_library(cc, flags,
+                                             os.path.join(tempfile.mkdtemp(prefix="shardlm-kernels-"), filename))
             except OSError as e2:
                 _unavailable(f"{cc} could not be run or its output not written ({e2})")
                 return None
@@ -165,35 +166,12 @@ def _build() -> ctypes.CDLL | None:
             _unavailable(str(e))
             return None
     try:
-        return ctypes.CDLL(path)
+        lib = ctypes.CDLL(path)
     except OSError as e:
         _unavailable(f"the built library does not load ({e})")
         return None
-
-
-def _compile(cc: str, sources: list[str], flags: list[str], path: str) -> str:
-    """Compiles each source, then links them into the shared library at path (atomically:
-    concurrent builders agree). Raises OSError where cc cannot run or path cannot be written,
-    RuntimeError on a compile error."""
-    out_dir = os.path.dirname(path)
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    objects = [f"{tmp}.{os.path.basename(src)}.o" for src in sources]
-    try:
-        for src, obj in zip(sources, objects):
-            result = subprocess.run([cc, *flags, "-c", src, "-o", obj], capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"{cc} failed to compile {os.path.basename(src)}:\n{result.stderr[-2000:]}")
-        result = subprocess.run([cc, *_LINK_FLAGS, *objects, "-o", tmp, "-lm"], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{cc} failed to link the kernels:\n{result.stderr[-2000:]}")
-        os.replace(tmp, path)
-        return path
-    finally:
-        for leftover in (*objects, tmp):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
+    _source.append(f"built at run time for {active_isa()} (cached in {os.path.dirname(path)})")
+    return lib
 
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float

@@ -1,5 +1,6 @@
-"""Kernels that ship and fail safe: a built wheel carries every file the kernels compile from
-and they load from an install; each way a build can fail (no compiler, a compile error, an
+"""Kernels that ship and fail safe: a built wheel carries the libraries built at install time
+(one per ISA variant) and every file they compile from, and they load from an install with no
+compiler; each way a build can fail (no compiler, a compile error, an
 unwritable cache, a library that does not load) is logged and the layer falls back to torch ops,
 unless SHARDLM_REQUIRE_KERNELS makes it an error; SHARDLM_CPU_ISA caps the variant."""
 
@@ -12,15 +13,18 @@ import venv
 import pytest
 
 from shardlm import envs, kernels
+from shardlm.kernels import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture
 def fresh_kernels(monkeypatch, tmp_path, caplog):
-    """A kernel cache of the test's own, looked up anew, and shardlm's log in caplog; the engine's
-    kernels restored after."""
+    """A kernel cache of the test's own, no libraries built at install time (the test's own
+    directory for them), looked up anew, and shardlm's log in caplog; the engine's kernels
+    restored after."""
     monkeypatch.setattr(envs, "SHARDLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "PREBUILT_DIR", str(tmp_path / "prebuilt"))
     monkeypatch.setattr(envs, "SHARDLM_REQUIRE_KERNELS", False)      # CI sets it
     kernels.use_isa(envs.SHARDLM_CPU_ISA)
     shardlm_log = logging.getLogger("shardlm")         # it does not propagate to the root logger
@@ -56,6 +60,25 @@ def test_a_kernel_that_cannot_be_built_falls_back_with_a_warning(failure, fresh_
         kernels.library()
 
 
+def test_a_library_built_at_install_time_needs_no_compiler(fresh_kernels, monkeypatch, caplog):
+    """The installed library of the variant in use loads without a compiler; one that does not
+    load is reported and the kernels compile at run time instead."""
+    kernels.use_isa("portable")
+    installed = os.path.join(build.PREBUILT_DIR, build.prebuilt_name("portable"))
+    os.makedirs(build.PREBUILT_DIR)
+    with open(installed, "w") as f:
+        f.write("not a library")
+    assert kernels.fused_ops() is not None
+    assert "does not load" in caplog.text and kernels.describe()["library"].startswith("built at run time")
+    caplog.clear()
+    build.compile_library(os.environ.get("CC") or "cc", [*build.FLAGS, *build.variant_flags("portable")], installed)
+    monkeypatch.setenv("CC", str(fresh_kernels / "no-such-cc"))
+    kernels.use_isa("portable")
+    assert kernels.fused_ops() is not None
+    assert kernels.describe()["library"] == "built at install time for portable"
+    assert "unavailable" not in caplog.text
+
+
 def test_an_unwritable_cache_builds_in_a_temporary_directory(fresh_kernels, monkeypatch, caplog):
     blocker = fresh_kernels / "a-file"
     blocker.write_text("")
@@ -80,12 +103,18 @@ def test_the_isa_cap_selects_the_variant(fresh_kernels):
 
 @pytest.mark.slow
 def test_a_built_wheel_carries_the_kernels_and_they_load_from_the_install(tmp_path):
-    """pip wheel, installed into a fresh environment (beside this one's torch): every kernel
-    builds from the installed files, with SHARDLM_REQUIRE_KERNELS set."""
+    """pip wheel, installed into a fresh environment (beside this one's torch): it holds a library
+    per ISA variant, built at install time, and the kernels load from it with no compiler (CC
+    names none) and SHARDLM_REQUIRE_KERNELS set; under the portable cap as well."""
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(wheels), ROOT], check=True, capture_output=True)
     [wheel] = list(wheels.glob("shardlm-*.whl"))
+    import zipfile
+    names = zipfile.ZipFile(wheel).namelist()
+    for isa in build.prebuilt_variants():
+        assert f"shardlm/kernels/prebuilt/{build.prebuilt_name(isa)}" in names
+    assert "shardlm/kernels/cpu_common.h" in names         # the run-time fallback's sources too
     env_dir = tmp_path / "venv"
     venv.create(env_dir, system_site_packages=True, with_pip=False)
     python = str(env_dir / "bin" / "python")
@@ -96,13 +125,17 @@ def test_a_built_wheel_carries_the_kernels_and_they_load_from_the_install(tmp_pa
     code = ("from shardlm import kernels; import os; "
             "libs = [kernels.fused_ops(), kernels.skinny_matmul(), kernels.paged_decode_attention(), "
             "kernels.llama_decode_layers()]; "
-            "print(os.path.dirname(kernels.__file__)); print(all(lib is not None for lib in libs))")
-    run = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd=tmp_path,
-                         env={**os.environ, "SHARDLM_REQUIRE_KERNELS": "1",
-                              "SHARDLM_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": ""})
-    assert run.returncode == 0, run.stderr[-3000:]
-    where, loaded = run.stdout.split()
-    assert where.startswith(site) and loaded == "True"
+            "print(os.path.dirname(kernels.__file__)); print(all(lib is not None for lib in libs)); "
+            "print(kernels.describe()['library'].replace(' ', '_'))")
+    for cap in ("native", "portable"):
+        run = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                             env={**os.environ, "SHARDLM_REQUIRE_KERNELS": "1", "CC": str(tmp_path / "no-such-cc"),
+                                  "SHARDLM_CPU_ISA": cap, "SHARDLM_CACHE_DIR": str(tmp_path / "cache"),
+                                  "PYTHONPATH": ""})
+        assert run.returncode == 0, run.stderr[-3000:]
+        where, loaded, library = run.stdout.split()
+        assert where.startswith(site) and loaded == "True"
+        assert library.startswith("built_at_install_time_for_"), library
 
 
 def test_the_cache_key_reads_arm_features_as_well_as_x86_flags():

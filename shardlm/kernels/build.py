@@ -1,0 +1,110 @@
+"""Compiling the kernel library: its sources, the ISA variants and their flags, the compile.
+
+Standard library only: setup.py loads this file by path to build one library per named variant
+at install time (into kernels/prebuilt/, named by the sources' hash, so an editable checkout
+whose sources changed since never loads a stale one), and kernels/__init__.py calls it to
+build at run time where no prebuilt library fits.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PREBUILT_DIR = os.path.join(HERE, "prebuilt")
+# fast-math for vectorized expf (glibc's libmvec); finite-math stays off: -inf is used as a mask value.
+# Compiled and linked in two steps: a fast-math *link* adds crtfastmath.o, which turns on
+# flush-to-zero for the whole process that loads the library (torch's numerics included).
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-fno-strict-aliasing", "-ffast-math", "-fno-finite-math-only"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
+
+# ISA variant -> (the /proc/cpuinfo flags it needs, its compiler flags), lowest first; x86-64 only.
+# Each adds these to the one before.
+_ISA_STEPS = (("portable", set(), []),
+              ("avx2", {"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]),
+              ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]),
+              ("avx512_bf16", {"avx512_bf16", "avx512_vnni"}, ["-mavx512bf16", "-mavx512vnni"]))
+ISA_VARIANTS: dict[str, tuple[set[str], list[str]]] = {}
+for _name, _needs, _flags in _ISA_STEPS:
+    _below = list(ISA_VARIANTS.values())[-1] if ISA_VARIANTS else (set(), [])
+    ISA_VARIANTS[_name] = (_below[0] | _needs, _below[1] + _flags)
+
+
+def is_x86() -> bool:
+    return platform.machine() in ("x86_64", "AMD64")
+
+
+def variant_flags(isa: str) -> list[str]:
+    """Compiler flags of a variant: native is all this CPU has; a named variant is exactly its
+    instructions (tuned generically: a prebuilt library may run on another CPU)."""
+    if isa == "native":
+        return ["-march=native"]
+    if not is_x86():
+        return []
+    return ["-march=x86-64", *ISA_VARIANTS[isa][1]]
+
+
+def sources() -> list[str]:
+    return sorted(glob.glob(os.path.join(HERE, "*.c")))
+
+
+def sources_hash() -> str:
+    """What the library is compiled from: every kernels/*.c and *.h."""
+    digest = hashlib.sha256()
+    for path in sources() + sorted(glob.glob(os.path.join(HERE, "*.h"))):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def prebuilt_name(isa: str) -> str:
+    return f"shardlm_kernels-{isa}-{sources_hash()}.so"
+
+
+def prebuilt_variants() -> list[str]:
+    """The variants built at install time: every named one on x86-64, the portable one elsewhere."""
+    return list(ISA_VARIANTS) if is_x86() else ["portable"]
+
+
+def compile_library(cc: str, flags: list[str], path: str) -> str:
+    """Compiles each source, then links them into the shared library at path (atomically:
+    concurrent builders agree). Raises OSError where cc cannot run or path cannot be written,
+    RuntimeError on a compile error."""
+    out_dir = os.path.dirname(path)
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    objects = [f"{tmp}.{os.path.basename(src)}.o" for src in sources()]
+    try:
+        for src, obj in zip(sources(), objects):
+            result = subprocess.run([cc, *flags, "-c", src, "-o", obj], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{cc} failed to compile {os.path.basename(src)}:\n{result.stderr[-2000:]}")
+        result = subprocess.run([cc, *LINK_FLAGS, *objects, "-o", tmp, "-lm"], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{cc} failed to link the kernels:\n{result.stderr[-2000:]}")
+        os.replace(tmp, path)
+        return path
+    finally:
+        for leftover in (*objects, tmp):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+
+
+def build_prebuilt(cc: str, out_dir: str) -> dict[str, str]:
+    """Builds every prebuilt variant into out_dir (install time): variant -> path, or -> the
+    reason it was not built. Never raises: a machine that cannot build them compiles at run time."""
+    built = {}
+    for isa in prebuilt_variants():
+        try:
+            built[isa] = compile_library(cc, [*FLAGS, *variant_flags(isa)],
+                                         os.path.join(out_dir, prebuilt_name(isa)))
+        except (OSError, RuntimeError) as e:
+            built[isa] = f"not built: {str(e).splitlines()[0]}"
+    return built
