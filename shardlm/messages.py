@@ -45,6 +45,10 @@ class SchedulerOutput(msgspec.Struct):
     chunks: list[ScheduledChunk]
     new_requests: list[NewRequestData] = msgspec.field(default_factory=list)
     finished_req_ids: list[str] = msgspec.field(default_factory=list)
+    # structured outputs: the constrained requests sampled this step and their allowed tokens,
+    # one row each of int32 words (bit t: token t allowed)
+    grammar_req_ids: list[str] = msgspec.field(default_factory=list)
+    grammar_bitmask: bytes = b""
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,43 @@ class RequestOutputKind(IntEnum):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM 0.32's names): exactly one of a JSON schema (`json`, a dict
+    or its JSON text), a regular expression, a list of choices, a grammar (Lark, or GBNF/EBNF with
+    `::=` rules) or any JSON object (`json_object=True`). The output always matches it."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False         # JSON without whitespace between items
+    disable_additional_properties: bool = False  # JSON objects hold only the schema's properties
+    whitespace_pattern: str | None = None        # accepted for compatibility; whitespace follows the backend's rule
+
+    def __post_init__(self):
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise ValueError("StructuredOutputsParams takes exactly one of json, regex, choice, grammar or "
+                             f"json_object; got {', '.join(kinds) if kinds else 'none'}.")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"StructuredOutputsParams.choice={self.choice!r} is invalid: it must be a non-empty "
+                             "list of strings.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"StructuredOutputsParams.{name} must be a non-empty string.")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("StructuredOutputsParams.json must be a JSON schema: a dict or its JSON text.")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+
+    def kinds(self) -> list[str]:
+        return [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None] + \
+            (["json_object"] if self.json_object else [])
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -42,8 +79,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None     # token id -> added to its logit before sampling
     allowed_token_ids: list[int] | None = None     # sample only among these
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None    # constrain the output (shardlm/structured_output)
 
     def __post_init__(self):
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:

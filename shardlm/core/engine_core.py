@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent import futures
 
 from shardlm.config import EngineConfig, format_bytes
 from shardlm.core.request import Request
@@ -22,6 +23,7 @@ from shardlm.executor.selection import executor_class
 from shardlm.logger import init_logger
 from shardlm.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
 from shardlm.planner.layer_placement import describe_partition, stage_layers
+from shardlm.structured_output.manager import StructuredOutputManager
 from shardlm.utils import cdiv
 
 logger = init_logger(__name__)
@@ -47,6 +49,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_in_flight)
         self.batch_queue: deque = deque()      # (scheduler output, wait for its result), oldest first
         self.wave = Wave() if config.dp_lockstep else None     # DP + EP: replicas step together
+        self.structured_outputs: StructuredOutputManager | None = None     # made at the first constrained request
         par = config.parallel
         logger.info("Parallel layout: TP=%d PP=%d DP=%d, executor %s", par.tensor_parallel_size,
                     par.pipeline_parallel_size, par.data_parallel_size, type(self.executor).__name__)
@@ -76,8 +79,13 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> int | None:
         """-> the lock-step wave this request started (the other replicas must join it), or None."""
         m = self.config.model
-        self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.params, m.eos_token_ids,
-                                           m.max_model_len, self.config.cache.block_size, req.arrival_time))
+        request = Request(req.request_id, req.prompt_token_ids, req.params, m.eos_token_ids, m.max_model_len,
+                          self.config.cache.block_size, req.arrival_time)
+        if req.params.structured_outputs is not None:
+            if self.structured_outputs is None:
+                self.structured_outputs = StructuredOutputManager(m.tokenizer, m.vocab_size)
+            request.grammar = self.structured_outputs.compile(req.params.structured_outputs)
+        self.scheduler.add_request(request)
         return self.wave.begin() if self.wave is not None else None
 
     def join_wave(self, number: int) -> None:
@@ -97,6 +105,10 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         self._fill_pipeline()
         if not self.batch_queue:
+            compiling = [r.grammar for r in self.scheduler.waiting if r.waiting_for_grammar]
+            if compiling:               # nothing else to run: wait for a constraint to compile
+                futures.wait(compiling, return_when=futures.FIRST_COMPLETED)
+                return self._outputs([])
             if self.scheduler.has_unfinished():
                 raise RuntimeError("The scheduler could not schedule any of the unfinished requests; "
                                    "this is a bug in shardlm, please report it.")
@@ -127,6 +139,8 @@ class EngineCore:
             self.wave.finish()
 
     def _outputs(self, outputs) -> EngineCoreOutputs:
+        if self.scheduler.failed_outputs:
+            outputs, self.scheduler.failed_outputs = [*self.scheduler.failed_outputs, *outputs], []
         return EngineCoreOutputs(outputs, self.scheduler.num_waiting, self.scheduler.num_running)
 
     def _fill_pipeline(self) -> None:
@@ -135,12 +149,23 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.chunks:
                 return
+            self._attach_grammar_bitmask(scheduler_output)
             try:
                 wait = self.executor.execute_model_async(scheduler_output)
             except Exception as e:       # the in-process executor runs the step right here
                 self._log_failed_step(scheduler_output, e)
                 raise
             self.batch_queue.append((scheduler_output, wait))
+
+    def _attach_grammar_bitmask(self, so: SchedulerOutput) -> None:
+        """The allowed tokens of each constrained request this step samples for."""
+        if self.structured_outputs is None:
+            return
+        rows = [(c.req_id, self.scheduler.requests[c.req_id].grammar) for c in so.chunks if c.sample]
+        rows = [(req_id, grammar.result()) for req_id, grammar in rows if grammar is not None]
+        if rows:
+            so.grammar_req_ids = [req_id for req_id, _ in rows]
+            so.grammar_bitmask = self.structured_outputs.bitmask([matcher for _, matcher in rows])
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()
@@ -167,4 +192,6 @@ class EngineCore:
         return self.executor.collective_rpc(method, tuple(args))
 
     def shutdown(self) -> None:
+        if self.structured_outputs is not None:
+            self.structured_outputs.shutdown()
         self.executor.shutdown()

@@ -61,6 +61,12 @@ class Request:
         self.block_size = block_size
         self.block_hashes: list[int] = []
         self._update_block_hashes()
+        self.grammar = None              # structured outputs: a Future of the request's matcher
+        self.grammar_done = False        # the constraint is complete: the request ends
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        return self.grammar is not None and not self.grammar.done()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -90,6 +96,9 @@ class Request:
         """After a token was appended: set a finished status if a stop condition holds."""
         token = self.output_token_ids[-1]
         sp = self.sampling_params
+        if self.grammar_done:
+            self.status = RequestStatus.FINISHED_STOPPED
+            return True
         if self.num_output_tokens >= sp.min_tokens:
             if not sp.ignore_eos and token in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED

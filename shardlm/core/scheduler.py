@@ -21,6 +21,7 @@ from shardlm.core.kv_cache_manager import KVCacheManager
 from shardlm.core.request import Request, RequestStatus
 from shardlm.logger import init_logger
 from shardlm.messages import EngineCoreOutput, ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
+from shardlm.structured_output.manager import accept
 
 logger = init_logger(__name__)
 
@@ -40,6 +41,7 @@ class Scheduler:
         self.in_flight: set[str] = set()        # requests in a batch whose output is pending
         self.num_preemptions = 0
         self.num_aborted = 0
+        self.failed_outputs: list[EngineCoreOutput] = []     # requests ended by the core itself, to report
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -109,14 +111,19 @@ class Scheduler:
 
         # after a preemption the cache is full: admit nobody new this step
         admit = self.num_preemptions == num_preempted_before
-        while (admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
-               and len(chunks) < seq_cap):
-            request = self.waiting[0]
+        for request in list(self.waiting) if admit else []:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or len(chunks) >= seq_cap:
+                break
+            if request.waiting_for_grammar:      # compiling: the requests behind it go first
+                continue
+            if request.grammar is not None and request.grammar.exception() is not None:
+                self._fail_grammar(request)
+                continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(request, num_new, hit_blocks):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -134,6 +141,16 @@ class Scheduler:
             finished, self._finished_since_last_step = self._finished_since_last_step, []
         self.in_flight.update(c.req_id for c in chunks)
         return SchedulerOutput(chunks, new_requests, finished)
+
+    def _fail_grammar(self, request: Request) -> None:
+        """Its constraint did not compile here (the front end checks it first, so rarely): it ends
+        as aborted, with the reason in the log."""
+        logger.error("Request %s: its structured-output constraint failed to compile: %s", request.request_id,
+                     request.grammar.exception())
+        self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._free(request)
+        self.failed_outputs.append(EngineCoreOutput(request.request_id, [], finish_reason=request.status.value))
 
     def _newest_preemptable(self) -> Request | None:
         for request in reversed(self.running):
@@ -160,6 +177,15 @@ class Scheduler:
                            "total preemptions: %d. Give the KV cache more memory or lower max_num_seqs "
                            "for better throughput.", request.request_id, self.num_preemptions)
 
+    @staticmethod
+    def _advance_grammar(request: Request, token: int) -> None:
+        why = accept(request.grammar.result(), token)
+        if why is not None:
+            if why != "done":        # the mask allowed only matching tokens: a bug if reached
+                logger.error("Request %s: its output left its structured-output constraint (%s); it ends here.",
+                             request.request_id, why)
+            request.grammar_done = True
+
     def update(self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
         for chunk in scheduler_output.chunks:
@@ -174,6 +200,8 @@ class Scheduler:
                     outputs.append(EngineCoreOutput(chunk.req_id, [], prompt_logprobs=prompt_lp))
                 continue
             request.append_output_token(token)
+            if request.grammar is not None:
+                self._advance_grammar(request, token)
             lp = result.logprobs.get(chunk.req_id)
             out = EngineCoreOutput(chunk.req_id, [token], [lp] if lp else None, prompt_lp,
                                    num_cached_tokens=request.num_cached_tokens)

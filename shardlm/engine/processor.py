@@ -15,6 +15,7 @@ from shardlm.engine.output_processor import ParentRequest
 from shardlm.messages import EngineCoreRequest
 from shardlm.outputs import RequestMetrics
 from shardlm.sampling_params import SamplingParams
+from shardlm.structured_output.grammar import check as check_structured_outputs
 
 # generation_config.json keys -> SamplingParams fields (used when the caller gives no params)
 _GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -74,6 +75,8 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, not {type(params).__name__}.")
         params.check_vocabulary(self.config.model.vocab_size)
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs)     # a malformed one: a clear error now
         check_max_tokens(len(prompt_token_ids), params.max_tokens, self.config.model.max_model_len)
         arrival_time = arrival_time or time.time()
         parent = ParentRequest(request_id, text, prompt_token_ids, params, RequestMetrics(arrival_time))

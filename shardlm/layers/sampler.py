@@ -30,12 +30,14 @@ class SamplingBatch:
     # (row, logit_bias {id: bias} or None, allowed_token_ids or None), rows that have either
     biases: list[tuple[int, dict[int, float] | None, list[int] | None]] | None = None
     logprobs_k: list[int | None] | None = None          # per row; None: not asked
+    # structured outputs: (rows [R], allowed [R, V] bool), the tokens those rows may take
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def plain_greedy(self) -> bool:
-        """Every row takes the argmax of its raw logits (no penalties, bans, biases or logprobs)."""
+        """Every row takes the argmax of its raw logits (no penalties, bans, biases, constraints or logprobs)."""
         return (self.temperature is None and self.penalties is None and not self.banned and not self.biases
-                and not (self.logprobs_k and any(k is not None for k in self.logprobs_k)))
+                and self.allowed is None and not (self.logprobs_k and any(k is not None for k in self.logprobs_k)))
 
 
 class Sampler:
@@ -50,6 +52,8 @@ class Sampler:
         elif batch.plain_greedy:
             return self.argmax_rows(logits).tolist(), {}   # all greedy: no copy for penalties or bans needed
         logits = logits.float()
+        if batch.allowed is not None:           # first: every other step sees only allowed tokens
+            logits = apply_allowed(logits, *batch.allowed)
         if batch.biases:
             logits = apply_biases(logits, batch.biases)
         if batch.penalties is not None:
@@ -93,6 +97,13 @@ def token_logprobs(row_logprobs: torch.Tensor, token: int, k: int) -> TokenLogpr
     top = row_logprobs.topk(k) if k else None
     return TokenLogprobs(token, float(lp), rank, top.indices.tolist() if k else [],
                          top.values.tolist() if k else [])
+
+
+def apply_allowed(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """-inf for every token a structured-output row does not allow (logits [B, V'], allowed [R, V'])."""
+    logits = logits.clone()   # never write into the caller's logits
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits
 
 
 def apply_biases(logits: torch.Tensor, biases) -> torch.Tensor:

@@ -20,7 +20,7 @@ from shardlm.distributed.parallel_state import get_tp_group
 from shardlm.layers.cpu_matmul import CpuMatmul, blocked_rows, linear, prepare_weight
 from shardlm.layers.linear import checkpoint_shape, read_checkpoint
 from shardlm.layers.quantization import QuantizedWeight
-from shardlm.layers.sampler import ArgmaxRows
+from shardlm.layers.sampler import ArgmaxRows, apply_allowed
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -123,11 +123,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = self.tp.gather(self._local_logits(hidden), dst=0, dim=-1)
         return logits[:, :self.vocab_size] if logits is not None else None
 
-    def greedy(self, hidden: torch.Tensor) -> list[int] | None:
+    def greedy(self, hidden: torch.Tensor, allowed=None) -> list[int] | None:
         """The argmax token of each row, on the group's first rank (None on the others): each rank
         sends only its rows' (max, index) instead of its [T, V/tp] logits. Equal to argmax of the
-        full logits, ties included: the first maximum of the first rank that has it."""
+        full logits, ties included: the first maximum of the first rank that has it. allowed:
+        structured outputs' allowed_tokens(start, end) for this rank's shard, or None."""
         local = self._local_logits(hidden)[:, :max(0, min(self.end, self.vocab_size) - self.start)]
+        if allowed is not None:
+            rows, mask = allowed(self.start, self.start + local.shape[1])
+            local = apply_allowed(local, rows, mask)
         index = self.argmax_rows(local)
         best = local.gather(1, index[:, None])[:, 0].float()
         pairs = torch.stack([best, (index + self.start).float()], dim=1)     # ids < 2^24: exact in float32

@@ -24,6 +24,7 @@ from shardlm.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from shardlm.model_loader.weights import load_model
 from shardlm.planner.layer_placement import stage_layers
 from shardlm.sampling_params import SamplingParams
+from shardlm.structured_output.manager import unpack_bitmask
 from shardlm.worker.cpu_tuning import zeroed_buffer
 from shardlm.worker.cuda_graphs import CudaGraphs, graphs_unavailable_reason
 
@@ -138,19 +139,36 @@ class ModelRunner:
             return ModelRunnerOutput({})
         hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
         states = [self.requests[c.req_id] for c in sample_chunks]
+        allowed = self._allowed_tokens(so, sample_chunks)
         if sample_chunks and not prompt_rows and self._greedy_on_vocab_shards(states):
             # each TP rank sends its (max, index) per row instead of its logits
-            tokens = self.model.lm_head.greedy(hidden)
+            tokens = self.model.lm_head.greedy(hidden, allowed)
             return self._record(sample_chunks, states, tokens, {}) if tokens is not None else None
         logits = self.model.compute_logits(hidden)
         if logits is None:                  # not the rank that samples
             return None
         out = ModelRunnerOutput({})
         if sample_chunks:
-            tokens, logprobs = self.sampler(logits[:len(sample_chunks)], self._sampling_batch(states))
+            batch = self._sampling_batch(states)
+            if allowed is not None:
+                batch.allowed = allowed(0, logits.shape[1])
+            tokens, logprobs = self.sampler(logits[:len(sample_chunks)], batch)
             out = self._record(sample_chunks, states, tokens, logprobs)
         self._prompt_logprobs(logits, prompt_rows, out)
         return out
+
+    def _allowed_tokens(self, so: SchedulerOutput, sample_chunks: list[ScheduledChunk]):
+        """Structured outputs: a function (vocab start, end) -> (rows, allowed [R, end - start]) of
+        the constrained rows among sample_chunks, or None when none is constrained."""
+        if not so.grammar_req_ids:
+            return None
+        position = {c.req_id: i for i, c in enumerate(sample_chunks)}
+        rows = torch.tensor([position[r] for r in so.grammar_req_ids], dtype=torch.long, device=self.device)
+
+        def allowed(start: int, end: int):
+            mask = unpack_bitmask(so.grammar_bitmask, len(so.grammar_req_ids), start, end)
+            return rows, torch.from_numpy(mask).to(self.device)
+        return allowed
 
     def _greedy_on_vocab_shards(self, states: list[RequestState]) -> bool:
         """TP: every row is a plain argmax (what Sampler does for them), decided from the requests'
