@@ -43,6 +43,21 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object or json_schema."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(BaseModel):
     # fields this server does not implement are refused by name (OpenAIServing.check_fields),
     # except those a client sends as null
@@ -69,6 +84,15 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, and the older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -17,7 +17,8 @@ from shardlm.engine.async_llm import AsyncLLM
 from shardlm.engine.processor import check_max_tokens
 from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, RequestLimits
 from shardlm.outputs import Logprob, RequestOutput
-from shardlm.sampling_params import RequestOutputKind, SamplingParams
+from shardlm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from shardlm.structured_output.grammar import BACKENDS
 
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -38,6 +39,37 @@ class EventStream:
     def close(self) -> None:
         for rid in self.request_ids:       # a no-op for requests that finished
             self.llm.abort(rid)
+
+
+def structured_outputs_params(req) -> StructuredOutputsParams | None:
+    """The request's constraint from whichever field carries it (one at most), or None."""
+    given = {}
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given["response_format"] = {"json_object": True}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise OpenAIError("response_format of type json_schema needs json_schema.schema.", 400, "response_format")
+        given["response_format"] = {"json": fmt.json_schema.schema_}
+    if req.structured_outputs is not None:
+        given["structured_outputs"] = dict(req.structured_outputs)
+    guided = {k: getattr(req, "guided_" + k) for k in ("json", "regex", "choice", "grammar")
+              if getattr(req, "guided_" + k) is not None}
+    if guided:
+        given["guided_" + next(iter(guided))] = {**guided, "whitespace_pattern": req.guided_whitespace_pattern}
+    backend = req.guided_decoding_backend or given.get("structured_outputs", {}).pop("backend", None)
+    if backend not in (None, *BACKENDS):
+        raise OpenAIError(f"Structured-output backend {backend!r} is not available: this server uses 'guidance' "
+                          "(llguidance); leave the backend out or say 'auto'.", 400, "guided_decoding_backend")
+    if len(given) > 1:
+        raise OpenAIError(f"Give one structured-output constraint, not {' and '.join(given)}.", 400, next(iter(given)))
+    if not given:
+        return None
+    (field, values), = given.items()
+    try:
+        return StructuredOutputsParams(**values)
+    except (TypeError, ValueError) as e:
+        raise OpenAIError(str(e), 400, field) from e
 
 
 class OpenAIServing:
@@ -88,7 +120,7 @@ class OpenAIServing:
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
                 max_tokens=max_tokens, skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=req.logit_bias,
-                allowed_token_ids=req.allowed_token_ids,
+                allowed_token_ids=req.allowed_token_ids, structured_outputs=structured_outputs_params(req),
                 output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY, **values, **extra)
         except ValueError as e:
             raise _invalid(e, None) from e
@@ -245,6 +277,8 @@ class OpenAIServing:
 def _invalid(e: ValueError, default_param: str | None) -> OpenAIError:
     """A ValueError from SamplingParams or the input processor as a 400 naming the parameter."""
     m = re.search(r"SamplingParams\.(\w+)", str(e))
+    if str(e).startswith("structured_outputs."):       # a constraint the grammar backend refused
+        default_param = "structured_outputs"
     return OpenAIError(str(e).replace("SamplingParams.", ""), 400, m.group(1) if m else default_param)
 
 
