@@ -31,7 +31,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False         # JSON without whitespace between items
     disable_additional_properties: bool = False  # JSON objects hold only the schema's properties
-    whitespace_pattern: str | None = None        # accepted for compatibility; whitespace follows the backend's rule
+    whitespace_pattern: str | None = None        # JSON: the whitespace allowed between items (a regex)
 
     def __post_init__(self):
         kinds = self.kinds()

@@ -30,6 +30,8 @@ def to_grammar(params: StructuredOutputsParams) -> str:
         if not isinstance(schema, (dict, bool)):
             raise ValueError("The JSON schema must be a JSON object.")
         overrides = {"whitespace_flexible": not params.disable_any_whitespace}
+        if params.whitespace_pattern is not None and not params.disable_any_whitespace:
+            overrides = {"whitespace_pattern": params.whitespace_pattern}
         if params.disable_additional_properties and isinstance(schema, dict):
             schema = {**schema, "additionalProperties": False}
         return matcher.grammar_from_json_schema(schema, overrides=overrides)

@@ -51,13 +51,18 @@ def structured_outputs_params(req) -> StructuredOutputsParams | None:
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise OpenAIError("response_format of type json_schema needs json_schema.schema.", 400, "response_format")
         given["response_format"] = {"json": fmt.json_schema.schema_}
+    options = {}
     if req.structured_outputs is not None:
-        given["structured_outputs"] = dict(req.structured_outputs)
+        values = dict(req.structured_outputs)
+        if any(values.get(k) is not None for k in ("json", "regex", "choice", "grammar", "json_object")):
+            given["structured_outputs"] = values
+        else:       # options only (disable_any_whitespace, ...): for the constraint another field gives
+            options = values
     guided = {k: getattr(req, "guided_" + k) for k in ("json", "regex", "choice", "grammar")
               if getattr(req, "guided_" + k) is not None}
     if guided:
         given["guided_" + next(iter(guided))] = {**guided, "whitespace_pattern": req.guided_whitespace_pattern}
-    backend = req.guided_decoding_backend or given.get("structured_outputs", {}).pop("backend", None)
+    backend = req.guided_decoding_backend or given.get("structured_outputs", options).pop("backend", None)
     if backend not in (None, *BACKENDS):
         raise OpenAIError(f"Structured-output backend {backend!r} is not available: this server uses 'guidance' "
                           "(llguidance); leave the backend out or say 'auto'.", 400, "guided_decoding_backend")
@@ -67,7 +72,7 @@ def structured_outputs_params(req) -> StructuredOutputsParams | None:
         return None
     (field, values), = given.items()
     try:
-        return StructuredOutputsParams(**values)
+        return StructuredOutputsParams(**{**options, **values})
     except (TypeError, ValueError) as e:
         raise OpenAIError(str(e), 400, field) from e
 

@@ -1,0 +1,62 @@
+"""Structured outputs through the OpenAI server with the official client: response_format
+(json_object, json_schema), vLLM's structured_outputs field and the older guided_* fields, on
+completions and chat, streamed and not; the random-weight model's outputs always satisfy them."""
+
+import json
+import re
+
+import openai
+import pytest
+
+from tests.models.test_structured_outputs import SCHEMA, valid_json
+from tests.server.test_openai_server import _start, _stop
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir):
+    proc, url = _start(tiny_model_dir("llama-gqa"))
+    yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    _stop(proc)
+
+
+def chat(client, **kw):
+    return client.chat.completions.create(**{"model": "tiny", "messages": [{"role": "user", "content": "Data please."}],
+                                             "max_tokens": 80, "temperature": 1.0, "seed": 3, **kw})
+
+
+def test_response_format_json_schema_on_chat_streamed_and_not(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA, "strict": True}}
+    compact = {"structured_outputs": {"disable_any_whitespace": True}}   # a random model would pad with spaces
+    whole = chat(client, response_format=fmt, n=2, extra_body=compact)
+    assert all(valid_json(c.message.content) and c.finish_reason == "stop" for c in whole.choices), whole.choices
+    pieces = [c.choices[0].delta.content or "" for c in chat(client, response_format=fmt, stream=True,
+                                                              extra_body=compact) if c.choices]
+    assert len(pieces) > 2 and "".join(pieces) == whole.choices[0].message.content
+
+
+def test_structured_outputs_and_guided_fields_on_completions(client):
+    cases = [({"structured_outputs": {"regex": "[0-9]{4}-[a-z]{3}"}}, lambda t: re.fullmatch("[0-9]{4}-[a-z]{3}", t)),
+             ({"guided_regex": "[0-9]{4}-[a-z]{3}"}, lambda t: re.fullmatch("[0-9]{4}-[a-z]{3}", t)),
+             ({"guided_choice": ["left", "right"]}, lambda t: t in ("left", "right")),
+             ({"guided_json": SCHEMA, "guided_whitespace_pattern": ""}, valid_json),
+             ({"guided_grammar": 'root ::= "x" [0-9]+ "y"'}, lambda t: re.fullmatch("x[0-9]+y", t)),
+             ({"structured_outputs": {"choice": ["up", "down"], "backend": "auto"}}, lambda t: t in ("up", "down"))]
+    for body, ok in cases:
+        out = client.completions.create(model="tiny", prompt="Go:", max_tokens=60, temperature=1.0, extra_body=body)
+        assert ok(out.choices[0].text), (body, out.choices[0].text)
+
+
+def test_json_object_parses_or_is_cut_by_max_tokens(client):
+    out = chat(client, response_format={"type": "json_object"}, max_tokens=200)
+    text = out.choices[0].message.content
+    assert text.startswith("{")
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_a_bad_schema_is_a_400_and_the_server_goes_on(client):
+    with pytest.raises(openai.BadRequestError, match="structured_outputs.json is invalid"):
+        chat(client, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "zzz"}}})
+    assert chat(client, extra_body={"guided_choice": ["a", "b"]}).choices[0].message.content in ("a", "b")
