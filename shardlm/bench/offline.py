@@ -50,28 +50,34 @@ def _start(engine_args):
     return llm, time.perf_counter() - t0
 
 
-def _timed(llm, prompts, n) -> float:
+def _timed(llm, prompts, n, structured_outputs=None) -> tuple[float, int]:
+    """(seconds, output tokens) to generate n tokens for each prompt; a constrained output may
+    end sooner, when its constraint is complete."""
     llm.reset_prefix_cache()
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, structured_outputs=structured_outputs)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
-    assert all(len(o.outputs[0].token_ids) == n for o in outs)
-    return elapsed
+    assert structured_outputs is not None or all(len(o.outputs[0].token_ids) == n for o in outs)
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def run_throughput(engine_args, workload_path, num_prompts, output_len, reps) -> dict:
+def run_throughput(engine_args, workload_path, num_prompts, output_len, reps, structured_outputs=None) -> dict:
+    """structured_outputs: a StructuredOutputsParams every request is constrained by, or None."""
     llm, startup_s = _start(engine_args)
     w = load_workload(workload_path, llm.get_tokenizer(), num_prompts, output_len)
-    _timed(llm, w.prompts[:4], 8)   # warm-up
-    times = [_timed(llm, w.prompts, w.output_len) for _ in range(reps)]
-    out_tokens = len(w.prompts) * w.output_len
+    _timed(llm, w.prompts[:4], 8, structured_outputs)   # warm-up
+    runs = [_timed(llm, w.prompts, w.output_len, structured_outputs) for _ in range(reps)]
+    times = [t for t, _ in runs]
+    rates = [tokens / t for t, tokens in runs]
+    out_tokens = statistics.median(tokens for _, tokens in runs)
     med = statistics.median(times)
     return {"benchmark": "throughput", "workload": w.source, "num_prompts": len(w.prompts),
             "prompt_tokens": w.num_prompt_tokens, "output_tokens": out_tokens, "reps": reps,
-            "elapsed_s": times, "output_tok_s": out_tokens / med,
+            "elapsed_s": times, "output_tok_s": statistics.median(rates),
             "total_tok_s": (out_tokens + w.num_prompt_tokens) / med,
-            "output_tok_s_all": [out_tokens / t for t in times], "startup_s": startup_s,
+            "output_tok_s_all": rates, "startup_s": startup_s,
+            "structured_outputs": None if structured_outputs is None else structured_outputs.kinds()[0],
             "peak_rss_bytes": _peak_rss_bytes(llm), **_engine_facts(llm), **_expert_load(llm)}
 
 
@@ -80,11 +86,11 @@ def run_latency(engine_args, workload_path, output_len, reps, batch_size: int = 
     llm, startup_s = _start(engine_args)
     w = load_workload(workload_path, llm.get_tokenizer(), None, output_len)
     prompt = [w.prompts[w.latency_prompt_index]] * batch_size
-    first = _timed(llm, prompt, 1)
+    first = _timed(llm, prompt, 1)[0]
     startup_to_first_token = time.perf_counter() - t0
     _timed(llm, prompt, 8)   # warm-up
-    t1 = [_timed(llm, prompt, 1) for _ in range(reps)]
-    tn = [_timed(llm, prompt, w.output_len) for _ in range(reps)]
+    t1 = [_timed(llm, prompt, 1)[0] for _ in range(reps)]
+    tn = [_timed(llm, prompt, w.output_len)[0] for _ in range(reps)]
     n = w.output_len
     step_s = (statistics.median(tn) - statistics.median(t1)) / (n - 1)
     return {"benchmark": "latency", "workload": w.source, "prompt_tokens": len(prompt[0]), "output_tokens": n,

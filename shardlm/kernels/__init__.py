@@ -195,6 +195,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "rotary": ([_P, _I64, _P, _P, _I, _I, _I, _I], None),
     "dequantize_int4pack": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _I], None),
     "argmax_rows": ([_P, _I64, _I, _I, _I, _P], None),
+    "mask_disallowed": ([_P, _I64, _P, _I, _I, _P, _I, _I], None),
     "paged_decode_attention": ([_P, _P, _I64, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I], _I),
     "paged_decode_attention_qkv": ([_P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I],
                                    _I),
@@ -356,9 +357,9 @@ _fused: list = []
 
 
 def fused_ops() -> ctypes.CDLL | None:
-    """The library with add_rmsnorm, silu_and_mul, rotary, dequantize_int4pack and argmax_rows
-    (kernels/fused_ops.c) ready to call, or None."""
+    """The library with add_rmsnorm, silu_and_mul, rotary, dequantize_int4pack, argmax_rows and
+    mask_disallowed (kernels/fused_ops.c) ready to call, or None."""
     if not _fused:
-        names = ("add_rmsnorm", "silu_and_mul", "rotary", "dequantize_int4pack", "argmax_rows")
+        names = ("add_rmsnorm", "silu_and_mul", "rotary", "dequantize_int4pack", "argmax_rows", "mask_disallowed")
         _fused.append(library() if all(_function(n) is not None for n in names) else None)
     return _fused[0]

@@ -100,6 +100,27 @@ KERNEL_API void dequantize_int4pack(const uint8_t *packed, int N, int K, int blo
 // out[t] = the index of row t's largest value (rows of V, row stride x_stride), as torch.argmax
 // has it: the first of equal maxima, and the first NaN where a row has one. The greedy sampler's
 // step; rows in parallel (one thread of torch's took 1.5-2 ms for 64 rows of a 49k vocabulary).
+// Structured outputs: x[rows[r], v] = -inf for each token first_token + v that bitmask row r
+// (words int32 words, bit t of the row: token t allowed) does not allow; x is float32, in place.
+// A whole word of allowed tokens is skipped; most words of a constrained row allow none.
+KERNEL_API void mask_disallowed(float *x, int64_t x_stride, const int64_t *rows, int R, int V,
+                                const int32_t *bitmask, int words, int first_token) {
+    #pragma omp parallel for schedule(static) if ((int64_t)R * V >= 262144)
+    for (int r = 0; r < R; r++) {
+        float *row = x + rows[r] * x_stride;
+        const uint32_t *bits = (const uint32_t *)bitmask + (int64_t)r * words;
+        for (int v = 0; v < V; v++) {
+            const int t = first_token + v;
+            const uint32_t word = t / 32 < words ? bits[t / 32] : 0;
+            if (word == 0xffffffffu) {              // all 32 allowed: on to the next word
+                v += 31 - t % 32;
+                continue;
+            }
+            if (!((word >> (t % 32)) & 1u)) row[v] = -INFINITY;
+        }
+    }
+}
+
 KERNEL_API void argmax_rows(const void *x, int64_t x_stride, int T, int V, int dtype, int64_t *out) {
     #pragma omp parallel for schedule(static) if ((int64_t)T * V >= 262144)
     for (int t = 0; t < T; t++) {

@@ -18,6 +18,8 @@ KERNEL_API void rotary(void *x, int64_t x_stride, const void *cos, const void *s
 KERNEL_API void dequantize_int4pack(const uint8_t *packed, int N, int K, int block, int pairs, const float *scales,
                                     const float *mins, int group, void *out, int dtype);
 KERNEL_API void argmax_rows(const void *x, int64_t x_stride, int T, int V, int dtype, int64_t *out);
+KERNEL_API void mask_disallowed(float *x, int64_t x_stride, const int64_t *rows, int R, int V,
+                                const int32_t *bitmask, int words, int first_token);
 
 // paged_attention.c
 KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride, const void *k_cache,

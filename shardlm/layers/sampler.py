@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shardlm.kernels import DTYPE_CODES, fused_ops
@@ -30,8 +31,7 @@ class SamplingBatch:
     # (row, logit_bias {id: bias} or None, allowed_token_ids or None), rows that have either
     biases: list[tuple[int, dict[int, float] | None, list[int] | None]] | None = None
     logprobs_k: list[int | None] | None = None          # per row; None: not asked
-    # structured outputs: (rows [R], allowed [R, V] bool), the tokens those rows may take
-    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    allowed: TokenBitmask | None = None       # structured outputs: the tokens constrained rows may take
 
     @property
     def plain_greedy(self) -> bool:
@@ -53,7 +53,7 @@ class Sampler:
             return self.argmax_rows(logits).tolist(), {}   # all greedy: no copy for penalties or bans needed
         logits = logits.float()
         if batch.allowed is not None:           # first: every other step sees only allowed tokens
-            logits = apply_allowed(logits, *batch.allowed)
+            logits = apply_allowed(logits, batch.allowed)
         if batch.biases:
             logits = apply_biases(logits, batch.biases)
         if batch.penalties is not None:
@@ -99,11 +99,47 @@ def token_logprobs(row_logprobs: torch.Tensor, token: int, k: int) -> TokenLogpr
                          top.values.tolist() if k else [])
 
 
-def apply_allowed(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """-inf for every token a structured-output row does not allow (logits [B, V'], allowed [R, V'])."""
-    logits = logits.clone()   # never write into the caller's logits
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-    return logits
+@dataclass
+class TokenBitmask:
+    """Structured outputs' allowed tokens: rows of the batch and, per row, int32 words in which bit
+    b of word w allows token 32w + b; the logits' column 0 is token first_token (a shard's start)."""
+    rows: torch.Tensor          # [R] long
+    words: np.ndarray           # [R, W] int32
+    first_token: int = 0        # the logits' column 0 is this token (a vocabulary shard's start)
+
+
+class MaskDisallowed(CustomOp):
+    """x[rows, v] = -inf for every token the bitmask does not allow, in place (x float32 [B, V])."""
+
+    def forward_native(self, x: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:
+        V, R = x.shape[1], len(mask.rows)
+        bits = np.unpackbits(mask.words.view(np.uint8), axis=1, bitorder="little").view(np.bool_)
+        allowed = np.zeros((R, V), dtype=bool)
+        have = max(0, min(mask.first_token + V, bits.shape[1]) - mask.first_token)
+        allowed[:, :have] = bits[:, mask.first_token:mask.first_token + have]
+        x[mask.rows] = x[mask.rows].masked_fill(~torch.from_numpy(allowed).to(x.device), float("-inf"))
+        return x
+
+    def forward_cpu(self, x: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:
+        """One C call, writing only where a word is not all allowed (the torch path unpacks every
+        bit and gathers and scatters the rows: 10 ms for 64 rows of 49k tokens)."""
+        if x.dtype != torch.float32 or x.stride(1) != 1:
+            return self.forward_native(x, mask)
+        rows = mask.rows.contiguous()
+        words = np.ascontiguousarray(mask.words)
+        fused_ops().mask_disallowed(x.data_ptr(), x.stride(0), rows.data_ptr(), len(rows), x.shape[1],
+                                    words.ctypes.data, words.shape[1], mask.first_token)
+        return x
+
+
+_mask_disallowed = MaskDisallowed()
+
+
+def apply_allowed(logits: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:
+    """float32 logits with -inf for every token a structured-output row does not allow (a new
+    tensor: the caller's logits are not written)."""
+    out = logits.float()
+    return _mask_disallowed(out.clone() if out is logits else out, mask)
 
 
 def apply_biases(logits: torch.Tensor, biases) -> torch.Tensor:

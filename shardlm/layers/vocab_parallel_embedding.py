@@ -127,11 +127,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         """The argmax token of each row, on the group's first rank (None on the others): each rank
         sends only its rows' (max, index) instead of its [T, V/tp] logits. Equal to argmax of the
         full logits, ties included: the first maximum of the first rank that has it. allowed:
-        structured outputs' allowed_tokens(start, end) for this rank's shard, or None."""
+        structured outputs' bitmask for the shard starting at a token (a function of it), or None."""
         local = self._local_logits(hidden)[:, :max(0, min(self.end, self.vocab_size) - self.start)]
         if allowed is not None:
-            rows, mask = allowed(self.start, self.start + local.shape[1])
-            local = apply_allowed(local, rows, mask)
+            local = apply_allowed(local, allowed(self.start))
         index = self.argmax_rows(local)
         best = local.gather(1, index[:, None])[:, 0].float()
         pairs = torch.stack([best, (index + self.start).float()], dim=1)     # ids < 2^24: exact in float32

@@ -70,13 +70,3 @@ def accept(matcher, token: int) -> str | None:
     if not matcher.consume_token(token) or matcher.is_error():
         return matcher.get_error() or f"token {token} does not match the constraint"
     return "done" if matcher.is_stopped() else None
-
-
-def unpack_bitmask(data: bytes, rows: int, vocab_start: int, vocab_end: int) -> np.ndarray:
-    """[rows, vocab_end - vocab_start] bool: which of those tokens each row allows."""
-    words = np.frombuffer(data, dtype=np.int32).reshape(rows, -1)
-    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
-    allowed = np.zeros((rows, vocab_end - vocab_start), dtype=bool)
-    have = max(0, min(vocab_end, bits.shape[1]) - vocab_start)
-    allowed[:, :have] = bits[:, vocab_start:vocab_start + have]
-    return allowed

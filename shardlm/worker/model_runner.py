@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from shardlm.attention.selector import get_attention_backend
@@ -18,13 +19,12 @@ from shardlm.config import EngineConfig
 from shardlm.distributed.parallel_state import get_dp_group, get_pp_group, get_tp_group
 from shardlm.layers.attention import Attention
 from shardlm.layers.moe import FusedMoE, dp_token_counts
-from shardlm.layers.sampler import Sampler, SamplingBatch, token_logprobs
+from shardlm.layers.sampler import Sampler, SamplingBatch, TokenBitmask, token_logprobs
 from shardlm.logger import init_logger
 from shardlm.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from shardlm.model_loader.weights import load_model
 from shardlm.planner.layer_placement import stage_layers
 from shardlm.sampling_params import SamplingParams
-from shardlm.structured_output.manager import unpack_bitmask
 from shardlm.worker.cpu_tuning import zeroed_buffer
 from shardlm.worker.cuda_graphs import CudaGraphs, graphs_unavailable_reason
 
@@ -151,24 +151,21 @@ class ModelRunner:
         if sample_chunks:
             batch = self._sampling_batch(states)
             if allowed is not None:
-                batch.allowed = allowed(0, logits.shape[1])
+                batch.allowed = allowed(0)
             tokens, logprobs = self.sampler(logits[:len(sample_chunks)], batch)
             out = self._record(sample_chunks, states, tokens, logprobs)
         self._prompt_logprobs(logits, prompt_rows, out)
         return out
 
     def _allowed_tokens(self, so: SchedulerOutput, sample_chunks: list[ScheduledChunk]):
-        """Structured outputs: a function (vocab start, end) -> (rows, allowed [R, end - start]) of
+        """Structured outputs: a function (first token of the logits' columns) -> TokenBitmask of
         the constrained rows among sample_chunks, or None when none is constrained."""
         if not so.grammar_req_ids:
             return None
         position = {c.req_id: i for i, c in enumerate(sample_chunks)}
         rows = torch.tensor([position[r] for r in so.grammar_req_ids], dtype=torch.long, device=self.device)
-
-        def allowed(start: int, end: int):
-            mask = unpack_bitmask(so.grammar_bitmask, len(so.grammar_req_ids), start, end)
-            return rows, torch.from_numpy(mask).to(self.device)
-        return allowed
+        words = np.frombuffer(so.grammar_bitmask, dtype=np.int32).reshape(len(rows), -1)
+        return lambda first_token: TokenBitmask(rows, words, first_token)
 
     def _greedy_on_vocab_shards(self, states: list[RequestState]) -> bool:
         """TP: every row is a plain argmax (what Sampler does for them), decided from the requests'

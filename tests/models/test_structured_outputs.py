@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from shardlm import LLM, SamplingParams
-from shardlm.layers.sampler import Sampler, SamplingBatch
+from shardlm.layers.sampler import MaskDisallowed, Sampler, SamplingBatch, TokenBitmask
 from shardlm.sampling_params import StructuredOutputsParams
-from shardlm.structured_output.manager import unpack_bitmask
 
 ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -146,28 +145,37 @@ def test_a_malformed_constraint_is_refused_at_once(llm):
     assert llm.generate(["x"], params("choice"), use_tqdm=False)[0].outputs[0].text in CHOICES, "still serving"
 
 
-def test_the_bitmask_unpacks_to_the_allowed_tokens_on_any_vocabulary_shard():
+@pytest.mark.parametrize("impl", ["forward_native", "forward_cpu"])
+def test_the_bitmask_masks_exactly_the_disallowed_tokens_on_any_vocabulary_shard(impl):
+    """Rows 1 and 3 of 4 constrained over a 100-token vocabulary (4 words, bits past 100 unused);
+    logits columns as a shard [start, end) sees them."""
     rng = np.random.default_rng(0)
-    allowed = rng.random((3, 100)) < 0.3
-    words = np.zeros((3, 4), dtype=np.int32)
+    allowed = rng.random((2, 100)) < 0.3
+    allowed[0, 32:64] = True                 # a whole word allowed
+    words = np.zeros((2, 4), dtype=np.uint32)
     for r, t in zip(*allowed.nonzero()):
-        words[r, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+        words[r, t // 32] |= np.uint32(1 << (t % 32))
     for start, end in [(0, 100), (0, 50), (50, 100), (90, 128)]:
-        got = unpack_bitmask(words.tobytes(), 3, start, end)
-        want = np.zeros((3, end - start), dtype=bool)
-        want[:, :max(0, min(end, 100) - start)] = allowed[:, start:min(end, 100)]
-        assert (got == want).all(), (start, end)
+        logits = torch.randn(4, end - start)
+        got = getattr(MaskDisallowed(), impl)(logits.clone(), TokenBitmask(torch.tensor([1, 3]), words.view(np.int32),
+                                                                         start))
+        want = logits.clone()
+        for i, row in enumerate([1, 3]):
+            for v in range(end - start):
+                if not (start + v < 100 and allowed[i, start + v]):
+                    want[row, v] = float("-inf")
+        assert torch.equal(got, want), (impl, start, end)
 
 
 def test_the_sampler_applies_the_mask_to_constrained_rows_only():
     torch.manual_seed(0)
     logits = torch.randn(3, 40)
-    allowed = torch.zeros(1, 40, dtype=torch.bool)
-    allowed[0, [3, 17]] = True
-    batch = SamplingBatch(temperature=None, greedy=None, allowed=(torch.tensor([1]), allowed))
+    words = np.array([[1 << 3 | 1 << 17, 0]], dtype=np.int32)         # tokens 3 and 17
+    allowed = TokenBitmask(torch.tensor([1]), words)
+    batch = SamplingBatch(temperature=None, greedy=None, allowed=allowed)
     tokens, _ = Sampler()(logits, batch)
     assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
     assert tokens[1] == (3 if logits[1, 3] > logits[1, 17] else 17)
     hot = SamplingBatch(temperature=torch.full((3,), 5.0), greedy=torch.zeros(3, dtype=torch.bool),
-                        allowed=(torch.tensor([1]), allowed))
+                        allowed=allowed)
     assert all(Sampler()(logits, hot)[0][1] in (3, 17) for _ in range(50))

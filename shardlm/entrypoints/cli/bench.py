@@ -17,6 +17,8 @@ def register(sub) -> None:
                        "64-prompt chat workload")
         if kind == "throughput":
             b.add_argument("--num-prompts", type=int, default=None, help="repeat/cut the workload to this many")
+            b.add_argument("--structured-outputs", default=None, help="constrain every request: a "
+                           "StructuredOutputsParams as JSON, e.g. '{\"json\": SCHEMA}' or '{\"regex\": \"...\"}'")
         else:
             b.add_argument("--batch-size", type=int, default=1, help="copies of the prompt decoding together")
         b.add_argument("--output-len", type=int, default=None, help="new tokens per prompt (default: workload's, 128)")
@@ -103,7 +105,11 @@ def run(ns) -> None:
     from shardlm.bench.offline import report, run_latency, run_throughput
     args = engine_args_from(ns)
     if ns.bench_kind == "throughput":
-        result = run_throughput(args, ns.workload, ns.num_prompts, ns.output_len, ns.reps)
+        import json
+
+        from shardlm.sampling_params import StructuredOutputsParams
+        constraint = ns.structured_outputs and StructuredOutputsParams(**json.loads(ns.structured_outputs))
+        result = run_throughput(args, ns.workload, ns.num_prompts, ns.output_len, ns.reps, constraint or None)
     else:
         result = run_latency(args, ns.workload, ns.output_len, ns.reps, ns.batch_size)
     report(result, ns.json)
