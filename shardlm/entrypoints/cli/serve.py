@@ -23,6 +23,11 @@ def register(sub) -> None:
                         "--data-parallel-start-rank) and no API server; they join the head at "
                         "--data-parallel-address:--data-parallel-rpc-port")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": the model writes its own tool calls, read by --tool-call-parser')
+    from shardlm.entrypoints.openai.tool_parsers import PARSERS
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                   help="how this model writes tool calls (with --enable-auto-tool-choice)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     from shardlm.entrypoints.openai.protocol import RequestLimits
@@ -54,5 +59,8 @@ def run(ns) -> None:
                                                          or os.environ.get("VLLM_API_KEY"))
     if api_key is not None and not api_key.strip():
         sys.exit("shardlm: error: the API key is empty: give a key, or leave --api-key out to serve without one.")
+    if ns.enable_auto_tool_choice and not ns.tool_call_parser:
+        sys.exit("shardlm: error: --enable-auto-tool-choice needs --tool-call-parser NAME (hermes, llama3_json, "
+                 "mistral or pythonic: the format this model writes tool calls in).")
     run_server(engine_args_from(ns), ns.host, ns.port, api_key, chat_template, ns.uvicorn_log_level, limits,
-               ns.metrics_require_key)
+               ns.metrics_require_key, ns.tool_call_parser if ns.enable_auto_tool_choice else None)

@@ -42,7 +42,8 @@ _UNHEALTHY_GRACE_S = 2.0   # how long /health reports 503 after the engine died,
 
 
 def build_app(config: EngineConfig, api_key: str | None = None, chat_template: str | None = None,
-              limits: RequestLimits | None = None, metrics_require_key: bool = False) -> FastAPI:
+              limits: RequestLimits | None = None, metrics_require_key: bool = False,
+              tool_parser: str | None = None) -> FastAPI:
     limits = limits or RequestLimits()
     open_routes = tuple(r for r in _OPEN_ROUTES if not (metrics_require_key and r == "/metrics"))
     state: dict = {}
@@ -52,7 +53,7 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
         t0 = time.perf_counter()
         llm = AsyncLLM(config)
         names = [llm.config.model.served_model_name]
-        state["llm"], state["serving"] = llm, OpenAIServing(llm, names, chat_template, limits)
+        state["llm"], state["serving"] = llm, OpenAIServing(llm, names, chat_template, limits, tool_parser)
         state["metrics"] = metrics = ServerMetrics(names[0])
         llm.on_finished = metrics.observe_finished
         logger.info("Serving %s (dtype %s) after %.1f s", names[0], str(llm.config.model.dtype).replace("torch.", ""),
@@ -265,9 +266,9 @@ class BodySizeLimit:
 
 def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | None = None,
                chat_template: str | None = None, log_level: str = "info", limits: RequestLimits | None = None,
-               metrics_require_key: bool = False) -> None:
+               metrics_require_key: bool = False, tool_parser: str | None = None) -> None:
     config = engine_args.create_engine_config()   # bad settings fail here, plainly, before any process starts
-    app = build_app(config, api_key, chat_template, limits, metrics_require_key)
+    app = build_app(config, api_key, chat_template, limits, metrics_require_key, tool_parser)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
     failed = {}
 

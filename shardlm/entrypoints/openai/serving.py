@@ -15,7 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from shardlm.engine.async_llm import AsyncLLM
 from shardlm.engine.processor import check_max_tokens
+from shardlm.entrypoints.openai import tools
 from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, RequestLimits
+from shardlm.entrypoints.openai.tool_parsers import get_parser
 from shardlm.outputs import Logprob, RequestOutput
 from shardlm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from shardlm.structured_output.grammar import BACKENDS
@@ -79,8 +81,10 @@ def structured_outputs_params(req) -> StructuredOutputsParams | None:
 
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, served_model_names: list[str], chat_template: str | None = None,
-                 limits: RequestLimits | None = None):
+                 limits: RequestLimits | None = None, tool_parser: str | None = None):
+        """tool_parser: the --tool-call-parser that reads tool_choice "auto" outputs (None: auto is off)."""
         self.llm = llm
+        self.tool_parser = get_parser(tool_parser) if tool_parser else None
         self.model_names = served_model_names
         self.chat_template = chat_template
         self.limits = limits or RequestLimits()
@@ -119,13 +123,17 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIError(str(e), 400, "max_tokens") from e
         values = {f: getattr(req, f) if getattr(req, f) is not None else getattr(self.defaults, f) for f in _DEFAULTED}
+        constrained, tool_constraint = structured_outputs_params(req), extra.pop("tool_constraint", None)
+        if constrained is not None and tool_constraint is not None:
+            raise OpenAIError("tool_choice \"required\" or a named function constrains the output already: leave out "
+                              "response_format, structured_outputs and guided_*.", 400, "tool_choice")
         try:
             return SamplingParams(
                 n=req.n, seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
                 max_tokens=max_tokens, skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=req.logit_bias,
-                allowed_token_ids=req.allowed_token_ids, structured_outputs=structured_outputs_params(req),
+                allowed_token_ids=req.allowed_token_ids, structured_outputs=constrained or tool_constraint,
                 output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY, **values, **extra)
         except ValueError as e:
             raise _invalid(e, None) from e
@@ -229,9 +237,10 @@ class OpenAIServing:
         tok = self.llm.tokenizer
         for m in req.messages:
             check_encodable(m.text(), "messages")
+        mode, function = tools.tool_mode(req, self.tool_parser)
         try:
             text = await self._off_loop(
-                tok.apply_chat_template, [{"role": m.role, "content": m.text()} for m in req.messages],
+                tok.apply_chat_template, tools.template_messages(req), tools=tools.template_tools(req),
                 tokenize=False, add_generation_prompt=req.add_generation_prompt, chat_template=self.chat_template,
                 **(req.chat_template_kwargs or {}))
         except Exception as e:   # a template that rejects the conversation is the client's error
@@ -241,42 +250,59 @@ class OpenAIServing:
             raise OpenAIError("top_logprobs needs logprobs=true.", 400, "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens, len(ids),
-                                      logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+                                      logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                      tool_constraint=tools.constraint(req, mode, function))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model}
         (stream,) = self._generate([(ids, text, params, rid)])
         if req.stream:
-            return EventStream(self._stream_chat(req, {**head, "object": "chat.completion.chunk"}, stream), [rid],
-                               self.llm)
+            return EventStream(self._stream_chat(req, {**head, "object": "chat.completion.chunk"}, stream,
+                                                 (mode, function)), [rid], self.llm)
         (final,) = await _last_outputs([stream])   # FINAL_ONLY: one output
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                    "logprobs": _chat_logprobs(c.logprobs, req.top_logprobs or 0) if req.logprobs else None}
-                   for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            content, calls = tools.read_calls(mode, function, c.text, self.tool_parser)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = tools.message_calls(calls)
+            choices.append({"index": c.index, "message": message,
+                            "finish_reason": _tool_finish(c.finish_reason, bool(calls)), "stop_reason": c.stop_reason,
+                            "logprobs": _chat_logprobs(c.logprobs, req.top_logprobs or 0) if req.logprobs else None})
         return {**head, "choices": choices, "usage": _usage([final])}
 
-    async def _stream_chat(self, req, head, stream) -> AsyncIterator[str]:
-        """Each output is a delta: its text goes out as it is."""
-        started: set[int] = set()
+    async def _stream_chat(self, req, head, stream, tool_choice) -> AsyncIterator[str]:
+        """Each output is a delta: its text goes out as it is, or as tool-call deltas
+        (tools.ToolCallStream) where tools may be called."""
+        started: dict[int, tools.ToolCallStream] = {}
         prompt_tokens = completion_tokens = 0
         async for _, out in _merge([stream]):
             for c in out.outputs:
                 if c.index not in started:
-                    started.add(c.index)
+                    started[c.index] = tools.ToolCallStream(*tool_choice, self.tool_parser)
                     yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                                     "logprobs": None, "finish_reason": None}]})
                 completion_tokens += len(c.token_ids)
-                if not c.text and not c.finish_reason and not c.logprobs:
+                calls = started[c.index]
+                deltas = calls.feed(c.text) + (calls.finish() if c.finish_reason else [])
+                logprobs = _chat_logprobs(c.logprobs, req.top_logprobs or 0) if req.logprobs else None
+                if not deltas and not c.finish_reason and not c.logprobs:
                     continue
+                for delta in deltas[:-1]:
+                    yield sse({**head, "choices": [{"index": c.index, "delta": delta, "logprobs": None,
+                                                    "finish_reason": None}]})
                 yield sse({**head, "choices": [{
-                    "index": c.index, "delta": {"content": c.text} if c.text else {},
-                    "logprobs": _chat_logprobs(c.logprobs, req.top_logprobs or 0) if req.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                    "index": c.index, "delta": deltas[-1] if deltas else {}, "logprobs": logprobs,
+                    "finish_reason": _tool_finish(c.finish_reason, calls.called), "stop_reason": c.stop_reason}]})
             if out.finished:
                 prompt_tokens = len(out.prompt_token_ids)
         if req.stream_options and req.stream_options.include_usage:
             yield sse({**head, "choices": [], "usage": _usage_counts(prompt_tokens, completion_tokens)})
         yield sse("[DONE]")
+
+
+def _tool_finish(finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish_reason "tool_calls" for an output that ended in tool calls."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
 def _invalid(e: ValueError, default_param: str | None) -> OpenAIError:

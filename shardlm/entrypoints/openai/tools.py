@@ -1,0 +1,170 @@
+"""Tool calling on /v1/chat/completions: what tool_choice asks of the output, the messages and
+tools as the chat template takes them, and the tool calls read back from the output, whole or
+as a stream.
+
+tool_choice `required` and a named function are enforced by a structured-output constraint (a
+JSON array of {"name", "parameters"} objects, or the function's parameter schema), so their
+arguments always parse and match. `auto` lets the model write its own tool-call text, read by
+the server's --tool-call-parser. `none` (and tools with no tool_choice where auto is not enabled)
+leaves the output as content.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice, OpenAIError
+from shardlm.entrypoints.openai.tool_parsers import ToolCall, ToolParser
+from shardlm.sampling_params import StructuredOutputsParams
+
+ARGUMENT_PIECE = 16       # characters of arguments per streamed delta where they are sent at the end
+# JSON whitespace in enforced tool calls: at most one space (as in '", "'), so that no model can
+# pad arguments with whitespace until max_tokens
+TOOL_WHITESPACE = "[ ]?"
+
+
+def tool_mode(req: ChatCompletionRequest, parser: ToolParser | None) -> tuple[str, str | None]:
+    """(none | auto | required | named, the named function) after checking the request."""
+    choice = req.tool_choice
+    if choice is None:
+        choice = "auto" if req.tools and parser is not None else "none"
+    if choice != "none" and not req.tools:
+        raise OpenAIError(f"tool_choice {_show(choice)} needs tools.", 400, "tool_choice")
+    if choice == "auto" and parser is None:
+        raise OpenAIError('tool_choice "auto" needs the server started with --enable-auto-tool-choice and '
+                          "--tool-call-parser NAME; or send tool_choice \"required\" or a named function.", 400,
+                          "tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in [t.function.name for t in req.tools]:
+            raise OpenAIError(f"tool_choice names the function {choice.function.name!r}, which is not among the "
+                              "tools.", 400, "tool_choice")
+        return "named", choice.function.name
+    return choice, None
+
+
+def _show(choice) -> str:
+    return f'"{choice}"' if isinstance(choice, str) else f"function {choice.function.name!r}"
+
+
+def constraint(req: ChatCompletionRequest, mode: str, name: str | None) -> StructuredOutputsParams | None:
+    """The structured output that enforces a required or named tool choice."""
+    if mode == "named":
+        tool = next(t for t in req.tools if t.function.name == name)
+        return StructuredOutputsParams(json=tool.function.parameters or {"type": "object"},
+                                       whitespace_pattern=TOOL_WHITESPACE)
+    if mode == "required":
+        one_call = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                                                 "parameters": t.function.parameters or
+                                                                 {"type": "object"}},
+                               "required": ["name", "parameters"], "additionalProperties": False}
+                              for t in req.tools]}
+        return StructuredOutputsParams(json={"type": "array", "items": one_call, "minItems": 1,
+                                             **({"maxItems": 1} if req.parallel_tool_calls is False else {})},
+                                       whitespace_pattern=TOOL_WHITESPACE)
+    return None
+
+
+def template_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The conversation as chat templates take it: arguments of earlier calls as objects."""
+    messages = []
+    for m in req.messages:
+        message = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments_object(c.function.arguments)}}
+                for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
+    return messages
+
+
+def _arguments_object(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise OpenAIError(f"A tool call's arguments in the history are not JSON: {text[:80]!r}.", 400,
+                          "messages") from None
+
+
+def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
+    return [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+
+
+def read_calls(mode: str, name: str | None, text: str, parser: ToolParser | None) -> tuple[str | None, list[ToolCall]]:
+    """(content, tool calls) of a whole output."""
+    if mode == "named":
+        return None, [ToolCall(name, text)]
+    if mode == "required":
+        try:
+            return None, [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                          for c in json.loads(text)]
+        except (json.JSONDecodeError, KeyError, TypeError):     # cut by max_tokens
+            return text, []
+    if mode == "auto":
+        return parser.extract(text)
+    return text, []
+
+
+def call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def message_calls(calls: list[ToolCall]) -> list[dict]:
+    return [{"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
+
+
+class ToolCallStream:
+    """One choice's streamed deltas: content as it comes while it cannot be a tool call; a named
+    function's arguments as they come; other tool calls when the output ends (id and name first,
+    then the arguments in pieces)."""
+
+    def __init__(self, mode: str, name: str | None, parser: ToolParser | None):
+        self.mode, self.name, self.parser = mode, name, parser
+        self.text, self.sent = "", 0
+        self.called = False
+
+    def feed(self, piece: str) -> list[dict]:
+        self.text += piece
+        if self.mode == "named":
+            deltas = []
+            if not self.called:
+                self.called = True
+                deltas.append({"tool_calls": [{"index": 0, "id": call_id(), "type": "function",
+                                               "function": {"name": self.name, "arguments": ""}}]})
+            if piece:
+                deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
+            return deltas
+        if self.mode == "none":
+            return [{"content": piece}] if piece else []
+        if self.mode == "required":
+            return []
+        end = self.parser.held_back(self.text)
+        if end > self.sent and self.text[:end].strip():
+            out, self.sent = self.text[self.sent:end], end
+            return [{"content": out}]
+        return []
+
+    def finish(self) -> list[dict]:
+        """The deltas at the end of the output."""
+        if self.mode in ("named", "none"):
+            return []
+        content, calls = read_calls(self.mode, self.name, self.text, self.parser)
+        deltas = []
+        shown = self.text[:self.sent]
+        if content is not None and content != shown and content.startswith(shown):
+            deltas.append({"content": content[len(shown):]})
+        elif not calls and len(self.text) > self.sent:      # no calls after all: the rest is content
+            deltas.append({"content": self.text[self.sent:]})
+        for i, (call, item) in enumerate(zip(calls, message_calls(calls))):
+            self.called = True
+            deltas.append({"tool_calls": [{"index": i, "id": item["id"], "type": "function",
+                                           "function": {"name": call.name, "arguments": ""}}]})
+            for k in range(0, len(call.arguments), ARGUMENT_PIECE):
+                deltas.append({"tool_calls": [{"index": i, "function": {
+                    "arguments": call.arguments[k:k + ARGUMENT_PIECE]}}]})
+        return deltas

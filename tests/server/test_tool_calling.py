@@ -1,0 +1,150 @@
+"""Tool calling: each --tool-call-parser reads its model family's tool-call text, whole and fed
+in pieces as a stream (the deltas reassemble into the whole); through the server with the
+official client, tool_choice "required" and a named function give calls whose arguments parse
+and match their schema even from a random-weight model, streamed as OpenAI streams them (id and
+name first, then the arguments in pieces), and a conversation with earlier calls and tool
+answers renders; what cannot work is a 400."""
+
+import json
+
+import openai
+import pytest
+
+from shardlm.entrypoints.openai.tool_parsers import get_parser
+from shardlm.entrypoints.openai.tools import ToolCallStream
+from tests.server.test_openai_server import _start, _stop
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+         "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}}]
+
+OUTPUTS = {   # each family's own tool-call text, with the calls it holds
+    "hermes": ('I will look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n'
+               '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+               "I will look.\n"),
+    "llama3_json": ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}; '
+                    '{"name": "get_time", "parameters": {"zone": "CET"}}', None),
+    "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}, '
+                '{"name": "get_time", "arguments": {"zone": "CET"}}]', None),
+    "pythonic": ('[get_weather(city="Oslo", days=2), get_time(zone="CET")]', None),
+}
+CALLS = [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "CET"})]
+
+
+def reassemble(deltas: list[dict]) -> tuple[str, list[tuple[str, dict]]]:
+    content, calls = "", {}
+    for d in deltas:
+        content += d.get("content") or ""
+        for c in d.get("tool_calls", []):
+            call = calls.setdefault(c["index"], {"name": None, "arguments": "", "id": None})
+            if "id" in c:
+                assert call["id"] is None and c["function"]["name"], "id and name come first, once"
+                call["id"], call["name"] = c["id"], c["function"]["name"]
+            call["arguments"] += c["function"].get("arguments", "")
+    return content, [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+
+
+@pytest.mark.parametrize("name", list(OUTPUTS))
+def test_each_parser_reads_its_format_whole_and_in_pieces(name):
+    text, content = OUTPUTS[name]
+    parser = get_parser(name)
+    got_content, calls = parser.extract(text)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
+    for size in (1, 3, 7):
+        stream = ToolCallStream("auto", None, parser)
+        deltas = [d for k in range(0, len(text), size) for d in stream.feed(text[k:k + size])] + stream.finish()
+        assert reassemble(deltas) == (content or "", CALLS), (name, size)
+    plain = "No tools needed: the answer is 4."
+    assert parser.extract(plain) == (plain, [])
+    stream = ToolCallStream("auto", None, parser)
+    deltas = [d for ch in plain for d in stream.feed(ch)] + stream.finish()
+    assert reassemble(deltas) == (plain, []) and not stream.called
+
+
+def test_text_that_looks_like_a_call_but_does_not_parse_stays_content():
+    for name, text in [("hermes", "<tool_call>{not json</tool_call>"), ("pythonic", "[1, 2, 3]"),
+                       ("llama3_json", '{"no_name": 1}'), ("mistral", "[TOOL_CALLS] oops")]:
+        assert get_parser(name).extract(text) == (text, [])
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir):
+    proc, url = _start(tiny_model_dir("llama-gqa"), "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    _stop(proc)
+
+
+def ask(client, **kw):
+    return client.chat.completions.create(**{
+        "model": "tiny", "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": TOOLS,
+        "max_tokens": 120, "temperature": 1.0, "seed": 5, **kw})
+
+
+def valid(name: str, arguments: dict) -> bool:
+    if name == "get_weather":
+        return set(arguments) == {"city", "days"} and arguments["city"] in ("Paris", "Oslo", "Lima") \
+            and type(arguments["days"]) is int and 1 <= arguments["days"] <= 7
+    return name == "get_time" and arguments in ({"zone": "UTC"}, {"zone": "CET"})
+
+
+@pytest.mark.slow
+def test_required_and_named_tool_choice_give_calls_that_match_their_schema(client):
+    for choice in ["required", {"type": "function", "function": {"name": "get_time"}}]:
+        out = ask(client, tool_choice=choice, n=3)
+        for c in out.choices:
+            assert c.finish_reason == "tool_calls" and c.message.content is None, c
+            assert c.message.tool_calls and all(t.id.startswith("chatcmpl-tool-") for t in c.message.tool_calls)
+            for t in c.message.tool_calls:
+                assert valid(t.function.name, json.loads(t.function.arguments)), t
+                assert choice == "required" or t.function.name == "get_time"
+    single = ask(client, tool_choice="required", parallel_tool_calls=False, n=3)
+    assert all(len(c.message.tool_calls) == 1 for c in single.choices)
+
+
+@pytest.mark.slow
+def test_streamed_tool_calls_reassemble_into_the_non_streamed_ones(client):
+    for choice in ["required", {"type": "function", "function": {"name": "get_weather"}}]:
+        whole = ask(client, tool_choice=choice).choices[0]
+        chunks = list(ask(client, tool_choice=choice, stream=True))
+        deltas = [c.choices[0].delta.model_dump(exclude_none=True) for c in chunks if c.choices]
+        content, calls = reassemble([{**d, "tool_calls": [{**t, "function": {"arguments": "", **t["function"]}}
+                                                          for t in d.get("tool_calls", [])]} for d in deltas])
+        assert calls == [(t.function.name, json.loads(t.function.arguments)) for t in whole.message.tool_calls]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.slow
+def test_a_conversation_with_calls_and_tool_answers_goes_on(client):
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": json.dumps({"city": "Oslo", "days": 1})}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 12 C"}]
+    out = ask(client, messages=messages, tool_choice="none", max_tokens=10)
+    assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason == "length"
+    auto = ask(client, messages=messages, max_tokens=10)       # auto: hermes reads the random text as content
+    assert auto.choices[0].message.content and auto.choices[0].finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_what_cannot_work_is_a_400(client, tiny_model_dir):
+    bad = [dict(tool_choice={"type": "function", "function": {"name": "nope"}}),
+           dict(tool_choice="required", tools=None),
+           dict(tool_choice="required", response_format={"type": "json_object"}),
+           dict(messages=[{"role": "assistant", "content": None, "tool_calls": [
+               {"id": "x", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}])]
+    for kw in bad:
+        with pytest.raises(openai.BadRequestError):
+            ask(client, **kw)
+    proc, url = _start(tiny_model_dir("llama-gqa"))      # auto tool choice not enabled
+    try:
+        plain = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
+            ask(plain, tool_choice="auto")
+        assert ask(plain, max_tokens=5).choices[0].message.tool_calls is None    # tools, no choice: none
+    finally:
+        _stop(proc)
