@@ -67,6 +67,8 @@ class ModelConfig:
     generation_defaults: dict = field(default_factory=dict)
     quantization: QuantizationConfig | None = None
     enforce_eager: bool = False      # no one-call decode path (models/llama_cpu_decode.py)
+    reasoning_parser: str | None = None      # structured outputs constrain what follows the thinking
+    structured_outputs_backend: str = "auto"
 
     @property
     def num_layers(self) -> int:

@@ -83,8 +83,8 @@ class EngineCore:
                           self.config.cache.block_size, req.arrival_time)
         if req.params.structured_outputs is not None:
             if self.structured_outputs is None:
-                self.structured_outputs = StructuredOutputManager(m.tokenizer, m.vocab_size)
-            request.grammar = self.structured_outputs.compile(req.params.structured_outputs)
+                self.structured_outputs = StructuredOutputManager(m.tokenizer, m.vocab_size, m.reasoning_parser)
+            request.grammar = self.structured_outputs.compile(request)
         self.scheduler.add_request(request)
         return self.wave.begin() if self.wave is not None else None
 
@@ -161,8 +161,9 @@ class EngineCore:
         """The allowed tokens of each constrained request this step samples for."""
         if self.structured_outputs is None:
             return
-        rows = [(c.req_id, self.scheduler.requests[c.req_id].grammar) for c in so.chunks if c.sample]
-        rows = [(req_id, grammar.result()) for req_id, grammar in rows if grammar is not None]
+        requests = [self.scheduler.requests[c.req_id] for c in so.chunks if c.sample]
+        rows = [(r.request_id, r.grammar.result()) for r in requests
+                if r.grammar is not None and r.thinking_end_ids is None]
         if rows:
             so.grammar_req_ids = [req_id for req_id, _ in rows]
             so.grammar_bitmask = self.structured_outputs.bitmask([matcher for _, matcher in rows])

@@ -63,6 +63,7 @@ class Request:
         self._update_block_hashes()
         self.grammar = None              # structured outputs: a Future of the request's matcher
         self.grammar_done = False        # the constraint is complete: the request ends
+        self.thinking_end_ids: list[int] | None = None    # reasoning models: the constraint waits for these
 
     @property
     def waiting_for_grammar(self) -> bool:

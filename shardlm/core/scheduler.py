@@ -179,6 +179,11 @@ class Scheduler:
 
     @staticmethod
     def _advance_grammar(request: Request, token: int) -> None:
+        ends = request.thinking_end_ids
+        if ends is not None:         # still thinking: the constraint starts after the end marker
+            if request.output_token_ids[-len(ends):] == ends:
+                request.thinking_end_ids = None
+            return
         why = accept(request.grammar.result(), token)
         if why is not None:
             if why != "done":        # the mask allowed only matching tokens: a bug if reached

@@ -165,6 +165,14 @@ class EngineArgs:
         False, "model",
         "run every step layer by layer: no CUDA graphs on a GPU, no one-call C decode path on "
         "CPU; the same results, slower")
+    structured_outputs_config: dict | str | None = knob(
+        None, "model",
+        "structured outputs, as JSON: {\"backend\": \"auto\"} (auto or guidance: llguidance), "
+        "\"reasoning_parser\" as --reasoning-parser")
+    reasoning_parser: str | None = knob(
+        None, "model",
+        "how this reasoning model marks its thinking: deepseek_r1 or qwen3 (<think>...</think>); the "
+        "server returns it as reasoning_content, and structured outputs constrain only the answer")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -201,7 +209,8 @@ class EngineArgs:
                 linear_inputs(hf_config, parallel.tensor_parallel_size) if self.quantization else None,
                 gguf_source=gguf_source(self.model),
                 checkpoint=checkpoint_method(getattr(hf_config, "quantization_config", None))),
-            enforce_eager=self.enforce_eager)
+            enforce_eager=self.enforce_eager, **_structured_outputs_config(self.structured_outputs_config,
+                                                                           self.reasoning_parser))
         cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
         scheduler = SchedulerConfig(
             self.max_num_seqs, self.max_num_batched_tokens or max(8192, self.max_num_seqs), max_model_len)
@@ -368,6 +377,31 @@ def _mlp_shape(hf_config) -> tuple[int, int] | None:
     hidden = getattr(text, "hidden_size", None)
     inter = getattr(text, "intermediate_size", None) or getattr(text, "moe_intermediate_size", None)
     return (hidden, inter) if hidden and inter else None
+
+
+def _structured_outputs_config(config: dict | str | None, reasoning_parser: str | None) -> dict:
+    """--structured-outputs-config (vLLM's: backend, reasoning_parser) and --reasoning-parser, checked."""
+    from shardlm.reasoning import get_reasoning_parser
+    from shardlm.structured_output.grammar import BACKENDS
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--structured-outputs-config is not JSON ({e}): e.g. "
+                             "'{\"backend\": \"auto\"}'.") from None
+    config = dict(config or {})
+    unknown = sorted(set(config) - {"backend", "reasoning_parser"})
+    if unknown:
+        raise ValueError(f"--structured-outputs-config has unknown key(s) {', '.join(unknown)}: it takes backend and "
+                         "reasoning_parser.")
+    backend = config.get("backend") or "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"Structured-output backend {backend!r} is not available: use {' or '.join(BACKENDS)} "
+                         "(llguidance).")
+    parser = reasoning_parser or config.get("reasoning_parser")
+    if parser is not None:
+        get_reasoning_parser(parser)          # a ValueError naming the ones there are
+    return {"reasoning_parser": parser, "structured_outputs_backend": backend}
 
 
 def _config_dtype(hf_config) -> torch.dtype | None:

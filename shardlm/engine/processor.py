@@ -15,7 +15,7 @@ from shardlm.engine.output_processor import ParentRequest
 from shardlm.messages import EngineCoreRequest
 from shardlm.outputs import RequestMetrics
 from shardlm.sampling_params import SamplingParams
-from shardlm.structured_output.grammar import check as check_structured_outputs
+from shardlm.structured_output.grammar import GrammarCompiler
 
 # generation_config.json keys -> SamplingParams fields (used when the caller gives no params)
 _GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -55,6 +55,7 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer):
         self.config = config
         self.tokenizer = tokenizer
+        self._grammars: GrammarCompiler | None = None     # checks constraints; made at the first one
 
     def default_sampling_params(self) -> SamplingParams:
         gen = self.config.model.generation_defaults
@@ -75,8 +76,10 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, not {type(params).__name__}.")
         params.check_vocabulary(self.config.model.vocab_size)
-        if params.structured_outputs is not None:
-            check_structured_outputs(params.structured_outputs)     # a malformed one: a clear error now
+        if params.structured_outputs is not None:     # one that cannot compile: a clear error now
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.config.model.vocab_size)
+            self._grammars.matcher(params.structured_outputs)
         check_max_tokens(len(prompt_token_ids), params.max_tokens, self.config.model.max_model_len)
         arrival_time = arrival_time or time.time()
         parent = ParentRequest(request_id, text, prompt_token_ids, params, RequestMetrics(arrival_time))

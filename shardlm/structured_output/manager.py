@@ -8,48 +8,39 @@ needs no rollback. Grammars are cached by their specification; the tokenizer is 
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import lru_cache
 
 import numpy as np
 
 from shardlm.logger import init_logger
-from shardlm.sampling_params import StructuredOutputsParams
-from shardlm.structured_output.grammar import check
+from shardlm.reasoning import get_reasoning_parser
+from shardlm.structured_output.grammar import GrammarCompiler
 from shardlm.utils import cdiv
 
 logger = init_logger(__name__)
 
 
-@lru_cache(maxsize=256)
-def _cached_grammar(spec: str) -> str:
-    return check(StructuredOutputsParams(**json.loads(spec)))
-
-
 class StructuredOutputManager:
-    def __init__(self, tokenizer_path: str, vocab_size: int):
-        self.tokenizer_path = tokenizer_path
-        self.vocab_size = vocab_size
+    def __init__(self, tokenizer_path: str, vocab_size: int, reasoning_parser: str | None = None):
+        """reasoning_parser: a reasoning model's (shardlm/reasoning.py): constraints then apply
+        from the end of its thinking on."""
         self.words = cdiv(vocab_size, 32)        # int32 words per bitmask row
-        self._tokenizer = None                   # llguidance's view of the tokenizer, built once
+        self.compiler = GrammarCompiler(tokenizer_path, vocab_size)
+        self.reasoning = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-grammar")
 
-    def compile(self, params: StructuredOutputsParams) -> Future:
-        """The request's matcher, compiled off the step loop."""
-        return self._pool.submit(self._matcher, params)
+    def compile(self, request) -> Future:
+        """The request's matcher, compiled off the step loop (with its thinking_end_ids set first)."""
+        return self._pool.submit(self._prepare, request)
 
-    def _matcher(self, params: StructuredOutputsParams):
-        import llguidance
-        if self._tokenizer is None:
-            import llguidance.hf
-            from transformers import AutoTokenizer
-            hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
-            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=max(self.vocab_size, len(hf)))
-        spec = json.dumps({k: v for k, v in vars(params).items() if v is not None}, sort_keys=True)
-        matcher = llguidance.LLMatcher(self._tokenizer, _cached_grammar(spec))
-        if matcher.is_error():
-            raise ValueError(matcher.get_error())
+    def _prepare(self, request):
+        """request: a core Request (its sampling_params, prompt_token_ids, thinking_end_ids)."""
+        matcher = self.compiler.matcher(request.sampling_params.structured_outputs)
+        if self.reasoning is not None:
+            tok = self.compiler.hf_tokenizer()
+            start, end = (tok.encode(m, add_special_tokens=False) for m in (self.reasoning.start, self.reasoning.end))
+            if not thinking_closed(request.prompt_token_ids, start, end):
+                request.thinking_end_ids = end
         return matcher
 
     def bitmask(self, matchers: list) -> bytes:
@@ -62,6 +53,17 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def thinking_closed(prompt: list[int], start: list[int], end: list[int]) -> bool:
+    """The prompt closes the thinking it opens (a template with thinking turned off)."""
+    def last(seq: list[int], before: int) -> int:
+        for i in range(before - len(seq), -1, -1):
+            if prompt[i:i + len(seq)] == seq:
+                return i
+        return -1
+    opened = last(start, len(prompt))
+    return opened >= 0 and last(end, len(prompt)) > opened
 
 
 def accept(matcher, token: int) -> str | None:

@@ -140,6 +140,9 @@ def test_a_malformed_constraint_is_refused_at_once(llm):
                       (StructuredOutputsParams(grammar="start: undefined_rule"), "grammar")]:
         with pytest.raises(ValueError, match=f"structured_outputs.{what} is invalid"):
             llm.generate(["x"], SamplingParams(structured_outputs=bad), use_tqdm=False)
+    with pytest.raises(ValueError, match="structured_outputs.choice is too large"):
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(choice=["y" * 1000] * 300)),
+                     use_tqdm=False)
     with pytest.raises(ValueError, match="exactly one of json, regex"):
         StructuredOutputsParams(regex="a", choice=["a"])
     assert llm.generate(["x"], params("choice"), use_tqdm=False)[0].outputs[0].text in CHOICES, "still serving"

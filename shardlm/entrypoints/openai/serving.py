@@ -19,6 +19,7 @@ from shardlm.entrypoints.openai import tools
 from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, RequestLimits
 from shardlm.entrypoints.openai.tool_parsers import get_parser
 from shardlm.outputs import Logprob, RequestOutput
+from shardlm.reasoning import get_reasoning_parser
 from shardlm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from shardlm.structured_output.grammar import BACKENDS
 
@@ -85,6 +86,8 @@ class OpenAIServing:
         """tool_parser: the --tool-call-parser that reads tool_choice "auto" outputs (None: auto is off)."""
         self.llm = llm
         self.tool_parser = get_parser(tool_parser) if tool_parser else None
+        reasoning = llm.config.model.reasoning_parser
+        self.reasoning = get_reasoning_parser(reasoning) if reasoning else None
         self.model_names = served_model_names
         self.chat_template = chat_template
         self.limits = limits or RequestLimits()
@@ -261,29 +264,27 @@ class OpenAIServing:
         (final,) = await _last_outputs([stream])   # FINAL_ONLY: one output
         choices = []
         for c in final.outputs:
-            content, calls = tools.read_calls(mode, function, c.text, self.tool_parser)
-            message = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = tools.message_calls(calls)
+            message = tools.split_choice(c.text, mode, function, self.tool_parser, self.reasoning)
             choices.append({"index": c.index, "message": message,
-                            "finish_reason": _tool_finish(c.finish_reason, bool(calls)), "stop_reason": c.stop_reason,
+                            "finish_reason": _tool_finish(c.finish_reason, "tool_calls" in message),
+                            "stop_reason": c.stop_reason,
                             "logprobs": _chat_logprobs(c.logprobs, req.top_logprobs or 0) if req.logprobs else None})
         return {**head, "choices": choices, "usage": _usage([final])}
 
     async def _stream_chat(self, req, head, stream, tool_choice) -> AsyncIterator[str]:
-        """Each output is a delta: its text goes out as it is, or as tool-call deltas
-        (tools.ToolCallStream) where tools may be called."""
-        started: dict[int, tools.ToolCallStream] = {}
+        """Each output is a delta: its text goes out as it is, or as reasoning_content and
+        tool-call deltas (tools.ChatChoiceStream)."""
+        started: dict[int, tools.ChatChoiceStream] = {}
         prompt_tokens = completion_tokens = 0
         async for _, out in _merge([stream]):
             for c in out.outputs:
                 if c.index not in started:
-                    started[c.index] = tools.ToolCallStream(*tool_choice, self.tool_parser)
+                    started[c.index] = tools.ChatChoiceStream(*tool_choice, self.tool_parser, self.reasoning)
                     yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                                     "logprobs": None, "finish_reason": None}]})
                 completion_tokens += len(c.token_ids)
                 calls = started[c.index]
-                deltas = calls.feed(c.text) + (calls.finish() if c.finish_reason else [])
+                deltas = calls.feed(c.text, final=c.finish_reason is not None)
                 logprobs = _chat_logprobs(c.logprobs, req.top_logprobs or 0) if req.logprobs else None
                 if not deltas and not c.finish_reason and not c.logprobs:
                     continue

@@ -16,6 +16,7 @@ import uuid
 
 from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice, OpenAIError
 from shardlm.entrypoints.openai.tool_parsers import ToolCall, ToolParser
+from shardlm.reasoning import ReasoningParser, ReasoningStream
 from shardlm.sampling_params import StructuredOutputsParams
 
 ARGUMENT_PIECE = 16       # characters of arguments per streamed delta where they are sent at the end
@@ -168,3 +169,36 @@ class ToolCallStream:
                 deltas.append({"tool_calls": [{"index": i, "function": {
                     "arguments": call.arguments[k:k + ARGUMENT_PIECE]}}]})
         return deltas
+
+
+class ChatChoiceStream:
+    """One streamed choice's deltas: its thinking as reasoning_content (with a reasoning parser),
+    then the answer through ToolCallStream."""
+
+    def __init__(self, mode: str, name: str | None, parser: ToolParser | None, reasoning: ReasoningParser | None):
+        self.calls = ToolCallStream(mode, name, parser)
+        self.reasoning = ReasoningStream(reasoning) if reasoning is not None else None
+
+    @property
+    def called(self) -> bool:
+        return self.calls.called
+
+    def feed(self, piece: str, final: bool) -> list[dict]:
+        parts = self.reasoning.feed(piece, final) if self.reasoning is not None else [("content", piece)]
+        deltas = []
+        for kind, text in parts:
+            deltas += [{"reasoning_content": text}] if kind == "reasoning" else self.calls.feed(text)
+        return deltas + (self.calls.finish() if final else [])
+
+
+def split_choice(text: str, mode: str, name: str | None, parser: ToolParser | None,
+                 reasoning: ReasoningParser | None) -> dict:
+    """A whole choice's message: content, tool_calls and reasoning_content."""
+    thinking, answer = reasoning.split(text) if reasoning is not None else (None, text)
+    content, calls = read_calls(mode, name, answer or "", parser)
+    message = {"role": "assistant", "content": content if content or reasoning is None else None}
+    if reasoning is not None:
+        message["reasoning_content"] = thinking
+    if calls:
+        message["tool_calls"] = message_calls(calls)
+    return message

@@ -1,0 +1,94 @@
+"""Reasoning parsers (`--reasoning-parser NAME`, vLLM's names): where a reasoning model's thinking
+ends and its answer begins, for the server (which returns the thinking as `reasoning_content`)
+and for the engine core (a structured-output constraint applies to the answer only).
+
+- deepseek_r1: the chat template opens <think> in the prompt; the output is thinking up to
+  </think>, then the answer. An output that never closes it is all thinking.
+- qwen3: the model writes <think>...</think> itself (or the template closes an empty one in the
+  prompt when thinking is off); an output without </think> is all answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    name: str
+    unclosed_is_reasoning: bool       # an output with no end marker: all thinking (else all answer)
+    start: str = "<think>"
+    end: str = "</think>"
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning_content, content) of a whole output; None for an empty part."""
+        stripped = text.lstrip()
+        opened = stripped.startswith(self.start)
+        body = stripped[len(self.start):] if opened else text
+        if self.end in body:
+            reasoning, _, content = body.partition(self.end)
+        elif opened or self.unclosed_is_reasoning:
+            reasoning, content = body, ""
+        else:
+            reasoning, content = "", text
+        return reasoning or None, content or None
+
+    def ended_in_prompt(self, prompt: str) -> bool:
+        """The prompt already closed the thinking (e.g. a template with thinking turned off)."""
+        return self.end in prompt[prompt.rfind(self.start) + 1:] if self.start in prompt else False
+
+
+REASONING_PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", unclosed_is_reasoning=True),
+                     "qwen3": ReasoningParser("qwen3", unclosed_is_reasoning=False)}
+
+
+def get_reasoning_parser(name: str) -> ReasoningParser:
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning-parser {name!r} is not one of {', '.join(REASONING_PARSERS)}.")
+    return REASONING_PARSERS[name]
+
+
+class ReasoningStream:
+    """One choice's streamed text split as it comes: ('reasoning', piece) until the end marker,
+    then ('content', piece); a marker cut between pieces is held back until it is whole."""
+
+    def __init__(self, parser: ReasoningParser):
+        self.parser = parser
+        self.text, self.sent = "", 0
+        self.in_reasoning: bool | None = None       # undecided until the output's start is seen
+
+    def feed(self, piece: str, final: bool = False) -> list[tuple[str, str]]:
+        self.text += piece
+        p, out = self.parser, []
+        if self.in_reasoning is None:
+            body = self.text.lstrip()
+            if not final and (not body or (p.start.startswith(body) and body != p.start)):
+                return out                       # could still be the start marker
+            if body.startswith(p.start):
+                self.in_reasoning, self.sent = True, len(self.text) - len(body) + len(p.start)
+            else:
+                self.in_reasoning = p.unclosed_is_reasoning
+        if self.in_reasoning:
+            end = self.text.find(p.end, self.sent)
+            if end < 0:
+                keep = 0 if final else _partial_suffix(self.text, p.end)
+                upto = len(self.text) - keep
+                if upto > self.sent:
+                    out.append(("reasoning", self.text[self.sent:upto]))
+                    self.sent = upto
+                return out
+            if end > self.sent:
+                out.append(("reasoning", self.text[self.sent:end]))
+            self.in_reasoning, self.sent = False, end + len(p.end)
+        if len(self.text) > self.sent:
+            out.append(("content", self.text[self.sent:]))
+            self.sent = len(self.text)
+        return out
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of text that begins marker."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
