@@ -111,10 +111,12 @@ class Scheduler:
 
         # after a preemption the cache is full: admit nobody new this step
         admit = self.num_preemptions == num_preempted_before
-        for request in list(self.waiting) if admit else []:
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or len(chunks) >= seq_cap:
-                break
-            if request.waiting_for_grammar:      # compiling: the requests behind it go first
+        skipped = 0         # requests at the head of the queue whose constraint is still compiling
+        while (admit and skipped < len(self.waiting) and budget > 0
+               and len(self.running) < self.config.max_num_seqs and len(chunks) < seq_cap):
+            request = self.waiting[skipped]
+            if request.waiting_for_grammar:      # the requests behind it go first
+                skipped += 1
                 continue
             if request.grammar is not None and request.grammar.exception() is not None:
                 self._fail_grammar(request)
@@ -123,7 +125,7 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(request, num_new, hit_blocks):
                 break
-            self.waiting.remove(request)
+            del self.waiting[skipped]            # the head, but for requests still compiling
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
