@@ -182,3 +182,22 @@ def test_the_sampler_applies_the_mask_to_constrained_rows_only():
     hot = SamplingBatch(temperature=torch.full((3,), 5.0), greedy=torch.zeros(3, dtype=torch.bool),
                         allowed=allowed)
     assert all(Sampler()(logits, hot)[0][1] in (3, 17) for _ in range(50))
+
+
+def test_chunked_prefill_stop_strings_and_abort_while_compiling(tiny_model_dir):
+    """A prompt prefilled over several steps (budget 32 tokens) is masked only where it samples;
+    a stop string ends a constrained output like any other; a request aborted while its
+    constraint compiles leaves the engine serving."""
+    llm = LLM(tiny_model_dir("llama-gqa"), **{**ENGINE, "max_num_batched_tokens": 32})
+    try:
+        long_prompt = {"prompt_token_ids": list(range(300, 400))}
+        out = llm.generate([long_prompt], params("regex"), use_tqdm=False)[0].outputs[0]
+        assert CONSTRAINTS["regex"][1](out.text), out.text
+        stopped = llm.generate(PROMPTS[:1], params("choice", stop=["eta"]), use_tqdm=False)[0].outputs[0]
+        assert stopped.text in ("alpha", "delta") or (stopped.text == "b" and stopped.stop_reason == "eta"), stopped
+        engine = llm.engine
+        engine.add_request("gone", {"prompt_token_ids": [5, 6, 7]}, params("json"))
+        engine.abort_request(["gone"])
+        assert llm.generate(PROMPTS[:1], params("choice"), use_tqdm=False)[0].outputs[0].text in CHOICES
+    finally:
+        llm.shutdown()
