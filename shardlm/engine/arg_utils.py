@@ -26,7 +26,7 @@ from shardlm.config import (
 )
 from shardlm.executor.selection import choose_backend
 from shardlm.logger import init_logger
-from shardlm.model_loader.default_model import gguf_source, resolve_model_path
+from shardlm.model_loader.default_model import gguf_source, resolve_model_path, resolve_tokenizer_path
 from shardlm.model_loader.gptq_awq import checkpoint_method
 from shardlm.models.registry import resolve_architecture
 from shardlm.planner.startup import check_fits, check_parallel_layout
@@ -55,8 +55,9 @@ class EngineArgs:
 
     model: str | None = knob(
         None, "model",
-        "Hugging Face model directory (config.json, safetensors, tokenizer); leave out for the "
-        "embedded default model, SmolLM2-135M-Instruct")
+        "Hugging Face model directory (config.json, safetensors, tokenizer), a .gguf file, or a hub "
+        "id (org/name, org/name:FILE.gguf); leave out for the embedded default model, "
+        "SmolLM2-135M-Instruct")
     tokenizer: str | None = knob(
         None, "model",
         "tokenizer directory, if not the model's")
@@ -78,7 +79,14 @@ class EngineArgs:
         "model name reported by the server")
     download_dir: str | None = knob(
         None, "model",
-        "directory to look for the model in")
+        "directory to look for the model in, and the hub cache for hub ids (default: huggingface_hub's, "
+        "HF_HOME / HF_HUB_CACHE)")
+    revision: str | None = knob(
+        None, "model",
+        "a hub model's branch, tag or commit (default: main)")
+    tokenizer_revision: str | None = knob(
+        None, "model",
+        "a hub tokenizer's branch, tag or commit (default: main)")
     block_size: int = knob(
         16, "cache",
         "tokens per KV cache block")
@@ -193,21 +201,22 @@ class EngineArgs:
         device = resolve_device(self.device)
         parallel.distributed_executor_backend = choose_backend(parallel.world_size, device,
                                                                parallel.distributed_executor_backend)
-        path = resolve_model_path(self.model, self.download_dir)
+        path = resolve_model_path(self.model, self.download_dir, self.revision)
         hf_config = load_hf_config(path)
         architecture = resolve_architecture(hf_config)
         dtype = resolve_dtype(self.dtype, _config_dtype(hf_config), device, _mlp_shape(hf_config))
         max_model_len = _resolve_max_model_len(hf_config, self.max_model_len)
         gen_defaults = load_generation_defaults(path)
         model_cfg = ModelConfig(
-            model=path, tokenizer=self.tokenizer or path, hf_config=hf_config, dtype=dtype,
+            model=path, tokenizer=resolve_tokenizer_path(self.tokenizer, self.download_dir, self.tokenizer_revision)
+            if self.tokenizer else path, hf_config=hf_config, dtype=dtype,
             max_model_len=max_model_len, seed=self.seed, architecture=architecture,
             served_model_name=self.served_model_name or (self.model or "SmolLM2-135M-Instruct"),
             eos_token_ids=_eos_ids(hf_config, gen_defaults), generation_defaults=gen_defaults,
             quantization=resolve_quantization(
                 self.quantization, self.quantization_group_size,
                 linear_inputs(hf_config, parallel.tensor_parallel_size) if self.quantization else None,
-                gguf_source=gguf_source(self.model),
+                gguf_source=gguf_source(self.model, self.download_dir, self.revision),
                 checkpoint=checkpoint_method(getattr(hf_config, "quantization_config", None))),
             enforce_eager=self.enforce_eager, **_structured_outputs_config(self.structured_outputs_config,
                                                                            self.reasoning_parser))

@@ -17,6 +17,7 @@ import tempfile
 
 from shardlm import envs
 from shardlm.logger import init_logger
+from shardlm.model_loader import hub
 
 logger = init_logger(__name__)
 
@@ -29,25 +30,24 @@ _NEEDED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_conf
            "generation_config.json")
 
 
-def resolve_model_path(model: str | None, download_dir: str | None = None) -> str:
+def resolve_model_path(model: str | None, download_dir: str | None = None, revision: str | None = None) -> str:
     """A local directory for `model`; None means the embedded default model; a .gguf file is
-    converted once to a directory in the cache (`gguf_source` tells where its weights came from)."""
+    converted once to a directory in the cache (`gguf_source` tells where its weights came from);
+    a hub id (org/name, or org/name:file.gguf) is fetched into the hub cache (model_loader/hub.py)."""
     if model is None or model == DEFAULT_MODEL_NAME:
         return default_model_dir()
     path = os.path.expanduser(model)
+    if download_dir and not os.path.isabs(path) and os.path.isdir(os.path.join(os.path.expanduser(download_dir), path)):
+        return os.path.join(os.path.expanduser(download_dir), path)
+    if not os.path.exists(path) and hub.looks_like_hub_id(model):
+        path = hub.download_model(model, revision, download_dir)
     if path.endswith(".gguf") and os.path.isfile(path):
         return converted_dir(os.path.abspath(path), os.path.basename(path)[:-5].lower())
-    if download_dir and not os.path.isabs(path):
-        candidate = os.path.join(os.path.expanduser(download_dir), path)
-        if os.path.isdir(candidate):
-            return candidate
     if os.path.isdir(path):
         return os.path.abspath(path)
-    raise ValueError(f"Model {model!r} is not a local directory or .gguf file. shardlm loads Hugging Face model "
-                     "directories (config.json, *.safetensors, tokenizer files) and GGUF files; download one first, "
-                     "e.g. "
-                     f"`huggingface-cli download {model} --local-dir ./model`, then pass that path. "
-                     "Leave the model out to use the embedded default model.")
+    raise ValueError(f"Model {model!r} is not a local directory, a .gguf file or a hub id (org/name). shardlm "
+                     "loads Hugging Face model directories (config.json, *.safetensors, tokenizer files), GGUF files "
+                     "and hub repos of either. Leave the model out to use the embedded default model.")
 
 
 def gguf_path() -> str:
@@ -60,12 +60,22 @@ def gguf_path() -> str:
     return path
 
 
-def gguf_source(model: str | None) -> str | None:
-    """The GGUF file a model's weights come from (the default model's, or a .gguf path), else None."""
+def gguf_source(model: str | None, download_dir: str | None = None, revision: str | None = None) -> str | None:
+    """The GGUF file a model's weights come from (the default model's, a .gguf path, or a hub
+    repo's org/name:file.gguf, already fetched by resolve_model_path), else None."""
     if model is None or model == DEFAULT_MODEL_NAME:
         return gguf_path()
     path = os.path.expanduser(model)
+    if path.endswith(".gguf") and not os.path.exists(path) and hub.looks_like_hub_id(model):
+        path = hub.download_model(model, revision, download_dir)
     return os.path.abspath(path) if path.endswith(".gguf") and os.path.isfile(path) else None
+
+
+def resolve_tokenizer_path(tokenizer: str, download_dir: str | None = None, revision: str | None = None) -> str:
+    """A tokenizer directory: a local one, or a hub id fetched like a model's."""
+    if os.path.exists(os.path.expanduser(tokenizer)) or not hub.looks_like_hub_id(tokenizer):
+        return tokenizer
+    return hub.download_model(tokenizer, revision, download_dir, require_config=False)
 
 
 def default_model_dir() -> str:
