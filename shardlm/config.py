@@ -68,6 +68,8 @@ class ModelConfig:
     quantization: QuantizationConfig | None = None
     enforce_eager: bool = False      # no one-call decode path (models/llama_cpu_decode.py)
     reasoning_parser: str | None = None      # structured outputs constrain what follows the thinking
+    # (hub id, revision, download dir) of a model fetched from the hub: Ray nodes fetch it themselves
+    hub_source: tuple[str, str | None, str | None] | None = None
     structured_outputs_backend: str = "auto"
 
     @property

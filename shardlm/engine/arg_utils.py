@@ -28,6 +28,7 @@ from shardlm.executor.selection import choose_backend
 from shardlm.logger import init_logger
 from shardlm.model_loader.default_model import gguf_source, resolve_model_path, resolve_tokenizer_path
 from shardlm.model_loader.gptq_awq import checkpoint_method
+from shardlm.model_loader.hub import looks_like_hub_id
 from shardlm.models.registry import resolve_architecture
 from shardlm.planner.startup import check_fits, check_parallel_layout
 from shardlm.worker.cpu_binding import validate_binding
@@ -218,8 +219,8 @@ class EngineArgs:
                 linear_inputs(hf_config, parallel.tensor_parallel_size) if self.quantization else None,
                 gguf_source=gguf_source(self.model, self.download_dir, self.revision),
                 checkpoint=checkpoint_method(getattr(hf_config, "quantization_config", None))),
-            enforce_eager=self.enforce_eager, **_structured_outputs_config(self.structured_outputs_config,
-                                                                           self.reasoning_parser))
+            enforce_eager=self.enforce_eager, hub_source=_hub_source(self.model, self.revision, self.download_dir),
+            **_structured_outputs_config(self.structured_outputs_config, self.reasoning_parser))
         cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
         scheduler = SchedulerConfig(
             self.max_num_seqs, self.max_num_batched_tokens or max(8192, self.max_num_seqs), max_model_len)
@@ -386,6 +387,14 @@ def _mlp_shape(hf_config) -> tuple[int, int] | None:
     hidden = getattr(text, "hidden_size", None)
     inter = getattr(text, "intermediate_size", None) or getattr(text, "moe_intermediate_size", None)
     return (hidden, inter) if hidden and inter else None
+
+
+def _hub_source(model: str | None, revision: str | None, download_dir: str | None):
+    """(hub id, revision, download dir) where the model directory came from the hub (not a GGUF
+    file of a repo: that is converted on the head), else None."""
+    if model is None or ":" in model or os.path.exists(os.path.expanduser(model)) or not looks_like_hub_id(model):
+        return None
+    return model, revision, download_dir
 
 
 def _structured_outputs_config(config: dict | str | None, reasoning_parser: str | None) -> dict:

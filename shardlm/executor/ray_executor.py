@@ -13,6 +13,7 @@ actors are killed and the placement group removed: nothing of ours stays in `ray
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import socket
@@ -38,6 +39,7 @@ from shardlm.executor.ray_placement import (
 )
 from shardlm.logger import init_logger, set_log_prefix
 from shardlm.messages import ModelRunnerOutput, SchedulerOutput
+from shardlm.model_loader.hub import model_on_this_node
 
 logger = init_logger(__name__)
 
@@ -53,9 +55,15 @@ class RayWorker:
         self.output_encoder = msgspec.msgpack.Encoder()
         self.step_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
 
-    def node_info(self, model_path: str) -> NodeInfo:
+    def node_info(self, model_path: str, hub_source=None) -> NodeInfo:
+        """This node's facts; a hub model missing here is fetched into this node's cache first."""
+        try:
+            self.model_path = model_on_this_node(model_path, hub_source)
+        except ValueError as e:
+            logger.error("%s", e)
+            self.model_path = None
         return NodeInfo(ray.get_runtime_context().get_node_id(), host_ip(ray), socket.gethostname(), os.getpid(),
-                        node_versions(), os.path.exists(model_path), [str(g) for g in ray.get_gpu_ids()])
+                        node_versions(), self.model_path is not None, [str(g) for g in ray.get_gpu_ids()])
 
     def start(self, config: EngineConfig, rank: int, local_rank: int, local_world_size: int,
               rendezvous: tuple[str, int], ip: str, visible_gpus: str | None = None) -> None:
@@ -70,6 +78,8 @@ class RayWorker:
         if chosen:
             logger.info("Collectives bound to %s", ", ".join(f"{k}={v}" for k, v in chosen.items()))
         self.answers_steps = rank == config.parallel.output_rank
+        if getattr(self, "model_path", None) not in (None, config.model.model):     # fetched on this node
+            config = dataclasses.replace(config, model=dataclasses.replace(config.model, model=self.model_path))
         self.worker = Worker(config, rank, rendezvous, local_rank, local_world_size)
         self.worker.init_device()
         self.worker.load_model()
@@ -132,7 +142,7 @@ class RayExecutor(Executor):
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
         ).remote() for i in range(self.world_size)]
         self.actors = actors            # killed on shutdown even if start-up stops here
-        infos = ray.get([a.node_info.remote(config.model.model) for a in actors],
+        infos = ray.get([a.node_info.remote(config.model.model, config.model.hub_source) for a in actors],
                         timeout=par.distributed_init_timeout)
         order = rank_order(infos, ray.get_runtime_context().get_node_id())
         self.actors, self.infos = [actors[i] for i in order], [infos[i] for i in order]

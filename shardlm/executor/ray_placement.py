@@ -135,7 +135,8 @@ def check_placement(infos: list[NodeInfo], tp: int, pp: int, model_path: str, dr
                                "node (pip install -c constraints.txt 'shardlm[ray]').")
         if not info.model_path_exists:
             raise RuntimeError(f"The model path {model_path} does not exist on {info.describe()}: every node needs the "
-                               "model at the same path (copy it there, or use a shared filesystem).")
+                               "model at the same path (copy it there, or use a shared filesystem), or a hub id "
+                               "that node can fetch (see its log for why it could not).")
     for group in rank_grid(len(infos), tp, pp)["tp"]:
         nodes = {infos[r].node_id for r in group}
         if len(nodes) > 1 and not allow_cross_node_tp:

@@ -77,3 +77,15 @@ def _explain(name: str, revision: str | None, cache: str | None, error: Exceptio
     if isinstance(error, errors.EntryNotFoundError):
         return f"The hub repo {name.partition(':')[0]!r} has no file {name.partition(':')[2]!r}{at} ({kind})."
     return f"Could not fetch {name!r}{at} from the hub: {kind}: {error}"
+
+
+def model_on_this_node(path: str, source: tuple[str, str | None, str | None] | None) -> str | None:
+    """The model's directory on this node: `path` where it exists (one node, or shared storage),
+    else the hub model fetched into this node's own cache (source: hub id, revision, download
+    dir); None where neither."""
+    if os.path.exists(path):
+        return path
+    if source is None:
+        return None
+    name, revision, download_dir = source
+    return download_model(name, revision, download_dir)

@@ -89,3 +89,24 @@ def test_a_model_neither_here_nor_cached_is_one_clear_error(hub_cache):
     with pytest.raises(ValueError, match="not a local directory, a .gguf file or a hub id"):
         resolve_model_path("./no/such/dir")
     assert not hub.looks_like_hub_id("../escape") and hub.looks_like_hub_id("org/name")
+
+
+def test_a_node_without_the_heads_path_fetches_the_hub_model_itself(hub_cache, tmp_path):
+    """Ray nodes: the head's snapshot path missing on a node, the node resolves the hub id into
+    its own cache (here: the prepared one); with no hub id, the node has no model."""
+    cache, _, main, _ = hub_cache
+    elsewhere = str(tmp_path / "head-only" / "snapshot")
+    assert hub.model_on_this_node(main, None) == main                       # shared path: as it is
+    assert hub.model_on_this_node(elsewhere, ("acme/tiny", None, str(cache))) == main
+    assert hub.model_on_this_node(elsewhere, None) is None
+    with pytest.raises(ValueError, match="not in the hub cache"):
+        hub.model_on_this_node(elsewhere, ("acme/other", None, str(cache)))
+
+
+def test_the_engine_config_remembers_a_hub_source(hub_cache):
+    from shardlm.engine.arg_utils import EngineArgs
+    cache, model, _, _ = hub_cache
+    by_id = EngineArgs("acme/tiny", download_dir=str(cache), revision="v1",
+                       kv_cache_memory="64MiB").create_engine_config()
+    assert by_id.model.hub_source == ("acme/tiny", "v1", str(cache))
+    assert EngineArgs(model, kv_cache_memory="64MiB").create_engine_config().model.hub_source is None
