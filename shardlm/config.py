@@ -70,7 +70,6 @@ class ModelConfig:
     reasoning_parser: str | None = None      # structured outputs constrain what follows the thinking
     # (hub id, revision, download dir) of a model fetched from the hub: Ray nodes fetch it themselves
     hub_source: tuple[str, str | None, str | None] | None = None
-    structured_outputs_backend: str = "auto"
 
     @property
     def num_layers(self) -> int:

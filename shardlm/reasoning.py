@@ -33,10 +33,6 @@ class ReasoningParser:
             reasoning, content = "", text
         return reasoning or None, content or None
 
-    def ended_in_prompt(self, prompt: str) -> bool:
-        """The prompt already closed the thinking (e.g. a template with thinking turned off)."""
-        return self.end in prompt[prompt.rfind(self.start) + 1:] if self.start in prompt else False
-
 
 REASONING_PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", unclosed_is_reasoning=True),
                      "qwen3": ReasoningParser("qwen3", unclosed_is_reasoning=False)}

@@ -220,7 +220,7 @@ class EngineArgs:
                 gguf_source=gguf_source(self.model, self.download_dir, self.revision),
                 checkpoint=checkpoint_method(getattr(hf_config, "quantization_config", None))),
             enforce_eager=self.enforce_eager, hub_source=_hub_source(self.model, self.revision, self.download_dir),
-            **_structured_outputs_config(self.structured_outputs_config, self.reasoning_parser))
+            reasoning_parser=_reasoning_parser(self.structured_outputs_config, self.reasoning_parser))
         cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
         scheduler = SchedulerConfig(
             self.max_num_seqs, self.max_num_batched_tokens or max(8192, self.max_num_seqs), max_model_len)
@@ -397,8 +397,9 @@ def _hub_source(model: str | None, revision: str | None, download_dir: str | Non
     return model, revision, download_dir
 
 
-def _structured_outputs_config(config: dict | str | None, reasoning_parser: str | None) -> dict:
-    """--structured-outputs-config (vLLM's: backend, reasoning_parser) and --reasoning-parser, checked."""
+def _reasoning_parser(config: dict | str | None, reasoning_parser: str | None) -> str | None:
+    """--structured-outputs-config (vLLM's: backend, reasoning_parser) and --reasoning-parser, checked
+    -> the reasoning parser (the backend is llguidance whichever of its names is given)."""
     from shardlm.reasoning import get_reasoning_parser
     from shardlm.structured_output.grammar import BACKENDS
     if isinstance(config, str):
@@ -419,7 +420,7 @@ def _structured_outputs_config(config: dict | str | None, reasoning_parser: str 
     parser = reasoning_parser or config.get("reasoning_parser")
     if parser is not None:
         get_reasoning_parser(parser)          # a ValueError naming the ones there are
-    return {"reasoning_parser": parser, "structured_outputs_backend": backend}
+    return parser
 
 
 def _config_dtype(hf_config) -> torch.dtype | None:

@@ -40,6 +40,7 @@ from shardlm.utils import cpu_flags
 logger = init_logger(__name__)
 
 _loaded: list = []          # [the library, or None], once looked up
+_source: list[str] = []     # where the loaded library came from, for `shardlm env check`
 
 # the `dtype` argument every kernel takes
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -126,9 +127,6 @@ def _prebuilt_library(isa: str) -> ctypes.CDLL | None:
         return None
     _source.append(f"built at install time for {isa}")
     return lib
-
-
-_source: list[str] = []       # where the loaded library came from, for `shardlm env check`
 
 
 def _build() -> ctypes.CDLL | None:

@@ -8,6 +8,7 @@ build at run time where no prebuilt library fits.
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import os
@@ -54,8 +55,9 @@ def sources() -> list[str]:
     return sorted(glob.glob(os.path.join(HERE, "*.c")))
 
 
+@functools.cache
 def sources_hash() -> str:
-    """What the library is compiled from: every kernels/*.c and *.h."""
+    """What the library is compiled from: every kernels/*.c and *.h (read once per process)."""
     digest = hashlib.sha256()
     for path in sources() + sorted(glob.glob(os.path.join(HERE, "*.h"))):
         with open(path, "rb") as f:
