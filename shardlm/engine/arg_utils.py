@@ -26,9 +26,9 @@ from shardlm.config import (
 )
 from shardlm.executor.selection import choose_backend
 from shardlm.logger import init_logger
+from shardlm.model_loader import hub
 from shardlm.model_loader.default_model import gguf_source, resolve_model_path, resolve_tokenizer_path
 from shardlm.model_loader.gptq_awq import checkpoint_method
-from shardlm.model_loader.hub import looks_like_hub_id
 from shardlm.models.registry import resolve_architecture
 from shardlm.planner.startup import check_fits, check_parallel_layout
 from shardlm.worker.cpu_binding import validate_binding
@@ -202,7 +202,9 @@ class EngineArgs:
         device = resolve_device(self.device)
         parallel.distributed_executor_backend = choose_backend(parallel.world_size, device,
                                                                parallel.distributed_executor_backend)
-        path = resolve_model_path(self.model, self.download_dir, self.revision)
+        # a hub id is fetched once, here; what follows reads the local copy
+        model = hub.local_path(self.model, self.revision, self.download_dir) if self.model else None
+        path = resolve_model_path(model, self.download_dir)
         hf_config = load_hf_config(path)
         architecture = resolve_architecture(hf_config)
         dtype = resolve_dtype(self.dtype, _config_dtype(hf_config), device, _mlp_shape(hf_config))
@@ -217,7 +219,7 @@ class EngineArgs:
             quantization=resolve_quantization(
                 self.quantization, self.quantization_group_size,
                 linear_inputs(hf_config, parallel.tensor_parallel_size) if self.quantization else None,
-                gguf_source=gguf_source(self.model, self.download_dir, self.revision),
+                gguf_source=gguf_source(model),
                 checkpoint=checkpoint_method(getattr(hf_config, "quantization_config", None))),
             enforce_eager=self.enforce_eager, hub_source=_hub_source(self.model, self.revision, self.download_dir),
             reasoning_parser=_reasoning_parser(self.structured_outputs_config, self.reasoning_parser))
@@ -392,7 +394,7 @@ def _mlp_shape(hf_config) -> tuple[int, int] | None:
 def _hub_source(model: str | None, revision: str | None, download_dir: str | None):
     """(hub id, revision, download dir) where the model directory came from the hub (not a GGUF
     file of a repo: that is converted on the head), else None."""
-    if model is None or ":" in model or os.path.exists(os.path.expanduser(model)) or not looks_like_hub_id(model):
+    if model is None or ":" in model or not hub.names_hub_model(model, download_dir):
         return None
     return model, revision, download_dir
 

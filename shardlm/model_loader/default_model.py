@@ -36,13 +36,13 @@ def resolve_model_path(model: str | None, download_dir: str | None = None, revis
     a hub id (org/name, or org/name:file.gguf) is fetched into the hub cache (model_loader/hub.py)."""
     if model is None or model == DEFAULT_MODEL_NAME:
         return default_model_dir()
-    path = os.path.expanduser(model)
-    if download_dir and not os.path.isabs(path) and os.path.isdir(os.path.join(os.path.expanduser(download_dir), path)):
-        return os.path.join(os.path.expanduser(download_dir), path)
-    if not os.path.exists(path) and hub.looks_like_hub_id(model):
-        path = hub.download_model(model, revision, download_dir)
+    path = os.path.expanduser(hub.local_path(model, revision, download_dir))
     if path.endswith(".gguf") and os.path.isfile(path):
         return converted_dir(os.path.abspath(path), os.path.basename(path)[:-5].lower())
+    if download_dir and not os.path.isabs(path):
+        candidate = os.path.join(os.path.expanduser(download_dir), path)
+        if os.path.isdir(candidate):
+            return candidate
     if os.path.isdir(path):
         return os.path.abspath(path)
     raise ValueError(f"Model {model!r} is not a local directory, a .gguf file or a hub id (org/name). shardlm "
@@ -62,20 +62,16 @@ def gguf_path() -> str:
 
 def gguf_source(model: str | None, download_dir: str | None = None, revision: str | None = None) -> str | None:
     """The GGUF file a model's weights come from (the default model's, a .gguf path, or a hub
-    repo's org/name:file.gguf, already fetched by resolve_model_path), else None."""
+    repo's org/name:file.gguf, found in or fetched into the hub cache), else None."""
     if model is None or model == DEFAULT_MODEL_NAME:
         return gguf_path()
-    path = os.path.expanduser(model)
-    if path.endswith(".gguf") and not os.path.exists(path) and hub.looks_like_hub_id(model):
-        path = hub.download_model(model, revision, download_dir)
+    path = os.path.expanduser(hub.local_path(model, revision, download_dir) if model.endswith(".gguf") else model)
     return os.path.abspath(path) if path.endswith(".gguf") and os.path.isfile(path) else None
 
 
 def resolve_tokenizer_path(tokenizer: str, download_dir: str | None = None, revision: str | None = None) -> str:
     """A tokenizer directory: a local one, or a hub id fetched like a model's."""
-    if os.path.exists(os.path.expanduser(tokenizer)) or not hub.looks_like_hub_id(tokenizer):
-        return tokenizer
-    return hub.download_model(tokenizer, revision, download_dir, require_config=False)
+    return hub.local_path(tokenizer, revision, download_dir, require_config=False)
 
 
 def default_model_dir() -> str:

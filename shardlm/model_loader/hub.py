@@ -27,6 +27,20 @@ def looks_like_hub_id(name: str) -> bool:
     return bool(_HUB_ID.match(repo)) and not os.path.exists(os.path.expanduser(name)) and ".." not in repo
 
 
+def names_hub_model(name: str, download_dir: str | None = None) -> bool:
+    """A hub id, not a path here nor a directory under download_dir."""
+    local = download_dir and os.path.isdir(os.path.join(os.path.expanduser(download_dir), name))
+    return looks_like_hub_id(name) and not local
+
+
+def local_path(name: str, revision: str | None = None, download_dir: str | None = None,
+               require_config: bool = True) -> str:
+    """`name` as it is where it is not a hub id, else the local path of the hub model it names
+    (fetched into the cache)."""
+    return download_model(name, revision, download_dir, require_config) if names_hub_model(name, download_dir) \
+        else name
+
+
 def offline() -> bool:
     from huggingface_hub import constants
     return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
