@@ -46,7 +46,7 @@ class BuildKernels(build_ext):
         build = _kernel_build_module()
         out_dir = self.kernel_dir = os.path.dirname(self.get_ext_fullpath(ext.name))
         _remove_libraries(out_dir)        # earlier sources' libraries
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        cc = build.find_compiler()
         if cc is None:
             print("shardlm: no C compiler; the CPU kernels will compile at run time where one is found",
                   file=sys.stderr)

@@ -26,7 +26,6 @@ import ctypes
 import hashlib
 import os
 import platform
-import shutil
 import tempfile
 
 import torch
@@ -153,7 +152,7 @@ def _build() -> ctypes.CDLL | None:
 
 def _compile_at_run_time(isa: str) -> tuple[ctypes.CDLL | None, str]:
     """(the library compiled for `isa` into the cache, or None; why not)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = build.find_compiler()
     if cc is None:
         return None, "no C compiler found and no library built at install time for these sources (install gcc, or " \
                      "set CC)"

@@ -13,6 +13,7 @@ import glob
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 
@@ -39,6 +40,11 @@ for _name, _needs, _flags in _ISA_STEPS:
 
 def is_x86() -> bool:
     return platform.machine() in ("x86_64", "AMD64")
+
+
+def find_compiler() -> str | None:
+    """The C compiler: $CC, else cc or gcc on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 def variant_flags(isa: str) -> list[str]:
