@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardlm.utils import cut_marker_length
+
 
 @dataclass(frozen=True)
 class ReasoningParser:
@@ -67,7 +69,7 @@ class ReasoningStream:
         if self.in_reasoning:
             end = self.text.find(p.end, self.sent)
             if end < 0:
-                keep = 0 if final else _partial_suffix(self.text, p.end)
+                keep = 0 if final else cut_marker_length(self.text, p.end)
                 upto = len(self.text) - keep
                 if upto > self.sent:
                     out.append(("reasoning", self.text[self.sent:upto]))
@@ -80,11 +82,3 @@ class ReasoningStream:
             out.append(("content", self.text[self.sent:]))
             self.sent = len(self.text)
         return out
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of text that begins marker."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0

@@ -71,3 +71,12 @@ def die_with_parent() -> None:
         return
     if os.getppid() != parent:
         os._exit(1)
+
+
+def cut_marker_length(text: str, marker: str) -> int:
+    """Length of the longest end of text that begins marker (a marker cut between streamed
+    pieces, held back until it is whole or ruled out); 0 where none."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0

@@ -18,6 +18,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from shardlm.utils import cut_marker_length
+
 
 @dataclass
 class ToolCall:
@@ -38,10 +40,7 @@ class ToolParser:
         start = self.start(text)
         if start is not None:
             return start
-        for k in range(min(len(self.marker), len(text)), 0, -1):      # a marker cut by the stream
-            if self.marker.startswith(text[-k:]):
-                return len(text) - k
-        return len(text)
+        return len(text) - cut_marker_length(text, self.marker)
 
     def calls(self, section: str) -> list[ToolCall]:
         """The tool calls written in section (from the marker on); ValueError if it does not parse."""
