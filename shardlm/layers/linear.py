@@ -85,6 +85,8 @@ class Linear(nn.Module):
         if tuple(q.shape) != tuple(self.weight.shape):
             raise ValueError(f"A quantized tensor of shape {tuple(q.shape)} for a weight of shape "
                              f"{tuple(self.weight.shape)}: the quantized file does not match the config.")
+        # read on the CPU; kept where the activations are (on a GPU, C kernels must not see them)
+        q, scales, mins = (t.to(self.weight.device) for t in (q, scales, mins))
         self.quant = QuantizedWeight(q, scales, mins, bits, self.weight.dtype)
         self.weight = None
 

@@ -60,7 +60,8 @@ class VocabParallelEmbedding(nn.Module):
         real = max(0, min(self.end, self.vocab_size) - self.start)
 
         def mine(t: torch.Tensor) -> torch.Tensor:     # this rank's rows, zero rows for the padding
-            return torch.cat([t[self.start:self.start + real], t.new_zeros(self.rows_per_rank - real, t.shape[1])])
+            rows = torch.cat([t[self.start:self.start + real], t.new_zeros(self.rows_per_rank - real, t.shape[1])])
+            return rows.to(self.weight.device)
         quant = QuantizedWeight(mine(q), mine(scales), mine(mins), bits, self.weight.dtype, measure=False)
         if quant.kernel == "blocked8":
             self.quant, self.weight = quant, None

@@ -136,3 +136,27 @@ def test_server_smoke_on_cuda(tiny_model_dir):
         assert_server_answers_like_llm(url, path)
     finally:
         _stop(proc)
+
+
+@pytest.mark.parametrize("model, quantization", [(None, "gguf"), ("llama-gqa", "int8"), ("llama-gqa", "int4")])
+def test_quantized_layers_on_cuda_give_the_cpu_tokens(model, quantization, tiny_model_dir, hf):
+    """Quantized linears on CUDA (the default model's GGUF blocks, int8 and int4 quantized at load):
+    the weights go to the GPU with the model (never read there by a CPU kernel) and give the CPU's
+    tokens, parting only at near-ties (the CPU's 4-bit products round activations to int16)."""
+    path = None if model is None else tiny_model_dir(model)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(path, dtype="float32", device=device, quantization=quantization, max_model_len=256,
+                  kv_cache_memory="64MiB", gpu_memory_utilization=0.3, distributed_executor_backend="uni")
+        try:
+            if device == "cuda":
+                assert set(llm.collective_rpc("quantized_kernels")[0]) == {"none"}   # dequantize + matmul
+            outputs[device] = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+    cpu = [(o.outputs[0].token_ids, hf.top5_sets(o.outputs[0])) for o in outputs["cpu"]]
+    exact = hf.assert_close(cpu, outputs["cuda"], f"{quantization} on cuda")
+    margins = hf.divergence_margins(cpu, outputs["cuda"])
+    assert exact >= 2 and max(margins, default=0) <= 0.05, (exact, margins)
