@@ -204,12 +204,32 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """--enable-lora: adapters served beside the base model (shardlm/lora/)."""
+    max_loras: int = 1               # adapters in one step (device slots per LoRA layer)
+    max_lora_rank: int = 16          # the largest rank an adapter may have (slots are this wide)
+    max_cpu_loras: int | None = None     # adapters kept read in CPU memory; None: max_loras
+
+    def __post_init__(self):
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer.")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}: the "
+                             "adapters of a step are kept in CPU memory too.")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: torch.device
+    lora: LoRAConfig | None = None           # None: --enable-lora is off
 
     @property
     def dp_lockstep(self) -> bool:

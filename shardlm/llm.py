@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from shardlm.engine.arg_utils import EngineArgs
 from shardlm.engine.llm_engine import LLMEngine
 from shardlm.engine.processor import split_prompt
+from shardlm.lora.request import LoRARequest
 from shardlm.outputs import RequestOutput
 from shardlm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -35,8 +36,10 @@ class LLM:
         return self.engine.default_sampling_params()
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Prompts: a string, a list of token ids, {"prompt": ...} / {"prompt_token_ids": ...}, or a list of these."""
+                 | None = None, use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Prompts: a string, a list of token ids, {"prompt": ...} / {"prompt_token_ids": ...}, or a list of these.
+        lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
         items = _normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -44,14 +47,17 @@ class LLM:
         if len(params) != len(items):
             raise ValueError(f"Got {len(items)} prompts but {len(params)} sampling params: give one, or one per "
                              "prompt.")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(items)
+        if len(loras) != len(items):
+            raise ValueError(f"Got {len(items)} prompts but {len(loras)} LoRA requests: give one, or one per prompt.")
         ids = []
         try:
-            for prompt, sp in zip(items, params):
+            for prompt, sp, lora in zip(items, params, loras):
                 rid = str(next(self._counter))
                 # generate() returns whole outputs
                 if isinstance(sp, SamplingParams) and sp.output_kind != RequestOutputKind.FINAL_ONLY:
                     sp = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                self.engine.add_request(rid, prompt, sp)
+                self.engine.add_request(rid, prompt, sp, lora_request=lora)
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)
@@ -94,6 +100,18 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[r] for r in request_ids]
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read a LoRA adapter on every worker ahead of its first request."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drop an adapter from the workers' memory (a later request naming it reads it again)."""
+        return self.engine.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters the workers hold read."""
+        return self.engine.list_loras()
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()

@@ -2,7 +2,7 @@
 
 Plain msgspec structs of ints, floats, strings and lists (never pickle), so any transport (a
 pipe, a shared-memory queue, a Ray call, a socket) carries them as msgpack bytes. This module
-imports nothing of shardlm but SamplingParams, so every layer may use it.
+imports nothing of shardlm but SamplingParams and LoRARequest, so every layer may use it.
 
 Three conversations:
 
@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from shardlm.lora.request import LoRARequest
 from shardlm.sampling_params import SamplingParams
 
 
@@ -30,6 +31,7 @@ class NewRequestData(msgspec.Struct):
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    lora_request: LoRARequest | None = None
 
 
 class ScheduledChunk(msgspec.Struct):
@@ -78,6 +80,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    lora_request: LoRARequest | None = None
 
 
 class EngineCoreOutput(msgspec.Struct):

@@ -46,7 +46,8 @@ class EngineCore:
         self._check_kv_capacity(num_blocks)
         self.executor.initialize_cache(num_blocks)
         self.max_in_flight = self.executor.max_concurrent_batches
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_in_flight)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_in_flight,
+                                   config.lora.max_loras if config.lora is not None else 0)
         self.batch_queue: deque = deque()      # (scheduler output, wait for its result), oldest first
         self.wave = Wave() if config.dp_lockstep else None     # DP + EP: replicas step together
         self.structured_outputs: StructuredOutputManager | None = None     # made at the first constrained request
@@ -79,8 +80,11 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> int | None:
         """-> the lock-step wave this request started (the other replicas must join it), or None."""
         m = self.config.model
+        if req.lora_request is not None and self.config.lora is None:
+            raise ValueError("A request names a LoRA adapter, but LoRA is off: start the engine with enable_lora=True "
+                             "(--enable-lora).")
         request = Request(req.request_id, req.prompt_token_ids, req.params, m.eos_token_ids, m.max_model_len,
-                          self.config.cache.block_size, req.arrival_time)
+                          self.config.cache.block_size, req.arrival_time, req.lora_request)
         if req.params.structured_outputs is not None:
             if self.structured_outputs is None:
                 self.structured_outputs = StructuredOutputManager(m.tokenizer, m.vocab_size, m.reasoning_parser)
@@ -179,6 +183,7 @@ class EngineCore:
                 "prefix_cache_hits": self.scheduler.kv.prefix_hits,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_aborted": self.scheduler.num_aborted,
+                **self.scheduler.lora_stats(),
                 **({"expert_load": self.expert_load()} if self.config.model.num_experts else {})}
 
     def expert_load(self) -> dict[str, list[int]]:

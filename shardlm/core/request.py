@@ -8,6 +8,7 @@ import os
 import time
 from array import array
 
+from shardlm.lora.request import LoRARequest
 from shardlm.sampling_params import SamplingParams
 
 # A secret per process: nobody outside can craft a prompt whose blocks collide with another
@@ -30,7 +31,8 @@ class RequestStatus(enum.Enum):
 
 
 def hash_block_tokens(parent_hash: bytes | None, tokens: tuple[int, ...]) -> bytes:
-    """Prefix-cache key of one full block: depends on every token before it through the chain.
+    """Prefix-cache key of one full block: depends on every token before it through the chain
+    (the first block's parent is the request's cache salt, e.g. its LoRA adapter's).
     Keyed BLAKE2b (128 bits) over the parent's key and the tokens."""
     h = hashlib.blake2b(parent_hash or b"", key=_PREFIX_HASH_KEY, digest_size=16)
     h.update(array("q", tokens).tobytes())
@@ -40,7 +42,7 @@ def hash_block_tokens(parent_hash: bytes | None, tokens: tuple[int, ...]) -> byt
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: list[int], max_model_len: int, block_size: int,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, lora_request: LoRARequest | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -59,6 +61,9 @@ class Request:
             raise ValueError(f"max_tokens={sampling_params.max_tokens} exceeds the {room} tokens left in the context")
         self.max_tokens = room if sampling_params.max_tokens is None else sampling_params.max_tokens
         self.block_size = block_size
+        self.lora_request = lora_request
+        self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
+        self._cache_salt = lora_request.cache_salt if lora_request is not None else None
         self.block_hashes: list[int] = []
         self._update_block_hashes()
         self.grammar = None              # structured outputs: a Future of the request's matcher
@@ -90,7 +95,7 @@ class Request:
         bs = self.block_size
         while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
             i = len(self.block_hashes)
-            parent = self.block_hashes[-1] if i else None
+            parent = self.block_hashes[-1] if i else self._cache_salt
             self.block_hashes.append(hash_block_tokens(parent, tuple(self.all_token_ids[i * bs:(i + 1) * bs])))
 
     def check_stop(self) -> bool:

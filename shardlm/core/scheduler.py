@@ -28,9 +28,11 @@ logger = init_logger(__name__)
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 pipeline_depth: int = 1):
-        """pipeline_depth: batches in flight at once (the number of pipeline stages)."""
+                 pipeline_depth: int = 1, max_loras: int = 0):
+        """pipeline_depth: batches in flight at once (the number of pipeline stages); max_loras:
+        LoRA adapters the running requests may use at once (0: LoRA is off)."""
         self.config = config
+        self.max_loras = max_loras
         self.pipeline_depth = pipeline_depth
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
@@ -111,11 +113,13 @@ class Scheduler:
 
         # after a preemption the cache is full: admit nobody new this step
         admit = self.num_preemptions == num_preempted_before
-        skipped = 0         # requests at the head of the queue whose constraint is still compiling
+        skipped = 0         # requests at the head of the queue that wait (constraint compiling, adapter limit)
+        adapters = self.running_adapters()
         while (admit and skipped < len(self.waiting) and budget > 0
                and len(self.running) < self.config.max_num_seqs and len(chunks) < seq_cap):
             request = self.waiting[skipped]
-            if request.waiting_for_grammar:      # the requests behind it go first
+            if request.waiting_for_grammar or (      # the requests behind it go first
+                    request.lora_int_id and request.lora_int_id not in adapters and len(adapters) >= self.max_loras):
                 skipped += 1
                 continue
             if request.grammar is not None and request.grammar.exception() is not None:
@@ -131,10 +135,12 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.lora_int_id:
+                adapters.add(request.lora_int_id)
             if request.request_id not in self._known_to_workers:
                 self._known_to_workers.add(request.request_id)
                 new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
-                                                   request.sampling_params))
+                                                   request.sampling_params, request.lora_request))
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
 
@@ -143,6 +149,19 @@ class Scheduler:
             finished, self._finished_since_last_step = self._finished_since_last_step, []
         self.in_flight.update(c.req_id for c in chunks)
         return SchedulerOutput(chunks, new_requests, finished)
+
+    def running_adapters(self) -> set[int]:
+        """The LoRA adapters of the running requests: at most max_loras (each holds a device slot)."""
+        return {r.lora_int_id for r in self.running if r.lora_int_id}
+
+    def lora_stats(self) -> dict:
+        """vLLM's lora_requests_info: the adapters of running and of waiting requests, by name."""
+        if not self.max_loras:
+            return {}
+        def names(requests):
+            return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
+        return {"max_lora": self.max_loras, "running_lora_adapters": names(self.running),
+                "waiting_lora_adapters": names(self.waiting)}
 
     def _fail_grammar(self, request: Request) -> None:
         """Its constraint did not compile here (the front end checks it first, so rarely): it ends

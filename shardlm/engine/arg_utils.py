@@ -18,6 +18,7 @@ import torch
 from shardlm.config import (
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     QuantizationConfig,
@@ -178,6 +179,19 @@ class EngineArgs:
         None, "model",
         "structured outputs, as JSON: {\"backend\": \"auto\"} (auto or guidance: llguidance), "
         "\"reasoning_parser\" as --reasoning-parser")
+    enable_lora: bool = knob(
+        False, "lora",
+        "serve LoRA adapters (PEFT format) beside the base model: requests name one with "
+        "lora_request offline, or by model name in the server (--lora-modules)")
+    max_loras: int = knob(
+        1, "lora",
+        "LoRA adapters that can run in one step (each takes a slot in every adapted layer)")
+    max_lora_rank: int = knob(
+        16, "lora",
+        "the largest LoRA rank served; adapters of higher rank are refused")
+    max_cpu_loras: int | None = knob(
+        None, "lora",
+        "LoRA adapters kept read in CPU memory, ready to be swapped into a slot (default: max_loras)")
     reasoning_parser: str | None = knob(
         None, "model",
         "how this reasoning model marks its thinking: deepseek_r1 or qwen3 (<think>...</think>); the "
@@ -226,7 +240,9 @@ class EngineArgs:
         cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
         scheduler = SchedulerConfig(
             self.max_num_seqs, self.max_num_batched_tokens or max(8192, self.max_num_seqs), max_model_len)
-        config = EngineConfig(model_cfg, cache, scheduler, parallel, device)
+        lora = LoRAConfig(**{k: v for k, v in self.landing_in("lora").items() if k != "enable_lora"}) \
+            if self.enable_lora else None
+        config = EngineConfig(model_cfg, cache, scheduler, parallel, device, lora)
         check_parallel_layout(config)
         check_fits(config)   # before any weights are loaded
         return config

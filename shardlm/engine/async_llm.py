@@ -26,6 +26,7 @@ from shardlm.engine.core_client import AsyncMPClient, EngineDeadError
 from shardlm.engine.output_processor import OutputProcessor
 from shardlm.engine.processor import InputProcessor, load_tokenizer
 from shardlm.logger import init_logger
+from shardlm.lora.request import LoRARequest
 from shardlm.outputs import RequestOutput
 from shardlm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -114,7 +115,7 @@ class AsyncLLM:
 
     # ---- requests ----
     def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams,
-                 request_id: str) -> AsyncIterator[RequestOutput]:
+                 request_id: str, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Check the request and send it to the engine core now (bad input raises here, before a
         caller starts any response), then stream its outputs as the returned iterator is read.
         prompt: a string, a list of token ids, or {"prompt": ..., "prompt_token_ids": ...}.
@@ -123,7 +124,7 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_reason)
         if request_id in self._collectors:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        parent, requests = self.processor.process(request_id, prompt, sampling_params)
+        parent, requests = self.processor.process(request_id, prompt, sampling_params, lora_request=lora_request)
         parent.collector = collector = RequestOutputCollector(sampling_params.output_kind)
         self._collectors[request_id] = collector
         self.output_processor.add_request(parent, [r.request_id for r in requests], [r.params for r in requests])
@@ -189,6 +190,14 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.call_utility_async("reset_prefix_cache")
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check the adapter and read it on every worker, ahead of its first request."""
+        await asyncio.to_thread(self.processor.check_lora, lora_request)
+        return all(await self.collective_rpc("add_lora", (lora_request,)))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return any(await self.collective_rpc("remove_lora", (lora_id,)))
 
     async def collective_rpc(self, method: str, args: tuple = ()) -> list:
         return await self.engine_core.call_utility_async("collective_rpc", method, list(args))

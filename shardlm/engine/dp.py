@@ -163,6 +163,10 @@ def combine_stats(per_engine: list[dict]) -> dict:
     total["kv_cache_usage"] = sum(s["kv_cache_usage"] for s in per_engine) / len(per_engine)
     queries = total["prefix_cache_queries"]
     total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else 0.0
+    if "max_lora" in per_engine[0]:               # LoRA: the adapters in use on any replica
+        total["max_lora"] = per_engine[0]["max_lora"]
+        for key in ("running_lora_adapters", "waiting_lora_adapters"):
+            total[key] = sorted({name for s in per_engine for name in s[key]})
     if "expert_load" in per_engine[0]:            # tokens per expert, per MoE layer: summed over replicas
         total["expert_load"] = {layer: [sum(c) for c in zip(*(s["expert_load"][layer] for s in per_engine))]
                                 for layer in per_engine[0]["expert_load"]}

@@ -13,6 +13,7 @@ from shardlm.engine.core_client import EngineCoreClient, EngineDeadError, make_c
 from shardlm.engine.output_processor import OutputProcessor
 from shardlm.engine.processor import InputProcessor, load_tokenizer
 from shardlm.logger import init_logger
+from shardlm.lora.request import LoRARequest
 from shardlm.outputs import RequestOutput
 from shardlm.sampling_params import SamplingParams
 
@@ -43,9 +44,10 @@ class LLMEngine:
     def default_sampling_params(self) -> SamplingParams:
         return self.processor.default_sampling_params()
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams, arrival_time: float | None = None) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """prompt: a string, a list of token ids, or {"prompt": ..., "prompt_token_ids": ...}."""
-        parent, requests = self.processor.process(request_id, prompt, params, arrival_time)
+        parent, requests = self.processor.process(request_id, prompt, params, arrival_time, lora_request)
         self.output_processor.add_request(parent, [r.request_id for r in requests], [r.params for r in requests])
         for r in requests:
             self.engine_core.add_request(r)
@@ -70,6 +72,17 @@ class LLMEngine:
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         """Call `method` on every worker; one result per rank."""
         return self.engine_core.call_utility("collective_rpc", method, list(args))
+
+    # ---- LoRA adapters: read ahead of use, dropped, listed (on every worker) ----
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        self.processor.check_lora(lora_request)
+        return all(self.collective_rpc("add_lora", (lora_request,)))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return any(self.collective_rpc("remove_lora", (lora_id,)))
+
+    def list_loras(self) -> set[int]:
+        return set(self.collective_rpc("list_loras")[0])
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.call_utility("reset_prefix_cache")

@@ -12,7 +12,10 @@ import time
 
 from shardlm.config import EngineConfig
 from shardlm.engine.output_processor import ParentRequest
+from shardlm.lora.peft import read_adapter
+from shardlm.lora.request import LoRARequest
 from shardlm.messages import EngineCoreRequest
+from shardlm.model_loader import hub
 from shardlm.outputs import RequestMetrics
 from shardlm.sampling_params import SamplingParams
 from shardlm.structured_output.grammar import GrammarCompiler
@@ -56,6 +59,7 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
         self._grammars: GrammarCompiler | None = None     # checks constraints; made at the first one
+        self._checked_loras: set[tuple[int, str]] = set()   # adapters read and found servable
 
     def default_sampling_params(self) -> SamplingParams:
         gen = self.config.model.generation_defaults
@@ -64,9 +68,11 @@ class InputProcessor:
             values["temperature"] = 0.0
         return SamplingParams(**values)
 
-    def process(self, request_id: str, prompt, params: SamplingParams, arrival_time: float | None = None
-                ) -> tuple[ParentRequest, list[EngineCoreRequest]]:
+    def process(self, request_id: str, prompt, params: SamplingParams, arrival_time: float | None = None,
+                lora_request: LoRARequest | None = None) -> tuple[ParentRequest, list[EngineCoreRequest]]:
         """-> the request as the output processor tracks it, and its n engine-core requests."""
+        if lora_request is not None:
+            self.check_lora(lora_request)
         text, prompt_token_ids = split_prompt(prompt)
         if prompt_token_ids is None:
             if not isinstance(text, str):
@@ -84,11 +90,27 @@ class InputProcessor:
         arrival_time = arrival_time or time.time()
         parent = ParentRequest(request_id, text, prompt_token_ids, params, RequestMetrics(arrival_time))
         if params.n == 1:
-            return parent, [EngineCoreRequest(request_id, prompt_token_ids, params, arrival_time)]
+            return parent, [EngineCoreRequest(request_id, prompt_token_ids, params, arrival_time, lora_request)]
         return parent, [
             EngineCoreRequest(f"{i}_{request_id}", prompt_token_ids,
-                              params.clone(n=1, seed=None if params.seed is None else params.seed + i), arrival_time)
+                              params.clone(n=1, seed=None if params.seed is None else params.seed + i), arrival_time,
+                              lora_request)
             for i in range(params.n)]
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """The adapter can be served: LoRA is on, and the adapter reads and fits the base model
+        (read once per id and path; a ValueError says what is wrong)."""
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, not {type(lora_request).__name__}.")
+        lora = self.config.lora
+        if lora is None:
+            raise ValueError(f"The request names LoRA adapter {lora_request.lora_name!r}, but LoRA is off: start the "
+                             "engine with enable_lora=True (--enable-lora).")
+        key = (lora_request.lora_int_id, lora_request.lora_path)
+        if key not in self._checked_loras:
+            path = hub.local_path(lora_request.lora_path, require_config=False)
+            read_adapter(lora_request.lora_name, path, self.config.model.hf_config, lora.max_lora_rank)
+            self._checked_loras.add(key)
 
     def _validate(self, ids: list[int]) -> None:
         max_len = self.config.model.max_model_len

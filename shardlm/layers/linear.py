@@ -62,9 +62,11 @@ class Linear(nn.Module):
 
     quant: QuantizedWeight | None = None     # set by quantize(): the weight is then None
     cpu_matmul: CpuMatmul | None = None      # on CPU: the weight's layout and kernels (cpu_matmul.py)
+    lora = None                              # with --enable-lora: this layer's adapter slots (lora/layers.py)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features     # this rank's
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         for p in self.parameters():
@@ -103,7 +105,23 @@ class Linear(nn.Module):
         return linear(x, self.weight, bias, self.cpu_matmul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x, self.bias)
+        return self.with_lora(x, self.product(x, self.bias))
+
+    def with_lora(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out plus the step's adapter deltas, where this layer has adapters."""
+        return out if self.lora is None else self.lora.add_to(x, out)
+
+    # ---- LoRA: the shape of this rank's adapter slice (lora/layers.py) ----
+    def lora_dims(self) -> tuple[int, int]:
+        """(in, out) of this rank's part of the layer."""
+        return self.in_features, self.out_features
+
+    def lora_num_shards(self) -> int:
+        return 1
+
+    def lora_slice(self, shard: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This rank's (A, B) of a whole adapter's shard, and the first output row B writes."""
+        return a, b, 0
 
 
 class ColumnParallelLinear(Linear):
@@ -133,6 +151,14 @@ class ColumnParallelLinear(Linear):
         offset, rows, index = shards[0]
         load_slice(param.data.narrow(0, offset, rows), loaded, 0, index * rows, rows)
 
+
+    def lora_num_shards(self) -> int:
+        return len(self.shards)
+
+    def lora_slice(self, shard, a, b):
+        """Column parallel: B's rows of this rank (A is whole on every rank)."""
+        offset, rows, index = self.shards[shard]
+        return a, b[index * rows:(index + 1) * rows], offset
 
     def take_quantized(self, parts: list[tuple]) -> None:
         """parts: (q, scales, mins, bits) of each checkpoint tensor, in shard order; this rank's rows."""
@@ -199,8 +225,13 @@ class RowParallelLinear(Linear):
             row_absmax = self.tp.all_gather(mine, dim=1).amax(1)
         super().quantize(config, row_absmax)
 
+    def lora_slice(self, shard, a, b):
+        """Row parallel: A's columns of this rank (B is whole); the all-reduce sums the partial deltas."""
+        cols = a.shape[1] // self.tp.world_size
+        return a[:, self.tp.rank_in_group * cols:(self.tp.rank_in_group + 1) * cols], b, 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return self.product(x, self.bias)
-        out = self.tp.all_reduce(self.product(x, None))
+            return self.with_lora(x, self.product(x, self.bias))
+        out = self.tp.all_reduce(self.with_lora(x, self.product(x, None)))
         return out + self.bias if self.bias is not None else out

@@ -24,6 +24,7 @@ from shardlm.layers.linear import (
 from shardlm.layers.norm import RMSNorm
 from shardlm.layers.rotary import RotaryEmbedding
 from shardlm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from shardlm.lora import batch as lora_batch
 from shardlm.models.llama_cpu_decode import FusedDecodeLayers
 
 
@@ -129,6 +130,8 @@ class LlamaModel(nn.Module):
     def _fused_decode(self, meta) -> FusedDecodeLayers | None:
         """The one-call decode path of this stage where it applies, built at the first decode step
         (the weights are final and the KV cache bound by then)."""
+        if lora_batch.current() is not None:      # adapters run layer by layer
+            return None
         if self.fused_decode is False:
             if not (hasattr(meta, "buckets") and len(meta.buckets) == 1 and meta.buckets[0].in_order):
                 return None

@@ -50,6 +50,8 @@ def graphs_unavailable_reason(runner) -> str | None:
         return "mixture-of-experts layers"
     if any(getattr(m, "quant", None) is not None for m in runner.model.modules()):
         return "quantized layers"
+    if runner.lora is not None:
+        return "LoRA adapters"
     return None
 
 

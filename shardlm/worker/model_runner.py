@@ -21,6 +21,8 @@ from shardlm.layers.attention import Attention
 from shardlm.layers.moe import FusedMoE, dp_token_counts
 from shardlm.layers.sampler import Sampler, SamplingBatch, TokenBitmask, token_logprobs
 from shardlm.logger import init_logger
+from shardlm.lora import batch as lora_batch
+from shardlm.lora.manager import LoRAManager
 from shardlm.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from shardlm.model_loader.weights import load_model
 from shardlm.planner.layer_placement import stage_layers
@@ -37,6 +39,7 @@ class RequestState:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     generator: torch.Generator | None
+    lora_int_id: int = 0                # its adapter (0: the base model)
     output_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs_done: int = 0       # prompt positions answered (a recompute after preemption skips them)
 
@@ -56,12 +59,16 @@ class ModelRunner:
         self.dp_lockstep = config.dp_lockstep
         self.cuda_graphs: CudaGraphs | None = None
         self.use_cuda_graphs = False
+        self.lora: LoRAManager | None = None
 
     def load_model(self) -> None:
         par = self.config.parallel
         stages = stage_layers(self.config.model, par)
         self.pp, self.tp = get_pp_group(), get_tp_group()
         self.model = load_model(self.config.model, self.device, stages[self.pp.rank_in_group])
+        if self.config.lora is not None:
+            self.lora = LoRAManager(self.model, self.config.lora, self.config.model.hf_config, self.config.model.dtype,
+                                    self.device)
         if self.device.type == "cuda":
             reason = graphs_unavailable_reason(self)
             if reason is None:
@@ -127,7 +134,7 @@ class ModelRunner:
         if not so.chunks:
             return ModelRunnerOutput({})
         input_ids, positions, meta = self._prepare_inputs(so.chunks)
-        with dp_token_counts(self._tokens_per_replica(len(input_ids))):
+        with dp_token_counts(self._tokens_per_replica(len(input_ids))), lora_batch.running(self._lora_batch(so)):
             hidden = self._run_model(input_ids, positions, meta)
         if hidden is None:                  # not the last pipeline stage: sent on
             return None
@@ -167,6 +174,13 @@ class ModelRunner:
         words = np.frombuffer(so.grammar_bitmask, dtype=np.int32).reshape(len(rows), -1)
         return lambda first_token: TokenBitmask(rows, words, first_token)
 
+    def _lora_batch(self, so: SchedulerOutput) -> lora_batch.LoRABatch | None:
+        """Which tokens run on which adapter this step (None: all on the base model)."""
+        if self.lora is None:
+            return None
+        return self.lora.batch([self.requests[c.req_id].lora_int_id for c in so.chunks],
+                               [len(c.token_ids) for c in so.chunks], self.device)
+
     def _greedy_on_vocab_shards(self, states: list[RequestState]) -> bool:
         """TP: every row is a plain argmax (what Sampler does for them), decided from the requests'
         parameters alone so that every rank agrees (only the sampling rank tracks output tokens)."""
@@ -199,7 +213,10 @@ class ModelRunner:
             gen = None
             if sp.seed is not None and not sp.greedy:
                 gen = torch.Generator(device=self.device).manual_seed(sp.seed)
-            self.requests[new.req_id] = RequestState(new.prompt_token_ids, sp, gen)
+            lora = new.lora_request
+            if lora is not None:
+                self.lora.register(lora)
+            self.requests[new.req_id] = RequestState(new.prompt_token_ids, sp, gen, lora.lora_int_id if lora else 0)
 
     def _prepare_inputs(self, chunks: list[ScheduledChunk]):
         """Token ids, positions and the attention metadata of the step's tokens, in chunk order."""

@@ -12,6 +12,7 @@ import torch
 from shardlm.config import EngineConfig, format_bytes
 from shardlm.distributed import parallel_state
 from shardlm.logger import init_logger
+from shardlm.lora.request import LoRARequest
 from shardlm.messages import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 from shardlm.sampling_params import SamplingParams
 from shardlm.worker.cpu_binding import apply_binding, binding_for_rank
@@ -112,6 +113,17 @@ class Worker:
             if getattr(m, "quant", None) is not None:
                 counts[m.quant.kernel or "none"] = counts.get(m.quant.kernel or "none", 0) + 1
         return counts
+
+    # ---- LoRA adapters (LLM.add_lora / remove_lora / list_loras) ----
+    def add_lora(self, request: LoRARequest | dict) -> bool:
+        """request: a LoRARequest, or its fields (as a utility call carries it between processes)."""
+        return self.runner.lora.add_lora(request if isinstance(request, LoRARequest) else LoRARequest(**request))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.runner.lora.remove_lora(lora_id)
+
+    def list_loras(self) -> list[int]:
+        return self.runner.lora.list_loras()
 
     def set_enforce_eager(self, on: bool) -> None:
         self.runner.set_enforce_eager(on)

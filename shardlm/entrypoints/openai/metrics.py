@@ -43,6 +43,9 @@ class ServerMetrics:
                                    "MoE models: tokens routed to each expert so far, per MoE layer (an uneven "
                                    "spread is what expert parallel placement is tuned for)",
                                    per_engine + ["layer", "expert"], registry=r)
+        # vLLM's lora_requests_info: one series, its labels the adapters in use, its value the time
+        self.lora_info = Gauge("shardlm:lora_requests_info", "LoRA adapters of running and waiting requests",
+                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
         self.prompt_tokens = Counter("shardlm:prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
         self.generation_tokens = Counter("shardlm:generation_tokens", "Generated tokens of finished requests", labels,
                                          registry=r)
@@ -75,6 +78,10 @@ class ServerMetrics:
             for engine, values in [("all", stats), *((str(e["engine"]), e) for e in stats.get("engines", []))]:
                 for key, gauge in self.engine_gauges.items():
                     gauge.labels(engine=engine, **self.labels).set(values[key])
+                if engine == "all" and "max_lora" in values:
+                    self.lora_info.clear()
+                    self.lora_info.labels(str(values["max_lora"]), ",".join(values["running_lora_adapters"]),
+                                          ",".join(values["waiting_lora_adapters"])).set_to_current_time()
                 for layer, counts in values.get("expert_load", {}).items():
                     for expert, n in enumerate(counts):
                         self.expert_tokens.labels(engine=engine, layer=layer, expert=str(expert), **self.labels).set(n)

@@ -1,0 +1,58 @@
+"""A linear layer's LoRA slots on the device, and the grouped product that adds the adapters'
+deltas to its output.
+
+Each slot holds one adapter's A and B for this layer, as this rank's slice: a merged layer
+(qkv_proj, gate_up_proj) has one A per shard stacked ([shards x max_rank, in]) and B
+block-diagonal ([out, shards x max_rank]), so one adapter costs two matmuls however many of its
+projections it targets. Ranks below max_rank are zero-padded.
+
+Per step, the tokens of each adapter form a group: delta = (x[g] A^T) B^T, added to out[g]
+(Punica's and S-LoRA's segmented product, with torch's matmuls: on CPU they beat a padded
+batched matmul, measured in docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardlm.lora import batch as lora_batch
+
+
+class LoRASlots:
+    def __init__(self, layer, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device):
+        self.layer = layer
+        self.max_rank = max_rank
+        in_features, out_features = layer.lora_dims()
+        width = layer.lora_num_shards() * max_rank
+        self.a = torch.zeros(num_slots, width, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, out_features, width, dtype=dtype, device=device)
+
+    def nbytes(self) -> int:
+        return self.a.nbytes + self.b.nbytes
+
+    def set(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put one adapter's weights for this layer in `slot`: parts = {shard: (A, B)}, whole
+        (this rank's slice is cut here); shards it does not target stay zero."""
+        self.clear(slot)
+        for shard, (a, b) in parts.items():
+            a, b, out_offset = self.layer.lora_slice(shard, a, b)
+            cols = slice(shard * self.max_rank, shard * self.max_rank + a.shape[0])
+            self.a[slot, cols] = a.to(self.a.dtype)
+            self.b[slot, out_offset:out_offset + b.shape[0], cols] = b.to(self.b.dtype)
+
+    def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+
+    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out += each token's adapter delta (tokens of the base model get none)."""
+        batch = lora_batch.current()
+        if batch is None:
+            return out
+        x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+        if batch.whole is not None:
+            out2.addmm_(x2 @ self.a[batch.whole].t(), self.b[batch.whole].t())
+            return out
+        for slot, rows in batch.groups:
+            out2.index_add_(0, rows, (x2.index_select(0, rows) @ self.a[slot].t()) @ self.b[slot].t())
+        return out

@@ -1,0 +1,170 @@
+"""Reading a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) and checking it
+against the base model: every error says what is wrong with the adapter.
+
+PEFT names a weight base_model.model.model.layers.{i}.{self_attn|mlp}.{q_proj|...}.lora_{A|B}.weight;
+A is [r, in], B is [out, r], and the layer computes W x + scaling * B A x with scaling = lora_alpha / r
+(lora_alpha / sqrt(r) with rsLoRA; rank_pattern and alpha_pattern override r and alpha per module).
+shardlm merges q/k/v into qkv_proj and gate/up into gate_up_proj: each becomes one shard of those.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+# PEFT's module name -> (shardlm's module under the decoder layer, shard of it)
+TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+           "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
+           "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
+           "down_proj": ("mlp.down_proj", 0)}
+_WEIGHT = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+@dataclass
+class LoRAAdapter:
+    """An adapter's weights on the CPU in float32: (layer, module) -> {shard: (A [r, in], B [out, r])},
+    B already multiplied by the module's scaling."""
+    name: str
+    rank: int                      # the largest of its modules' ranks
+    weights: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]]
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for parts in self.weights.values() for a, b in parts.values())
+
+
+def target_shapes(hf_config) -> dict[str, tuple[int, int]]:
+    """(in, out) of each PEFT target module in the base model, whole (before tensor parallel)."""
+    c = hf_config
+    heads = c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    hidden, inter = c.hidden_size, getattr(c, "intermediate_size", None)
+    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv * head_dim), "v_proj": (hidden, kv * head_dim),
+            "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden)}
+
+
+def read_adapter(name: str, path: str, hf_config, max_lora_rank: int) -> LoRAAdapter:
+    """The adapter in directory `path`, checked against the base model's config; ValueError with
+    what to do where it cannot be served."""
+    config = _read_config(name, path)
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"LoRA adapter {name!r}: adapter_config.json has r={rank!r}; it must be a positive integer.")
+    rslora = bool(config.get("use_rslora"))
+    ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    tensors = _read_tensors(name, path)
+    shapes, layers = target_shapes(hf_config), hf_config.num_hidden_layers
+    moe = bool(getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None))
+    found: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _WEIGHT.match(key)
+        if m is None:
+            raise ValueError(f"LoRA adapter {name!r} has a weight shardlm cannot apply: {key!r}. shardlm serves LoRA "
+                             f"on the attention and MLP projections ({', '.join(TARGETS)}), not on embeddings, the LM "
+                             "head or extra trained modules (modules_to_save).")
+        layer, block, module, which = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        if module not in TARGETS or TARGETS[module][0].split(".")[0] != block:
+            model = (getattr(hf_config, "architectures", None) or ["the base model"])[0]
+            raise ValueError(f"LoRA adapter {name!r} targets {block}.{module}, which does not exist in {model}: its "
+                             f"projections are {', '.join(TARGETS)}.")
+        if moe and block == "mlp":
+            raise ValueError(f"LoRA adapter {name!r} targets the MLP of a mixture-of-experts model: shardlm applies "
+                             "LoRA to its attention projections only.")
+        if layer >= layers:
+            raise ValueError(f"LoRA adapter {name!r} has weights for layer {layer}, but the base model has {layers} "
+                             "layers: it was trained for another base model.")
+        found.setdefault((layer, block, module), {})[which] = tensor
+    if not found:
+        raise ValueError(f"LoRA adapter {name!r} holds no LoRA weights in {WEIGHTS_FILE}.")
+    weights: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    largest = 0
+    for (layer, block, module), pair in sorted(found.items()):
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has lora_{'A' if 'B' in pair else 'B'} "
+                             "missing; the file is incomplete.")
+        a, b = pair["A"].float(), pair["B"].float()
+        full = f"model.layers.{layer}.{block}.{module}"
+        r = _pattern_value(ranks, full, rank)
+        in_features, out_features = shapes[module]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise ValueError(f"LoRA adapter {name!r}: {full} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
+                             "which do not form a product B A; the file is corrupt.")
+        if a.shape[1] != in_features or b.shape[0] != out_features:
+            raise ValueError(f"LoRA adapter {name!r}: {full} is {b.shape[0]} x {a.shape[1]} in the adapter but "
+                             f"{out_features} x {in_features} in the base model: the adapter was trained for another "
+                             f"base model{_base_of(config)}.")
+        if a.shape[0] > max_lora_rank:
+            raise ValueError(f"LoRA adapter {name!r} has rank {a.shape[0]} ({full}), above max_lora_rank="
+                             f"{max_lora_rank}: start the engine with --max-lora-rank {_next_rank(a.shape[0])} or "
+                             "more.")
+        scaling = _pattern_value(alphas, full, alpha if alpha is not None else r) / (math.sqrt(r) if rslora else r)
+        target, shard = TARGETS[module]
+        weights.setdefault((layer, target), {})[shard] = (a.contiguous(), (b * scaling).contiguous())
+        largest = max(largest, a.shape[0])
+    return LoRAAdapter(name, largest, weights)
+
+
+def _read_config(name: str, path: str) -> dict:
+    file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(file):
+        raise ValueError(f"LoRA adapter {name!r}: {path!r} has no {CONFIG_FILE}; give the directory PEFT's "
+                         "save_pretrained wrote (adapter_config.json + adapter_model.safetensors), or its hub id.")
+    try:
+        with open(file) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"LoRA adapter {name!r}: cannot read {file}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter {name!r}: {file} is not a JSON object.")
+    kind = config.get("peft_type", "LORA")
+    if str(kind).upper() != "LORA":
+        raise ValueError(f"LoRA adapter {name!r} is a PEFT {kind} adapter; shardlm serves LORA adapters.")
+    if config.get("use_dora"):
+        raise ValueError(f"LoRA adapter {name!r} is a DoRA adapter (use_dora), which shardlm does not serve.")
+    if config.get("bias", "none") != "none" or config.get("lora_bias"):
+        raise ValueError(f"LoRA adapter {name!r} trains biases (bias={config.get('bias')!r}); shardlm serves "
+                         "adapters with bias='none'.")
+    if config.get("fan_in_fan_out"):
+        raise ValueError(f"LoRA adapter {name!r} has fan_in_fan_out=true (GPT-2 style Conv1D), which shardlm's "
+                         "models do not have.")
+    return config
+
+
+def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
+    file = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(file):
+        hint = " (it has adapter_model.bin: save it with safe_serialization=True)" if os.path.isfile(
+            os.path.join(path, "adapter_model.bin")) else ""
+        raise ValueError(f"LoRA adapter {name!r}: {path!r} has no {WEIGHTS_FILE}{hint}.")
+    from safetensors.torch import load_file
+    try:
+        return load_file(file)
+    except Exception as e:       # safetensors raises its own error types for a damaged file
+        raise ValueError(f"LoRA adapter {name!r}: {file} cannot be read ({type(e).__name__}: {e}); the file is "
+                         "corrupt or not safetensors.") from None
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's rank_pattern / alpha_pattern: the value of the first key that matches the end of the
+    module's name (as a regular expression)."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?{key}$", module):
+            return value
+    return default
+
+
+def _base_of(config: dict) -> str:
+    base = config.get("base_model_name_or_path")
+    return f" ({base})" if base else ""
+
+
+def _next_rank(rank: int) -> int:
+    """vLLM's allowed --max-lora-rank values are powers of two from 8; the smallest that holds `rank`."""
+    return max(8, 1 << (rank - 1).bit_length())
