@@ -70,6 +70,7 @@ class ModelConfig:
     reasoning_parser: str | None = None      # structured outputs constrain what follows the thinking
     # (hub id, revision, download dir) of a model fetched from the hub: Ray nodes fetch it themselves
     hub_source: tuple[str, str | None, str | None] | None = None
+    download_dir: str | None = None          # --download-dir: where hub models and adapters are fetched to
 
     @property
     def num_layers(self) -> int:

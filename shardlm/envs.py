@@ -25,6 +25,11 @@ SHARDLM_WORKER_MULTIPROC_METHOD = os.environ.get("SHARDLM_WORKER_MULTIPROC_METHO
 # every variant testable and measurable on a CPU that has a better one. For torch's own kernels
 # set ATEN_CPU_CAPABILITY (and ONEDNN_MAX_CPU_ISA) too.
 SHARDLM_CPU_ISA = os.environ.get("SHARDLM_CPU_ISA", "native")
+# Set to 1 to let the server's clients load and unload LoRA adapters at run time (POST
+# /v1/load_lora_adapter, /v1/unload_lora_adapter), as VLLM_ALLOW_RUNTIME_LORA_UPDATING does: off by
+# default, since it lets any client make the server read a path of its choosing.
+SHARDLM_ALLOW_RUNTIME_LORA_UPDATING = os.environ.get("SHARDLM_ALLOW_RUNTIME_LORA_UPDATING", "0").lower() not in (
+    "", "0", "false")
 # Set to 1 to make a kernel that cannot be built or loaded an error instead of a logged fallback
 # to torch ops (CI sets it: a compile error must fail the run, not turn into skipped tests).
 SHARDLM_REQUIRE_KERNELS = os.environ.get("SHARDLM_REQUIRE_KERNELS", "0") not in ("", "0")

@@ -236,6 +236,7 @@ class EngineArgs:
                 gguf_source=gguf_source(model),
                 checkpoint=checkpoint_method(getattr(hf_config, "quantization_config", None))),
             enforce_eager=self.enforce_eager, hub_source=_hub_source(self.model, self.revision, self.download_dir),
+            download_dir=self.download_dir,
             reasoning_parser=_reasoning_parser(self.structured_outputs_config, self.reasoning_parser))
         cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
         scheduler = SchedulerConfig(

@@ -108,7 +108,8 @@ class InputProcessor:
                              "engine with enable_lora=True (--enable-lora).")
         key = (lora_request.lora_int_id, lora_request.lora_path)
         if key not in self._checked_loras:
-            path = hub.local_path(lora_request.lora_path, require_config=False)
+            path = hub.local_path(lora_request.lora_path, download_dir=self.config.model.download_dir,
+                                  require_config=False)
             read_adapter(lora_request.lora_name, path, self.config.model.hf_config, lora.max_lora_rank)
             self._checked_loras.add(key)
 

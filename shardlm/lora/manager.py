@@ -28,9 +28,10 @@ _ADAPTED = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.qkv_proj|self_attn\.o
 
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, config: LoRAConfig, hf_config, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, download_dir: str | None = None):
+        """download_dir: where adapters named by hub id are fetched (None: the hub's cache)."""
         from shardlm.layers.linear import Linear
-        self.config, self.hf_config = config, hf_config
+        self.config, self.hf_config, self.download_dir = config, hf_config, download_dir
         self.layers: dict[tuple[int, str], LoRASlots] = {}
         for name, module in model.named_modules():
             m = _ADAPTED.match(name)
@@ -116,7 +117,7 @@ class LoRAManager:
         if request is None:
             raise RuntimeError(f"LoRA adapter id {lora_id} was never named to this worker; a bug in shardlm.")
         from shardlm.model_loader import hub
-        path = hub.local_path(request.lora_path, require_config=False)
+        path = hub.local_path(request.lora_path, download_dir=self.download_dir, require_config=False)
         adapter = read_adapter(request.lora_name, path, self.hf_config, self.config.max_lora_rank)
         adapter.weights = {key: parts for key, parts in adapter.weights.items() if key in self.layers}
         while len(self.cpu) >= self.config.max_cpu_loras:

@@ -67,8 +67,8 @@ class ModelRunner:
         self.pp, self.tp = get_pp_group(), get_tp_group()
         self.model = load_model(self.config.model, self.device, stages[self.pp.rank_in_group])
         if self.config.lora is not None:
-            self.lora = LoRAManager(self.model, self.config.lora, self.config.model.hf_config, self.config.model.dtype,
-                                    self.device)
+            m = self.config.model
+            self.lora = LoRAManager(self.model, self.config.lora, m.hf_config, m.dtype, self.device, m.download_dir)
         if self.device.type == "cuda":
             reason = graphs_unavailable_reason(self)
             if reason is None:

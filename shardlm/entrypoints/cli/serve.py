@@ -28,6 +28,9 @@ def register(sub) -> None:
     from shardlm.entrypoints.openai.tool_parsers import PARSERS
     p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="how this model writes tool calls (with --enable-auto-tool-choice)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters to serve (with --enable-lora), each as name=path or as JSON "
+                        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request's model picks one")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     from shardlm.entrypoints.openai.protocol import RequestLimits
@@ -62,5 +65,10 @@ def run(ns) -> None:
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
         sys.exit("shardlm: error: --enable-auto-tool-choice needs --tool-call-parser NAME (hermes, llama3_json, "
                  "mistral or pythonic: the format this model writes tool calls in).")
+    from shardlm.entrypoints.openai.lora_modules import parse_lora_module
+    try:
+        lora_modules = [parse_lora_module(m) for m in ns.lora_modules or []]
+    except ValueError as e:
+        sys.exit(f"shardlm: error: {e}")
     run_server(engine_args_from(ns), ns.host, ns.port, api_key, chat_template, ns.uvicorn_log_level, limits,
-               ns.metrics_require_key, ns.tool_call_parser if ns.enable_auto_tool_choice else None)
+               ns.metrics_require_key, ns.tool_call_parser if ns.enable_auto_tool_choice else None, lora_modules)

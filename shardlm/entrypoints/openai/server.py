@@ -14,12 +14,13 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import shardlm
+from shardlm import envs
 from shardlm.config import EngineConfig
 from shardlm.engine.arg_utils import EngineArgs
 from shardlm.engine.async_llm import AsyncLLM
@@ -29,12 +30,15 @@ from shardlm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     OpenAIError,
     RequestLimits,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from shardlm.entrypoints.openai.serving import EventStream, OpenAIServing, check_encodable, sse
 from shardlm.logger import init_logger
+from shardlm.lora.request import LoRARequest
 
 logger = init_logger(__name__)
 _OPEN_ROUTES = ("/health", "/metrics", "/version")
@@ -43,7 +47,8 @@ _UNHEALTHY_GRACE_S = 2.0   # how long /health reports 503 after the engine died,
 
 def build_app(config: EngineConfig, api_key: str | None = None, chat_template: str | None = None,
               limits: RequestLimits | None = None, metrics_require_key: bool = False,
-              tool_parser: str | None = None) -> FastAPI:
+              tool_parser: str | None = None, lora_modules: list[LoRARequest] | None = None) -> FastAPI:
+    """lora_modules: --lora-modules, as LoRARequests (their ids are given out here)."""
     limits = limits or RequestLimits()
     open_routes = tuple(r for r in _OPEN_ROUTES if not (metrics_require_key and r == "/metrics"))
     state: dict = {}
@@ -54,6 +59,10 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
         llm = AsyncLLM(config)
         names = [llm.config.model.served_model_name]
         state["llm"], state["serving"] = llm, OpenAIServing(llm, names, chat_template, limits, tool_parser)
+        for module in lora_modules or []:       # each checked and read now: a bad one stops the start
+            lora = state["serving"].loras.new(module.lora_name, module.lora_path, module.base_model_name)
+            await llm.add_lora(lora)
+            state["serving"].loras.add(lora)
         state["metrics"] = metrics = ServerMetrics(names[0])
         llm.on_finished = metrics.observe_finished
         logger.info("Serving %s (dtype %s) after %.1f s", names[0], str(llm.config.model.dtype).replace("torch.", ""),
@@ -128,8 +137,32 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
     async def models():
         serving = state["serving"]
         return {"object": "list", "data": [
-            {"id": n, "object": "model", "created": 0, "owned_by": "shardlm",
-             "max_model_len": serving.max_model_len} for n in serving.model_names]}
+            *({"id": n, "object": "model", "created": 0, "owned_by": "shardlm", "root": n, "parent": None,
+               "max_model_len": serving.max_model_len} for n in serving.model_names),
+            *serving.loras.cards(serving.max_model_len)]}
+
+    if envs.SHARDLM_ALLOW_RUNTIME_LORA_UPDATING:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+            if state["llm"].config.lora is None:
+                raise OpenAIError("LoRA is off: start the server with --enable-lora.", 400, "lora_name")
+            loras = state["serving"].loras
+            try:
+                lora = loras.new(req.lora_name, req.lora_path, req.base_model_name)
+                await state["llm"].add_lora(lora)
+            except ValueError as e:
+                raise OpenAIError(str(e), 400, "lora_path") from e
+            loras.add(lora)
+            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+            lora = state["serving"].loras.remove(req.lora_name)
+            if lora is None:
+                raise OpenAIError(f"The LoRA adapter '{req.lora_name}' is not loaded.", 404, "lora_name",
+                                  "NotFoundError")
+            await state["llm"].remove_lora(lora.lora_int_id)
+            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     async def respond(request: Request, handler):
         """A whole response, cancelled (its request aborted) if the client goes away first; or a
@@ -266,9 +299,12 @@ class BodySizeLimit:
 
 def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | None = None,
                chat_template: str | None = None, log_level: str = "info", limits: RequestLimits | None = None,
-               metrics_require_key: bool = False, tool_parser: str | None = None) -> None:
+               metrics_require_key: bool = False, tool_parser: str | None = None,
+               lora_modules: list[LoRARequest] | None = None) -> None:
     config = engine_args.create_engine_config()   # bad settings fail here, plainly, before any process starts
-    app = build_app(config, api_key, chat_template, limits, metrics_require_key, tool_parser)
+    if lora_modules and config.lora is None:
+        raise ValueError("--lora-modules needs --enable-lora.")
+    app = build_app(config, api_key, chat_template, limits, metrics_require_key, tool_parser, lora_modules)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
     failed = {}
 

@@ -16,8 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 from shardlm.engine.async_llm import AsyncLLM
 from shardlm.engine.processor import check_max_tokens
 from shardlm.entrypoints.openai import tools
+from shardlm.entrypoints.openai.lora_modules import LoRAModules
 from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, RequestLimits
 from shardlm.entrypoints.openai.tool_parsers import get_parser
+from shardlm.lora.request import LoRARequest
 from shardlm.outputs import Logprob, RequestOutput
 from shardlm.reasoning import get_reasoning_parser
 from shardlm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -85,6 +87,7 @@ class OpenAIServing:
                  limits: RequestLimits | None = None, tool_parser: str | None = None):
         """tool_parser: the --tool-call-parser that reads tool_choice "auto" outputs (None: auto is off)."""
         self.llm = llm
+        self.loras = LoRAModules(served_model_names[0])      # adapters a request's model may name
         self.tool_parser = get_parser(tool_parser) if tool_parser else None
         reasoning = llm.config.model.reasoning_parser
         self.reasoning = get_reasoning_parser(reasoning) if reasoning else None
@@ -97,10 +100,18 @@ class OpenAIServing:
 
     # ---- shared ----
     def check_model(self, name: str | None) -> str:
+        return self.resolve_model(name)[0]
+
+    def resolve_model(self, name: str | None) -> tuple[str, LoRARequest | None]:
+        """The model a request names: (its name, its LoRA adapter or None for the base model)."""
+        lora = self.loras.get(name) if name is not None else None
+        if lora is not None:
+            return name, lora
         if name is not None and name not in self.model_names:
-            raise OpenAIError(f"The model `{name}` does not exist. Served: {', '.join(self.model_names)}.", 404,
+            served = [*self.model_names, *self.loras.adapters]
+            raise OpenAIError(f"The model `{name}` does not exist. Served: {', '.join(served)}.", 404,
                               "model", "NotFoundError")
-        return self.model_names[0]
+        return self.model_names[0], None
 
     def check_request(self, req) -> None:
         """Fields this server does not implement, and what a request may ask for (RequestLimits)."""
@@ -153,8 +164,8 @@ class OpenAIServing:
         the GIL), so other clients' streams go on meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
-    def _generate(self, requests: list[tuple[list[int], str | None, SamplingParams, str]]
-                  ) -> list[AsyncIterator[RequestOutput]]:
+    def _generate(self, requests: list[tuple[list[int], str | None, SamplingParams, str]],
+                  lora: LoRARequest | None = None) -> list[AsyncIterator[RequestOutput]]:
         """Add every request to the engine now, checked before any response starts (so a stream
         never breaks on bad input): all of them, or none (those added are aborted). Admission is
         decided here, with no await between the check and the adds."""
@@ -165,7 +176,8 @@ class OpenAIServing:
         streams = []
         try:
             for prompt_ids, text, params, rid in requests:
-                streams.append(self.llm.generate({"prompt": text, "prompt_token_ids": prompt_ids}, params, rid))
+                streams.append(self.llm.generate({"prompt": text, "prompt_token_ids": prompt_ids}, params, rid,
+                                                 lora_request=lora))
         except BaseException as e:
             for _, _, _, rid in requests[:len(streams)]:
                 self.llm.abort(rid)
@@ -176,7 +188,7 @@ class OpenAIServing:
 
     # ---- /v1/completions ----
     async def completions(self, req: CompletionRequest):
-        model = self.check_model(req.model)
+        model, lora = self.resolve_model(req.model)
         self.check_request(req)
         prompts = _completion_prompts(req.prompt)
         if len(prompts) > self.limits.max_prompts:
@@ -189,7 +201,7 @@ class OpenAIServing:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         texts = [p if isinstance(p, str) else None for p in prompts]
         rids = [f"{rid}-{k}" for k in range(len(ids))]
-        streams = self._generate(list(zip(ids, texts, params, rids)))
+        streams = self._generate(list(zip(ids, texts, params, rids)), lora)
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         if req.stream:
             return EventStream(self._stream_completions(req, head, streams, ids), rids, self.llm)
@@ -235,7 +247,7 @@ class OpenAIServing:
 
     # ---- /v1/chat/completions ----
     async def chat(self, req: ChatCompletionRequest):
-        model = self.check_model(req.model)
+        model, lora = self.resolve_model(req.model)
         self.check_request(req)
         tok = self.llm.tokenizer
         for m in req.messages:
@@ -257,7 +269,7 @@ class OpenAIServing:
                                       tool_constraint=tools.constraint(req, mode, function))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model}
-        (stream,) = self._generate([(ids, text, params, rid)])
+        (stream,) = self._generate([(ids, text, params, rid)], lora)
         if req.stream:
             return EventStream(self._stream_chat(req, {**head, "object": "chat.completion.chunk"}, stream,
                                                  (mode, function)), [rid], self.llm)
