@@ -12,10 +12,9 @@ import time
 
 from shardlm.config import EngineConfig
 from shardlm.engine.output_processor import ParentRequest
-from shardlm.lora.peft import read_adapter
+from shardlm.lora.peft import read_lora_request
 from shardlm.lora.request import LoRARequest
 from shardlm.messages import EngineCoreRequest
-from shardlm.model_loader import hub
 from shardlm.outputs import RequestMetrics
 from shardlm.sampling_params import SamplingParams
 from shardlm.structured_output.grammar import GrammarCompiler
@@ -108,9 +107,8 @@ class InputProcessor:
                              "engine with enable_lora=True (--enable-lora).")
         key = (lora_request.lora_int_id, lora_request.lora_path)
         if key not in self._checked_loras:
-            path = hub.local_path(lora_request.lora_path, download_dir=self.config.model.download_dir,
-                                  require_config=False)
-            read_adapter(lora_request.lora_name, path, self.config.model.hf_config, lora.max_lora_rank)
+            read_lora_request(lora_request, self.config.model.hf_config, lora.max_lora_rank,
+                              self.config.model.download_dir)
             self._checked_loras.add(key)
 
     def _validate(self, ids: list[int]) -> None:

@@ -17,7 +17,7 @@ from shardlm.config import LoRAConfig
 from shardlm.logger import init_logger
 from shardlm.lora.batch import LoRABatch
 from shardlm.lora.layers import LoRASlots
-from shardlm.lora.peft import LoRAAdapter, read_adapter
+from shardlm.lora.peft import LoRAAdapter, read_lora_request
 from shardlm.lora.request import LoRARequest
 
 logger = init_logger(__name__)
@@ -116,9 +116,7 @@ class LoRAManager:
         request = self.requests.get(lora_id)
         if request is None:
             raise RuntimeError(f"LoRA adapter id {lora_id} was never named to this worker; a bug in shardlm.")
-        from shardlm.model_loader import hub
-        path = hub.local_path(request.lora_path, download_dir=self.download_dir, require_config=False)
-        adapter = read_adapter(request.lora_name, path, self.hf_config, self.config.max_lora_rank)
+        adapter = read_lora_request(request, self.hf_config, self.config.max_lora_rank, self.download_dir)
         adapter.weights = {key: parts for key, parts in adapter.weights.items() if key in self.layers}
         while len(self.cpu) >= self.config.max_cpu_loras:
             evicted, _ = self.cpu.popitem(last=False)

@@ -50,6 +50,13 @@ def target_shapes(hf_config) -> dict[str, tuple[int, int]]:
             "down_proj": (inter, hidden)}
 
 
+def read_lora_request(request, hf_config, max_lora_rank: int, download_dir: str | None = None) -> LoRAAdapter:
+    """The adapter a LoRARequest names: its directory, or its hub id fetched (into download_dir)."""
+    from shardlm.model_loader import hub
+    path = hub.local_path(request.lora_path, download_dir=download_dir, require_config=False)
+    return read_adapter(request.lora_name, path, hf_config, max_lora_rank)
+
+
 def read_adapter(name: str, path: str, hf_config, max_lora_rank: int) -> LoRAAdapter:
     """The adapter in directory `path`, checked against the base model's config; ValueError with
     what to do where it cannot be served."""

@@ -38,6 +38,7 @@ from shardlm.entrypoints.openai.protocol import (
 )
 from shardlm.entrypoints.openai.serving import EventStream, OpenAIServing, check_encodable, sse
 from shardlm.logger import init_logger
+from shardlm.lora.peft import read_lora_request
 from shardlm.lora.request import LoRARequest
 
 logger = init_logger(__name__)
@@ -304,6 +305,8 @@ def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | Non
     config = engine_args.create_engine_config()   # bad settings fail here, plainly, before any process starts
     if lora_modules and config.lora is None:
         raise ValueError("--lora-modules needs --enable-lora.")
+    for module in lora_modules or []:      # a bad adapter fails here too, before any process starts
+        read_lora_request(module, config.model.hf_config, config.lora.max_lora_rank, config.model.download_dir)
     app = build_app(config, api_key, chat_template, limits, metrics_require_key, tool_parser, lora_modules)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
     failed = {}
