@@ -50,24 +50,27 @@ def _start(engine_args):
     return llm, time.perf_counter() - t0
 
 
-def _timed(llm, prompts, n, structured_outputs=None) -> tuple[float, int]:
+def _timed(llm, prompts, n, structured_outputs=None, loras=None) -> tuple[float, int]:
     """(seconds, output tokens) to generate n tokens for each prompt; a constrained output may
-    end sooner, when its constraint is complete."""
+    end sooner, when its constraint is complete. loras: LoRA adapters the prompts take in turn."""
     llm.reset_prefix_cache()
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, structured_outputs=structured_outputs)
+    lora_requests = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
     elapsed = time.perf_counter() - t0
     assert structured_outputs is not None or all(len(o.outputs[0].token_ids) == n for o in outs)
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def run_throughput(engine_args, workload_path, num_prompts, output_len, reps, structured_outputs=None) -> dict:
-    """structured_outputs: a StructuredOutputsParams every request is constrained by, or None."""
+def run_throughput(engine_args, workload_path, num_prompts, output_len, reps, structured_outputs=None,
+                   loras=None) -> dict:
+    """structured_outputs: a StructuredOutputsParams every request is constrained by, or None;
+    loras: LoRARequests the requests take in turn, or None."""
     llm, startup_s = _start(engine_args)
     w = load_workload(workload_path, llm.get_tokenizer(), num_prompts, output_len)
-    _timed(llm, w.prompts[:4], 8, structured_outputs)   # warm-up
-    runs = [_timed(llm, w.prompts, w.output_len, structured_outputs) for _ in range(reps)]
+    _timed(llm, w.prompts[:4], 8, structured_outputs, loras)   # warm-up
+    runs = [_timed(llm, w.prompts, w.output_len, structured_outputs, loras) for _ in range(reps)]
     times = [t for t, _ in runs]
     rates = [tokens / t for t, tokens in runs]
     out_tokens = statistics.median(tokens for _, tokens in runs)
@@ -78,23 +81,24 @@ def run_throughput(engine_args, workload_path, num_prompts, output_len, reps, st
             "total_tok_s": (out_tokens + w.num_prompt_tokens) / med,
             "output_tok_s_all": rates, "startup_s": startup_s,
             "structured_outputs": None if structured_outputs is None else structured_outputs.kinds()[0],
+            "lora_adapters": len(loras or []),
             "peak_rss_bytes": _peak_rss_bytes(llm), **_engine_facts(llm), **_expert_load(llm)}
 
 
-def run_latency(engine_args, workload_path, output_len, reps, batch_size: int = 1) -> dict:
+def run_latency(engine_args, workload_path, output_len, reps, batch_size: int = 1, loras=None) -> dict:
     t0 = time.perf_counter()
     llm, startup_s = _start(engine_args)
     w = load_workload(workload_path, llm.get_tokenizer(), None, output_len)
     prompt = [w.prompts[w.latency_prompt_index]] * batch_size
-    first = _timed(llm, prompt, 1)[0]
+    first = _timed(llm, prompt, 1, loras=loras)[0]
     startup_to_first_token = time.perf_counter() - t0
-    _timed(llm, prompt, 8)   # warm-up
-    t1 = [_timed(llm, prompt, 1)[0] for _ in range(reps)]
-    tn = [_timed(llm, prompt, w.output_len)[0] for _ in range(reps)]
+    _timed(llm, prompt, 8, loras=loras)   # warm-up
+    t1 = [_timed(llm, prompt, 1, loras=loras)[0] for _ in range(reps)]
+    tn = [_timed(llm, prompt, w.output_len, loras=loras)[0] for _ in range(reps)]
     n = w.output_len
     step_s = (statistics.median(tn) - statistics.median(t1)) / (n - 1)
     return {"benchmark": "latency", "workload": w.source, "prompt_tokens": len(prompt[0]), "output_tokens": n,
-            "batch_size": batch_size, "reps": reps, "t_1tok_s": t1, "t_ntok_s": tn,
+            "batch_size": batch_size, "reps": reps, "t_1tok_s": t1, "t_ntok_s": tn, "lora_adapters": len(loras or []),
             "time_to_first_token_s": statistics.median(t1),
             "decode_step_ms": step_s * 1000, "decode_tok_s": batch_size / step_s,
             "startup_s": startup_s, "startup_to_first_token_s": startup_to_first_token,

@@ -15,7 +15,6 @@ import torch
 
 from shardlm.config import LoRAConfig
 from shardlm.logger import init_logger
-from shardlm.lora.batch import LoRABatch
 from shardlm.lora.layers import LoRASlots
 from shardlm.lora.peft import LoRAAdapter, read_lora_request
 from shardlm.lora.request import LoRARequest
@@ -76,13 +75,12 @@ class LoRAManager:
                     layer.clear(slot)
 
     # ---- one step ----
-    def batch(self, lora_ids: list[int], token_counts: list[int], device: torch.device) -> LoRABatch | None:
-        """The step's batch, with each adapter of the step in a slot (lora_ids: each chunk's, 0 = base)."""
+    def slots_of(self, lora_ids: list[int]) -> list[int]:
+        """Each chunk's slot (lora_ids: each chunk's adapter, 0 = base -> -1), with every adapter
+        of the step swapped into a slot."""
         needed = {i for i in lora_ids if i}
-        if not needed:
-            return None
-        slot_of = {lora_id: self._slot(lora_id, needed) for lora_id in needed}
-        return LoRABatch.of_chunks([slot_of[i] if i else -1 for i in lora_ids], token_counts, device)
+        slot_of = {lora_id: self._slot(lora_id, needed) for lora_id in sorted(needed)}
+        return [slot_of[i] if i else -1 for i in lora_ids]
 
     def _slot(self, lora_id: int, needed: set[int]) -> int:
         """The slot holding `lora_id`, swapping it in from the CPU cache (into a free slot, else the

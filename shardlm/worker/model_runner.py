@@ -133,12 +133,13 @@ class ModelRunner:
         self._update_requests(so)
         if not so.chunks:
             return ModelRunnerOutput({})
-        input_ids, positions, meta = self._prepare_inputs(so.chunks)
-        with dp_token_counts(self._tokens_per_replica(len(input_ids))), lora_batch.running(self._lora_batch(so)):
+        chunks, lora = self._lora_batch(so.chunks)
+        input_ids, positions, meta = self._prepare_inputs(chunks)
+        with dp_token_counts(self._tokens_per_replica(len(input_ids))), lora_batch.running(lora):
             hidden = self._run_model(input_ids, positions, meta)
         if hidden is None:                  # not the last pipeline stage: sent on
             return None
-        rows, sample_chunks, prompt_rows = self._logits_rows(so.chunks)
+        rows, sample_chunks, prompt_rows = self._logits_rows(chunks)
         if not rows:
             # only unfinished prompt chunks (a prompt longer than the step's token budget is
             # prefilled over several steps): no logits needed, nothing to sample. Every TP rank
@@ -174,12 +175,18 @@ class ModelRunner:
         words = np.frombuffer(so.grammar_bitmask, dtype=np.int32).reshape(len(rows), -1)
         return lambda first_token: TokenBitmask(rows, words, first_token)
 
-    def _lora_batch(self, so: SchedulerOutput) -> lora_batch.LoRABatch | None:
-        """Which tokens run on which adapter this step (None: all on the base model)."""
-        if self.lora is None:
-            return None
-        return self.lora.batch([self.requests[c.req_id].lora_int_id for c in so.chunks],
-                               [len(c.token_ids) for c in so.chunks], self.device)
+    def _lora_batch(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], lora_batch.LoRABatch | None]:
+        """The step's chunks ordered by adapter id (the base model's first), so each adapter's
+        tokens are one segment, and which segment runs on which slot (None: all on the base
+        model). The order follows the requests alone, so every pipeline stage orders alike."""
+        ids = [self.requests[c.req_id].lora_int_id for c in chunks] if self.lora is not None else []
+        if not any(ids):
+            return chunks, None
+        slots = self.lora.slots_of(ids)
+        order = sorted(range(len(chunks)), key=ids.__getitem__)
+        chunks = [chunks[i] for i in order]
+        return chunks, lora_batch.LoRABatch.of_chunks([slots[i] for i in order], [len(c.token_ids) for c in chunks],
+                                                      self.config.lora.max_loras, self.device)
 
     def _greedy_on_vocab_shards(self, states: list[RequestState]) -> bool:
         """TP: every row is a plain argmax (what Sampler does for them), decided from the requests'

@@ -21,10 +21,21 @@ def register(sub) -> None:
                            "StructuredOutputsParams as JSON, e.g. '{\"json\": SCHEMA}' or '{\"regex\": \"...\"}'")
         else:
             b.add_argument("--batch-size", type=int, default=1, help="copies of the prompt decoding together")
+        b.add_argument("--lora-path", nargs="+", default=None, metavar="ADAPTER",
+                       help="LoRA adapters (directories or hub ids), given to the requests in turn; turns on "
+                            "--enable-lora with --max-loras at least their number")
         b.add_argument("--output-len", type=int, default=None, help="new tokens per prompt (default: workload's, 128)")
         b.add_argument("--reps", type=int, default=3)
         b.add_argument("--json", action="store_true", help="print JSON")
         b.set_defaults(func=run)
+    b = bsub.add_parser("make-lora", help="write a random LoRA adapter (PEFT format) for a model")
+    b.add_argument("model", help="the base model's directory")
+    b.add_argument("out_dir")
+    b.add_argument("--rank", type=int, default=16)
+    b.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                   help="projections it adapts, comma-separated")
+    b.add_argument("--seed", type=int, default=0)
+    b.set_defaults(func=run)
     b = bsub.add_parser("serve", help="load an OpenAI-compatible server (shardlm, vLLM, ...) with streaming requests")
     b.add_argument("--base-url", default="http://127.0.0.1:8000")
     b.add_argument("--model", default=None, help="default: the server's first model")
@@ -90,6 +101,11 @@ def run(ns) -> None:
         else:
             report_moe(result)
         return
+    if ns.bench_kind == "make-lora":
+        from shardlm.bench.random_lora import make_random_lora
+        print(f"Wrote a rank-{ns.rank} LoRA adapter to "
+              f"{make_random_lora(ns.model, ns.out_dir, ns.rank, seed=ns.seed, targets=ns.targets.split(','))}")
+        return
     if ns.bench_kind == "plot":
         from shardlm.bench.plot import plot
         for metric, values in plot(ns.results, ns.out, ns.title).items():
@@ -104,12 +120,17 @@ def run(ns) -> None:
         return
     from shardlm.bench.offline import report, run_latency, run_throughput
     args = engine_args_from(ns)
+    loras = None
+    if ns.lora_path:
+        from shardlm.lora.request import LoRARequest
+        args.enable_lora, args.max_loras = True, max(args.max_loras, len(ns.lora_path))
+        loras = [LoRARequest(f"lora{i}", i, path) for i, path in enumerate(ns.lora_path, 1)]
     if ns.bench_kind == "throughput":
         import json
 
         from shardlm.sampling_params import StructuredOutputsParams
         constraint = ns.structured_outputs and StructuredOutputsParams(**json.loads(ns.structured_outputs))
-        result = run_throughput(args, ns.workload, ns.num_prompts, ns.output_len, ns.reps, constraint or None)
+        result = run_throughput(args, ns.workload, ns.num_prompts, ns.output_len, ns.reps, constraint or None, loras)
     else:
-        result = run_latency(args, ns.workload, ns.output_len, ns.reps, ns.batch_size)
+        result = run_latency(args, ns.workload, ns.output_len, ns.reps, ns.batch_size, loras)
     report(result, ns.json)
