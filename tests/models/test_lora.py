@@ -222,3 +222,17 @@ def test_rank_and_settings_errors_say_what_to_do(adapters, tiny_model_dir, tmp_p
             llm.generate("Hi", use_tqdm=False, lora_request=loras["one"])
     finally:
         llm.shutdown()
+
+
+def test_bfloat16_adapters_part_from_transformers_only_among_its_top_tokens(adapters, hf):
+    """In bfloat16 the separate delta rounds differently from merged weights: sequences may part,
+    but only where each side's token is among the other's top 5."""
+    base, loras, refs = adapters
+    merged = os.path.join(os.path.dirname(loras["one"].lora_path), "m1")
+    ref = hf.greedy(merged, _prompts(), MAX_TOKENS, dtype=torch.bfloat16)
+    llm = LLM(base, **{**ENGINE, "dtype": "bfloat16"}, distributed_executor_backend="uni")
+    try:
+        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False, lora_request=loras["one"])
+    finally:
+        llm.shutdown()
+    hf.assert_close(ref, outs, "bfloat16")     # raises where a token is outside the other's top 5
