@@ -160,3 +160,25 @@ def test_quantized_layers_on_cuda_give_the_cpu_tokens(model, quantization, tiny_
     exact = hf.assert_close(cpu, outputs["cuda"], f"{quantization} on cuda")
     margins = hf.divergence_margins(cpu, outputs["cuda"])
     assert exact >= 2 and max(margins, default=0) <= 0.05, (exact, margins)
+
+
+def test_lora_adapters_on_cuda(tiny_model_dir, tmp_path, hf):
+    """Base and two adapters in one batch on the GPU (CUDA graphs off with LoRA): each prompt gets
+    transformers' tokens on its own merged model, in float32."""
+    from shardlm import LoRARequest
+    from tests.lora_adapters import merged_model, write_adapter
+    base = tiny_model_dir("llama-gqa")
+    one = write_adapter(base, tmp_path / "one", rank=8, seed=1)
+    two = write_adapter(base, tmp_path / "two", rank=4, seed=2, targets=("q_proj", "v_proj", "down_proj"))
+    refs = {None: hf.greedy(base, _prompts(), MAX_TOKENS, device="cuda"),
+            "one": hf.greedy(merged_model(base, one, tmp_path / "m1"), _prompts(), MAX_TOKENS, device="cuda"),
+            "two": hf.greedy(merged_model(base, two, tmp_path / "m2"), _prompts(), MAX_TOKENS, device="cuda")}
+    loras = {"one": LoRARequest("one", 1, one), "two": LoRARequest("two", 2, two)}
+    mix = [None, "one", "two", "one", None, "two"]
+    llm = LLM(base, dtype="float32", device="cuda", gpu_memory_utilization=0.3, enable_lora=True, max_loras=2)
+    try:
+        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False, lora_request=[loras.get(m) for m in mix])
+    finally:
+        llm.shutdown()
+    exact = sum(hf.assert_close([refs[m][i]], [outs[i]], f"prompt {i} ({m})") for i, m in enumerate(mix))
+    assert exact >= 5, f"only {exact}/6 sequences equal transformers on the merged weights"
