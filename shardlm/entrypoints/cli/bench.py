@@ -36,6 +36,16 @@ def register(sub) -> None:
                    help="projections it adapts, comma-separated")
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(func=run)
+    b = bsub.add_parser("lora-layer", help="one layer's LoRA delta for several adapters, by each way of computing it")
+    b.add_argument("--in-features", type=int, default=576)
+    b.add_argument("--out-features", type=int, default=960)
+    b.add_argument("--shards", type=int, default=3, help="projections merged in the layer (qkv: 3)")
+    b.add_argument("--rank", type=int, default=16)
+    b.add_argument("--adapters", type=int, default=4)
+    b.add_argument("--tokens", default="4,64,512", help="tokens per step, comma-separated")
+    b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b.set_defaults(func=run)
     b = bsub.add_parser("serve", help="load an OpenAI-compatible server (shardlm, vLLM, ...) with streaming requests")
     b.add_argument("--base-url", default="http://127.0.0.1:8000")
     b.add_argument("--model", default=None, help="default: the server's first model")
@@ -105,6 +115,17 @@ def run(ns) -> None:
         from shardlm.bench.random_lora import make_random_lora
         print(f"Wrote a rank-{ns.rank} LoRA adapter to "
               f"{make_random_lora(ns.model, ns.out_dir, ns.rank, seed=ns.seed, targets=ns.targets.split(','))}")
+        return
+    if ns.bench_kind == "lora-layer":
+        from shardlm.bench.lora_layer import report as report_lora
+        from shardlm.bench.lora_layer import run_lora_layer_bench
+        result = run_lora_layer_bench(ns.in_features, ns.out_features, ns.shards, ns.rank, ns.adapters,
+                                      [int(t) for t in ns.tokens.split(",")], ns.dtype)
+        if ns.json:
+            import json
+            print(json.dumps(result, indent=1))
+        else:
+            report_lora(result)
         return
     if ns.bench_kind == "plot":
         from shardlm.bench.plot import plot
