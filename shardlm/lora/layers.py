@@ -28,6 +28,7 @@ class LoRASlots:
         width = layer.lora_num_shards() * max_rank
         self.a = torch.zeros(num_slots, width, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, out_features, width, dtype=dtype, device=device)
+        self.a_t, self.b_t = self.a.transpose(1, 2), self.b.transpose(1, 2)    # as the products read them
 
     def nbytes(self) -> int:
         return self.a.nbytes + self.b.nbytes
@@ -53,15 +54,16 @@ class LoRASlots:
             return out
         x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
         if batch.whole is not None:
-            out2.addmm_(x2 @ self.a[batch.whole].t(), self.b[batch.whole].t())
+            out2.addmm_(x2 @ self.a_t[batch.whole], self.b_t[batch.whole])
             return out
-        a, b = (self.a, self.b) if batch.slot_ids is None else (self.a[batch.slot_ids], self.b[batch.slot_ids])
+        a_t, b_t = (self.a_t, self.b_t) if batch.slot_ids is None else \
+            (self.a_t[batch.slot_ids], self.b_t[batch.slot_ids])
         adapters = len(batch.segments)
         if batch.rows is None:          # equal segments covering the step: views, no copies
-            xa = torch.bmm(x2.view(adapters, -1, x2.shape[1]), a.transpose(1, 2))
-            out2.view(adapters, -1, out2.shape[1]).baddbmm_(xa, b.transpose(1, 2))
+            xa = torch.bmm(x2.view(adapters, -1, x2.shape[1]), a_t)
+            out2.view(adapters, -1, out2.shape[1]).baddbmm_(xa, b_t)
             return out
-        delta = torch.bmm(torch.bmm(x2[batch.rows], a.transpose(1, 2)), b.transpose(1, 2))
+        delta = torch.bmm(torch.bmm(x2[batch.rows], a_t), b_t)
         for g, (_, start, end) in enumerate(batch.segments):
             out2[start:end] += delta[g, :end - start]
         return out
