@@ -226,7 +226,8 @@ def test_rank_and_settings_errors_say_what_to_do(adapters, tiny_model_dir, tmp_p
 
 def test_bfloat16_adapters_part_from_transformers_only_among_its_top_tokens(adapters, hf):
     """In bfloat16 the separate delta rounds differently from merged weights: sequences may part,
-    but only where each side's token is among the other's top 5."""
+    but only at near-ties: HF's token within 0.2 nats of ours in our own logprobs (bfloat16 logits
+    of these magnitudes are 0.0625 apart; measured up to 0.094, with either LoRA product)."""
     base, loras, refs = adapters
     merged = os.path.join(os.path.dirname(loras["one"].lora_path), "m1")
     ref = hf.greedy(merged, _prompts(), MAX_TOKENS, dtype=torch.bfloat16)
@@ -235,4 +236,5 @@ def test_bfloat16_adapters_part_from_transformers_only_among_its_top_tokens(adap
         outs = llm.generate(_prompts(), PARAMS, use_tqdm=False, lora_request=loras["one"])
     finally:
         llm.shutdown()
-    hf.assert_close(ref, outs, "bfloat16")     # raises where a token is outside the other's top 5
+    margins = hf.divergence_margins(ref, outs)
+    assert max(margins, default=0) <= 0.2, margins
