@@ -180,7 +180,7 @@ class EngineArgs:
         "structured outputs, as JSON: {\"backend\": \"auto\"} (auto or guidance: llguidance), "
         "\"reasoning_parser\" as --reasoning-parser")
     enable_lora: bool = knob(
-        False, "lora",
+        False, "engine",
         "serve LoRA adapters (PEFT format) beside the base model: requests name one with "
         "lora_request offline, or by model name in the server (--lora-modules)")
     max_loras: int = knob(
@@ -241,8 +241,7 @@ class EngineArgs:
         cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
         scheduler = SchedulerConfig(
             self.max_num_seqs, self.max_num_batched_tokens or max(8192, self.max_num_seqs), max_model_len)
-        lora = LoRAConfig(**{k: v for k, v in self.landing_in("lora").items() if k != "enable_lora"}) \
-            if self.enable_lora else None
+        lora = LoRAConfig(**self.landing_in("lora")) if self.enable_lora else None
         config = EngineConfig(model_cfg, cache, scheduler, parallel, device, lora)
         check_parallel_layout(config)
         check_fits(config)   # before any weights are loaded

@@ -4,11 +4,11 @@ keywords and the configs are made from that one declaration."""
 import argparse
 import dataclasses
 
-from shardlm.config import CacheConfig, ParallelConfig
+from shardlm.config import CacheConfig, LoRAConfig, ParallelConfig
 from shardlm.engine.arg_utils import EngineArgs
 from shardlm.entrypoints.cli import add_engine_args, engine_args_from
 
-CONFIGS = {"parallel": ParallelConfig, "cache": CacheConfig}
+CONFIGS = {"parallel": ParallelConfig, "cache": CacheConfig, "lora": LoRAConfig}
 
 
 def test_every_knob_is_declared_whole_and_lands_in_a_config_field():

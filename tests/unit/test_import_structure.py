@@ -94,7 +94,8 @@ def test_the_cycle_finder_finds_cycles():
 def test_leaves_and_layers():
     graph = _graph()
     assert graph["shardlm.config"] == set()
-    assert graph["shardlm.messages"] <= {"shardlm.sampling_params"}
+    assert graph["shardlm.messages"] <= {"shardlm.sampling_params", "shardlm.lora.request"}
+    assert graph["shardlm.lora.request"] == set()         # a leaf: it travels inside messages
     for name, imports in graph.items():
         if name.startswith("shardlm.core"):         # the engine-core process: not the front end
             assert not any(m.startswith(("shardlm.engine", "shardlm.entrypoints")) for m in imports), name
