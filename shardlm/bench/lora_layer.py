@@ -9,8 +9,7 @@ that measured fastest ("batched"); the others are kept here to measure against:
 
 from __future__ import annotations
 
-import statistics
-import time
+from shardlm.utils import median_seconds
 
 
 def run_lora_layer_bench(in_features: int, out_features: int, shards: int, rank: int, adapters: int,
@@ -45,21 +44,10 @@ def run_lora_layer_bench(in_features: int, out_features: int, shards: int, rank:
             xa = torch.bmm(x.view(adapters, per, in_features), a.transpose(1, 2))
             out.view(adapters, per, out_features).baddbmm_(xa, b.transpose(1, 2))
 
-        results[n] = {name: _median_us(fn, reps) for name, fn in
+        results[n] = {name: median_seconds(fn, reps, warmup=10) * 1e6 for name, fn in
                       (("per-adapter", per_adapter), ("dense", dense), ("batched", batched))}
     return {"benchmark": "lora-layer", "in_features": in_features, "out_features": out_features, "shards": shards,
             "rank": rank, "adapters": adapters, "dtype": dtype_name, "microseconds": results}
-
-
-def _median_us(fn, reps: int) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
 
 
 def report(result: dict) -> None:
