@@ -80,9 +80,6 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> int | None:
         """-> the lock-step wave this request started (the other replicas must join it), or None."""
         m = self.config.model
-        if req.lora_request is not None and self.config.lora is None:
-            raise ValueError("A request names a LoRA adapter, but LoRA is off: start the engine with enable_lora=True "
-                             "(--enable-lora).")
         request = Request(req.request_id, req.prompt_token_ids, req.params, m.eos_token_ids, m.max_model_len,
                           self.config.cache.block_size, req.arrival_time, req.lora_request)
         if req.params.structured_outputs is not None:

@@ -58,10 +58,11 @@ class LoRAManager:
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
-        known = lora_id in self.requests
+        """Drop the adapter's weights from memory. Its name and path stay known: a request still
+        running on it (the server unloads an adapter while its last requests finish) reads it again."""
+        held = lora_id in self.cpu or lora_id in self.slots
         self._forget(lora_id)
-        self.requests.pop(lora_id, None)
-        return known
+        return held
 
     def list_loras(self) -> list[int]:
         return sorted(self.cpu)

@@ -136,6 +136,16 @@ def test_adapters_are_added_and_removed_at_run_time(adapters, hf):
         # removed from memory, not forgotten: a request naming it reads it again
         _check(hf, refs["one"], llm.generate(_prompts(), PARAMS, use_tqdm=False, lora_request=loras["one"]), "one")
         assert llm.list_loras() == {1, 2}
+        # removed while its requests run (the server unloads it): they read it again and finish alike
+        engine, done = llm.engine, {}
+        for i, prompt in enumerate(_prompts()):
+            engine.add_request(str(i), prompt, PARAMS, lora_request=loras["two"])
+        for _ in range(3):
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert llm.remove_lora(2)
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        _check(hf, refs["two"], [done[str(i)] for i in range(6)], "two, removed mid-run")
     finally:
         llm.shutdown()
 

@@ -48,6 +48,9 @@ class LoRAModules:
         return LoRARequest(name, next(self._ids), path, base_model_name)
 
     def add(self, request: LoRARequest) -> None:
+        if request.lora_name in self.adapters:        # two loads of one name at once: the first one wins
+            raise ValueError(f"The name {request.lora_name!r} is already served; unload it first or choose another "
+                             "name.")
         self.adapters[request.lora_name] = request
 
     def remove(self, name: str) -> LoRARequest | None:

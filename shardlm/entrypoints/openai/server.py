@@ -151,9 +151,9 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
             try:
                 lora = loras.new(req.lora_name, req.lora_path, req.base_model_name)
                 await state["llm"].add_lora(lora)
+                loras.add(lora)
             except ValueError as e:
                 raise OpenAIError(str(e), 400, "lora_path") from e
-            loras.add(lora)
             return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
         @app.post("/v1/unload_lora_adapter")
