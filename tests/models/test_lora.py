@@ -46,14 +46,19 @@ def test_adapters_equal_transformers_on_merged_weights(layout, adapters, hf):
     assert refs["one"][0][0] != refs["base"][0][0] or refs["one"][1][0] != refs["base"][1][0]   # adapters matter
     llm = LLM(base, max_loras=2, **ENGINE, **layout)
     try:
+        alone = {name: llm.generate(_prompts(), PARAMS, use_tqdm=False, lora_request=loras.get(name))
+                 for name in ("base", "one", "two")}
         for name in ("one", "two"):
-            _check(hf, refs[name], llm.generate(_prompts(), PARAMS, use_tqdm=False, lora_request=loras[name]), name)
+            _check(hf, refs[name], alone[name], name)
         mix = [None, loras["one"], loras["two"], loras["one"], None, loras["two"]]
         outs = llm.generate(_prompts(), PARAMS, use_tqdm=False, lora_request=mix)
-        for i, lora in enumerate(mix):
-            hf.assert_close([refs[lora.lora_name if lora else "base"][i]], [outs[i]], f"mixed prompt {i}")
     finally:
         llm.shutdown()
+    names = [lora.lora_name if lora else "base" for lora in mix]
+    for i, name in enumerate(names):
+        hf.assert_close([refs[name][i]], [outs[i]], f"mixed prompt {i}")
+    # the mixed batch gives each prompt what its adapter (or the base model) gave it alone
+    assert [o.outputs[0].token_ids for o in outs] == [alone[n][i].outputs[0].token_ids for i, n in enumerate(names)]
 
 
 @pytest.mark.slow
