@@ -7,6 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_common.h"
 #include "shardlm_kernels.h"
 
 // Per layer, the addresses of (in this order): input norm weight, qkv weight, qkv bias, o weight,
@@ -28,21 +29,42 @@ static int matmul(int kind, int group, int tb, const void *x, int64_t x_stride, 
 
 #define P(l, i) ((void *)(intptr_t)layers[(int64_t)(l) * NPTR + (i)])
 
+// With one LoRA adapter for the whole step, per layer the addresses of its A and B for (in this
+// order) qkv, o, gate_up, down, in blocked_matmul's float panels (0: the adapter leaves it alone).
+enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, NLORA };
+#define LA(l, i) ((void *)(intptr_t)lora[(int64_t)(l) * 2 * NLORA + 2 * (i)])
+#define LB(l, i) ((void *)(intptr_t)lora[(int64_t)(l) * 2 * NLORA + 2 * (i) + 1])
+
+// y [M, N] += B (A x) for rows x: A [w, K], B [N, w] in float panels; the delta is rounded to dtype
+// and then added, as the layer-by-layer path does it (lora/layers.py: LoRASlots._add_one).
+static int lora_add(const void *x, int64_t x_stride, const void *a, const void *b, void *y, int M, int N, int K,
+                    int w, void *xa, void *delta, int dtype) {
+    if (!a) return 0;
+    if (blocked_matmul(x, x_stride, a, NULL, xa, M, w, K, dtype)) return -1;
+    if (blocked_matmul(xa, w, b, NULL, delta, M, N, w, dtype)) return -1;
+    for (int64_t i = 0; i < (int64_t)M * N; i++) store(y, i, load(y, i, dtype) + load(delta, i, dtype), dtype);
+    return 0;
+}
+
 // hidden, residual [T, E] in place: on entry the stage's input (has_residual = 0: the first
 // stage's embeddings, residual unset), on exit the last layer's output and the running residual.
 // scratch: T * ((H + 2 Hkv) * D + H * D + 3 * I) elements. H, Hkv and I are this rank's.
 // all_reduce (NULL with one tensor parallel rank): sums hidden over the ranks in place, after each
 // row-parallel product (output and down; they have no bias then), as the layer-by-layer path does;
 // nonzero if it failed.
+// lora (NULL: none): a LoRA adapter's table (above), of rank R (its shards' ranks, zero-padded);
+// scratch then holds T * (3 R + max(Q, E, 2 I)) elements more.
 // Returns -1 if a work buffer could not be allocated, -2 if an all-reduce failed.
 KERNEL_API int llama_decode_layers(const int64_t *layers, int L, void *hidden, void *residual, int has_residual,
                         const void *cos, const void *signed_sin, const int64_t *slot_mapping,
                         const int64_t *block_tables, const int64_t *context_lens, int T, int E, int H, int Hkv,
                         int D, int I, int num_blocks, int block_size, int max_blocks, float scale, float eps,
-                        int dtype, int kind, int group, int tb, void *scratch, int (*all_reduce)(void)) {
+                        int dtype, int kind, int group, int tb, void *scratch, int (*all_reduce)(void),
+                        const int64_t *lora, int R) {
     const int esize = dtype == 0 ? 4 : 2, Q = (H + 2 * Hkv) * D;
     char *qkv = (char *)scratch, *attn = qkv + (int64_t)T * Q * esize, *gate_up = attn + (int64_t)T * H * D * esize;
     char *act = gate_up + (int64_t)T * 2 * I * esize;
+    char *xa = act + (int64_t)T * I * esize, *delta = xa + (int64_t)T * 3 * R * esize;
     for (int l = 0; l < L; l++) {
         if (l == 0 && !has_residual) {
             memcpy(residual, hidden, (size_t)T * E * esize);
@@ -51,16 +73,25 @@ KERNEL_API int llama_decode_layers(const int64_t *layers, int L, void *hidden, v
             add_rmsnorm(hidden, E, residual, residual, hidden, P(l, IN_NORM), T, E, eps, dtype);
         }
         if (matmul(kind, group, tb, hidden, E, P(l, QKV_W), P(l, QKV_B), qkv, T, Q, E, dtype)) return -1;
+        if (lora && lora_add(hidden, E, LA(l, LORA_QKV), LB(l, LORA_QKV), qkv, T, Q, E, 3 * R, xa, delta, dtype))
+            return -1;
         if (paged_decode_attention_qkv(attn, qkv, Q, cos, signed_sin, P(l, K_CACHE), P(l, V_CACHE), slot_mapping,
                                        block_tables, context_lens, T, H, Hkv, D, num_blocks, block_size,
                                        max_blocks, scale, dtype))
             return -1;
         if (matmul(kind, group, tb, attn, H * D, P(l, O_W), P(l, O_B), hidden, T, E, H * D, dtype)) return -1;
+        if (lora && lora_add(attn, H * D, LA(l, LORA_O), LB(l, LORA_O), hidden, T, E, H * D, R, xa, delta, dtype))
+            return -1;
         if (all_reduce && all_reduce()) return -2;
         add_rmsnorm(hidden, E, residual, residual, hidden, P(l, POST_NORM), T, E, eps, dtype);
         if (matmul(kind, group, tb, hidden, E, P(l, GATE_UP_W), P(l, GATE_UP_B), gate_up, T, 2 * I, E, dtype)) return -1;
+        if (lora && lora_add(hidden, E, LA(l, LORA_GATE_UP), LB(l, LORA_GATE_UP), gate_up, T, 2 * I, E, 2 * R, xa,
+                             delta, dtype))
+            return -1;
         silu_and_mul(gate_up, act, T, I, dtype);
         if (matmul(kind, group, tb, act, I, P(l, DOWN_W), P(l, DOWN_B), hidden, T, E, I, dtype)) return -1;
+        if (lora && lora_add(act, I, LA(l, LORA_DOWN), LB(l, LORA_DOWN), hidden, T, E, I, R, xa, delta, dtype))
+            return -1;
         if (all_reduce && all_reduce()) return -2;
     }
     return 0;

@@ -137,19 +137,44 @@ class FusedDecodeLayers:
             self._table, self._cache_address = torch.tensor(rows, dtype=torch.int64), caches
         return self._table
 
-    def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin, meta):
-        """(hidden, residual) after every layer of the stage, or None where this step does not apply."""
+    def _lora_table(self, slot: int) -> tuple[torch.Tensor, int] | None:
+        """The addresses of a LoRA slot's A and B panels for every layer's qkv, o, gate_up and down
+        (0 where a linear has no adapter), and its rank; None where a layer's slot is not in panels."""
+        rows, rank = [], 0
+        for layer in self.layers:
+            row = []
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj):
+                if linear.lora is None:
+                    row += [0, 0]
+                    continue
+                packed = linear.lora.packed[slot]
+                if packed is None:
+                    return None
+                row += [_address(packed[0]), _address(packed[1])]
+                rank = linear.lora.max_rank
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.int64), rank
+
+    def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin, meta,
+                 lora_slot: int | None = None):
+        """(hidden, residual) after every layer of the stage, or None where this step does not apply.
+        lora_slot: the LoRA slot every row of the step runs on (None: the base model)."""
         cos, signed_sin = cos_sin
         T = hidden.shape[0]
         if (T > self.max_rows or len(meta.buckets) != 1 or not meta.buckets[0].in_order
                 or hidden.dtype != self.dtype or cos.dtype != self.dtype or not hidden.is_contiguous()
                 or (residual is not None and not residual.is_contiguous())):
             return None
+        lora, rank = (None, 0) if lora_slot is None else (self._lora_table(lora_slot) or (False, 0))
+        if lora is False:
+            return None
         has_residual = residual is not None
         if not has_residual:
             residual = torch.empty_like(hidden)
         H, Hkv, D, inter = self.heads, self.kv_heads, self.head_dim, self.inter
-        scratch = torch.empty(T * ((H + 2 * Hkv) * D + H * D + 3 * inter), dtype=self.dtype)
+        lora_scratch = 3 * rank + max((H + 2 * Hkv) * D, self.hidden_size, 2 * inter) if lora is not None else 0
+        scratch = torch.empty(T * ((H + 2 * Hkv) * D + H * D + 3 * inter + lora_scratch), dtype=self.dtype)
         b = meta.buckets[0]
         k_cache = self.layers[0].self_attn.attn.k_cache
         self._reduced, self._reduce_error = hidden, None
@@ -158,7 +183,7 @@ class FusedDecodeLayers:
                          b.block_table.data_ptr(), b.context_lens.data_ptr(), T, self.hidden_size, H, Hkv, D, inter,
                          k_cache.shape[1], k_cache.shape[2], b.block_table.shape[1], self.scale, self.eps,
                          DTYPE_CODES[self.dtype], self.layout, self.group, self.table_bytes, scratch.data_ptr(),
-                         self._all_reduce)
+                         self._all_reduce, _address(lora), rank)
         self._reduced = None
         if rc == -2:
             raise self._reduce_error

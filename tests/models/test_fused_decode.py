@@ -65,3 +65,31 @@ def test_fused_decode_under_tensor_parallel_equals_the_layer_by_layer_path(name,
     finally:
         llm.shutdown()
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_with_one_lora_adapter_equals_the_layer_by_layer_path(dtype, tiny_model_dir, tmp_path):
+    """A step whose rows all run on one LoRA adapter takes the one-call path too (each linear's
+    delta added in C, as lora/layers.py adds it): the same tokens and log-probabilities, bit for
+    bit."""
+    from shardlm import LoRARequest
+    from tests.lora_adapters import write_adapter
+    if kernels.blocked_matmul() is None or (dtype == "float32" and kernels.blocked_vector_bits() != 512):
+        pytest.skip("LoRA slots go into the blocked kernel's panels only where it multiplies this dtype")
+    path = tiny_model_dir("llama-gqa")
+    lora = LoRARequest("a", 1, write_adapter(path, tmp_path / "a", rank=8, seed=1))
+    llm = LLM(path, dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=False, enable_lora=True,
+              distributed_executor_backend="uni")
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
+    results = {}
+    try:
+        for fused in (True, False):
+            llm.collective_rpc("set_enforce_eager", (not fused,))
+            before = llm.collective_rpc("fused_decode_steps")[0]
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False, lora_request=lora)
+            steps = llm.collective_rpc("fused_decode_steps")[0] - before
+            assert steps >= 19 if fused else steps == 0, steps
+            results[fused] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    finally:
+        llm.shutdown()
+    assert results[True] == results[False]
