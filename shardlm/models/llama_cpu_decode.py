@@ -10,6 +10,10 @@ row-parallel product (the group's own all_reduce, the one the layer-by-layer pat
 same sums), so a rank's layers still run without Python between their kernels (the callbacks
 cost a few percent of a step).
 
+With LoRA, a step whose rows all run on one adapter runs here too: after each linear the C loop
+adds the adapter's delta (its slot's A and B in the blocked kernel's panels), as the layer path
+does.
+
 It applies where every piece has its CPU kernel: float32 or bfloat16, plain Llama layers
 (dense MLP, no q/k norm, and under TP no bias on the row-parallel linears) whose linears all
 have one layout the C kernels read (the blocked kernel's float, 4- or 8-bit panels at any rows;
