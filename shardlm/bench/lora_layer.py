@@ -5,6 +5,8 @@ that measured fastest ("batched"); the others are kept here to measure against:
     per-adapter  a matmul pair per adapter's rows (gathered), added back by index
     dense        one matmul pair over every slot, other adapters' columns masked to zero
     batched      the adapters' rows as one [adapters, rows, in] batch, two batched matmuls
+    blocked      per adapter's rows (contiguous), two products of shardlm's blocked kernel (CPU
+                 with the kernel for this dtype; what the one-call decode step runs in C)
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ def run_lora_layer_bench(in_features: int, out_features: int, shards: int, rank:
     a = torch.randn(adapters, width, in_features, generator=g).to(dtype)
     b = torch.randn(adapters, out_features, width, generator=g).to(dtype)
     a_all = a.reshape(adapters * width, in_features)
+    from shardlm.layers.cpu_matmul import blocked, prepare_weight
+    plans = [[prepare_weight(w[s]) for w in (a, b)] for s in range(adapters)]
+    panels = [(pa, pb) for (pa, plan_a), (pb, plan_b) in plans] if all(
+        plan is not None and plan.blocked for pair in plans for _, plan in pair) else None
     b_all = b.permute(1, 0, 2).reshape(out_features, adapters * width).contiguous()
     results = {}
     for n in tokens:
@@ -44,8 +50,15 @@ def run_lora_layer_bench(in_features: int, out_features: int, shards: int, rank:
             xa = torch.bmm(x.view(adapters, per, in_features), a.transpose(1, 2))
             out.view(adapters, per, out_features).baddbmm_(xa, b.transpose(1, 2))
 
-        results[n] = {name: median_seconds(fn, reps, warmup=10) * 1e6 for name, fn in
-                      (("per-adapter", per_adapter), ("dense", dense), ("batched", batched))}
+        ways = [("per-adapter", per_adapter), ("dense", dense), ("batched", batched)]
+        if panels:
+            def blocked_each():
+                for s in range(adapters):
+                    rows_s = slice(s * per, (s + 1) * per)
+                    out[rows_s].add_(blocked(blocked(x[rows_s], panels[s][0], None, width), panels[s][1], None,
+                                             out_features))
+            ways.append(("blocked", blocked_each))
+        results[n] = {name: median_seconds(fn, reps, warmup=10) * 1e6 for name, fn in ways}
     return {"benchmark": "lora-layer", "in_features": in_features, "out_features": out_features, "shards": shards,
             "rank": rank, "adapters": adapters, "dtype": dtype_name, "microseconds": results}
 

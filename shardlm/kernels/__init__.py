@@ -211,7 +211,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "blocked_int4_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I),
     "blocked_int8_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I),
     "llama_decode_layers": ([_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F,
-                             _I, _I, _I, _I, _P, ALL_REDUCE_CALLBACK, _P, _I], _I),
+                             _I, _I, _I, _I, _P, ALL_REDUCE_CALLBACK, _P, _P, _I, _I], _I),
 }
 _functions: dict[str, object] = {}
 

@@ -29,11 +29,12 @@ static int matmul(int kind, int group, int tb, const void *x, int64_t x_stride, 
 
 #define P(l, i) ((void *)(intptr_t)layers[(int64_t)(l) * NPTR + (i)])
 
-// With one LoRA adapter for the whole step, per layer the addresses of its A and B for (in this
-// order) qkv, o, gate_up, down, in blocked_matmul's float panels (0: the adapter leaves it alone).
+// LoRA: the step's rows [start, end) of each segment run on one adapter; per segment and layer the
+// addresses of its A and B for (in this order) qkv, o, gate_up, down, in blocked_matmul's float
+// panels (0: the adapter leaves that linear alone).
 enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, NLORA };
-#define LA(l, i) ((void *)(intptr_t)lora[(int64_t)(l) * 2 * NLORA + 2 * (i)])
-#define LB(l, i) ((void *)(intptr_t)lora[(int64_t)(l) * 2 * NLORA + 2 * (i) + 1])
+#define LA(g, l, i) ((void *)(intptr_t)lora[((int64_t)(g) * L + (l)) * 2 * NLORA + 2 * (i)])
+#define LB(g, l, i) ((void *)(intptr_t)lora[((int64_t)(g) * L + (l)) * 2 * NLORA + 2 * (i) + 1])
 
 // y [M, N] += B (A x) for rows x: A [w, K], B [N, w] in float panels; the delta is rounded to dtype
 // and then added, as the layer-by-layer path does it (lora/layers.py: LoRASlots._add_one).
@@ -46,25 +47,48 @@ static int lora_add(const void *x, int64_t x_stride, const void *a, const void *
     return 0;
 }
 
+typedef struct {
+    const int64_t *lora, *segments;
+    int num_segments, L;
+    void *xa, *delta;     // work buffers
+    int dtype;
+} LoraStep;
+
+// Each segment's delta for linear `which` of layer l: rows of x [T, K] (row stride xs) into y [T, N].
+static int lora_segments(const LoraStep *s, int l, int which, const void *x, int64_t xs, void *y, int N, int K,
+                         int w) {
+    const int esize = s->dtype == 0 ? 4 : 2, L = s->L;
+    const int64_t *lora = s->lora;
+    for (int g = 0; g < s->num_segments; g++) {
+        const int64_t first = s->segments[2 * g], rows = s->segments[2 * g + 1] - first;
+        if (lora_add((const char *)x + first * xs * esize, xs, LA(g, l, which), LB(g, l, which),
+                     (char *)y + first * N * esize, (int)rows, N, K, w, s->xa, s->delta, s->dtype))
+            return -1;
+    }
+    return 0;
+}
+
 // hidden, residual [T, E] in place: on entry the stage's input (has_residual = 0: the first
 // stage's embeddings, residual unset), on exit the last layer's output and the running residual.
 // scratch: T * ((H + 2 Hkv) * D + H * D + 3 * I) elements. H, Hkv and I are this rank's.
 // all_reduce (NULL with one tensor parallel rank): sums hidden over the ranks in place, after each
 // row-parallel product (output and down; they have no bias then), as the layer-by-layer path does;
 // nonzero if it failed.
-// lora (NULL: none): a LoRA adapter's table (above), of rank R (its shards' ranks, zero-padded);
-// scratch then holds T * (3 R + max(Q, E, 2 I)) elements more.
+// lora (NULL: none): the adapters' table (above) for the num_segments segments [start, end) in
+// segments, of rank R (their shards' ranks, zero-padded); scratch then holds T * (3 R + max(Q, E,
+// 2 I)) elements more.
 // Returns -1 if a work buffer could not be allocated, -2 if an all-reduce failed.
 KERNEL_API int llama_decode_layers(const int64_t *layers, int L, void *hidden, void *residual, int has_residual,
                         const void *cos, const void *signed_sin, const int64_t *slot_mapping,
                         const int64_t *block_tables, const int64_t *context_lens, int T, int E, int H, int Hkv,
                         int D, int I, int num_blocks, int block_size, int max_blocks, float scale, float eps,
                         int dtype, int kind, int group, int tb, void *scratch, int (*all_reduce)(void),
-                        const int64_t *lora, int R) {
+                        const int64_t *lora, const int64_t *segments, int num_segments, int R) {
     const int esize = dtype == 0 ? 4 : 2, Q = (H + 2 * Hkv) * D;
     char *qkv = (char *)scratch, *attn = qkv + (int64_t)T * Q * esize, *gate_up = attn + (int64_t)T * H * D * esize;
     char *act = gate_up + (int64_t)T * 2 * I * esize;
     char *xa = act + (int64_t)T * I * esize, *delta = xa + (int64_t)T * 3 * R * esize;
+    const LoraStep ls = {lora, segments, num_segments, L, xa, delta, dtype};
     for (int l = 0; l < L; l++) {
         if (l == 0 && !has_residual) {
             memcpy(residual, hidden, (size_t)T * E * esize);
@@ -73,25 +97,20 @@ KERNEL_API int llama_decode_layers(const int64_t *layers, int L, void *hidden, v
             add_rmsnorm(hidden, E, residual, residual, hidden, P(l, IN_NORM), T, E, eps, dtype);
         }
         if (matmul(kind, group, tb, hidden, E, P(l, QKV_W), P(l, QKV_B), qkv, T, Q, E, dtype)) return -1;
-        if (lora && lora_add(hidden, E, LA(l, LORA_QKV), LB(l, LORA_QKV), qkv, T, Q, E, 3 * R, xa, delta, dtype))
-            return -1;
+        if (lora && lora_segments(&ls, l, LORA_QKV, hidden, E, qkv, Q, E, 3 * R)) return -1;
         if (paged_decode_attention_qkv(attn, qkv, Q, cos, signed_sin, P(l, K_CACHE), P(l, V_CACHE), slot_mapping,
                                        block_tables, context_lens, T, H, Hkv, D, num_blocks, block_size,
                                        max_blocks, scale, dtype))
             return -1;
         if (matmul(kind, group, tb, attn, H * D, P(l, O_W), P(l, O_B), hidden, T, E, H * D, dtype)) return -1;
-        if (lora && lora_add(attn, H * D, LA(l, LORA_O), LB(l, LORA_O), hidden, T, E, H * D, R, xa, delta, dtype))
-            return -1;
+        if (lora && lora_segments(&ls, l, LORA_O, attn, H * D, hidden, E, H * D, R)) return -1;
         if (all_reduce && all_reduce()) return -2;
         add_rmsnorm(hidden, E, residual, residual, hidden, P(l, POST_NORM), T, E, eps, dtype);
         if (matmul(kind, group, tb, hidden, E, P(l, GATE_UP_W), P(l, GATE_UP_B), gate_up, T, 2 * I, E, dtype)) return -1;
-        if (lora && lora_add(hidden, E, LA(l, LORA_GATE_UP), LB(l, LORA_GATE_UP), gate_up, T, 2 * I, E, 2 * R, xa,
-                             delta, dtype))
-            return -1;
+        if (lora && lora_segments(&ls, l, LORA_GATE_UP, hidden, E, gate_up, 2 * I, E, 2 * R)) return -1;
         silu_and_mul(gate_up, act, T, I, dtype);
         if (matmul(kind, group, tb, act, I, P(l, DOWN_W), P(l, DOWN_B), hidden, T, E, I, dtype)) return -1;
-        if (lora && lora_add(act, I, LA(l, LORA_DOWN), LB(l, LORA_DOWN), hidden, T, E, I, R, xa, delta, dtype))
-            return -1;
+        if (lora && lora_segments(&ls, l, LORA_DOWN, act, I, hidden, E, I, R)) return -1;
         if (all_reduce && all_reduce()) return -2;
     }
     return 0;

@@ -62,4 +62,5 @@ KERNEL_API int llama_decode_layers(const int64_t *layers, int L, void *hidden, v
                                    const int64_t *block_tables, const int64_t *context_lens, int T, int E, int H,
                                    int Hkv, int D, int I, int num_blocks, int block_size, int max_blocks, float scale,
                                    float eps, int dtype, int kind, int group, int tb, void *scratch,
-                                   int (*all_reduce)(void), const int64_t *lora, int R);
+                                   int (*all_reduce)(void), const int64_t *lora, const int64_t *segments,
+                                   int num_segments, int R);

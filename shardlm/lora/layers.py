@@ -7,10 +7,12 @@ block-diagonal ([out, shards x max_rank]), so one adapter costs two matmuls howe
 projections it targets. Ranks below max_rank are zero-padded.
 
 Per step, the tokens of each adapter form a segment (the runner orders requests by adapter):
-delta = (x[seg] A^T) B^T, added to out[seg] (Punica's and S-LoRA's segmented product). All
-segments go through two batched matmuls, over views where they are equally long, else over a
-padded gather: on CPU that beat a matmul pair per segment by 2-3x, and one dense matmul over every
-slot with a mask too (measured in docs/ARCHITECTURE.md).
+delta = (x[seg] A^T) B^T, added to out[seg] (Punica's and S-LoRA's segmented product). On CPU
+each slot is also kept in the blocked kernel's panels and each segment is two blocked products
+(in C, inside the one-call decode step, for decode steps); elsewhere all segments go through two
+batched torch matmuls, over views where they are equally long, else over a padded gather, which
+beat a torch matmul pair per segment by 2-3x and one dense matmul over every slot with a mask
+(measured in docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import torch
 from shardlm.layers.cpu_matmul import blocked, prepare_weight
 from shardlm.lora import batch as lora_batch
 
-# up to this many adapters in a step, each one's rows go through the blocked kernel on their
-# own; more go through torch's batched matmuls (bench lora-layer: 4 at 16 rows each, 76 vs 49 us)
-MAX_SEGMENTS_ONE_BY_ONE = 2
+# Segments of up to this many rows (decode steps) go through the blocked kernel, in C inside the
+# one-call decode step, where torch's bfloat16 matmul costs ~15 us a call; longer ones (prefill)
+# through torch's batched matmuls, twice as fast there (bench lora-layer, 4 adapters of 128 rows
+# each: qkv 155 vs 328 us).
+PANEL_MAX_ROWS = 64
 
 
 class LoRASlots:
@@ -34,8 +38,9 @@ class LoRASlots:
         self.a = torch.zeros(num_slots, width, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, out_features, width, dtype=dtype, device=device)
         self.a_t, self.b_t = self.a.transpose(1, 2), self.b.transpose(1, 2)    # as the products read them
-        # CPU: each slot's A and B also in the blocked kernel's panels, for one adapter's rows
-        self.packed: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
+        # CPU: each slot's A and B also in the blocked kernel's panels, for one adapter's rows;
+        # () where the slot's adapter leaves this layer alone (nothing to add), None where not packed
+        self.packed: list[tuple | None] = [()] * num_slots
 
     def nbytes(self) -> int:
         return self.a.nbytes + self.b.nbytes
@@ -50,22 +55,19 @@ class LoRASlots:
             self.a[slot, cols] = a.to(self.a.dtype)
             self.b[slot, out_offset:out_offset + b.shape[0], cols] = b.to(self.b.dtype)
         packed = [prepare_weight(w[slot]) for w in (self.a, self.b)]
-        if all(plan is not None and plan.blocked for _, plan in packed):
-            self.packed[slot] = (packed[0][0], packed[1][0])
+        blocked_plans = all(plan is not None and plan.blocked for _, plan in packed)
+        self.packed[slot] = (packed[0][0], packed[1][0]) if blocked_plans else None
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
-        self.packed[slot] = None
+        self.packed[slot] = ()
 
-    def _add_one(self, slot: int, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out += one adapter's delta for rows x: through the blocked kernel where the slot is
-        packed (a third of torch's time at 1-16 rows: its bfloat16 matmul costs ~15 us a call)."""
-        packed = self.packed[slot]
-        if packed is None:
-            out.addmm_(x @ self.a_t[slot], self.b_t[slot])
-        else:
-            out.add_(blocked(blocked(x, packed[0], None, self.a.shape[1]), packed[1], None, out.shape[1]))
+    def in_panels(self, batch: lora_batch.LoRABatch) -> bool:
+        """Whether the step's segments go through the blocked kernel: every slot in its panels and
+        no segment longer than PANEL_MAX_ROWS (the one-call decode step asks the same)."""
+        return all(end - start <= PANEL_MAX_ROWS and self.packed[slot] is not None
+                   for slot, start, end in batch.segments)
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out += each token's adapter delta (tokens of the base model get none)."""
@@ -73,12 +75,15 @@ class LoRASlots:
         if batch is None:
             return out
         x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-        if batch.whole is not None:
-            self._add_one(batch.whole, x2, out2)
-            return out
-        if len(batch.segments) <= MAX_SEGMENTS_ONE_BY_ONE and self.packed[batch.segments[0][0]] is not None:
+        if self.in_panels(batch):
             for slot, start, end in batch.segments:
-                self._add_one(slot, x2[start:end], out2[start:end])
+                if self.packed[slot]:      # () where this adapter leaves the layer alone
+                    a, b = self.packed[slot]
+                    out2[start:end] += blocked(blocked(x2[start:end], a, None, self.a.shape[1]), b, None,
+                                               out2.shape[1])
+            return out
+        if batch.whole is not None:
+            out2.addmm_(x2 @ self.a_t[batch.whole], self.b_t[batch.whole])
             return out
         a_t, b_t = (self.a_t, self.b_t) if batch.slot_ids is None else \
             (self.a_t[batch.slot_ids], self.b_t[batch.slot_ids])

@@ -115,8 +115,7 @@ class LlamaModel(nn.Module):
             hidden, residual = intermediate
         cos_sin = self.rotary.lookup(positions)
         fused = self._fused_decode(meta)
-        lora = lora_batch.current()
-        done = fused(hidden, residual, cos_sin, meta, lora and lora.whole) if fused is not None else None
+        done = fused(hidden, residual, cos_sin, meta, lora_batch.current()) if fused is not None else None
         if done is not None:
             hidden, residual = done
         else:
@@ -131,9 +130,6 @@ class LlamaModel(nn.Module):
     def _fused_decode(self, meta) -> FusedDecodeLayers | None:
         """The one-call decode path of this stage where it applies, built at the first decode step
         (the weights are final and the KV cache bound by then)."""
-        lora = lora_batch.current()
-        if lora is not None and lora.whole is None:      # several adapters in the step: layer by layer
-            return None
         if self.fused_decode is False:
             if not (hasattr(meta, "buckets") and len(meta.buckets) == 1 and meta.buckets[0].in_order):
                 return None

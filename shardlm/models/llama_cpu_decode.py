@@ -10,9 +10,9 @@ row-parallel product (the group's own all_reduce, the one the layer-by-layer pat
 same sums), so a rank's layers still run without Python between their kernels (the callbacks
 cost a few percent of a step).
 
-With LoRA, a step whose rows all run on one adapter runs here too: after each linear the C loop
-adds the adapter's delta (its slot's A and B in the blocked kernel's panels), as the layer path
-does.
+With LoRA adapters the step runs here too: after each linear the C loop adds each adapter's
+delta to its segment of rows (the slot's A and B in the blocked kernel's panels), as the layer
+path does.
 
 It applies where every piece has its CPU kernel: float32 or bfloat16, plain Llama layers
 (dense MLP, no q/k norm, and under TP no bias on the row-parallel linears) whose linears all
@@ -29,6 +29,7 @@ import torch
 from shardlm import kernels
 from shardlm.distributed.parallel_state import get_tp_group
 from shardlm.kernels import DTYPE_CODES
+from shardlm.lora.batch import LoRABatch
 
 
 def _address(t: torch.Tensor | None) -> int:
@@ -141,43 +142,44 @@ class FusedDecodeLayers:
             self._table, self._cache_address = torch.tensor(rows, dtype=torch.int64), caches
         return self._table
 
-    def _lora_table(self, slot: int) -> tuple[torch.Tensor, int] | None:
-        """The addresses of a LoRA slot's A and B panels for every layer's qkv, o, gate_up and down
-        (0 where a linear has no adapter), and its rank; None where a layer's slot is not in panels."""
-        rows, rank = [], 0
-        for layer in self.layers:
-            row = []
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                           layer.mlp.down_proj):
-                if linear.lora is None:
-                    row += [0, 0]
-                    continue
-                packed = linear.lora.packed[slot]
-                if packed is None:
-                    return None
-                row += [_address(packed[0]), _address(packed[1])]
-                rank = linear.lora.max_rank
-            rows.append(row)
-        return torch.tensor(rows, dtype=torch.int64), rank
+    def _lora_tables(self, lora: LoRABatch) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """For each of the step's LoRA segments, the addresses of its slot's A and B panels for every
+        layer's qkv, o, gate_up and down (0 where the adapter leaves a linear alone); the segments'
+        rows; the slots' rank. None where the layer path would not use the panels (it then runs)."""
+        linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                   for layer in self.layers]
+        slots = [m.lora for row in linears for m in row if m.lora is not None]
+        if not all(s.in_panels(lora) for s in slots):
+            return None
+        addresses = [[address for m in row for address in self._lora_addresses(m, slot)]
+                     for slot, _, _ in lora.segments for row in linears]
+        segments = [[start, end] for _, start, end in lora.segments]
+        return (torch.tensor(addresses, dtype=torch.int64), torch.tensor(segments, dtype=torch.int64),
+                slots[0].max_rank if slots else 0)
+
+    @staticmethod
+    def _lora_addresses(linear, slot: int) -> list[int]:
+        packed = () if linear.lora is None else linear.lora.packed[slot]
+        return [_address(packed[0]), _address(packed[1])] if packed else [0, 0]
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin, meta,
-                 lora_slot: int | None = None):
+                 lora: LoRABatch | None = None):
         """(hidden, residual) after every layer of the stage, or None where this step does not apply.
-        lora_slot: the LoRA slot every row of the step runs on (None: the base model)."""
+        lora: which rows run on which LoRA slot (None: all on the base model)."""
         cos, signed_sin = cos_sin
         T = hidden.shape[0]
         if (T > self.max_rows or len(meta.buckets) != 1 or not meta.buckets[0].in_order
                 or hidden.dtype != self.dtype or cos.dtype != self.dtype or not hidden.is_contiguous()
                 or (residual is not None and not residual.is_contiguous())):
             return None
-        lora, rank = (None, 0) if lora_slot is None else (self._lora_table(lora_slot) or (False, 0))
-        if lora is False:
+        tables, segments, rank = (None, None, 0) if lora is None else (self._lora_tables(lora) or (False, None, 0))
+        if tables is False:
             return None
         has_residual = residual is not None
         if not has_residual:
             residual = torch.empty_like(hidden)
         H, Hkv, D, inter = self.heads, self.kv_heads, self.head_dim, self.inter
-        lora_scratch = 3 * rank + max((H + 2 * Hkv) * D, self.hidden_size, 2 * inter) if lora is not None else 0
+        lora_scratch = 3 * rank + max((H + 2 * Hkv) * D, self.hidden_size, 2 * inter) if tables is not None else 0
         scratch = torch.empty(T * ((H + 2 * Hkv) * D + H * D + 3 * inter + lora_scratch), dtype=self.dtype)
         b = meta.buckets[0]
         k_cache = self.layers[0].self_attn.attn.k_cache
@@ -187,7 +189,8 @@ class FusedDecodeLayers:
                          b.block_table.data_ptr(), b.context_lens.data_ptr(), T, self.hidden_size, H, Hkv, D, inter,
                          k_cache.shape[1], k_cache.shape[2], b.block_table.shape[1], self.scale, self.eps,
                          DTYPE_CODES[self.dtype], self.layout, self.group, self.table_bytes, scratch.data_ptr(),
-                         self._all_reduce, _address(lora), rank)
+                         self._all_reduce, _address(tables), _address(segments),
+                         0 if lora is None else len(lora.segments), rank)
         self._reduced = None
         if rc == -2:
             raise self._reduce_error

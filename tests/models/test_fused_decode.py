@@ -67,19 +67,22 @@ def test_fused_decode_under_tensor_parallel_equals_the_layer_by_layer_path(name,
     assert results[True] == results[False]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_decode_with_one_lora_adapter_equals_the_layer_by_layer_path(dtype, tiny_model_dir, tmp_path):
-    """A step whose rows all run on one LoRA adapter takes the one-call path too (each linear's
-    delta added in C, as lora/layers.py adds it): the same tokens and log-probabilities, bit for
-    bit."""
+@pytest.mark.parametrize("dtype, mix", [("float32", "one"), ("bfloat16", "one"), ("bfloat16", "two"),
+                                        ("float32", "base+one")])
+def test_fused_decode_with_lora_adapters_equals_the_layer_by_layer_path(dtype, mix, tiny_model_dir, tmp_path):
+    """Steps with LoRA adapters take the one-call path too (each adapter's delta added to its
+    rows in C, as lora/layers.py adds it): the same tokens and log-probabilities, bit for bit, with
+    one adapter for every row, two adapters, or the base model and an adapter."""
     from shardlm import LoRARequest
     from tests.lora_adapters import write_adapter
     if kernels.blocked_matmul() is None or (dtype == "float32" and kernels.blocked_vector_bits() != 512):
         pytest.skip("LoRA slots go into the blocked kernel's panels only where it multiplies this dtype")
     path = tiny_model_dir("llama-gqa")
-    lora = LoRARequest("a", 1, write_adapter(path, tmp_path / "a", rank=8, seed=1))
+    a = LoRARequest("a", 1, write_adapter(path, tmp_path / "a", rank=8, seed=1))
+    b = LoRARequest("b", 2, write_adapter(path, tmp_path / "b", rank=4, seed=2, targets=("q_proj", "down_proj")))
+    lora = {"one": a, "two": [a, b], "base+one": [None, a]}[mix]
     llm = LLM(path, dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=False, enable_lora=True,
-              distributed_executor_backend="uni")
+              max_loras=2, distributed_executor_backend="uni")
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
     results = {}
     try:
