@@ -43,7 +43,10 @@ class LoRASlots:
         self.packed: list[tuple | None] = [()] * num_slots
 
     def nbytes(self) -> int:
-        return self.a.nbytes + self.b.nbytes
+        """The slots' memory: A and B, twice where they are kept in panels too (CPU)."""
+        panels = any(self.packed) or all(plan is not None and plan.blocked for _, plan in
+                                         (prepare_weight(w[0]) for w in (self.a, self.b)))
+        return (self.a.nbytes + self.b.nbytes) * (2 if panels else 1)
 
     def set(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Put one adapter's weights for this layer in `slot`: parts = {shard: (A, B)}, whole
