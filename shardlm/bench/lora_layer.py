@@ -23,10 +23,8 @@ def run_lora_layer_bench(in_features: int, out_features: int, shards: int, rank:
     a = torch.randn(adapters, width, in_features, generator=g).to(dtype)
     b = torch.randn(adapters, out_features, width, generator=g).to(dtype)
     a_all = a.reshape(adapters * width, in_features)
-    from shardlm.layers.cpu_matmul import blocked, prepare_weight
-    plans = [[prepare_weight(w[s]) for w in (a, b)] for s in range(adapters)]
-    panels = [(pa, pb) for (pa, plan_a), (pb, plan_b) in plans] if all(
-        plan is not None and plan.blocked for pair in plans for _, plan in pair) else None
+    from shardlm.layers.cpu_matmul import blocked, goes_into_panels, pack_blocked
+    panels = [(pack_blocked(a[s]), pack_blocked(b[s])) for s in range(adapters)] if goes_into_panels(a[0]) else None
     b_all = b.permute(1, 0, 2).reshape(out_features, adapters * width).contiguous()
     results = {}
     for n in tokens:

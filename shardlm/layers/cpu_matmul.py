@@ -133,16 +133,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.linear(x, weight, bias)
 
 
+def goes_into_panels(weight: torch.Tensor) -> bool:
+    """Whether a float weight on CPU is multiplied from blocked_matmul's panels here. AVX-512's
+    panels beat oneDNN from one row to a prompt. AVX2's tiles (a quarter of the rows per tile) do
+    for bfloat16, which oneDNN widens without native instructions, but not for float32 at many
+    rows, which keeps its kernels."""
+    return (weight.device.type == "cpu" and weight.dtype in DTYPE_CODES and weight.dim() == 2
+            and blocked_matmul() is not None
+            and (kernels.blocked_vector_bits() == 512 or weight.dtype == torch.bfloat16))
+
+
 def prepare_weight(weight: torch.Tensor) -> tuple[torch.Tensor | None, CpuMatmul | None]:
     """(the weight to keep in its place, or None to keep it as it is; how to multiply it), for a
     float weight on CPU; (None, None) elsewhere."""
     if weight.device.type != "cpu" or weight.dtype not in DTYPE_CODES or weight.dim() != 2:
         return None, None
     N, K = weight.shape
-    # AVX-512's panels beat oneDNN from one row to a prompt. AVX2's tiles (a quarter of the rows
-    # per tile) do for bfloat16, which oneDNN widens without native instructions, but not for
-    # float32 at many rows, which keeps its kernels
-    if blocked_matmul() is not None and (kernels.blocked_vector_bits() == 512 or weight.dtype == torch.bfloat16):
+    if goes_into_panels(weight):
         return pack_blocked(weight), CpuMatmul(N, K, blocked=True)
     rows = skinny_max_rows(weight)
     return (None if rows else onednn_pack(weight)), CpuMatmul(N, K, skinny_rows=rows)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from shardlm.layers.cpu_matmul import blocked, prepare_weight
+from shardlm.layers.cpu_matmul import blocked, goes_into_panels, pack_blocked
 from shardlm.lora import batch as lora_batch
 
 # Segments of up to this many rows (decode steps) go through the blocked kernel, in C inside the
@@ -40,13 +40,12 @@ class LoRASlots:
         self.a_t, self.b_t = self.a.transpose(1, 2), self.b.transpose(1, 2)    # as the products read them
         # CPU: each slot's A and B also in the blocked kernel's panels, for one adapter's rows;
         # () where the slot's adapter leaves this layer alone (nothing to add), None where not packed
+        self.panels = goes_into_panels(self.a[0])
         self.packed: list[tuple | None] = [()] * num_slots
 
     def nbytes(self) -> int:
         """The slots' memory: A and B, twice where they are kept in panels too (CPU)."""
-        panels = any(self.packed) or all(plan is not None and plan.blocked for _, plan in
-                                         (prepare_weight(w[0]) for w in (self.a, self.b)))
-        return (self.a.nbytes + self.b.nbytes) * (2 if panels else 1)
+        return (self.a.nbytes + self.b.nbytes) * (2 if self.panels else 1)
 
     def set(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Put one adapter's weights for this layer in `slot`: parts = {shard: (A, B)}, whole
@@ -57,9 +56,7 @@ class LoRASlots:
             cols = slice(shard * self.max_rank, shard * self.max_rank + a.shape[0])
             self.a[slot, cols] = a.to(self.a.dtype)
             self.b[slot, out_offset:out_offset + b.shape[0], cols] = b.to(self.b.dtype)
-        packed = [prepare_weight(w[slot]) for w in (self.a, self.b)]
-        blocked_plans = all(plan is not None and plan.blocked for _, plan in packed)
-        self.packed[slot] = (packed[0][0], packed[1][0]) if blocked_plans else None
+        self.packed[slot] = (pack_blocked(self.a[slot]), pack_blocked(self.b[slot])) if self.panels else None
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
