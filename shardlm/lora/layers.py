@@ -30,6 +30,8 @@ PANEL_MAX_ROWS = 64
 
 
 class LoRASlots:
+    changes = 0      # bumped whenever a slot of any layer changes (the one-call decode step caches on it)
+
     def __init__(self, layer, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device):
         self.layer = layer
         self.max_rank = max_rank
@@ -57,11 +59,13 @@ class LoRASlots:
             self.a[slot, cols] = a.to(self.a.dtype)
             self.b[slot, out_offset:out_offset + b.shape[0], cols] = b.to(self.b.dtype)
         self.packed[slot] = (pack_blocked(self.a[slot]), pack_blocked(self.b[slot])) if self.panels else None
+        LoRASlots.changes += 1
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
         self.packed[slot] = ()
+        LoRASlots.changes += 1
 
     def in_panels(self, batch: lora_batch.LoRABatch) -> bool:
         """Whether the step's segments go through the blocked kernel: every slot in its panels and

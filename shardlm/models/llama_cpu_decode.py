@@ -30,6 +30,7 @@ from shardlm import kernels
 from shardlm.distributed.parallel_state import get_tp_group
 from shardlm.kernels import DTYPE_CODES
 from shardlm.lora.batch import LoRABatch
+from shardlm.lora.layers import PANEL_MAX_ROWS, LoRASlots
 
 
 def _address(t: torch.Tensor | None) -> int:
@@ -52,6 +53,12 @@ def _layout(linear) -> tuple[int, int, int] | None:
     if plan.blocked:
         return BLOCKED, 0, 0
     return (SKINNY, 0, 0) if plan.skinny_rows >= 1 else None
+
+
+def _panel_addresses(linear, slot: int) -> list[int]:
+    """A LoRA slot's A and B panels of a linear, or zeros where the adapter leaves it alone."""
+    packed = () if linear.lora is None else linear.lora.packed[slot]
+    return [_address(packed[0]), _address(packed[1])] if packed else [0, 0]
 
 
 def _weight(linear) -> torch.Tensor:
@@ -93,6 +100,7 @@ class FusedDecodeLayers:
         self.max_rows = min(m.cpu_matmul.skinny_rows for m in linears) if self.layout == SKINNY else 1 << 30
         self._table: torch.Tensor | None = None
         self._cache_address = None
+        self._lora_cache: dict[tuple[int, ...], tuple] = {}     # slots of a step -> (LoRASlots.changes, tables)
         self.steps = 0          # decode steps taken here (Worker.fused_decode_steps)
         self.tp = get_tp_group()
         self._reduced: torch.Tensor | None = None      # the step's hidden, which the all-reduce sums in place
@@ -145,22 +153,28 @@ class FusedDecodeLayers:
     def _lora_tables(self, lora: LoRABatch) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """For each of the step's LoRA segments, the addresses of its slot's A and B panels for every
         layer's qkv, o, gate_up and down (0 where the adapter leaves a linear alone); the segments'
-        rows; the slots' rank. None where the layer path would not use the panels (it then runs)."""
+        rows; the slots' rank. None where the layer path would not use the panels (it then runs).
+        The addresses are kept per order of slots until a slot changes."""
+        if any(end - start > PANEL_MAX_ROWS for _, start, end in lora.segments):
+            return None
+        slots = tuple(slot for slot, _, _ in lora.segments)
+        cached = self._lora_cache.get(slots)
+        if cached is None or cached[0] != LoRASlots.changes:
+            cached = self._lora_cache[slots] = (LoRASlots.changes, self._lora_addresses(slots))
+        if cached[1] is None:
+            return None
+        addresses, rank = cached[1]
+        segments = torch.tensor([[start, end] for _, start, end in lora.segments], dtype=torch.int64)
+        return addresses, segments, rank
+
+    def _lora_addresses(self, slots: tuple[int, ...]) -> tuple[torch.Tensor, int] | None:
         linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
                    for layer in self.layers]
-        slots = [m.lora for row in linears for m in row if m.lora is not None]
-        if not all(s.in_panels(lora) for s in slots):
+        adapted = [m.lora for row in linears for m in row if m.lora is not None]
+        if any(s.packed[slot] is None for s in adapted for slot in slots):      # not in panels
             return None
-        addresses = [[address for m in row for address in self._lora_addresses(m, slot)]
-                     for slot, _, _ in lora.segments for row in linears]
-        segments = [[start, end] for _, start, end in lora.segments]
-        return (torch.tensor(addresses, dtype=torch.int64), torch.tensor(segments, dtype=torch.int64),
-                slots[0].max_rank if slots else 0)
-
-    @staticmethod
-    def _lora_addresses(linear, slot: int) -> list[int]:
-        packed = () if linear.lora is None else linear.lora.packed[slot]
-        return [_address(packed[0]), _address(packed[1])] if packed else [0, 0]
+        rows = [[address for m in row for address in _panel_addresses(m, slot)] for slot in slots for row in linears]
+        return torch.tensor(rows, dtype=torch.int64), adapted[0].max_rank if adapted else 0
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin, meta,
                  lora: LoRABatch | None = None):
