@@ -114,7 +114,7 @@ class Scheduler:
         # after a preemption the cache is full: admit nobody new this step
         admit = self.num_preemptions == num_preempted_before
         skipped = 0         # requests at the head of the queue that wait (constraint compiling, adapter limit)
-        adapters = self.running_adapters()
+        adapters = self.running_adapters() if self.max_loras else set()
         while (admit and skipped < len(self.waiting) and budget > 0
                and len(self.running) < self.config.max_num_seqs and len(chunks) < seq_cap):
             request = self.waiting[skipped]
