@@ -224,6 +224,75 @@ class LoRAConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """--speculative-config: propose tokens cheaply, verify them in one target forward pass
+    (shardlm/spec_decode/). vLLM's field names."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 3          # proposed tokens per request per step (k)
+    prompt_lookup_min: int | None = None     # ngram: the shortest suffix looked up in the request's tokens
+    prompt_lookup_max: int | None = None     # ngram: the longest
+    # no proposals in a step whose running batch has this many requests or more (None: the default
+    # below; 0: never turned off)
+    disable_by_batch_size: int | None = None
+    model: str | None = None                 # a draft model (method "draft_model", "eagle", "eagle3")
+
+    METHODS = ("ngram",)
+    FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+              "disable_by_batch_size", "model")
+    # measured (docs/speculative_decoding.md): from 16 running requests on, a step's extra verified
+    # tokens cost more than the accepted ones save on CPU, whatever the acceptance
+    DEFAULT_DISABLE_BY_BATCH_SIZE = 16
+
+    @classmethod
+    def from_json(cls, value: dict | str) -> SpeculativeConfig:
+        """The flag's JSON (or the offline dict), checked; every refusal says what to write."""
+        import json
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not JSON ({e}): e.g. "
+                                 "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'.") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"--speculative-config must be a JSON object, not {type(value).__name__}.")
+        unknown = sorted(set(value) - set(cls.FIELDS))
+        if unknown:
+            raise ValueError(f"--speculative-config has unknown field(s) {unknown}; known: {', '.join(cls.FIELDS)}.")
+        value = dict(value)
+        if "method" not in value:
+            value["method"] = "draft_model" if value.get("model") else "ngram"
+        return cls(**value)
+
+    def __post_init__(self):
+        if self.method not in self.METHODS:
+            later = " (draft models and EAGLE heads are not built yet)" if self.method in (
+                "draft_model", "eagle", "eagle3") or self.model else ""
+            raise ValueError(f"speculative method {self.method!r} is not supported{later}: use "
+                             f"{' or '.join(self.METHODS)}.")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens={k!r} must be an integer from 1 to 16.")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        lo, hi = (lo if lo is not None else hi or 5), (hi if hi is not None else lo or 5)   # vLLM: 5 when neither
+        for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"{name}={n!r} must be a positive integer.")
+        if lo > hi:
+            raise ValueError(f"prompt_lookup_min={lo} is above prompt_lookup_max={hi}: the shortest suffix looked up "
+                             "cannot be longer than the longest.")
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        if self.disable_by_batch_size is None:
+            self.disable_by_batch_size = self.DEFAULT_DISABLE_BY_BATCH_SIZE
+        n = self.disable_by_batch_size
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"disable_by_batch_size={n!r} must be a non-negative integer (0: never turned off).")
+
+    def speculates(self, num_running: int) -> bool:
+        """Whether a step with this many running requests gets proposals."""
+        return not self.disable_by_batch_size or num_running < self.disable_by_batch_size
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -231,6 +300,7 @@ class EngineConfig:
     parallel: ParallelConfig
     device: torch.device
     lora: LoRAConfig | None = None           # None: --enable-lora is off
+    speculative: SpeculativeConfig | None = None     # None: no speculative decoding
 
     @property
     def dp_lockstep(self) -> bool:

@@ -41,6 +41,8 @@ class ScheduledChunk(msgspec.Struct):
     start_pos: int
     block_ids: list[int]
     sample: bool          # True when this chunk ends at the request's last known token
+    # speculative decoding: the last num_draft_tokens of token_ids are proposed tokens, to verify
+    num_draft_tokens: int = 0
 
 
 class SchedulerOutput(msgspec.Struct):
@@ -48,7 +50,7 @@ class SchedulerOutput(msgspec.Struct):
     new_requests: list[NewRequestData] = msgspec.field(default_factory=list)
     finished_req_ids: list[str] = msgspec.field(default_factory=list)
     # structured outputs: the constrained requests sampled this step and their allowed tokens,
-    # one row each of int32 words (bit t: token t allowed)
+    # int32 words (bit t: token t allowed), one row per sampled position of each: 1 + its drafts
     grammar_req_ids: list[str] = msgspec.field(default_factory=list)
     grammar_bitmask: bytes = b""
 
@@ -68,9 +70,12 @@ class TokenLogprobs(msgspec.Struct):
 
 
 class ModelRunnerOutput(msgspec.Struct):
-    sampled: dict[str, int]                              # req_id -> next token id
-    logprobs: dict[str, TokenLogprobs] = msgspec.field(default_factory=dict)
+    # req_id -> its new tokens: one, or with speculative decoding the accepted drafts and one more
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)    # one per new token
     prompt_logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)
+    # speculative decoding: tokens proposed for each request's next step
+    draft_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
 
 # ---- front end <-> engine core ----

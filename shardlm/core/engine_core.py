@@ -47,7 +47,7 @@ class EngineCore:
         self.executor.initialize_cache(num_blocks)
         self.max_in_flight = self.executor.max_concurrent_batches
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_in_flight,
-                                   config.lora.max_loras if config.lora is not None else 0)
+                                   config.lora.max_loras if config.lora is not None else 0, config.speculative)
         self.batch_queue: deque = deque()      # (scheduler output, wait for its result), oldest first
         self.wave = Wave() if config.dp_lockstep else None     # DP + EP: replicas step together
         self.structured_outputs: StructuredOutputManager | None = None     # made at the first constrained request
@@ -162,12 +162,12 @@ class EngineCore:
         """The allowed tokens of each constrained request this step samples for."""
         if self.structured_outputs is None:
             return
-        requests = [self.scheduler.requests[c.req_id] for c in so.chunks if c.sample]
-        rows = [(r.request_id, r.grammar.result()) for r in requests
-                if r.grammar is not None and r.thinking_end_ids is None]
+        chunks = [(c, self.scheduler.requests[c.req_id]) for c in so.chunks if c.sample]
+        rows = [(r.request_id, r.grammar.result(), c.token_ids[len(c.token_ids) - c.num_draft_tokens:])
+                for c, r in chunks if r.grammar is not None and r.thinking_end_ids is None]
         if rows:
-            so.grammar_req_ids = [req_id for req_id, _ in rows]
-            so.grammar_bitmask = self.structured_outputs.bitmask([matcher for _, matcher in rows])
+            so.grammar_req_ids = [req_id for req_id, _, _ in rows]
+            so.grammar_bitmask = self.structured_outputs.bitmask([(matcher, drafts) for _, matcher, drafts in rows])
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()
@@ -181,6 +181,7 @@ class EngineCore:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_aborted": self.scheduler.num_aborted,
                 **self.scheduler.lora_stats(),
+                **(self.scheduler.spec_stats.as_dict() if self.config.speculative is not None else {}),
                 **({"expert_load": self.expert_load()} if self.config.model.num_experts else {})}
 
     def expert_load(self) -> dict[str, list[int]]:

@@ -55,6 +55,7 @@ class Request:
         self.num_cached_tokens = -1      # prefix-cache hit at first scheduling (-1: not yet)
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.spec_token_ids: list[int] = []    # speculative decoding: proposed for its next decode
         room = max_model_len - len(prompt_token_ids)
         if sampling_params.max_tokens is not None and sampling_params.max_tokens > room:
             # the processor refuses such requests (check_max_tokens); the scheduler relies on it

@@ -10,17 +10,22 @@ which changes no output.
 With pipeline parallel the engine core keeps several batches in flight. A request is in at
 most one of them: until its batch's tokens come back (update), the scheduler leaves it out,
 and it is never preempted (its blocks are in use).
+
+Speculative decoding: a decode that has proposed tokens (Request.spec_token_ids) takes 1 + k
+positions and KV slots; update keeps the accepted ones and hands the rest back. When the KV
+cache is short, a request's proposals go before any request is preempted.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from shardlm.config import CacheConfig, SchedulerConfig
+from shardlm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from shardlm.core.kv_cache_manager import KVCacheManager
 from shardlm.core.request import Request, RequestStatus
 from shardlm.logger import init_logger
 from shardlm.messages import EngineCoreOutput, ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
+from shardlm.spec_decode.stats import SpecDecodingStats
 from shardlm.structured_output.manager import accept
 
 logger = init_logger(__name__)
@@ -28,10 +33,13 @@ logger = init_logger(__name__)
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 pipeline_depth: int = 1, max_loras: int = 0):
+                 pipeline_depth: int = 1, max_loras: int = 0, speculative: SpeculativeConfig | None = None):
         """pipeline_depth: batches in flight at once (the number of pipeline stages); max_loras:
-        LoRA adapters the running requests may use at once (0: LoRA is off)."""
+        LoRA adapters the running requests may use at once (0: LoRA is off); speculative: whether
+        (and when) proposed tokens are verified."""
         self.config = config
+        self.speculative = speculative
+        self.spec_stats = SpecDecodingStats()
         self.max_loras = max_loras
         self.pipeline_depth = pipeline_depth
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
@@ -90,6 +98,7 @@ class Scheduler:
         # with P batches in flight, each takes about 1/P of the requests, so every stage has work
         seq_cap = -(-(len(self.running) + len(self.waiting)) // self.pipeline_depth)
         num_preempted_before = self.num_preemptions
+        speculate = self.speculative is not None and self.speculative.speculates(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0 and len(chunks) < seq_cap:
             request = self.running[i]
@@ -97,7 +106,11 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            drafts = self._drafts(request, budget, speculate)
+            while not self.kv.allocate_slots(request, num_new + len(drafts)):
+                if drafts:                  # proposals go first
+                    drafts = []
+                    continue
                 victim = self._newest_preemptable()
                 if victim is None:          # everything else is in flight: wait for it
                     i += 1
@@ -107,8 +120,8 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                chunks.append(self._chunk(request, num_new))
-                budget -= num_new
+                chunks.append(self._chunk(request, num_new, drafts))
+                budget -= num_new + len(drafts)
                 i += 1
 
         # after a preemption the cache is full: admit nobody new this step
@@ -179,15 +192,30 @@ class Scheduler:
                 return request
         return None
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _drafts(self, request: Request, budget: int, speculate: bool) -> list[int]:
+        """The proposed tokens this decode verifies: within the step's budget and the request's
+        max_tokens, and (structured outputs) only those its constraint allows. Used once."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not speculate or not drafts or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        drafts = drafts[:max(0, min(budget - 1, request.max_tokens - request.num_output_tokens - 1))]
+        if drafts and request.grammar is not None:
+            if request.thinking_end_ids is not None:    # the constraint starts at a token not yet known
+                return []
+            drafts = drafts[:request.grammar.result().validate_tokens(drafts)]
+        return drafts
+
+    def _chunk(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
         request.num_computed_tokens += num_new
-        return ScheduledChunk(request.request_id, request.all_token_ids[start:start + num_new], start,
-                              self.kv.block_ids(request.request_id),
-                              sample=request.num_computed_tokens == request.num_tokens)
+        sample = request.num_computed_tokens == request.num_tokens
+        request.num_computed_tokens += len(drafts)      # until update tells how many were right
+        return ScheduledChunk(request.request_id, request.all_token_ids[start:start + num_new] + list(drafts), start,
+                              self.kv.block_ids(request.request_id), sample, len(drafts))
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -220,20 +248,31 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             prompt_lp = result.prompt_logprobs.get(chunk.req_id)
-            token = result.sampled.get(chunk.req_id) if chunk.sample else None
-            if token is None:
+            tokens = result.sampled.get(chunk.req_id) if chunk.sample else None
+            if not tokens:
                 if prompt_lp:
                     outputs.append(EngineCoreOutput(chunk.req_id, [], prompt_logprobs=prompt_lp))
                 continue
-            request.append_output_token(token)
-            if request.grammar is not None:
-                self._advance_grammar(request, token)
-            lp = result.logprobs.get(chunk.req_id)
-            out = EngineCoreOutput(chunk.req_id, [token], [lp] if lp else None, prompt_lp,
-                                   num_cached_tokens=request.num_cached_tokens)
-            if request.check_stop():
-                out.finish_reason, out.stop_reason = request.status.value, request.stop_reason
-                self.running.remove(request)
-                self._free(request)
+            if chunk.num_draft_tokens:
+                # positions past the accepted drafts are recomputed: their KV slots are written again
+                num_accepted = len(tokens) - 1
+                request.num_computed_tokens -= chunk.num_draft_tokens - num_accepted
+                self.spec_stats.observe(chunk.num_draft_tokens, num_accepted)
+            out = EngineCoreOutput(chunk.req_id, [], None, prompt_lp, num_cached_tokens=request.num_cached_tokens)
+            for token in tokens:
+                request.append_output_token(token)
+                out.new_token_ids.append(token)
+                if request.grammar is not None:
+                    self._advance_grammar(request, token)
+                if request.check_stop():
+                    out.finish_reason, out.stop_reason = request.status.value, request.stop_reason
+                    self.running.remove(request)
+                    self._free(request)
+                    break
+            lps = result.logprobs.get(chunk.req_id)
+            if lps:
+                out.new_logprobs = lps[:len(out.new_token_ids)]
+            if out.finish_reason is None:
+                request.spec_token_ids = result.draft_token_ids.get(chunk.req_id, [])
             outputs.append(out)
         return outputs

@@ -23,6 +23,7 @@ from shardlm.config import (
     ParallelConfig,
     QuantizationConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     parse_size,
 )
 from shardlm.executor.selection import choose_backend
@@ -192,6 +193,12 @@ class EngineArgs:
     max_cpu_loras: int | None = knob(
         None, "lora",
         "LoRA adapters kept read in CPU memory, ready to be swapped into a slot (default: max_loras)")
+    speculative_config: dict | str | None = knob(
+        None, "engine",
+        "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} proposes the tokens that followed the last "
+        "n-gram's previous occurrence in the prompt or output; \"disable_by_batch_size\": N turns it off "
+        "in steps with N or more running requests (default 16; 0: never)")
     reasoning_parser: str | None = knob(
         None, "model",
         "how this reasoning model marks its thinking: deepseek_r1 or qwen3 (<think>...</think>); the "
@@ -242,7 +249,8 @@ class EngineArgs:
         scheduler = SchedulerConfig(
             self.max_num_seqs, self.max_num_batched_tokens or max(8192, self.max_num_seqs), max_model_len)
         lora = LoRAConfig(**self.landing_in("lora")) if self.enable_lora else None
-        config = EngineConfig(model_cfg, cache, scheduler, parallel, device, lora)
+        speculative = SpeculativeConfig.from_json(self.speculative_config) if self.speculative_config else None
+        config = EngineConfig(model_cfg, cache, scheduler, parallel, device, lora, speculative)
         check_parallel_layout(config)
         check_fits(config)   # before any weights are loaded
         return config

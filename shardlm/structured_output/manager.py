@@ -43,12 +43,21 @@ class StructuredOutputManager:
                 request.thinking_end_ids = end
         return matcher
 
-    def bitmask(self, matchers: list) -> bytes:
-        """Rows of allowed tokens (bit t of row i: token t is allowed for matchers[i]), int32 words."""
-        mask = np.zeros((len(matchers), self.words), dtype=np.int32)
-        for i, matcher in enumerate(matchers):
-            row = mask[i]
-            matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+    def bitmask(self, matchers: list[tuple]) -> bytes:
+        """Rows of allowed tokens, int32 words (bit t: token t allowed): for each (matcher, drafts),
+        one row at its current state and one after each proposed token (speculative decoding; the
+        scheduler kept only drafts the matcher allows), which it then takes back."""
+        mask = np.zeros((sum(1 + len(drafts) for _, drafts in matchers), self.words), dtype=np.int32)
+        i = 0
+        for matcher, drafts in matchers:
+            for j in range(len(drafts) + 1):
+                row = mask[i]
+                matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+                i += 1
+                if j < len(drafts):
+                    matcher.consume_token(drafts[j])
+            if drafts:
+                matcher.rollback(len(drafts))
         return mask.tobytes()
 
     def shutdown(self) -> None:

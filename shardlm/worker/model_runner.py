@@ -1,7 +1,8 @@
 """Runs one scheduler step on this rank:
 
     update request state -> prepare inputs -> run the model (or this pipeline stage)
-      -> choose the rows that need logits -> sample -> prompt logprobs
+      -> choose the rows that need logits -> sample (and verify proposed tokens)
+      -> prompt logprobs -> propose the next tokens (speculative decoding)
 
 Each is one method below. Attention goes through the backend chosen once for this device
 (shardlm/attention/selector.py); the runner builds its metadata once per step.
@@ -9,7 +10,7 @@ Each is one method below. Attention goes through the backend chosen once for thi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -27,6 +28,8 @@ from shardlm.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from shardlm.model_loader.weights import load_model
 from shardlm.planner.layer_placement import stage_layers
 from shardlm.sampling_params import SamplingParams
+from shardlm.spec_decode.ngram import NgramProposer
+from shardlm.spec_decode.verify import accepted_tokens
 from shardlm.worker.cpu_tuning import zeroed_buffer
 from shardlm.worker.cuda_graphs import CudaGraphs, graphs_unavailable_reason
 
@@ -60,6 +63,7 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphs | None = None
         self.use_cuda_graphs = False
         self.lora: LoRAManager | None = None
+        self.proposer = NgramProposer(config.speculative) if config.speculative is not None else None
 
     def load_model(self) -> None:
         par = self.config.parallel
@@ -157,21 +161,38 @@ class ModelRunner:
             return None
         out = ModelRunnerOutput({})
         if sample_chunks:
-            batch = self._sampling_batch(states)
+            row_states = self._row_states(sample_chunks, states)
+            batch = self._sampling_batch(row_states)
             if allowed is not None:
                 batch.allowed = allowed(0)
-            tokens, logprobs = self.sampler(logits[:len(sample_chunks)], batch)
+            tokens, logprobs = self.sampler(logits[:len(row_states)], batch)
             out = self._record(sample_chunks, states, tokens, logprobs)
         self._prompt_logprobs(logits, prompt_rows, out)
         return out
+
+    @staticmethod
+    def _row_states(sample_chunks: list[ScheduledChunk], states: list[RequestState]) -> list[RequestState]:
+        """One state per sampled position: a request's position j after its last known token has
+        its first j proposed tokens as output history (penalties, min_tokens see them)."""
+        rows = []
+        for c, state in zip(sample_chunks, states):
+            rows.append(state)
+            drafts = drafts_of(c)
+            rows.extend(replace(state, output_token_ids=state.output_token_ids + drafts[:j])
+                        for j in range(1, len(drafts) + 1))
+        return rows
 
     def _allowed_tokens(self, so: SchedulerOutput, sample_chunks: list[ScheduledChunk]):
         """Structured outputs: a function (first token of the logits' columns) -> TokenBitmask of
         the constrained rows among sample_chunks, or None when none is constrained."""
         if not so.grammar_req_ids:
             return None
-        position = {c.req_id: i for i, c in enumerate(sample_chunks)}
-        rows = torch.tensor([position[r] for r in so.grammar_req_ids], dtype=torch.long, device=self.device)
+        first_row, row = {}, 0
+        for c in sample_chunks:         # a request has a row per sampled position: 1 + its drafts
+            first_row[c.req_id] = (row, 1 + c.num_draft_tokens)
+            row += 1 + c.num_draft_tokens
+        rows = torch.tensor([first + j for r in so.grammar_req_ids for first, n in [first_row[r]] for j in range(n)],
+                            dtype=torch.long, device=self.device)
         words = np.frombuffer(so.grammar_bitmask, dtype=np.int32).reshape(len(rows), -1)
         return lambda first_token: TokenBitmask(rows, words, first_token)
 
@@ -215,6 +236,8 @@ class ModelRunner:
         """Forget finished requests; remember new ones (with their own generator when seeded)."""
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            if self.proposer is not None:
+                self.proposer.forget(req_id)
         for new in so.new_requests:
             sp = new.sampling_params
             gen = None
@@ -226,15 +249,27 @@ class ModelRunner:
             self.requests[new.req_id] = RequestState(new.prompt_token_ids, sp, gen, lora.lora_int_id if lora else 0)
 
     def _prepare_inputs(self, chunks: list[ScheduledChunk]):
-        """Token ids, positions and the attention metadata of the step's tokens, in chunk order."""
+        """Token ids, positions and the attention metadata of the step's tokens, in chunk order.
+
+        A chunk with proposed tokens is attended as one decode per position (same block table,
+        context up to that position): the kernels, and so the numbers, of decoding its tokens
+        one by one, which keeps greedy outputs exact; and a step of decodes stays on the
+        one-call CPU path (CUDA graphs on a GPU)."""
         self._fault_in_blocks(max(max(c.block_ids) for c in chunks))
-        input_ids, positions, query_lens = [], [], []
+        input_ids, positions, query_lens, starts, tables = [], [], [], [], []
         for c in chunks:
+            n = len(c.token_ids)
             input_ids.extend(c.token_ids)
-            positions.extend(range(c.start_pos, c.start_pos + len(c.token_ids)))
-            query_lens.append(len(c.token_ids))
-        meta = self.attn_backend.build_metadata(query_lens, [c.start_pos for c in chunks],
-                                                [c.block_ids for c in chunks])
+            positions.extend(range(c.start_pos, c.start_pos + n))
+            if c.num_draft_tokens:
+                query_lens.extend([1] * n)
+                starts.extend(range(c.start_pos, c.start_pos + n))
+                tables.extend([c.block_ids] * n)
+            else:
+                query_lens.append(n)
+                starts.append(c.start_pos)
+                tables.append(c.block_ids)
+        meta = self.attn_backend.build_metadata(query_lens, starts, tables)
         return (torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), meta)
 
     def _run_model(self, input_ids, positions, meta):
@@ -252,16 +287,16 @@ class ModelRunner:
         return hidden
 
     def _logits_rows(self, chunks: list[ScheduledChunk]):
-        """Rows whose logits are needed: the last token of each sampling chunk, then the prompt
+        """Rows whose logits are needed: the last token (and drafts) of each sampling chunk, then the prompt
         positions of requests that asked for prompt logprobs.
         -> (rows, sampling chunks, [(request id, first prompt position, first row, count)])"""
         sample_chunks, rows, end = [], [], 0
         prompt_rows: list[tuple[str, int, int, int]] = []
         for c in chunks:
             end += len(c.token_ids)
-            if c.sample:
+            if c.sample:              # its last token's row, and one per proposed token
                 sample_chunks.append(c)
-                rows.append(end - 1)
+                rows.extend(range(end - 1 - c.num_draft_tokens, end))
         offset = 0
         for c in chunks:
             state = self.requests[c.req_id]
@@ -279,13 +314,22 @@ class ModelRunner:
 
     def _record(self, sample_chunks: list[ScheduledChunk], states: list[RequestState], tokens: list[int],
                 logprobs: dict) -> ModelRunnerOutput:
-        """The sampled tokens (and logprobs) of the step, remembered for penalties and min_tokens."""
+        """The step's new tokens (and logprobs), remembered for penalties and min_tokens: per
+        request, the proposed tokens the sampled ones confirm and one more; then the next
+        proposals. tokens, logprobs: per sampled row (_row_states)."""
         out = ModelRunnerOutput({})
-        for i, (c, state, token) in enumerate(zip(sample_chunks, states, tokens)):
-            state.output_token_ids.append(token)
-            out.sampled[c.req_id] = token
-            if i in logprobs:
-                out.logprobs[c.req_id] = logprobs[i]
+        row = 0
+        for c, state in zip(sample_chunks, states):
+            new = accepted_tokens(tokens[row:row + 1 + c.num_draft_tokens], drafts_of(c))
+            state.output_token_ids.extend(new)
+            out.sampled[c.req_id] = new
+            if row in logprobs:
+                out.logprobs[c.req_id] = [logprobs[row + j] for j in range(len(new))]
+            if self.proposer is not None:
+                drafts = self.proposer.propose(c.req_id, state.prompt_token_ids, state.output_token_ids)
+                if drafts:
+                    out.draft_token_ids[c.req_id] = drafts
+            row += 1 + c.num_draft_tokens
         return out
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows, out: ModelRunnerOutput) -> None:
@@ -363,3 +407,8 @@ class ModelRunner:
         if any(p.logprobs is not None for p in params):
             batch.logprobs_k = [p.logprobs for p in params]
         return batch
+
+
+def drafts_of(chunk: ScheduledChunk) -> list[int]:
+    """The proposed tokens a chunk verifies (the last num_draft_tokens of its tokens)."""
+    return chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens:] if chunk.num_draft_tokens else []

@@ -19,7 +19,7 @@ def req(rid, n_prompt, max_tokens=4, first=0, **sp):
 
 def step(s, token=7):
     out = s.schedule()
-    res = ModelRunnerOutput({c.req_id: token for c in out.chunks if c.sample})
+    res = ModelRunnerOutput({c.req_id: [token] for c in out.chunks if c.sample})
     return out, s.update(out, res)
 
 
@@ -125,7 +125,7 @@ def test_batches_in_flight_share_no_request_and_split_the_work():
     a, b = {c.req_id for c in first.chunks}, {c.req_id for c in second.chunks}
     assert len(a) == len(b) == 2 and not a & b           # each batch about 1/depth of the requests
     assert not s.schedule().chunks                       # everyone is in flight
-    s.update(first, ModelRunnerOutput({c.req_id: 7 for c in first.chunks}))
+    s.update(first, ModelRunnerOutput({c.req_id: [7] for c in first.chunks}))
     third = s.schedule()
     assert {c.req_id for c in third.chunks} == a         # back once their tokens are in
     assert all(len(c.token_ids) == 1 for c in third.chunks)
@@ -139,7 +139,7 @@ def test_requests_in_flight_are_never_preempted():
     first, second = s.schedule(), s.schedule()
     assert [c.req_id for c in first.chunks + second.chunks] == ["old", "new"]
     blocks_in_flight = s.kv.block_ids("new")
-    s.update(first, ModelRunnerOutput({"old": 7}))
+    s.update(first, ModelRunnerOutput({"old": [7]}))
     # "old" needs a fifth block; the newest request ("new") is in flight, so "old" yields itself
     out = s.schedule()
     assert not out.chunks and s.num_preemptions == 1
@@ -152,8 +152,8 @@ def test_finished_ids_wait_for_a_batch_that_carries_them():
     s.add_request(req("a", 3, max_tokens=1))
     s.add_request(req("b", 3, max_tokens=5, first=20))
     first, second = s.schedule(), s.schedule()
-    s.update(first, ModelRunnerOutput({c.req_id: 7 for c in first.chunks}))     # a finishes
+    s.update(first, ModelRunnerOutput({c.req_id: [7] for c in first.chunks}))     # a finishes
     done = first.chunks[0].req_id
     assert not s.schedule().chunks                # b is still in flight: nothing to send
-    s.update(second, ModelRunnerOutput({c.req_id: 7 for c in second.chunks}))
+    s.update(second, ModelRunnerOutput({c.req_id: [7] for c in second.chunks}))
     assert s.schedule().finished_req_ids == [done]

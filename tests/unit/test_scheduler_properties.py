@@ -69,7 +69,7 @@ class CheckingModel:
             seen = [self.slots[c.block_ids[p // self.bs] * self.bs + p % self.bs] for p in range(end)]
             assert seen == self.context[c.req_id][:end], f"{c.req_id}: the KV cache holds other tokens"
             if c.sample:
-                sampled[c.req_id] = next_token(seen)
+                sampled[c.req_id] = [next_token(seen)]
         return ModelRunnerOutput(sampled)
 
 

@@ -1,0 +1,59 @@
+"""Prompt lookup: propose the tokens that followed the last earlier occurrence of the request's
+final n tokens (n from prompt_lookup_max down to prompt_lookup_min), in its prompt or output.
+
+Free to run (no model), and right often on input-grounded work: editing, summarizing, code,
+answers quoting a passage. When nothing matches, nothing is proposed and the request decodes
+one token as usual.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from shardlm.config import SpeculativeConfig
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig):
+        self.k = config.num_speculative_tokens
+        self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
+        self._tokens: dict[str, np.ndarray] = {}     # req_id -> its tokens (a growing buffer)
+        self._lengths: dict[str, int] = {}
+
+    def propose(self, req_id: str, prompt: list[int], output: list[int]) -> list[int]:
+        tokens = self._history(req_id, prompt, output)
+        return propose_ngram(tokens, self.n_min, self.n_max, self.k)
+
+    def forget(self, req_id: str) -> None:
+        self._tokens.pop(req_id, None)
+        self._lengths.pop(req_id, None)
+
+    def _history(self, req_id: str, prompt: list[int], output: list[int]) -> np.ndarray:
+        """The request's tokens as an array, appending only what is new since the last call."""
+        total = len(prompt) + len(output)
+        buf, have = self._tokens.get(req_id), self._lengths.get(req_id, 0)
+        if buf is None or have < len(prompt):
+            buf, have = np.empty(max(64, 2 * total), dtype=np.int64), 0
+            buf[:len(prompt)] = prompt
+            have = len(prompt)
+        if total > len(buf):
+            buf = np.concatenate([buf[:have], np.empty(total, dtype=np.int64)])
+        buf[have:total] = output[have - len(prompt):]
+        self._tokens[req_id], self._lengths[req_id] = buf, total
+        return buf[:total]
+
+
+def propose_ngram(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the longest suffix of
+    `tokens` (n_min <= length <= n_max) that occurred before; [] when none did."""
+    length = len(tokens)
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        suffix = tokens[length - n:]
+        # windows that start early enough to be followed by a token (the suffix itself is not one)
+        windows = sliding_window_view(tokens[:length - 1], n)
+        starts = np.flatnonzero((windows == suffix).all(axis=1))
+        if starts.size:
+            follow = starts[-1] + n
+            return tokens[follow:follow + k].tolist()
+    return []
