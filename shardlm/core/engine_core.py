@@ -18,6 +18,7 @@ from concurrent import futures
 from shardlm.config import EngineConfig, format_bytes
 from shardlm.core.request import Request
 from shardlm.core.scheduler import Scheduler
+from shardlm.core.stat_logger import StatLogger
 from shardlm.core.wave import Wave
 from shardlm.executor.selection import executor_class
 from shardlm.logger import init_logger
@@ -48,6 +49,7 @@ class EngineCore:
         self.max_in_flight = self.executor.max_concurrent_batches
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_in_flight,
                                    config.lora.max_loras if config.lora is not None else 0, config.speculative)
+        self.stat_logger = StatLogger(self.scheduler)
         self.batch_queue: deque = deque()      # (scheduler output, wait for its result), oldest first
         self.wave = Wave() if config.dp_lockstep else None     # DP + EP: replicas step together
         self.structured_outputs: StructuredOutputManager | None = None     # made at the first constrained request
@@ -123,6 +125,7 @@ class EngineCore:
             self._log_failed_step(scheduler_output, e)
             raise
         outputs = self.scheduler.update(scheduler_output, result)
+        self.stat_logger.observe(scheduler_output, outputs)
         if self.executor.runs_async:
             # the workers start on the next batch while the caller detokenizes these outputs
             self._fill_pipeline()

@@ -21,6 +21,7 @@ from collections import OrderedDict
 
 from shardlm.config import EngineConfig
 from shardlm.messages import EngineCoreOutputs
+from shardlm.spec_decode.stats import SpecDecodingStats
 
 WAITING_WEIGHT = 4             # a waiting request delays every later one more than a running one
 PREFIX_BLOCK_WEIGHT = 0.125    # per prompt block a replica probably holds in its prefix cache
@@ -167,6 +168,8 @@ def combine_stats(per_engine: list[dict]) -> dict:
         total["max_lora"] = per_engine[0]["max_lora"]
         for key in ("running_lora_adapters", "waiting_lora_adapters"):
             total[key] = sorted({name for s in per_engine for name in s[key]})
+    if "spec_num_drafts" in per_engine[0]:        # speculative decoding counters: summed
+        total.update(SpecDecodingStats.total([SpecDecodingStats.from_dict(s) for s in per_engine]).as_dict())
     if "expert_load" in per_engine[0]:            # tokens per expert, per MoE layer: summed over replicas
         total["expert_load"] = {layer: [sum(c) for c in zip(*(s["expert_load"][layer] for s in per_engine))]
                                 for layer in per_engine[0]["expert_load"]}

@@ -46,6 +46,18 @@ class ServerMetrics:
         # vLLM's lora_requests_info: one series, its labels the adapters in use, its value the time
         self.lora_info = Gauge("shardlm:lora_requests_info", "LoRA adapters of running and waiting requests",
                                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        # speculative decoding (vLLM's spec_decode_* names): totals so far, per replica and in all
+        self.spec_gauges = {
+            "spec_num_drafts": Gauge("shardlm:spec_decode_num_drafts", "Speculative proposals verified",
+                                     per_engine, registry=r),
+            "spec_num_draft_tokens": Gauge("shardlm:spec_decode_num_draft_tokens", "Proposed tokens verified",
+                                           per_engine, registry=r),
+            "spec_num_accepted_tokens": Gauge("shardlm:spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                                              per_engine, registry=r),
+        }
+        self.spec_per_position = Gauge("shardlm:spec_decode_num_accepted_tokens_per_pos",
+                                       "Proposed tokens accepted at each position of a proposal",
+                                       per_engine + ["position"], registry=r)
         self.prompt_tokens = Counter("shardlm:prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
         self.generation_tokens = Counter("shardlm:generation_tokens", "Generated tokens of finished requests", labels,
                                          registry=r)
@@ -78,6 +90,11 @@ class ServerMetrics:
             for engine, values in [("all", stats), *((str(e["engine"]), e) for e in stats.get("engines", []))]:
                 for key, gauge in self.engine_gauges.items():
                     gauge.labels(engine=engine, **self.labels).set(values[key])
+                if "spec_num_drafts" in values:
+                    for key, gauge in self.spec_gauges.items():
+                        gauge.labels(engine=engine, **self.labels).set(values[key])
+                    for position, n in enumerate(values["spec_accepted_per_position"]):
+                        self.spec_per_position.labels(engine=engine, position=str(position), **self.labels).set(n)
                 if engine == "all" and "max_lora" in values:
                     self.lora_info.clear()
                     self.lora_info.labels(str(values["max_lora"]), ",".join(values["running_lora_adapters"]),

@@ -1,0 +1,207 @@
+"""Speculative decoding: greedy outputs equal those without it (n-gram proposals at tp=1, tp=2,
+pp=2 and dp=2, across preemption, with logprobs, stop strings and structured outputs); a
+proposer that knows the answer has every token accepted, a random one changes nothing; and
+sampled outputs keep their distribution (chi-square against sampling without speculation)."""
+
+import random
+
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency
+
+from shardlm import LLM, SamplingParams
+from shardlm.sampling_params import StructuredOutputsParams
+
+ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# token-id prompts that repeat themselves: prompt lookup finds proposals from the start
+PROMPTS = [{"prompt_token_ids": ([100 + 7 * i, 200, 300 + i, 400] * 6)[:20 + i]} for i in range(6)]
+GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+
+def stats(llm: LLM) -> dict:
+    return llm.engine.engine_core.call_utility("stats")
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [c.token_ids for o in outputs for c in o.outputs]
+
+
+def runner_of(llm: LLM):
+    """The model runner of a tp=1 engine whose core runs in this process."""
+    return llm.engine.engine_core.engine_core.executor.worker.runner
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    engine = LLM(tiny_model_dir("llama-gqa"), **ENGINE)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_model_dir):
+    engine = LLM(tiny_model_dir("llama-gqa"), **ENGINE, speculative_config=NGRAM)
+    yield engine
+    engine.shutdown()
+
+
+def test_ngram_greedy_outputs_equal_plain_decoding(plain, spec):
+    before = stats(spec)
+    got = spec.generate(PROMPTS, GREEDY, use_tqdm=False)
+    after = stats(spec)
+    assert tokens(got) == tokens(plain.generate(PROMPTS, GREEDY, use_tqdm=False))
+    drafted = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+    accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+    assert drafted > 0 and 0 < accepted <= drafted      # proposals were verified, and some kept
+    assert sum(after["spec_accepted_per_position"]) == after["spec_num_accepted_tokens"]
+
+
+def test_logprobs_stop_strings_and_max_tokens_are_unchanged(plain, spec):
+    params = [SamplingParams(temperature=0, max_tokens=40, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[400]),
+              SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)]
+    want = plain.generate(PROMPTS[:3], params, use_tqdm=False)
+    got = spec.generate(PROMPTS[:3], params, use_tqdm=False)
+    for w, g in zip(want, got):
+        a, b = w.outputs[0], g.outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (b.token_ids, b.text, b.finish_reason,
+                                                                         b.stop_reason)
+    lp_want, lp_got = want[0].outputs[0].logprobs, got[0].outputs[0].logprobs
+    assert len(lp_got) == len(want[0].outputs[0].token_ids)
+    for w, g in zip(lp_want, lp_got):
+        assert sorted(w) == sorted(g)
+        assert all(abs(w[t].logprob - g[t].logprob) < 1e-4 for t in w)
+
+
+def test_stop_string_inside_accepted_drafts_ends_the_output_there(plain, spec):
+    text = plain.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=[stop])
+    want = plain.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    got = spec.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    assert (got.text, got.finish_reason, got.stop_reason) == (want.text, "stop", stop)
+
+
+class Oracle:
+    """Proposes the reference continuation (or random tokens when wrong=True)."""
+
+    def __init__(self, answers: dict[tuple, list[int]], k: int, wrong: bool = False):
+        self.answers, self.k, self.wrong = answers, k, wrong
+        self.rng = random.Random(0)
+
+    def propose(self, req_id, prompt, output):
+        if self.wrong:
+            return [self.rng.randrange(49152) for _ in range(self.k)]
+        answer = self.answers[tuple(prompt)]
+        return answer[len(output):len(output) + self.k]
+
+    def forget(self, req_id):
+        pass
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["knows-the-answer", "random"])
+def test_a_proposer_that_knows_the_answer_has_every_token_accepted(plain, spec, wrong):
+    want = plain.generate(PROMPTS, GREEDY, use_tqdm=False)
+    answers = {tuple(p["prompt_token_ids"]): o.outputs[0].token_ids for p, o in zip(PROMPTS, want)}
+    runner = runner_of(spec)
+    ngram, runner.proposer = runner.proposer, Oracle(answers, 4, wrong)
+    try:
+        before = stats(spec)
+        got = spec.generate(PROMPTS, GREEDY, use_tqdm=False)
+        after = stats(spec)
+    finally:
+        runner.proposer = ngram
+    assert tokens(got) == tokens(want)
+    drafted = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+    accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+    assert drafted > 0
+    if wrong:
+        assert accepted < drafted / 100
+    else:           # all right: 5 tokens a step after the first (the last step's drafts capped by max_tokens)
+        assert accepted == drafted
+        assert after["spec_num_drafts"] - before["spec_num_drafts"] == len(PROMPTS) * -(-(48 - 1) // 5)
+
+
+def test_structured_outputs_mask_every_verified_position(plain, spec):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yy"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    params = SamplingParams(temperature=0, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    prompts = ["Give me JSON.", "Another one:"]
+    want = plain.generate(prompts, params, use_tqdm=False)
+    answers = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in want}
+    runner = runner_of(spec)
+    ngram, runner.proposer = runner.proposer, Oracle(answers, 4)
+    try:
+        before = stats(spec)
+        got = spec.generate(prompts, params, use_tqdm=False)
+        after = stats(spec)
+    finally:
+        runner.proposer = ngram
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    assert after["spec_num_accepted_tokens"] > before["spec_num_accepted_tokens"]
+
+
+@pytest.mark.slow
+def test_sampled_outputs_keep_their_distribution(tiny_model_dir, plain):
+    """Three tokens from four allowed ones, 1200 seeded requests per arm; proposals are random
+    allowed tokens (right about a quarter of the time): the marginal of each position and the
+    joint of the last two match those of plain sampling (chi-square, p > 0.001)."""
+    allowed = [500, 501, 502, 503]
+    n = 1200
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=3, ignore_eos=True, allowed_token_ids=allowed)
+              for i in range(n)]
+    prompt = {"prompt_token_ids": [500, 501, 502, 503, 500, 501]}
+    engine = LLM(tiny_model_dir("llama-gqa"), **ENGINE, speculative_config={**NGRAM, "disable_by_batch_size": 0})
+
+    class RandomAllowed(Oracle):
+        def propose(self, req_id, prompt, output):
+            return [self.rng.choice(allowed) for _ in range(self.k)]
+    try:
+        runner_of(engine).proposer = RandomAllowed({}, 2)
+        got = np.array(tokens(engine.generate([prompt] * n, params, use_tqdm=False)))
+        spec_stats = stats(engine)
+    finally:
+        engine.shutdown()
+    want = np.array(tokens(plain.generate([prompt] * n, [p.clone() for p in params], use_tqdm=False)))
+    assert spec_stats["spec_num_accepted_tokens"] > 0.1 * spec_stats["spec_num_draft_tokens"]
+    for pos in range(3):
+        table = [[(x[:, pos] == t).sum() for t in allowed] for x in (want, got)]
+        table = [[c for c, other in zip(row, zip(*table)) if sum(other) > 0] for row in table]
+        assert chi2_contingency(table)[1] > 0.001, (pos, table)
+    joint = [[((x[:, 1] == a) & (x[:, 2] == b)).sum() for a in allowed for b in allowed] for x in (want, got)]
+    keep = [j for j in range(16) if joint[0][j] + joint[1][j] >= 5]
+    assert chi2_contingency([[row[j] for j in keep] for row in joint])[1] > 0.001
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                                    dict(data_parallel_size=2)], ids=["tp2", "pp2", "dp2"])
+def test_ngram_outputs_are_the_same_on_every_layout(tiny_model_dir, plain, layout):
+    want = plain.generate(PROMPTS, GREEDY, use_tqdm=False)
+    other = LLM(tiny_model_dir("llama-gqa"), **ENGINE, **layout, speculative_config=NGRAM)
+    try:
+        got = other.generate(PROMPTS, GREEDY, use_tqdm=False)
+        s = stats(other)
+    finally:
+        other.shutdown()
+    assert tokens(got) == tokens(want)
+    assert 0 < s["spec_num_accepted_tokens"] <= s["spec_num_draft_tokens"]
+
+
+@pytest.mark.slow
+def test_preempted_speculating_requests_recompute_to_the_same_output(tiny_model_dir, plain):
+    """13 KV blocks for three requests of ~180 tokens: proposals are dropped and requests
+    preempted when the cache is short; outputs equal plain decoding with a roomy cache."""
+    prompts = [{"prompt_token_ids": ([100 + i, 200, 300, 400 + i] * 13)[:50]} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=130, ignore_eos=True)
+    small = LLM(tiny_model_dir("llama-gqa"), **{**ENGINE, "kv_cache_memory": 8192 * 14, "max_model_len": 192},
+                speculative_config=NGRAM)
+    try:
+        got = small.generate(prompts, params, use_tqdm=False)
+        s = stats(small)
+    finally:
+        small.shutdown()
+    assert s["num_preemptions"] > 0 and s["spec_num_accepted_tokens"] > 0
+    assert tokens(got) == tokens(plain.generate(prompts, params, use_tqdm=False))
