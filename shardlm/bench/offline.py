@@ -3,7 +3,9 @@
 Throughput: every prompt submitted at once, exactly output_len new tokens each (greedy, EOS
 ignored), repeated after a warm-up with the prefix cache cleared between runs; medians.
 Latency: one prompt alone (or --batch-size copies of it, all decoding together); decode step
-time = (T(n tokens) - T(1 token)) / (n - 1), decode tok/s = batch size / step time.
+time = (T(n tokens) - T(1 token)) / (n - 1), decode tok/s = batch size / step time. With
+--each-prompt, every prompt of the workload in turn, and the median over them. A workload that
+keeps EOS (grounded) ends each request at its answer's end: n is the tokens it made.
 """
 
 from __future__ import annotations
@@ -32,6 +34,17 @@ def _engine_facts(llm) -> dict:
             "quantization": model.quantization.method if model.quantization else None}
 
 
+def _speculation(llm) -> dict:
+    """Speculative decoding over the run: tokens proposed and accepted; {} without it."""
+    if llm.engine.config.speculative is None:
+        return {}
+    s = llm.engine.engine_core.call_utility("stats")
+    drafts, drafted, accepted = s["spec_num_drafts"], s["spec_num_draft_tokens"], s["spec_num_accepted_tokens"]
+    return {"spec_drafted_tokens": drafted, "spec_accepted_tokens": accepted,
+            "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "spec_mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0}
+
+
 def _expert_load(llm) -> dict:
     """MoE models: tokens routed to each expert per layer over the run, and each layer's
     imbalance (the busiest expert's tokens over the mean: 1.0 is even); {} for dense models."""
@@ -50,16 +63,17 @@ def _start(engine_args):
     return llm, time.perf_counter() - t0
 
 
-def _timed(llm, prompts, n, structured_outputs=None, loras=None) -> tuple[float, int]:
+def _timed(llm, prompts, n, structured_outputs=None, loras=None, ignore_eos=True) -> tuple[float, int]:
     """(seconds, output tokens) to generate n tokens for each prompt; a constrained output may
-    end sooner, when its constraint is complete. loras: LoRA adapters the prompts take in turn."""
+    end sooner, when its constraint is complete, and without ignore_eos at EOS. loras: LoRA
+    adapters the prompts take in turn."""
     llm.reset_prefix_cache()
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, structured_outputs=structured_outputs)
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos, structured_outputs=structured_outputs)
     lora_requests = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
     elapsed = time.perf_counter() - t0
-    assert structured_outputs is not None or all(len(o.outputs[0].token_ids) == n for o in outs)
+    assert structured_outputs is not None or not ignore_eos or all(len(o.outputs[0].token_ids) == n for o in outs)
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
@@ -70,7 +84,7 @@ def run_throughput(engine_args, workload_path, num_prompts, output_len, reps, st
     llm, startup_s = _start(engine_args)
     w = load_workload(workload_path, llm.get_tokenizer(), num_prompts, output_len)
     _timed(llm, w.prompts[:4], 8, structured_outputs, loras)   # warm-up
-    runs = [_timed(llm, w.prompts, w.output_len, structured_outputs, loras) for _ in range(reps)]
+    runs = [_timed(llm, w.prompts, w.output_len, structured_outputs, loras, w.ignore_eos) for _ in range(reps)]
     times = [t for t, _ in runs]
     rates = [tokens / t for t, tokens in runs]
     out_tokens = statistics.median(tokens for _, tokens in runs)
@@ -82,28 +96,37 @@ def run_throughput(engine_args, workload_path, num_prompts, output_len, reps, st
             "output_tok_s_all": rates, "startup_s": startup_s,
             "structured_outputs": None if structured_outputs is None else structured_outputs.kinds()[0],
             "lora_adapters": len(loras or []),
-            "peak_rss_bytes": _peak_rss_bytes(llm), **_engine_facts(llm), **_expert_load(llm)}
+            "peak_rss_bytes": _peak_rss_bytes(llm), **_engine_facts(llm), **_expert_load(llm), **_speculation(llm)}
 
 
-def run_latency(engine_args, workload_path, output_len, reps, batch_size: int = 1, loras=None) -> dict:
+def run_latency(engine_args, workload_path, output_len, reps, batch_size: int = 1, loras=None,
+                each_prompt: bool = False) -> dict:
     t0 = time.perf_counter()
     llm, startup_s = _start(engine_args)
     w = load_workload(workload_path, llm.get_tokenizer(), None, output_len)
-    prompt = [w.prompts[w.latency_prompt_index]] * batch_size
-    first = _timed(llm, prompt, 1, loras=loras)[0]
+    indices = range(len(w.prompts)) if each_prompt else [w.latency_prompt_index]
+    first_prompt = [w.prompts[indices[0]]] * batch_size
+    first = _timed(llm, first_prompt, 1, loras=loras)[0]
     startup_to_first_token = time.perf_counter() - t0
-    _timed(llm, prompt, 8, loras=loras)   # warm-up
-    t1 = [_timed(llm, prompt, 1, loras=loras)[0] for _ in range(reps)]
-    tn = [_timed(llm, prompt, w.output_len, loras=loras)[0] for _ in range(reps)]
-    n = w.output_len
-    step_s = (statistics.median(tn) - statistics.median(t1)) / (n - 1)
-    return {"benchmark": "latency", "workload": w.source, "prompt_tokens": len(prompt[0]), "output_tokens": n,
-            "batch_size": batch_size, "reps": reps, "t_1tok_s": t1, "t_ntok_s": tn, "lora_adapters": len(loras or []),
-            "time_to_first_token_s": statistics.median(t1),
-            "decode_step_ms": step_s * 1000, "decode_tok_s": batch_size / step_s,
+    _timed(llm, first_prompt, 8, loras=loras)   # warm-up
+    per_prompt = []
+    for i in indices:
+        prompt = [w.prompts[i]] * batch_size
+        t1 = [_timed(llm, prompt, 1, loras=loras)[0] for _ in range(reps)]
+        runs = [_timed(llm, prompt, w.output_len, loras=loras, ignore_eos=w.ignore_eos) for _ in range(reps)]
+        tn, n = [t for t, _ in runs], runs[0][1] // batch_size      # greedy: every run makes the same tokens
+        step_s = (statistics.median(tn) - statistics.median(t1)) / max(1, n - 1)
+        per_prompt.append({"prompt_tokens": len(prompt[0]), "output_tokens": n, "t_1tok_s": t1, "t_ntok_s": tn,
+                           "time_to_first_token_s": statistics.median(t1), "decode_step_ms": step_s * 1000,
+                           "decode_tok_s": batch_size / step_s})
+    median = {key: statistics.median(p[key] for p in per_prompt)
+              for key in ("prompt_tokens", "output_tokens", "time_to_first_token_s", "decode_step_ms", "decode_tok_s")}
+    return {"benchmark": "latency", "workload": w.source, **per_prompt[0], **median,
+            "batch_size": batch_size, "reps": reps, "lora_adapters": len(loras or []),
+            **({"per_prompt": per_prompt} if each_prompt else {}),
             "startup_s": startup_s, "startup_to_first_token_s": startup_to_first_token,
             "cold_first_request_s": first, "peak_rss_bytes": _peak_rss_bytes(llm), **_engine_facts(llm),
-            **_expert_load(llm)}
+            **_expert_load(llm), **_speculation(llm)}
 
 
 def report(result: dict, as_json: bool) -> None:

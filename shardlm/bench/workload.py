@@ -2,6 +2,9 @@
 
 File format: {"output_len": 128, "latency_prompt_index": 0,
               "prompts": [{"token_ids": [...]} or {"text": "..."}, ...]}
+The name "grounded" instead of a path: input-grounded prompts (bench/grounded.py), which end
+at their answer's end (EOS) within 256 tokens: decoding past it would measure whatever the
+model makes up after its answer, not the answer.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class Workload:
     output_len: int
     latency_prompt_index: int = 0
     source: str = "synthetic"
+    ignore_eos: bool = True      # False: a request ends at EOS, before output_len
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -30,11 +34,15 @@ class Workload:
 
 def load_workload(path: str | None, tokenizer, num_prompts: int | None = None,
                   output_len: int | None = None) -> Workload:
-    if path:
+    if path == "grounded":
+        from shardlm.bench.grounded import TASKS
+        w = Workload(chat_prompts(tokenizer, TASKS), 256, source="grounded", ignore_eos=False)
+    elif path:
         with open(path) as f:
             data = json.load(f)
         prompts = [p["token_ids"] if "token_ids" in p else tokenizer(p["text"]).input_ids for p in data["prompts"]]
-        w = Workload(prompts, data.get("output_len", 128), data.get("latency_prompt_index", 0), path)
+        w = Workload(prompts, data.get("output_len", 128), data.get("latency_prompt_index", 0), path,
+                     data.get("ignore_eos", True))
     else:
         w = Workload(synthetic_prompts(tokenizer), 128)
     if num_prompts:
@@ -45,15 +53,18 @@ def load_workload(path: str | None, tokenizer, num_prompts: int | None = None,
 
 
 def synthetic_prompts(tokenizer) -> list[list[int]]:
-    """64 chat prompts (16 topics x 4 tasks), rendered with the model's chat template if it has one."""
+    """64 chat prompts (16 topics x 4 tasks)."""
+    return chat_prompts(tokenizer, [task.format(topic) for topic in _TOPICS for task in _TASKS])
+
+
+def chat_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """User messages rendered with the model's chat template if it has one, as token ids."""
     prompts = []
-    for topic in _TOPICS:
-        for task in _TASKS:
-            text = task.format(topic)
-            if getattr(tokenizer, "chat_template", None):
-                text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                     add_generation_prompt=True)
-                prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
-            else:
-                prompts.append(tokenizer(text).input_ids)
+    for text in texts:
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
+            prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
+        else:
+            prompts.append(tokenizer(text).input_ids)
     return prompts

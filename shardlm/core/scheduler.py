@@ -13,7 +13,10 @@ and it is never preempted (its blocks are in use).
 
 Speculative decoding: a decode that has proposed tokens (Request.spec_token_ids) takes 1 + k
 positions and KV slots; update keeps the accepted ones and hands the rest back. When the KV
-cache is short, a request's proposals go before any request is preempted.
+cache is short, a request's proposals go before any request is preempted. Each request verifies
+at most its own lookahead (Request.spec_lookahead): up 2 after a proposal accepted whole, down 1
+after one that was not (transformers' assisted-generation heuristic), so a request whose
+proposals keep missing pays for one proposed token a step, not k.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class Scheduler:
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
+        if self.speculative is not None:
+            request.spec_lookahead = self.speculative.num_speculative_tokens
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -198,7 +203,8 @@ class Scheduler:
         drafts, request.spec_token_ids = request.spec_token_ids, []
         if not speculate or not drafts or request.num_tokens - request.num_computed_tokens != 1:
             return []
-        drafts = drafts[:max(0, min(budget - 1, request.max_tokens - request.num_output_tokens - 1))]
+        drafts = drafts[:max(0, min(request.spec_lookahead, budget - 1,
+                                    request.max_tokens - request.num_output_tokens - 1))]
         if drafts and request.grammar is not None:
             if request.thinking_end_ids is not None:    # the constraint starts at a token not yet known
                 return []
@@ -258,6 +264,9 @@ class Scheduler:
                 num_accepted = len(tokens) - 1
                 request.num_computed_tokens -= chunk.num_draft_tokens - num_accepted
                 self.spec_stats.observe(chunk.num_draft_tokens, num_accepted)
+                request.spec_lookahead = (min(self.speculative.num_speculative_tokens, request.spec_lookahead + 2)
+                                          if num_accepted == chunk.num_draft_tokens else
+                                          max(1, request.spec_lookahead - 1))
             out = EngineCoreOutput(chunk.req_id, [], None, prompt_lp, num_cached_tokens=request.num_cached_tokens)
             for token in tokens:
                 request.append_output_token(token)

@@ -13,7 +13,8 @@ def register(sub) -> None:
                        ("latency", "one prompt: batch-1 decode tokens/s and time to first token")):
         b = bsub.add_parser(kind, help=text)
         add_engine_args(b)
-        b.add_argument("--workload", default=None, help="workload JSON (shared format); default: a synthetic "
+        b.add_argument("--workload", default=None, help="workload JSON (shared format), or 'grounded' (prompts "
+                       "whose answers are mostly in the prompt: edit, quote, rewrite code); default: a synthetic "
                        "64-prompt chat workload")
         if kind == "throughput":
             b.add_argument("--num-prompts", type=int, default=None, help="repeat/cut the workload to this many")
@@ -21,6 +22,8 @@ def register(sub) -> None:
                            "StructuredOutputsParams as JSON, e.g. '{\"json\": SCHEMA}' or '{\"regex\": \"...\"}'")
         else:
             b.add_argument("--batch-size", type=int, default=1, help="copies of the prompt decoding together")
+            b.add_argument("--each-prompt", action="store_true", help="every prompt of the workload in turn "
+                           "(medians over them) instead of its latency prompt")
         b.add_argument("--lora-path", nargs="+", default=None, metavar="ADAPTER",
                        help="LoRA adapters (directories or hub ids), given to the requests in turn; turns on "
                             "--enable-lora with --max-loras at least their number")
@@ -153,5 +156,5 @@ def run(ns) -> None:
         constraint = ns.structured_outputs and StructuredOutputsParams(**json.loads(ns.structured_outputs))
         result = run_throughput(args, ns.workload, ns.num_prompts, ns.output_len, ns.reps, constraint or None, loras)
     else:
-        result = run_latency(args, ns.workload, ns.output_len, ns.reps, ns.batch_size, loras)
+        result = run_latency(args, ns.workload, ns.output_len, ns.reps, ns.batch_size, loras, ns.each_prompt)
     report(result, ns.json)
