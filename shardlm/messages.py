@@ -53,6 +53,7 @@ class SchedulerOutput(msgspec.Struct):
     # int32 words (bit t: token t allowed), one row per sampled position of each: 1 + its drafts
     grammar_req_ids: list[str] = msgspec.field(default_factory=list)
     grammar_bitmask: bytes = b""
+    propose_drafts: bool = False        # speculative decoding: propose tokens for the next step
 
     @property
     def num_tokens(self) -> int:

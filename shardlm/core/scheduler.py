@@ -166,7 +166,9 @@ class Scheduler:
         if chunks:    # otherwise nothing is sent to the workers: keep them for the next batch
             finished, self._finished_since_last_step = self._finished_since_last_step, []
         self.in_flight.update(c.req_id for c in chunks)
-        return SchedulerOutput(chunks, new_requests, finished)
+        # proposals cost the sampling rank time: asked for only while a next step would verify them
+        propose = self.speculative is not None and self.speculative.speculates(len(self.running))
+        return SchedulerOutput(chunks, new_requests, finished, propose_drafts=propose)
 
     def running_adapters(self) -> set[int]:
         """The LoRA adapters of the running requests: at most max_loras (each holds a device slot)."""

@@ -9,7 +9,6 @@ one token as usual.
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from shardlm.config import SpeculativeConfig
 
@@ -46,14 +45,25 @@ class NgramProposer:
 
 def propose_ngram(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of the longest suffix of
-    `tokens` (n_min <= length <= n_max) that occurred before; [] when none did."""
+    `tokens` (n_min <= length <= n_max) that occurred before; [] when none did.
+
+    One pass finds where the last token occurred before (the candidates: an occurrence must end
+    there and be followed by a token); then each candidate's match is extended backwards."""
     length = len(tokens)
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        suffix = tokens[length - n:]
-        # windows that start early enough to be followed by a token (the suffix itself is not one)
-        windows = sliding_window_view(tokens[:length - 1], n)
-        starts = np.flatnonzero((windows == suffix).all(axis=1))
-        if starts.size:
-            follow = starts[-1] + n
-            return tokens[follow:follow + k].tolist()
-    return []
+    ends = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])
+    if not ends.size:
+        return []
+    matched = np.ones(len(ends), dtype=np.int64)        # suffix tokens each candidate matches so far
+    alive = np.ones(len(ends), dtype=bool)
+    for d in range(1, min(n_max, length - 1)):
+        before = ends - d
+        alive &= before >= 0
+        alive[alive] = tokens[before[alive]] == tokens[length - 1 - d]
+        if not alive.any():
+            break
+        matched += alive
+    best = matched.max()
+    if best < n_min:
+        return []
+    follow = ends[np.flatnonzero(matched == best)[-1]] + 1
+    return tokens[follow:follow + k].tolist()

@@ -155,7 +155,7 @@ class ModelRunner:
         if sample_chunks and not prompt_rows and self._greedy_on_vocab_shards(states):
             # each TP rank sends its (max, index) per row instead of its logits
             tokens = self.model.lm_head.greedy(hidden, allowed)
-            return self._record(sample_chunks, states, tokens, {}) if tokens is not None else None
+            return self._record(sample_chunks, states, tokens, {}, so.propose_drafts) if tokens is not None else None
         logits = self.model.compute_logits(hidden)
         if logits is None:                  # not the rank that samples
             return None
@@ -166,7 +166,7 @@ class ModelRunner:
             if allowed is not None:
                 batch.allowed = allowed(0)
             tokens, logprobs = self.sampler(logits[:len(row_states)], batch)
-            out = self._record(sample_chunks, states, tokens, logprobs)
+            out = self._record(sample_chunks, states, tokens, logprobs, so.propose_drafts)
         self._prompt_logprobs(logits, prompt_rows, out)
         return out
 
@@ -313,7 +313,7 @@ class ModelRunner:
         return rows, sample_chunks, prompt_rows
 
     def _record(self, sample_chunks: list[ScheduledChunk], states: list[RequestState], tokens: list[int],
-                logprobs: dict) -> ModelRunnerOutput:
+                logprobs: dict, propose: bool = False) -> ModelRunnerOutput:
         """The step's new tokens (and logprobs), remembered for penalties and min_tokens: per
         request, the proposed tokens the sampled ones confirm and one more; then the next
         proposals. tokens, logprobs: per sampled row (_row_states)."""
@@ -325,7 +325,7 @@ class ModelRunner:
             out.sampled[c.req_id] = new
             if row in logprobs:
                 out.logprobs[c.req_id] = [logprobs[row + j] for j in range(len(new))]
-            if self.proposer is not None:
+            if propose:
                 drafts = self.proposer.propose(c.req_id, state.prompt_token_ids, state.output_token_ids)
                 if drafts:
                     out.draft_token_ids[c.req_id] = drafts
