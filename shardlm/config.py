@@ -234,11 +234,13 @@ class SpeculativeConfig:
     # no proposals in a step whose running batch has this many requests or more (None: the default
     # below; 0: never turned off)
     disable_by_batch_size: int | None = None
-    model: str | None = None                 # a draft model (method "draft_model", "eagle", "eagle3")
+    model: str | None = None                 # the draft model (method "draft_model"): a directory or hub id
+    draft_tensor_parallel_size: int | None = None     # the draft runs whole on the rank that samples: 1
+    draft_model_config: ModelConfig | None = None     # resolved by EngineArgs from `model`
 
-    METHODS = ("ngram",)
+    METHODS = ("ngram", "draft_model")
     FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-              "disable_by_batch_size", "model")
+              "disable_by_batch_size", "model", "draft_tensor_parallel_size")
     # measured (docs/speculative_decoding.md): from 16 running requests on, a step's extra verified
     # tokens cost more than the accepted ones save on CPU, whatever the acceptance
     DEFAULT_DISABLE_BY_BATCH_SIZE = 16
@@ -265,10 +267,15 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         if self.method not in self.METHODS:
-            later = " (draft models and EAGLE heads are not built yet)" if self.method in (
-                "draft_model", "eagle", "eagle3") or self.model else ""
-            raise ValueError(f"speculative method {self.method!r} is not supported{later}: use "
-                             f"{' or '.join(self.METHODS)}.")
+            raise ValueError(f"speculative method {self.method!r} is not supported: use {' or '.join(self.METHODS)}.")
+        if (self.method == "ngram") == bool(self.model):
+            raise ValueError(f"--speculative-config: method {self.method} needs \"model\", the draft model's "
+                             "directory or hub id." if not self.model else
+                             f"--speculative-config: method ngram takes no model; for the draft model {self.model} "
+                             "use method draft_model (or leave method out).")
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ValueError(f"draft_tensor_parallel_size={self.draft_tensor_parallel_size}: the draft model runs "
+                             "whole on the rank that samples in this version; use 1 (or leave it out).")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
             raise ValueError(f"num_speculative_tokens={k!r} must be an integer from 1 to 16.")

@@ -95,7 +95,15 @@ def _llama_5_layers(path):
     return _save_tiny(path, LlamaForCausalLM, config)
 
 
-TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers,
+def _llama_draft(path):
+    """One narrow layer, the same vocabulary: a speculative draft model for the others."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(**{**TINY, "num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+                            "num_attention_heads": 2, "num_key_value_heads": 1}, tie_word_embeddings=True)
+    return _save_tiny(path, LlamaForCausalLM, config)
+
+
+TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers, "llama-draft": _llama_draft,
                "llama-tied-llama3rope": _llama_tied_llama3_rope,
                "qwen2-bias": _qwen2_bias, "mistral": _mistral, "mixtral": _mixtral,
                "qwen2-moe": _qwen2_moe, "qwen3-moe": _qwen3_moe}

@@ -33,6 +33,10 @@ class AttentionBackend(ABC):
         """Shape of one layer's K (and V) cache. Default: head-major [Hkv, num_blocks, block_size, D]."""
         return (num_kv_heads, num_blocks, self.block_size, head_dim)
 
+    def copy_blocks(self, cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy blocks src[i] to dst[i] of one layer's K or V cache (in kv_cache_shape's layout)."""
+        cache.index_copy_(1, dst, cache.index_select(1, src))
+
     @abstractmethod
     def build_metadata(self, query_lens: list[int], start_positions: list[int],
                        block_tables: list[list[int]]) -> Any:

@@ -19,6 +19,7 @@ coordinator has no process groups at all and its collectives return their input.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import socket
 import time
@@ -321,6 +322,21 @@ def get_ep_group() -> GroupCoordinator:
 
 def expert_parallel_enabled() -> bool:
     return _EXPERT_PARALLEL
+
+
+@contextlib.contextmanager
+def alone():
+    """Within: this rank is its own TP, PP, DP and EP group, so a model built and run here is
+    whole on this rank and calls no collective (a speculative draft model beside the target)."""
+    global _TP, _PP, _DP, _EP, _EXPERT_PARALLEL
+    saved = (_TP, _PP, _DP, _EP, _EXPERT_PARALLEL)
+    rank = get_world_group().rank
+    _TP, _PP, _DP, _EP = (GroupCoordinator(n, [rank], rank) for n in ("tp", "pp", "dp", "ep"))
+    _EXPERT_PARALLEL = False
+    try:
+        yield
+    finally:
+        _TP, _PP, _DP, _EP, _EXPERT_PARALLEL = saved
 
 
 def destroy_model_parallel() -> None:

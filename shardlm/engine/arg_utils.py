@@ -9,6 +9,7 @@ what every other process receives.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field, fields
@@ -250,11 +251,30 @@ class EngineArgs:
             self.max_num_seqs, self.max_num_batched_tokens or max(8192, self.max_num_seqs), max_model_len)
         lora = LoRAConfig(**self.landing_in("lora")) if self.enable_lora else None
         speculative = SpeculativeConfig.from_json(self.speculative_config) if self.speculative_config else None
+        if speculative is not None and speculative.model:
+            speculative.draft_model_config = self._draft_model_config(speculative.model, model_cfg)
         config = EngineConfig(model_cfg, cache, scheduler, parallel, device, lora, speculative)
         check_parallel_layout(config)
         check_fits(config)   # before any weights are loaded
         return config
 
+
+    def _draft_model_config(self, draft: str, target: ModelConfig) -> ModelConfig:
+        """The draft model's config: a model of the target's tokenizer (checked: the same vocabulary)
+        that covers max_model_len, in the target's dtype, unquantized."""
+        path = resolve_model_path(draft, self.download_dir)
+        hf_config = load_hf_config(path)
+        if hf_config.vocab_size != target.vocab_size:
+            raise ValueError(f"The draft model {draft} has a vocabulary of {hf_config.vocab_size} tokens, the target "
+                             f"{target.vocab_size}: a draft model must use the target's tokenizer (e.g. a smaller "
+                             "model of the same family).")
+        limit = _resolve_max_model_len(hf_config, None)
+        if limit < target.max_model_len:
+            raise ValueError(f"The draft model {draft} covers {limit} positions, fewer than max_model_len="
+                             f"{target.max_model_len}: lower --max-model-len to at most {limit}.")
+        return dataclasses.replace(target, model=path, hf_config=hf_config,
+                                   architecture=resolve_architecture(hf_config), quantization=None,
+                                   hub_source=_hub_source(draft, None, self.download_dir))
 
     def _check_data_parallel(self, parallel: ParallelConfig) -> None:
         """What of data parallel this version runs: replicas as processes (on this node, or joined

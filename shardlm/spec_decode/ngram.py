@@ -11,18 +11,24 @@ from __future__ import annotations
 import numpy as np
 
 from shardlm.config import SpeculativeConfig
+from shardlm.spec_decode.proposer import ProposalRequest, Proposer
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     def __init__(self, config: SpeculativeConfig):
         self.k = config.num_speculative_tokens
         self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
         self._tokens: dict[str, np.ndarray] = {}     # req_id -> its tokens (a growing buffer)
         self._lengths: dict[str, int] = {}
 
-    def propose(self, req_id: str, prompt: list[int], output: list[int]) -> list[int]:
-        tokens = self._history(req_id, prompt, output)
-        return propose_ngram(tokens, self.n_min, self.n_max, self.k)
+    def propose(self, requests: list[ProposalRequest]) -> dict[str, list[int]]:
+        out = {}
+        for r in requests:
+            drafts = propose_ngram(self._history(r.req_id, r.prompt_token_ids, r.output_token_ids),
+                                   self.n_min, self.n_max, self.k)
+            if drafts:
+                out[r.req_id] = drafts
+        return out
 
     def forget(self, req_id: str) -> None:
         self._tokens.pop(req_id, None)

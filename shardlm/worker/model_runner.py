@@ -28,7 +28,7 @@ from shardlm.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from shardlm.model_loader.weights import load_model
 from shardlm.planner.layer_placement import stage_layers
 from shardlm.sampling_params import SamplingParams
-from shardlm.spec_decode.ngram import NgramProposer
+from shardlm.spec_decode.proposer import ProposalRequest, Proposer, make_proposer
 from shardlm.spec_decode.verify import accepted_tokens
 from shardlm.worker.cpu_tuning import zeroed_buffer
 from shardlm.worker.cuda_graphs import CudaGraphs, graphs_unavailable_reason
@@ -63,13 +63,15 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphs | None = None
         self.use_cuda_graphs = False
         self.lora: LoRAManager | None = None
-        self.proposer = NgramProposer(config.speculative) if config.speculative is not None else None
+        self.proposer: Proposer | None = None          # speculative decoding, on the rank that samples
 
     def load_model(self) -> None:
         par = self.config.parallel
         stages = stage_layers(self.config.model, par)
         self.pp, self.tp = get_pp_group(), get_tp_group()
         self.model = load_model(self.config.model, self.device, stages[self.pp.rank_in_group])
+        if self.pp.is_last_rank and self.tp.rank_in_group == 0:
+            self.proposer = make_proposer(self.config, self.device, self.attn_backend)
         if self.config.lora is not None:
             m = self.config.model
             self.lora = LoRAManager(self.model, self.config.lora, m.hf_config, m.dtype, self.device, m.download_dir)
@@ -105,7 +107,9 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         """This rank's KV bytes per block: its layers, its share of the KV heads."""
         dtype_size = torch.empty((), dtype=self.config.model.dtype).element_size()
-        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * dtype_size for a in self.attention_layers())
+        draft = self.proposer.kv_cache_bytes_per_block() if self.proposer is not None else 0
+        return draft + sum(2 * self.block_size * a.num_kv_heads * a.head_dim * dtype_size
+                           for a in self.attention_layers())
 
     def initialize_cache(self, num_blocks: int) -> None:
         dtype = self.config.model.dtype
@@ -114,10 +118,18 @@ class ModelRunner:
             attn.k_cache = self._zeros(shape, dtype)
             attn.v_cache = self._zeros(shape, dtype)
             attn.backend = self.attn_backend
+        if self.proposer is not None:
+            self.proposer.initialize_cache(num_blocks)
         self.num_blocks = num_blocks
         # CPU: blocks below this id have had their memory faulted in (block 0 is read as padding)
         self._faulted_blocks = 1 if self.device.type == "cpu" else num_blocks
         self._fault_chunk = max(1, (64 << 20) // max(1, self.kv_cache_bytes_per_block()))
+
+    def release_cache(self) -> None:
+        for attn in self.attention_layers():
+            attn.k_cache = attn.v_cache = None
+        if self.proposer is not None:
+            self.proposer.release_cache()
 
     def _zeros(self, shape, dtype) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -128,7 +140,8 @@ class ModelRunner:
         # a tied LM head shares its embedding's quantized table: counted once
         tables = {id(m.quant): m.quant for m in self.model.modules() if getattr(m, "quant", None) is not None}
         quantized = sum(q.weight_bytes() for q in tables.values())
-        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + quantized
+        draft = self.proposer.weight_bytes() if self.proposer is not None else 0
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + quantized + draft
 
     # ---- one step ----
     @torch.inference_mode()
@@ -143,6 +156,8 @@ class ModelRunner:
             hidden = self._run_model(input_ids, positions, meta)
         if hidden is None:                  # not the last pipeline stage: sent on
             return None
+        if self.proposer is not None:
+            self.proposer.follow(input_ids, positions, meta)
         rows, sample_chunks, prompt_rows = self._logits_rows(chunks)
         if not rows:
             # only unfinished prompt chunks (a prompt longer than the step's token budget is
@@ -325,11 +340,11 @@ class ModelRunner:
             out.sampled[c.req_id] = new
             if row in logprobs:
                 out.logprobs[c.req_id] = [logprobs[row + j] for j in range(len(new))]
-            if propose:
-                drafts = self.proposer.propose(c.req_id, state.prompt_token_ids, state.output_token_ids)
-                if drafts:
-                    out.draft_token_ids[c.req_id] = drafts
             row += 1 + c.num_draft_tokens
+        if propose:
+            out.draft_token_ids = self.proposer.propose([
+                ProposalRequest(c.req_id, s.prompt_token_ids, s.output_token_ids, c.block_ids)
+                for c, s in zip(sample_chunks, states)])
         return out
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows, out: ModelRunnerOutput) -> None:

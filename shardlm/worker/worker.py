@@ -173,8 +173,7 @@ class Worker:
         self.runner.execute_model(SchedulerOutput([], [], [c.req_id for c in chunks]))
         profile_cache = self.runner.kv_cache_bytes_per_block() * num_blocks
         peak = torch.cuda.max_memory_allocated(self.device) - profile_cache
-        for attn in self.runner.attention_layers():
-            attn.k_cache = attn.v_cache = None
+        self.runner.release_cache()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)

@@ -11,6 +11,7 @@ from scipy.stats import chi2_contingency
 
 from shardlm import LLM, SamplingParams
 from shardlm.sampling_params import StructuredOutputsParams
+from shardlm.spec_decode.proposer import Proposer
 
 ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -83,21 +84,39 @@ def test_stop_string_inside_accepted_drafts_ends_the_output_there(plain, spec):
     assert (got.text, got.finish_reason, got.stop_reason) == (want.text, "stop", stop)
 
 
-class Oracle:
+@pytest.mark.parametrize("draft", ["the target itself", "a random model"])
+def test_draft_model_greedy_outputs_equal_plain_decoding(plain, tiny_model_dir, draft):
+    target = tiny_model_dir("llama-gqa")
+    model = target if draft == "the target itself" else tiny_model_dir("llama-draft")
+    llm = LLM(target, **ENGINE, speculative_config={"model": model, "num_speculative_tokens": 3})
+    try:
+        got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        s = stats(llm)
+    finally:
+        llm.shutdown()
+    assert tokens(got) == tokens(plain.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert s["spec_num_draft_tokens"] > 0
+    if draft == "the target itself":        # it proposes what the target will choose
+        assert s["spec_num_accepted_tokens"] == s["spec_num_draft_tokens"]
+    else:
+        assert s["spec_num_accepted_tokens"] < s["spec_num_draft_tokens"]
+
+
+class Oracle(Proposer):
     """Proposes the reference continuation (or random tokens when wrong=True)."""
 
     def __init__(self, answers: dict[tuple, list[int]], k: int, wrong: bool = False):
         self.answers, self.k, self.wrong = answers, k, wrong
         self.rng = random.Random(0)
 
-    def propose(self, req_id, prompt, output):
+    def propose(self, requests):
+        return {r.req_id: self.one(r.prompt_token_ids, r.output_token_ids) for r in requests}
+
+    def one(self, prompt, output):
         if self.wrong:
             return [self.rng.randrange(49152) for _ in range(self.k)]
         answer = self.answers[tuple(prompt)]
         return answer[len(output):len(output) + self.k]
-
-    def forget(self, req_id):
-        pass
 
 
 @pytest.mark.parametrize("wrong", [False, True], ids=["knows-the-answer", "random"])
@@ -156,7 +175,7 @@ def test_sampled_outputs_keep_their_distribution(tiny_model_dir, plain):
     engine = LLM(tiny_model_dir("llama-gqa"), **ENGINE, speculative_config={**NGRAM, "disable_by_batch_size": 0})
 
     class RandomAllowed(Oracle):
-        def propose(self, req_id, prompt, output):
+        def one(self, prompt, output):
             return [self.rng.choice(allowed) for _ in range(self.k)]
     try:
         runner_of(engine).proposer = RandomAllowed({}, 2)

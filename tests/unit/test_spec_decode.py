@@ -11,6 +11,7 @@ from shardlm.core.scheduler import Scheduler
 from shardlm.messages import ModelRunnerOutput
 from shardlm.sampling_params import SamplingParams
 from shardlm.spec_decode.ngram import NgramProposer, propose_ngram
+from shardlm.spec_decode.proposer import ProposalRequest
 from shardlm.spec_decode.stats import SpecDecodingStats
 from shardlm.spec_decode.verify import accepted_tokens
 
@@ -44,11 +45,14 @@ def test_prompt_lookup_takes_the_longest_most_recent_match():
 def test_proposer_keeps_each_request_history_as_it_grows():
     p = NgramProposer(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2))
     prompt = [10, 11, 12, 13]
-    assert p.propose("r", prompt, []) == []
-    assert p.propose("r", prompt, [10]) == [11, 12]
-    assert p.propose("r", prompt, [10, 11, 12, 13, 10] + list(range(200))) == []     # grown past its buffer
+
+    def propose(prompt, output):
+        return p.propose([ProposalRequest("r", prompt, output, [])]).get("r", [])
+    assert propose(prompt, []) == []
+    assert propose(prompt, [10]) == [11, 12]
+    assert propose(prompt, [10, 11, 12, 13, 10] + list(range(200))) == []     # grown past its buffer
     p.forget("r")
-    assert p.propose("r", [1, 2, 1], []) == [2, 1]
+    assert propose([1, 2, 1], []) == [2, 1]
 
 
 def test_accepted_tokens():

@@ -1,0 +1,105 @@
+"""method "draft_model": a smaller model of the target's tokenizer proposes k tokens, greedily.
+
+It runs whole on the rank that samples (parallel_state.alone(): its own one-rank groups, so
+it never joins the target's collectives), with a KV cache of its own in the target's block
+layout: the same block ids and slots. It computes every position the target computes (follow:
+the same tokens, the same attention metadata), so its cache holds whatever the target's holds,
+through chunked prefill, prefix-cache hits and preemption, with no bookkeeping of its own.
+
+To propose, it decodes from each request's newest token k times. Those positions are not the
+request's yet (the next step verifies them), so it writes them into scratch blocks of its own
+cache: the request's block table up to the block of the newest token, then scratch blocks, the
+first a copy of that partly filled block. Its argmax drafts make the draft distribution one-hot,
+which is what spec_decode/verify.py's rule needs to stay exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardlm.config import EngineConfig
+from shardlm.distributed.parallel_state import alone
+from shardlm.layers.attention import Attention
+from shardlm.logger import init_logger
+from shardlm.model_loader.weights import load_model
+from shardlm.spec_decode.proposer import ProposalRequest, Proposer
+from shardlm.utils import cdiv
+
+logger = init_logger(__name__)
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, config: EngineConfig, device: torch.device, attn_backend):
+        spec = config.speculative
+        self.k = spec.num_speculative_tokens
+        self.device = device
+        self.backend = attn_backend
+        self.block_size = config.cache.block_size
+        self.max_model_len = config.model.max_model_len
+        self.max_rows = config.scheduler.max_num_seqs
+        self.dtype = spec.draft_model_config.dtype
+        with alone():
+            self.model = load_model(spec.draft_model_config, device)
+        self.attention = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # scratch blocks per request proposed for: the newest token's block (a copy) and what k more positions need
+        self.scratch_per_row = cdiv(self.block_size - 1 + self.k, self.block_size)
+        logger.info("Speculative decoding: draft model %s (%d layers) proposes %d tokens a step",
+                    spec.draft_model_config.model, len(self.attention), self.k)
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def kv_cache_bytes_per_block(self) -> int:
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * size for a in self.attention)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        """num_blocks: the target's; the scratch blocks come after them."""
+        self.first_scratch = num_blocks
+        total = num_blocks + self.max_rows * self.scratch_per_row
+        for attn in self.attention:
+            shape = self.backend.kv_cache_shape(total, attn.num_kv_heads, attn.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.backend = self.backend
+
+    def release_cache(self) -> None:
+        for attn in self.attention:
+            attn.k_cache = attn.v_cache = None
+
+    def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
+        with alone():
+            self.model(input_ids, positions, meta)
+
+    def propose(self, requests: list[ProposalRequest]) -> dict[str, list[int]]:
+        # a request this close to max_model_len gets none: its proposals could not all be verified
+        rows = [r for r in requests if r.last_position + self.k < self.max_model_len][:self.max_rows]
+        if not rows:
+            return {}
+        tables, copy_from, copy_to = [], [], []
+        for i, r in enumerate(rows):
+            first = r.last_position // self.block_size
+            scratch = list(range(self.first_scratch + i * self.scratch_per_row,
+                                 self.first_scratch + (i + 1) * self.scratch_per_row))
+            tables.append(r.block_ids[:first] + scratch)
+            if r.last_position % self.block_size:          # the block holds earlier positions too
+                copy_from.append(r.block_ids[first])
+                copy_to.append(scratch[0])
+        if copy_from:
+            src = torch.tensor(copy_from, device=self.device)
+            dst = torch.tensor(copy_to, device=self.device)
+            for attn in self.attention:
+                self.backend.copy_blocks(attn.k_cache, src, dst)
+                self.backend.copy_blocks(attn.v_cache, src, dst)
+        tokens = torch.tensor([r.output_token_ids[-1] for r in rows], device=self.device)
+        starts = [r.last_position for r in rows]
+        drafts = []
+        with alone():
+            for j in range(self.k):
+                positions = [p + j for p in starts]
+                meta = self.backend.build_metadata([1] * len(rows), positions, tables)
+                hidden = self.model(tokens, torch.tensor(positions, device=self.device), meta)
+                tokens = self.model.compute_logits(hidden).argmax(dim=-1)
+                drafts.append(tokens)
+        drafts = torch.stack(drafts, dim=1).tolist()
+        return {r.req_id: d for r, d in zip(rows, drafts)}
