@@ -252,18 +252,23 @@ class EngineArgs:
         lora = LoRAConfig(**self.landing_in("lora")) if self.enable_lora else None
         speculative = SpeculativeConfig.from_json(self.speculative_config) if self.speculative_config else None
         if speculative is not None and speculative.model:
-            speculative.draft_model_config = self._draft_model_config(speculative.model, model_cfg)
+            speculative.draft_model_config = self._draft_model_config(speculative, model_cfg)
         config = EngineConfig(model_cfg, cache, scheduler, parallel, device, lora, speculative)
         check_parallel_layout(config)
         check_fits(config)   # before any weights are loaded
         return config
 
 
-    def _draft_model_config(self, draft: str, target: ModelConfig) -> ModelConfig:
-        """The draft model's config: a model of the target's tokenizer (checked: the same vocabulary)
-        that covers max_model_len, in the target's dtype, unquantized."""
+    def _draft_model_config(self, spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
+        """The draft model's (or EAGLE head's) config: a model of the target's tokenizer (checked:
+        the same vocabulary) that covers max_model_len, in the target's dtype, unquantized; an
+        EAGLE head reads the target's hidden states, so it has the target's hidden size."""
+        draft = spec.model
         path = resolve_model_path(draft, self.download_dir)
         hf_config = load_hf_config(path)
+        if spec.method == "eagle" and hf_config.hidden_size != target.hf_config.hidden_size:
+            raise ValueError(f"The EAGLE head {draft} has hidden size {hf_config.hidden_size}, the target "
+                             f"{target.hf_config.hidden_size}: an EAGLE head must be made for this target model.")
         if hf_config.vocab_size != target.vocab_size:
             raise ValueError(f"The draft model {draft} has a vocabulary of {hf_config.vocab_size} tokens, the target "
                              f"{target.vocab_size}: a draft model must use the target's tokenizer (e.g. a smaller "

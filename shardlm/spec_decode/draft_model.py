@@ -1,16 +1,17 @@
-"""method "draft_model": a smaller model of the target's tokenizer proposes k tokens, greedily.
+"""Proposers with a model of their own: a draft model (method "draft_model") and an EAGLE head
+(method "eagle"). Both propose greedily, so the draft distribution is one-hot, which is what
+spec_decode/verify.py's rule needs to stay exact.
 
-It runs whole on the rank that samples (parallel_state.alone(): its own one-rank groups, so
-it never joins the target's collectives), with a KV cache of its own in the target's block
-layout: the same block ids and slots. It computes every position the target computes (follow:
-the same tokens, the same attention metadata), so its cache holds whatever the target's holds,
-through chunked prefill, prefix-cache hits and preemption, with no bookkeeping of its own.
+The proposer's model runs whole on the rank that samples (parallel_state.alone(): its own
+one-rank groups, so it never joins the target's collectives), with a KV cache of its own in the
+target's block layout: the same block ids and slots. It computes every position the target
+computes (follow), so its cache holds whatever the target's holds, through chunked prefill,
+prefix-cache hits and preemption, with no bookkeeping of its own.
 
-To propose, it decodes from each request's newest token k times. Those positions are not the
+To propose, it decodes from each request's newest position. Those positions are not the
 request's yet (the next step verifies them), so it writes them into scratch blocks of its own
 cache: the request's block table up to the block of the newest token, then scratch blocks, the
-first a copy of that partly filled block. Its argmax drafts make the draft distribution one-hot,
-which is what spec_decode/verify.py's rule needs to stay exact.
+first a copy of that partly filled block.
 """
 
 from __future__ import annotations
@@ -22,29 +23,27 @@ from shardlm.distributed.parallel_state import alone
 from shardlm.layers.attention import Attention
 from shardlm.logger import init_logger
 from shardlm.model_loader.weights import load_model
-from shardlm.spec_decode.proposer import ProposalRequest, Proposer
+from shardlm.spec_decode.proposer import ProposalRequest, Proposer, TargetStep
 from shardlm.utils import cdiv
 
 logger = init_logger(__name__)
 
 
-class DraftModelProposer(Proposer):
-    def __init__(self, config: EngineConfig, device: torch.device, attn_backend):
-        spec = config.speculative
-        self.k = spec.num_speculative_tokens
+class ModelProposer(Proposer):
+    def __init__(self, config: EngineConfig, device: torch.device, attn_backend, model: torch.nn.Module):
+        self.k = config.speculative.num_speculative_tokens
         self.device = device
         self.backend = attn_backend
         self.block_size = config.cache.block_size
         self.max_model_len = config.model.max_model_len
         self.max_rows = config.scheduler.max_num_seqs
-        self.dtype = spec.draft_model_config.dtype
-        with alone():
-            self.model = load_model(spec.draft_model_config, device)
-        self.attention = [m for m in self.model.modules() if isinstance(m, Attention)]
-        # scratch blocks per request proposed for: the newest token's block (a copy) and what k more positions need
+        self.dtype = config.model.dtype
+        self.model = model
+        self.attention = [m for m in model.modules() if isinstance(m, Attention)]
+        # scratch blocks per request: the newest token's block (a copy) and what k more positions need
         self.scratch_per_row = cdiv(self.block_size - 1 + self.k, self.block_size)
-        logger.info("Speculative decoding: draft model %s (%d layers) proposes %d tokens a step",
-                    spec.draft_model_config.model, len(self.attention), self.k)
+        logger.info("Speculative decoding: %s %s (%d layers) proposes %d tokens a step", config.speculative.method,
+                    config.speculative.draft_model_config.model, len(self.attention), self.k)
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -67,15 +66,17 @@ class DraftModelProposer(Proposer):
         for attn in self.attention:
             attn.k_cache = attn.v_cache = None
 
-    def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
-        with alone():
-            self.model(input_ids, positions, meta)
-
-    def propose(self, requests: list[ProposalRequest]) -> dict[str, list[int]]:
+    def _rows(self, requests: list[ProposalRequest]) -> list[ProposalRequest]:
         # a request this close to max_model_len gets none: its proposals could not all be verified
-        rows = [r for r in requests if r.last_position + self.k < self.max_model_len][:self.max_rows]
-        if not rows:
-            return {}
+        return [r for r in requests if r.last_position + self.k < self.max_model_len][:self.max_rows]
+
+    def _decode(self, rows: list[ProposalRequest], tokens: torch.Tensor, hidden: torch.Tensor | None,
+                steps: int) -> list[torch.Tensor]:
+        """`steps` greedy decode steps of every row from its newest position on (row i's input
+        there: tokens[i], and hidden[i] for an EAGLE head), in scratch blocks. -> the tokens chosen
+        at each step, [rows] each."""
+        if steps == 0:
+            return []
         tables, copy_from, copy_to = [], [], []
         for i, r in enumerate(rows):
             first = r.last_position // self.block_size
@@ -91,15 +92,40 @@ class DraftModelProposer(Proposer):
             for attn in self.attention:
                 self.backend.copy_blocks(attn.k_cache, src, dst)
                 self.backend.copy_blocks(attn.v_cache, src, dst)
-        tokens = torch.tensor([r.output_token_ids[-1] for r in rows], device=self.device)
-        starts = [r.last_position for r in rows]
-        drafts = []
+        chosen = []
         with alone():
-            for j in range(self.k):
-                positions = [p + j for p in starts]
+            for j in range(steps):
+                positions = [r.last_position + j for r in rows]
                 meta = self.backend.build_metadata([1] * len(rows), positions, tables)
-                hidden = self.model(tokens, torch.tensor(positions, device=self.device), meta)
+                hidden = self._forward(tokens, torch.tensor(positions, device=self.device), meta, hidden)
                 tokens = self.model.compute_logits(hidden).argmax(dim=-1)
-                drafts.append(tokens)
-        drafts = torch.stack(drafts, dim=1).tolist()
+                chosen.append(tokens)
+        return chosen
+
+    def _forward(self, tokens, positions, meta, hidden):
+        raise NotImplementedError
+
+
+class DraftModelProposer(ModelProposer):
+    """A smaller model of the target's tokenizer: it prefills and decodes what the target does,
+    then decodes k tokens of its own from each request's newest token."""
+
+    def __init__(self, config: EngineConfig, device: torch.device, attn_backend):
+        with alone():
+            model = load_model(config.speculative.draft_model_config, device)
+        super().__init__(config, device, attn_backend, model)
+
+    def follow(self, step: TargetStep) -> None:
+        with alone():
+            self.model(step.input_ids, step.positions, step.meta)
+
+    def propose(self, requests: list[ProposalRequest]) -> dict[str, list[int]]:
+        rows = self._rows(requests)
+        if not rows:
+            return {}
+        tokens = torch.tensor([r.output_token_ids[-1] for r in rows], device=self.device)
+        drafts = torch.stack(self._decode(rows, tokens, None, self.k), dim=1).tolist()
         return {r.req_id: d for r, d in zip(rows, drafts)}
+
+    def _forward(self, tokens, positions, meta, hidden):
+        return self.model(tokens, positions, meta)

@@ -28,9 +28,44 @@ class ProposalRequest:
         return len(self.prompt_token_ids) + len(self.output_token_ids) - 1
 
 
+@dataclass
+class TargetStep:
+    """What the target computed in a step, for a proposer to follow: the tokens, positions and
+    attention metadata of every chunk, its final hidden states, and the new tokens of each request
+    it sampled."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: object
+    hidden: torch.Tensor                 # [tokens, hidden size]
+    chunks: list                         # ScheduledChunk, in the tokens' order
+    sampled: dict[str, list[int]]        # req_id -> its new tokens (accepted proposals, then one)
+    requests: dict                       # req_id -> the runner's RequestState (prompt and output tokens)
+
+    def next_token_ids(self) -> tuple[list[int], dict[str, int]]:
+        """-> the token after each of the step's tokens, and the row of each sampled request's last
+        accepted position (the row whose next token is the newly sampled one). Rows past it, of
+        rejected proposals, get the next proposal: the next step computes those positions again."""
+        next_ids, last_row, row = [], {}, 0
+        for c in self.chunks:
+            following = list(c.token_ids[1:])
+            new = self.sampled.get(c.req_id)
+            if new:
+                following.append(new[-1])
+                last = len(c.token_ids) - 1 - c.num_draft_tokens + len(new) - 1
+                following[last] = new[-1]
+                last_row[c.req_id] = row + last
+            else:                        # a prompt chunk that does not end the prompt
+                state = self.requests[c.req_id]
+                end = c.start_pos + len(c.token_ids) - len(state.prompt_token_ids)
+                following.append(state.prompt_token_ids[end] if end < 0 else state.output_token_ids[end])
+            next_ids.extend(following)
+            row += len(c.token_ids)
+        return next_ids, last_row
+
+
 class Proposer:
-    def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
-        """The target just computed these tokens (its attention metadata): keep up with it."""
+    def follow(self, step: TargetStep) -> None:
+        """The target just computed (and sampled) this step: keep up with it."""
 
     def propose(self, requests: list[ProposalRequest]) -> dict[str, list[int]]:
         """Up to k proposed tokens per request (requests left out: none)."""
@@ -59,5 +94,8 @@ def make_proposer(config: EngineConfig, device: torch.device, attn_backend) -> P
     if spec.method == "ngram":
         from shardlm.spec_decode.ngram import NgramProposer
         return NgramProposer(spec)
+    if spec.method == "eagle":
+        from shardlm.spec_decode.eagle import EagleProposer
+        return EagleProposer(config, device, attn_backend)
     from shardlm.spec_decode.draft_model import DraftModelProposer
     return DraftModelProposer(config, device, attn_backend)

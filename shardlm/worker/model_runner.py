@@ -28,7 +28,7 @@ from shardlm.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from shardlm.model_loader.weights import load_model
 from shardlm.planner.layer_placement import stage_layers
 from shardlm.sampling_params import SamplingParams
-from shardlm.spec_decode.proposer import ProposalRequest, Proposer, make_proposer
+from shardlm.spec_decode.proposer import ProposalRequest, Proposer, TargetStep, make_proposer
 from shardlm.spec_decode.verify import accepted_tokens
 from shardlm.worker.cpu_tuning import zeroed_buffer
 from shardlm.worker.cuda_graphs import CudaGraphs, graphs_unavailable_reason
@@ -156,8 +156,18 @@ class ModelRunner:
             hidden = self._run_model(input_ids, positions, meta)
         if hidden is None:                  # not the last pipeline stage: sent on
             return None
-        if self.proposer is not None:
-            self.proposer.follow(input_ids, positions, meta)
+        out = self._sample(so, chunks, hidden)
+        if self.proposer is not None:       # the rank that samples: out is its result
+            self.proposer.follow(TargetStep(input_ids, positions, meta, hidden, chunks, out.sampled, self.requests))
+            if so.propose_drafts and out.sampled:
+                out.draft_token_ids = self.proposer.propose([
+                    ProposalRequest(c.req_id, s.prompt_token_ids, s.output_token_ids, c.block_ids)
+                    for c in chunks if c.req_id in out.sampled for s in [self.requests[c.req_id]]])
+        return out
+
+    def _sample(self, so: SchedulerOutput, chunks: list[ScheduledChunk], hidden: torch.Tensor):
+        """The logits of the rows that need them, sampled (and proposed tokens verified), and prompt
+        logprobs. -> the step's result on the rank that samples, None on the other TP ranks."""
         rows, sample_chunks, prompt_rows = self._logits_rows(chunks)
         if not rows:
             # only unfinished prompt chunks (a prompt longer than the step's token budget is
@@ -170,7 +180,7 @@ class ModelRunner:
         if sample_chunks and not prompt_rows and self._greedy_on_vocab_shards(states):
             # each TP rank sends its (max, index) per row instead of its logits
             tokens = self.model.lm_head.greedy(hidden, allowed)
-            return self._record(sample_chunks, states, tokens, {}, so.propose_drafts) if tokens is not None else None
+            return self._record(sample_chunks, states, tokens, {}) if tokens is not None else None
         logits = self.model.compute_logits(hidden)
         if logits is None:                  # not the rank that samples
             return None
@@ -181,7 +191,7 @@ class ModelRunner:
             if allowed is not None:
                 batch.allowed = allowed(0)
             tokens, logprobs = self.sampler(logits[:len(row_states)], batch)
-            out = self._record(sample_chunks, states, tokens, logprobs, so.propose_drafts)
+            out = self._record(sample_chunks, states, tokens, logprobs)
         self._prompt_logprobs(logits, prompt_rows, out)
         return out
 
@@ -328,10 +338,10 @@ class ModelRunner:
         return rows, sample_chunks, prompt_rows
 
     def _record(self, sample_chunks: list[ScheduledChunk], states: list[RequestState], tokens: list[int],
-                logprobs: dict, propose: bool = False) -> ModelRunnerOutput:
+                logprobs: dict) -> ModelRunnerOutput:
         """The step's new tokens (and logprobs), remembered for penalties and min_tokens: per
-        request, the proposed tokens the sampled ones confirm and one more; then the next
-        proposals. tokens, logprobs: per sampled row (_row_states)."""
+        request, the proposed tokens the sampled ones confirm and one more. tokens, logprobs:
+        per sampled row (_row_states)."""
         out = ModelRunnerOutput({})
         row = 0
         for c, state in zip(sample_chunks, states):
@@ -341,10 +351,6 @@ class ModelRunner:
             if row in logprobs:
                 out.logprobs[c.req_id] = [logprobs[row + j] for j in range(len(new))]
             row += 1 + c.num_draft_tokens
-        if propose:
-            out.draft_token_ids = self.proposer.propose([
-                ProposalRequest(c.req_id, s.prompt_token_ids, s.output_token_ids, c.block_ids)
-                for c, s in zip(sample_chunks, states)])
         return out
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows, out: ModelRunnerOutput) -> None:

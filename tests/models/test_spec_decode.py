@@ -10,6 +10,7 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from shardlm import LLM, SamplingParams
+from shardlm.bench.random_eagle import make_random_eagle
 from shardlm.sampling_params import StructuredOutputsParams
 from shardlm.spec_decode.proposer import Proposer
 
@@ -100,6 +101,20 @@ def test_draft_model_greedy_outputs_equal_plain_decoding(plain, tiny_model_dir, 
         assert s["spec_num_accepted_tokens"] == s["spec_num_draft_tokens"]
     else:
         assert s["spec_num_accepted_tokens"] < s["spec_num_draft_tokens"]
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_eagle_head_greedy_outputs_equal_plain_decoding(plain, tiny_model_dir, tmp_path, num_layers):
+    target = tiny_model_dir("llama-gqa")
+    head = make_random_eagle(target, tmp_path / "eagle", num_layers=num_layers)
+    llm = LLM(target, **ENGINE, speculative_config={"method": "eagle", "model": head, "num_speculative_tokens": 3})
+    try:
+        got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        s = stats(llm)
+    finally:
+        llm.shutdown()
+    assert tokens(got) == tokens(plain.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert s["spec_num_drafts"] > 0 and s["spec_num_accepted_tokens"] <= s["spec_num_draft_tokens"]
 
 
 class Oracle(Proposer):

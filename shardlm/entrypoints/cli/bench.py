@@ -39,6 +39,12 @@ def register(sub) -> None:
                    help="projections it adapts, comma-separated")
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(func=run)
+    b = bsub.add_parser("make-eagle", help="write a random EAGLE head (speculative decoding) for a model")
+    b.add_argument("model", help="the target model's directory")
+    b.add_argument("out_dir")
+    b.add_argument("--num-layers", type=int, default=1)
+    b.add_argument("--seed", type=int, default=0)
+    b.set_defaults(func=run)
     b = bsub.add_parser("lora-layer", help="one layer's LoRA delta for several adapters, by each way of computing it")
     b.add_argument("--in-features", type=int, default=576)
     b.add_argument("--out-features", type=int, default=960)
@@ -129,6 +135,11 @@ def run(ns) -> None:
             print(json.dumps(result, indent=1))
         else:
             report_lora(result)
+        return
+    if ns.bench_kind == "make-eagle":
+        from shardlm.bench.random_eagle import make_random_eagle
+        print(f"wrote a random EAGLE head for {ns.model} to "
+              f"{make_random_eagle(ns.model, ns.out_dir, ns.seed, ns.num_layers)}")
         return
     if ns.bench_kind == "plot":
         from shardlm.bench.plot import plot
