@@ -140,3 +140,21 @@ def test_no_proposals_in_a_large_batch():
     so, _ = run(s, {"0": [1], "1": [1]}, {"0": [5], "1": [5]})
     assert not so.propose_drafts
     assert all(c.num_draft_tokens == 0 for c in s.schedule().chunks)
+
+
+def test_target_step_pairs_each_position_with_the_token_after_it():
+    from types import SimpleNamespace
+
+    from shardlm.messages import ScheduledChunk
+    from shardlm.spec_decode.proposer import TargetStep
+    requests = {"p": SimpleNamespace(prompt_token_ids=[1, 2, 3, 4, 5, 6], output_token_ids=[]),
+                "v": SimpleNamespace(prompt_token_ids=[7, 8], output_token_ids=[9, 10]),
+                "d": SimpleNamespace(prompt_token_ids=[20], output_token_ids=[21])}
+    chunks = [ScheduledChunk("p", [1, 2, 3], 0, [1], False),              # a prompt chunk: 4 comes next
+              ScheduledChunk("v", [10, 11, 12, 13], 3, [2], True, 3),     # proposals 11 12 13
+              ScheduledChunk("d", [21], 1, [3], True)]                    # a plain decode
+    step = TargetStep(None, None, None, None, chunks, {"v": [11, 40], "d": [50]}, requests)
+    next_ids, last_row = step.next_token_ids()
+    # v kept 11, then sampled 40 where 12 was proposed: position 4 (row 4) is followed by 40
+    assert next_ids == [2, 3, 4, 11, 40, 13, 40, 50]     # (rows past the last accepted: recomputed next step)
+    assert last_row == {"v": 4, "d": 7}
