@@ -53,7 +53,8 @@ class SchedulerOutput(msgspec.Struct):
     # int32 words (bit t: token t allowed), one row per sampled position of each: 1 + its drafts
     grammar_req_ids: list[str] = msgspec.field(default_factory=list)
     grammar_bitmask: bytes = b""
-    propose_drafts: bool = False        # speculative decoding: propose tokens for the next step
+    # speculative decoding: req_id -> how many tokens to propose for its next step, after this one
+    propose_drafts: dict[str, int] = msgspec.field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

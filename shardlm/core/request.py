@@ -56,7 +56,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []    # speculative decoding: proposed for its next decode
-        self.spec_lookahead = 0                # ... of which it verifies at most this many (the scheduler's)
+        self.spec_lookahead = 0                # ... at most this many (0: none until spec_resume_at output tokens)
+        self.spec_resume_at = 0
         room = max_model_len - len(prompt_token_ids)
         if sampling_params.max_tokens is not None and sampling_params.max_tokens > room:
             # the processor refuses such requests (check_max_tokens); the scheduler relies on it

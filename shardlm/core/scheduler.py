@@ -13,10 +13,12 @@ and it is never preempted (its blocks are in use).
 
 Speculative decoding: a decode that has proposed tokens (Request.spec_token_ids) takes 1 + k
 positions and KV slots; update keeps the accepted ones and hands the rest back. When the KV
-cache is short, a request's proposals go before any request is preempted. Each request verifies
-at most its own lookahead (Request.spec_lookahead): up 2 after a proposal accepted whole, down 1
-after one that was not (transformers' assisted-generation heuristic), so a request whose
-proposals keep missing pays for one proposed token a step, not k.
+cache is short, a request's proposals go before any request is preempted. Each request gets at
+most its own lookahead of proposals (Request.spec_lookahead): up 2 after a proposal accepted
+whole, down 1 after one that was not (transformers' assisted-generation heuristic); a miss at
+lookahead 1 stops its proposals for SPEC_BACKOFF tokens, after which one is tried again. So a
+request whose proposals keep missing costs almost nothing, and big batches none (the config's
+disable_by_batch_size).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from shardlm.spec_decode.stats import SpecDecodingStats
 from shardlm.structured_output.manager import accept
 
 logger = init_logger(__name__)
+
+SPEC_BACKOFF = 16      # tokens a request decodes without proposals after one missed at lookahead 1
 
 
 class Scheduler:
@@ -166,9 +170,21 @@ class Scheduler:
         if chunks:    # otherwise nothing is sent to the workers: keep them for the next batch
             finished, self._finished_since_last_step = self._finished_since_last_step, []
         self.in_flight.update(c.req_id for c in chunks)
-        # proposals cost the sampling rank time: asked for only while a next step would verify them
-        propose = self.speculative is not None and self.speculative.speculates(len(self.running))
-        return SchedulerOutput(chunks, new_requests, finished, propose_drafts=propose)
+        return SchedulerOutput(chunks, new_requests, finished, propose_drafts=self._proposals_wanted(chunks))
+
+    def _proposals_wanted(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
+        """How many tokens to propose after this step for each request it samples: its lookahead,
+        while a next step would verify them (proposals cost the sampling rank time)."""
+        if self.speculative is None or not self.speculative.speculates(len(self.running)):
+            return {}
+        wanted = {}
+        for c in chunks:
+            request = self.requests[c.req_id]
+            if request.spec_lookahead == 0 and request.num_output_tokens >= request.spec_resume_at:
+                request.spec_lookahead = 1          # backed off long enough: try again
+            if c.sample and request.spec_lookahead:
+                wanted[c.req_id] = request.spec_lookahead
+        return wanted
 
     def running_adapters(self) -> set[int]:
         """The LoRA adapters of the running requests: at most max_loras (each holds a device slot)."""
@@ -212,6 +228,14 @@ class Scheduler:
                 return []
             drafts = drafts[:request.grammar.result().validate_tokens(drafts)]
         return drafts
+
+    def _adapt_lookahead(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        if num_accepted == num_drafts:
+            request.spec_lookahead = min(self.speculative.num_speculative_tokens, request.spec_lookahead + 2)
+        elif num_accepted == 0 and request.spec_lookahead <= 1:
+            request.spec_lookahead, request.spec_resume_at = 0, request.num_output_tokens + SPEC_BACKOFF
+        else:
+            request.spec_lookahead = max(1, request.spec_lookahead - 1)
 
     def _chunk(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -266,9 +290,7 @@ class Scheduler:
                 num_accepted = len(tokens) - 1
                 request.num_computed_tokens -= chunk.num_draft_tokens - num_accepted
                 self.spec_stats.observe(chunk.num_draft_tokens, num_accepted)
-                request.spec_lookahead = (min(self.speculative.num_speculative_tokens, request.spec_lookahead + 2)
-                                          if num_accepted == chunk.num_draft_tokens else
-                                          max(1, request.spec_lookahead - 1))
+                self._adapt_lookahead(request, chunk.num_draft_tokens, num_accepted)
             out = EngineCoreOutput(chunk.req_id, [], None, prompt_lp, num_cached_tokens=request.num_cached_tokens)
             for token in tokens:
                 request.append_output_token(token)

@@ -68,7 +68,7 @@ class ModelProposer(Proposer):
 
     def _rows(self, requests: list[ProposalRequest]) -> list[ProposalRequest]:
         # a request this close to max_model_len gets none: its proposals could not all be verified
-        return [r for r in requests if r.last_position + self.k < self.max_model_len][:self.max_rows]
+        return [r for r in requests if r.last_position + r.num_wanted < self.max_model_len][:self.max_rows]
 
     def _decode(self, rows: list[ProposalRequest], tokens: torch.Tensor, hidden: torch.Tensor | None,
                 steps: int) -> list[torch.Tensor]:
@@ -124,8 +124,8 @@ class DraftModelProposer(ModelProposer):
         if not rows:
             return {}
         tokens = torch.tensor([r.output_token_ids[-1] for r in rows], device=self.device)
-        drafts = torch.stack(self._decode(rows, tokens, None, self.k), dim=1).tolist()
-        return {r.req_id: d for r, d in zip(rows, drafts)}
+        drafts = torch.stack(self._decode(rows, tokens, None, max(r.num_wanted for r in rows)), dim=1).tolist()
+        return {r.req_id: d[:r.num_wanted] for r, d in zip(rows, drafts)}
 
     def _forward(self, tokens, positions, meta, hidden):
         return self.model(tokens, positions, meta)

@@ -38,8 +38,9 @@ class EagleProposer(ModelProposer):
         hidden = self._hidden[torch.tensor([self._last_row[r.req_id] for r in rows], device=self.device)]
         with alone():
             first = self.model.compute_logits(hidden).argmax(dim=-1)
-        drafts = torch.stack([first, *self._decode(rows, first, hidden, self.k - 1)], dim=1).tolist()
-        return {r.req_id: d for r, d in zip(rows, drafts)}
+        steps = max(r.num_wanted for r in rows) - 1
+        drafts = torch.stack([first, *self._decode(rows, first, hidden, steps)], dim=1).tolist()
+        return {r.req_id: d[:r.num_wanted] for r, d in zip(rows, drafts)}
 
     def _forward(self, tokens, positions, meta, hidden):
         return self.model(tokens, positions, meta, hidden)

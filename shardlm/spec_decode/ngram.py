@@ -25,7 +25,7 @@ class NgramProposer(Proposer):
         out = {}
         for r in requests:
             drafts = propose_ngram(self._history(r.req_id, r.prompt_token_ids, r.output_token_ids),
-                                   self.n_min, self.n_max, self.k)
+                                   self.n_min, self.n_max, min(self.k, r.num_wanted))
             if drafts:
                 out[r.req_id] = drafts
         return out

@@ -22,6 +22,7 @@ class ProposalRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     block_ids: list[int]
+    num_wanted: int                      # propose at most this many (its lookahead: at most k)
 
     @property
     def last_position(self) -> int:

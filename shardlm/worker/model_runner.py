@@ -159,10 +159,12 @@ class ModelRunner:
         out = self._sample(so, chunks, hidden)
         if self.proposer is not None:       # the rank that samples: out is its result
             self.proposer.follow(TargetStep(input_ids, positions, meta, hidden, chunks, out.sampled, self.requests))
-            if so.propose_drafts and out.sampled:
+            wanted = so.propose_drafts
+            if wanted and out.sampled:
                 out.draft_token_ids = self.proposer.propose([
-                    ProposalRequest(c.req_id, s.prompt_token_ids, s.output_token_ids, c.block_ids)
-                    for c in chunks if c.req_id in out.sampled for s in [self.requests[c.req_id]]])
+                    ProposalRequest(c.req_id, s.prompt_token_ids, s.output_token_ids, c.block_ids, wanted[c.req_id])
+                    for c in chunks if c.req_id in out.sampled and c.req_id in wanted
+                    for s in [self.requests[c.req_id]]])
         return out
 
     def _sample(self, so: SchedulerOutput, chunks: list[ScheduledChunk], hidden: torch.Tensor):

@@ -7,7 +7,7 @@ import pytest
 
 from shardlm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from shardlm.core.request import Request
-from shardlm.core.scheduler import Scheduler
+from shardlm.core.scheduler import SPEC_BACKOFF, Scheduler
 from shardlm.messages import ModelRunnerOutput
 from shardlm.sampling_params import SamplingParams
 from shardlm.spec_decode.ngram import NgramProposer, propose_ngram
@@ -47,7 +47,7 @@ def test_proposer_keeps_each_request_history_as_it_grows():
     prompt = [10, 11, 12, 13]
 
     def propose(prompt, output):
-        return p.propose([ProposalRequest("r", prompt, output, [])]).get("r", [])
+        return p.propose([ProposalRequest("r", prompt, output, [], 2)]).get("r", [])
     assert propose(prompt, []) == []
     assert propose(prompt, [10]) == [11, 12]
     assert propose(prompt, [10, 11, 12, 13, 10] + list(range(200))) == []     # grown past its buffer
@@ -130,6 +130,26 @@ def test_proposals_go_before_anyone_is_preempted():
     run(s, {"a": [1], "b": [2]}, {"a": [5, 6, 7, 8], "b": [5, 6, 7, 8]})
     so = s.schedule()                                        # both at 8 tokens: room for their last only
     assert [c.num_draft_tokens for c in so.chunks] == [0, 0] and s.num_preemptions == 0
+
+
+def test_a_request_whose_proposals_miss_backs_off_then_tries_again():
+    s = scheduler(k=2)
+    r = req("a", 4, max_tokens=100)
+    s.add_request(r)
+    run(s, {"a": [50]}, {"a": [1, 2]})
+    lookaheads = []
+    for _ in range(3):                                       # every proposal misses at once
+        so = s.schedule()
+        s.update(so, ModelRunnerOutput({"a": [9]}, draft_token_ids={"a": [1, 2]}))
+        lookaheads.append(r.spec_lookahead)
+    assert lookaheads == [1, 0, 0]
+    assert s.schedule().propose_drafts == {}                 # backing off: none asked for
+    r.spec_token_ids = []
+    r.output_token_ids += [9] * SPEC_BACKOFF                 # (as if it decoded that long)
+    r.all_token_ids += [9] * SPEC_BACKOFF
+    r.num_computed_tokens += SPEC_BACKOFF
+    s.in_flight.clear()
+    assert s.schedule().propose_drafts == {"a": 1}           # one proposal again
 
 
 def test_no_proposals_in_a_large_batch():

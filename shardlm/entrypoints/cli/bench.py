@@ -39,6 +39,11 @@ def register(sub) -> None:
                    help="projections it adapts, comma-separated")
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(func=run)
+    b = bsub.add_parser("make-draft", help="write a draft model made of a model's first layers (speculative decoding)")
+    b.add_argument("model", help="the target model's directory")
+    b.add_argument("out_dir")
+    b.add_argument("--layers", type=int, required=True, help="layers the draft keeps")
+    b.set_defaults(func=run)
     b = bsub.add_parser("make-eagle", help="write a random EAGLE head (speculative decoding) for a model")
     b.add_argument("model", help="the target model's directory")
     b.add_argument("out_dir")
@@ -135,6 +140,10 @@ def run(ns) -> None:
             print(json.dumps(result, indent=1))
         else:
             report_lora(result)
+        return
+    if ns.bench_kind == "make-draft":
+        from shardlm.bench.truncated_draft import make_truncated_draft
+        print(f"wrote a {ns.layers}-layer draft of {ns.model} to {make_truncated_draft(ns.model, ns.out_dir, ns.layers)}")
         return
     if ns.bench_kind == "make-eagle":
         from shardlm.bench.random_eagle import make_random_eagle
