@@ -42,7 +42,8 @@ _CSV = ("name,role,city\nAda Park,engineer,Lisbon\nBen Ortiz,designer,Oslo\nChen
 
 TASKS = [
     f"Repeat the following paragraph exactly, word for word:\n\n{_PASSAGE}",
-    f"Fix the spelling and grammar mistakes in this text. Return the whole corrected text and nothing else:\n\n{_TYPOS}",
+    "Fix the spelling and grammar mistakes in this text. Return the whole corrected text and nothing else:"
+    f"\n\n{_TYPOS}",
     f"Read the passage and answer by quoting the sentences that give the answer.\n\nPassage: {_PASSAGE}\n\n"
     "Question: What did the lamp burn, and when did the last keeper leave?",
     f"Add type hints to this Python function. Return the whole function:\n\n```python\n{_CODE}\n```",

@@ -34,7 +34,8 @@ def test_completions_equal_plain_decoding_and_metrics_count_proposals(spec_serve
     assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == texts[0]
     llm = LLM(tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory="64MiB", max_model_len=256)
     try:
-        want = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+        want = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
     finally:
         llm.shutdown()
     assert texts == [o.outputs[0].text for o in want]

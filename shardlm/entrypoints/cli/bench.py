@@ -143,7 +143,8 @@ def run(ns) -> None:
         return
     if ns.bench_kind == "make-draft":
         from shardlm.bench.truncated_draft import make_truncated_draft
-        print(f"wrote a {ns.layers}-layer draft of {ns.model} to {make_truncated_draft(ns.model, ns.out_dir, ns.layers)}")
+        out = make_truncated_draft(ns.model, ns.out_dir, ns.layers)
+        print(f"wrote a {ns.layers}-layer draft of {ns.model} to {out}")
         return
     if ns.bench_kind == "make-eagle":
         from shardlm.bench.random_eagle import make_random_eagle
