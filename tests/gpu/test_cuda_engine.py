@@ -182,3 +182,30 @@ def test_lora_adapters_on_cuda(tiny_model_dir, tmp_path, hf):
         llm.shutdown()
     exact = sum(hf.assert_close([refs[m][i]], [outs[i]], f"prompt {i} ({m})") for i, m in enumerate(mix))
     assert exact >= 5, f"only {exact}/6 sequences equal transformers on the merged weights"
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+def test_speculative_decoding_on_cuda_keeps_greedy_outputs(method, tiny_model_dir, tmp_path):
+    """Verified positions are decode rows (CUDA graphs apply); the draft model and EAGLE head run
+    beside the target on the device: greedy outputs equal plain decoding's, in float32."""
+    from shardlm.bench.random_eagle import make_random_eagle
+    target = tiny_model_dir("llama-gqa")
+    spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+            "draft_model": {"model": target, "num_speculative_tokens": 3},
+            "eagle": {"method": "eagle", "model": make_random_eagle(target, tmp_path / "eagle"),
+                      "num_speculative_tokens": 3}}[method]
+    prompts = [{"prompt_token_ids": ([100 + 7 * i, 200, 300 + i, 400] * 6)[:20 + i]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = {}
+    for name, config in (("plain", None), ("spec", spec)):
+        llm = LLM(target, dtype="float32", device="cuda", gpu_memory_utilization=0.3, speculative_config=config)
+        try:
+            outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            if config:
+                stats = llm.engine.engine_core.call_utility("stats")
+        finally:
+            llm.shutdown()
+    assert outs["spec"] == outs["plain"]
+    assert stats["spec_num_drafts"] > 0
+    if method == "draft_model":             # the target as its own draft: every proposal right
+        assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]

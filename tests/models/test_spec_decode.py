@@ -265,3 +265,41 @@ def test_preempted_speculating_requests_recompute_to_the_same_output(tiny_model_
         small.shutdown()
     assert s["num_preemptions"] > 0 and s["spec_num_drafts"] > 0
     assert tokens(got) == tokens(plain.generate(prompts, params, use_tqdm=False))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2, enable_expert_parallel=True),
+                                    dict(data_parallel_size=2, enable_expert_parallel=True)], ids=["tp2-ep", "dp2-ep"])
+def test_ngram_on_a_moe_model_with_expert_parallel(tiny_model_dir, layout):
+    path = tiny_model_dir("mixtral")
+    outs = {}
+    for name, extra in (("plain", {}), ("spec", {**layout, "speculative_config": NGRAM})):
+        llm = LLM(path, **ENGINE, **extra)
+        try:
+            outs[name] = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+            if extra:
+                s = stats(llm)
+        finally:
+            llm.shutdown()
+    assert outs["spec"] == outs["plain"]
+    assert 0 < s["spec_num_accepted_tokens"] <= s["spec_num_draft_tokens"]
+
+
+def test_ngram_with_lora_adapters(tiny_model_dir, tmp_path):
+    """Proposals are verified by the request's adapter: outputs equal LoRA without speculation."""
+    from shardlm import LoRARequest
+    from tests.lora_adapters import write_adapter
+    base = tiny_model_dir("llama-gqa")
+    lora = LoRARequest("one", 1, write_adapter(base, tmp_path / "one", seed=3))
+    requests = [lora, None, lora, None, lora, None]
+    outs = {}
+    for name, extra in (("plain", {}), ("spec", {"speculative_config": NGRAM})):
+        llm = LLM(base, **ENGINE, enable_lora=True, **extra)
+        try:
+            outs[name] = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=requests))
+            if extra:
+                s = stats(llm)
+        finally:
+            llm.shutdown()
+    assert outs["spec"] == outs["plain"]
+    assert s["spec_num_accepted_tokens"] > 0
