@@ -234,11 +234,11 @@ class SpeculativeConfig:
     # no proposals in a step whose running batch has this many requests or more (None: the default
     # below; 0: never turned off)
     disable_by_batch_size: int | None = None
-    model: str | None = None                 # "draft_model": the draft model; "eagle": the EAGLE head (dir or hub id)
+    model: str | None = None                 # the draft model or EAGLE head (directory or hub id)
     draft_tensor_parallel_size: int | None = None     # the draft runs whole on the rank that samples: 1
     draft_model_config: ModelConfig | None = None     # resolved by EngineArgs from `model`
 
-    METHODS = ("ngram", "draft_model", "eagle")
+    METHODS = ("ngram", "draft_model", "eagle", "eagle3")
     FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
               "disable_by_batch_size", "model", "draft_tensor_parallel_size")
     # measured (docs/speculative_decoding.md): from 16 running requests on, a step's extra verified
@@ -267,9 +267,7 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         if self.method not in self.METHODS:
-            later = " (EAGLE-3 heads are not supported yet)" if self.method == "eagle3" else ""
-            raise ValueError(f"speculative method {self.method!r} is not supported{later}: use "
-                             f"{', '.join(self.METHODS)}.")
+            raise ValueError(f"speculative method {self.method!r} is not supported: use {', '.join(self.METHODS)}.")
         if (self.method == "ngram") == bool(self.model):
             raise ValueError(f"--speculative-config: method {self.method} needs \"model\", the draft model's "
                              "directory or hub id." if not self.model else

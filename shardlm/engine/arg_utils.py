@@ -266,9 +266,15 @@ class EngineArgs:
         draft = spec.model
         path = resolve_model_path(draft, self.download_dir)
         hf_config = load_hf_config(path)
-        if spec.method == "eagle" and hf_config.hidden_size != target.hf_config.hidden_size:
+        if spec.method in ("eagle", "eagle3") and hf_config.hidden_size != target.hf_config.hidden_size:
             raise ValueError(f"The EAGLE head {draft} has hidden size {hf_config.hidden_size}, the target "
                              f"{target.hf_config.hidden_size}: an EAGLE head must be made for this target model.")
+        if spec.method == "eagle3":
+            from shardlm.models.eagle3 import aux_layers_of
+            aux = aux_layers_of(hf_config, target.num_layers)
+            if not all(0 <= i < target.num_layers for i in aux):
+                raise ValueError(f"The EAGLE-3 head {draft} reads the target's layers {list(aux)}, but the target has "
+                                 f"{target.num_layers} layers (0 to {target.num_layers - 1} can be read).")
         if hf_config.vocab_size != target.vocab_size:
             raise ValueError(f"The draft model {draft} has a vocabulary of {hf_config.vocab_size} tokens, the target "
                              f"{target.vocab_size}: a draft model must use the target's tokenizer (e.g. a smaller "

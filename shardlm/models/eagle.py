@@ -36,7 +36,7 @@ def load_eagle(head: ModelConfig, target: ModelConfig, device: torch.device) -> 
     return model
 
 
-def _merged_name(name: str) -> tuple[str, object]:
+def merged_name(name: str) -> tuple[str, object]:
     """q/k/v and gate/up tensors go into the merged qkv_proj and gate_up_proj (as in the target)."""
     for merged, part, shard in LlamaForCausalLM.stacked_params:
         if part in name:
@@ -81,7 +81,7 @@ class EagleLlama(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
                 continue
-            name, shard = _merged_name(name)
+            name, shard = merged_name(name)
             if name not in params:
                 raise ValueError(f"The EAGLE checkpoint has a tensor {name!r} that an EAGLE head does not have: "
                                  "is it an EAGLE(-1) head of a Llama-family model?")

@@ -105,24 +105,32 @@ class LlamaModel(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last_rank else None
         self.fused_decode: FusedDecodeLayers | None | bool = False    # False: not built yet
+        # EAGLE-3: the layers whose input (hidden + residual) the last stage keeps in aux_hidden,
+        # [tokens, len(aux_layers) * hidden]; earlier stages send theirs along
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids, positions, meta, intermediate: list[torch.Tensor] | None = None):
         """First stage: from token ids; later stages: from the previous stage's [hidden, residual].
         Returns the final hidden states on the last stage, else [hidden, residual]."""
         if intermediate is None:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual, aux = self.embed_tokens(input_ids), None, []
         else:
-            hidden, residual = intermediate
+            hidden, residual, *aux = intermediate
         cos_sin = self.rotary.lookup(positions)
-        fused = self._fused_decode(meta)
+        fused = self._fused_decode(meta) if not self.aux_layers else None
         done = fused(hidden, residual, cos_sin, meta, lora_batch.current()) if fused is not None else None
         if done is not None:
             hidden, residual = done
         else:
-            for layer in self.layers[self.start:self.end]:
-                hidden, residual = layer(cos_sin, hidden, residual, meta)
+            for i in range(self.start, self.end):
+                if i in self.aux_layers:        # (in layer order, as often as listed)
+                    aux += [hidden if residual is None else hidden + residual] * self.aux_layers.count(i)
+                hidden, residual = self.layers[i](cos_sin, hidden, residual, meta)
         if self.norm is None:
-            return [hidden, residual]
+            return [hidden, residual, *aux]
+        if self.aux_layers:
+            self.aux_hidden = torch.cat(aux, dim=-1)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -97,12 +97,13 @@ class ModelProposer(Proposer):
             for j in range(steps):
                 positions = [r.last_position + j for r in rows]
                 meta = self.backend.build_metadata([1] * len(rows), positions, tables)
-                hidden = self._forward(tokens, torch.tensor(positions, device=self.device), meta, hidden)
-                tokens = self.model.compute_logits(hidden).argmax(dim=-1)
+                hidden, tokens = self._step(tokens, torch.tensor(positions, device=self.device), meta, hidden)
                 chosen.append(tokens)
         return chosen
 
-    def _forward(self, tokens, positions, meta, hidden):
+    def _step(self, tokens, positions, meta, hidden) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One decode step of the proposer's model -> (the hidden state its next step reads, if any;
+        the token it chooses at each row)."""
         raise NotImplementedError
 
 
@@ -127,5 +128,5 @@ class DraftModelProposer(ModelProposer):
         drafts = torch.stack(self._decode(rows, tokens, None, max(r.num_wanted for r in rows)), dim=1).tolist()
         return {r.req_id: d[:r.num_wanted] for r, d in zip(rows, drafts)}
 
-    def _forward(self, tokens, positions, meta, hidden):
-        return self.model(tokens, positions, meta)
+    def _step(self, tokens, positions, meta, hidden):
+        return None, self.model.compute_logits(self.model(tokens, positions, meta)).argmax(dim=-1)

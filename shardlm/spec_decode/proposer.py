@@ -41,6 +41,7 @@ class TargetStep:
     chunks: list                         # ScheduledChunk, in the tokens' order
     sampled: dict[str, list[int]]        # req_id -> its new tokens (accepted proposals, then one)
     requests: dict                       # req_id -> the runner's RequestState (prompt and output tokens)
+    aux_hidden: torch.Tensor | None = None     # EAGLE-3: the target's residual streams at its aux layers
 
     def next_token_ids(self) -> tuple[list[int], dict[str, int]]:
         """-> the token after each of the step's tokens, and the row of each sampled request's last
@@ -95,7 +96,7 @@ def make_proposer(config: EngineConfig, device: torch.device, attn_backend) -> P
     if spec.method == "ngram":
         from shardlm.spec_decode.ngram import NgramProposer
         return NgramProposer(spec)
-    if spec.method == "eagle":
+    if spec.method in ("eagle", "eagle3"):
         from shardlm.spec_decode.eagle import EagleProposer
         return EagleProposer(config, device, attn_backend)
     from shardlm.spec_decode.draft_model import DraftModelProposer

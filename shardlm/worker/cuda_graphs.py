@@ -52,6 +52,8 @@ def graphs_unavailable_reason(runner) -> str | None:
         return "quantized layers"
     if runner.lora is not None:
         return "LoRA adapters"
+    if getattr(runner.model.model, "aux_layers", ()):
+        return "an EAGLE-3 head reads the hidden states of inner layers"
     return None
 
 

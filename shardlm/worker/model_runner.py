@@ -26,6 +26,7 @@ from shardlm.lora import batch as lora_batch
 from shardlm.lora.manager import LoRAManager
 from shardlm.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from shardlm.model_loader.weights import load_model
+from shardlm.models.eagle3 import aux_layers_of
 from shardlm.planner.layer_placement import stage_layers
 from shardlm.sampling_params import SamplingParams
 from shardlm.spec_decode.proposer import ProposalRequest, Proposer, TargetStep, make_proposer
@@ -70,6 +71,9 @@ class ModelRunner:
         stages = stage_layers(self.config.model, par)
         self.pp, self.tp = get_pp_group(), get_tp_group()
         self.model = load_model(self.config.model, self.device, stages[self.pp.rank_in_group])
+        spec = self.config.speculative
+        if spec is not None and spec.method == "eagle3":     # every rank: each stage hands its layers' on
+            self.model.model.aux_layers = aux_layers_of(spec.draft_model_config.hf_config, self.config.model.num_layers)
         if self.pp.is_last_rank and self.tp.rank_in_group == 0:
             self.proposer = make_proposer(self.config, self.device, self.attn_backend)
         if self.config.lora is not None:
@@ -158,7 +162,8 @@ class ModelRunner:
             return None
         out = self._sample(so, chunks, hidden)
         if self.proposer is not None:       # the rank that samples: out is its result
-            self.proposer.follow(TargetStep(input_ids, positions, meta, hidden, chunks, out.sampled, self.requests))
+            self.proposer.follow(TargetStep(input_ids, positions, meta, hidden, chunks, out.sampled, self.requests,
+                                            getattr(self.model.model, "aux_hidden", None)))
             wanted = so.propose_drafts
             if wanted and out.sampled:
                 out.draft_token_ids = self.proposer.propose([

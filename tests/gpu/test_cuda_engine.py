@@ -184,7 +184,7 @@ def test_lora_adapters_on_cuda(tiny_model_dir, tmp_path, hf):
     assert exact >= 5, f"only {exact}/6 sequences equal transformers on the merged weights"
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
 def test_speculative_decoding_on_cuda_keeps_greedy_outputs(method, tiny_model_dir, tmp_path):
     """Verified positions are decode rows (CUDA graphs apply); the draft model and EAGLE head run
     beside the target on the device: greedy outputs equal plain decoding's, in float32."""
@@ -193,7 +193,9 @@ def test_speculative_decoding_on_cuda_keeps_greedy_outputs(method, tiny_model_di
     spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
             "draft_model": {"model": target, "num_speculative_tokens": 3},
             "eagle": {"method": "eagle", "model": make_random_eagle(target, tmp_path / "eagle"),
-                      "num_speculative_tokens": 3}}[method]
+                      "num_speculative_tokens": 3},
+            "eagle3": {"method": "eagle3", "model": make_random_eagle(target, tmp_path / "eagle3", eagle3=True),
+                       "num_speculative_tokens": 3}}[method]
     prompts = [{"prompt_token_ids": ([100 + 7 * i, 200, 300 + i, 400] * 6)[:20 + i]} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     outs = {}

@@ -113,11 +113,12 @@ def test_draft_model_greedy_outputs_equal_plain_decoding(plain, tiny_model_dir, 
         assert s["spec_num_accepted_tokens"] < s["spec_num_draft_tokens"]
 
 
-@pytest.mark.parametrize("num_layers", [1, 2])
-def test_eagle_head_greedy_outputs_equal_plain_decoding(plain, tiny_model_dir, tmp_path, num_layers):
+@pytest.mark.parametrize("kind", ["eagle 1 layer", "eagle 2 layers", "eagle3"])
+def test_eagle_head_greedy_outputs_equal_plain_decoding(plain, tiny_model_dir, tmp_path, kind):
     target = tiny_model_dir("llama-gqa")
-    head = make_random_eagle(target, tmp_path / "eagle", num_layers=num_layers)
-    llm = LLM(target, **ENGINE, speculative_config={"method": "eagle", "model": head, "num_speculative_tokens": 3})
+    head = make_random_eagle(target, tmp_path / "eagle", num_layers=2 if "2" in kind else 1, eagle3=kind == "eagle3")
+    method = "eagle3" if kind == "eagle3" else "eagle"
+    llm = LLM(target, **ENGINE, speculative_config={"method": method, "model": head, "num_speculative_tokens": 3})
     try:
         got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         s = stats(llm)
@@ -224,12 +225,12 @@ def method_config(method: str, tiny_model_dir, tmp_path) -> dict:
         return NGRAM
     if method == "draft_model":
         return {"model": tiny_model_dir("llama-draft"), "num_speculative_tokens": 3}
-    return {"method": "eagle", "model": make_random_eagle(tiny_model_dir("llama-gqa"), tmp_path / "eagle"),
-            "num_speculative_tokens": 3}
+    head = make_random_eagle(tiny_model_dir("llama-gqa"), tmp_path / method, eagle3=method == "eagle3")
+    return {"method": method, "model": head, "num_speculative_tokens": 3}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
                                     dict(data_parallel_size=2)], ids=["tp2", "pp2", "dp2"])
 def test_outputs_are_the_same_on_every_layout(tiny_model_dir, plain, tmp_path, layout, method):

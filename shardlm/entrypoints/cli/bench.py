@@ -48,6 +48,7 @@ def register(sub) -> None:
     b.add_argument("model", help="the target model's directory")
     b.add_argument("out_dir")
     b.add_argument("--num-layers", type=int, default=1)
+    b.add_argument("--eagle3", action="store_true", help="an EAGLE-3 head (reads three of the target's layers)")
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(func=run)
     b = bsub.add_parser("lora-layer", help="one layer's LoRA delta for several adapters, by each way of computing it")
@@ -149,7 +150,7 @@ def run(ns) -> None:
     if ns.bench_kind == "make-eagle":
         from shardlm.bench.random_eagle import make_random_eagle
         print(f"wrote a random EAGLE head for {ns.model} to "
-              f"{make_random_eagle(ns.model, ns.out_dir, ns.seed, ns.num_layers)}")
+              f"{make_random_eagle(ns.model, ns.out_dir, ns.seed, ns.num_layers, eagle3=ns.eagle3)}")
         return
     if ns.bench_kind == "plot":
         from shardlm.bench.plot import plot
