@@ -1,8 +1,11 @@
 """Speculative decoding (vLLM's --speculative-config): cheap proposals, verified in one pass.
 
-    ngram.py     proposals from the request's own tokens (prompt lookup)
-    verify.py    which proposed tokens a step keeps: exact for greedy and for sampling
-    stats.py     drafted and accepted counts: /metrics and the periodic log line
+    proposer.py     what the model runner asks of a proposer; selector.py: which one a config makes
+    ngram.py        proposals from the request's own tokens (prompt lookup)
+    draft_model.py  a draft model beside the target, and the decoding in scratch blocks it
+                    shares with EAGLE heads (eagle.py)
+    verify.py       which proposed tokens a step keeps: exact for greedy and for sampling
+    stats.py        drafted and accepted counts: /metrics and the periodic log line
 
 How a step goes: after sampling, the rank that samples proposes up to k tokens per request
 (ModelRunnerOutput.draft_token_ids). The scheduler gives the request's next decode 1 + k

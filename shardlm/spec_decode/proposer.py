@@ -1,9 +1,9 @@
 """What the model runner asks of a proposer, and which one a config makes.
 
-The rank that samples owns the proposer. Every step it shows the proposer the tokens the
-target computed (follow); after sampling, it asks for the next tokens of the requests just
-sampled (propose). A proposer with a model keeps its own KV cache, in the target's block
-layout (kv_cache_bytes_per_block, initialize_cache).
+The rank that samples owns the proposer (made by selector.py). Every step it shows the proposer
+the tokens the target computed (follow); after sampling, it asks for the next tokens of the
+requests just sampled (propose). A proposer with a model keeps its own KV cache, in the
+target's block layout (kv_cache_bytes_per_block, initialize_cache).
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from shardlm.config import EngineConfig
 
 
 @dataclass
@@ -87,17 +85,3 @@ class Proposer:
 
     def weight_bytes(self) -> int:
         return 0
-
-
-def make_proposer(config: EngineConfig, device: torch.device, attn_backend) -> Proposer | None:
-    spec = config.speculative
-    if spec is None:
-        return None
-    if spec.method == "ngram":
-        from shardlm.spec_decode.ngram import NgramProposer
-        return NgramProposer(spec)
-    if spec.method in ("eagle", "eagle3"):
-        from shardlm.spec_decode.eagle import EagleProposer
-        return EagleProposer(config, device, attn_backend)
-    from shardlm.spec_decode.draft_model import DraftModelProposer
-    return DraftModelProposer(config, device, attn_backend)

@@ -29,7 +29,8 @@ from shardlm.model_loader.weights import load_model
 from shardlm.models.eagle3 import aux_layers_of
 from shardlm.planner.layer_placement import stage_layers
 from shardlm.sampling_params import SamplingParams
-from shardlm.spec_decode.proposer import ProposalRequest, Proposer, TargetStep, make_proposer
+from shardlm.spec_decode.proposer import ProposalRequest, Proposer, TargetStep
+from shardlm.spec_decode.selector import make_proposer
 from shardlm.spec_decode.verify import accepted_tokens
 from shardlm.worker.cpu_tuning import zeroed_buffer
 from shardlm.worker.cuda_graphs import CudaGraphs, graphs_unavailable_reason
