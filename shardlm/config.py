@@ -8,6 +8,7 @@ process and to every worker as it is. This module imports nothing of shardlm.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -16,6 +17,20 @@ import torch
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
                "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4,
                "tb": 1000**4, "tib": 1 << 40}
+
+
+def json_object_flag(value: dict | str | None, flag: str, example: str) -> dict:
+    """A flag given as a JSON object (or, offline, as a dict) -> the dict; a clear error otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag} is not JSON ({e}): e.g. '{example}'.") from None
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, e.g. '{example}', not {type(value).__name__}.")
+    return dict(value)
 
 
 def parse_size(value: int | float | str) -> int:
@@ -248,15 +263,7 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, value: dict | str) -> SpeculativeConfig:
         """The flag's JSON (or the offline dict), checked; every refusal says what to write."""
-        import json
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config is not JSON ({e}): e.g. "
-                                 "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'.") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"--speculative-config must be a JSON object, not {type(value).__name__}.")
+        value = json_object_flag(value, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
         unknown = sorted(set(value) - set(cls.FIELDS))
         if unknown:
             raise ValueError(f"--speculative-config has unknown field(s) {unknown}; known: {', '.join(cls.FIELDS)}.")

@@ -25,6 +25,7 @@ from shardlm.config import (
     QuantizationConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    json_object_flag,
     parse_size,
 )
 from shardlm.executor.selection import choose_backend
@@ -459,13 +460,7 @@ def _reasoning_parser(config: dict | str | None, reasoning_parser: str | None) -
     -> the reasoning parser (the backend is llguidance whichever of its names is given)."""
     from shardlm.reasoning import get_reasoning_parser
     from shardlm.structured_output.grammar import BACKENDS
-    if isinstance(config, str):
-        try:
-            config = json.loads(config)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--structured-outputs-config is not JSON ({e}): e.g. "
-                             "'{\"backend\": \"auto\"}'.") from None
-    config = dict(config or {})
+    config = json_object_flag(config, "--structured-outputs-config", '{"backend": "auto"}')
     unknown = sorted(set(config) - {"backend", "reasoning_parser"})
     if unknown:
         raise ValueError(f"--structured-outputs-config has unknown key(s) {', '.join(unknown)}: it takes backend and "

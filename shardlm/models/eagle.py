@@ -36,12 +36,26 @@ def load_eagle(head: ModelConfig, target: ModelConfig, device: torch.device) -> 
     return model
 
 
-def merged_name(name: str) -> tuple[str, object]:
-    """q/k/v and gate/up tensors go into the merged qkv_proj and gate_up_proj (as in the target)."""
-    for merged, part, shard in LlamaForCausalLM.stacked_params:
-        if part in name:
-            return name.replace(part, merged), shard
-    return name, None
+def load_head_tensors(params: dict, weights, kind: str, special=None) -> set[str]:
+    """An EAGLE head's checkpoint tensors into its parameters (q/k/v and gate/up into the merged
+    qkv_proj and gate_up_proj, as in the target) -> the names loaded. special(name, tensor): True
+    when it took the tensor itself."""
+    loaded = set()
+    for name, tensor in weights:
+        name = name.removeprefix("model.")
+        if "rotary_emb.inv_freq" in name or (special is not None and special(name, tensor)):
+            continue
+        shard = None
+        for merged, part, shard_id in LlamaForCausalLM.stacked_params:
+            if part in name:
+                name, shard = name.replace(part, merged), shard_id
+                break
+        if name not in params:
+            raise ValueError(f"The checkpoint has a tensor {name!r} that an {kind} head does not have: is it an "
+                             f"{kind} head of a Llama-family model?")
+        getattr(params[name], "weight_loader", default_weight_loader)(params[name], tensor, shard)
+        loaded.add(name)
+    return loaded
 
 
 class EagleLlama(nn.Module):
@@ -76,17 +90,7 @@ class EagleLlama(nn.Module):
         """head_weights: the EAGLE checkpoint's tensors; target_weights: the target's, for the
         embedding and LM head the head lacks."""
         params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in head_weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name:
-                continue
-            name, shard = merged_name(name)
-            if name not in params:
-                raise ValueError(f"The EAGLE checkpoint has a tensor {name!r} that an EAGLE head does not have: "
-                                 "is it an EAGLE(-1) head of a Llama-family model?")
-            getattr(params[name], "weight_loader", default_weight_loader)(params[name], tensor, shard)
-            loaded.add(name)
+        loaded = load_head_tensors(params, head_weights, "EAGLE(-1)")
         embedding = lm_head = None
         for name, tensor in target_weights:
             if name == "model.embed_tokens.weight":

@@ -22,7 +22,7 @@ from shardlm.layers.norm import RMSNorm
 from shardlm.layers.rotary import RotaryEmbedding
 from shardlm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from shardlm.model_loader.weights import iterate_weights
-from shardlm.models.eagle import merged_name
+from shardlm.models.eagle import load_head_tensors
 from shardlm.models.llama import LlamaAttention, LlamaMLP
 
 
@@ -90,20 +90,12 @@ class Eagle3Llama(nn.Module):
 
     def load_weights(self, head_weights, target_weights) -> None:
         params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in head_weights:
-            name = name.removeprefix("model.")
-            if name == "t2d" or "rotary_emb.inv_freq" in name:
-                continue
+
+        def vocabulary_map(name, tensor) -> bool:
             if name == "d2t":
                 self.d2t.copy_(tensor[:].to(torch.long))
-                continue
-            name, shard = merged_name(name)
-            if name not in params:
-                raise ValueError(f"The EAGLE-3 checkpoint has a tensor {name!r} that an EAGLE-3 head does not have: "
-                                 "is it an EAGLE-3 head of a Llama-family model?")
-            getattr(params[name], "weight_loader", default_weight_loader)(params[name], tensor, shard)
-            loaded.add(name)
+            return name in ("d2t", "t2d")      # t2d (target -> draft) is d2t's inverse: not needed
+        loaded = load_head_tensors(params, head_weights, "EAGLE-3", vocabulary_map)
         if "embed_tokens.weight" not in loaded:
             for name, tensor in target_weights:
                 if name == "model.embed_tokens.weight":

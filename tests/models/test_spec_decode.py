@@ -39,6 +39,26 @@ def tokens(outputs) -> list[list[int]]:
     return [c.token_ids for o in outputs for c in o.outputs]
 
 
+def generate(path: str, speculative_config=None, prompts=PROMPTS, params=GREEDY, **engine):
+    """(tokens of each output, the engine's stats) from an engine of its own."""
+    llm = LLM(path, **{**ENGINE, **engine}, speculative_config=speculative_config)
+    try:
+        return tokens(llm.generate(prompts, params, use_tqdm=False)), stats(llm)
+    finally:
+        llm.shutdown()
+
+
+def generate_with_proposer(llm: LLM, proposer, prompts, params):
+    """(outputs, stats before, stats after) of a tp=1 engine whose proposer is swapped for `proposer`."""
+    runner = runner_of(llm)
+    own, runner.proposer = runner.proposer, proposer
+    try:
+        before = stats(llm)
+        return llm.generate(prompts, params, use_tqdm=False), before, stats(llm)
+    finally:
+        runner.proposer = own
+
+
 def runner_of(llm: LLM):
     """The model runner of a tp=1 engine whose core runs in this process."""
     return llm.engine.engine_core.engine_core.executor.worker.runner
@@ -99,13 +119,8 @@ def test_stop_string_inside_accepted_drafts_ends_the_output_there(plain, spec):
 def test_draft_model_greedy_outputs_equal_plain_decoding(plain, tiny_model_dir, draft):
     target = tiny_model_dir("llama-gqa")
     model = target if draft == "the target itself" else tiny_model_dir("llama-draft")
-    llm = LLM(target, **ENGINE, speculative_config={"model": model, "num_speculative_tokens": 3})
-    try:
-        got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        s = stats(llm)
-    finally:
-        llm.shutdown()
-    assert tokens(got) == tokens(plain.generate(PROMPTS, GREEDY, use_tqdm=False))
+    got, s = generate(target, {"model": model, "num_speculative_tokens": 3})
+    assert got == tokens(plain.generate(PROMPTS, GREEDY, use_tqdm=False))
     assert s["spec_num_draft_tokens"] > 0
     if draft == "the target itself":        # it proposes what the target will choose
         assert s["spec_num_accepted_tokens"] == s["spec_num_draft_tokens"]
@@ -118,13 +133,8 @@ def test_eagle_head_greedy_outputs_equal_plain_decoding(plain, tiny_model_dir, t
     target = tiny_model_dir("llama-gqa")
     head = make_random_eagle(target, tmp_path / "eagle", num_layers=2 if "2" in kind else 1, eagle3=kind == "eagle3")
     method = "eagle3" if kind == "eagle3" else "eagle"
-    llm = LLM(target, **ENGINE, speculative_config={"method": method, "model": head, "num_speculative_tokens": 3})
-    try:
-        got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        s = stats(llm)
-    finally:
-        llm.shutdown()
-    assert tokens(got) == tokens(plain.generate(PROMPTS, GREEDY, use_tqdm=False))
+    got, s = generate(target, {"method": method, "model": head, "num_speculative_tokens": 3})
+    assert got == tokens(plain.generate(PROMPTS, GREEDY, use_tqdm=False))
     assert s["spec_num_drafts"] > 0 and s["spec_num_accepted_tokens"] <= s["spec_num_draft_tokens"]
 
 
@@ -149,14 +159,7 @@ class Oracle(Proposer):
 def test_a_proposer_that_knows_the_answer_has_every_token_accepted(plain, spec, wrong):
     want = plain.generate(PROMPTS, GREEDY, use_tqdm=False)
     answers = {tuple(p["prompt_token_ids"]): o.outputs[0].token_ids for p, o in zip(PROMPTS, want)}
-    runner = runner_of(spec)
-    ngram, runner.proposer = runner.proposer, Oracle(answers, 4, wrong)
-    try:
-        before = stats(spec)
-        got = spec.generate(PROMPTS, GREEDY, use_tqdm=False)
-        after = stats(spec)
-    finally:
-        runner.proposer = ngram
+    got, before, after = generate_with_proposer(spec, Oracle(answers, 4, wrong), PROMPTS, GREEDY)
     assert tokens(got) == tokens(want)
     drafted = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
     accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
@@ -176,14 +179,7 @@ def test_structured_outputs_mask_every_verified_position(plain, spec):
     prompts = ["Give me JSON.", "Another one:"]
     want = plain.generate(prompts, params, use_tqdm=False)
     answers = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in want}
-    runner = runner_of(spec)
-    ngram, runner.proposer = runner.proposer, Oracle(answers, 4)
-    try:
-        before = stats(spec)
-        got = spec.generate(prompts, params, use_tqdm=False)
-        after = stats(spec)
-    finally:
-        runner.proposer = ngram
+    got, before, after = generate_with_proposer(spec, Oracle(answers, 4), prompts, params)
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
     assert after["spec_num_accepted_tokens"] > before["spec_num_accepted_tokens"]
 
@@ -235,14 +231,8 @@ def method_config(method: str, tiny_model_dir, tmp_path) -> dict:
                                     dict(data_parallel_size=2)], ids=["tp2", "pp2", "dp2"])
 def test_outputs_are_the_same_on_every_layout(tiny_model_dir, plain, tmp_path, layout, method):
     want = plain.generate(PROMPTS, GREEDY, use_tqdm=False)
-    other = LLM(tiny_model_dir("llama-gqa"), **ENGINE, **layout,
-                speculative_config=method_config(method, tiny_model_dir, tmp_path))
-    try:
-        got = other.generate(PROMPTS, GREEDY, use_tqdm=False)
-        s = stats(other)
-    finally:
-        other.shutdown()
-    assert tokens(got) == tokens(want)
+    got, s = generate(tiny_model_dir("llama-gqa"), method_config(method, tiny_model_dir, tmp_path), **layout)
+    assert got == tokens(want)
     assert s["spec_num_drafts"] > 0 and s["spec_num_accepted_tokens"] <= s["spec_num_draft_tokens"]
     if method == "ngram":
         assert s["spec_num_accepted_tokens"] > 0
@@ -273,16 +263,8 @@ def test_preempted_speculating_requests_recompute_to_the_same_output(tiny_model_
                                     dict(data_parallel_size=2, enable_expert_parallel=True)], ids=["tp2-ep", "dp2-ep"])
 def test_ngram_on_a_moe_model_with_expert_parallel(tiny_model_dir, layout):
     path = tiny_model_dir("mixtral")
-    outs = {}
-    for name, extra in (("plain", {}), ("spec", {**layout, "speculative_config": NGRAM})):
-        llm = LLM(path, **ENGINE, **extra)
-        try:
-            outs[name] = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-            if extra:
-                s = stats(llm)
-        finally:
-            llm.shutdown()
-    assert outs["spec"] == outs["plain"]
+    got, s = generate(path, NGRAM, **layout)
+    assert got == generate(path)[0]
     assert 0 < s["spec_num_accepted_tokens"] <= s["spec_num_draft_tokens"]
 
 
