@@ -239,14 +239,14 @@ def test_outputs_are_the_same_on_every_layout(tiny_model_dir, plain, tmp_path, l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
 def test_preempted_speculating_requests_recompute_to_the_same_output(tiny_model_dir, plain, tmp_path, method):
     """13 KV blocks for three requests of ~180 tokens: proposals are dropped and requests
     preempted when the cache is short; outputs equal plain decoding with a roomy cache."""
     prompts = [{"prompt_token_ids": ([100 + i, 200, 300, 400 + i] * 13)[:50]} for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=130, ignore_eos=True)
-    # the draft model's KV shares the budget: 1/4 more per block for its one narrower layer
-    memory = 8192 * 14 if method == "ngram" else (8192 + 2048) * 14
+    # a proposer's KV shares the budget: per block, the draft's one narrow layer or the head's one layer
+    memory = (8192 + {"ngram": 0, "draft_model": 2048, "eagle": 4096}[method]) * 14
     small = LLM(tiny_model_dir("llama-gqa"), **{**ENGINE, "kv_cache_memory": memory, "max_model_len": 192},
                 speculative_config=method_config(method, tiny_model_dir, tmp_path))
     try:
@@ -286,3 +286,16 @@ def test_ngram_with_lora_adapters(tiny_model_dir, tmp_path):
             llm.shutdown()
     assert outs["spec"] == outs["plain"]
     assert s["spec_num_accepted_tokens"] > 0
+
+
+def test_seeded_sampling_is_reproducible_and_chunked_prefill_changes_nothing(plain, tiny_model_dir):
+    """A seeded request gives the same tokens on every run with speculation on (whatever runs beside
+    it), and a step budget of 16 tokens (prompts prefilled in chunks; proposals within the budget)
+    leaves greedy outputs as they were."""
+    seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=32, ignore_eos=True)
+    small, s = generate(tiny_model_dir("llama-gqa"), NGRAM, max_num_batched_tokens=16)
+    assert small == tokens(plain.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert s["spec_num_accepted_tokens"] > 0
+    alone = generate(tiny_model_dir("llama-gqa"), NGRAM, prompts=PROMPTS[:1], params=seeded)[0]
+    crowd = generate(tiny_model_dir("llama-gqa"), NGRAM, prompts=PROMPTS, params=[seeded] + [GREEDY] * 5)[0]
+    assert crowd[0] == alone[0]
