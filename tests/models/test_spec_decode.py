@@ -155,11 +155,17 @@ class Oracle(Proposer):
         return answer[len(output):len(output) + self.k]
 
 
+# penalties, min_tokens and a bias: each verified position must see the proposals before it as output
+PENALIZED = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.3,
+                           repetition_penalty=1.2, min_tokens=5, logit_bias={500: 2.0})
+
+
+@pytest.mark.parametrize("params", [GREEDY, PENALIZED], ids=["greedy", "penalized"])
 @pytest.mark.parametrize("wrong", [False, True], ids=["knows-the-answer", "random"])
-def test_a_proposer_that_knows_the_answer_has_every_token_accepted(plain, spec, wrong):
-    want = plain.generate(PROMPTS, GREEDY, use_tqdm=False)
+def test_a_proposer_that_knows_the_answer_has_every_token_accepted(plain, spec, wrong, params):
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
     answers = {tuple(p["prompt_token_ids"]): o.outputs[0].token_ids for p, o in zip(PROMPTS, want)}
-    got, before, after = generate_with_proposer(spec, Oracle(answers, 4, wrong), PROMPTS, GREEDY)
+    got, before, after = generate_with_proposer(spec, Oracle(answers, 4, wrong), PROMPTS, params)
     assert tokens(got) == tokens(want)
     drafted = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
     accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
