@@ -267,7 +267,6 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - set(cls.FIELDS))
         if unknown:
             raise ValueError(f"--speculative-config has unknown field(s) {unknown}; known: {', '.join(cls.FIELDS)}.")
-        value = dict(value)
         if "method" not in value:
             value["method"] = "draft_model" if value.get("model") else "ngram"
         return cls(**value)

@@ -44,6 +44,10 @@ class ScheduledChunk(msgspec.Struct):
     # speculative decoding: the last num_draft_tokens of token_ids are proposed tokens, to verify
     num_draft_tokens: int = 0
 
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:] if self.num_draft_tokens else []
+
 
 class SchedulerOutput(msgspec.Struct):
     chunks: list[ScheduledChunk]

@@ -166,7 +166,7 @@ class EngineCore:
         if self.structured_outputs is None:
             return
         chunks = [(c, self.scheduler.requests[c.req_id]) for c in so.chunks if c.sample]
-        rows = [(r.request_id, r.grammar.result(), c.token_ids[len(c.token_ids) - c.num_draft_tokens:])
+        rows = [(r.request_id, r.grammar.result(), c.draft_token_ids)
                 for c, r in chunks if r.grammar is not None and r.thinking_end_ids is None]
         if rows:
             so.grammar_req_ids = [req_id for req_id, _, _ in rows]

@@ -107,7 +107,7 @@ class Scheduler:
         # with P batches in flight, each takes about 1/P of the requests, so every stage has work
         seq_cap = -(-(len(self.running) + len(self.waiting)) // self.pipeline_depth)
         num_preempted_before = self.num_preemptions
-        speculate = self.speculative is not None and self.speculative.speculates(len(self.running))
+        speculate = self._speculating()
         i = 0
         while i < len(self.running) and budget > 0 and len(chunks) < seq_cap:
             request = self.running[i]
@@ -175,7 +175,7 @@ class Scheduler:
     def _proposals_wanted(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
         """How many tokens to propose after this step for each request it samples: its lookahead,
         while a next step would verify them (proposals cost the sampling rank time)."""
-        if self.speculative is None or not self.speculative.speculates(len(self.running)):
+        if not self._speculating():
             return {}
         wanted = {}
         for c in chunks:
@@ -214,6 +214,10 @@ class Scheduler:
             if request.request_id not in self.in_flight:
                 return request
         return None
+
+    def _speculating(self) -> bool:
+        """Proposals are made and verified while the running batch is below disable_by_batch_size."""
+        return self.speculative is not None and self.speculative.speculates(len(self.running))
 
     def _drafts(self, request: Request, budget: int, speculate: bool) -> list[int]:
         """The proposed tokens this decode verifies: within the step's budget and the request's

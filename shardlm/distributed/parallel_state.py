@@ -202,6 +202,7 @@ _PP: GroupCoordinator | None = None
 _DP: GroupCoordinator | None = None
 _EP: GroupCoordinator | None = None
 _EXPERT_PARALLEL = False
+_ALONE: tuple[GroupCoordinator, ...] | None = None     # this rank as its own groups (alone())
 
 
 def init_distributed_environment(world_size: int, rank: int, store_host: str, store_port: int,
@@ -328,10 +329,12 @@ def expert_parallel_enabled() -> bool:
 def alone():
     """Within: this rank is its own TP, PP, DP and EP group, so a model built and run here is
     whole on this rank and calls no collective (a speculative draft model beside the target)."""
-    global _TP, _PP, _DP, _EP, _EXPERT_PARALLEL
+    global _TP, _PP, _DP, _EP, _EXPERT_PARALLEL, _ALONE
     saved = (_TP, _PP, _DP, _EP, _EXPERT_PARALLEL)
     rank = get_world_group().rank
-    _TP, _PP, _DP, _EP = (GroupCoordinator(n, [rank], rank) for n in ("tp", "pp", "dp", "ep"))
+    if _ALONE is None or _ALONE[0].rank != rank:
+        _ALONE = tuple(GroupCoordinator(n, [rank], rank) for n in ("tp", "pp", "dp", "ep"))
+    _TP, _PP, _DP, _EP = _ALONE
     _EXPERT_PARALLEL = False
     try:
         yield

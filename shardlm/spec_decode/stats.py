@@ -34,15 +34,11 @@ class SpecDecodingStats:
 
     @classmethod
     def total(cls, many: list[SpecDecodingStats]) -> SpecDecodingStats:
-        out = cls()
-        for s in many:
-            out.num_drafts += s.num_drafts
-            out.num_draft_tokens += s.num_draft_tokens
-            out.num_accepted_tokens += s.num_accepted_tokens
-            width = max(len(out.accepted_per_position), len(s.accepted_per_position))
-            out.accepted_per_position = [a + b for a, b in zip(out.accepted_per_position + [0] * width,
-                                                                 s.accepted_per_position + [0] * width)][:width]
-        return out
+        width = max((len(s.accepted_per_position) for s in many), default=0)
+        return cls(sum(s.num_drafts for s in many), sum(s.num_draft_tokens for s in many),
+                   sum(s.num_accepted_tokens for s in many),
+                   [sum(s.accepted_per_position[j] for s in many if j < len(s.accepted_per_position))
+                    for j in range(width)])
 
     def minus(self, earlier: SpecDecodingStats) -> SpecDecodingStats:
         """The counts since `earlier` (for a log interval)."""

@@ -206,13 +206,17 @@ class ModelRunner:
     @staticmethod
     def _row_states(sample_chunks: list[ScheduledChunk], states: list[RequestState]) -> list[RequestState]:
         """One state per sampled position: a request's position j after its last known token has
-        its first j proposed tokens as output history (penalties, min_tokens see them)."""
+        its first j proposed tokens as output history (penalties, min_tokens see them; without
+        either, the sampler does not read it and the request's own state serves every row)."""
         rows = []
         for c, state in zip(sample_chunks, states):
             rows.append(state)
-            drafts = drafts_of(c)
-            rows.extend(replace(state, output_token_ids=state.output_token_ids + drafts[:j])
-                        for j in range(1, len(drafts) + 1))
+            drafts, sp = c.draft_token_ids, state.sampling_params
+            if sp.uses_penalties or len(state.output_token_ids) < sp.min_tokens:
+                rows.extend(replace(state, output_token_ids=state.output_token_ids + drafts[:j])
+                            for j in range(1, len(drafts) + 1))
+            else:
+                rows.extend([state] * len(drafts))
         return rows
 
     def _allowed_tokens(self, so: SchedulerOutput, sample_chunks: list[ScheduledChunk]):
@@ -353,7 +357,7 @@ class ModelRunner:
         out = ModelRunnerOutput({})
         row = 0
         for c, state in zip(sample_chunks, states):
-            new = accepted_tokens(tokens[row:row + 1 + c.num_draft_tokens], drafts_of(c))
+            new = accepted_tokens(tokens[row:row + 1 + c.num_draft_tokens], c.draft_token_ids)
             state.output_token_ids.extend(new)
             out.sampled[c.req_id] = new
             if row in logprobs:
@@ -436,8 +440,3 @@ class ModelRunner:
         if any(p.logprobs is not None for p in params):
             batch.logprobs_k = [p.logprobs for p in params]
         return batch
-
-
-def drafts_of(chunk: ScheduledChunk) -> list[int]:
-    """The proposed tokens a chunk verifies (the last num_draft_tokens of its tokens)."""
-    return chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens:] if chunk.num_draft_tokens else []
