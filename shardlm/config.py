@@ -161,9 +161,12 @@ class ParallelConfig:
     data_parallel_rank: int = 0                       # this replica (set per engine core by the DP client)
     data_parallel_master: tuple[str, int] | None = None   # the DP-wide rendezvous store (set by the DP client)
     enable_expert_parallel: bool = False              # MoE: whole experts on the DP x TP ranks (not sliced by TP)
+    decode_context_parallel_size: int = 1             # -dcp: KV cache spread by position over ranks of a TP group
+    dcp_kv_cache_interleave_size: int = 1             # positions on one DCP rank before the next rank's
 
     def __post_init__(self):
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                     "decode_context_parallel_size", "dcp_kv_cache_interleave_size"):
             size = getattr(self, name)
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name}={size} must be a positive integer.")
@@ -190,6 +193,12 @@ class ParallelConfig:
             raise ValueError("Expert parallel across data parallel replicas runs their MoE layers in lock-step, which "
                              "this version does not combine with pipeline parallel: use -dp with -tp, or -pp without "
                              "-dp (expert parallel then spans each stage's tensor parallel ranks).")
+        dcp, tp = self.decode_context_parallel_size, self.tensor_parallel_size
+        if tp % dcp:
+            divisors = [n for n in range(1, tp + 1) if tp % n == 0]
+            raise ValueError(f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp}: the "
+                             f"KV cache is spread over ranks of each tensor parallel group. With -tp {tp}, -dcp can "
+                             f"be {', '.join(map(str, divisors))}.")
         for name in ("distributed_init_timeout", "execute_model_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive seconds.")
@@ -314,6 +323,13 @@ class EngineConfig:
     device: torch.device
     lora: LoRAConfig | None = None           # None: --enable-lora is off
     speculative: SpeculativeConfig | None = None     # None: no speculative decoding
+
+    @property
+    def kv_block_tokens(self) -> int:
+        """Tokens one KV block id holds: block_size on each rank, times the decode context
+        parallel ranks that each hold their share of its positions. The scheduler, prefix hashes
+        and capacity count in these."""
+        return self.cache.block_size * self.parallel.decode_context_parallel_size
 
     @property
     def dp_lockstep(self) -> bool:

@@ -24,7 +24,8 @@ class CpuKernelAttention(TorchPagedAttention):
 
     def rotary_and_attend(self, layer, qkv: torch.Tensor, cos_sin, meta) -> torch.Tensor | None:
         cos, signed_sin = cos_sin
-        if len(meta.buckets) != 1 or not meta.buckets[0].in_order or qkv.stride(1) != 1 or cos.dtype != qkv.dtype:
+        if (self.shard is not None or len(meta.buckets) != 1 or not meta.buckets[0].in_order or qkv.stride(1) != 1
+                or cos.dtype != qkv.dtype):
             return None
         b, T = meta.buckets[0], qkv.shape[0]
         out = torch.empty(T, layer.num_heads * layer.head_dim, dtype=qkv.dtype)
@@ -37,14 +38,19 @@ class CpuKernelAttention(TorchPagedAttention):
             raise MemoryError("paged attention kernel could not allocate its work buffers")
         return out
 
-    def decode(self, layer, q: torch.Tensor, b: AttentionBucket) -> torch.Tensor:
+    def decode(self, layer, q: torch.Tensor, b: AttentionBucket, lse: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, H, D] -> [B, H, D]; lse: a float32 [B, H] that receives each head's log-sum-exp."""
         B, H, D = q.shape
         out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
         Hkv, num_blocks, block_size, _ = layer.k_cache.shape
         rc = self.kernel(out.data_ptr(), q.data_ptr(), q.stride(0), layer.k_cache.data_ptr(),
                          layer.v_cache.data_ptr(), b.block_table.data_ptr(), b.context_lens.data_ptr(),
                          B, H, Hkv, D, num_blocks, block_size, b.block_table.shape[1], layer.scale,
-                         DTYPE_CODES[q.dtype])
+                         DTYPE_CODES[q.dtype], lse.data_ptr() if lse is not None else None)
         if rc != 0:
             raise MemoryError("paged attention kernel could not allocate its work buffers")
         return out
+
+    def decode_partial(self, layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
+        lse = torch.empty(q.shape[:2], dtype=torch.float32)
+        return self.decode(layer, q, b, lse).float(), lse

@@ -51,7 +51,7 @@ class CudaAttention(TorchPagedAttention):
 
     def build_metadata(self, query_lens, start_positions, block_tables):
         B = len(query_lens)
-        if B > self.max_num_seqs or any(q != 1 for q in query_lens):
+        if B > self.max_num_seqs or any(q != 1 for q in query_lens) or self.shard is not None:
             return super().build_metadata(query_lens, start_positions, block_tables)
         N = max(len(t) for t in block_tables)
         bs = self.block_size

@@ -13,6 +13,11 @@ memory is ever a NaN.
 
 The CPU backend (cpu_kernel.py) replaces its decode bucket with a C kernel; the CUDA backend
 (cuda.py) keeps its decode metadata in preallocated device tensors.
+
+Under decode context parallel (context_parallel.py) a rank writes only the positions it owns
+(the others go to a sink slot no table reads), its context lengths count its own positions,
+masks compare the global positions of its keys, and forward_partial returns each query's
+partial output over those keys with its log-sum-exp, for the exact merge.
 """
 
 from __future__ import annotations
@@ -24,13 +29,14 @@ import torch
 import torch.nn.functional as F
 
 from shardlm.attention.backend import AttentionBackend
+from shardlm.attention.context_parallel import ContextShard
 
 
 @dataclass
 class AttentionBucket:
     token_index: torch.Tensor   # [B, Q] rows of the step's tokens (padding repeats a valid row)
     block_table: torch.Tensor   # [B, N] blocks of each sequence's context (padding: null block)
-    context_lens: torch.Tensor  # [B] int64: tokens of context after this step
+    context_lens: torch.Tensor  # [B] int64: tokens of context after this step (this rank's, under DCP)
     is_decode: bool
     out_rows: torch.Tensor | None = None   # valid entries of token_index.flatten() (None: all)
     in_order: bool = False                 # the bucket's outputs are the step's rows 0..T-1, in order
@@ -38,12 +44,16 @@ class AttentionBucket:
     query_pos: torch.Tensor | None = None  # [B, Q] position of each query (CPU)
     context: torch.Tensor | None = None    # [B] context_lens on CPU
     block_size: int = 0
+    shard: ContextShard | None = None      # decode context parallel: the positions this rank holds
 
     @cached_property
     def mask(self) -> torch.Tensor:
         """[B, 1, Q, N * block_size]: True where a query may attend."""
-        kj = torch.arange(self.block_table.shape[1] * self.block_size)
-        mask = (kj[None, None, :] <= self.query_pos[:, :, None]) & (kj[None, None, :] < self.context[:, None, None])
+        width = self.block_table.shape[1] * self.block_size
+        kj = torch.arange(width)
+        key_pos = kj if self.shard is None else self.shard.positions(width)
+        mask = ((key_pos[None, None, :] <= self.query_pos[:, :, None])
+                & (kj[None, None, :] < self.context[:, None, None]))
         return mask.unsqueeze(1).to(self.block_table.device)
 
     @cached_property
@@ -59,24 +69,32 @@ class AttentionMetadata:
 
 
 def build_attention_metadata(query_lens: list[int], start_positions: list[int], block_tables: list[list[int]],
-                             block_size: int, device: torch.device) -> AttentionMetadata:
+                             block_size: int, device: torch.device, shard: ContextShard | None = None,
+                             sink_slot: int = 0) -> AttentionMetadata:
+    """shard: this rank's positions under decode context parallel (None: all); the positions
+    of other ranks map to sink_slot."""
     offsets, slot_mapping, t = [], [], 0
     for qlen, start, table in zip(query_lens, start_positions, block_tables):
         offsets.append(t)
         t += qlen
-        for pos in range(start, start + qlen):
-            slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
+        if shard is None:
+            slot_mapping.extend(table[pos // block_size] * block_size + pos % block_size
+                                for pos in range(start, start + qlen))
+        else:
+            slot_mapping.extend(shard.slot(table, pos, sink_slot) for pos in range(start, start + qlen))
     decodes = [i for i, q in enumerate(query_lens) if q == 1]
     prefills = [i for i, q in enumerate(query_lens) if q > 1]
-    buckets = [_bucket(rows, query_lens, start_positions, block_tables, offsets, block_size, device)
+    buckets = [_bucket(rows, query_lens, start_positions, block_tables, offsets, block_size, device, shard)
                for rows in (decodes, prefills) if rows]
     return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=device), buckets)
 
 
-def _bucket(rows, query_lens, starts, tables, offsets, block_size, device) -> AttentionBucket:
+def _bucket(rows, query_lens, starts, tables, offsets, block_size, device, shard=None) -> AttentionBucket:
     qlens = torch.tensor([query_lens[i] for i in rows])
     start = torch.tensor([starts[i] for i in rows])
     ctx = start + qlens
+    if shard is not None:
+        ctx = torch.tensor([shard.local_len(n) for n in ctx.tolist()])
     max_q = int(qlens.max())
     max_blocks = max(len(tables[i]) for i in rows)
     table = torch.tensor([tables[i] + [0] * (max_blocks - len(tables[i])) for i in rows])
@@ -88,22 +106,22 @@ def _bucket(rows, query_lens, starts, tables, offsets, block_size, device) -> At
         out_rows = (qi[None, :] < qlens[:, None]).flatten().nonzero().squeeze(1).to(device)
     in_order = len(rows) == len(query_lens) and max_q == 1
     return AttentionBucket(token_index.to(device), table.to(device), ctx.to(device), max_q == 1, out_rows, in_order,
-                           query_pos=start[:, None] + qi[None, :], context=ctx, block_size=block_size)
+                           query_pos=start[:, None] + qi[None, :], context=ctx, block_size=block_size, shard=shard)
 
 
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
     def build_metadata(self, query_lens, start_positions, block_tables) -> AttentionMetadata:
-        return build_attention_metadata(query_lens, start_positions, block_tables, self.block_size, self.device)
+        return build_attention_metadata(query_lens, start_positions, block_tables, self.block_size, self.device,
+                                        self.shard, self.sink_slot)
 
     def forward(self, layer, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        T, Hkv, D = q.shape[0], layer.num_kv_heads, layer.head_dim
-        layer.k_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        layer.v_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        T = q.shape[0]
+        self.write_kv(layer, k, v, meta.slot_mapping)
         if len(meta.buckets) == 1 and meta.buckets[0].in_order:   # a pure decode step
             return self.decode(layer, q, meta.buckets[0]).view(T, -1)
-        out = q.new_empty(T, layer.num_heads, D)
+        out = q.new_empty(T, layer.num_heads, layer.head_dim)
         for b in meta.buckets:
             if b.is_decode:
                 ob = self.decode(layer, q[b.token_index[:, 0]], b)
@@ -114,6 +132,35 @@ class TorchPagedAttention(AttentionBackend):
                 ob, rows = ob[b.out_rows], rows[b.out_rows]
             out[rows] = ob
         return out.view(T, -1)
+
+    @staticmethod
+    def write_kv(layer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        Hkv, D = layer.num_kv_heads, layer.head_dim
+        layer.k_cache.view(Hkv, -1, D).index_copy_(1, slot_mapping, k.transpose(0, 1))
+        layer.v_cache.view(Hkv, -1, D).index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+    def forward_partial(self, layer, q, k, v, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode context parallel: k, v of this step written where this rank owns them; q
+        [T, Hq, D] (the DCP group's query heads) attended over this rank's positions.
+        -> (partial output [T, Hq, D] float32, log-sum-exp [T, Hq] float32)"""
+        self.write_kv(layer, k, v, meta.slot_mapping)
+        T, Hq, D = q.shape
+        out = q.new_empty(T, Hq, D, dtype=torch.float32)
+        lse = q.new_empty(T, Hq, dtype=torch.float32)
+        for b in meta.buckets:
+            if b.is_decode:
+                ob, lb = self.decode_partial(layer, q[b.token_index[:, 0]], b)
+            else:
+                ob, lb = prefill_partial(layer, q, b)
+            rows = b.token_index.flatten()
+            if b.out_rows is not None:
+                ob, lb, rows = ob[b.out_rows], lb[b.out_rows], rows[b.out_rows]
+            out[rows], lse[rows] = ob, lb
+        return out, lse
+
+    def decode_partial(self, layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, Hq, D] -> (out [B, Hq, D] float32, lse [B, Hq])"""
+        return decode_attention(layer, q, *gather(layer, b), b.masked_out, with_lse=True)
 
     def prefill(self, layer, q: torch.Tensor, b: AttentionBucket) -> torch.Tensor:
         """Sequences of several queries each: gathered context, one scaled_dot_product_attention."""
@@ -138,15 +185,59 @@ def gather(layer, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def decode_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     masked_out: torch.Tensor) -> torch.Tensor:
-    """One query per sequence. q: [B, H, D]; k, v: [Hkv, B, K, D]; masked_out [1, B, 1, K] -> [B, H, D]"""
+                     masked_out: torch.Tensor, with_lse: bool = False):
+    """One query per sequence. q: [B, H, D]; k, v: [Hkv, B, K, D]; masked_out [1, B, 1, K] -> [B, H, D];
+    with_lse: -> (out [B, H, D] float32, log-sum-exp [B, H]), zeros and -inf where nothing is unmasked."""
     Hkv, B, K, D = k.shape
-    group = layer.num_heads // Hkv
+    H = q.shape[1]
+    group = H // Hkv
     # query heads grouped by their KV head, batched over (KV head, sequence); scaled in the copy
     qg = torch.empty(Hkv, B, group, D, dtype=q.dtype, device=q.device)
     torch.mul(q.view(B, Hkv, group, D).transpose(0, 1), layer.scale, out=qg)
     scores = torch.bmm(qg.view(Hkv * B, group, D), k.view(Hkv * B, K, D).transpose(1, 2)).float()
     scores = scores.view(Hkv, B, group, K).masked_fill_(masked_out, float("-inf"))
+    if with_lse:
+        probs, lse = _softmax_lse(scores)
+        out = torch.bmm(probs.view(Hkv * B, group, K), v.view(Hkv * B, K, D).float())
+        return (out.view(Hkv, B, group, D).transpose(0, 1).reshape(B, H, D),
+                lse.transpose(0, 1).reshape(B, H))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv * B, group, K)
     out = torch.bmm(probs, v.view(Hkv * B, K, D))                       # [Hkv * B, G, D]
-    return out.view(Hkv, B, group, D).transpose(0, 1).reshape(B, layer.num_heads, D)
+    return out.view(Hkv, B, group, D).transpose(0, 1).reshape(B, H, D)
+
+
+def _softmax_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax and log-sum-exp over the last dim of float32 scores; a row of -inf only gives
+    zeros and -inf (a DCP rank that holds none of a query's context yet)."""
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
+    return probs, lse
+
+
+# queries per piece of a partial prefill: its float32 scores stay within ~256 MiB
+_PARTIAL_SCORE_BYTES = 256 << 20
+
+
+def prefill_partial(layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt chunks under decode context parallel: attention with its log-sum-exp, in float32,
+    a piece of the queries at a time. q: the step's [T, Hq, D]. -> ([B * Q, Hq, D], [B * Q, Hq])"""
+    kb, vb = gather(layer, b)                                # [Hkv, B, K, D]
+    Hkv, B, K, D = kb.shape
+    qb = q[b.token_index]                                    # [B, Q, Hq, D]
+    Q, Hq = qb.shape[1], qb.shape[2]
+    group = Hq // Hkv
+    kf = kb.float().transpose(0, 1).unsqueeze(2)             # [B, Hkv, 1, K, D]
+    vf = vb.float().transpose(0, 1).unsqueeze(2)
+    out = torch.empty(B, Q, Hq, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, Q, Hq, dtype=torch.float32, device=q.device)
+    step = max(1, _PARTIAL_SCORE_BYTES // (4 * B * Hq * K))
+    for q0 in range(0, Q, step):
+        qs = qb[:, q0:q0 + step].float() * layer.scale      # [B, q, Hq, D]
+        n = qs.shape[1]
+        qs = qs.view(B, n, Hkv, group, D).permute(0, 2, 3, 1, 4)           # [B, Hkv, G, q, D]
+        scores = qs @ kf.transpose(-1, -2)                                  # [B, Hkv, G, q, K]
+        scores.masked_fill_(~b.mask[:, :, q0:q0 + n].unsqueeze(1), float("-inf"))
+        probs, piece_lse = _softmax_lse(scores)
+        out[:, q0:q0 + n] = (probs @ vf).permute(0, 3, 1, 2, 4).reshape(B, n, Hq, D)
+        lse[:, q0:q0 + n] = piece_lse.permute(0, 3, 1, 2).reshape(B, n, Hq)
+    return out.view(B * Q, Hq, D), lse.view(B * Q, Hq)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from concurrent import futures
+from dataclasses import replace
 
 from shardlm.config import EngineConfig, format_bytes
 from shardlm.core.request import Request
@@ -47,7 +48,9 @@ class EngineCore:
         self._check_kv_capacity(num_blocks)
         self.executor.initialize_cache(num_blocks)
         self.max_in_flight = self.executor.max_concurrent_batches
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_in_flight,
+        # the scheduler counts blocks of kv_block_tokens (a block id's tokens over every DCP rank)
+        self.scheduler = Scheduler(config.scheduler, replace(config.cache, block_size=config.kv_block_tokens),
+                                   num_blocks, self.max_in_flight,
                                    config.lora.max_loras if config.lora is not None else 0, config.speculative)
         self.stat_logger = StatLogger(self.scheduler)
         self.batch_queue: deque = deque()      # (scheduler output, wait for its result), oldest first
@@ -63,11 +66,11 @@ class EngineCore:
             weights, tp = self.executor.collective_rpc("weight_bytes"), par.tensor_parallel_size
             logger.info("Memory per rank: %s; KV cache %d blocks (%d tokens) on every rank", "; ".join(
                 f"stage {s}: weights {', '.join(format_bytes(w) for w in weights[s * tp:(s + 1) * tp])}"
-                for s in range(par.pipeline_parallel_size)), num_blocks, num_blocks * config.cache.block_size)
+                for s in range(par.pipeline_parallel_size)), num_blocks, num_blocks * config.kv_block_tokens)
         logger.info("Engine core ready in %.2f s", time.perf_counter() - t0)
 
     def _check_kv_capacity(self, num_blocks: int) -> None:
-        bs, max_len = self.config.cache.block_size, self.config.model.max_model_len
+        bs, max_len = self.config.kv_block_tokens, self.config.model.max_model_len
         usable = num_blocks - 1   # block 0 is the null block
         needed = cdiv(max_len, bs)
         if usable < needed:
@@ -76,14 +79,16 @@ class EngineCore:
                 f"fewer than one request of max_model_len={max_len} needs ({needed} blocks). "
                 "Give it more memory (kv_cache_memory on CPU, gpu_memory_utilization on CUDA) "
                 f"or lower max_model_len to at most {max(usable, 0) * bs}.")
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens; max concurrency at max_model_len %d: %.2fx",
-                    usable, bs, usable * bs, max_len, usable * bs / max_len)
+        dcp = self.config.parallel.decode_context_parallel_size
+        spread = f" ({self.config.cache.block_size} on each of {dcp} decode context parallel ranks)" if dcp > 1 else ""
+        logger.info("KV cache: %d blocks x %d tokens%s = %d tokens; max concurrency at max_model_len %d: %.2fx",
+                    usable, bs, spread, usable * bs, max_len, usable * bs / max_len)
 
     def add_request(self, req: EngineCoreRequest) -> int | None:
         """-> the lock-step wave this request started (the other replicas must join it), or None."""
         m = self.config.model
         request = Request(req.request_id, req.prompt_token_ids, req.params, m.eos_token_ids, m.max_model_len,
-                          self.config.cache.block_size, req.arrival_time, req.lora_request)
+                          self.config.kv_block_tokens, req.arrival_time, req.lora_request)
         if req.params.structured_outputs is not None:
             if self.structured_outputs is None:
                 self.structured_outputs = StructuredOutputManager(m.tokenizer, m.vocab_size, m.reasoning_parser)

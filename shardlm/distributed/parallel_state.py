@@ -11,6 +11,9 @@ adjacent (one node, the fastest links) and PP groups cut across them:
                             |   |   |   |
                      PP groups {0,4} {1,5} {2,6} {3,7}
 
+Decode context parallel (dcp) groups are runs of adjacent ranks inside a TP group ({0,1} {2,3}
+... at dcp=2): ranks that hold the same KV heads, each one share of every sequence's positions.
+
 Every group gets a GroupCoordinator with two process groups: a device group for tensors
 (NCCL on CUDA, gloo on CPU) and a gloo CPU group for small objects and barriers. Layers never
 call torch.distributed on the world; they ask get_tp_group() / get_pp_group(). With one rank a
@@ -36,13 +39,14 @@ from shardlm.logger import init_logger
 logger = init_logger(__name__)
 
 
-def rank_grid(world_size: int, tp: int, pp: int = 1, dp: int = 1) -> dict[str, list[list[int]]]:
-    """The ranks of every TP, PP and DP group (each group a list of world ranks)."""
+def rank_grid(world_size: int, tp: int, pp: int = 1, dp: int = 1, dcp: int = 1) -> dict[str, list[list[int]]]:
+    """The ranks of every TP, PP, DP, EP and DCP group (each group a list of world ranks)."""
     if tp * pp * dp != world_size:
         raise ValueError(f"world size {world_size} is not dp x pp x tp = {dp} x {pp} x {tp}.")
     grid = torch.arange(world_size).reshape(dp, pp, tp)
     return {
         "tp": grid.reshape(-1, tp).tolist(),
+        "dcp": grid.reshape(-1, dcp).tolist(),      # tp % dcp == 0: runs of adjacent TP ranks
         "pp": grid.transpose(1, 2).reshape(-1, pp).tolist(),
         "dp": grid.permute(1, 2, 0).reshape(-1, dp).tolist(),
         # expert parallel: every DP x TP rank of one pipeline stage (replica-major, as vLLM)
@@ -201,6 +205,7 @@ _TP: GroupCoordinator | None = None
 _PP: GroupCoordinator | None = None
 _DP: GroupCoordinator | None = None
 _EP: GroupCoordinator | None = None
+_DCP: GroupCoordinator | None = None
 _EXPERT_PARALLEL = False
 _ALONE: tuple[GroupCoordinator, ...] | None = None     # this rank as its own groups (alone())
 
@@ -269,34 +274,37 @@ def wait_for_ranks(store: dist.TCPStore, ranks: int | Iterable[int], timeout_s: 
 
 
 def initialize_model_parallel(tp: int, pp: int = 1, dp: int = 1, rank: int = 0, backend: str = "gloo",
-                              timeout_s: float = 300.0, expert_parallel: bool = False) -> None:
+                              timeout_s: float = 300.0, expert_parallel: bool = False, dcp: int = 1) -> None:
     """Build every group of the rank grid; each rank calls this with the same sizes. timeout_s:
     how long a shared-memory collective waits for a peer before it fails naming it.
     expert_parallel: MoE layers place whole experts on the ranks of the EP group (DP x TP of a
     stage) instead of slicing every expert across TP; the DP and EP groups then carry tokens
-    every layer, so they get shared-memory collectives too."""
-    global _WORLD, _TP, _PP, _DP, _EP, _EXPERT_PARALLEL
+    every layer, so they get shared-memory collectives too. dcp: decode context parallel ranks
+    per TP group (their attention gathers queries and merges partial outputs every layer)."""
+    global _WORLD, _TP, _PP, _DP, _EP, _DCP, _EXPERT_PARALLEL
     world_size = tp * pp * dp
     _EXPERT_PARALLEL = expert_parallel
     if world_size == 1:
-        _WORLD, _TP, _PP, _DP, _EP = (GroupCoordinator(n, [0], 0) for n in ("world", "tp", "pp", "dp", "ep"))
+        _WORLD, _TP, _PP, _DP, _EP, _DCP = (GroupCoordinator(n, [0], 0) for n in ("world", "tp", "pp", "dp", "ep",
+                                                                                 "dcp"))
         return
-    grid = rank_grid(world_size, tp, pp, dp)
+    grid = rank_grid(world_size, tp, pp, dp, dcp)
     _WORLD = GroupCoordinator.create("world", [list(range(world_size))], rank, backend)
     _TP = GroupCoordinator.create("tp", grid["tp"], rank, backend, shared_memory=True, timeout_s=timeout_s)
     _PP = GroupCoordinator.create("pp", grid["pp"], rank, backend)
     _DP = GroupCoordinator.create("dp", grid["dp"], rank, backend, shared_memory=expert_parallel, timeout_s=timeout_s)
     _EP = GroupCoordinator.create("ep", grid["ep"], rank, backend, shared_memory=expert_parallel, timeout_s=timeout_s)
+    _DCP = GroupCoordinator.create("dcp", grid["dcp"], rank, backend, shared_memory=dcp > 1, timeout_s=timeout_s)
     if rank == 0:
-        logger.info("Successfully initialized distributed environment: world=%d, tp=%d, pp=%d, dp=%d, "
-                    "expert parallel=%s, backend=%s", world_size, tp, pp, dp, expert_parallel, backend)
+        logger.info("Successfully initialized distributed environment: world=%d, tp=%d, pp=%d, dp=%d, dcp=%d, "
+                    "expert parallel=%s, backend=%s", world_size, tp, pp, dp, dcp, expert_parallel, backend)
 
 
 def _get(group: GroupCoordinator | None, name: str) -> GroupCoordinator:
     if group is None:
         # a model built outside any executor (tests, tools): one rank
         initialize_model_parallel(1)
-        return {"tp": _TP, "pp": _PP, "dp": _DP, "ep": _EP, "world": _WORLD}[name]
+        return {"tp": _TP, "pp": _PP, "dp": _DP, "ep": _EP, "dcp": _DCP, "world": _WORLD}[name]
     return group
 
 
@@ -321,6 +329,11 @@ def get_ep_group() -> GroupCoordinator:
     return _get(_EP, "ep")
 
 
+def get_dcp_group() -> GroupCoordinator:
+    """The decode context parallel ranks this rank shares its KV heads with (within its TP group)."""
+    return _get(_DCP, "dcp")
+
+
 def expert_parallel_enabled() -> bool:
     return _EXPERT_PARALLEL
 
@@ -329,24 +342,24 @@ def expert_parallel_enabled() -> bool:
 def alone():
     """Within: this rank is its own TP, PP, DP and EP group, so a model built and run here is
     whole on this rank and calls no collective (a speculative draft model beside the target)."""
-    global _TP, _PP, _DP, _EP, _EXPERT_PARALLEL, _ALONE
-    saved = (_TP, _PP, _DP, _EP, _EXPERT_PARALLEL)
+    global _TP, _PP, _DP, _EP, _DCP, _EXPERT_PARALLEL, _ALONE
+    saved = (_TP, _PP, _DP, _EP, _DCP, _EXPERT_PARALLEL)
     rank = get_world_group().rank
     if _ALONE is None or _ALONE[0].rank != rank:
-        _ALONE = tuple(GroupCoordinator(n, [rank], rank) for n in ("tp", "pp", "dp", "ep"))
-    _TP, _PP, _DP, _EP = _ALONE
+        _ALONE = tuple(GroupCoordinator(n, [rank], rank) for n in ("tp", "pp", "dp", "ep", "dcp"))
+    _TP, _PP, _DP, _EP, _DCP = _ALONE
     _EXPERT_PARALLEL = False
     try:
         yield
     finally:
-        _TP, _PP, _DP, _EP, _EXPERT_PARALLEL = saved
+        _TP, _PP, _DP, _EP, _DCP, _EXPERT_PARALLEL = saved
 
 
 def destroy_model_parallel() -> None:
-    global _WORLD, _TP, _PP, _DP, _EP
-    for group in (_WORLD, _TP, _PP, _DP, _EP):
+    global _WORLD, _TP, _PP, _DP, _EP, _DCP
+    for group in (_WORLD, _TP, _PP, _DP, _EP, _DCP):
         if group is not None and group.shm is not None:
             group.shm.close()
-    _WORLD = _TP = _PP = _DP = _EP = None
+    _WORLD = _TP = _PP = _DP = _EP = _DCP = None
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -164,6 +164,16 @@ class EngineArgs:
         "MoE models: place whole experts on the ranks of each stage's DP x TP group (each loads "
         "only its experts) instead of slicing every expert across TP; with -dp the replicas run "
         "their MoE layers in lock-step")
+    decode_context_parallel_size: int = knob(
+        1, "parallel",
+        "decode context parallel: spread each sequence's KV cache over this many ranks of each "
+        "tensor parallel group by token position (each stores and reads 1/N of it); for GQA models "
+        "whose KV heads tensor parallel would otherwise replicate (tp a multiple of KV heads x N)",
+        short="-dcp")
+    dcp_kv_cache_interleave_size: int = knob(
+        1, "parallel",
+        "decode context parallel: consecutive positions stored on one rank before the next rank's "
+        "(divides --block-size)")
     quantization: str | None = knob(
         None, "model",
         "weight-only quantization of the linear layers at load: int8 (one scale per row) or int4 "

@@ -128,7 +128,7 @@ class MPClient(EngineCoreClient):
         self.cores = self.launched.cores
         self.num_blocks_per_engine = self.launched.num_blocks
         self.num_blocks = self.num_blocks_per_engine[0]
-        self.balancer = LoadBalancer(len(self.cores), config.cache.block_size)
+        self.balancer = LoadBalancer(len(self.cores), config.kv_block_tokens)
         for core in self.cores:
             core.start_reader(self._on_core_message, self._on_core_death)
         atexit.register(self.shutdown)

@@ -43,7 +43,8 @@ def fingerprint(config: EngineConfig) -> dict[str, str]:
     return {"shardlm": __version__, "torch": torch.__version__.split("+")[0],
             "architecture": m.architecture, "layers": str(m.num_layers), "vocab": str(m.vocab_size),
             "dtype": str(m.dtype).replace("torch.", ""), "max_model_len": str(m.max_model_len),
-            "block_size": str(c.block_size), "tensor_parallel_size": str(par.tensor_parallel_size),
+            "block_size": str(c.block_size), "kv_block_tokens": str(config.kv_block_tokens),
+            "tensor_parallel_size": str(par.tensor_parallel_size),
             "pipeline_parallel_size": str(par.pipeline_parallel_size),
             "data_parallel_size": str(par.data_parallel_size), "device": config.device.type}
 

@@ -193,7 +193,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "dequantize_int4pack": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _I], None),
     "argmax_rows": ([_P, _I64, _I, _I, _I, _P], None),
     "mask_disallowed": ([_P, _I64, _P, _I, _I, _P, _I, _I], None),
-    "paged_decode_attention": ([_P, _P, _I64, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I], _I),
+    "paged_decode_attention": ([_P, _P, _I64, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _P], _I),
     "paged_decode_attention_qkv": ([_P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I],
                                    _I),
     "skinny_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I),

@@ -6,6 +6,8 @@
 //
 // Layouts: q [B, H, D] with row stride q_stride (elements between sequences), out [B, H, D]; k_cache, v_cache [Hkv, num_blocks, block_size, D];
 // block_tables [B, max_blocks] (int64); context_lens [B] (int64). dtype 0 = float32, 1 = bfloat16.
+// lse [B, H] float32, or NULL: each head's log-sum-exp of its scaled scores, for merging partial
+// outputs over split contexts (decode context parallel). A context of 0 gives zeros and -inf.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -67,7 +69,7 @@ static inline __m512 reduce16(const __m512 v[16]) {
 // (float32, G x D) against the context's keys and values, 16 cache rows at a time.
 static inline __attribute__((always_inline)) void attend_simd(const int NC, const float *qf, int G, const void *k_cache,
         const void *v_cache, const int64_t *table, int64_t ctx, int64_t head_rows, int block_size, float scale,
-        int dtype, float *scores, float *out_acc) {
+        int dtype, float *scores, float *out_acc, float *lse) {
     const int D = NC * 16;
     for (int64_t blk = 0, t0 = 0; t0 < ctx; blk++, t0 += block_size) {
         const int64_t first = head_rows + table[blk] * block_size;
@@ -108,7 +110,8 @@ static inline __attribute__((always_inline)) void attend_simd(const int NC, cons
             const __mmask16 m = ctx - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (ctx - t)) - 1);
             mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, sg + t));
         }
-        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        const float top_s = _mm512_reduce_max_ps(mx);
+        const __m512 top = _mm512_set1_ps(top_s);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < ctx; t += 16) {
             const __mmask16 m = ctx - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (ctx - t)) - 1);
@@ -116,7 +119,8 @@ static inline __attribute__((always_inline)) void attend_simd(const int NC, cons
             _mm512_mask_storeu_ps(sg + t, m, e);
             sum = _mm512_add_ps(sum, e);
         }
-        const float inv = 1.f / _mm512_reduce_add_ps(sum);
+        const float total = _mm512_reduce_add_ps(sum), inv = 1.f / total;
+        if (lse) lse[g] = top_s + logf(total);
         __m512 acc[NC];
         for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
         for (int64_t blk = 0, t0 = 0; t0 < ctx; blk++, t0 += block_size) {
@@ -153,7 +157,7 @@ static inline __attribute__((always_inline)) void prefetch_task(const void *k_ca
 KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, const int64_t *context_lens,
                            int B, int H, int Hkv, int D, int num_blocks, int block_size,
-                           int max_blocks, float scale, int dtype) {
+                           int max_blocks, float scale, int dtype, float *lse) {
     const int G = H / Hkv;
     int64_t max_ctx = 0;
     for (int b = 0; b < B; b++) if (context_lens[b] > max_ctx) max_ctx = context_lens[b];
@@ -181,13 +185,20 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
                 prefetch_task(k_cache, v_cache, block_tables + (int64_t)nb * max_blocks, context_lens[nb],
                               (int64_t)nh * num_blocks * block_size, block_size, D, dtype);
             }
+            float *head_lse = lse ? lse + (int64_t)b * H + h * G : NULL;
+            if (ctx == 0) {     // a decode context parallel rank that holds none of this context yet
+                memset(acc, 0, sizeof(float) * (size_t)G * D);
+                for (int g = 0; g < G && head_lse; g++) head_lse[g] = -INFINITY;
+                write_out(out, acc, b, H, h, G, D, dtype);
+                continue;
+            }
             for (int g = 0; g < G; g++) load_row((const char *)q + (b * q_stride + (int64_t)(h * G + g) * D) * (dtype ? 2 : 4), 0, D, dtype, qf + g * D);
 #if defined(__AVX512F__)
             // the common head sizes: scores, softmax and sum of values in registers
             if (D == 64 || D == 128) {
                 const int64_t head_rows = (int64_t)h * num_blocks * block_size;
-                if (D == 64) attend_simd(4, qf, G, k_cache, v_cache, table, ctx, head_rows, block_size, scale, dtype, scores, acc);
-                else attend_simd(8, qf, G, k_cache, v_cache, table, ctx, head_rows, block_size, scale, dtype, scores, acc);
+                if (D == 64) attend_simd(4, qf, G, k_cache, v_cache, table, ctx, head_rows, block_size, scale, dtype, scores, acc, head_lse);
+                else attend_simd(8, qf, G, k_cache, v_cache, table, ctx, head_rows, block_size, scale, dtype, scores, acc, head_lse);
                 write_out(out, acc, b, H, h, G, D, dtype);
                 continue;
             }
@@ -215,6 +226,7 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
                 for (int64_t t = 0; t < ctx; t++) m = s[t] > m ? s[t] : m;
                 #pragma omp simd reduction(+:sum)
                 for (int64_t t = 0; t < ctx; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
+                if (head_lse) head_lse[g] = m + logf(sum);
                 const float inv = 1.f / sum;
                 #pragma omp simd
                 for (int64_t t = 0; t < ctx; t++) s[t] *= inv;
@@ -265,5 +277,5 @@ KERNEL_API int paged_decode_attention_qkv(void *out, void *qkv, int64_t qkv_stri
         }
     }
     return paged_decode_attention(out, qkv, qkv_stride, k_cache, v_cache, block_tables, context_lens, B, H, Hkv,
-                                  D, num_blocks, block_size, max_blocks, scale, dtype);
+                                  D, num_blocks, block_size, max_blocks, scale, dtype, NULL);
 }

@@ -25,7 +25,7 @@ KERNEL_API void mask_disallowed(float *x, int64_t x_stride, const int64_t *rows,
 KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride, const void *k_cache,
                                       const void *v_cache, const int64_t *block_tables, const int64_t *context_lens,
                                       int B, int H, int Hkv, int D, int num_blocks, int block_size, int max_blocks,
-                                      float scale, int dtype);
+                                      float scale, int dtype, float *lse);
 KERNEL_API int paged_decode_attention_qkv(void *out, void *qkv, int64_t qkv_stride, const void *cos,
                                           const void *signed_sin, void *k_cache, void *v_cache,
                                           const int64_t *slot_mapping, const int64_t *block_tables,

@@ -1,6 +1,8 @@
 """The attention layer: one per decoder layer. It holds that layer's slice of the paged KV
 cache (bound by the model runner) and attends through the engine's attention backend
-(shardlm/attention/), chosen once for the device and dtype."""
+(shardlm/attention/), chosen once for the device and dtype. Under decode context parallel it
+gathers the DCP group's query heads, has the backend attend over this rank's positions, and
+merges the group's partial outputs (attention/context_parallel.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import torch
 from torch import nn
 
 from shardlm.attention.backend import AttentionBackend
+from shardlm.attention.context_parallel import merge_partials
+from shardlm.distributed.parallel_state import get_dcp_group
 from shardlm.layers.rotary import ApplyRotary
 
 
@@ -19,10 +23,14 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
         self.rotary = ApplyRotary()
+        self.dcp = get_dcp_group()      # the ranks each holding a share of every sequence's KV
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]"""
-        return self.backend.forward(self, q, k, v, meta)
+        if self.dcp.world_size == 1:
+            return self.backend.forward(self, q, k, v, meta)
+        out, lse = self.backend.forward_partial(self, self.dcp.all_gather(q, dim=1), k, v, meta)
+        return merge_partials(out, lse, self.dcp, self.num_heads).to(q.dtype).view(q.shape[0], -1)
 
     def forward_qkv(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta,
                     qk_norm=None) -> torch.Tensor:

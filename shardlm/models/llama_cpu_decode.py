@@ -114,7 +114,7 @@ class FusedDecodeLayers:
         """For a LlamaModel stage whose dense MLPs are of class `dense_mlp`, or None where the
         fused path does not apply to it."""
         layers = list(model.layers[model.start:model.end])
-        if not layers:
+        if not layers or layers[0].self_attn.attn.dcp.world_size > 1:   # DCP: collectives inside attention
             return None
         layout = _layout(layers[0].self_attn.qkv_proj)
         if layout is None or not all(_fits(layer, layout, dense_mlp) for layer in layers):

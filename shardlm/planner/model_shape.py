@@ -215,6 +215,22 @@ class ModelShape:
             problems.append(f"the expert MLP size {self.expert_intermediate} is not divisible by {tp}")
         return problems
 
+    def dcp_problems(self, tp: int, dcp: int) -> list[str]:
+        """Why decode context parallel size dcp cannot run at tensor parallel size tp (empty: it
+        can): its ranks must hold the same KV heads, i.e. tp replicates each KV head a multiple of
+        dcp times."""
+        if dcp == 1:
+            return []
+        if self.is_mla:
+            return ["decode context parallel needs standard (not latent) attention"]
+        if tp % dcp or tp % (self.kv_heads * dcp):
+            return [f"-dcp {dcp} needs tp to be a multiple of {self.kv_heads} KV heads x {dcp} (each KV head "
+                    f"replicated on {dcp} ranks)"]
+        return []
+
+    def valid_dcp_sizes(self, tp: int) -> list[int]:
+        return [n for n in range(1, tp + 1) if tp % n == 0 and not self.dcp_problems(tp, n)]
+
     def valid_tp_sizes(self, limit: int | None = None) -> list[int]:
         limit = limit or self.heads
         return [tp for tp in range(1, limit + 1) if not self.tp_problems(tp)]

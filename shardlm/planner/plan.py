@@ -63,6 +63,7 @@ class SplitPlan:
     pp: int
     dp: int = 1
     ep: int = 0                               # expert parallel group size (0: experts sliced by TP)
+    dcp: int = 1                              # decode context parallel ranks per TP group
     weights_per_device: float = 0.0           # bytes, the fullest stage
     reserve_per_device: float = 0.0           # activations + runtime overhead
     kv_bytes_per_token: float = 0.0           # per device, the fullest stage
@@ -82,6 +83,7 @@ class SplitPlan:
         parts = [f"TP={self.tp}"] + ([f"PP={self.pp}"] if self.pp > 1 else [])
         parts += [f"DP={self.dp}"] if self.dp > 1 else []
         parts += [f"EP={self.ep}"] if self.ep else []
+        parts += [f"DCP={self.dcp}"] if self.dcp > 1 else []
         return " ".join(parts) if (self.tp, self.pp, self.dp) != (1, 1, 1) else "single device"
 
 
@@ -103,10 +105,11 @@ def activation_reserve(shape: ModelShape, tp: int, w: Workload, hw: Hardware) ->
     return acts + logits + (GiB if hw.kind == "gpu" else GiB // 2)
 
 
-def evaluate(shape: ModelShape, tp: int, pp: int, hw: Hardware, w: Workload, ep: int = 0) -> SplitPlan:
-    """ep > 0: expert parallel over ep ranks (tp, or dp x tp with data parallel replicas)."""
-    plan = SplitPlan(tp, pp, dp=max(1, ep // tp), ep=ep)
-    problems = shape.tp_problems(tp, expert_parallel=ep > 0)
+def evaluate(shape: ModelShape, tp: int, pp: int, hw: Hardware, w: Workload, ep: int = 0, dcp: int = 1) -> SplitPlan:
+    """ep > 0: expert parallel over ep ranks (tp, or dp x tp with data parallel replicas); dcp:
+    decode context parallel ranks per TP group (each holds 1/dcp of every sequence's KV)."""
+    plan = SplitPlan(tp, pp, dp=max(1, ep // tp), ep=ep, dcp=dcp)
+    problems = shape.tp_problems(tp, expert_parallel=ep > 0) + shape.dcp_problems(tp, dcp)
     if problems:
         plan.reason = "; ".join(problems)
         return plan
@@ -128,7 +131,7 @@ def evaluate(shape: ModelShape, tp: int, pp: int, hw: Hardware, w: Workload, ep:
             params += lm_head
             extra += ["norm", "lm_head"]
         wb = weight_bytes(shape, params, linear, w)
-        kv = shape.kv_bytes_per_token(w.dtype_bytes, end - start, tp)
+        kv = shape.kv_bytes_per_token(w.dtype_bytes, end - start, tp) / dcp
         plan.stages.append({"stage": s, "layers": [start, end - 1], "holds": extra, "weights_bytes": wb,
                             "kv_bytes_per_token": kv})
         worst_weights, worst_kv = max(worst_weights, wb), max(worst_kv, kv)
@@ -137,7 +140,7 @@ def evaluate(shape: ModelShape, tp: int, pp: int, hw: Hardware, w: Workload, ep:
     room = min(hw.usable - st["weights_bytes"] - reserve for st in plan.stages)
     per_block = max(st["kv_bytes_per_token"] for st in plan.stages) * w.block_size
     plan.kv_blocks = max(0, int(room // per_block)) if room > 0 else 0
-    plan.kv_tokens = plan.kv_blocks * w.block_size
+    plan.kv_tokens = plan.kv_blocks * w.block_size      # (kv per token already counts 1/dcp)
     plan.max_concurrency = plan.kv_tokens / w.max_model_len
     if room <= 0:
         plan.reason = (f"weights {worst_weights / GiB:.1f} GiB + reserve {reserve / GiB:.1f} GiB exceed the "
@@ -278,6 +281,7 @@ def recommend(shape: ModelShape, hw: Hardware, w: Workload, model_arg: str | Non
                          "than on NVLink; pipeline parallel sends far less data between devices.")
         if shape.is_moe:
             notes += _expert_parallel_notes(shape, pick, local_dp, hw, w, model_arg or shape.name)
+        notes += _decode_context_parallel_notes(shape, pick, hw, w, model_arg or shape.name)
     command = None
     if pick is not None:
         command = _serve_command(model_arg or shape.name, pick.tp, pick.pp, 1, w.max_model_len)
@@ -322,10 +326,33 @@ def _expert_parallel_notes(shape: ModelShape, pick: SplitPlan, local_dp: int, hw
     return notes
 
 
-def _serve_command(model: str, tp: int, pp: int, dp: int, max_model_len: int, expert_parallel: bool = False) -> str:
+# contexts from which decode context parallel is worth recommending: below, the KV cache of a
+# request is small next to the weights and the extra collectives per layer cost more than it saves
+DCP_MIN_CONTEXT = 16384
+
+
+def _decode_context_parallel_notes(shape: ModelShape, pick: SplitPlan, hw: Hardware, w: Workload,
+                                   model: str) -> list[str]:
+    """Where tensor parallel replicates KV heads (tp above their number) and contexts are long:
+    the largest -dcp that spreads each sequence's KV cache over the replicas, and what it holds."""
+    sizes = shape.valid_dcp_sizes(pick.tp)
+    if shape.is_mla or len(sizes) < 2 or w.max_model_len < DCP_MIN_CONTEXT:
+        return []
+    dcp = sizes[-1]
+    spread = evaluate(shape, pick.tp, pick.pp, hw, w, dcp=dcp)
+    return [f"TP={pick.tp} replicates each of the {shape.kv_heads} KV heads on {pick.tp // shape.kv_heads} ranks, "
+            f"so every rank stores every sequence's whole KV cache. Decode context parallel spreads it by position "
+            f"over {dcp} of them: {spread.kv_tokens} KV tokens instead of {pick.kv_tokens} (max concurrency at "
+            f"{w.max_model_len}: {spread.max_concurrency:.1f}x), for two more collectives per layer: "
+            f"{_serve_command(model, pick.tp, pick.pp, 1, w.max_model_len, dcp=dcp)}"]
+
+
+def _serve_command(model: str, tp: int, pp: int, dp: int, max_model_len: int, expert_parallel: bool = False,
+                   dcp: int = 1) -> str:
     command = f"shardlm serve {model}"
     command += f" -tp {tp}" if tp > 1 else ""
     command += f" -pp {pp}" if pp > 1 else ""
     command += f" -dp {dp}" if dp > 1 else ""
+    command += f" -dcp {dcp}" if dcp > 1 else ""
     command += " --enable-expert-parallel" if expert_parallel else ""
     return command + f" --max-model-len {max_model_len}"

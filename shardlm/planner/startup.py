@@ -32,6 +32,7 @@ def check_parallel_layout(config: EngineConfig) -> None:
         raise ValueError(f"{shape.name} has {shape.heads} attention heads and {shape.kv_heads} KV heads: "
                          f"tensor parallel size {tp} cannot split it ({'; '.join(problems)}). "
                          f"Valid tensor parallel sizes are {valid}.")
+    _check_decode_context_parallel(config, shape)
     stage_layers(m, par)   # raises if impossible
     if m.quantization is not None and m.quantization.group_size != -1:
         _check_quantization_groups(shape, tp, m.quantization)
@@ -45,6 +46,26 @@ def check_parallel_layout(config: EngineConfig) -> None:
                          f"{torch.cuda.device_count()} are visible on this node (CUDA_VISIBLE_DEVICES="
                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Lower the parallel sizes, or use "
                          "--distributed-executor-backend ray across nodes.")
+
+
+def _check_decode_context_parallel(config: EngineConfig, shape: ModelShape) -> None:
+    par = config.parallel
+    tp, dcp, interleave = par.tensor_parallel_size, par.decode_context_parallel_size, par.dcp_kv_cache_interleave_size
+    if config.cache.block_size % interleave:
+        raise ValueError(f"dcp_kv_cache_interleave_size={interleave} must divide block_size="
+                         f"{config.cache.block_size}: a block holds whole runs of one rank's positions.")
+    if dcp == 1:
+        return
+    problems = shape.dcp_problems(tp, dcp)
+    if problems:
+        raise ValueError(f"{shape.name} has {shape.kv_heads} KV heads: decode context parallel size {dcp} cannot run "
+                         f"at tensor parallel size {tp} ({problems[0]}). At -tp {tp}, -dcp can be "
+                         f"{', '.join(map(str, shape.valid_dcp_sizes(tp)))}; -dcp pays where tp exceeds the KV heads.")
+    spec = config.speculative
+    if spec is not None and spec.method != "ngram":
+        raise ValueError(f"Speculative decoding with method {spec.method!r} runs its draft on one rank with a KV "
+                         "cache of whole blocks, which decode context parallel spreads over ranks: use method "
+                         "'ngram' with -dcp, or leave -dcp out.")
 
 
 def _check_quantization_groups(shape: ModelShape, tp: int, quant) -> None:
@@ -74,7 +95,8 @@ def check_fits(config: EngineConfig) -> None:
     if config.device.type == "cpu":
         hw.device_memory, hw.utilization = psutil.virtual_memory().available, 1.0
     ep = par.tensor_parallel_size * par.data_parallel_size if par.enable_expert_parallel and shape.is_moe else 0
-    plan = evaluate(shape, par.tensor_parallel_size, par.pipeline_parallel_size, hw, workload, ep=ep)
+    plan = evaluate(shape, par.tensor_parallel_size, par.pipeline_parallel_size, hw, workload, ep=ep,
+                    dcp=par.decode_context_parallel_size)
     if config.device.type == "cpu":
         # every rank of this node's replicas shares the machine's memory
         replicas = par.data_parallel_size_local

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from shardlm.attention.context_parallel import ContextShard
 from shardlm.attention.selector import get_attention_backend
 from shardlm.config import EngineConfig
-from shardlm.distributed.parallel_state import get_dp_group, get_pp_group, get_tp_group
+from shardlm.distributed.parallel_state import get_dcp_group, get_dp_group, get_pp_group, get_tp_group
 from shardlm.layers.attention import Attention
 from shardlm.layers.moe import FusedMoE, dp_token_counts
 from shardlm.layers.sampler import Sampler, SamplingBatch, TokenBitmask, token_logprobs
@@ -71,6 +72,10 @@ class ModelRunner:
         par = self.config.parallel
         stages = stage_layers(self.config.model, par)
         self.pp, self.tp = get_pp_group(), get_tp_group()
+        dcp = get_dcp_group()
+        if dcp.world_size > 1:          # decode context parallel: this rank's share of every sequence
+            self.attn_backend.shard = ContextShard(dcp.world_size, dcp.rank_in_group,
+                                                   par.dcp_kv_cache_interleave_size, self.block_size)
         self.model = load_model(self.config.model, self.device, stages[self.pp.rank_in_group])
         spec = self.config.speculative
         if spec is not None and spec.method == "eagle3":     # every rank: each stage hands its layers' on
@@ -118,8 +123,11 @@ class ModelRunner:
 
     def initialize_cache(self, num_blocks: int) -> None:
         dtype = self.config.model.dtype
+        # decode context parallel: one more block, the sink where positions of other ranks go
+        sink = self.attn_backend.shard is not None
+        self.attn_backend.sink_slot = num_blocks * self.block_size
         for attn in self.attention_layers():
-            shape = self.attn_backend.kv_cache_shape(num_blocks, attn.num_kv_heads, attn.head_dim)
+            shape = self.attn_backend.kv_cache_shape(num_blocks + sink, attn.num_kv_heads, attn.head_dim)
             attn.k_cache = self._zeros(shape, dtype)
             attn.v_cache = self._zeros(shape, dtype)
             attn.backend = self.attn_backend

@@ -1,0 +1,93 @@
+"""Decode context parallel in one process: which rank holds which position, the exact merge of
+partial outputs, and partial attention over N simulated ranks' caches merged back to the whole."""
+
+import random
+
+import pytest
+import torch
+
+from shardlm import kernels
+from shardlm.attention.context_parallel import ContextShard, merge
+from shardlm.attention.cpu_kernel import CpuKernelAttention
+from shardlm.attention.torch_paged import TorchPagedAttention
+from shardlm.layers.attention import Attention
+
+H, HKV, D, BS, NB = 8, 1, 64, 16, 48
+
+
+@pytest.mark.parametrize("size,interleave", [(2, 1), (2, 4), (3, 1), (4, 16), (2, 16)])
+def test_every_position_has_one_owner_and_a_slot_of_its_own(size, interleave):
+    shards = [ContextShard(size, r, interleave, BS) for r in range(size)]
+    table = [5, 9, 2, 7, 11, 3, 8]          # one table, its block ids on every rank
+    seen = [set() for _ in shards]
+    for n in range(0, len(table) * BS * size):
+        owners = [s for s in shards if s.owns(n)]
+        assert len(owners) == 1
+        s = owners[0]
+        i = s.local_index(n)
+        assert i == s.local_len(n)                     # positions are stored in order, densely
+        assert int(s.positions(i + 1)[-1]) == n        # and the local index maps back
+        slot = s.slot(table, n, sink=-1)
+        assert slot not in seen[s.rank] and slot // BS in table
+        seen[s.rank].add(slot)
+        assert all(t.slot(table, n, sink=-1) == -1 for t in shards if t is not s)
+    assert sum(s.local_len(len(table) * BS * size) for s in shards) == len(table) * BS * size
+
+
+def test_merge_equals_a_float64_softmax_over_the_whole_context():
+    torch.manual_seed(0)
+    T, Hq, n = 5, 3, 40
+    scores = torch.randn(T, Hq, n, dtype=torch.float64) * 4
+    values = torch.randn(n, Hq, 16, dtype=torch.float64)
+    owner = torch.tensor([random.Random(1).randrange(3) for _ in range(n)])
+    owner[owner == 2] = 1                     # rank 2 holds nothing: zeros and -inf
+    outs, lses = [], []
+    for r in range(3):
+        s = scores.masked_fill(owner != r, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0).unsqueeze(-1))
+        outs.append(torch.einsum("thn,nhd->thd", p, values).float())
+        lses.append(lse.float())
+    want = torch.einsum("thn,nhd->thd", torch.softmax(scores, dim=-1), values)
+    got = merge(torch.stack(outs), torch.stack(lses))
+    assert torch.isfinite(got).all()
+    assert (got.double() - want).abs().max() < 1e-5
+
+
+def _backend(use_kernel: bool, shard: ContextShard | None):
+    backend = (CpuKernelAttention(BS, torch.device("cpu"), kernels.paged_decode_attention()) if use_kernel
+               else TorchPagedAttention(BS, torch.device("cpu")))
+    backend.shard, backend.sink_slot = shard, NB * BS
+    return backend
+
+
+def _layer(backend, dtype):
+    attn = Attention(H, HKV, D, D ** -0.5)
+    attn.backend = backend
+    attn.k_cache = torch.zeros(HKV, NB + 1, BS, D, dtype=dtype)       # + the sink block
+    attn.v_cache = torch.zeros(HKV, NB + 1, BS, D, dtype=dtype)
+    return attn
+
+
+@pytest.mark.parametrize("size,interleave", [(2, 1), (2, 8), (4, 1)])
+@pytest.mark.parametrize("use_kernel", [False, True])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_partial_attention_on_each_rank_merges_to_whole_attention(size, interleave, use_kernel, dtype, tol, cpu_isa):
+    """Two steps, as an engine runs them: prompt chunks (one with earlier context), then decodes
+    (one of a sequence whose first position only rank 0 holds, so the others return -inf)."""
+    torch.manual_seed(0)
+    whole = _layer(_backend(use_kernel, None), dtype)
+    ranks = [_layer(_backend(use_kernel, ContextShard(size, r, interleave, BS)), dtype) for r in range(size)]
+    tables = [[3, 7, 1, 12, 20, 5], [9, 2, 30], [40]]
+    steps = [([37, 20, 1], [0, 0, 0]), ([1, 1, 1], [37, 20, 1]), ([5, 1, 1], [38, 21, 2])]
+    for q_lens, starts in steps:
+        T = sum(q_lens)
+        q = torch.randn(T, H, D, dtype=dtype)
+        k, v = torch.randn(T, HKV, D, dtype=dtype), torch.randn(T, HKV, D, dtype=dtype)
+        want = whole(q, k, v, whole.backend.build_metadata(q_lens, starts, tables)).view(T, H, D)
+        outs, lses = zip(*(r.backend.forward_partial(r, q, k, v, r.backend.build_metadata(q_lens, starts, tables))
+                           for r in ranks))
+        got = merge(torch.stack(outs), torch.stack(lses))
+        assert (got - want.float()).abs().max() < tol, (q_lens, starts)
+    held = sum(r.k_cache[:, :NB].abs().sum(-1).gt(0).sum() for r in ranks)
+    assert held == whole.k_cache.abs().sum(-1).gt(0).sum()        # each position stored once, over the ranks
