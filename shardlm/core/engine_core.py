@@ -183,6 +183,7 @@ class EngineCore:
     def stats(self) -> dict:
         return {"num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
                 "kv_cache_usage": self.scheduler.kv.usage(),
+                "kv_cache_tokens": (self.num_blocks - 1) * self.config.kv_block_tokens,   # block 0: the null block
                 "prefix_cache_hit_rate": self.scheduler.kv.prefix_cache_hit_rate(),
                 "prefix_cache_queries": self.scheduler.kv.prefix_queries,
                 "prefix_cache_hits": self.scheduler.kv.prefix_hits,

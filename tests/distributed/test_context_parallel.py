@@ -1,0 +1,103 @@
+"""Decode context parallel (-dcp) in worker processes: long prompts give transformers' tokens
+and tensor parallel's alone, with chunked prefill, prefix-cache hits, preemption, pipeline and
+data parallel, n-gram speculation; the KV cache holds N times the tokens in the same memory;
+every size that cannot work is refused up front, naming the ones that can."""
+
+import random
+
+import pytest
+
+from shardlm import LLM, SamplingParams
+from shardlm.engine.arg_utils import EngineArgs
+
+MAX_TOKENS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+
+
+def _long_prompts(lengths=(300, 181, 47, 260), seed=3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(n)] for n in lengths]
+
+
+def _run(path, prompts, params=GREEDY, **kwargs):
+    llm = LLM(path, dtype="float32", **{"kv_cache_memory": "16MiB", "max_model_len": 512, **kwargs})
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return outs, llm.engine.engine_core.call_utility("stats")
+    finally:
+        llm.shutdown()
+
+
+def _ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,tp,dcp,interleave", [("llama-tied-llama3rope", 2, 2, 1), ("llama-gqa", 4, 2, 2)])
+def test_dcp_matches_hf_on_long_prompts(name, tp, dcp, interleave, tiny_model_dir, hf):
+    """One KV head at tp=2, and two KV heads at tp=4 (each replicated on a DCP pair)."""
+    path = tiny_model_dir(name)
+    prompts = _long_prompts()
+    outs, stats = _run(path, prompts, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                       dcp_kv_cache_interleave_size=interleave)
+    exact = hf.assert_close(hf.greedy(path, prompts, MAX_TOKENS), outs, f"{name} tp={tp} dcp={dcp}")
+    assert exact >= 3, f"only {exact}/4 sequences equal HF exactly"
+
+
+@pytest.mark.slow
+def test_dcp_with_chunked_prefill_prefix_hits_and_preemption_equals_tp_alone(tiny_model_dir):
+    """At the same KV memory per rank: twice the tokens, and tp=2's tokens."""
+    path = tiny_model_dir("llama-tied-llama3rope")
+    prompts = _long_prompts()
+    shared = [prompts[0][:200] + p[:30] for p in prompts]       # prefix-cache hits on the second pass
+    # 4 KiB per block per rank: 20 usable blocks of 16 tokens (tp=2), of 32 tokens (dcp=2)
+    small = dict(kv_cache_memory=4096 * 21, max_num_batched_tokens=64, tensor_parallel_size=2, max_model_len=320)
+    want, plain = _run(path, prompts + shared, **small)
+    llm = LLM(path, dtype="float32", decode_context_parallel_size=2,
+              dcp_kv_cache_interleave_size=4, **small)
+    try:
+        got = llm.generate(prompts + shared, GREEDY, use_tqdm=False)
+        again = llm.generate(shared, GREEDY, use_tqdm=False)
+        stats = llm.engine.engine_core.call_utility("stats")
+    finally:
+        llm.shutdown()
+    assert stats["kv_cache_tokens"] == 2 * plain["kv_cache_tokens"] == 2 * 20 * 16
+    assert stats["num_preemptions"] > 0
+    assert _ids(got) == _ids(want)
+    assert _ids(again) == _ids(want)[len(prompts):]
+    assert all(o.num_cached_tokens >= 192 for o in again)       # 6 blocks of 32 of the 200 shared
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [dict(pipeline_parallel_size=2), dict(data_parallel_size=2)])
+def test_dcp_with_pipeline_or_data_parallel_and_ngram_equals_tp_alone(layout, tiny_model_dir):
+    path = tiny_model_dir("llama-tied-llama3rope")
+    # two random prompts, two that repeat themselves (the n-gram lookup finds proposals)
+    prompts = _long_prompts()[:2] + [([100 + 7 * i, 200, 300 + i, 400] * 80)[:250 + 9 * i] for i in range(2)]
+    want, _ = _run(path, prompts, tensor_parallel_size=2)
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    got, stats = _run(path, prompts, tensor_parallel_size=2, decode_context_parallel_size=2,
+                      speculative_config=ngram, **layout)
+    assert _ids(got) == _ids(want)
+    assert stats["spec_num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(tensor_parallel_size=2, decode_context_parallel_size=3), r"must divide tensor_parallel_size=2.*-dcp can "
+                                                                   r"be 1, 2"),
+    (dict(tensor_parallel_size=2, decode_context_parallel_size=2, model="llama-gqa"),
+     r"2 KV heads: decode context parallel size 2 cannot run at tensor parallel size 2.*-dcp can be 1\b"),
+    (dict(tensor_parallel_size=2, decode_context_parallel_size=2, dcp_kv_cache_interleave_size=3),
+     r"dcp_kv_cache_interleave_size=3 must divide block_size=16"),
+    (dict(tensor_parallel_size=2, decode_context_parallel_size=2,
+          speculative_config={"method": "draft_model", "model": "llama-draft", "num_speculative_tokens": 2}),
+     r"use method 'ngram' with -dcp"),
+])
+def test_sizes_that_cannot_work_are_refused_naming_those_that_can(kwargs, message, tiny_model_dir):
+    kwargs = {"model": "llama-tied-llama3rope", **kwargs}
+    kwargs["model"] = tiny_model_dir(kwargs["model"])
+    if "speculative_config" in kwargs:
+        kwargs["speculative_config"] = {**kwargs["speculative_config"],
+                                        "model": tiny_model_dir(kwargs["speculative_config"]["model"])}
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(dtype="float32", kv_cache_memory="16MiB", **kwargs).create_engine_config()
