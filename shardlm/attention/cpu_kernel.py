@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from shardlm import kernels
-from shardlm.attention.torch_paged import AttentionBucket, TorchPagedAttention
+from shardlm.attention.torch_paged import AttentionBucket, TorchPagedAttention, gather
 from shardlm.kernels import DTYPE_CODES
 
 
@@ -54,3 +54,24 @@ class CpuKernelAttention(TorchPagedAttention):
     def decode_partial(self, layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
         lse = torch.empty(q.shape[:2], dtype=torch.float32)
         return self.decode(layer, q, b, lse).float(), lse
+
+    def prefill_partial(self, layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch's CPU flash attention, which returns the log-sum-exp beside the output (what
+        scaled_dot_product_attention runs, without the LSE): several times the float32 path's
+        speed on long prompts."""
+        if _flash_with_lse is None:
+            return super().prefill_partial(layer, q, b)
+        kb, vb = gather(layer, b)                                 # [Hkv, B, K, D]
+        qb = q[b.token_index].transpose(1, 2)                     # [B, Hq, Q, D]
+        group = qb.shape[1] // layer.num_kv_heads
+        kb, vb = (t.transpose(0, 1).repeat_interleave(group, dim=1) for t in (kb, vb))
+        bias = torch.zeros(b.mask.shape, dtype=q.dtype).masked_fill_(~b.mask, float("-inf"))
+        out, lse = _flash_with_lse(qb, kb, vb, 0.0, False, attn_mask=bias, scale=layer.scale)
+        # a query none of whose keys are on this rank: zeros, and -inf (it reports 0)
+        lse = lse.masked_fill(~b.mask.any(dim=-1), float("-inf"))          # [B, Hq, Q]
+        Hq, D = qb.shape[1], qb.shape[3]
+        return out.transpose(1, 2).reshape(-1, Hq, D).float(), lse.transpose(1, 2).reshape(-1, Hq)
+
+
+# torch's CPU flash attention with its log-sum-exp (an aten op without a public wrapper)
+_flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)

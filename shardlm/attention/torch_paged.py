@@ -151,7 +151,7 @@ class TorchPagedAttention(AttentionBackend):
             if b.is_decode:
                 ob, lb = self.decode_partial(layer, q[b.token_index[:, 0]], b)
             else:
-                ob, lb = prefill_partial(layer, q, b)
+                ob, lb = self.prefill_partial(layer, q, b)
             rows = b.token_index.flatten()
             if b.out_rows is not None:
                 ob, lb, rows = ob[b.out_rows], lb[b.out_rows], rows[b.out_rows]
@@ -161,6 +161,10 @@ class TorchPagedAttention(AttentionBackend):
     def decode_partial(self, layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, Hq, D] -> (out [B, Hq, D] float32, lse [B, Hq])"""
         return decode_attention(layer, q, *gather(layer, b), b.masked_out, with_lse=True)
+
+    def prefill_partial(self, layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: the step's [T, Hq, D] -> (out [B * Q, Hq, D] float32, lse [B * Q, Hq])"""
+        return prefill_partial(layer, q, b)
 
     def prefill(self, layer, q: torch.Tensor, b: AttentionBucket) -> torch.Tensor:
         """Sequences of several queries each: gathered context, one scaled_dot_product_attention."""

@@ -4,7 +4,8 @@ File format: {"output_len": 128, "latency_prompt_index": 0,
               "prompts": [{"token_ids": [...]} or {"text": "..."}, ...]}
 The name "grounded" instead of a path: input-grounded prompts (bench/grounded.py), which end
 at their answer's end (EOS) within 256 tokens: decoding past it would measure whatever the
-model makes up after its answer, not the answer.
+model makes up after its answer, not the answer. The name "long": prompts of 4k, 8k and 16k
+random tokens, 128 new tokens each (long-context runs, e.g. decode context parallel).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def load_workload(path: str | None, tokenizer, num_prompts: int | None = None,
     if path == "grounded":
         from shardlm.bench.grounded import TASKS
         w = Workload(chat_prompts(tokenizer, TASKS), 256, source="grounded", ignore_eos=False)
+    elif path == "long":
+        w = Workload(long_prompts(tokenizer), 128, source="long")
     elif path:
         with open(path) as f:
             data = json.load(f)
@@ -50,6 +53,14 @@ def load_workload(path: str | None, tokenizer, num_prompts: int | None = None,
     if output_len:
         w.output_len = output_len
     return w
+
+
+def long_prompts(tokenizer, lengths=(4096, 8192, 16384), seed: int = 0) -> list[list[int]]:
+    """Random token ids (of the tokenizer's ordinary range) of each length: the same on every run."""
+    import random
+    rng = random.Random(seed)
+    top = min(len(tokenizer), 32000)
+    return [[rng.randrange(100, top) for _ in range(n)] for n in lengths]
 
 
 def synthetic_prompts(tokenizer) -> list[list[int]]:

@@ -211,3 +211,13 @@ def test_speculative_decoding_on_cuda_keeps_greedy_outputs(method, tiny_model_di
     assert stats["spec_num_drafts"] > 0
     if method == "draft_model":             # the target as its own draft: every proposal right
         assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_decode_context_parallel_partials_merge_to_whole_attention_on_cuda(dtype, tol):
+    """-dcp needs two GPUs for an engine; its attention half runs here: the CUDA backend's
+    partial outputs and log-sum-exps of two simulated ranks merge to its whole attention."""
+    from shardlm.attention.cuda import CudaAttention
+    from tests.unit.test_context_parallel import BS, partial_attention_error
+    make = lambda: CudaAttention(BS, CUDA, max_num_seqs=8, max_model_len=2048)   # noqa: E731
+    assert partial_attention_error(make, 2, 1, dtype) < tol

@@ -54,40 +54,48 @@ def test_merge_equals_a_float64_softmax_over_the_whole_context():
     assert (got.double() - want).abs().max() < 1e-5
 
 
-def _backend(use_kernel: bool, shard: ContextShard | None):
-    backend = (CpuKernelAttention(BS, torch.device("cpu"), kernels.paged_decode_attention()) if use_kernel
-               else TorchPagedAttention(BS, torch.device("cpu")))
+def _layer(backend, shard: ContextShard | None, dtype):
     backend.shard, backend.sink_slot = shard, NB * BS
-    return backend
-
-
-def _layer(backend, dtype):
     attn = Attention(H, HKV, D, D ** -0.5)
     attn.backend = backend
-    attn.k_cache = torch.zeros(HKV, NB + 1, BS, D, dtype=dtype)       # + the sink block
-    attn.v_cache = torch.zeros(HKV, NB + 1, BS, D, dtype=dtype)
+    attn.k_cache = torch.zeros(HKV, NB + 1, BS, D, dtype=dtype, device=backend.device)   # + the sink block
+    attn.v_cache = torch.zeros(HKV, NB + 1, BS, D, dtype=dtype, device=backend.device)
     return attn
+
+
+def partial_attention_error(make_backend, size: int, interleave: int, dtype: torch.dtype) -> float:
+    """Two steps, as an engine runs them: prompt chunks (one with earlier context), then decodes
+    (one of a sequence whose first position only rank 0 holds, so the others return -inf); on
+    `size` simulated ranks, each with a backend from make_backend(). -> the largest difference of
+    the merged partials from the whole attention. Checks each position is stored once."""
+    torch.manual_seed(0)
+    whole = _layer(make_backend(), None, dtype)
+    device = whole.k_cache.device
+    ranks = [_layer(make_backend(), ContextShard(size, r, interleave, BS), dtype) for r in range(size)]
+    tables = [[3, 7, 1, 12, 20, 5], [9, 2, 30], [40]]
+    steps = [([37, 20, 1], [0, 0, 0]), ([1, 1, 1], [37, 20, 1]), ([5, 1, 1], [38, 21, 2])]
+    error = 0.0
+    for q_lens, starts in steps:
+        T = sum(q_lens)
+        q = torch.randn(T, H, D, dtype=dtype, device=device)
+        k, v = (torch.randn(T, HKV, D, dtype=dtype, device=device) for _ in range(2))
+        want = whole(q, k, v, whole.backend.build_metadata(q_lens, starts, tables)).view(T, H, D)
+        outs, lses = zip(*(r.backend.forward_partial(r, q, k, v, r.backend.build_metadata(q_lens, starts, tables))
+                           for r in ranks))
+        got = merge(torch.stack(outs), torch.stack(lses))
+        error = max(error, float((got - want.float()).abs().max()))
+    held = sum(int(r.k_cache[:, :NB].abs().sum(-1).gt(0).sum()) for r in ranks)
+    assert held == int(whole.k_cache.abs().sum(-1).gt(0).sum())
+    return error
 
 
 @pytest.mark.parametrize("size,interleave", [(2, 1), (2, 8), (4, 1)])
 @pytest.mark.parametrize("use_kernel", [False, True])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 def test_partial_attention_on_each_rank_merges_to_whole_attention(size, interleave, use_kernel, dtype, tol, cpu_isa):
-    """Two steps, as an engine runs them: prompt chunks (one with earlier context), then decodes
-    (one of a sequence whose first position only rank 0 holds, so the others return -inf)."""
-    torch.manual_seed(0)
-    whole = _layer(_backend(use_kernel, None), dtype)
-    ranks = [_layer(_backend(use_kernel, ContextShard(size, r, interleave, BS)), dtype) for r in range(size)]
-    tables = [[3, 7, 1, 12, 20, 5], [9, 2, 30], [40]]
-    steps = [([37, 20, 1], [0, 0, 0]), ([1, 1, 1], [37, 20, 1]), ([5, 1, 1], [38, 21, 2])]
-    for q_lens, starts in steps:
-        T = sum(q_lens)
-        q = torch.randn(T, H, D, dtype=dtype)
-        k, v = torch.randn(T, HKV, D, dtype=dtype), torch.randn(T, HKV, D, dtype=dtype)
-        want = whole(q, k, v, whole.backend.build_metadata(q_lens, starts, tables)).view(T, H, D)
-        outs, lses = zip(*(r.backend.forward_partial(r, q, k, v, r.backend.build_metadata(q_lens, starts, tables))
-                           for r in ranks))
-        got = merge(torch.stack(outs), torch.stack(lses))
-        assert (got - want.float()).abs().max() < tol, (q_lens, starts)
-    held = sum(r.k_cache[:, :NB].abs().sum(-1).gt(0).sum() for r in ranks)
-    assert held == whole.k_cache.abs().sum(-1).gt(0).sum()        # each position stored once, over the ranks
+    cpu = torch.device("cpu")
+    if use_kernel:
+        make = lambda: CpuKernelAttention(BS, cpu, kernels.paged_decode_attention())   # noqa: E731
+    else:
+        make = lambda: TorchPagedAttention(BS, cpu)   # noqa: E731
+    assert partial_attention_error(make, size, interleave, dtype) < tol

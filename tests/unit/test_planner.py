@@ -168,11 +168,29 @@ def test_every_printed_command_is_accepted_by_the_cli(name, gpus, nodes):
     for note in r.notes:            # whole commands in the notes too (data parallel, expert parallel)
         for command in re.findall(r"shardlm serve [^`:]*?--max-model-len \d+", note):
             ns = parser.parse_args(shlex.split(command)[1:])
-            assert ns.command == "serve" and (ns.data_parallel_size > 1 or ns.enable_expert_parallel)
+            assert ns.command == "serve" and (ns.data_parallel_size > 1 or ns.enable_expert_parallel
+                                              or ns.decode_context_parallel_size > 1)
     serve_flags = {o for a in parser._subparsers._group_actions[0].choices["serve"]._actions for o in a.option_strings}
     for text in r.reasons + r.notes:
         for flag in re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", text):
             assert flag in serve_flags, f"{name}: `{flag}` in {text!r} is not a serve flag"
+
+
+def test_decode_context_parallel_where_tp_replicates_kv_heads_and_contexts_are_long():
+    """A 70B with 2 KV heads at TP=4 holds every sequence's KV on both ranks of each KV head:
+    -dcp 2 spreads it, twice the tokens in the same memory; at short contexts it is not offered."""
+    s = shape("Llama-3.1-70B")
+    s.kv_heads = 2
+    hw, w = Hardware("gpu", 4, 1, 80 * GiB), Workload(max_model_len=32768)
+    tp4, dcp2 = evaluate(s, 4, 1, hw, w), evaluate(s, 4, 1, hw, w, dcp=2)
+    assert dcp2.label == "TP=4 DCP=2" and abs(dcp2.kv_tokens / tp4.kv_tokens - 2) < 0.01
+    assert s.valid_dcp_sizes(4) == [1, 2] and s.valid_dcp_sizes(8) == [1, 2, 4]
+    assert evaluate(s, 4, 1, hw, w, dcp=4).status == "no"            # 4 ranks, 2 KV heads: two pairs
+    r = recommend(s, hw, w, "Llama-3.1-70B")
+    note = next(n for n in r.notes if "Decode context parallel" in n)
+    assert f"{dcp2.kv_tokens} KV tokens instead of {tp4.kv_tokens}" in note
+    assert "shardlm serve Llama-3.1-70B -tp 4 -dcp 2 --max-model-len 32768" in note
+    assert not any("Decode context parallel" in n for n in recommend(s, hw, Workload(max_model_len=8192)).notes)
 
 
 def test_nothing_fits_suggests_quantization():

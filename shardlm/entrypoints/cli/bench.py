@@ -14,8 +14,8 @@ def register(sub) -> None:
         b = bsub.add_parser(kind, help=text)
         add_engine_args(b)
         b.add_argument("--workload", default=None, help="workload JSON (shared format), or 'grounded' (prompts "
-                       "whose answers are mostly in the prompt: edit, quote, rewrite code); default: a synthetic "
-                       "64-prompt chat workload")
+                       "whose answers are mostly in the prompt: edit, quote, rewrite code), or 'long' (4k, 8k and "
+                       "16k-token prompts); default: a synthetic 64-prompt chat workload")
         if kind == "throughput":
             b.add_argument("--num-prompts", type=int, default=None, help="repeat/cut the workload to this many")
             b.add_argument("--structured-outputs", default=None, help="constrain every request: a "
