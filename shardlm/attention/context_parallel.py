@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardlm import kernels
+
 
 @dataclass(frozen=True)
 class ContextShard:
@@ -66,19 +68,26 @@ class ContextShard:
         return (i // self.interleave) * self.interleave * self.size + self.rank * self.interleave + i % self.interleave
 
 
-def merge_partials(out: torch.Tensor, lse: torch.Tensor, group, num_heads: int) -> torch.Tensor:
+def merge_partials(out: torch.Tensor, lse: torch.Tensor, group, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
     """This rank's heads of the exact attention output, from every DCP rank's partial.
 
     out: [T, N * num_heads, D] float32 (attention of the group's query heads over this rank's
     positions), lse: [T, N * num_heads] float32. One all-gather carries both; each rank then
-    merges its own num_heads heads. -> [T, num_heads, D] float32."""
+    merges its own num_heads heads. -> [T, num_heads * D] in dtype. On CPU the C kernel merges
+    (the one the one-call decode step uses, so both paths give the same bits)."""
     T, heads, D = out.shape
     packed = torch.cat([out.reshape(T, heads * D), lse], dim=1)
     every = group.all_gather(packed.unsqueeze(0), dim=0)                  # [N, T, heads * (D + 1)]
-    own = slice(group.rank_in_group * num_heads, (group.rank_in_group + 1) * num_heads)
-    outs = every[:, :, :heads * D].view(-1, T, heads, D)[:, :, own]
-    lses = every[:, :, heads * D:][:, :, own]
-    return merge(outs, lses)
+    first = group.rank_in_group * num_heads
+    kernel = kernels.merge_attention_partials() if every.device.type == "cpu" else None
+    if kernel is not None and dtype in kernels.DTYPE_CODES:
+        merged = torch.empty(T, num_heads * D, dtype=dtype)
+        kernel(every.data_ptr(), group.world_size, T, heads, D, first, num_heads, merged.data_ptr(),
+               kernels.DTYPE_CODES[dtype])
+        return merged
+    outs = every[:, :, :heads * D].view(-1, T, heads, D)[:, :, first:first + num_heads]
+    lses = every[:, :, heads * D:][:, :, first:first + num_heads]
+    return merge(outs, lses).to(dtype).view(T, -1)
 
 
 def merge(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:

@@ -184,6 +184,7 @@ def _compile_at_run_time(isa: str) -> tuple[ctypes.CDLL | None, str]:
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 ALL_REDUCE_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int)     # llama_decode_layers' tensor parallel all-reduce
+EXCHANGE_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)   # ... its decode context parallel exchanges
 
 # Every entry point of shardlm_kernels.h: (argument types, result type). Pointers are c_void_p.
 SIGNATURES: dict[str, tuple[list, object]] = {
@@ -196,6 +197,8 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "paged_decode_attention": ([_P, _P, _I64, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _P], _I),
     "paged_decode_attention_qkv": ([_P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I],
                                    _I),
+    "rotary_cache_write": ([_P, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I], None),
+    "merge_attention_partials": ([_P, _I, _I, _I, _I, _I, _I, _P, _I], None),
     "skinny_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I),
     "blocked_vector_bits": ([], _I),
     "blocked_panel_width": ([], _I),
@@ -211,7 +214,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "blocked_int4_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I),
     "blocked_int8_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I),
     "llama_decode_layers": ([_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F,
-                             _I, _I, _I, _I, _P, ALL_REDUCE_CALLBACK, _P, _P, _I, _I], _I),
+                             _I, _I, _I, _I, _P, ALL_REDUCE_CALLBACK, _P, _P, _I, _I, _P], _I),
 }
 _functions: dict[str, object] = {}
 
@@ -235,6 +238,11 @@ def paged_decode_attention():
 def paged_decode_attention_qkv():
     """Rotary + KV cache write + paged decode attention from a qkv projection, or None."""
     return _function("paged_decode_attention_qkv")
+
+
+def merge_attention_partials():
+    """Decode context parallel's merge of every rank's partial attention, or None."""
+    return _function("merge_attention_partials")
 
 
 def skinny_matmul():

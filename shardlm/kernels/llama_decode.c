@@ -68,6 +68,39 @@ static int lora_segments(const LoraStep *s, int l, int which, const void *x, int
     return 0;
 }
 
+// Decode context parallel: the values, in this order, of the DCP group's size and this rank's
+// place in it; the exchange callback (phase 0: q_all <- every rank's q rows of qkv; phase 1:
+// every <- every rank's send; nonzero if it failed); the addresses of q_all [T, N H D] and
+// partial [T, N H D] (dtype), lse [T, N H], send [T, N H (D + 1)] and every [N, T, N H (D + 1)]
+// (float32).
+enum { DCP_SIZE, DCP_RANK, DCP_EXCHANGE, DCP_Q_ALL, DCP_PARTIAL, DCP_LSE, DCP_SEND, DCP_EVERY, DCP_N };
+typedef int (*exchange_fn)(int phase);
+#define DA(i) ((void *)(intptr_t)dcp[i])
+
+// One layer's attention under decode context parallel, after rotary_cache_write: the group's
+// query heads against this rank's share of each context, the partial outputs exchanged and
+// merged into attn [T, H * D] (this rank's heads), as the layer-by-layer path does it
+// (layers/attention.py). Returns -1 if a work buffer could not be allocated, -2 if an exchange failed.
+static int dcp_attention(const int64_t *dcp, void *attn, void *k_cache, void *v_cache, const int64_t *block_tables,
+                         const int64_t *context_lens, int T, int H, int Hkv, int D, int num_blocks, int block_size,
+                         int max_blocks, float scale, int dtype) {
+    const int N = (int)dcp[DCP_SIZE], Hall = N * H;
+    const int64_t W = (int64_t)Hall * (D + 1);
+    const exchange_fn exchange = (exchange_fn)DA(DCP_EXCHANGE);
+    float *lse = DA(DCP_LSE), *send = DA(DCP_SEND);
+    if (exchange(0)) return -2;
+    if (paged_decode_attention(DA(DCP_PARTIAL), DA(DCP_Q_ALL), (int64_t)Hall * D, k_cache, v_cache, block_tables,
+                               context_lens, T, Hall, Hkv, D, num_blocks, block_size, max_blocks, scale, dtype, lse))
+        return -1;
+    for (int t = 0; t < T; t++) {
+        for (int64_t i = 0; i < (int64_t)Hall * D; i++) send[t * W + i] = load(DA(DCP_PARTIAL), t * (int64_t)Hall * D + i, dtype);
+        memcpy(send + t * W + (int64_t)Hall * D, lse + (int64_t)t * Hall, sizeof(float) * Hall);
+    }
+    if (exchange(1)) return -2;
+    merge_attention_partials(DA(DCP_EVERY), N, T, Hall, D, (int)dcp[DCP_RANK] * H, H, attn, dtype);
+    return 0;
+}
+
 // hidden, residual [T, E] in place: on entry the stage's input (has_residual = 0: the first
 // stage's embeddings, residual unset), on exit the last layer's output and the running residual.
 // scratch: T * ((H + 2 Hkv) * D + H * D + 3 * I) elements. H, Hkv and I are this rank's.
@@ -77,13 +110,14 @@ static int lora_segments(const LoraStep *s, int l, int which, const void *x, int
 // lora (NULL: none): the adapters' table (above) for the num_segments segments [start, end) in
 // segments, of rank R (their shards' ranks, zero-padded); scratch then holds T * (3 R + max(Q, E,
 // 2 I)) elements more.
-// Returns -1 if a work buffer could not be allocated, -2 if an all-reduce failed.
+// dcp (NULL: none): decode context parallel (above).
+// Returns -1 if a work buffer could not be allocated, -2 if an all-reduce or exchange failed.
 KERNEL_API int llama_decode_layers(const int64_t *layers, int L, void *hidden, void *residual, int has_residual,
                         const void *cos, const void *signed_sin, const int64_t *slot_mapping,
                         const int64_t *block_tables, const int64_t *context_lens, int T, int E, int H, int Hkv,
                         int D, int I, int num_blocks, int block_size, int max_blocks, float scale, float eps,
                         int dtype, int kind, int group, int tb, void *scratch, int (*all_reduce)(void),
-                        const int64_t *lora, const int64_t *segments, int num_segments, int R) {
+                        const int64_t *lora, const int64_t *segments, int num_segments, int R, const int64_t *dcp) {
     const int esize = dtype == 0 ? 4 : 2, Q = (H + 2 * Hkv) * D;
     char *qkv = (char *)scratch, *attn = qkv + (int64_t)T * Q * esize, *gate_up = attn + (int64_t)T * H * D * esize;
     char *act = gate_up + (int64_t)T * 2 * I * esize;
@@ -98,10 +132,17 @@ KERNEL_API int llama_decode_layers(const int64_t *layers, int L, void *hidden, v
         }
         if (matmul(kind, group, tb, hidden, E, P(l, QKV_W), P(l, QKV_B), qkv, T, Q, E, dtype)) return -1;
         if (lora && lora_segments(&ls, l, LORA_QKV, hidden, E, qkv, Q, E, 3 * R)) return -1;
-        if (paged_decode_attention_qkv(attn, qkv, Q, cos, signed_sin, P(l, K_CACHE), P(l, V_CACHE), slot_mapping,
-                                       block_tables, context_lens, T, H, Hkv, D, num_blocks, block_size,
-                                       max_blocks, scale, dtype))
+        if (dcp) {
+            rotary_cache_write(qkv, Q, cos, signed_sin, P(l, K_CACHE), P(l, V_CACHE), slot_mapping, T, H, Hkv, D,
+                               num_blocks, block_size, dtype);
+            const int rc = dcp_attention(dcp, attn, P(l, K_CACHE), P(l, V_CACHE), block_tables, context_lens, T, H,
+                                         Hkv, D, num_blocks, block_size, max_blocks, scale, dtype);
+            if (rc) return rc;
+        } else if (paged_decode_attention_qkv(attn, qkv, Q, cos, signed_sin, P(l, K_CACHE), P(l, V_CACHE),
+                                              slot_mapping, block_tables, context_lens, T, H, Hkv, D, num_blocks,
+                                              block_size, max_blocks, scale, dtype)) {
             return -1;
+        }
         if (matmul(kind, group, tb, attn, H * D, P(l, O_W), P(l, O_B), hidden, T, E, H * D, dtype)) return -1;
         if (lora && lora_segments(&ls, l, LORA_O, attn, H * D, hidden, E, H * D, R)) return -1;
         if (all_reduce && all_reduce()) return -2;

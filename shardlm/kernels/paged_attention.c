@@ -253,15 +253,12 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
     return failed ? -1 : 0;
 }
 
-// A decode step from the fresh qkv projection [B, (H + 2 Hkv) * D] (row stride qkv_stride), in
-// one call: the rotary embedding on q and k in place (cos, signed_sin [B, D]), k and v written
-// to the cache at slot_mapping, then paged_decode_attention over each sequence's context,
-// which includes the new token.
-KERNEL_API int paged_decode_attention_qkv(void *out, void *qkv, int64_t qkv_stride, const void *cos, const void *signed_sin,
-                               void *k_cache, void *v_cache, const int64_t *slot_mapping,
-                               const int64_t *block_tables, const int64_t *context_lens,
-                               int B, int H, int Hkv, int D, int num_blocks, int block_size,
-                               int max_blocks, float scale, int dtype) {
+// The rotary embedding on the q and k heads of the fresh qkv projection [B, (H + 2 Hkv) * D]
+// (row stride qkv_stride) in place (cos, signed_sin [B, D]), and k and v written to the cache at
+// slot_mapping.
+KERNEL_API void rotary_cache_write(void *qkv, int64_t qkv_stride, const void *cos, const void *signed_sin,
+                                   void *k_cache, void *v_cache, const int64_t *slot_mapping, int B, int H, int Hkv,
+                                   int D, int num_blocks, int block_size, int dtype) {
     const int esize = dtype == 0 ? 4 : 2;
     const int64_t head_stride = (int64_t)num_blocks * block_size * D;    // elements between KV heads
     #pragma omp parallel for schedule(static) if (B >= 8)
@@ -276,6 +273,47 @@ KERNEL_API int paged_decode_attention_qkv(void *out, void *qkv, int64_t qkv_stri
             memcpy((char *)v_cache + dst, v + (int64_t)h * D * esize, (size_t)D * esize);
         }
     }
+}
+
+// A decode step from the fresh qkv projection in one call: rotary_cache_write, then
+// paged_decode_attention over each sequence's context, which includes the new token.
+KERNEL_API int paged_decode_attention_qkv(void *out, void *qkv, int64_t qkv_stride, const void *cos, const void *signed_sin,
+                               void *k_cache, void *v_cache, const int64_t *slot_mapping,
+                               const int64_t *block_tables, const int64_t *context_lens,
+                               int B, int H, int Hkv, int D, int num_blocks, int block_size,
+                               int max_blocks, float scale, int dtype) {
+    rotary_cache_write(qkv, qkv_stride, cos, signed_sin, k_cache, v_cache, slot_mapping, B, H, Hkv, D, num_blocks,
+                       block_size, dtype);
     return paged_decode_attention(out, qkv, qkv_stride, k_cache, v_cache, block_tables, context_lens, B, H, Hkv,
                                   D, num_blocks, block_size, max_blocks, scale, dtype, NULL);
+}
+
+// Decode context parallel's merge: every [N, T, Hall * (D + 1)] float32 holds each of the N
+// ranks' partial attention outputs [T, Hall, D] followed by their log-sum-exps [T, Hall]; out
+// [T, H, D] (dtype) receives heads first..first + H - 1 merged exactly:
+//     out = sum_r exp(lse_r - m) out_r / sum_r exp(lse_r - m),  m = max_r lse_r
+// (a rank without any of a query's context has lse -inf and weight 0).
+KERNEL_API void merge_attention_partials(const float *every, int N, int T, int Hall, int D, int first, int H,
+                                         void *out, int dtype) {
+    const int64_t W = (int64_t)Hall * (D + 1);
+    #pragma omp parallel for schedule(static) if ((int64_t)T * H * N * D >= 65536)
+    for (int64_t th = 0; th < (int64_t)T * H; th++) {
+        const int64_t t = th / H, h = first + th % H;
+        float m = -INFINITY, total = 0.f, w[N];
+        for (int r = 0; r < N; r++) {
+            const float l = every[(r * (int64_t)T + t) * W + (int64_t)Hall * D + h];
+            m = l > m ? l : m;
+        }
+        for (int r = 0; r < N; r++) {
+            const float l = every[(r * (int64_t)T + t) * W + (int64_t)Hall * D + h];
+            w[r] = l == -INFINITY ? 0.f : expf(l - m);
+            total += w[r];
+        }
+        const float inv = 1.f / total;
+        for (int d = 0; d < D; d++) {
+            float acc = 0.f;
+            for (int r = 0; r < N; r++) acc += w[r] * every[(r * (int64_t)T + t) * W + h * (int64_t)D + d];
+            store(out, th * D + d, acc * inv, dtype);
+        }
+    }
 }

@@ -26,6 +26,11 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
                                       const void *v_cache, const int64_t *block_tables, const int64_t *context_lens,
                                       int B, int H, int Hkv, int D, int num_blocks, int block_size, int max_blocks,
                                       float scale, int dtype, float *lse);
+KERNEL_API void rotary_cache_write(void *qkv, int64_t qkv_stride, const void *cos, const void *signed_sin,
+                                   void *k_cache, void *v_cache, const int64_t *slot_mapping, int B, int H, int Hkv,
+                                   int D, int num_blocks, int block_size, int dtype);
+KERNEL_API void merge_attention_partials(const float *every, int N, int T, int Hall, int D, int first, int H,
+                                         void *out, int dtype);
 KERNEL_API int paged_decode_attention_qkv(void *out, void *qkv, int64_t qkv_stride, const void *cos,
                                           const void *signed_sin, void *k_cache, void *v_cache,
                                           const int64_t *slot_mapping, const int64_t *block_tables,
@@ -63,4 +68,4 @@ KERNEL_API int llama_decode_layers(const int64_t *layers, int L, void *hidden, v
                                    int Hkv, int D, int I, int num_blocks, int block_size, int max_blocks, float scale,
                                    float eps, int dtype, int kind, int group, int tb, void *scratch,
                                    int (*all_reduce)(void), const int64_t *lora, const int64_t *segments,
-                                   int num_segments, int R);
+                                   int num_segments, int R, const int64_t *dcp);

@@ -30,7 +30,7 @@ class Attention(nn.Module):
         if self.dcp.world_size == 1:
             return self.backend.forward(self, q, k, v, meta)
         out, lse = self.backend.forward_partial(self, self.dcp.all_gather(q, dim=1), k, v, meta)
-        return merge_partials(out, lse, self.dcp, self.num_heads).to(q.dtype).view(q.shape[0], -1)
+        return merge_partials(out, lse, self.dcp, self.num_heads, q.dtype)
 
     def forward_qkv(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta,
                     qk_norm=None) -> torch.Tensor:

@@ -8,7 +8,9 @@ in the same order, from C: the results are bit for bit those of the layer-by-lay
 Under tensor parallel the C loop calls back into Python for the all-reduce after each
 row-parallel product (the group's own all_reduce, the one the layer-by-layer path uses: the
 same sums), so a rank's layers still run without Python between their kernels (the callbacks
-cost a few percent of a step).
+cost a few percent of a step). Under decode context parallel it calls back twice per layer's
+attention: to gather the group's query heads and to exchange the partial outputs, which the C
+merge kernel combines as the layer path's does.
 
 With LoRA adapters the step runs here too: after each linear the C loop adds each adapter's
 delta to its segment of rows (the slot's A and B in the blocked kernel's panels), as the layer
@@ -23,6 +25,8 @@ layer-by-layer path.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -108,13 +112,17 @@ class FusedDecodeLayers:
         # kept as an attribute: C holds only its address
         self._all_reduce = (kernels.ALL_REDUCE_CALLBACK(self._reduce_in_place) if self.tp.world_size > 1
                             else kernels.ALL_REDUCE_CALLBACK())
+        self.dcp = attn.attn.dcp
+        self._exchange = kernels.EXCHANGE_CALLBACK(self._exchange_in_place) if self.dcp.world_size > 1 else None
+        self._exchanged: tuple[torch.Tensor, ...] = ()     # the step's q rows, q_all, send, every (DCP)
+        self._dcp_buffers: tuple[torch.Tensor, ...] = ()
 
     @classmethod
     def build(cls, model, dense_mlp: type) -> FusedDecodeLayers | None:
         """For a LlamaModel stage whose dense MLPs are of class `dense_mlp`, or None where the
         fused path does not apply to it."""
         layers = list(model.layers[model.start:model.end])
-        if not layers or layers[0].self_attn.attn.dcp.world_size > 1:   # DCP: collectives inside attention
+        if not layers:
             return None
         layout = _layout(layers[0].self_attn.qkv_proj)
         if layout is None or not all(_fits(layer, layout, dense_mlp) for layer in layers):
@@ -134,6 +142,35 @@ class FusedDecodeLayers:
         except BaseException as e:      # noqa: BLE001 (raised again by __call__)
             self._reduce_error = e
             return 1
+
+    def _exchange_in_place(self, phase: int) -> int:
+        """Decode context parallel, from the C loop: phase 0 gathers the group's q rows into q_all,
+        phase 1 every rank's partial outputs and log-sum-exps into every (the all-gathers of the
+        layer path, layers/attention.py). An error is kept for __call__ to raise."""
+        try:
+            q_rows, q_all, send, every = self._exchanged
+            if phase == 0:
+                q_all.copy_(self.dcp.all_gather(q_rows, dim=1))
+            else:
+                every.copy_(self.dcp.all_gather(send.unsqueeze(0), dim=0))
+            return 0
+        except BaseException as e:      # noqa: BLE001 (raised again by __call__)
+            self._reduce_error = e
+            return 1
+
+    def _dcp_table(self, scratch: torch.Tensor, T: int) -> torch.Tensor:
+        """The C loop's decode context parallel values and buffers for a step of T rows."""
+        N, H, Hkv, D = self.dcp.world_size, self.heads, self.kv_heads, self.head_dim
+        q_rows = scratch[:T * (H + 2 * Hkv) * D].view(T, -1)[:, :H * D]
+        q_all, partial = (torch.empty(T, N * H * D, dtype=self.dtype) for _ in range(2))
+        lse = torch.empty(T, N * H, dtype=torch.float32)
+        send = torch.empty(T, N * H * (D + 1), dtype=torch.float32)
+        every = torch.empty(N, T, N * H * (D + 1), dtype=torch.float32)
+        self._exchanged = (q_rows, q_all, send, every)
+        self._dcp_buffers = (partial, lse)          # alive until the call returns: C holds their addresses
+        callback = ctypes.cast(self._exchange, ctypes.c_void_p).value
+        return torch.tensor([N, self.dcp.rank_in_group, callback] + [t.data_ptr() for t in (q_all, partial, lse, send,
+                                                                                            every)], dtype=torch.int64)
 
     def _layer_table(self) -> torch.Tensor:
         """The weight and cache addresses of every layer (rebuilt if the caches were reallocated)."""
@@ -198,14 +235,15 @@ class FusedDecodeLayers:
         b = meta.buckets[0]
         k_cache = self.layers[0].self_attn.attn.k_cache
         self._reduced, self._reduce_error = hidden, None
+        dcp = self._dcp_table(scratch, T) if self._exchange is not None else None
         rc = self.kernel(self._layer_table().data_ptr(), len(self.layers), hidden.data_ptr(), residual.data_ptr(),
                          int(has_residual), cos.data_ptr(), signed_sin.data_ptr(), meta.slot_mapping.data_ptr(),
                          b.block_table.data_ptr(), b.context_lens.data_ptr(), T, self.hidden_size, H, Hkv, D, inter,
                          k_cache.shape[1], k_cache.shape[2], b.block_table.shape[1], self.scale, self.eps,
                          DTYPE_CODES[self.dtype], self.layout, self.group, self.table_bytes, scratch.data_ptr(),
                          self._all_reduce, _address(tables), _address(segments),
-                         0 if lora is None else len(lora.segments), rank)
-        self._reduced = None
+                         0 if lora is None else len(lora.segments), rank, _address(dcp))
+        self._reduced, self._exchanged, self._dcp_buffers = None, (), ()
         if rc == -2:
             raise self._reduce_error
         if rc != 0:

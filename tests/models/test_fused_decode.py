@@ -44,16 +44,18 @@ def test_fused_decode_equals_the_layer_by_layer_path(name, dtype, quantization, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, dtype", [("llama-gqa", "float32"), ("qwen2-bias", "bfloat16")])
-def test_fused_decode_under_tensor_parallel_equals_the_layer_by_layer_path(name, dtype, tiny_model_dir):
-    """At tp=2 each rank's C loop calls back for the all-reduce after its row-parallel products:
-    the same tokens and log-probabilities, bit for bit, as the layer-by-layer path (enforce_eager,
+@pytest.mark.parametrize("name, dtype, dcp", [("llama-gqa", "float32", 1), ("qwen2-bias", "bfloat16", 1),
+                                             ("llama-tied-llama3rope", "bfloat16", 2)])
+def test_fused_decode_under_tensor_parallel_equals_the_layer_by_layer_path(name, dtype, dcp, tiny_model_dir):
+    """At tp=2 each rank's C loop calls back for the all-reduce after its row-parallel products
+    (and under decode context parallel, for the query gather and the partials' exchange): the
+    same tokens and log-probabilities, bit for bit, as the layer-by-layer path (enforce_eager,
     switched on in the same engine: where plain weights are multiplied, which kernel serves how
     many rows is measured at load, so two engines may choose differently); both ranks take it."""
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
     results = {}
     llm = LLM(tiny_model_dir(name), dtype=dtype, tensor_parallel_size=2, kv_cache_memory="64MiB",
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, decode_context_parallel_size=dcp)
     try:
         for fused in (True, False):
             llm.collective_rpc("set_enforce_eager", (not fused,))
