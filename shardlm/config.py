@@ -142,8 +142,8 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    """Sizes are per replica (TP x PP ranks) and across replicas (DP). A replica's ranks are
-    world ranks data_parallel_rank * world_size + 0..world_size-1 of the DP x PP x TP grid."""
+    """Sizes are per replica (TP x PCP x PP ranks) and across replicas (DP). A replica's ranks are
+    world ranks data_parallel_rank * world_size + 0..world_size-1 of the DP x PP x PCP x TP grid."""
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -162,11 +162,12 @@ class ParallelConfig:
     data_parallel_master: tuple[str, int] | None = None   # the DP-wide rendezvous store (set by the DP client)
     enable_expert_parallel: bool = False              # MoE: whole experts on the DP x TP ranks (not sliced by TP)
     decode_context_parallel_size: int = 1             # -dcp: KV cache spread by position over ranks of a TP group
+    prefill_context_parallel_size: int = 1            # -pcp: groups of TP ranks, each computing its share of tokens
     dcp_kv_cache_interleave_size: int = 1             # positions on one DCP rank before the next rank's
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                     "decode_context_parallel_size", "dcp_kv_cache_interleave_size"):
+                     "decode_context_parallel_size", "dcp_kv_cache_interleave_size", "prefill_context_parallel_size"):
             size = getattr(self, name)
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name}={size} must be a positive integer.")
@@ -199,6 +200,10 @@ class ParallelConfig:
             raise ValueError(f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp}: the "
                              f"KV cache is spread over ranks of each tensor parallel group. With -tp {tp}, -dcp can "
                              f"be {', '.join(map(str, divisors))}.")
+        if self.prefill_context_parallel_size > 1 and self.enable_expert_parallel:
+            raise ValueError("Prefill context parallel splits each step's tokens over groups of ranks, which this "
+                             "version does not combine with expert parallel's token exchange: leave out "
+                             "--enable-expert-parallel (the experts are then sliced by tensor parallel) or -pcp.")
         for name in ("distributed_init_timeout", "execute_model_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive seconds.")
@@ -206,7 +211,19 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         """Ranks of one replica."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.prefill_context_parallel_size
+
+    @property
+    def context_parallel_size(self) -> int:
+        """Ranks over which each sequence's KV cache is spread (decode x prefill context parallel)."""
+        return self.decode_context_parallel_size * self.prefill_context_parallel_size
+
+    def describe_rank(self, rank: int) -> str:
+        """A replica rank's place in the grid, for log lines: "rank 5: pp 1, tp 1" (and pcp)."""
+        tp, pcp = self.tensor_parallel_size, self.prefill_context_parallel_size
+        stage, rest = divmod(rank, tp * pcp)
+        where = f"pp {stage}, pcp {rest // tp}, tp {rest % tp}" if pcp > 1 else f"pp {stage}, tp {rest % tp}"
+        return f"rank {rank}: {where}"
 
     @property
     def world_size_across_dp(self) -> int:
@@ -225,7 +242,7 @@ class ParallelConfig:
     @property
     def output_rank(self) -> int:
         """The rank that samples and answers the engine core: the first of the last stage."""
-        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size * self.prefill_context_parallel_size
 
 
 @dataclass
@@ -329,7 +346,7 @@ class EngineConfig:
         """Tokens one KV block id holds: block_size on each rank, times the decode context
         parallel ranks that each hold their share of its positions. The scheduler, prefix hashes
         and capacity count in these."""
-        return self.cache.block_size * self.parallel.decode_context_parallel_size
+        return self.cache.block_size * self.parallel.context_parallel_size
 
     @property
     def dp_lockstep(self) -> bool:

@@ -47,9 +47,10 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def build_metadata(self, query_lens: list[int], start_positions: list[int],
-                       block_tables: list[list[int]]) -> Any:
+                       block_tables: list[list[int]], pcp=None) -> Any:
         """One step's metadata: sequence i computes query_lens[i] tokens from start_positions[i],
-        its context in the blocks block_tables[i]."""
+        its context in the blocks block_tables[i]. pcp: under prefill context parallel, the
+        ContextParallelStep (torch_paged.py) of this rank."""
 
     @abstractmethod
     def forward(self, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:

@@ -1,8 +1,11 @@
-"""Decode context parallel (-dcp N): each sequence's KV cache spread over N ranks by position.
+"""Context parallel: each sequence's KV cache spread over N ranks by position.
 
-The N ranks of a DCP group are adjacent ranks of one tensor parallel group that hold the same
-KV heads (tp replicates KV heads when it exceeds them). Instead of each storing every position,
-rank r stores the positions whose interleave-sized chunk falls to it:
+Decode context parallel (-dcp D): adjacent ranks of one tensor parallel group that hold the same
+KV heads (tp replicates KV heads when it exceeds them) each store a share of the positions.
+Prefill context parallel (-pcp P): P tensor parallel groups per stage, each computing the
+tokens whose positions fall to it (a long prompt's prefill split P ways) and keeping their KV.
+Together the N = P x D ranks holding one KV head's positions form the cp group; rank r of it
+(pcp rank r // D, dcp rank r % D) stores the positions whose interleave-sized run falls to it:
 
     owner(p) = (p // I) % N          (I: --dcp-kv-cache-interleave-size, default 1)
 
@@ -11,12 +14,14 @@ hashes and capacity count); on every rank the same block id holds that rank's bl
 them, in position order. So a sequence's local keys are a prefix of its block table, read by
 the unchanged paged kernels with a local context length.
 
-At attention each rank gathers the group's query heads, attends over its own positions and
-returns a partial output with its log-sum-exp per head; the partials merge exactly:
+At attention each rank gathers the cp group's queries (the DCP ranks' heads, the PCP ranks'
+tokens), attends over its own positions and returns a partial output with its log-sum-exp per
+head; the partials merge exactly:
 
     out = sum_r exp(lse_r - lse) * out_r,    lse = log sum_r exp(lse_r)
 
-A rank with no position of a sequence yet returns zeros and lse = -inf (weight 0).
+A rank with no position of a sequence yet returns zeros and lse = -inf (weight 0). No K/V
+moves between ranks: a token's K/V is computed by its PCP group and stored by its owner there.
 """
 
 from __future__ import annotations
@@ -31,10 +36,11 @@ from shardlm import kernels
 @dataclass(frozen=True)
 class ContextShard:
     """This rank's share of every sequence's positions."""
-    size: int           # N: ranks of the DCP group
-    rank: int           # this rank in it
+    size: int           # N: ranks of the cp group (dcp x pcp)
+    rank: int           # this rank in it (pcp rank x dcp + dcp rank)
     interleave: int     # I: consecutive positions on one rank
     block_size: int     # positions per block id on one rank
+    dcp: int = 1        # ranks of the cp group in one TP group (the rest are other PCP groups)
 
     @property
     def virtual_block(self) -> int:
@@ -42,6 +48,10 @@ class ContextShard:
 
     def owns(self, pos: int) -> bool:
         return (pos // self.interleave) % self.size == self.rank
+
+    def pcp_owner(self, pos: int) -> int:
+        """The prefill context parallel group that computes position pos."""
+        return (pos // self.interleave) % self.size // self.dcp
 
     def local_index(self, pos: int) -> int:
         """Where an owned position lies among this rank's positions of its sequence."""
@@ -68,17 +78,34 @@ class ContextShard:
         return (i // self.interleave) * self.interleave * self.size + self.rank * self.interleave + i % self.interleave
 
 
-def merge_partials(out: torch.Tensor, lse: torch.Tensor, group, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
-    """This rank's heads of the exact attention output, from every DCP rank's partial.
+def gather_queries(q: torch.Tensor, group, dcp: int, counts: list[int] | None) -> torch.Tensor:
+    """The step's queries of every cp rank, [sum(counts), dcp * H, D]: PCP group by PCP group
+    (its tokens), each token with the DCP ranks' heads side by side. q: this rank's [T, H, D];
+    counts: the tokens of each PCP group (None: one group, every rank has the step's tokens)."""
+    T, H, D = q.shape
+    if counts is None:
+        return group.all_gather(q, dim=1)
+    padded = q.new_zeros(max(counts), H * D)
+    padded[:T] = q.reshape(T, H * D)
+    every = group.all_gather(padded.unsqueeze(0), dim=0).view(len(counts), dcp, -1, H * D).transpose(1, 2)
+    return torch.cat([every[p, :n] for p, n in enumerate(counts)]).view(-1, dcp * H, D)
 
-    out: [T, N * num_heads, D] float32 (attention of the group's query heads over this rank's
-    positions), lse: [T, N * num_heads] float32. One all-gather carries both; each rank then
-    merges its own num_heads heads. -> [T, num_heads * D] in dtype. On CPU the C kernel merges
-    (the one the one-call decode step uses, so both paths give the same bits)."""
+
+def merge_partials(out: torch.Tensor, lse: torch.Tensor, group, num_heads: int, first: int, dtype: torch.dtype,
+                   rows: slice | None = None) -> torch.Tensor:
+    """This rank's heads of the exact attention output, from every cp rank's partial.
+
+    out: [T, Hall, D] float32 (attention of the gathered queries over this rank's positions),
+    lse: [T, Hall] float32. One all-gather carries both; each rank then merges its own
+    num_heads heads (from head `first`) of its own rows (None: all). -> [rows, num_heads * D]
+    in dtype. On CPU the C kernel merges (the one the one-call decode step uses, so both paths
+    give the same bits)."""
     T, heads, D = out.shape
     packed = torch.cat([out.reshape(T, heads * D), lse], dim=1)
     every = group.all_gather(packed.unsqueeze(0), dim=0)                  # [N, T, heads * (D + 1)]
-    first = group.rank_in_group * num_heads
+    if rows is not None:
+        every = every[:, rows].contiguous()
+        T = every.shape[1]
     kernel = kernels.merge_attention_partials() if every.device.type == "cpu" else None
     if kernel is not None and dtype in kernels.DTYPE_CODES:
         merged = torch.empty(T, num_heads * D, dtype=dtype)

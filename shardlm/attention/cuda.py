@@ -49,10 +49,10 @@ class CudaAttention(TorchPagedAttention):
         self._copied = torch.cuda.Event()        # the last step's copies out of _host are done
         self._copied.record()
 
-    def build_metadata(self, query_lens, start_positions, block_tables):
+    def build_metadata(self, query_lens, start_positions, block_tables, pcp=None):
         B = len(query_lens)
         if B > self.max_num_seqs or any(q != 1 for q in query_lens) or self.shard is not None:
-            return super().build_metadata(query_lens, start_positions, block_tables)
+            return super().build_metadata(query_lens, start_positions, block_tables, pcp)
         N = max(len(t) for t in block_tables)
         bs = self.block_size
         rows = [[t[p // bs] * bs + p % bs, p + 1, *t, *[0] * (N - len(t))]     # slot, context, blocks (0: null)

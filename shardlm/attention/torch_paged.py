@@ -66,30 +66,50 @@ class AttentionBucket:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token's K/V
     buckets: list[AttentionBucket]
+    pcp_counts: list[int] | None = None   # prefill context parallel: each PCP group's tokens this step
+
+
+@dataclass
+class ContextParallelStep:
+    """What a prefill context parallel rank attends with besides the step's sequences: the row
+    of each sequence's queries among the gathered ones, the (position, block table) of each
+    token it computes (whose K/V it writes), and each PCP group's token count."""
+    query_rows: list[list[int]]
+    writes: list[tuple[int, list[int]]]
+    pcp_counts: list[int]
 
 
 def build_attention_metadata(query_lens: list[int], start_positions: list[int], block_tables: list[list[int]],
                              block_size: int, device: torch.device, shard: ContextShard | None = None,
-                             sink_slot: int = 0) -> AttentionMetadata:
-    """shard: this rank's positions under decode context parallel (None: all); the positions
-    of other ranks map to sink_slot."""
-    offsets, slot_mapping, t = [], [], 0
-    for qlen, start, table in zip(query_lens, start_positions, block_tables):
+                             sink_slot: int = 0, pcp: ContextParallelStep | None = None) -> AttentionMetadata:
+    """shard: this rank's positions under context parallel (None: all); the positions of other
+    ranks map to sink_slot. pcp: under prefill context parallel, where the queries are and which
+    tokens' K/V this rank computed (None: the step's tokens, in order, are its queries and K/V)."""
+    offsets, t = [], 0
+    for qlen in query_lens:
         offsets.append(t)
         t += qlen
-        if shard is None:
-            slot_mapping.extend(table[pos // block_size] * block_size + pos % block_size
-                                for pos in range(start, start + qlen))
-        else:
-            slot_mapping.extend(shard.slot(table, pos, sink_slot) for pos in range(start, start + qlen))
+    if pcp is not None:
+        writes = pcp.writes
+    else:
+        writes = [(pos, table) for qlen, start, table in zip(query_lens, start_positions, block_tables)
+                  for pos in range(start, start + qlen)]
+    if shard is None:
+        slot_mapping = [table[pos // block_size] * block_size + pos % block_size for pos, table in writes]
+    else:
+        slot_mapping = [shard.slot(table, pos, sink_slot) for pos, table in writes]
+    query_rows = pcp.query_rows if pcp is not None else None
     decodes = [i for i, q in enumerate(query_lens) if q == 1]
     prefills = [i for i, q in enumerate(query_lens) if q > 1]
-    buckets = [_bucket(rows, query_lens, start_positions, block_tables, offsets, block_size, device, shard)
-               for rows in (decodes, prefills) if rows]
-    return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=device), buckets)
+    buckets = [_bucket(rows, query_lens, start_positions, block_tables, offsets, block_size, device, shard,
+                       query_rows) for rows in (decodes, prefills) if rows]
+    return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=device), buckets,
+                             pcp.pcp_counts if pcp is not None else None)
 
 
-def _bucket(rows, query_lens, starts, tables, offsets, block_size, device, shard=None) -> AttentionBucket:
+def _bucket(rows, query_lens, starts, tables, offsets, block_size, device, shard=None,
+            query_rows: list[list[int]] | None = None) -> AttentionBucket:
+    """query_rows: each sequence's rows in q (None: offsets[i] on, in order)."""
     qlens = torch.tensor([query_lens[i] for i in rows])
     start = torch.tensor([starts[i] for i in rows])
     ctx = start + qlens
@@ -100,11 +120,14 @@ def _bucket(rows, query_lens, starts, tables, offsets, block_size, device, shard
     table = torch.tensor([tables[i] + [0] * (max_blocks - len(tables[i])) for i in rows])
 
     qi = torch.arange(max_q)
-    token_index = torch.tensor([offsets[i] for i in rows])[:, None] + torch.minimum(qi[None, :], qlens[:, None] - 1)
+    if query_rows is None:      # padding repeats a sequence's last row
+        token_index = torch.tensor([offsets[i] for i in rows])[:, None] + torch.minimum(qi[None, :], qlens[:, None] - 1)
+    else:
+        token_index = torch.tensor([query_rows[i] + query_rows[i][-1:] * (max_q - len(query_rows[i])) for i in rows])
     out_rows = None
     if max_q > 1 and bool((qlens != max_q).any()):
         out_rows = (qi[None, :] < qlens[:, None]).flatten().nonzero().squeeze(1).to(device)
-    in_order = len(rows) == len(query_lens) and max_q == 1
+    in_order = query_rows is None and len(rows) == len(query_lens) and max_q == 1
     return AttentionBucket(token_index.to(device), table.to(device), ctx.to(device), max_q == 1, out_rows, in_order,
                            query_pos=start[:, None] + qi[None, :], context=ctx, block_size=block_size, shard=shard)
 
@@ -112,9 +135,9 @@ def _bucket(rows, query_lens, starts, tables, offsets, block_size, device, shard
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
-    def build_metadata(self, query_lens, start_positions, block_tables) -> AttentionMetadata:
+    def build_metadata(self, query_lens, start_positions, block_tables, pcp=None) -> AttentionMetadata:
         return build_attention_metadata(query_lens, start_positions, block_tables, self.block_size, self.device,
-                                        self.shard, self.sink_slot)
+                                        self.shard, self.sink_slot, pcp)
 
     def forward(self, layer, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         T = q.shape[0]

@@ -2,8 +2,9 @@
 
 Throughput: every prompt submitted at once, exactly output_len new tokens each (greedy, EOS
 ignored), repeated after a warm-up with the prefix cache cleared between runs; medians.
-Latency: one prompt alone (or --batch-size copies of it, all decoding together); decode step
-time = (T(n tokens) - T(1 token)) / (n - 1), decode tok/s = batch size / step time. With
+Latency: one prompt alone (or --batch-size copies of it, all decoding together); in each run
+the time to the first token and to the last, decode step time = (T(last) - T(first)) / (n - 1)
+(median over runs), decode tok/s = batch size / step time. With
 --each-prompt, every prompt of the workload in turn, and the median over them. A workload that
 keeps EOS (grounded) ends each request at its answer's end: n is the tokens it made.
 """
@@ -17,7 +18,7 @@ import sys
 import time
 
 from shardlm.bench.workload import load_workload
-from shardlm.sampling_params import SamplingParams
+from shardlm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def _peak_rss_bytes(llm) -> int:
@@ -77,6 +78,26 @@ def _timed(llm, prompts, n, structured_outputs=None, loras=None, ignore_eos=True
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
+def _timed_first_and_last(llm, prompts, n, loras=None, ignore_eos=True) -> tuple[float, float, int]:
+    """One run of n tokens per prompt: (seconds to the first token, seconds to the last, tokens
+    per request). Both times from one run, so a long prompt's prefill, which varies by more than
+    a whole decode, is not subtracted across runs."""
+    llm.reset_prefix_cache()
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos,
+                            output_kind=RequestOutputKind.CUMULATIVE)
+    engine, first, tokens = llm.engine, None, 0
+    t0 = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{i}-{t0}", {"prompt_token_ids": prompt}, params,
+                           lora_request=loras[i % len(loras)] if loras else None)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if first is None and out.outputs[0].token_ids:
+                first = time.perf_counter() - t0
+            tokens = max(tokens, len(out.outputs[0].token_ids))
+    return first, time.perf_counter() - t0, tokens
+
+
 def run_throughput(engine_args, workload_path, num_prompts, output_len, reps, structured_outputs=None,
                    loras=None) -> dict:
     """structured_outputs: a StructuredOutputsParams every request is constrained by, or None;
@@ -112,10 +133,9 @@ def run_latency(engine_args, workload_path, output_len, reps, batch_size: int = 
     per_prompt = []
     for i in indices:
         prompt = [w.prompts[i]] * batch_size
-        t1 = [_timed(llm, prompt, 1, loras=loras)[0] for _ in range(reps)]
-        runs = [_timed(llm, prompt, w.output_len, loras=loras, ignore_eos=w.ignore_eos) for _ in range(reps)]
-        tn, n = [t for t, _ in runs], runs[0][1] // batch_size      # greedy: every run makes the same tokens
-        step_s = (statistics.median(tn) - statistics.median(t1)) / max(1, n - 1)
+        runs = [_timed_first_and_last(llm, prompt, w.output_len, loras, w.ignore_eos) for _ in range(reps)]
+        t1, tn, n = [r[0] for r in runs], [r[1] for r in runs], runs[0][2]   # greedy: every run the same tokens
+        step_s = statistics.median((last - first) / max(1, n - 1) for first, last, _ in runs)
         per_prompt.append({"prompt_tokens": len(prompt[0]), "output_tokens": n, "t_1tok_s": t1, "t_ntok_s": tn,
                            "time_to_first_token_s": statistics.median(t1), "decode_step_ms": step_s * 1000,
                            "decode_tok_s": batch_size / step_s})

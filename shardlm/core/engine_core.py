@@ -57,16 +57,19 @@ class EngineCore:
         self.wave = Wave() if config.dp_lockstep else None     # DP + EP: replicas step together
         self.structured_outputs: StructuredOutputManager | None = None     # made at the first constrained request
         par = config.parallel
-        logger.info("Parallel layout: TP=%d PP=%d DP=%d, executor %s", par.tensor_parallel_size,
-                    par.pipeline_parallel_size, par.data_parallel_size, type(self.executor).__name__)
+        cp = "".join(f" {name}={n}" for name, n in (("DCP", par.decode_context_parallel_size),
+                                                    ("PCP", par.prefill_context_parallel_size)) if n > 1)
+        logger.info("Parallel layout: TP=%d PP=%d DP=%d%s, executor %s", par.tensor_parallel_size,
+                    par.pipeline_parallel_size, par.data_parallel_size, cp, type(self.executor).__name__)
         if par.pipeline_parallel_size > 1:
             logger.info("PP %s; up to %d batches in flight", describe_partition(stage_layers(config.model, par)),
                         self.max_in_flight)
         if par.world_size > 1:
-            weights, tp = self.executor.collective_rpc("weight_bytes"), par.tensor_parallel_size
+            weights = self.executor.collective_rpc("weight_bytes")
+            per_stage = par.world_size // par.pipeline_parallel_size
             logger.info("Memory per rank: %s; KV cache %d blocks (%d tokens) on every rank", "; ".join(
-                f"stage {s}: weights {', '.join(format_bytes(w) for w in weights[s * tp:(s + 1) * tp])}"
-                for s in range(par.pipeline_parallel_size)), num_blocks, num_blocks * config.kv_block_tokens)
+                f"stage {s}: weights {', '.join(format_bytes(w) for w in weights[s * per_stage:(s + 1) * per_stage])}"
+                for s in range(par.pipeline_parallel_size)), num_blocks, num_blocks * config.cache.block_size)
         logger.info("Engine core ready in %.2f s", time.perf_counter() - t0)
 
     def _check_kv_capacity(self, num_blocks: int) -> None:
@@ -79,8 +82,8 @@ class EngineCore:
                 f"fewer than one request of max_model_len={max_len} needs ({needed} blocks). "
                 "Give it more memory (kv_cache_memory on CPU, gpu_memory_utilization on CUDA) "
                 f"or lower max_model_len to at most {max(usable, 0) * bs}.")
-        dcp = self.config.parallel.decode_context_parallel_size
-        spread = f" ({self.config.cache.block_size} on each of {dcp} decode context parallel ranks)" if dcp > 1 else ""
+        cp = self.config.parallel.context_parallel_size
+        spread = f" ({self.config.cache.block_size} on each of {cp} context parallel ranks)" if cp > 1 else ""
         logger.info("KV cache: %d blocks x %d tokens%s = %d tokens; max concurrency at max_model_len %d: %.2fx",
                     usable, bs, spread, usable * bs, max_len, usable * bs / max_len)
 
@@ -195,11 +198,14 @@ class EngineCore:
 
     def expert_load(self) -> dict[str, list[int]]:
         """Tokens of this replica routed to each expert so far, per MoE layer (from the first TP
-        rank of every pipeline stage: each stage holds its own layers)."""
+        rank of every pipeline stage, each holding its own layers; summed over prefill context
+        parallel groups, each routing its own tokens)."""
         per_rank = self.executor.collective_rpc("expert_load")
-        tp = self.config.parallel.tensor_parallel_size
-        return {str(layer): counts for rank in range(0, len(per_rank), tp)
-                for layer, counts in sorted(per_rank[rank].items())}
+        load: dict[str, list[int]] = {}
+        for rank in range(0, len(per_rank), self.config.parallel.tensor_parallel_size):
+            for layer, counts in sorted(per_rank[rank].items()):
+                load[str(layer)] = [a + b for a, b in zip(load.get(str(layer), [0] * len(counts)), counts)]
+        return load
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         return self.executor.collective_rpc(method, tuple(args))

@@ -11,8 +11,13 @@ adjacent (one node, the fastest links) and PP groups cut across them:
                             |   |   |   |
                      PP groups {0,4} {1,5} {2,6} {3,7}
 
-Decode context parallel (dcp) groups are runs of adjacent ranks inside a TP group ({0,1} {2,3}
-... at dcp=2): ranks that hold the same KV heads, each one share of every sequence's positions.
+Context parallel adds two groups. Decode context parallel (dcp) groups are runs of adjacent
+ranks inside a TP group ({0,1} {2,3} ... at dcp=2): ranks that hold the same KV heads, each one
+share of every sequence's positions. Prefill context parallel (pcp) is a grid dimension between
+PP and TP, DP x PP x PCP x TP: pcp TP groups per stage, each computing its own share of the
+tokens; the pcp group joins the ranks of one TP rank across them. The cp group is every rank
+holding a share of the same KV heads: a DCP group across the PCP groups (the attention's
+partial outputs are merged over it).
 
 Every group gets a GroupCoordinator with two process groups: a device group for tensors
 (NCCL on CUDA, gloo on CPU) and a gloo CPU group for small objects and barriers. Layers never
@@ -39,18 +44,22 @@ from shardlm.logger import init_logger
 logger = init_logger(__name__)
 
 
-def rank_grid(world_size: int, tp: int, pp: int = 1, dp: int = 1, dcp: int = 1) -> dict[str, list[list[int]]]:
-    """The ranks of every TP, PP, DP, EP and DCP group (each group a list of world ranks)."""
-    if tp * pp * dp != world_size:
-        raise ValueError(f"world size {world_size} is not dp x pp x tp = {dp} x {pp} x {tp}.")
-    grid = torch.arange(world_size).reshape(dp, pp, tp)
+def rank_grid(world_size: int, tp: int, pp: int = 1, dp: int = 1, dcp: int = 1,
+              pcp: int = 1) -> dict[str, list[list[int]]]:
+    """The ranks of every TP, PP, DP, EP, DCP, PCP and CP group (each group a list of world ranks)."""
+    if tp * pp * dp * pcp != world_size:
+        raise ValueError(f"world size {world_size} is not dp x pp x pcp x tp = {dp} x {pp} x {pcp} x {tp}.")
+    grid = torch.arange(world_size).reshape(dp, pp, pcp, tp)
     return {
         "tp": grid.reshape(-1, tp).tolist(),
         "dcp": grid.reshape(-1, dcp).tolist(),      # tp % dcp == 0: runs of adjacent TP ranks
-        "pp": grid.transpose(1, 2).reshape(-1, pp).tolist(),
-        "dp": grid.permute(1, 2, 0).reshape(-1, dp).tolist(),
+        "pcp": grid.permute(0, 1, 3, 2).reshape(-1, pcp).tolist(),
+        # (pcp rank, dcp rank) of one DCP group's place, pcp-major
+        "cp": grid.reshape(dp, pp, pcp, tp // dcp, dcp).permute(0, 1, 3, 2, 4).reshape(-1, pcp * dcp).tolist(),
+        "pp": grid.permute(0, 2, 3, 1).reshape(-1, pp).tolist(),
+        "dp": grid.permute(1, 2, 3, 0).reshape(-1, dp).tolist(),
         # expert parallel: every DP x TP rank of one pipeline stage (replica-major, as vLLM)
-        "ep": grid.transpose(0, 1).reshape(pp, -1).tolist(),
+        "ep": grid.permute(1, 2, 0, 3).reshape(pp * pcp, -1).tolist(),
     }
 
 
@@ -73,7 +82,10 @@ class GroupCoordinator:
                shared_memory: bool = False, timeout_s: float = 300.0) -> GroupCoordinator:
         """Every rank must call this with the same `all_groups` (new_group is collective).
         shared_memory: run all_reduce/gather through shared memory when the group is CPU ranks
-        on one host (the TP group: two all-reduces per layer)."""
+        on one host (the TP group: two all-reduces per layer). Groups of one rank need no
+        process group (every rank sees the same sizes, so all skip alike)."""
+        if all(len(ranks) == 1 for ranks in all_groups):
+            return cls(name, [rank], rank)
         mine = None
         for ranks in all_groups:
             device_group = dist.new_group(ranks, backend=backend)
@@ -170,7 +182,9 @@ class GroupCoordinator:
             out = []
             for dtype, shape in _parse_header(header.tolist()):
                 numel = math.prod(shape)
-                out.append(torch.frombuffer(data, dtype=dtype, count=numel, offset=offset).view(shape))
+                # (frombuffer refuses a count of 0: a prefill context parallel group may have no tokens)
+                out.append(torch.frombuffer(data, dtype=dtype, count=numel, offset=offset).view(shape) if numel
+                           else torch.empty(shape, dtype=dtype))
                 offset += numel * dtype.itemsize
             return out
         header = torch.empty(_HEADER_LEN, dtype=torch.int64)
@@ -206,6 +220,8 @@ _PP: GroupCoordinator | None = None
 _DP: GroupCoordinator | None = None
 _EP: GroupCoordinator | None = None
 _DCP: GroupCoordinator | None = None
+_PCP: GroupCoordinator | None = None
+_CP: GroupCoordinator | None = None
 _EXPERT_PARALLEL = False
 _ALONE: tuple[GroupCoordinator, ...] | None = None     # this rank as its own groups (alone())
 
@@ -274,37 +290,44 @@ def wait_for_ranks(store: dist.TCPStore, ranks: int | Iterable[int], timeout_s: 
 
 
 def initialize_model_parallel(tp: int, pp: int = 1, dp: int = 1, rank: int = 0, backend: str = "gloo",
-                              timeout_s: float = 300.0, expert_parallel: bool = False, dcp: int = 1) -> None:
+                              timeout_s: float = 300.0, expert_parallel: bool = False, dcp: int = 1,
+                              pcp: int = 1) -> None:
     """Build every group of the rank grid; each rank calls this with the same sizes. timeout_s:
     how long a shared-memory collective waits for a peer before it fails naming it.
     expert_parallel: MoE layers place whole experts on the ranks of the EP group (DP x TP of a
     stage) instead of slicing every expert across TP; the DP and EP groups then carry tokens
     every layer, so they get shared-memory collectives too. dcp: decode context parallel ranks
-    per TP group (their attention gathers queries and merges partial outputs every layer)."""
-    global _WORLD, _TP, _PP, _DP, _EP, _DCP, _EXPERT_PARALLEL
-    world_size = tp * pp * dp
+    per TP group (their attention gathers queries and merges partial outputs every layer); pcp:
+    prefill context parallel TP groups per stage."""
+    global _WORLD, _TP, _PP, _DP, _EP, _DCP, _PCP, _CP, _EXPERT_PARALLEL
+    world_size = tp * pp * dp * pcp
     _EXPERT_PARALLEL = expert_parallel
     if world_size == 1:
-        _WORLD, _TP, _PP, _DP, _EP, _DCP = (GroupCoordinator(n, [0], 0) for n in ("world", "tp", "pp", "dp", "ep",
-                                                                                 "dcp"))
+        _WORLD, _TP, _PP, _DP, _EP, _DCP, _PCP, _CP = (GroupCoordinator(n, [0], 0) for n in (
+            "world", "tp", "pp", "dp", "ep", "dcp", "pcp", "cp"))
         return
-    grid = rank_grid(world_size, tp, pp, dp, dcp)
+    grid = rank_grid(world_size, tp, pp, dp, dcp, pcp)
     _WORLD = GroupCoordinator.create("world", [list(range(world_size))], rank, backend)
     _TP = GroupCoordinator.create("tp", grid["tp"], rank, backend, shared_memory=True, timeout_s=timeout_s)
     _PP = GroupCoordinator.create("pp", grid["pp"], rank, backend)
     _DP = GroupCoordinator.create("dp", grid["dp"], rank, backend, shared_memory=expert_parallel, timeout_s=timeout_s)
     _EP = GroupCoordinator.create("ep", grid["ep"], rank, backend, shared_memory=expert_parallel, timeout_s=timeout_s)
-    _DCP = GroupCoordinator.create("dcp", grid["dcp"], rank, backend, shared_memory=dcp > 1, timeout_s=timeout_s)
+    _DCP = GroupCoordinator.create("dcp", grid["dcp"], rank, backend, shared_memory=True, timeout_s=timeout_s)
+    _PCP = GroupCoordinator.create("pcp", grid["pcp"], rank, backend, shared_memory=True, timeout_s=timeout_s)
+    # the cp group is the DCP group without PCP, the PCP group without DCP
+    _CP = _DCP if pcp == 1 else _PCP if dcp == 1 else GroupCoordinator.create(
+        "cp", grid["cp"], rank, backend, shared_memory=True, timeout_s=timeout_s)
     if rank == 0:
-        logger.info("Successfully initialized distributed environment: world=%d, tp=%d, pp=%d, dp=%d, dcp=%d, "
-                    "expert parallel=%s, backend=%s", world_size, tp, pp, dp, dcp, expert_parallel, backend)
+        logger.info("Successfully initialized distributed environment: world=%d, tp=%d, pp=%d, dp=%d, dcp=%d, pcp=%d, "
+                    "expert parallel=%s, backend=%s", world_size, tp, pp, dp, dcp, pcp, expert_parallel, backend)
 
 
 def _get(group: GroupCoordinator | None, name: str) -> GroupCoordinator:
     if group is None:
         # a model built outside any executor (tests, tools): one rank
         initialize_model_parallel(1)
-        return {"tp": _TP, "pp": _PP, "dp": _DP, "ep": _EP, "dcp": _DCP, "world": _WORLD}[name]
+        return {"tp": _TP, "pp": _PP, "dp": _DP, "ep": _EP, "dcp": _DCP, "pcp": _PCP, "cp": _CP,
+                "world": _WORLD}[name]
     return group
 
 
@@ -334,6 +357,16 @@ def get_dcp_group() -> GroupCoordinator:
     return _get(_DCP, "dcp")
 
 
+def get_pcp_group() -> GroupCoordinator:
+    """This TP rank's counterparts in the other prefill context parallel groups of its stage."""
+    return _get(_PCP, "pcp")
+
+
+def get_cp_group() -> GroupCoordinator:
+    """Every rank holding a share of this rank's KV heads' positions (DCP x PCP), pcp-major."""
+    return _get(_CP, "cp")
+
+
 def expert_parallel_enabled() -> bool:
     return _EXPERT_PARALLEL
 
@@ -342,24 +375,24 @@ def expert_parallel_enabled() -> bool:
 def alone():
     """Within: this rank is its own TP, PP, DP and EP group, so a model built and run here is
     whole on this rank and calls no collective (a speculative draft model beside the target)."""
-    global _TP, _PP, _DP, _EP, _DCP, _EXPERT_PARALLEL, _ALONE
-    saved = (_TP, _PP, _DP, _EP, _DCP, _EXPERT_PARALLEL)
+    global _TP, _PP, _DP, _EP, _DCP, _PCP, _CP, _EXPERT_PARALLEL, _ALONE
+    saved = (_TP, _PP, _DP, _EP, _DCP, _PCP, _CP, _EXPERT_PARALLEL)
     rank = get_world_group().rank
     if _ALONE is None or _ALONE[0].rank != rank:
-        _ALONE = tuple(GroupCoordinator(n, [rank], rank) for n in ("tp", "pp", "dp", "ep", "dcp"))
-    _TP, _PP, _DP, _EP, _DCP = _ALONE
+        _ALONE = tuple(GroupCoordinator(n, [rank], rank) for n in ("tp", "pp", "dp", "ep", "dcp", "pcp", "cp"))
+    _TP, _PP, _DP, _EP, _DCP, _PCP, _CP = _ALONE
     _EXPERT_PARALLEL = False
     try:
         yield
     finally:
-        _TP, _PP, _DP, _EP, _DCP, _EXPERT_PARALLEL = saved
+        _TP, _PP, _DP, _EP, _DCP, _PCP, _CP, _EXPERT_PARALLEL = saved
 
 
 def destroy_model_parallel() -> None:
-    global _WORLD, _TP, _PP, _DP, _EP, _DCP
-    for group in (_WORLD, _TP, _PP, _DP, _EP, _DCP):
-        if group is not None and group.shm is not None:
+    global _WORLD, _TP, _PP, _DP, _EP, _DCP, _PCP, _CP
+    for group in {id(g): g for g in (_WORLD, _TP, _PP, _DP, _EP, _DCP, _PCP, _CP) if g is not None}.values():
+        if group.shm is not None:
             group.shm.close()
-    _WORLD = _TP = _PP = _DP = _EP = _DCP = None
+    _WORLD = _TP = _PP = _DP = _EP = _DCP = _PCP = _CP = None
     if dist.is_initialized():
         dist.destroy_process_group()

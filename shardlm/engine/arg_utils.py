@@ -170,10 +170,15 @@ class EngineArgs:
         "tensor parallel group by token position (each stores and reads 1/N of it); for GQA models "
         "whose KV heads tensor parallel would otherwise replicate (tp a multiple of KV heads x N)",
         short="-dcp")
+    prefill_context_parallel_size: int = knob(
+        1, "parallel",
+        "prefill context parallel: this many groups of tensor parallel ranks, each computing the "
+        "tokens whose positions it owns (a long prompt's prefill split N ways) and keeping their KV "
+        "cache; attention merges over the groups", short="-pcp")
     dcp_kv_cache_interleave_size: int = knob(
         1, "parallel",
-        "decode context parallel: consecutive positions stored on one rank before the next rank's "
-        "(divides --block-size)")
+        "context parallel: consecutive positions stored on one rank before the next rank's (divides "
+        "--block-size)")
     quantization: str | None = knob(
         None, "model",
         "weight-only quantization of the linear layers at load: int8 (one scale per row) or int4 "

@@ -82,14 +82,14 @@ class MultiprocExecutor(Executor):
             rendezvous = ("127.0.0.1", listener.getsockname()[1])
         self.broadcast = ShmQueue(num_readers=self.world_size, ctx=ctx)
         self.replies = [ShmQueue(num_readers=1, ctx=ctx).attach_reader(0) for _ in range(self.world_size)]
-        # pipeline stages on CPU pass hidden states through shared memory: rank r -> r + tp
-        tp = par.tensor_parallel_size
+        # pipeline stages on CPU pass hidden states through shared memory: rank r -> r + the ranks of a stage
+        stage = self.world_size // par.pipeline_parallel_size
         self.stage_links = {r: ShmQueue(num_readers=1, slot_bytes=4 << 20, num_slots=4, ctx=ctx)
-                            for r in range(self.world_size - tp)} if config.device.type == "cpu" else {}
+                            for r in range(self.world_size - stage)} if config.device.type == "cpu" else {}
         self.procs, self._errors = [], []
         for rank in range(self.world_size):
             err_recv, err_send = ctx.Pipe(duplex=False)
-            links = (self.stage_links.get(rank), self.stage_links.get(rank - tp))
+            links = (self.stage_links.get(rank), self.stage_links.get(rank - stage))
             proc = ctx.Process(target=run_worker, name=f"shardlm-worker-{rank}", daemon=True,
                                args=(config, rank, rendezvous, self.broadcast,
                                      self.replies[rank], err_send, links))
@@ -238,8 +238,7 @@ def run_worker(config: EngineConfig, rank: int, rendezvous: tuple[str, int], bro
 
     die_with_parent()             # the engine core, however it dies
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the engine decides
-    tp = config.parallel.tensor_parallel_size
-    set_log_prefix(f"(rank {rank}: pp {rank // tp}, tp {rank % tp}) ")
+    set_log_prefix(f"({config.parallel.describe_rank(rank)}) ")
     broadcast.attach_reader(rank)
     encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(ToWorker).decode
     worker = None

@@ -71,8 +71,7 @@ class RayWorker:
 
         if visible_gpus is not None:        # before CUDA starts in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpus
-        tp = config.parallel.tensor_parallel_size
-        set_log_prefix(f"(rank {rank}: pp {rank // tp}, tp {rank % tp}) ")
+        set_log_prefix(f"({config.parallel.describe_rank(rank)}) ")
         backend = "nccl" if config.device.type == "cuda" else "gloo"
         chosen = bind_collectives_to(ip, backend)
         if chosen:

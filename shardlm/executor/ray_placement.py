@@ -137,7 +137,7 @@ def check_placement(infos: list[NodeInfo], tp: int, pp: int, model_path: str, dr
             raise RuntimeError(f"The model path {model_path} does not exist on {info.describe()}: every node needs the "
                                "model at the same path (copy it there, or use a shared filesystem), or a hub id "
                                "that node can fetch (see its log for why it could not).")
-    for group in rank_grid(len(infos), tp, pp)["tp"]:
+    for group in rank_grid(len(infos), tp, pp, pcp=len(infos) // (tp * pp))["tp"]:
         nodes = {infos[r].node_id for r in group}
         if len(nodes) > 1 and not allow_cross_node_tp:
             per_node = min(sum(1 for i in infos if i.node_id == n) for n in {i.node_id for i in infos})

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from shardlm.attention.backend import AttentionBackend
-from shardlm.attention.context_parallel import merge_partials
-from shardlm.distributed.parallel_state import get_dcp_group
+from shardlm.attention.context_parallel import gather_queries, merge_partials
+from shardlm.distributed.parallel_state import get_cp_group, get_dcp_group
 from shardlm.layers.rotary import ApplyRotary
 
 
@@ -23,14 +23,23 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
         self.rotary = ApplyRotary()
-        self.dcp = get_dcp_group()      # the ranks each holding a share of every sequence's KV
+        # context parallel: the ranks each holding a share of every sequence's KV (cp), those of
+        # them in this TP group (dcp: they hold the same tokens, other heads)
+        self.cp, self.dcp = get_cp_group(), get_dcp_group()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]"""
-        if self.dcp.world_size == 1:
+        if self.cp.world_size == 1:
             return self.backend.forward(self, q, k, v, meta)
-        out, lse = self.backend.forward_partial(self, self.dcp.all_gather(q, dim=1), k, v, meta)
-        return merge_partials(out, lse, self.dcp, self.num_heads, q.dtype)
+        counts = meta.pcp_counts
+        queries = gather_queries(q, self.cp, self.dcp.world_size, counts)
+        out, lse = self.backend.forward_partial(self, queries, k, v, meta)
+        own = None
+        if counts is not None:          # this PCP group's tokens among the gathered ones
+            pcp_rank = self.cp.rank_in_group // self.dcp.world_size
+            own = slice(sum(counts[:pcp_rank]), sum(counts[:pcp_rank + 1]))
+        return merge_partials(out, lse, self.cp, self.num_heads, self.dcp.rank_in_group * self.num_heads, q.dtype,
+                              own)
 
     def forward_qkv(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta,
                     qk_norm=None) -> torch.Tensor:

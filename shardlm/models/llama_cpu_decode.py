@@ -122,7 +122,8 @@ class FusedDecodeLayers:
         """For a LlamaModel stage whose dense MLPs are of class `dense_mlp`, or None where the
         fused path does not apply to it."""
         layers = list(model.layers[model.start:model.end])
-        if not layers:
+        attn = layers[0].self_attn.attn if layers else None
+        if not layers or attn.cp.world_size != attn.dcp.world_size:    # PCP: each group its own tokens
             return None
         layout = _layout(layers[0].self_attn.qkv_proj)
         if layout is None or not all(_fits(layer, layout, dense_mlp) for layer in layers):

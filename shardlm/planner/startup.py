@@ -33,13 +33,14 @@ def check_parallel_layout(config: EngineConfig) -> None:
                          f"tensor parallel size {tp} cannot split it ({'; '.join(problems)}). "
                          f"Valid tensor parallel sizes are {valid}.")
     _check_decode_context_parallel(config, shape)
+    _check_context_parallel_features(config)
     stage_layers(m, par)   # raises if impossible
     if m.quantization is not None and m.quantization.group_size != -1:
         _check_quantization_groups(shape, tp, m.quantization)
     local_ranks = par.world_size * par.data_parallel_size_local
     if config.device.type == "cuda" and par.distributed_executor_backend != "ray" \
             and local_ranks > torch.cuda.device_count():
-        layout = f"tensor x pipeline parallel = {par.world_size} ranks"
+        layout = f"tensor x pipeline (x prefill context) parallel = {par.world_size} ranks"
         if par.data_parallel_size_local > 1:
             layout = f"{par.data_parallel_size_local} data parallel replicas of {par.world_size} rank(s)"
         raise ValueError(f"{layout} need {local_ranks} GPUs, but "
@@ -61,11 +62,22 @@ def _check_decode_context_parallel(config: EngineConfig, shape: ModelShape) -> N
         raise ValueError(f"{shape.name} has {shape.kv_heads} KV heads: decode context parallel size {dcp} cannot run "
                          f"at tensor parallel size {tp} ({problems[0]}). At -tp {tp}, -dcp can be "
                          f"{', '.join(map(str, shape.valid_dcp_sizes(tp)))}; -dcp pays where tp exceeds the KV heads.")
+
+def _check_context_parallel_features(config: EngineConfig) -> None:
+    """What context parallel (either kind) does not combine with in this version."""
+    par = config.parallel
+    if par.context_parallel_size == 1:
+        return
+    flags = " ".join(f for f, n in (("-dcp", par.decode_context_parallel_size),
+                                    ("-pcp", par.prefill_context_parallel_size)) if n > 1)
     spec = config.speculative
     if spec is not None and spec.method != "ngram":
         raise ValueError(f"Speculative decoding with method {spec.method!r} runs its draft on one rank with a KV "
-                         "cache of whole blocks, which decode context parallel spreads over ranks: use method "
-                         "'ngram' with -dcp, or leave -dcp out.")
+                         f"cache of whole blocks, which context parallel spreads over ranks: use method 'ngram' with "
+                         f"{flags}, or leave {flags} out.")
+    if par.prefill_context_parallel_size > 1 and config.lora is not None:
+        raise ValueError("LoRA adapters are not combined with prefill context parallel in this version: leave out "
+                         "--enable-lora or -pcp (-dcp works with adapters).")
 
 
 def _check_quantization_groups(shape: ModelShape, tp: int, quant) -> None:

@@ -17,8 +17,16 @@ import torch
 
 from shardlm.attention.context_parallel import ContextShard
 from shardlm.attention.selector import get_attention_backend
+from shardlm.attention.torch_paged import ContextParallelStep
 from shardlm.config import EngineConfig
-from shardlm.distributed.parallel_state import get_dcp_group, get_dp_group, get_pp_group, get_tp_group
+from shardlm.distributed.parallel_state import (
+    get_cp_group,
+    get_dcp_group,
+    get_dp_group,
+    get_pcp_group,
+    get_pp_group,
+    get_tp_group,
+)
 from shardlm.layers.attention import Attention
 from shardlm.layers.moe import FusedMoE, dp_token_counts
 from shardlm.layers.sampler import Sampler, SamplingBatch, TokenBitmask, token_logprobs
@@ -71,16 +79,17 @@ class ModelRunner:
     def load_model(self) -> None:
         par = self.config.parallel
         stages = stage_layers(self.config.model, par)
-        self.pp, self.tp = get_pp_group(), get_tp_group()
-        dcp = get_dcp_group()
-        if dcp.world_size > 1:          # decode context parallel: this rank's share of every sequence
-            self.attn_backend.shard = ContextShard(dcp.world_size, dcp.rank_in_group,
-                                                   par.dcp_kv_cache_interleave_size, self.block_size)
+        self.pp, self.tp, self.pcp = get_pp_group(), get_tp_group(), get_pcp_group()
+        cp = get_cp_group()
+        if cp.world_size > 1:           # context parallel: this rank's share of every sequence
+            self.attn_backend.shard = ContextShard(cp.world_size, cp.rank_in_group, par.dcp_kv_cache_interleave_size,
+                                                   self.block_size, get_dcp_group().world_size)
+        self._pcp_tokens: list[list[int]] = []      # prefill context parallel: each group's tokens of the step
         self.model = load_model(self.config.model, self.device, stages[self.pp.rank_in_group])
         spec = self.config.speculative
         if spec is not None and spec.method == "eagle3":     # every rank: each stage hands its layers' on
             self.model.model.aux_layers = aux_layers_of(spec.draft_model_config.hf_config, self.config.model.num_layers)
-        if self.pp.is_last_rank and self.tp.rank_in_group == 0:
+        if self.pp.is_last_rank and self.tp.rank_in_group == 0 and self.pcp.rank_in_group == 0:
             self.proposer = make_proposer(self.config, self.device, self.attn_backend)
         if self.config.lora is not None:
             m = self.config.model
@@ -169,6 +178,11 @@ class ModelRunner:
             hidden = self._run_model(input_ids, positions, meta)
         if hidden is None:                  # not the last pipeline stage: sent on
             return None
+        if self.pcp.world_size > 1:         # every group's tokens to the first, which samples
+            hidden = self._gather_pcp_hidden(hidden)
+            if hidden is None:
+                return None
+            input_ids, positions = self._step_tokens
         out = self._sample(so, chunks, hidden)
         if self.proposer is not None:       # the rank that samples: out is its result
             self.proposer.follow(TargetStep(input_ids, positions, meta, hidden, chunks, out.sampled, self.requests,
@@ -314,8 +328,53 @@ class ModelRunner:
                 query_lens.append(n)
                 starts.append(c.start_pos)
                 tables.append(c.block_ids)
-        meta = self.attn_backend.build_metadata(query_lens, starts, tables)
-        return (torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), meta)
+        pcp = None
+        if self.pcp.world_size > 1:         # this group computes the tokens of the positions it owns
+            pcp, mine = self._split_tokens(positions, query_lens, tables)
+            self._step_tokens = (torch.tensor(input_ids, device=self.device),
+                                 torch.tensor(positions, device=self.device))
+            input_ids, positions = [input_ids[i] for i in mine], [positions[i] for i in mine]
+        meta = self.attn_backend.build_metadata(query_lens, starts, tables, pcp)
+        return (torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device), meta)
+
+    def _split_tokens(self, positions: list[int], query_lens: list[int],
+                      tables: list[list[int]]) -> tuple[ContextParallelStep, list[int]]:
+        """Prefill context parallel: which of the step's tokens each group computes (those whose
+        positions its ranks own), and this rank's attention layout: the gathered queries are
+        group by group, each group's tokens in step order. -> (that layout, this group's tokens)"""
+        shard = self.attn_backend.shard
+        groups: list[list[int]] = [[] for _ in range(self.pcp.world_size)]
+        for i, pos in enumerate(positions):
+            groups[shard.pcp_owner(pos)].append(i)
+        row_of, row = [0] * len(positions), 0
+        for tokens in groups:
+            for i in tokens:
+                row_of[i], row = row, row + 1
+        query_rows, token_table, t = [], [], 0
+        for qlen, table in zip(query_lens, tables):
+            query_rows.append(row_of[t:t + qlen])
+            token_table.extend([table] * qlen)
+            t += qlen
+        mine = groups[self.pcp.rank_in_group]
+        self._pcp_tokens = groups
+        step = ContextParallelStep(query_rows, [(positions[i], token_table[i]) for i in mine], [len(g) for g in groups])
+        return step, mine
+
+    def _gather_pcp_hidden(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The final hidden states of the whole step, in step order, on the first PCP group (None
+        on the others): each group's rows gathered (padded to the longest)."""
+        groups = self._pcp_tokens
+        padded = hidden.new_zeros(max(len(g) for g in groups), hidden.shape[-1])
+        padded[:hidden.shape[0]] = hidden
+        every = self.pcp.gather(padded.unsqueeze(0), dst=0, dim=0)
+        if every is None:
+            return None
+        full = hidden.new_empty(sum(len(g) for g in groups), hidden.shape[-1])
+        for p, tokens in enumerate(groups):
+            if tokens:
+                full[torch.tensor(tokens, device=self.device)] = every[p, :len(tokens)]
+        return full
 
     def _run_model(self, input_ids, positions, meta):
         """This rank's layers; between pipeline stages, the hidden states come in and go out.

@@ -59,7 +59,8 @@ class Worker:
                                                      par.data_parallel_size, rank=world_rank, backend=backend,
                                                      timeout_s=par.execute_model_timeout,
                                                      expert_parallel=par.enable_expert_parallel,
-                                                     dcp=par.decode_context_parallel_size)
+                                                     dcp=par.decode_context_parallel_size,
+                                                     pcp=par.prefill_context_parallel_size)
         else:
             parallel_state.initialize_model_parallel(1)
         torch.manual_seed(self.config.model.seed)
