@@ -64,6 +64,7 @@ class SplitPlan:
     dp: int = 1
     ep: int = 0                               # expert parallel group size (0: experts sliced by TP)
     dcp: int = 1                              # decode context parallel ranks per TP group
+    pcp: int = 1                              # prefill context parallel TP groups per stage
     weights_per_device: float = 0.0           # bytes, the fullest stage
     reserve_per_device: float = 0.0           # activations + runtime overhead
     kv_bytes_per_token: float = 0.0           # per device, the fullest stage
@@ -76,7 +77,7 @@ class SplitPlan:
 
     @property
     def devices(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.pcp
 
     @property
     def label(self) -> str:
@@ -84,6 +85,7 @@ class SplitPlan:
         parts += [f"DP={self.dp}"] if self.dp > 1 else []
         parts += [f"EP={self.ep}"] if self.ep else []
         parts += [f"DCP={self.dcp}"] if self.dcp > 1 else []
+        parts += [f"PCP={self.pcp}"] if self.pcp > 1 else []
         return " ".join(parts) if (self.tp, self.pp, self.dp) != (1, 1, 1) else "single device"
 
 
@@ -105,10 +107,12 @@ def activation_reserve(shape: ModelShape, tp: int, w: Workload, hw: Hardware) ->
     return acts + logits + (GiB if hw.kind == "gpu" else GiB // 2)
 
 
-def evaluate(shape: ModelShape, tp: int, pp: int, hw: Hardware, w: Workload, ep: int = 0, dcp: int = 1) -> SplitPlan:
+def evaluate(shape: ModelShape, tp: int, pp: int, hw: Hardware, w: Workload, ep: int = 0, dcp: int = 1,
+             pcp: int = 1) -> SplitPlan:
     """ep > 0: expert parallel over ep ranks (tp, or dp x tp with data parallel replicas); dcp:
-    decode context parallel ranks per TP group (each holds 1/dcp of every sequence's KV)."""
-    plan = SplitPlan(tp, pp, dp=max(1, ep // tp), ep=ep, dcp=dcp)
+    decode context parallel ranks per TP group, pcp: prefill context parallel TP groups (each
+    rank holds 1/(dcp x pcp) of every sequence's KV)."""
+    plan = SplitPlan(tp, pp, dp=max(1, ep // tp), ep=ep, dcp=dcp, pcp=pcp)
     problems = shape.tp_problems(tp, expert_parallel=ep > 0) + shape.dcp_problems(tp, dcp)
     if problems:
         plan.reason = "; ".join(problems)
@@ -131,7 +135,7 @@ def evaluate(shape: ModelShape, tp: int, pp: int, hw: Hardware, w: Workload, ep:
             params += lm_head
             extra += ["norm", "lm_head"]
         wb = weight_bytes(shape, params, linear, w)
-        kv = shape.kv_bytes_per_token(w.dtype_bytes, end - start, tp) / dcp
+        kv = shape.kv_bytes_per_token(w.dtype_bytes, end - start, tp) / (dcp * pcp)
         plan.stages.append({"stage": s, "layers": [start, end - 1], "holds": extra, "weights_bytes": wb,
                             "kv_bytes_per_token": kv})
         worst_weights, worst_kv = max(worst_weights, wb), max(worst_kv, kv)
@@ -140,7 +144,7 @@ def evaluate(shape: ModelShape, tp: int, pp: int, hw: Hardware, w: Workload, ep:
     room = min(hw.usable - st["weights_bytes"] - reserve for st in plan.stages)
     per_block = max(st["kv_bytes_per_token"] for st in plan.stages) * w.block_size
     plan.kv_blocks = max(0, int(room // per_block)) if room > 0 else 0
-    plan.kv_tokens = plan.kv_blocks * w.block_size      # (kv per token already counts 1/dcp)
+    plan.kv_tokens = plan.kv_blocks * w.block_size      # (kv per token already counts 1/(dcp x pcp))
     plan.max_concurrency = plan.kv_tokens / w.max_model_len
     if room <= 0:
         plan.reason = (f"weights {worst_weights / GiB:.1f} GiB + reserve {reserve / GiB:.1f} GiB exceed the "

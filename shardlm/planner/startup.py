@@ -108,7 +108,7 @@ def check_fits(config: EngineConfig) -> None:
         hw.device_memory, hw.utilization = psutil.virtual_memory().available, 1.0
     ep = par.tensor_parallel_size * par.data_parallel_size if par.enable_expert_parallel and shape.is_moe else 0
     plan = evaluate(shape, par.tensor_parallel_size, par.pipeline_parallel_size, hw, workload, ep=ep,
-                    dcp=par.decode_context_parallel_size)
+                    dcp=par.decode_context_parallel_size, pcp=par.prefill_context_parallel_size)
     if config.device.type == "cpu":
         # every rank of this node's replicas shares the machine's memory
         replicas = par.data_parallel_size_local

@@ -132,7 +132,7 @@ class ModelRunner:
 
     def initialize_cache(self, num_blocks: int) -> None:
         dtype = self.config.model.dtype
-        # decode context parallel: one more block, the sink where positions of other ranks go
+        # context parallel: one more block, the sink where positions of other ranks go
         sink = self.attn_backend.shard is not None
         self.attn_backend.sink_slot = num_blocks * self.block_size
         for attn in self.attention_layers():

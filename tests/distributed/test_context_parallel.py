@@ -1,7 +1,8 @@
-"""Decode context parallel (-dcp) in worker processes: long prompts give transformers' tokens
-and tensor parallel's alone, with chunked prefill, prefix-cache hits, preemption, pipeline and
-data parallel, n-gram speculation; the KV cache holds N times the tokens in the same memory;
-every size that cannot work is refused up front, naming the ones that can."""
+"""Context parallel in worker processes, decode (-dcp) and prefill (-pcp): long prompts give
+transformers' tokens and those of the layout without it, with chunked prefill, prefix-cache
+hits, preemption, pipeline and data parallel, n-gram speculation; the KV cache holds N times
+the tokens in the same memory per rank; every size that cannot work is refused up front, naming
+the ones that can."""
 
 import random
 
@@ -33,28 +34,35 @@ def _ids(outs) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,tp,dcp,interleave", [("llama-tied-llama3rope", 2, 2, 1), ("llama-gqa", 4, 2, 2)])
-def test_dcp_matches_hf_on_long_prompts(name, tp, dcp, interleave, tiny_model_dir, hf):
-    """One KV head at tp=2, and two KV heads at tp=4 (each replicated on a DCP pair)."""
+@pytest.mark.parametrize("name,layout", [
+    ("llama-tied-llama3rope", dict(tensor_parallel_size=2, decode_context_parallel_size=2)),
+    ("llama-gqa", dict(tensor_parallel_size=4, decode_context_parallel_size=2, dcp_kv_cache_interleave_size=2)),
+    ("llama-gqa", dict(prefill_context_parallel_size=2)),
+    ("llama-tied-llama3rope", dict(tensor_parallel_size=2, decode_context_parallel_size=2,
+                                   prefill_context_parallel_size=2, dcp_kv_cache_interleave_size=4)),
+])
+def test_context_parallel_matches_hf_on_long_prompts(name, layout, tiny_model_dir, hf):
+    """One KV head at tp=2; two KV heads at tp=4 (each replicated on a DCP pair); two PCP
+    groups; both (each sequence's KV over 4 ranks)."""
     path = tiny_model_dir(name)
     prompts = _long_prompts()
-    outs, stats = _run(path, prompts, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                       dcp_kv_cache_interleave_size=interleave)
-    exact = hf.assert_close(hf.greedy(path, prompts, MAX_TOKENS), outs, f"{name} tp={tp} dcp={dcp}")
+    outs, stats = _run(path, prompts, **layout)
+    exact = hf.assert_close(hf.greedy(path, prompts, MAX_TOKENS), outs, f"{name} {layout}")
     assert exact >= 3, f"only {exact}/4 sequences equal HF exactly"
 
 
 @pytest.mark.slow
-def test_dcp_with_chunked_prefill_prefix_hits_and_preemption_equals_tp_alone(tiny_model_dir):
-    """At the same KV memory per rank: twice the tokens, and tp=2's tokens."""
+@pytest.mark.parametrize("base,cp", [(dict(tensor_parallel_size=2), dict(decode_context_parallel_size=2)),
+                                     (dict(), dict(prefill_context_parallel_size=2))])
+def test_context_parallel_with_chunked_prefill_prefix_hits_and_preemption(base, cp, tiny_model_dir):
+    """At the same KV memory per rank as the layout without it: twice the tokens, and its tokens."""
     path = tiny_model_dir("llama-tied-llama3rope")
     prompts = _long_prompts()
     shared = [prompts[0][:200] + p[:30] for p in prompts]       # prefix-cache hits on the second pass
-    # 4 KiB per block per rank: 20 usable blocks of 16 tokens (tp=2), of 32 tokens (dcp=2)
-    small = dict(kv_cache_memory=4096 * 21, max_num_batched_tokens=64, tensor_parallel_size=2, max_model_len=320)
+    # 4 KiB per block per rank: 20 usable blocks of 16 tokens without context parallel, of 32 with
+    small = dict(kv_cache_memory=4096 * 21, max_num_batched_tokens=64, max_model_len=320, **base)
     want, plain = _run(path, prompts + shared, **small)
-    llm = LLM(path, dtype="float32", decode_context_parallel_size=2,
-              dcp_kv_cache_interleave_size=4, **small)
+    llm = LLM(path, dtype="float32", dcp_kv_cache_interleave_size=4, **small, **cp)
     try:
         got = llm.generate(prompts + shared, GREEDY, use_tqdm=False)
         again = llm.generate(shared, GREEDY, use_tqdm=False)
@@ -69,15 +77,18 @@ def test_dcp_with_chunked_prefill_prefix_hits_and_preemption_equals_tp_alone(tin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [dict(pipeline_parallel_size=2), dict(data_parallel_size=2)])
-def test_dcp_with_pipeline_or_data_parallel_and_ngram_equals_tp_alone(layout, tiny_model_dir):
+@pytest.mark.parametrize("base,layout", [
+    (dict(tensor_parallel_size=2), dict(decode_context_parallel_size=2, pipeline_parallel_size=2)),
+    (dict(tensor_parallel_size=2), dict(decode_context_parallel_size=2, data_parallel_size=2)),
+    (dict(), dict(prefill_context_parallel_size=2, pipeline_parallel_size=2)),
+])
+def test_context_parallel_with_pipeline_or_data_parallel_and_ngram(base, layout, tiny_model_dir):
     path = tiny_model_dir("llama-tied-llama3rope")
     # two random prompts, two that repeat themselves (the n-gram lookup finds proposals)
     prompts = _long_prompts()[:2] + [([100 + 7 * i, 200, 300 + i, 400] * 80)[:250 + 9 * i] for i in range(2)]
-    want, _ = _run(path, prompts, tensor_parallel_size=2)
+    want, _ = _run(path, prompts, **base)
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    got, stats = _run(path, prompts, tensor_parallel_size=2, decode_context_parallel_size=2,
-                      speculative_config=ngram, **layout)
+    got, stats = _run(path, prompts, speculative_config=ngram, **base, **layout)
     assert _ids(got) == _ids(want)
     assert stats["spec_num_draft_tokens"] > 0
 
@@ -92,6 +103,8 @@ def test_dcp_with_pipeline_or_data_parallel_and_ngram_equals_tp_alone(layout, ti
     (dict(tensor_parallel_size=2, decode_context_parallel_size=2,
           speculative_config={"method": "draft_model", "model": "llama-draft", "num_speculative_tokens": 2}),
      r"use method 'ngram' with -dcp"),
+    (dict(prefill_context_parallel_size=2, enable_lora=True), r"LoRA adapters are not combined with prefill context"),
+    (dict(prefill_context_parallel_size=2, enable_expert_parallel=True), r"leave out --enable-expert-parallel"),
 ])
 def test_sizes_that_cannot_work_are_refused_naming_those_that_can(kwargs, message, tiny_model_dir):
     kwargs = {"model": "llama-tied-llama3rope", **kwargs}

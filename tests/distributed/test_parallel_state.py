@@ -23,13 +23,27 @@ from tests.distributed.ranks import run_ranks
 ])
 def test_rank_grid(dp, pp, tp, expected):
     grid = ps.rank_grid(dp * pp * tp, tp, pp, dp)
-    assert grid == expected
+    assert {kind: grid[kind] for kind in expected} == expected
     for kind in ("tp", "pp", "dp", "ep"):      # every rank in exactly one group of each kind
         assert sorted(r for g in grid[kind] for r in g) == list(range(dp * pp * tp))
 
 
+def test_context_parallel_groups():
+    """dp=1, pp=2, pcp=2, tp=4, dcp=2: ranks pp x pcp x tp. A DCP group is two adjacent TP ranks;
+    a PCP group one TP rank in both TP groups of a stage; the cp group, pcp-major, every rank
+    holding a share of the same KV heads."""
+    grid = ps.rank_grid(16, tp=4, pp=2, dp=1, dcp=2, pcp=2)
+    assert grid["tp"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert grid["dcp"] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert grid["pcp"][:4] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert grid["cp"] == [[0, 1, 4, 5], [2, 3, 6, 7], [8, 9, 12, 13], [10, 11, 14, 15]]
+    assert grid["pp"][:4] == [[0, 8], [1, 9], [2, 10], [3, 11]]
+    for kind in ("tp", "pp", "dp", "ep", "dcp", "pcp", "cp"):
+        assert sorted(r for g in grid[kind] for r in g) == list(range(16))
+
+
 def test_rank_grid_rejects_a_wrong_world():
-    with pytest.raises(ValueError, match="dp x pp x tp"):
+    with pytest.raises(ValueError, match="dp x pp x pcp x tp"):
         ps.rank_grid(6, 4)
 
 

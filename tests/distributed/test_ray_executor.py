@@ -63,6 +63,16 @@ def test_tp_across_nodes_is_refused_unless_forced(cluster, tiny_model_dir, refer
 
 
 @pytest.mark.slow
+def test_prefill_context_parallel_groups_on_two_nodes(cluster, tiny_model_dir, references, hf):
+    """-pcp 2: each node computes the tokens of its positions and keeps their KV cache."""
+    outs, executor = _generate(tiny_model_dir("llama-gqa"), prefill_context_parallel_size=2,
+                               distributed_executor_backend="ray")
+    assert len({info.node_id for info in executor.infos}) == 2
+    assert hf.assert_close(references("llama-gqa"), outs, "ray pcp=2") >= 4
+    assert_nothing_left()
+
+
+@pytest.mark.slow
 def test_environment_is_forwarded_to_every_node(cluster, tiny_model_dir, monkeypatch):
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth-test")
     monkeypatch.setenv("SHARDLM_TEST_MARKER", "forwarded")
