@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shardlm import kernels
-from shardlm.attention.context_parallel import ContextShard, merge
+from shardlm.attention.context_parallel import ContextShard, merge, merge_partials
 from shardlm.attention.cpu_kernel import CpuKernelAttention
 from shardlm.attention.torch_paged import TorchPagedAttention
 from shardlm.layers.attention import Attention
@@ -99,3 +99,30 @@ def test_partial_attention_on_each_rank_merges_to_whole_attention(size, interlea
     else:
         make = lambda: TorchPagedAttention(BS, cpu)   # noqa: E731
     assert partial_attention_error(make, size, interleave, dtype) < tol
+
+
+class _Gathered:
+    """A stand-in for a cp group whose every rank's packed partials are known in advance."""
+
+    def __init__(self, packed: list[torch.Tensor], rank: int):
+        self.packed, self.rank_in_group, self.world_size = packed, rank, len(packed)
+
+    def all_gather(self, x, dim):
+        assert torch.equal(x[0], self.packed[self.rank_in_group])
+        return torch.stack(self.packed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_merge_equals_the_torch_merge_for_own_rows_and_heads(dtype, cpu_isa):
+    torch.manual_seed(0)
+    N, T, heads, D, H = 4, 6, 8, 16, 2          # 4 ranks, 8 gathered heads, 2 of them each rank's
+    outs, lses = torch.randn(N, T, heads, D), torch.randn(N, T, heads) * 3
+    lses[2, :3] = float("-inf")                 # a rank without context for some queries
+    packed = [torch.cat([outs[r].reshape(T, -1), lses[r]], dim=1) for r in range(N)]
+    rows = slice(1, 5)
+    for r in range(N):
+        first = (r % 4) * H
+        got = merge_partials(outs[r], lses[r], _Gathered(packed, r), H, first, dtype, rows)
+        want = merge(outs[:, rows, first:first + H], lses[:, rows, first:first + H]).to(dtype).view(4, -1)
+        assert kernels.merge_attention_partials() is not None
+        assert (got.float() - want.float()).abs().max() <= (1e-6 if dtype == torch.float32 else 1e-2)
