@@ -90,14 +90,15 @@ def build_attention_metadata(query_lens: list[int], start_positions: list[int], 
         offsets.append(t)
         t += qlen
     if pcp is not None:
-        writes = pcp.writes
+        slot_mapping = [shard.slot(table, pos, sink_slot) for pos, table in pcp.writes]
     else:
-        writes = [(pos, table) for qlen, start, table in zip(query_lens, start_positions, block_tables)
-                  for pos in range(start, start + qlen)]
-    if shard is None:
-        slot_mapping = [table[pos // block_size] * block_size + pos % block_size for pos, table in writes]
-    else:
-        slot_mapping = [shard.slot(table, pos, sink_slot) for pos, table in writes]
+        slot_mapping = []
+        for qlen, start, table in zip(query_lens, start_positions, block_tables):
+            if shard is None:
+                slot_mapping.extend(table[pos // block_size] * block_size + pos % block_size
+                                    for pos in range(start, start + qlen))
+            else:
+                slot_mapping.extend(shard.slot(table, pos, sink_slot) for pos in range(start, start + qlen))
     query_rows = pcp.query_rows if pcp is not None else None
     decodes = [i for i, q in enumerate(query_lens) if q == 1]
     prefills = [i for i, q in enumerate(query_lens) if q > 1]
