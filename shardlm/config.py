@@ -163,7 +163,7 @@ class ParallelConfig:
     enable_expert_parallel: bool = False              # MoE: whole experts on the DP x TP ranks (not sliced by TP)
     decode_context_parallel_size: int = 1             # -dcp: KV cache spread by position over ranks of a TP group
     prefill_context_parallel_size: int = 1            # -pcp: groups of TP ranks, each computing its share of tokens
-    dcp_kv_cache_interleave_size: int = 1             # positions on one DCP rank before the next rank's
+    dcp_kv_cache_interleave_size: int = 1             # positions on one context parallel rank before the next's
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
@@ -343,8 +343,8 @@ class EngineConfig:
 
     @property
     def kv_block_tokens(self) -> int:
-        """Tokens one KV block id holds: block_size on each rank, times the decode context
-        parallel ranks that each hold their share of its positions. The scheduler, prefix hashes
+        """Tokens one KV block id holds: block_size on each rank, times the context parallel
+        ranks (dcp x pcp) that each hold their share of its positions. The scheduler, prefix hashes
         and capacity count in these."""
         return self.cache.block_size * self.parallel.context_parallel_size
 

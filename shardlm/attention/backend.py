@@ -11,7 +11,7 @@ A backend owns three decisions:
 A backend that can be captured in a CUDA graph keeps its metadata in preallocated device
 tensors and says so (supports_graph_capture); worker/cuda_graphs.py captures its decode steps.
 
-Under decode context parallel the runner gives the backend this rank's ContextShard
+Under context parallel the runner gives the backend this rank's ContextShard
 (context_parallel.py) and a sink slot for the positions other ranks own; the layer then calls
 forward_partial (output and log-sum-exp over this rank's positions) instead of forward.
 """
@@ -34,7 +34,7 @@ class AttentionBackend(ABC):
     def __init__(self, block_size: int, device: torch.device):
         self.block_size = block_size
         self.device = device
-        self.shard: ContextShard | None = None    # decode context parallel: this rank's positions
+        self.shard: ContextShard | None = None    # context parallel: this rank's positions
         self.sink_slot = 0                         # ... and where the others' K/V are written (never read)
 
     def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -60,8 +60,8 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward_partial(self, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode context parallel: writes the k, v this rank owns, attends q [T, Hq, D] over this
-        rank's positions -> (output [T, Hq, D] float32, log-sum-exp [T, Hq] float32)."""
+        """Context parallel: writes the k, v this rank owns, attends q [T, Hq, D] (the cp group's
+        gathered queries) over this rank's positions -> (output [T, Hq, D] float32, log-sum-exp [T, Hq] float32)."""
 
     def rotary_and_attend(self, layer: nn.Module, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                           meta: Any) -> torch.Tensor | None:

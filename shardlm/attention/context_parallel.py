@@ -42,10 +42,6 @@ class ContextShard:
     block_size: int     # positions per block id on one rank
     dcp: int = 1        # ranks of the cp group in one TP group (the rest are other PCP groups)
 
-    @property
-    def virtual_block(self) -> int:
-        return self.block_size * self.size
-
     def owns(self, pos: int) -> bool:
         return (pos // self.interleave) % self.size == self.rank
 

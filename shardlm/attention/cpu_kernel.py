@@ -65,10 +65,9 @@ class CpuKernelAttention(TorchPagedAttention):
         qb = q[b.token_index].transpose(1, 2)                     # [B, Hq, Q, D]
         group = qb.shape[1] // layer.num_kv_heads
         kb, vb = (t.transpose(0, 1).repeat_interleave(group, dim=1) for t in (kb, vb))
-        bias = torch.zeros(b.mask.shape, dtype=q.dtype).masked_fill_(~b.mask, float("-inf"))
-        out, lse = _flash_with_lse(qb, kb, vb, 0.0, False, attn_mask=bias, scale=layer.scale)
+        out, lse = _flash_with_lse(qb, kb, vb, 0.0, False, attn_mask=b.additive_mask(q.dtype), scale=layer.scale)
         # a query none of whose keys are on this rank: zeros, and -inf (it reports 0)
-        lse = lse.masked_fill(~b.mask.any(dim=-1), float("-inf"))          # [B, Hq, Q]
+        lse = lse.masked_fill(b.keyless, float("-inf"))                    # [B, Hq, Q]
         Hq, D = qb.shape[1], qb.shape[3]
         return out.transpose(1, 2).reshape(-1, Hq, D).float(), lse.transpose(1, 2).reshape(-1, Hq)
 

@@ -22,7 +22,7 @@ partial output over those keys with its log-sum-exp, for the exact merge.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -36,7 +36,7 @@ from shardlm.attention.context_parallel import ContextShard
 class AttentionBucket:
     token_index: torch.Tensor   # [B, Q] rows of the step's tokens (padding repeats a valid row)
     block_table: torch.Tensor   # [B, N] blocks of each sequence's context (padding: null block)
-    context_lens: torch.Tensor  # [B] int64: tokens of context after this step (this rank's, under DCP)
+    context_lens: torch.Tensor  # [B] int64: tokens of context after this step (this rank's, under context parallel)
     is_decode: bool
     out_rows: torch.Tensor | None = None   # valid entries of token_index.flatten() (None: all)
     in_order: bool = False                 # the bucket's outputs are the step's rows 0..T-1, in order
@@ -44,7 +44,8 @@ class AttentionBucket:
     query_pos: torch.Tensor | None = None  # [B, Q] position of each query (CPU)
     context: torch.Tensor | None = None    # [B] context_lens on CPU
     block_size: int = 0
-    shard: ContextShard | None = None      # decode context parallel: the positions this rank holds
+    shard: ContextShard | None = None      # context parallel: the positions this rank holds
+    _additive: dict = field(default_factory=dict, repr=False)
 
     @cached_property
     def mask(self) -> torch.Tensor:
@@ -61,12 +62,25 @@ class AttentionBucket:
         """~mask, shaped [1, B, 1, N * block_size] (decode)."""
         return ~self.mask.view(1, self.block_table.shape[0], 1, -1)
 
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """mask as 0 / -inf in dtype, for kernels that take a bias (made once a step, not per layer)."""
+        if dtype not in self._additive:
+            self._additive[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
+                ~self.mask, float("-inf"))
+        return self._additive[dtype]
+
+    @cached_property
+    def keyless(self) -> torch.Tensor:
+        """[B, 1, Q]: queries with no key on this rank (context parallel: zeros and an LSE of -inf)."""
+        return ~self.mask.any(dim=-1)
+
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token's K/V
     buckets: list[AttentionBucket]
     pcp_counts: list[int] | None = None   # prefill context parallel: each PCP group's tokens this step
+    pcp_own: slice | None = None          # ... and this group's among the gathered queries
 
 
 @dataclass
@@ -77,6 +91,13 @@ class ContextParallelStep:
     query_rows: list[list[int]]
     writes: list[tuple[int, list[int]]]
     pcp_counts: list[int]
+    pcp_rank: int
+
+    @property
+    def own(self) -> slice:
+        """This group's rows among the gathered queries."""
+        first = sum(self.pcp_counts[:self.pcp_rank])
+        return slice(first, first + self.pcp_counts[self.pcp_rank])
 
 
 def build_attention_metadata(query_lens: list[int], start_positions: list[int], block_tables: list[list[int]],
@@ -105,7 +126,7 @@ def build_attention_metadata(query_lens: list[int], start_positions: list[int], 
     buckets = [_bucket(rows, query_lens, start_positions, block_tables, offsets, block_size, device, shard,
                        query_rows) for rows in (decodes, prefills) if rows]
     return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=device), buckets,
-                             pcp.pcp_counts if pcp is not None else None)
+                             *((pcp.pcp_counts, pcp.own) if pcp is not None else ()))
 
 
 def _bucket(rows, query_lens, starts, tables, offsets, block_size, device, shard=None,
@@ -164,8 +185,8 @@ class TorchPagedAttention(AttentionBackend):
         layer.v_cache.view(Hkv, -1, D).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
     def forward_partial(self, layer, q, k, v, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode context parallel: k, v of this step written where this rank owns them; q
-        [T, Hq, D] (the DCP group's query heads) attended over this rank's positions.
+        """Context parallel: k, v of this step written where this rank owns them; q [T, Hq, D]
+        (the cp group's gathered queries) attended over this rank's positions.
         -> (partial output [T, Hq, D] float32, log-sum-exp [T, Hq] float32)"""
         self.write_kv(layer, k, v, meta.slot_mapping)
         T, Hq, D = q.shape
@@ -236,7 +257,7 @@ def decode_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _softmax_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax and log-sum-exp over the last dim of float32 scores; a row of -inf only gives
-    zeros and -inf (a DCP rank that holds none of a query's context yet)."""
+    zeros and -inf (a context parallel rank that holds none of a query's context yet)."""
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
     return probs, lse
@@ -247,7 +268,7 @@ _PARTIAL_SCORE_BYTES = 256 << 20
 
 
 def prefill_partial(layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt chunks under decode context parallel: attention with its log-sum-exp, in float32,
+    """Prompt chunks under context parallel: attention with its log-sum-exp, in float32,
     a piece of the queries at a time. q: the step's [T, Hq, D]. -> ([B * Q, Hq, D], [B * Q, Hq])"""
     kb, vb = gather(layer, b)                                # [Hkv, B, K, D]
     Hkv, B, K, D = kb.shape

@@ -48,7 +48,7 @@ class EngineCore:
         self._check_kv_capacity(num_blocks)
         self.executor.initialize_cache(num_blocks)
         self.max_in_flight = self.executor.max_concurrent_batches
-        # the scheduler counts blocks of kv_block_tokens (a block id's tokens over every DCP rank)
+        # the scheduler counts blocks of kv_block_tokens (a block id's tokens over every context parallel rank)
         self.scheduler = Scheduler(config.scheduler, replace(config.cache, block_size=config.kv_block_tokens),
                                    num_blocks, self.max_in_flight,
                                    config.lora.max_loras if config.lora is not None else 0, config.speculative)

@@ -1,8 +1,8 @@
 """The attention layer: one per decoder layer. It holds that layer's slice of the paged KV
 cache (bound by the model runner) and attends through the engine's attention backend
-(shardlm/attention/), chosen once for the device and dtype. Under decode context parallel it
-gathers the DCP group's query heads, has the backend attend over this rank's positions, and
-merges the group's partial outputs (attention/context_parallel.py)."""
+(shardlm/attention/), chosen once for the device and dtype. Under context parallel it gathers
+the cp group's queries, has the backend attend over this rank's positions, and merges the
+group's partial outputs (attention/context_parallel.py)."""
 
 from __future__ import annotations
 
@@ -31,15 +31,10 @@ class Attention(nn.Module):
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]"""
         if self.cp.world_size == 1:
             return self.backend.forward(self, q, k, v, meta)
-        counts = meta.pcp_counts
-        queries = gather_queries(q, self.cp, self.dcp.world_size, counts)
+        queries = gather_queries(q, self.cp, self.dcp.world_size, meta.pcp_counts)
         out, lse = self.backend.forward_partial(self, queries, k, v, meta)
-        own = None
-        if counts is not None:          # this PCP group's tokens among the gathered ones
-            pcp_rank = self.cp.rank_in_group // self.dcp.world_size
-            own = slice(sum(counts[:pcp_rank]), sum(counts[:pcp_rank + 1]))
         return merge_partials(out, lse, self.cp, self.num_heads, self.dcp.rank_in_group * self.num_heads, q.dtype,
-                              own)
+                              meta.pcp_own)
 
     def forward_qkv(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta,
                     qk_norm=None) -> torch.Tensor:

@@ -114,6 +114,7 @@ class FusedDecodeLayers:
                             else kernels.ALL_REDUCE_CALLBACK())
         self.dcp = attn.attn.dcp
         self._exchange = kernels.EXCHANGE_CALLBACK(self._exchange_in_place) if self.dcp.world_size > 1 else None
+        self._exchange_address = ctypes.cast(self._exchange, ctypes.c_void_p).value if self._exchange else 0
         self._exchanged: tuple[torch.Tensor, ...] = ()     # the step's q rows, q_all, send, every (DCP)
         self._dcp_buffers: tuple[torch.Tensor, ...] = ()
 
@@ -169,9 +170,8 @@ class FusedDecodeLayers:
         every = torch.empty(N, T, N * H * (D + 1), dtype=torch.float32)
         self._exchanged = (q_rows, q_all, send, every)
         self._dcp_buffers = (partial, lse)          # alive until the call returns: C holds their addresses
-        callback = ctypes.cast(self._exchange, ctypes.c_void_p).value
-        return torch.tensor([N, self.dcp.rank_in_group, callback] + [t.data_ptr() for t in (q_all, partial, lse, send,
-                                                                                            every)], dtype=torch.int64)
+        return torch.tensor([N, self.dcp.rank_in_group, self._exchange_address]
+                            + [t.data_ptr() for t in (q_all, partial, lse, send, every)], dtype=torch.int64)
 
     def _layer_table(self) -> torch.Tensor:
         """The weight and cache addresses of every layer (rebuilt if the caches were reallocated)."""

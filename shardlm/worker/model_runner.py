@@ -358,7 +358,8 @@ class ModelRunner:
             t += qlen
         mine = groups[self.pcp.rank_in_group]
         self._pcp_tokens = groups
-        step = ContextParallelStep(query_rows, [(positions[i], token_table[i]) for i in mine], [len(g) for g in groups])
+        step = ContextParallelStep(query_rows, [(positions[i], token_table[i]) for i in mine], [len(g) for g in groups],
+                                   self.pcp.rank_in_group)
         return step, mine
 
     def _gather_pcp_hidden(self, hidden: torch.Tensor) -> torch.Tensor | None:
