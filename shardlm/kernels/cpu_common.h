@@ -9,6 +9,7 @@
 #endif
 
 #include "shardlm_kernels.h"
+#include "simd16.h"
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -37,24 +38,6 @@ static inline void store(void *p, int64_t i, float v, int dtype) {
 }
 
 #if defined(__AVX512F__)
-// e^x for 16 floats, within 2 ulp of expf (Cephes' polynomial after x = n ln2 + r, |r| <= ln2/2);
-// past expf's range: 0 below, infinity above; NaN stays NaN (the operand order of min/max)
-static inline __m512 exp16(__m512 x) {
-    const __mmask16 overflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.7f), _CMP_GT_OQ);
-    x = _mm512_min_ps(_mm512_set1_ps(88.7f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_mask_mov_ps(_mm512_scalef_ps(p, n), overflow, _mm512_set1_ps(INFINITY));
-}
-
 // 16 values (those in mask m) from element i of a float32 or bfloat16 array, as float32
 static inline __m512 load16(const void *p, int64_t i, __mmask16 m, int dtype) {
     if (dtype == 0) return _mm512_maskz_loadu_ps(m, (const float *)p + i);

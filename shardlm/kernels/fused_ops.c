@@ -40,11 +40,21 @@ KERNEL_API void silu_and_mul(const void *x, void *out, int T, int I, int dtype) 
         for (int i = 0; i < I; i += 16) {
             const __mmask16 m = I - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (I - i)) - 1);
             const __m512 g = load16(x, row + i, m, dtype), u = load16(x, row + I + i, m, dtype);
-            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), vf_exp(_mm512_sub_ps(_mm512_setzero_ps(), g))));
             store16(out, (int64_t)t * I + i, _mm512_mul_ps(round16(silu, dtype), u), m, dtype);
         }
 #else
-        for (int i = 0; i < I; i++) {
+        int i = 0;
+#if defined(HAVE_SIMD16)
+        for (; i + 16 <= I; i += 16) {     // AVX2: the exponentials 16 at a time, the rest per value
+            const vf16 g = dtype == 0 ? vf_load((const float *)x + row + i) : vf_bf16((const uint16_t *)x + row + i);
+            float silu[16];
+            vf_store(silu, vf_div(g, vf_add(vf_set1(1.f), vf_exp(vf_sub(vf_zero(), g)))));
+            for (int j = 0; j < 16; j++)
+                store(out, (int64_t)t * I + i + j, round_to(silu[j], dtype) * load(x, row + I + i + j, dtype), dtype);
+        }
+#endif
+        for (; i < I; i++) {
             float g = load(x, row + i, dtype), u = load(x, row + I + i, dtype);
             store(out, (int64_t)t * I + i, round_to(g / (1.f + expf(-g)), dtype) * u, dtype);
         }

@@ -9,6 +9,7 @@
 // lse [B, H] float32, or NULL: each head's log-sum-exp of its scaled scores, for merging partial
 // outputs over split contexts (decode context parallel). A context of 0 gives zeros and -inf.
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,10 +35,10 @@ static inline const float *row_f32(const void *base, int64_t index, int D, int d
     return buf;
 }
 
-// out[b, h * G + g] = acc[g] for the G query heads of KV head h, in the cache's dtype
-static void write_out(void *out, const float *acc, int b, int H, int h, int G, int D, int dtype) {
-    for (int g = 0; g < G; g++) {
-        const int64_t o = ((int64_t)b * H + h * G + g) * D;
+// out[b, first + g] = acc[g] for n query heads from head `first`, in the cache's dtype
+static void write_out(void *out, const float *acc, int b, int H, int first, int n, int D, int dtype) {
+    for (int g = 0; g < n; g++) {
+        const int64_t o = ((int64_t)b * H + first + g) * D;
         if (dtype == 0) {
             memcpy((float *)out + o, acc + g * D, sizeof(float) * D);
         } else {
@@ -115,7 +116,7 @@ static inline __attribute__((always_inline)) void attend_simd(const int NC, cons
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < ctx; t += 16) {
             const __mmask16 m = ctx - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (ctx - t)) - 1);
-            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + t), top)));
+            const __m512 e = _mm512_maskz_mov_ps(m, vf_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + t), top)));
             _mm512_mask_storeu_ps(sg + t, m, e);
             sum = _mm512_add_ps(sum, e);
         }
@@ -162,6 +163,11 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
     int64_t max_ctx = 0;
     for (int b = 0; b < B; b++) if (context_lens[b] > max_ctx) max_ctx = context_lens[b];
     int failed = 0;
+    // Fewer than two (sequence, KV head) pairs per thread (a decode of a sequence or two): a task
+    // per query head instead, so that the threads share the work evenly. A query head's numbers
+    // are its own whatever the split (its scores, softmax and sum touch no other head's).
+    const int threads = omp_get_max_threads(), pairs = B * Hkv, parts = pairs >= 2 * threads ? 1 : G;
+    const int tasks = pairs * parts, chunk = tasks >= 32 * threads ? 16 : 1;
 
     #pragma omp parallel
     {
@@ -173,45 +179,50 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
             #pragma omp atomic write
             failed = 1;
         }
-        // in runs of tasks, so that the task after this one is mostly this thread's next
-        #pragma omp for schedule(dynamic, 16)
-        for (int task = 0; task < B * Hkv; task++) {
+        // in runs of tasks where there are many, so that the task after this one is mostly this
+        // thread's next
+        #pragma omp for schedule(dynamic, chunk)
+        for (int task = 0; task < tasks; task++) {
             if (failed) continue;
-            const int b = task / Hkv, h = task % Hkv;
+            const int pair = task / parts, part = task % parts;
+            const int b = pair / Hkv, h = pair % Hkv;
+            // this task's query heads of KV head h: [g0, g0 + Gt)
+            const int g0 = G * part / parts, Gt = G * (part + 1) / parts - g0;
             const int64_t ctx = context_lens[b];
             const int64_t *table = block_tables + (int64_t)b * max_blocks;
-            if (task + 1 < B * Hkv) {
-                const int nb = (task + 1) / Hkv, nh = (task + 1) % Hkv;
+            if (part == 0 && pair + 1 < pairs) {
+                const int nb = (pair + 1) / Hkv, nh = (pair + 1) % Hkv;
                 prefetch_task(k_cache, v_cache, block_tables + (int64_t)nb * max_blocks, context_lens[nb],
                               (int64_t)nh * num_blocks * block_size, block_size, D, dtype);
             }
-            float *head_lse = lse ? lse + (int64_t)b * H + h * G : NULL;
+            float *head_lse = lse ? lse + (int64_t)b * H + h * G + g0 : NULL;
             if (ctx == 0) {     // a decode context parallel rank that holds none of this context yet
-                memset(acc, 0, sizeof(float) * (size_t)G * D);
-                for (int g = 0; g < G && head_lse; g++) head_lse[g] = -INFINITY;
-                write_out(out, acc, b, H, h, G, D, dtype);
+                memset(acc, 0, sizeof(float) * (size_t)Gt * D);
+                for (int g = 0; g < Gt && head_lse; g++) head_lse[g] = -INFINITY;
+                write_out(out, acc, b, H, h * G + g0, Gt, D, dtype);
                 continue;
             }
-            for (int g = 0; g < G; g++) load_row((const char *)q + (b * q_stride + (int64_t)(h * G + g) * D) * (dtype ? 2 : 4), 0, D, dtype, qf + g * D);
+            for (int g = 0; g < Gt; g++)
+                load_row((const char *)q + (b * q_stride + (int64_t)(h * G + g0 + g) * D) * (dtype ? 2 : 4), 0, D, dtype, qf + g * D);
 #if defined(__AVX512F__)
             // the common head sizes: scores, softmax and sum of values in registers
             if (D == 64 || D == 128) {
                 const int64_t head_rows = (int64_t)h * num_blocks * block_size;
-                if (D == 64) attend_simd(4, qf, G, k_cache, v_cache, table, ctx, head_rows, block_size, scale, dtype, scores, acc, head_lse);
-                else attend_simd(8, qf, G, k_cache, v_cache, table, ctx, head_rows, block_size, scale, dtype, scores, acc, head_lse);
-                write_out(out, acc, b, H, h, G, D, dtype);
+                if (D == 64) attend_simd(4, qf, Gt, k_cache, v_cache, table, ctx, head_rows, block_size, scale, dtype, scores, acc, head_lse);
+                else attend_simd(8, qf, Gt, k_cache, v_cache, table, ctx, head_rows, block_size, scale, dtype, scores, acc, head_lse);
+                write_out(out, acc, b, H, h * G + g0, Gt, D, dtype);
                 continue;
             }
 #endif
 
             // scores = q . k * scale, for every context position, block by block; float32 rows
-            // are read in place, bfloat16 rows widened once for the G heads
+            // are read in place, bfloat16 rows widened once for the task's heads
             for (int64_t blk = 0, t0 = 0; t0 < ctx; blk++, t0 += block_size) {
                 const int64_t first = ((int64_t)h * num_blocks + table[blk]) * block_size;
                 const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
                 for (int i = 0; i < n; i++) {
                     const float *kr = row_f32(k_cache, first + i, D, dtype, row);
-                    for (int g = 0; g < G; g++) {
+                    for (int g = 0; g < Gt; g++) {
                         const float *qg = qf + g * D;
                         float s = 0.f;
                         #pragma omp simd reduction(+:s)
@@ -221,24 +232,33 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
                 }
             }
             // softmax per query head
-            for (int g = 0; g < G; g++) {
+            for (int g = 0; g < Gt; g++) {
                 float *s = scores + g * ctx, m = -INFINITY, sum = 0.f;
                 for (int64_t t = 0; t < ctx; t++) m = s[t] > m ? s[t] : m;
-                #pragma omp simd reduction(+:sum)
-                for (int64_t t = 0; t < ctx; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
+                int64_t t0 = 0;
+#if defined(HAVE_SIMD16)
+                vf16 sums = vf_zero();
+                for (; t0 + 16 <= ctx; t0 += 16) {     // the exponentials 16 at a time
+                    const vf16 e = vf_exp(vf_sub(vf_load(s + t0), vf_set1(m)));
+                    vf_store(s + t0, e);
+                    sums = vf_add(sums, e);
+                }
+                sum = vf_reduce_add(sums);
+#endif
+                for (int64_t t = t0; t < ctx; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
                 if (head_lse) head_lse[g] = m + logf(sum);
                 const float inv = 1.f / sum;
                 #pragma omp simd
                 for (int64_t t = 0; t < ctx; t++) s[t] *= inv;
             }
             // out = probs . v
-            memset(acc, 0, sizeof(float) * (size_t)G * D);
+            memset(acc, 0, sizeof(float) * (size_t)Gt * D);
             for (int64_t blk = 0, t0 = 0; t0 < ctx; blk++, t0 += block_size) {
                 const int64_t first = ((int64_t)h * num_blocks + table[blk]) * block_size;
                 const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
                 for (int i = 0; i < n; i++) {
                     const float *vr = row_f32(v_cache, first + i, D, dtype, row);
-                    for (int g = 0; g < G; g++) {
+                    for (int g = 0; g < Gt; g++) {
                         const float p = scores[g * ctx + t0 + i];
                         float *a = acc + g * D;
                         #pragma omp simd
@@ -246,7 +266,7 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
                     }
                 }
             }
-            write_out(out, acc, b, H, h, G, D, dtype);
+            write_out(out, acc, b, H, h * G + g0, Gt, D, dtype);
         }
         free(scores); free(qf); free(acc); free(row);
     }

@@ -2,6 +2,7 @@
 // kernels written with these build for both; HAVE_SIMD16 says whether this build has either.
 // Loads and stores are unaligned; shift counts are compile-time constants in the callers.
 #pragma once
+#include <math.h>
 #include <stdint.h>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
@@ -19,6 +20,8 @@ INL vf16 vf_load(const float *p) { return _mm512_loadu_ps(p); }
 INL void vf_store(float *p, vf16 v) { _mm512_storeu_ps(p, v); }
 INL vf16 vf_add(vf16 a, vf16 b) { return _mm512_add_ps(a, b); }
 INL vf16 vf_mul(vf16 a, vf16 b) { return _mm512_mul_ps(a, b); }
+INL vf16 vf_sub(vf16 a, vf16 b) { return _mm512_sub_ps(a, b); }
+INL vf16 vf_div(vf16 a, vf16 b) { return _mm512_div_ps(a, b); }
 INL vf16 vf_fmadd(vf16 a, vf16 b, vf16 c) { return _mm512_fmadd_ps(a, b, c); }
 INL vi16 vi_load(const void *p) { return _mm512_loadu_si512(p); }
 INL vi16 vi_set1(int x) { return _mm512_set1_epi32(x); }
@@ -53,6 +56,23 @@ INL vi16 vi_dot_s16(vi16 acc, vi16 a, vi16 b) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 #endif
 }
+// e^x, within 2 ulp of expf (Cephes' polynomial after x = n ln2 + r, |r| <= ln2/2); past
+// expf's range: 0 below, infinity above; NaN stays NaN (the operand order of min/max)
+INL vf16 vf_exp(vf16 x) {
+    const __mmask16 overflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.7f), _CMP_GT_OQ);
+    x = _mm512_min_ps(_mm512_set1_ps(88.7f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_mask_mov_ps(_mm512_scalef_ps(p, n), overflow, _mm512_set1_ps(INFINITY));
+}
 #undef INL
 #elif defined(HAVE_SIMD16)
 #define SIMD16_BITS 256
@@ -65,6 +85,8 @@ INL vf16 vf_load(const float *p) { return (vf16){_mm256_loadu_ps(p), _mm256_load
 INL void vf_store(float *p, vf16 v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
 INL vf16 vf_add(vf16 a, vf16 b) { return (vf16){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 INL vf16 vf_mul(vf16 a, vf16 b) { return (vf16){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+INL vf16 vf_sub(vf16 a, vf16 b) { return (vf16){_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+INL vf16 vf_div(vf16 a, vf16 b) { return (vf16){_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
 INL vf16 vf_fmadd(vf16 a, vf16 b, vf16 c) {
     return (vf16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
@@ -123,5 +145,26 @@ INL __m256i dot8_s16(__m256i acc, __m256i a, __m256i b) {
 INL vi16 vi_dot_s16(vi16 acc, vi16 a, vi16 b) {
     return (vi16){dot8_s16(acc.lo, a.lo, b.lo), dot8_s16(acc.hi, a.hi, b.hi)};
 }
+// vf_exp for 8 lanes: the same polynomial; 2^n applied as two exact factors 2^(n/2), so that every
+// n of the clamped range (-126..128) is two normal numbers
+INL __m256 exp8(__m256 x) {
+    const __m256 overflow = _mm256_cmp_ps(x, _mm256_set1_ps(88.7f), _CMP_GT_OQ);
+    x = _mm256_min_ps(_mm256_set1_ps(88.7f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1), bias = _mm256_set1_epi32(127);
+    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+    const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
+    return _mm256_blendv_ps(_mm256_mul_ps(_mm256_mul_ps(p, a), b), _mm256_set1_ps(INFINITY), overflow);
+}
+INL vf16 vf_exp(vf16 x) { return (vf16){exp8(x.lo), exp8(x.hi)}; }
 #undef INL
 #endif
