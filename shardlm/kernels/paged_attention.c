@@ -138,6 +138,70 @@ static inline __attribute__((always_inline)) void attend_simd(const int NC, cons
 }
 #endif
 
+// s[t] = e^(s[t] - top) for t < n (the exponentials 16 at a time where vectors exist); *total = their sum
+static inline void softmax_weights(float *s, int64_t n, float top, float *total) {
+    int64_t t = 0;
+    float sum = 0.f;
+#if defined(HAVE_SIMD16)
+    vf16 sums = vf_zero();
+    for (; t + 16 <= n; t += 16) {
+        const vf16 e = vf_exp(vf_sub(vf_load(s + t), vf_set1(top)));
+        vf_store(s + t, e);
+        sums = vf_add(sums, e);
+    }
+    sum = vf_reduce_add(sums);
+#endif
+    for (; t < n; t++) { s[t] = expf(s[t] - top); sum += s[t]; }
+    *total = sum;
+}
+
+#if !defined(__AVX512F__) && defined(HAVE_SIMD16)
+// 16 values of a cache (float32 or bfloat16) from element i, as float32
+static inline __attribute__((always_inline)) vf16 row16(const void *cache, int64_t i, int dtype) {
+    return dtype == 0 ? vf_load((const float *)cache + i) : vf_bf16((const uint16_t *)cache + i);
+}
+
+// attend_simd for AVX2 (16-lane vectors as register pairs), head sizes of NC * 16: each cache row
+// widened once into registers; per query head its scores, a softmax 16 at a time, and the
+// values summed in registers
+static inline __attribute__((always_inline)) void attend_vf16(const int NC, const float *qf, int G, const void *k_cache,
+        const void *v_cache, const int64_t *table, int64_t ctx, int64_t head_rows, int block_size, float scale,
+        int dtype, float *scores, float *out_acc, float *lse) {
+    const int D = NC * 16;
+    for (int64_t blk = 0, t0 = 0; t0 < ctx; blk++, t0 += block_size) {
+        const int64_t first = head_rows + table[blk] * block_size;
+        const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
+        for (int i = 0; i < n; i++) {
+            vf16 k[NC];
+            for (int c = 0; c < NC; c++) k[c] = row16(k_cache, (first + i) * D + 16 * c, dtype);
+            for (int g = 0; g < G; g++) {
+                vf16 dot = vf_mul(vf_load(qf + g * D), k[0]);
+                for (int c = 1; c < NC; c++) dot = vf_fmadd(vf_load(qf + g * D + 16 * c), k[c], dot);
+                scores[g * ctx + t0 + i] = vf_reduce_add(dot) * scale;
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float *sg = scores + g * ctx, top = -INFINITY, total;
+        for (int64_t t = 0; t < ctx; t++) top = sg[t] > top ? sg[t] : top;
+        softmax_weights(sg, ctx, top, &total);
+        if (lse) lse[g] = top + logf(total);
+        vf16 acc[NC];
+        for (int c = 0; c < NC; c++) acc[c] = vf_zero();
+        for (int64_t blk = 0, t0 = 0; t0 < ctx; blk++, t0 += block_size) {
+            const int64_t first = head_rows + table[blk] * block_size;
+            const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
+            for (int i = 0; i < n; i++) {
+                const vf16 p = vf_set1(sg[t0 + i]);
+                for (int c = 0; c < NC; c++) acc[c] = vf_fmadd(p, row16(v_cache, (first + i) * D + 16 * c, dtype), acc[c]);
+            }
+        }
+        const vf16 inv = vf_set1(1.f / total);
+        for (int c = 0; c < NC; c++) vf_store(out_acc + g * D + 16 * c, vf_mul(acc[c], inv));
+    }
+}
+#endif
+
 // Asks for one (sequence, KV head)'s keys and values to be brought into L2 ahead of use. A
 // sequence's blocks lie scattered through the cache, each too short a run for the hardware
 // prefetcher, so they are asked for one task ahead. Inlined: as a call of its own, gcc found it
@@ -213,6 +277,14 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
                 write_out(out, acc, b, H, h * G + g0, Gt, D, dtype);
                 continue;
             }
+#elif defined(HAVE_SIMD16)
+            if (D == 64 || D == 128) {
+                const int64_t head_rows = (int64_t)h * num_blocks * block_size;
+                if (D == 64) attend_vf16(4, qf, Gt, k_cache, v_cache, table, ctx, head_rows, block_size, scale, dtype, scores, acc, head_lse);
+                else attend_vf16(8, qf, Gt, k_cache, v_cache, table, ctx, head_rows, block_size, scale, dtype, scores, acc, head_lse);
+                write_out(out, acc, b, H, h * G + g0, Gt, D, dtype);
+                continue;
+            }
 #endif
 
             // scores = q . k * scale, for every context position, block by block; float32 rows
@@ -233,19 +305,9 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
             }
             // softmax per query head
             for (int g = 0; g < Gt; g++) {
-                float *s = scores + g * ctx, m = -INFINITY, sum = 0.f;
+                float *s = scores + g * ctx, m = -INFINITY, sum;
                 for (int64_t t = 0; t < ctx; t++) m = s[t] > m ? s[t] : m;
-                int64_t t0 = 0;
-#if defined(HAVE_SIMD16)
-                vf16 sums = vf_zero();
-                for (; t0 + 16 <= ctx; t0 += 16) {     // the exponentials 16 at a time
-                    const vf16 e = vf_exp(vf_sub(vf_load(s + t0), vf_set1(m)));
-                    vf_store(s + t0, e);
-                    sums = vf_add(sums, e);
-                }
-                sum = vf_reduce_add(sums);
-#endif
-                for (int64_t t = t0; t < ctx; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
+                softmax_weights(s, ctx, m, &sum);
                 if (head_lse) head_lse[g] = m + logf(sum);
                 const float inv = 1.f / sum;
                 #pragma omp simd
