@@ -375,11 +375,6 @@ static inline __attribute__((always_inline)) void int4_tile_q16(const qx_t *xq, 
     }
 }
 
-// 16 values of x from element i (float32 or bfloat16) as float32
-static inline __attribute__((always_inline)) vf16 x_values(const void *x, int64_t i, int dtype) {
-    return dtype == 0 ? vf_load((const float *)x + i) : vf_bf16((const uint16_t *)x + i);
-}
-
 // x [M, K] (dtype, row stride x_stride) quantized into xq's buffers for int4_tile_q16: 16 values at
 // a time where the group allows (sums in that order: a row's values do not depend on the batch)
 static void quantize_x(const void *x, int64_t x_stride, int M, int K, int group, int dtype, const qx_t *xq) {
@@ -392,7 +387,7 @@ static void quantize_x(const void *x, int64_t x_stride, int M, int K, int group,
             if (vectors) {
                 vf16 vmax = vf_zero(), vsum = vf_zero();
                 for (int k = 0; k < group; k += 16) {
-                    const vf16 v = x_values(x, at + k, dtype);
+                    const vf16 v = vf_load_as(x, at + k, dtype);
                     vmax = vf_max(vmax, vf_abs(v));
                     vsum = vf_add(vsum, v);
                 }
@@ -408,7 +403,7 @@ static void quantize_x(const void *x, int64_t x_stride, int M, int K, int group,
             ((float *)xq->scale)[m * xq->groups + g] = amax / 32767.f;
             ((float *)xq->sum)[m * xq->groups + g] = sum;
             if (vectors)
-                for (int k = 0; k < group; k += 16) vf_store_int16(q + k, vf_mul(x_values(x, at + k, dtype), vf_set1(inv)));
+                for (int k = 0; k < group; k += 16) vf_store_int16(q + k, vf_mul(vf_load_as(x, at + k, dtype), vf_set1(inv)));
             else
                 for (int k = 0; k < group; k++) q[k] = (int16_t)lrintf(load(x, at + k, dtype) * inv);
         }

@@ -47,7 +47,7 @@ KERNEL_API void silu_and_mul(const void *x, void *out, int T, int I, int dtype) 
         int i = 0;
 #if defined(HAVE_SIMD16)
         for (; i + 16 <= I; i += 16) {     // AVX2: the exponentials 16 at a time, the rest per value
-            const vf16 g = dtype == 0 ? vf_load((const float *)x + row + i) : vf_bf16((const uint16_t *)x + row + i);
+            const vf16 g = vf_load_as(x, row + i, dtype);
             float silu[16];
             vf_store(silu, vf_div(g, vf_add(vf_set1(1.f), vf_exp(vf_sub(vf_zero(), g)))));
             for (int j = 0; j < 16; j++)

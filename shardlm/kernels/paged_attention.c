@@ -156,11 +156,6 @@ static inline void softmax_weights(float *s, int64_t n, float top, float *total)
 }
 
 #if !defined(__AVX512F__) && defined(HAVE_SIMD16)
-// 16 values of a cache (float32 or bfloat16) from element i, as float32
-static inline __attribute__((always_inline)) vf16 row16(const void *cache, int64_t i, int dtype) {
-    return dtype == 0 ? vf_load((const float *)cache + i) : vf_bf16((const uint16_t *)cache + i);
-}
-
 // attend_simd for AVX2 (16-lane vectors as register pairs), head sizes of NC * 16: each cache row
 // widened once into registers; per query head its scores, a softmax 16 at a time, and the
 // values summed in registers
@@ -173,7 +168,7 @@ static inline __attribute__((always_inline)) void attend_vf16(const int NC, cons
         const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
         for (int i = 0; i < n; i++) {
             vf16 k[NC];
-            for (int c = 0; c < NC; c++) k[c] = row16(k_cache, (first + i) * D + 16 * c, dtype);
+            for (int c = 0; c < NC; c++) k[c] = vf_load_as(k_cache, (first + i) * D + 16 * c, dtype);
             for (int g = 0; g < G; g++) {
                 vf16 dot = vf_mul(vf_load(qf + g * D), k[0]);
                 for (int c = 1; c < NC; c++) dot = vf_fmadd(vf_load(qf + g * D + 16 * c), k[c], dot);
@@ -193,7 +188,7 @@ static inline __attribute__((always_inline)) void attend_vf16(const int NC, cons
             const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
             for (int i = 0; i < n; i++) {
                 const vf16 p = vf_set1(sg[t0 + i]);
-                for (int c = 0; c < NC; c++) acc[c] = vf_fmadd(p, row16(v_cache, (first + i) * D + 16 * c, dtype), acc[c]);
+                for (int c = 0; c < NC; c++) acc[c] = vf_fmadd(p, vf_load_as(v_cache, (first + i) * D + 16 * c, dtype), acc[c]);
             }
         }
         const vf16 inv = vf_set1(1.f / total);

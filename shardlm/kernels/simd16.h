@@ -168,3 +168,10 @@ INL __m256 exp8(__m256 x) {
 INL vf16 vf_exp(vf16 x) { return (vf16){exp8(x.lo), exp8(x.hi)}; }
 #undef INL
 #endif
+
+#if defined(HAVE_SIMD16)
+// 16 values of a float32 (dtype 0) or bfloat16 (1) array from element i, as float32
+static inline __attribute__((always_inline)) vf16 vf_load_as(const void *p, int64_t i, int dtype) {
+    return dtype == 0 ? vf_load((const float *)p + i) : vf_bf16((const uint16_t *)p + i);
+}
+#endif
