@@ -48,6 +48,66 @@ static void write_out(void *out, const float *acc, int b, int H, int first, int 
     }
 }
 
+// the largest of s[0..n) (-inf for none)
+static inline float max_of(const float *s, int64_t n) {
+    int64_t t = 0;
+    float top = -INFINITY;
+#if defined(HAVE_SIMD16)
+    if (n >= 16) {
+        vf16 m = vf_load(s);
+        for (t = 16; t + 16 <= n; t += 16) m = vf_max(m, vf_load(s + t));
+        top = vf_reduce_max(m);
+    }
+#endif
+    for (; t < n; t++) top = s[t] > top ? s[t] : top;
+    return top;
+}
+
+// s[t] = e^(s[t] - top) for t < n (the exponentials 16 at a time where vectors exist); *total = their sum
+static inline void softmax_weights(float *s, int64_t n, float top, float *total) {
+    int64_t t = 0;
+    float sum = 0.f;
+#if defined(HAVE_SIMD16)
+    vf16 sums = vf_zero();
+    for (; t + 16 <= n; t += 16) {
+        const vf16 e = vf_exp(vf_sub(vf_load(s + t), vf_set1(top)));
+        vf_store(s + t, e);
+        sums = vf_add(sums, e);
+    }
+    sum = vf_reduce_add(sums);
+#endif
+    for (; t < n; t++) { s[t] = expf(s[t] - top); sum += s[t]; }
+    *total = sum;
+}
+
+#if defined(HAVE_SIMD16)
+// The second half of a (sequence, KV head)'s attention for head sizes of NC * 16, once its G
+// query heads' scaled scores are in scores (G x ctx): per head the softmax weights and their sum
+// of the values, in registers, into out_acc (G x D); lse (or NULL) gets each head's log-sum-exp
+static inline __attribute__((always_inline)) void weigh_values(const int NC, int G, float *scores, const void *v_cache,
+        const int64_t *table, int64_t ctx, int64_t head_rows, int block_size, int dtype, float *out_acc, float *lse) {
+    const int D = NC * 16;
+    for (int g = 0; g < G; g++) {
+        float *sg = scores + g * ctx, total;
+        const float top = max_of(sg, ctx);
+        softmax_weights(sg, ctx, top, &total);
+        if (lse) lse[g] = top + logf(total);
+        vf16 acc[NC];
+        for (int c = 0; c < NC; c++) acc[c] = vf_zero();
+        for (int64_t blk = 0, t0 = 0; t0 < ctx; blk++, t0 += block_size) {
+            const int64_t first = head_rows + table[blk] * block_size;
+            const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
+            for (int i = 0; i < n; i++) {
+                const vf16 p = vf_set1(sg[t0 + i]);
+                for (int c = 0; c < NC; c++) acc[c] = vf_fmadd(p, vf_load_as(v_cache, (first + i) * D + 16 * c, dtype), acc[c]);
+            }
+        }
+        const vf16 inv = vf_set1(1.f / total);
+        for (int c = 0; c < NC; c++) vf_store(out_acc + g * D + 16 * c, vf_mul(acc[c], inv));
+    }
+}
+#endif
+
 #if defined(__AVX512F__)
 // lane i = the sum of v[i]'s 16 lanes, for 16 vectors at once (a transposing tree of adds)
 static inline __m512 reduce16(const __m512 v[16]) {
@@ -104,56 +164,9 @@ static inline __attribute__((always_inline)) void attend_simd(const int NC, cons
             }
         }
     }
-    for (int g = 0; g < G; g++) {
-        float *sg = scores + g * ctx;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < ctx; t += 16) {
-            const __mmask16 m = ctx - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (ctx - t)) - 1);
-            mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, sg + t));
-        }
-        const float top_s = _mm512_reduce_max_ps(mx);
-        const __m512 top = _mm512_set1_ps(top_s);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < ctx; t += 16) {
-            const __mmask16 m = ctx - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (ctx - t)) - 1);
-            const __m512 e = _mm512_maskz_mov_ps(m, vf_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + t), top)));
-            _mm512_mask_storeu_ps(sg + t, m, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        const float total = _mm512_reduce_add_ps(sum), inv = 1.f / total;
-        if (lse) lse[g] = top_s + logf(total);
-        __m512 acc[NC];
-        for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
-        for (int64_t blk = 0, t0 = 0; t0 < ctx; blk++, t0 += block_size) {
-            const int64_t first = head_rows + table[blk] * block_size;
-            const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
-            for (int i = 0; i < n; i++) {
-                const __m512 p = _mm512_set1_ps(sg[t0 + i]);
-                for (int c = 0; c < NC; c++)
-                    acc[c] = _mm512_fmadd_ps(p, load16(v_cache, (first + i) * D + 16 * c, 0xffff, dtype), acc[c]);
-            }
-        }
-        for (int c = 0; c < NC; c++) _mm512_storeu_ps(out_acc + g * D + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
-    }
+    weigh_values(NC, G, scores, v_cache, table, ctx, head_rows, block_size, dtype, out_acc, lse);
 }
 #endif
-
-// s[t] = e^(s[t] - top) for t < n (the exponentials 16 at a time where vectors exist); *total = their sum
-static inline void softmax_weights(float *s, int64_t n, float top, float *total) {
-    int64_t t = 0;
-    float sum = 0.f;
-#if defined(HAVE_SIMD16)
-    vf16 sums = vf_zero();
-    for (; t + 16 <= n; t += 16) {
-        const vf16 e = vf_exp(vf_sub(vf_load(s + t), vf_set1(top)));
-        vf_store(s + t, e);
-        sums = vf_add(sums, e);
-    }
-    sum = vf_reduce_add(sums);
-#endif
-    for (; t < n; t++) { s[t] = expf(s[t] - top); sum += s[t]; }
-    *total = sum;
-}
 
 #if !defined(__AVX512F__) && defined(HAVE_SIMD16)
 // attend_simd for AVX2 (16-lane vectors as register pairs), head sizes of NC * 16: each cache row
@@ -176,24 +189,7 @@ static inline __attribute__((always_inline)) void attend_vf16(const int NC, cons
             }
         }
     }
-    for (int g = 0; g < G; g++) {
-        float *sg = scores + g * ctx, top = -INFINITY, total;
-        for (int64_t t = 0; t < ctx; t++) top = sg[t] > top ? sg[t] : top;
-        softmax_weights(sg, ctx, top, &total);
-        if (lse) lse[g] = top + logf(total);
-        vf16 acc[NC];
-        for (int c = 0; c < NC; c++) acc[c] = vf_zero();
-        for (int64_t blk = 0, t0 = 0; t0 < ctx; blk++, t0 += block_size) {
-            const int64_t first = head_rows + table[blk] * block_size;
-            const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
-            for (int i = 0; i < n; i++) {
-                const vf16 p = vf_set1(sg[t0 + i]);
-                for (int c = 0; c < NC; c++) acc[c] = vf_fmadd(p, vf_load_as(v_cache, (first + i) * D + 16 * c, dtype), acc[c]);
-            }
-        }
-        const vf16 inv = vf_set1(1.f / total);
-        for (int c = 0; c < NC; c++) vf_store(out_acc + g * D + 16 * c, vf_mul(acc[c], inv));
-    }
+    weigh_values(NC, G, scores, v_cache, table, ctx, head_rows, block_size, dtype, out_acc, lse);
 }
 #endif
 
@@ -300,8 +296,8 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
             }
             // softmax per query head
             for (int g = 0; g < Gt; g++) {
-                float *s = scores + g * ctx, m = -INFINITY, sum;
-                for (int64_t t = 0; t < ctx; t++) m = s[t] > m ? s[t] : m;
+                float *s = scores + g * ctx, sum;
+                const float m = max_of(s, ctx);
                 softmax_weights(s, ctx, m, &sum);
                 if (head_lse) head_lse[g] = m + logf(sum);
                 const float inv = 1.f / sum;
