@@ -2,7 +2,8 @@
 //
 // Reads each sequence's keys and values straight from the paged KV cache through its block
 // table, once, with float32 accumulation: no gathered copy of the context. Parallel over
-// (sequence, KV head); the query heads sharing a KV head are done together (GQA).
+// (sequence, KV head); the query heads sharing a KV head are done together (GQA), or one
+// by one where there are fewer than two pairs per thread.
 //
 // Layouts: q [B, H, D] with row stride q_stride (elements between sequences), out [B, H, D]; k_cache, v_cache [Hkv, num_blocks, block_size, D];
 // block_tables [B, max_blocks] (int64); context_lens [B] (int64). dtype 0 = float32, 1 = bfloat16.
