@@ -56,22 +56,14 @@ INL vi16 vi_dot_s16(vi16 acc, vi16 a, vi16 b) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 #endif
 }
-// e^x, within 2 ulp of expf (Cephes' polynomial after x = n ln2 + r, |r| <= ln2/2); past
-// expf's range: 0 below, infinity above; NaN stays NaN (the operand order of min/max)
-INL vf16 vf_exp(vf16 x) {
-    const __mmask16 overflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.7f), _CMP_GT_OQ);
-    x = _mm512_min_ps(_mm512_set1_ps(88.7f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_mask_mov_ps(_mm512_scalef_ps(p, n), overflow, _mm512_set1_ps(INFINITY));
+// vf_exp's pieces: c - a * b; to the nearest integer; p * 2^n (n integral); lanes where x > limit
+// set to infinity
+INL vf16 vf_min(vf16 a, vf16 b) { return _mm512_min_ps(a, b); }
+INL vf16 vf_fnmadd(vf16 a, vf16 b, vf16 c) { return _mm512_fnmadd_ps(a, b, c); }
+INL vf16 vf_round(vf16 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT); }
+INL vf16 vf_scale2(vf16 p, vf16 n) { return _mm512_scalef_ps(p, n); }
+INL vf16 vf_inf_above(vf16 v, vf16 x, float limit) {
+    return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(x, _mm512_set1_ps(limit), _CMP_GT_OQ), _mm512_set1_ps(INFINITY));
 }
 #undef INL
 #elif defined(HAVE_SIMD16)
@@ -145,31 +137,49 @@ INL __m256i dot8_s16(__m256i acc, __m256i a, __m256i b) {
 INL vi16 vi_dot_s16(vi16 acc, vi16 a, vi16 b) {
     return (vi16){dot8_s16(acc.lo, a.lo, b.lo), dot8_s16(acc.hi, a.hi, b.hi)};
 }
-// vf_exp for 8 lanes: the same polynomial; 2^n applied as two exact factors 2^(n/2), so that every
-// n of the clamped range (-126..128) is two normal numbers
-INL __m256 exp8(__m256 x) {
-    const __m256 overflow = _mm256_cmp_ps(x, _mm256_set1_ps(88.7f), _CMP_GT_OQ);
-    x = _mm256_min_ps(_mm256_set1_ps(88.7f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+INL vf16 vf_min(vf16 a, vf16 b) { return (vf16){_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+INL vf16 vf_fnmadd(vf16 a, vf16 b, vf16 c) {
+    return (vf16){_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+INL vf16 vf_round(vf16 a) {
+    return (vf16){_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                  _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+// 2^n applied as two exact factors 2^(n/2), so that every n of vf_exp's clamped range
+// (-126..128) is two normal numbers
+INL __m256 scale2_8(__m256 p, __m256 n) {
     const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1), bias = _mm256_set1_epi32(127);
     const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
     const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
-    return _mm256_blendv_ps(_mm256_mul_ps(_mm256_mul_ps(p, a), b), _mm256_set1_ps(INFINITY), overflow);
+    return _mm256_mul_ps(_mm256_mul_ps(p, a), b);
 }
-INL vf16 vf_exp(vf16 x) { return (vf16){exp8(x.lo), exp8(x.hi)}; }
+INL vf16 vf_scale2(vf16 p, vf16 n) { return (vf16){scale2_8(p.lo, n.lo), scale2_8(p.hi, n.hi)}; }
+INL vf16 vf_inf_above(vf16 v, vf16 x, float limit) {
+    const __m256 lim = _mm256_set1_ps(limit), inf = _mm256_set1_ps(INFINITY);
+    return (vf16){_mm256_blendv_ps(v.lo, inf, _mm256_cmp_ps(x.lo, lim, _CMP_GT_OQ)),
+                  _mm256_blendv_ps(v.hi, inf, _mm256_cmp_ps(x.hi, lim, _CMP_GT_OQ))};
+}
 #undef INL
 #endif
 
 #if defined(HAVE_SIMD16)
+// e^x, within 2 ulp of expf (Cephes' polynomial after x = n ln2 + r, |r| <= ln2/2); past
+// expf's range: 0 below, infinity above; NaN stays NaN (the operand order of min/max)
+static inline __attribute__((always_inline)) vf16 vf_exp(vf16 x) {
+    const vf16 c = vf_min(vf_set1(88.7f), vf_max(vf_set1(-87.3f), x));
+    const vf16 n = vf_round(vf_mul(c, vf_set1(1.44269504f)));
+    vf16 r = vf_fnmadd(n, vf_set1(0.693359375f), c);
+    r = vf_fnmadd(n, vf_set1(-2.12194440e-4f), r);
+    vf16 p = vf_set1(1.9875691500e-4f);
+    p = vf_fmadd(p, r, vf_set1(1.3981999507e-3f));
+    p = vf_fmadd(p, r, vf_set1(8.3334519073e-3f));
+    p = vf_fmadd(p, r, vf_set1(4.1665795894e-2f));
+    p = vf_fmadd(p, r, vf_set1(1.6666665459e-1f));
+    p = vf_fmadd(p, r, vf_set1(5.0000001201e-1f));
+    p = vf_fmadd(p, vf_mul(r, r), vf_add(r, vf_set1(1.f)));
+    return vf_inf_above(vf_scale2(p, n), x, 88.7f);
+}
+
 // 16 values of a float32 (dtype 0) or bfloat16 (1) array from element i, as float32
 static inline __attribute__((always_inline)) vf16 vf_load_as(const void *p, int64_t i, int dtype) {
     return dtype == 0 ? vf_load((const float *)p + i) : vf_bf16((const uint16_t *)p + i);
