@@ -173,6 +173,10 @@ class AsyncLLM:
                     collector = self._collectors.pop(parent.request_id, None)
                     if collector is not None:
                         collector.put(EngineDeadError(error))
+                # Let the streams read this step before the next: queued steps come back from
+                # get_output_async without a pause, and a stream not yet woken would receive them
+                # merged into one delta (as vLLM's handler, which yields between chunks).
+                await asyncio.sleep(0)
         except EngineDeadError as e:
             logger.error("%s In-flight requests fail.", e)
             self._fail_requests(e)
