@@ -67,13 +67,17 @@ class CudaAttention(TorchPagedAttention):
         return CudaDecodeMetadata(self.slot_mapping[:B], self.block_tables[:B, :N], self.context_lens[:B],
                                   self.positions[:N * self.block_size])
 
-    def padded_decode_metadata(self, num_seqs: int, padded_seqs: int, padded_blocks: int) -> CudaDecodeMetadata:
-        """This step's decode metadata (build_metadata ran) widened to fixed bucket shapes for a
-        captured graph: rows past num_seqs write to slot 0 of the null block and attend to it;
-        columns past a sequence's blocks lie beyond its context length, so they are masked."""
+    def padded_decode_metadata(self, num_seqs: int, padded_seqs: int, num_blocks: int,
+                               padded_blocks: int) -> CudaDecodeMetadata:
+        """This step's decode metadata (build_metadata ran, num_blocks wide) widened to fixed bucket
+        shapes for a captured graph: rows past num_seqs write to slot 0 of the null block and attend
+        to it; columns past num_blocks lie beyond every context length, so they are masked, but they
+        are still read: they name the null block, not what an earlier step left there (a draft
+        model's scratch blocks lie past the target's cache)."""
         self.slot_mapping[num_seqs:padded_seqs].zero_()
         self.context_lens[num_seqs:padded_seqs].fill_(1)
         self.block_tables[num_seqs:padded_seqs].zero_()
+        self.block_tables[:num_seqs, num_blocks:padded_blocks].zero_()
         return CudaDecodeMetadata(self.slot_mapping[:padded_seqs], self.block_tables[:padded_seqs, :padded_blocks],
                                   self.context_lens[:padded_seqs], self.positions[:padded_blocks * self.block_size])
 

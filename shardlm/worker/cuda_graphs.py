@@ -78,7 +78,7 @@ class CudaGraphs:
         self.positions[:B].copy_(positions)
         self.input_ids[B:padded_b].zero_()
         self.positions[B:padded_b].zero_()
-        meta = self.backend.padded_decode_metadata(B, padded_b, padded_n)
+        meta = self.backend.padded_decode_metadata(B, padded_b, N, padded_n)
         key = (padded_b, padded_n)
         if key not in self.graphs:
             self.graphs[key] = self._capture(padded_b, meta)
