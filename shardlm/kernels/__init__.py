@@ -32,6 +32,7 @@ import torch
 
 from shardlm import envs
 from shardlm.kernels import build
+from shardlm.kernels import decode_abi as abi
 from shardlm.kernels.build import ISA_VARIANTS
 from shardlm.logger import init_logger
 from shardlm.utils import cpu_flags
@@ -183,10 +184,11 @@ def _compile_at_run_time(isa: str) -> tuple[ctypes.CDLL | None, str]:
 
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-ALL_REDUCE_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int)     # llama_decode_layers' tensor parallel all-reduce
-EXCHANGE_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)   # ... its decode context parallel exchanges
+_I32 = ctypes.c_int32
+_to = ctypes.POINTER
 
-# Every entry point of shardlm_kernels.h: (argument types, result type). Pointers are c_void_p.
+# Every entry point of shardlm_kernels.h: (argument types, result type). Pointers are c_void_p,
+# except those to the one-call decode step's structs (decode_abi.py).
 SIGNATURES: dict[str, tuple[list, object]] = {
     "add_rmsnorm": ([_P, _I64, _P, _P, _P, _P, _I, _I, _F, _I], None),
     "silu_and_mul": ([_P, _P, _I, _I, _I], None),
@@ -213,8 +215,9 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "blocked_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I),
     "blocked_int4_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I),
     "blocked_int8_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I),
-    "llama_decode_layers": ([_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F,
-                             _I, _I, _I, _I, _P, ALL_REDUCE_CALLBACK, _P, _P, _I, _I, _P], _I),
+    "llama_decode_scratch_elements": ([_to(abi.LlamaDecodeModel), _I32, _I32], _I64),
+    "llama_decode_layers": ([_to(abi.LlamaDecodeModel), _to(abi.LlamaDecodeLayer), _to(abi.LlamaDecodeStep),
+                             _to(abi.LlamaDecodeLora), _to(abi.LlamaDecodeContextParallel)], _I32),
 }
 _functions: dict[str, object] = {}
 
@@ -353,9 +356,11 @@ def blocked_panel_width():
 
 
 def llama_decode_layers():
-    """A stage's Llama decoder layers for one decode step in one call (kernels/llama_decode.c), or None."""
+    """(llama_decode_scratch_elements, llama_decode_layers): a stage's Llama decoder layers for one
+    decode step in one call (kernels/llama_decode.c; arguments in decode_abi.py), or None."""
     blocked_vector_bits()          # the bfloat16 product choice is made before the first step
-    return _function("llama_decode_layers")
+    step = _function("llama_decode_layers")
+    return None if step is None else (_function("llama_decode_scratch_elements"), step)
 
 
 _fused: list = []

@@ -61,11 +61,81 @@ KERNEL_API int blocked_int4_matmul(const void *x, int64_t x_stride, const void *
 KERNEL_API int blocked_int8_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y,
                                    int M, int N, int K, int group, int tb, int dtype);
 
-// llama_decode.c
-KERNEL_API int llama_decode_layers(const int64_t *layers, int L, void *hidden, void *residual, int has_residual,
-                                   const void *cos, const void *signed_sin, const int64_t *slot_mapping,
-                                   const int64_t *block_tables, const int64_t *context_lens, int T, int E, int H,
-                                   int Hkv, int D, int I, int num_blocks, int block_size, int max_blocks, float scale,
-                                   float eps, int dtype, int kind, int group, int tb, void *scratch,
-                                   int (*all_reduce)(void), const int64_t *lora, const int64_t *segments,
-                                   int num_segments, int R, const int64_t *dcp);
+// llama_decode.c: a stage's decoder layers in one call. Its arguments are these structs, each
+// mirrored field for field by a ctypes.Structure in kernels/decode_abi.py (a test compares
+// names, types, offsets and sizes). Integers are int32_t or int64_t, never plain int, so the
+// two sides agree by construction.
+
+// What stays the same from step to step: the stage's shape and how its weights are laid out.
+typedef struct {
+    int32_t layers;                     // decoder layers of this stage (the length of the weight table)
+    int32_t hidden_size;                // E
+    int32_t heads, kv_heads, head_dim;  // this rank's H, Hkv and D
+    int32_t intermediate;               // this rank's I (the MLP's inner size)
+    int32_t num_blocks, block_size;     // the KV cache's
+    float scale, eps;                   // attention's softmax scale, the RMS norms' epsilon
+    int32_t dtype;                      // 0 float32, 1 bfloat16
+    int32_t layout;                     // the linears' weights: DECODE_SKINNY ... DECODE_BLOCKED_INT8
+    int32_t group;                      // 4-/8-bit: input columns per scale (0: one scale per row)
+    int32_t table_bytes;                // 4-/8-bit: bytes per scale (4 float32, 2 float16)
+} LlamaDecodeModel;
+
+enum { DECODE_SKINNY, DECODE_BLOCKED, DECODE_BLOCKED_INT4, DECODE_BLOCKED_INT8 };
+
+// One decoder layer's weights and KV cache. A bias of NULL means none.
+typedef struct {
+    const void *input_norm, *qkv_weight, *qkv_bias, *o_weight, *o_bias;
+    const void *post_norm, *gate_up_weight, *gate_up_bias, *down_weight, *down_bias;
+    void *k_cache, *v_cache;
+} LlamaDecodeLayer;
+
+// The tensor parallel all-reduce of hidden (in place), and decode context parallel's exchange
+// (phase 0: q_all <- every rank's q rows; phase 1: every <- every rank's send): nonzero if it failed.
+typedef int32_t (*decode_all_reduce_fn)(void);
+typedef int32_t (*decode_exchange_fn)(int32_t phase);
+
+// One decode step of `tokens` rows (one per sequence).
+typedef struct {
+    void *hidden, *residual;            // [T, E], in place: the stage's input, then its output
+    int32_t tokens;                     // T
+    int32_t has_residual;               // 0: the first stage (residual unset on entry)
+    const void *cos, *signed_sin;       // [T, D / 2] each
+    const int64_t *slot_mapping;        // [T]
+    const int64_t *block_tables;        // [T, max_blocks]
+    const int64_t *context_lens;        // [T]
+    int64_t max_blocks;
+    void *scratch;                      // llama_decode_scratch_elements(...) elements of dtype
+    decode_all_reduce_fn all_reduce;    // NULL with one tensor parallel rank
+} LlamaDecodeStep;
+
+// A LoRA adapter's A and B panels (blocked_matmul's float layout) for one layer's four linears;
+// NULL where the adapter leaves a linear alone.
+typedef struct {
+    const void *qkv_a, *qkv_b, *o_a, *o_b, *gate_up_a, *gate_up_b, *down_a, *down_b;
+} LlamaDecodeLoraLayer;
+
+// The step's rows [start, end) of each segment run on one adapter.
+typedef struct {
+    const LlamaDecodeLoraLayer *panels; // [segments][layers]
+    const int64_t *segments;            // [segments][2]: start, end
+    int32_t num_segments;
+    int32_t rank;                       // the adapters' (largest) rank: their shards', zero-padded
+} LlamaDecodeLora;
+
+// Decode context parallel: this rank's place in its group and the buffers of the exchanges.
+typedef struct {
+    int32_t size, rank;
+    decode_exchange_fn exchange;
+    void *q_all, *partial;              // [T, size H D] (dtype)
+    float *lse;                         // [T, size H]
+    float *send;                        // [T, size H (D + 1)]
+    float *every;                       // [size, T, size H (D + 1)]
+} LlamaDecodeContextParallel;
+
+// The scratch a step of `tokens` rows needs, in elements of the model's dtype (lora_rank 0: no LoRA).
+KERNEL_API int64_t llama_decode_scratch_elements(const LlamaDecodeModel *model, int32_t tokens, int32_t lora_rank);
+// lora, dcp: NULL for none. Returns -1 if a work buffer could not be allocated, -2 if an all-reduce
+// or exchange failed.
+KERNEL_API int32_t llama_decode_layers(const LlamaDecodeModel *model, const LlamaDecodeLayer *layers,
+                                       const LlamaDecodeStep *step, const LlamaDecodeLora *lora,
+                                       const LlamaDecodeContextParallel *dcp);

@@ -26,13 +26,13 @@ layer-by-layer path.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from shardlm import kernels
 from shardlm.distributed.parallel_state import get_tp_group
 from shardlm.kernels import DTYPE_CODES
+from shardlm.kernels import decode_abi as abi
+from shardlm.kernels.decode_abi import BLOCKED, BLOCKED_INT4, BLOCKED_INT8, SKINNY
 from shardlm.lora.batch import LoRABatch
 from shardlm.lora.layers import PANEL_MAX_ROWS, LoRASlots
 
@@ -41,7 +41,6 @@ def _address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-SKINNY, BLOCKED, BLOCKED_INT4, BLOCKED_INT8 = 0, 1, 2, 3     # the weight layouts the C path multiplies (llama_decode.c)
 _QUANTIZED = {"blocked4": BLOCKED_INT4, "blocked8": BLOCKED_INT8}
 
 
@@ -90,19 +89,23 @@ def _in_features(linear) -> int:
 
 class FusedDecodeLayers:
     def __init__(self, layers: list, kernel):
-        self.layers, self.kernel = layers, kernel
+        self.layers = layers
+        self.scratch_elements, self.kernel = kernel
         first = layers[0]
         attn = first.self_attn
         self.dtype = first.input_layernorm.weight.dtype
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.hidden_size = first.input_layernorm.weight.shape[0]
-        self.inter = _in_features(first.mlp.down_proj)
-        self.eps, self.scale = first.input_layernorm.eps, attn.attn.scale
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        self.layout, self.group, self.table_bytes = _layout(linears[0])     # the same for all (build checks)
-        self.max_rows = min(m.cpu_matmul.skinny_rows for m in linears) if self.layout == SKINNY else 1 << 30
-        self._table: torch.Tensor | None = None
+        layout, group, table_bytes = _layout(linears[0])     # the same for all (build checks)
+        self.max_rows = min(m.cpu_matmul.skinny_rows for m in linears) if layout == SKINNY else 1 << 30
+        # the cache's size is filled in by _layer_table (the cache is made after the model)
+        self.shape = abi.LlamaDecodeModel(
+            layers=len(layers), hidden_size=first.input_layernorm.weight.shape[0], heads=self.heads,
+            kv_heads=self.kv_heads, head_dim=self.head_dim, intermediate=_in_features(first.mlp.down_proj),
+            scale=attn.attn.scale, eps=first.input_layernorm.eps, dtype=DTYPE_CODES[self.dtype], layout=layout,
+            group=group, table_bytes=table_bytes)
+        self._table = None
         self._cache_address = None
         self._lora_cache: dict[tuple[int, ...], tuple] = {}     # slots of a step -> (LoRASlots.changes, tables)
         self.steps = 0          # decode steps taken here (Worker.fused_decode_steps)
@@ -110,13 +113,13 @@ class FusedDecodeLayers:
         self._reduced: torch.Tensor | None = None      # the step's hidden, which the all-reduce sums in place
         self._reduce_error: BaseException | None = None
         # kept as an attribute: C holds only its address
-        self._all_reduce = (kernels.ALL_REDUCE_CALLBACK(self._reduce_in_place) if self.tp.world_size > 1
-                            else kernels.ALL_REDUCE_CALLBACK())
+        self._all_reduce = (abi.ALL_REDUCE_CALLBACK(self._reduce_in_place) if self.tp.world_size > 1
+                            else abi.ALL_REDUCE_CALLBACK())
         self.dcp = attn.attn.dcp
-        self._exchange = kernels.EXCHANGE_CALLBACK(self._exchange_in_place) if self.dcp.world_size > 1 else None
-        self._exchange_address = ctypes.cast(self._exchange, ctypes.c_void_p).value if self._exchange else 0
+        self._exchange = abi.EXCHANGE_CALLBACK(self._exchange_in_place) if self.dcp.world_size > 1 else None
         self._exchanged: tuple[torch.Tensor, ...] = ()     # the step's q rows, q_all, send, every (DCP)
         self._dcp_buffers: tuple[torch.Tensor, ...] = ()
+        self._lora_segments: torch.Tensor | None = None
 
     @classmethod
     def build(cls, model, dense_mlp: type) -> FusedDecodeLayers | None:
@@ -160,59 +163,63 @@ class FusedDecodeLayers:
             self._reduce_error = e
             return 1
 
-    def _dcp_table(self, scratch: torch.Tensor, T: int) -> torch.Tensor:
-        """The C loop's decode context parallel values and buffers for a step of T rows."""
+    def _dcp_hooks(self, scratch: torch.Tensor, T: int) -> abi.LlamaDecodeContextParallel:
+        """The C loop's decode context parallel exchange and buffers for a step of T rows."""
         N, H, Hkv, D = self.dcp.world_size, self.heads, self.kv_heads, self.head_dim
-        q_rows = scratch[:T * (H + 2 * Hkv) * D].view(T, -1)[:, :H * D]
+        q_rows = scratch[:T * (H + 2 * Hkv) * D].view(T, -1)[:, :H * D]     # the scratch starts with qkv
         q_all, partial = (torch.empty(T, N * H * D, dtype=self.dtype) for _ in range(2))
         lse = torch.empty(T, N * H, dtype=torch.float32)
         send = torch.empty(T, N * H * (D + 1), dtype=torch.float32)
         every = torch.empty(N, T, N * H * (D + 1), dtype=torch.float32)
         self._exchanged = (q_rows, q_all, send, every)
         self._dcp_buffers = (partial, lse)          # alive until the call returns: C holds their addresses
-        return torch.tensor([N, self.dcp.rank_in_group, self._exchange_address]
-                            + [t.data_ptr() for t in (q_all, partial, lse, send, every)], dtype=torch.int64)
+        return abi.LlamaDecodeContextParallel(N, self.dcp.rank_in_group, self._exchange,
+                                              *(t.data_ptr() for t in (q_all, partial, lse, send, every)))
 
-    def _layer_table(self) -> torch.Tensor:
-        """The weight and cache addresses of every layer (rebuilt if the caches were reallocated)."""
-        caches = self.layers[0].self_attn.attn.k_cache.data_ptr()
-        if self._table is None or caches != self._cache_address:
+    def _layer_table(self):
+        """The weights and caches of every layer (rebuilt if the caches were reallocated)."""
+        k_cache = self.layers[0].self_attn.attn.k_cache
+        if self._table is None or k_cache.data_ptr() != self._cache_address:
             rows = []
             for layer in self.layers:
                 attn, mlp = layer.self_attn, layer.mlp
-                rows.append([_address(t) for t in (
+                rows.append(abi.LlamaDecodeLayer(*(_address(t) for t in (
                     layer.input_layernorm.weight, _weight(attn.qkv_proj), attn.qkv_proj.bias, _weight(attn.o_proj),
                     attn.o_proj.bias, layer.post_attention_layernorm.weight, _weight(mlp.gate_up_proj),
                     mlp.gate_up_proj.bias, _weight(mlp.down_proj), mlp.down_proj.bias, attn.attn.k_cache,
-                    attn.attn.v_cache)])
-            self._table, self._cache_address = torch.tensor(rows, dtype=torch.int64), caches
+                    attn.attn.v_cache))))
+            self._table, self._cache_address = (abi.LlamaDecodeLayer * len(rows))(*rows), k_cache.data_ptr()
+            self.shape.num_blocks, self.shape.block_size = k_cache.shape[1], k_cache.shape[2]
         return self._table
 
-    def _lora_tables(self, lora: LoRABatch) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """For each of the step's LoRA segments, the addresses of its slot's A and B panels for every
-        layer's qkv, o, gate_up and down (0 where the adapter leaves a linear alone); the segments'
-        rows; the slots' rank. None where the layer path would not use the panels (it then runs).
-        The addresses are kept per order of slots until a slot changes."""
+    def _lora_tables(self, lora: LoRABatch) -> abi.LlamaDecodeLora | None:
+        """The step's LoRA segments: their rows, and per segment and layer its slot's A and B panels
+        of qkv, o, gate_up and down (NULL where the adapter leaves a linear alone). None where the
+        layer path would not use the panels (it then runs). The panels are kept per order of slots
+        until a slot changes."""
         if any(end - start > PANEL_MAX_ROWS for _, start, end in lora.segments):
             return None
         slots = tuple(slot for slot, _, _ in lora.segments)
         cached = self._lora_cache.get(slots)
         if cached is None or cached[0] != LoRASlots.changes:
-            cached = self._lora_cache[slots] = (LoRASlots.changes, self._lora_addresses(slots))
+            cached = self._lora_cache[slots] = (LoRASlots.changes, self._lora_panels(slots))
         if cached[1] is None:
             return None
-        addresses, rank = cached[1]
+        panels, rank = cached[1]
         segments = torch.tensor([[start, end] for _, start, end in lora.segments], dtype=torch.int64)
-        return addresses, segments, rank
+        self._lora_segments = segments          # alive until the call returns: C holds its address
+        return abi.LlamaDecodeLora(panels, segments.data_ptr(), len(lora.segments), rank)
 
-    def _lora_addresses(self, slots: tuple[int, ...]) -> tuple[torch.Tensor, int] | None:
+    def _lora_panels(self, slots: tuple[int, ...]):
+        """(the [slots][layers] panel table, the adapters' rank), or None where a slot is not in panels."""
         linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
                    for layer in self.layers]
         adapted = [m.lora for row in linears for m in row if m.lora is not None]
         if any(s.packed[slot] is None for s in adapted for slot in slots):      # not in panels
             return None
-        rows = [[address for m in row for address in _panel_addresses(m, slot)] for slot in slots for row in linears]
-        return torch.tensor(rows, dtype=torch.int64), adapted[0].max_rank if adapted else 0
+        rows = [abi.LlamaDecodeLoraLayer(*(address for m in row for address in _panel_addresses(m, slot)))
+                for slot in slots for row in linears]
+        return (abi.LlamaDecodeLoraLayer * len(rows))(*rows), adapted[0].max_rank if adapted else 0
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin, meta,
                  lora: LoRABatch | None = None):
@@ -224,27 +231,24 @@ class FusedDecodeLayers:
                 or hidden.dtype != self.dtype or cos.dtype != self.dtype or not hidden.is_contiguous()
                 or (residual is not None and not residual.is_contiguous())):
             return None
-        tables, segments, rank = (None, None, 0) if lora is None else (self._lora_tables(lora) or (False, None, 0))
-        if tables is False:
+        adapters = None if lora is None else self._lora_tables(lora)
+        if lora is not None and adapters is None:
             return None
         has_residual = residual is not None
         if not has_residual:
             residual = torch.empty_like(hidden)
-        H, Hkv, D, inter = self.heads, self.kv_heads, self.head_dim, self.inter
-        lora_scratch = 3 * rank + max((H + 2 * Hkv) * D, self.hidden_size, 2 * inter) if tables is not None else 0
-        scratch = torch.empty(T * ((H + 2 * Hkv) * D + H * D + 3 * inter + lora_scratch), dtype=self.dtype)
+        layers = self._layer_table()
+        scratch = torch.empty(self.scratch_elements(self.shape, T, adapters.rank if adapters else 0), dtype=self.dtype)
         b = meta.buckets[0]
-        k_cache = self.layers[0].self_attn.attn.k_cache
+        step = abi.LlamaDecodeStep(
+            hidden=hidden.data_ptr(), residual=residual.data_ptr(), tokens=T, has_residual=int(has_residual),
+            cos=cos.data_ptr(), signed_sin=signed_sin.data_ptr(), slot_mapping=meta.slot_mapping.data_ptr(),
+            block_tables=b.block_table.data_ptr(), context_lens=b.context_lens.data_ptr(),
+            max_blocks=b.block_table.shape[1], scratch=scratch.data_ptr(), all_reduce=self._all_reduce)
         self._reduced, self._reduce_error = hidden, None
-        dcp = self._dcp_table(scratch, T) if self._exchange is not None else None
-        rc = self.kernel(self._layer_table().data_ptr(), len(self.layers), hidden.data_ptr(), residual.data_ptr(),
-                         int(has_residual), cos.data_ptr(), signed_sin.data_ptr(), meta.slot_mapping.data_ptr(),
-                         b.block_table.data_ptr(), b.context_lens.data_ptr(), T, self.hidden_size, H, Hkv, D, inter,
-                         k_cache.shape[1], k_cache.shape[2], b.block_table.shape[1], self.scale, self.eps,
-                         DTYPE_CODES[self.dtype], self.layout, self.group, self.table_bytes, scratch.data_ptr(),
-                         self._all_reduce, _address(tables), _address(segments),
-                         0 if lora is None else len(lora.segments), rank, _address(dcp))
-        self._reduced, self._exchanged, self._dcp_buffers = None, (), ()
+        dcp = self._dcp_hooks(scratch, T) if self._exchange is not None else None
+        rc = self.kernel(self.shape, layers, step, adapters, dcp)
+        self._reduced, self._exchanged, self._dcp_buffers, self._lora_segments = None, (), (), None
         if rc == -2:
             raise self._reduce_error
         if rc != 0:

@@ -148,29 +148,3 @@ def test_the_cache_key_reads_arm_features_as_well_as_x86_flags():
     assert flags_in_cpuinfo(x86) == {"fpu", "sse2", "avx2", "fma"}
     assert flags_in_cpuinfo(neoverse) == {"fp", "asimd", "sve", "sve2", "bf16"}
     assert flags_in_cpuinfo(neoverse) != flags_in_cpuinfo(graviton2)
-
-
-def test_the_ctypes_signatures_are_the_c_declarations():
-    """kernels/__init__.py's SIGNATURES and shardlm_kernels.h (against which the compiler checks
-    every definition) declare the same entry points with the same argument and result types."""
-    import ctypes
-    import re
-    header = open(os.path.join(ROOT, "shardlm", "kernels", "shardlm_kernels.h")).read()
-    to_ctypes = {"void": None, "int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
-    declared = {}
-    for result, name, params in re.findall(r"KERNEL_API\s+(\w+)\s+(\w+)\(([^;]*)\);", header):
-        args = []
-        for param in (p.strip() for p in params.replace("\n", " ").split(",")):
-            if param in ("void", ""):
-                continue
-            if "(*" in param:
-                args.append("callback")
-            elif "*" in param:
-                args.append(ctypes.c_void_p)
-            else:
-                args.append(to_ctypes[param.split()[-2]])
-        declared[name] = (args, to_ctypes[result])
-    assert len(declared) >= 20
-    ours = {name: ([a if a in (ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float) else "callback"
-                    for a in args], result) for name, (args, result) in kernels.SIGNATURES.items()}
-    assert ours == declared
