@@ -12,6 +12,15 @@ import torch
 from tests import hf_reference
 
 
+@pytest.fixture
+def one_rank():
+    """One-rank process groups, for layers and models built outside an engine (an engine's
+    workers make their own)."""
+    from shardlm.distributed.parallel_state import single_rank
+    with single_rank():
+        yield
+
+
 def _tokenizer_dir() -> str:
     from shardlm.model_loader.default_model import default_model_dir
     return default_model_dir()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shardlm.distributed.parallel_state import single_rank
 from shardlm.layers.moe import FusedMoE
 from shardlm.utils import median_seconds
 
@@ -42,7 +43,8 @@ def run_moe_layer_bench(num_experts: int = 8, top_k: int = 2, hidden: int = 512,
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
-    moe = FusedMoE(num_experts, top_k, hidden, intermediate).to(dt)
+    with single_rank():
+        moe = FusedMoE(num_experts, top_k, hidden, intermediate).to(dt)
     with torch.no_grad():
         moe.w13.normal_(0, 0.02)
         moe.w2.normal_(0, 0.02)

@@ -214,16 +214,11 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
 
 
-_WORLD: GroupCoordinator | None = None
-_TP: GroupCoordinator | None = None
-_PP: GroupCoordinator | None = None
-_DP: GroupCoordinator | None = None
-_EP: GroupCoordinator | None = None
-_DCP: GroupCoordinator | None = None
-_PCP: GroupCoordinator | None = None
-_CP: GroupCoordinator | None = None
-_EXPERT_PARALLEL = False
-_ALONE: tuple[GroupCoordinator, ...] | None = None     # this rank as its own groups (alone())
+# Every group this rank belongs to, by name (GROUP_NAMES), once initialize_model_parallel ran.
+GROUP_NAMES = ("world", "tp", "pp", "dp", "ep", "dcp", "pcp", "cp")
+_groups: dict[str, GroupCoordinator] = {}
+_expert_parallel = [False]
+_alone: dict[str, GroupCoordinator] = {}       # this rank as its own groups (alone())
 
 
 def init_distributed_environment(world_size: int, rank: int, store_host: str, store_port: int,
@@ -299,100 +294,122 @@ def initialize_model_parallel(tp: int, pp: int = 1, dp: int = 1, rank: int = 0, 
     every layer, so they get shared-memory collectives too. dcp: decode context parallel ranks
     per TP group (their attention gathers queries and merges partial outputs every layer); pcp:
     prefill context parallel TP groups per stage."""
-    global _WORLD, _TP, _PP, _DP, _EP, _DCP, _PCP, _CP, _EXPERT_PARALLEL
     world_size = tp * pp * dp * pcp
-    _EXPERT_PARALLEL = expert_parallel
+    _expert_parallel[0] = expert_parallel
     if world_size == 1:
-        _WORLD, _TP, _PP, _DP, _EP, _DCP, _PCP, _CP = (GroupCoordinator(n, [0], 0) for n in (
-            "world", "tp", "pp", "dp", "ep", "dcp", "pcp", "cp"))
+        _groups.update({name: GroupCoordinator(name, [0], 0) for name in GROUP_NAMES})
         return
     grid = rank_grid(world_size, tp, pp, dp, dcp, pcp)
-    _WORLD = GroupCoordinator.create("world", [list(range(world_size))], rank, backend)
-    _TP = GroupCoordinator.create("tp", grid["tp"], rank, backend, shared_memory=True, timeout_s=timeout_s)
-    _PP = GroupCoordinator.create("pp", grid["pp"], rank, backend)
-    _DP = GroupCoordinator.create("dp", grid["dp"], rank, backend, shared_memory=expert_parallel, timeout_s=timeout_s)
-    _EP = GroupCoordinator.create("ep", grid["ep"], rank, backend, shared_memory=expert_parallel, timeout_s=timeout_s)
-    _DCP = GroupCoordinator.create("dcp", grid["dcp"], rank, backend, shared_memory=True, timeout_s=timeout_s)
-    _PCP = GroupCoordinator.create("pcp", grid["pcp"], rank, backend, shared_memory=True, timeout_s=timeout_s)
+
+    def create(name: str, **kw) -> None:
+        _groups[name] = GroupCoordinator.create(name, grid[name], rank, backend, timeout_s=timeout_s, **kw)
+    _groups["world"] = GroupCoordinator.create("world", [list(range(world_size))], rank, backend)
+    create("tp", shared_memory=True)
+    create("pp")
+    create("dp", shared_memory=expert_parallel)
+    create("ep", shared_memory=expert_parallel)
+    create("dcp", shared_memory=True)
+    create("pcp", shared_memory=True)
     # the cp group is the DCP group without PCP, the PCP group without DCP
-    _CP = _DCP if pcp == 1 else _PCP if dcp == 1 else GroupCoordinator.create(
-        "cp", grid["cp"], rank, backend, shared_memory=True, timeout_s=timeout_s)
+    if pcp == 1 or dcp == 1:
+        _groups["cp"] = _groups["dcp" if pcp == 1 else "pcp"]
+    else:
+        create("cp", shared_memory=True)
     if rank == 0:
         logger.info("Successfully initialized distributed environment: world=%d, tp=%d, pp=%d, dp=%d, dcp=%d, pcp=%d, "
                     "expert parallel=%s, backend=%s", world_size, tp, pp, dp, dcp, pcp, expert_parallel, backend)
 
 
-def _get(group: GroupCoordinator | None, name: str) -> GroupCoordinator:
+def get_group(name: str) -> GroupCoordinator:
+    """This rank's group `name` (one of GROUP_NAMES)."""
+    group = _groups.get(name)
     if group is None:
-        # a model built outside any executor (tests, tools): one rank
-        initialize_model_parallel(1)
-        return {"tp": _TP, "pp": _PP, "dp": _DP, "ep": _EP, "dcp": _DCP, "pcp": _PCP, "cp": _CP,
-                "world": _WORLD}[name]
+        if name not in GROUP_NAMES:
+            raise ValueError(f"There is no process group {name!r}; the groups are {', '.join(GROUP_NAMES)}.")
+        raise RuntimeError(f"The {name!r} process group was used before initialize_model_parallel ran in this "
+                           "process. An engine's workers call it; a model or layer built outside an engine (a "
+                           "test, a tool) calls parallel_state.initialize_model_parallel(1) first.")
     return group
 
 
 def get_world_group() -> GroupCoordinator:
-    return _get(_WORLD, "world")
+    return get_group("world")
 
 
 def get_tp_group() -> GroupCoordinator:
-    return _get(_TP, "tp")
+    return get_group("tp")
 
 
 def get_pp_group() -> GroupCoordinator:
-    return _get(_PP, "pp")
+    return get_group("pp")
 
 
 def get_dp_group() -> GroupCoordinator:
-    return _get(_DP, "dp")
+    return get_group("dp")
 
 
 def get_ep_group() -> GroupCoordinator:
     """The ranks whole experts are spread over (DP x TP of this stage) under expert parallel."""
-    return _get(_EP, "ep")
+    return get_group("ep")
 
 
 def get_dcp_group() -> GroupCoordinator:
     """The decode context parallel ranks this rank shares its KV heads with (within its TP group)."""
-    return _get(_DCP, "dcp")
+    return get_group("dcp")
 
 
 def get_pcp_group() -> GroupCoordinator:
     """This TP rank's counterparts in the other prefill context parallel groups of its stage."""
-    return _get(_PCP, "pcp")
+    return get_group("pcp")
 
 
 def get_cp_group() -> GroupCoordinator:
     """Every rank holding a share of this rank's KV heads' positions (DCP x PCP), pcp-major."""
-    return _get(_CP, "cp")
+    return get_group("cp")
 
 
 def expert_parallel_enabled() -> bool:
-    return _EXPERT_PARALLEL
+    return _expert_parallel[0]
+
+
+@contextlib.contextmanager
+def single_rank():
+    """Within: a world of one rank, for a model or layer built outside an engine (a tool, a test);
+    the groups there before come back after."""
+    saved, saved_ep = dict(_groups), _expert_parallel[0]
+    initialize_model_parallel(1)
+    try:
+        yield
+    finally:
+        _groups.clear()
+        _groups.update(saved)
+        _expert_parallel[0] = saved_ep
 
 
 @contextlib.contextmanager
 def alone():
-    """Within: this rank is its own TP, PP, DP and EP group, so a model built and run here is
-    whole on this rank and calls no collective (a speculative draft model beside the target)."""
-    global _TP, _PP, _DP, _EP, _DCP, _PCP, _CP, _EXPERT_PARALLEL, _ALONE
-    saved = (_TP, _PP, _DP, _EP, _DCP, _PCP, _CP, _EXPERT_PARALLEL)
+    """Within: this rank is its own group of every kind but the world, so a model built and run
+    here is whole on this rank and calls no collective (a speculative draft model beside the target)."""
+    saved, saved_ep = dict(_groups), _expert_parallel[0]
     rank = get_world_group().rank
-    if _ALONE is None or _ALONE[0].rank != rank:
-        _ALONE = tuple(GroupCoordinator(n, [rank], rank) for n in ("tp", "pp", "dp", "ep", "dcp", "pcp", "cp"))
-    _TP, _PP, _DP, _EP, _DCP, _PCP, _CP = _ALONE
-    _EXPERT_PARALLEL = False
+    if not _alone or _alone["tp"].rank != rank:
+        _alone.clear()
+        _alone.update({name: GroupCoordinator(name, [rank], rank) for name in GROUP_NAMES if name != "world"})
+    _groups.update(_alone)
+    _expert_parallel[0] = False
     try:
         yield
     finally:
-        _TP, _PP, _DP, _EP, _DCP, _PCP, _CP, _EXPERT_PARALLEL = saved
+        _groups.clear()
+        _groups.update(saved)
+        _expert_parallel[0] = saved_ep
 
 
 def destroy_model_parallel() -> None:
-    global _WORLD, _TP, _PP, _DP, _EP, _DCP, _PCP, _CP
-    for group in {id(g): g for g in (_WORLD, _TP, _PP, _DP, _EP, _DCP, _PCP, _CP) if g is not None}.values():
+    for group in {id(g): g for g in _groups.values()}.values():
         if group.shm is not None:
             group.shm.close()
-    _WORLD = _TP = _PP = _DP = _EP = _DCP = _PCP = _CP = None
+    _groups.clear()
+    _expert_parallel[0] = False
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -31,7 +31,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _as_rank(monkeypatch, tp, rank):
-    monkeypatch.setattr(ps, "_TP", ps.GroupCoordinator("tp", list(range(tp)), rank))
+    monkeypatch.setitem(ps._groups, "tp", ps.GroupCoordinator("tp", list(range(tp)), rank))
 
 
 def _build(monkeypatch, tp, rank, ckpt):

@@ -56,7 +56,7 @@ def _plain_attention(k_cache, v_cache, tables, lens, q_lens, q, scale):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
 @pytest.mark.parametrize("q_lens", [None, [1, 7, 13, 1, 1, 30]], ids=["decode", "mixed"])
-def test_cuda_attention_backend_matches_plain_attention(dtype, tol, q_lens):
+def test_cuda_attention_backend_matches_plain_attention(dtype, tol, q_lens, one_rank):
     from shardlm.attention.cuda import CudaAttention, CudaDecodeMetadata
     from shardlm.layers.attention import Attention
 
@@ -214,7 +214,7 @@ def test_speculative_decoding_on_cuda_keeps_greedy_outputs(method, tiny_model_di
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_decode_context_parallel_partials_merge_to_whole_attention_on_cuda(dtype, tol):
+def test_decode_context_parallel_partials_merge_to_whole_attention_on_cuda(dtype, tol, one_rank):
     """-dcp needs two GPUs for an engine; its attention half runs here: the CUDA backend's
     partial outputs and log-sum-exps of two simulated ranks merge to its whole attention."""
     from shardlm.attention.cuda import CudaAttention

@@ -12,6 +12,8 @@ from shardlm.attention.cpu_kernel import CpuKernelAttention
 from shardlm.attention.torch_paged import TorchPagedAttention
 from shardlm.layers.attention import Attention
 
+pytestmark = pytest.mark.usefixtures("one_rank")   # they build layers outside an engine
+
 H, HKV, D, BS, NB = 8, 1, 64, 16, 48
 
 

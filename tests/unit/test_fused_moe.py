@@ -47,7 +47,7 @@ def _loaded_moe():
     return moe
 
 
-def test_fused_moe_equals_the_per_token_computation():
+def test_fused_moe_equals_the_per_token_computation(one_rank):
     moe = _loaded_moe()
     x, logits = _tokens(0, 37)
     torch.testing.assert_close(moe(x, logits), _reference(x, logits, *_weights(), K), rtol=1e-5, atol=1e-5)

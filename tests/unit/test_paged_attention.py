@@ -14,6 +14,8 @@ from shardlm.attention.cpu_kernel import CpuKernelAttention
 from shardlm.attention.torch_paged import TorchPagedAttention
 from shardlm.layers.attention import Attention
 
+pytestmark = pytest.mark.usefixtures("one_rank")   # they build layers outside an engine
+
 H, HKV, D, BS, NB = 6, 2, 32, 16, 64
 
 
