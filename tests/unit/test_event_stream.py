@@ -3,7 +3,7 @@ the response started (the events' generator then never runs, so its own cleanup 
 
 import asyncio
 
-from shardlm.entrypoints.openai.server import event_stream_response
+from shardlm.entrypoints.openai.routes.openai_api import event_stream_response
 from shardlm.entrypoints.openai.serving import EventStream
 
 

@@ -1,0 +1,1 @@
+"""The server's routes, one FastAPI router per area; server.build_app assembles them."""

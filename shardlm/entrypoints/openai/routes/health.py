@@ -1,0 +1,34 @@
+"""Health, Prometheus metrics and version: open to everyone, without an API key (OPEN_ROUTES)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import shardlm
+from shardlm.entrypoints.openai.state import ServerState, server_state
+
+OPEN_ROUTES = ("/health", "/metrics", "/version")
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(state: ServerState = Depends(server_state)):
+    llm = state.llm
+    if llm is None or not llm.is_running:
+        return JSONResponse({"status": "unhealthy", "reason": llm.dead_reason if llm else "starting"}, 503)
+    if llm.dead_replicas:          # data parallel: the others still serve
+        return JSONResponse({"status": "degraded", "dead_replicas": llm.dead_replicas})
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics")
+async def metrics(state: ServerState = Depends(server_state)):
+    stats = await state.llm.stats() if state.llm.is_running else None
+    return Response(state.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/version")
+async def version():
+    return {"version": shardlm.__version__}

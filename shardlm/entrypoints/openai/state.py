@@ -1,0 +1,24 @@
+"""What the server's routes share: the engine, the OpenAI serving layer over it and the metrics,
+made when the app starts (server.build_app's lifespan) and read by each route through the
+`server_state` dependency."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from shardlm.engine.async_llm import AsyncLLM
+from shardlm.entrypoints.openai.metrics import ServerMetrics
+from shardlm.entrypoints.openai.serving import OpenAIServing
+
+
+@dataclass
+class ServerState:
+    llm: AsyncLLM | None = None              # None until the engine has started
+    serving: OpenAIServing | None = None
+    metrics: ServerMetrics | None = None
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.shardlm
