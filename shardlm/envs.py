@@ -1,5 +1,6 @@
-"""Every environment variable shardlm reads, in one place (debugging knobs only; user-facing
-settings are config fields with flags)."""
+"""Every environment variable of shardlm's own that it reads, in one place: debugging knobs, and
+the API key (a secret is better kept off the command line). User-facing settings are config
+fields with flags."""
 
 import os
 
@@ -33,3 +34,6 @@ SHARDLM_ALLOW_RUNTIME_LORA_UPDATING = os.environ.get("SHARDLM_ALLOW_RUNTIME_LORA
 # Set to 1 to make a kernel that cannot be built or loaded an error instead of a logged fallback
 # to torch ops (CI sets it: a compile error must fail the run, not turn into skipped tests).
 SHARDLM_REQUIRE_KERNELS = os.environ.get("SHARDLM_REQUIRE_KERNELS", "0") not in ("", "0")
+# The server's API key where `shardlm serve` has no --api-key (VLLM_API_KEY is read too, as vLLM
+# does): a variable keeps the key out of the process list.
+SHARDLM_API_KEY = os.environ.get("SHARDLM_API_KEY") or os.environ.get("VLLM_API_KEY")

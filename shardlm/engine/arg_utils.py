@@ -184,8 +184,8 @@ class EngineArgs:
         "weight-only quantization of the linear layers at load: int8 (one scale per row) or int4 "
         "(asymmetric, groups of 128 columns, else 64 or 32 where 128 does not divide); "
         "embeddings, LM head and experts stay in --dtype. Faster only with --dtype bfloat16. "
-        "gguf: a .gguf model's own Q8_0/Q4_0/Q4_1 blocks; GPTQ and AWQ checkpoints (4-bit) are "
-        "detected from config.json and run as stored")
+        "gguf: a .gguf model's own Q8_0/Q4_0/Q4_1 and Q4_K/Q5_K/Q6_K blocks; GPTQ and AWQ "
+        "checkpoints (4-bit) are detected from config.json and run as stored")
     quantization_group_size: int | None = knob(
         None, "model",
         "input columns per quantization scale (-1: one per row; default: int8 -1, int4 128)")

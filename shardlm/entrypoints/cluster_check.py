@@ -23,12 +23,10 @@ class NodeProbe:
     """Lives on one node for the duration of the check."""
 
     def facts(self) -> dict:
-        import ray
-
         from shardlm.distributed.network import host_ip
         from shardlm.entrypoints.preflight import node_facts
         facts = node_facts()
-        facts["host_ip"] = host_ip(ray)            # SHARDLM_HOST_IP, else Ray's view of this node
+        facts["host_ip"] = host_ip(require_ray())  # SHARDLM_HOST_IP, else Ray's view of this node
         return facts
 
     def reach(self, host: str, port: int) -> str | None:

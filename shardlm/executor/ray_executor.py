@@ -21,7 +21,6 @@ import threading
 import time
 
 import msgspec
-import ray
 
 from shardlm.config import EngineConfig
 from shardlm.distributed.network import bind_collectives_to, host_ip
@@ -37,9 +36,12 @@ from shardlm.executor.ray_placement import (
     node_versions,
     rank_order,
 )
+from shardlm.executor.selection import require_ray
 from shardlm.logger import init_logger, set_log_prefix
 from shardlm.messages import ModelRunnerOutput, SchedulerOutput
 from shardlm.model_loader.hub import model_on_this_node
+
+ray = require_ray()
 
 logger = init_logger(__name__)
 

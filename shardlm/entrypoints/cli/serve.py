@@ -6,6 +6,7 @@ import dataclasses
 import os
 import sys
 
+from shardlm import envs
 from shardlm.entrypoints.cli.engine_flags import add_engine_args, engine_args_from
 
 
@@ -58,8 +59,7 @@ def run(ns) -> None:
             chat_template = f.read()
     from shardlm.entrypoints.openai.protocol import RequestLimits
     limits = RequestLimits(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(RequestLimits)})
-    api_key = ns.api_key if ns.api_key is not None else (os.environ.get("SHARDLM_API_KEY")
-                                                         or os.environ.get("VLLM_API_KEY"))
+    api_key = ns.api_key if ns.api_key is not None else envs.SHARDLM_API_KEY
     if api_key is not None and not api_key.strip():
         sys.exit("shardlm: error: the API key is empty: give a key, or leave --api-key out to serve without one.")
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
