@@ -8,10 +8,28 @@ import re
 import openai
 import pytest
 
+from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
+from shardlm.entrypoints.openai.serving import structured_outputs_params
 from tests.models.test_structured_outputs import SCHEMA, valid_json
 from tests.server.test_openai_server import _start, _stop
 
-pytestmark = pytest.mark.slow
+
+def test_each_request_field_becomes_one_constraint_and_two_are_refused():
+    """The server's reading of a request, without a server: response_format, structured_outputs
+    (with options for another field's constraint) and guided_* each give one constraint."""
+    def params(**kw):
+        return structured_outputs_params(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **kw))
+    assert params() is None
+    assert params(response_format={"type": "json_object"}).json_object is True
+    got = params(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}},
+                 structured_outputs={"disable_any_whitespace": True})
+    assert got.json == SCHEMA and got.disable_any_whitespace
+    assert params(guided_choice=["yes", "no"]).choice == ["yes", "no"]
+    assert params(structured_outputs={"regex": "[0-9]+"}).regex == "[0-9]+"
+    with pytest.raises(OpenAIError, match="one structured-output constraint"):
+        params(guided_regex="a+", response_format={"type": "json_object"})
+    with pytest.raises(OpenAIError, match="not available"):
+        params(guided_regex="a+", guided_decoding_backend="xgrammar")
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +44,7 @@ def chat(client, **kw):
                                              "max_tokens": 80, "temperature": 1.0, "seed": 3, **kw})
 
 
+@pytest.mark.slow
 def test_response_format_json_schema_on_chat_streamed_and_not(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA, "strict": True}}
     compact = {"structured_outputs": {"disable_any_whitespace": True}}   # a random model would pad with spaces
@@ -36,6 +55,7 @@ def test_response_format_json_schema_on_chat_streamed_and_not(client):
     assert len(pieces) > 2 and "".join(pieces) == whole.choices[0].message.content
 
 
+@pytest.mark.slow
 def test_structured_outputs_and_guided_fields_on_completions(client):
     cases = [({"structured_outputs": {"regex": "[0-9]{4}-[a-z]{3}"}}, lambda t: re.fullmatch("[0-9]{4}-[a-z]{3}", t)),
              ({"guided_regex": "[0-9]{4}-[a-z]{3}"}, lambda t: re.fullmatch("[0-9]{4}-[a-z]{3}", t)),
@@ -48,6 +68,7 @@ def test_structured_outputs_and_guided_fields_on_completions(client):
         assert ok(out.choices[0].text), (body, out.choices[0].text)
 
 
+@pytest.mark.slow
 def test_json_object_parses_or_is_cut_by_max_tokens(client):
     out = chat(client, response_format={"type": "json_object"}, max_tokens=200)
     text = out.choices[0].message.content
@@ -56,6 +77,7 @@ def test_json_object_parses_or_is_cut_by_max_tokens(client):
         assert isinstance(json.loads(text), dict)
 
 
+@pytest.mark.slow
 def test_a_bad_schema_is_a_400_and_the_server_goes_on(client):
     with pytest.raises(openai.BadRequestError, match="structured_outputs.json is invalid"):
         chat(client, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "zzz"}}})

@@ -8,7 +8,9 @@ import logging
 import os
 import subprocess
 import sys
+import sysconfig
 import venv
+from pathlib import Path
 
 import pytest
 
@@ -116,10 +118,16 @@ def test_a_built_wheel_carries_the_kernels_and_they_load_from_the_install(tmp_pa
         assert f"shardlm/kernels/prebuilt/{build.prebuilt_name(isa)}" in names
     assert "shardlm/kernels/cpu_common.h" in names         # the run-time fallback's sources too
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, system_site_packages=True, with_pip=False)
+    venv.create(env_dir, with_pip=False)
     python = str(env_dir / "bin" / "python")
     site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
+    # torch and the rest from the running environment (system_site_packages would give the base
+    # interpreter's, which inside a virtual environment has none of them), after the new site
+    # directory, so shardlm comes from the wheel; a path in a .pth file runs none of its .pth files,
+    # so the running environment's editable shardlm stays out
+    paths = sysconfig.get_paths()
+    (Path(site) / "running-environment.pth").write_text(f"{paths['purelib']}\n{paths['platlib']}\n")
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", site, str(wheel)],
                    check=True, capture_output=True)
     code = ("from shardlm import kernels; import os; "
