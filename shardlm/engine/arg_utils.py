@@ -68,7 +68,9 @@ class EngineArgs:
         "tokenizer directory, if not the model's")
     dtype: str = knob(
         "auto", "model",
-        "auto (the checkpoint's; float32 on CPU for float16 checkpoints), float32, bfloat16, "
+        "auto (CUDA: the checkpoint's; CPU: float32 for float32 and float16 checkpoints, and for a "
+        "bfloat16 checkpoint bfloat16 unless float32 measures over 1.1x faster at start-up on "
+        "decode-sized products of the model's MLP shape, logged with the timings), float32, bfloat16, "
         "float16 (CUDA only)")
     max_model_len: int | None = knob(
         None, "model",
@@ -81,7 +83,7 @@ class EngineArgs:
         "auto, cpu or cuda")
     served_model_name: str | None = knob(
         None, "model",
-        "model name reported by the server")
+        "model name reported by the server; default: the model as given")
     download_dir: str | None = knob(
         None, "model",
         "directory to look for the model in, and the hub cache for hub ids (default: huggingface_hub's, "
@@ -109,7 +111,8 @@ class EngineArgs:
         "most sequences in one step")
     max_num_batched_tokens: int | None = knob(
         None, "scheduler",
-        "most tokens in one step (long prompts are prefilled in chunks)")
+        "most tokens in one step (long prompts are prefilled in chunks); default: 8192, or "
+        "max_num_seqs where larger")
     tensor_parallel_size: int = knob(
         1, "parallel",
         "number of tensor parallel ranks", short="-tp")
@@ -215,7 +218,9 @@ class EngineArgs:
         "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
         "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} proposes the tokens that followed the last "
         "n-gram's previous occurrence in the prompt or output; \"disable_by_batch_size\": N turns it off "
-        "in steps with N or more running requests (default 16; 0: never)")
+        "in steps with N or more running requests (default 16; 0: never); {\"model\": DIR, ...} a "
+        "draft model of the same tokenizer; {\"method\": \"eagle\" or \"eagle3\", \"model\": DIR, ...} "
+        "an EAGLE head")
     reasoning_parser: str | None = knob(
         None, "model",
         "how this reasoning model marks its thinking: deepseek_r1 or qwen3 (<think>...</think>); the "
