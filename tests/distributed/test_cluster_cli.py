@@ -69,6 +69,7 @@ def test_cluster_refuses_a_client_without_its_token(cluster):
     assert right.returncode == 0 and right.stdout.split()[-1] == "2", right.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_cluster_status_lists_both_nodes(cluster):
     address, _ = cluster
     report = json.loads(_cli("cluster", "status", "--address", address, "--json").stdout)
@@ -116,3 +117,19 @@ def test_joining_node_that_differs_from_the_head_is_named(cluster):
     assert f"node {address.split(':')[0]} ({socket.gethostname()}) cannot serve with this cluster" in run.stderr
     assert "torch" in run.stderr and "0.0.1 on the head" in run.stderr
     assert f"model path {model}-elsewhere does not exist here" in run.stderr
+
+
+def test_what_a_joining_node_differs_in_is_said_and_the_status_reads_plainly(tmp_path):
+    """Without a cluster: a node whose versions or model path differ from the head's record gets
+    each difference named, with what to do; the status table names each node's role and size."""
+    from shardlm.cluster import join_problems, render_status
+    record = {"node": "10.0.0.1", "versions": {"torch": "2.13.0", "shardlm": "0.1.0"}, "model": str(tmp_path)}
+    assert join_problems(record, {"torch": "2.13.0", "shardlm": "0.1.0"}, None) == []
+    problems = join_problems(record, {"torch": "2.5.0", "shardlm": "0.1.0"}, str(tmp_path / "elsewhere"))
+    assert problems[0] == "torch 2.5.0 here, 2.13.0 on the head (10.0.0.1): install the same versions on every node"
+    assert "elsewhere does not exist here: every node needs the model at the same path" in problems[1]
+    node = {"ip": "10.0.0.2", "hostname": "n2", "node_id": "abcdef0123", "head": False, "cpus": 8.0, "gpus": 1.0,
+            "gpu_type": "H100", "memory": 16 << 30, "object_store": 0}
+    text = render_status([{"head_record": record}, node])
+    assert text.splitlines()[0] == "1 node(s) alive; head runs torch 2.13.0, shardlm 0.1.0"
+    assert "worker 10.0.0.2" in text and "8 CPU, 1 GPU (H100), memory 16.0 GiB, Ray node abcdef01" in text

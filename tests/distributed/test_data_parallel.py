@@ -138,6 +138,7 @@ def _labelled(metrics: str, name: str, engine: str) -> float:
     raise AssertionError(f"{name}{{engine={engine}}} not in /metrics")
 
 
+@pytest.mark.slow
 def test_a_dead_replica_fails_its_streams_and_the_other_serves_on(dp_server):
     """Last in the module: replica 1's engine core is killed while four streams run (two on each
     replica). Its two streams end with an error event naming it; the other two finish; /health

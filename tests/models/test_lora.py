@@ -35,7 +35,8 @@ def _check(hf, ref, outs, label):
     assert exact >= 5, f"{label}: only {exact}/6 sequences equal transformers on the merged weights"
 
 
-@pytest.mark.parametrize("layout", [{}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+@pytest.mark.parametrize("layout", [{}, pytest.param({"tensor_parallel_size": 2}, marks=pytest.mark.slow),
+                                    pytest.param({"pipeline_parallel_size": 2}, marks=pytest.mark.slow)],
                          ids=["tp1", "tp2", "pp2"])
 def test_adapters_equal_transformers_on_merged_weights(layout, adapters, hf):
     """Each adapter alone, then base and both adapters mixed in one batch: each prompt gets what

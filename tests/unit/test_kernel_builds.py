@@ -81,6 +81,7 @@ def test_a_library_built_at_install_time_needs_no_compiler(fresh_kernels, monkey
     assert "unavailable" not in caplog.text
 
 
+@pytest.mark.slow
 def test_an_unwritable_cache_builds_in_a_temporary_directory(fresh_kernels, monkeypatch, caplog):
     blocker = fresh_kernels / "a-file"
     blocker.write_text("")
