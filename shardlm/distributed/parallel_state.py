@@ -373,11 +373,9 @@ def expert_parallel_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def single_rank():
-    """Within: a world of one rank, for a model or layer built outside an engine (a tool, a test);
-    the groups there before come back after."""
+def _groups_restored():
+    """Within: change the groups at will; after: the groups and expert-parallel flag of before."""
     saved, saved_ep = dict(_groups), _expert_parallel[0]
-    initialize_model_parallel(1)
     try:
         yield
     finally:
@@ -387,22 +385,26 @@ def single_rank():
 
 
 @contextlib.contextmanager
+def single_rank():
+    """Within: a world of one rank, for a model or layer built outside an engine (a tool, a test);
+    the groups there before come back after."""
+    with _groups_restored():
+        initialize_model_parallel(1)
+        yield
+
+
+@contextlib.contextmanager
 def alone():
     """Within: this rank is its own group of every kind but the world, so a model built and run
     here is whole on this rank and calls no collective (a speculative draft model beside the target)."""
-    saved, saved_ep = dict(_groups), _expert_parallel[0]
     rank = get_world_group().rank
     if not _alone or _alone["tp"].rank != rank:
         _alone.clear()
         _alone.update({name: GroupCoordinator(name, [rank], rank) for name in GROUP_NAMES if name != "world"})
-    _groups.update(_alone)
-    _expert_parallel[0] = False
-    try:
+    with _groups_restored():
+        _groups.update(_alone)
+        _expert_parallel[0] = False
         yield
-    finally:
-        _groups.clear()
-        _groups.update(saved)
-        _expert_parallel[0] = saved_ep
 
 
 def destroy_model_parallel() -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from shardlm import cpu_plan
 from shardlm.config import (
     CacheConfig,
     EngineConfig,
@@ -192,6 +193,11 @@ class EngineArgs:
     quantization_group_size: int | None = knob(
         None, "model",
         "input columns per quantization scale (-1: one per row; default: int8 -1, int4 128)")
+    cpu_plan: str | None = knob(
+        None, "model",
+        "CPU: a JSON file of the CPU path's choices (kernel rows per weight, bfloat16 dot product, --dtype "
+        "auto): where it exists its choices are taken without timing anything (a run repeated exactly, a "
+        "machine pinned); where it does not, this run writes its plan there")
     enforce_eager: bool = knob(
         False, "model",
         "run every step layer by layer: no CUDA graphs on a GPU, no one-call C decode path on "
@@ -243,6 +249,7 @@ class EngineArgs:
         validate_binding(parallel.cpu_threads_bind, None if parallel.distributed_executor_backend == "ray"
                          else parallel.data_parallel_size_local * parallel.world_size)
         device = resolve_device(self.device)
+        cpu_plan.follow(self.cpu_plan)
         parallel.distributed_executor_backend = choose_backend(parallel.world_size, device,
                                                                parallel.distributed_executor_backend)
         # a hub id is fetched once, here; what follows reads the local copy
@@ -264,7 +271,8 @@ class EngineArgs:
                 linear_inputs(hf_config, parallel.tensor_parallel_size) if self.quantization else None,
                 gguf_source=gguf_source(model),
                 checkpoint=checkpoint_method(getattr(hf_config, "quantization_config", None))),
-            enforce_eager=self.enforce_eager, hub_source=_hub_source(self.model, self.revision, self.download_dir),
+            enforce_eager=self.enforce_eager, cpu_plan=self.cpu_plan,
+            hub_source=_hub_source(self.model, self.revision, self.download_dir),
             download_dir=self.download_dir,
             reasoning_parser=_reasoning_parser(self.structured_outputs_config, self.reasoning_parser))
         cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
@@ -443,15 +451,23 @@ def load_generation_defaults(path: str) -> dict:
 
 
 def _faster_cpu_dtype(mlp_shape: tuple[int, int] | None, measurement) -> torch.dtype:
+    """A CPU plan's choice (cpu_plan.py): measured here unless --cpu-plan gives it (or the caller
+    hands a measurement in)."""
     from shardlm.layers import cpu_dtype
-    if measurement is None:
-        measurement = cpu_dtype.measure(*(mlp_shape or (2048, 8192)))
-    speedup = measurement.bfloat16_speedup()
-    chosen = torch.bfloat16 if speedup * FLOAT32_MARGIN >= 1 else torch.float32
-    logger.info("--dtype auto: %s for this bfloat16 checkpoint: on this CPU bfloat16 decode-sized products take "
-                "%.2fx float32's time (%s; ISA variant %s). --dtype float32 or bfloat16 overrides.",
-                str(chosen).replace("torch.", ""), 1 / speedup, measurement.describe(), _isa())
-    return chosen
+    shape = mlp_shape or (2048, 8192)
+
+    def measure() -> tuple[str, str]:
+        m = measurement or cpu_dtype.measure(*shape)
+        speedup = m.bfloat16_speedup()
+        chosen = "bfloat16" if speedup * FLOAT32_MARGIN >= 1 else "float32"
+        how = (f"bfloat16 decode-sized products take {1 / speedup:.2f}x float32's time ({m.describe()}; ISA variant "
+               f"{_isa()})")
+        logger.info("--dtype auto: %s for this bfloat16 checkpoint: on this CPU %s. --dtype float32 or bfloat16 "
+                    "overrides.", chosen, how)
+        return chosen, how
+    if measurement is not None:
+        return _DTYPES[measure()[0]]
+    return _DTYPES[cpu_plan.choose("dtype_auto", f"MLP [{shape[0]}, {shape[1]}]", measure)]
 
 
 def _isa() -> str:

@@ -11,6 +11,7 @@ entrypoints/cluster_check.py runs the same measurement with one rank per node.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import multiprocessing
 import os
 import platform
@@ -44,8 +45,12 @@ def node_facts() -> dict:
         facts["versions"]["ray"] = importlib.metadata.version("ray")
     except importlib.metadata.PackageNotFoundError:
         pass
-    from shardlm import kernels
+    from shardlm import cpu_plan, kernels
     facts["cpu_kernels"] = kernels.describe()
+    kernels.blocked_vector_bits()          # makes the bfloat16 product choice, where there is one
+    cpu_plan.record(isa=facts["cpu_kernels"]["variant"] if kernels.library() is not None else None,
+                    kernel_library=facts["cpu_kernels"]["library"])
+    facts["cpu_plan"] = json.loads(cpu_plan.current().to_json())
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(i)
@@ -191,6 +196,9 @@ def render(facts: dict, comm: dict, found: list[str]) -> str:
         lines.append(f"  CPU kernels: {ck['variant']} (best on this CPU: {ck['best']}; SHARDLM_CPU_ISA={ck['cap']}; "
                      f"library {ck['library']}): "
                      + ", ".join(f"{name} {state}" for name, state in ck["kernels"].items()))
+    if "cpu_plan" in facts:
+        from shardlm.cpu_plan import CpuPlan
+        lines += ["  " + line for line in CpuPlan(**facts["cpu_plan"]).describe().splitlines()]
     if "all_reduce_ok" in comm:
         lines.append(f"Communication ({comm['ranks']} local ranks, {comm['backend']}, rendezvous {comm['address']}, "
                      f"{comm['seconds']:.1f} s): all-reduce {'ok' if comm['all_reduce_ok'] else 'WRONG'}, "

@@ -30,7 +30,7 @@ import tempfile
 
 import torch
 
-from shardlm import envs
+from shardlm import cpu_plan, envs
 from shardlm.kernels import build
 from shardlm.kernels import decode_abi as abi
 from shardlm.kernels.build import ISA_VARIANTS
@@ -289,31 +289,34 @@ def use_bf16_dot(on: bool) -> bool:
 def _bf16_dot_pays(matmul) -> bool:
     """Whether bfloat16 products run faster with the CPU's bfloat16 dot product (vdpbf16ps) than
     widened to float32 FMAs: twice the multiply-adds on AMD Zen 4, none more on Intel CPUs without
-    AMX. Timed once per process, interleaved, on a product of this model family's size; the
-    answer then holds for every product, so all of them sum in the same order."""
+    AMX. Timed once per process and variant, interleaved, on a product of this model family's
+    size (a CPU plan's choice, cpu_plan.py); the answer then holds for every product, so all of
+    them sum in the same order."""
     if _bf16_dot:
         return _bf16_dot[0]
     setter = _function("blocked_set_bf16_dot")
     pays = False
     if setter(1):       # built with AVX512_BF16
-        from shardlm.utils import median_seconds_side_by_side
-        pack_size, pack = _function("blocked_packed_size"), _function("blocked_pack")
-        M, N, K = 64, 1536, 576
-        w = torch.randn(N, K).to(torch.bfloat16)
-        packed = torch.empty(pack_size(N, K, 1), dtype=torch.bfloat16)
-        pack(w.data_ptr(), N, K, 1, packed.data_ptr())
-        x, y = torch.randn(M, K).to(torch.bfloat16), torch.empty(M, N, dtype=torch.bfloat16)
-
-        def product(on: int):
-            setter(on)
-            matmul(x.data_ptr(), K, packed.data_ptr(), None, y.data_ptr(), M, N, K, 1)
-        widened, dot = median_seconds_side_by_side(lambda: product(0), lambda: product(1), 9)
-        pays = widened > 1.2 * dot
-        logger.info("bfloat16 products: %s (the dot product took %.2fx the time of widening to float32)",
-                    "vdpbf16ps" if pays else "widened to float32", dot / widened)
+        pays = cpu_plan.choose("bf16_dot", f"products ({active_isa()})", lambda: _time_bf16_dot(setter, matmul))
     setter(int(pays))
     _bf16_dot.append(pays)
     return pays
+
+
+def _time_bf16_dot(setter, matmul) -> tuple[bool, str]:
+    from shardlm.utils import median_seconds_side_by_side
+    pack_size, pack = _function("blocked_packed_size"), _function("blocked_pack")
+    M, N, K = 64, 1536, 576
+    w = torch.randn(N, K).to(torch.bfloat16)
+    packed = torch.empty(pack_size(N, K, 1), dtype=torch.bfloat16)
+    pack(w.data_ptr(), N, K, 1, packed.data_ptr())
+    x, y = torch.randn(M, K).to(torch.bfloat16), torch.empty(M, N, dtype=torch.bfloat16)
+
+    def product(on: int):
+        setter(on)
+        matmul(x.data_ptr(), K, packed.data_ptr(), None, y.data_ptr(), M, N, K, 1)
+    widened, dot = median_seconds_side_by_side(lambda: product(0), lambda: product(1), 9)
+    return widened > 1.2 * dot, f"the dot product took {dot / widened:.2f}x widening's time on [{M}, {K}] x [{K}, {N}]"
 
 
 def blocked_pack():

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shardlm import kernels
+from shardlm import cpu_plan, kernels
 from shardlm.kernels import DTYPE_CODES, blocked_matmul, blocked_pack, skinny_matmul
 from shardlm.logger import init_logger
 from shardlm.utils import median_seconds_side_by_side
@@ -32,7 +32,6 @@ logger = init_logger(__name__)
 
 SKINNY_ROW_SIZES = (1, 4, 16, 64)     # the row counts measured at load
 _onednn_ok: dict[torch.dtype, bool] = {}
-_skinny_rows: dict[tuple, int] = {}
 
 
 @dataclass(frozen=True)
@@ -156,19 +155,21 @@ def prepare_weight(weight: torch.Tensor) -> tuple[torch.Tensor | None, CpuMatmul
 
 
 def skinny_max_rows(weight: torch.Tensor) -> int:
+    """The most rows a product with this plain weight runs on the skinny kernel (a CPU plan's
+    choice, measured once per shape and dtype)."""
     if skinny_matmul() is None or not weight.is_contiguous():
         return 0
-    key = (tuple(weight.shape), weight.dtype)
-    if key not in _skinny_rows:
+
+    def measure() -> tuple[int, str]:
         # near-ties go to the skinny kernel: the measurement runs with the weight in cache, where
         # oneDNN does best (in a model's step the weights come from memory, where the skinny
         # kernel streams faster: the float32 LM head, tied in cache, is 10% faster in a step),
         # and only skinny linears let a decode step run as one C call (llama_cpu_decode.py)
-        _skinny_rows[key] = rows_kernel_wins(lambda x: skinny(x, weight, None), lambda x: linear(x, weight, None),
-                                             weight.shape[1], weight.dtype, SKINNY_ROW_SIZES, tie=1.1, first_tie=1.25)
-        logger.debug("Linear %s %s: skinny kernel up to %d rows", tuple(weight.shape), weight.dtype,
-                     _skinny_rows[key])
-    return _skinny_rows[key]
+        rows = rows_kernel_wins(lambda x: skinny(x, weight, None), lambda x: linear(x, weight, None),
+                                weight.shape[1], weight.dtype, SKINNY_ROW_SIZES, tie=1.1, first_tie=1.25)
+        return rows, f"timed against oneDNN at {', '.join(map(str, SKINNY_ROW_SIZES))} rows"
+    N, K = weight.shape
+    return cpu_plan.choose("skinny_rows", f"[{N}, {K}] {str(weight.dtype).removeprefix('torch.')}", measure)
 
 
 def rows_kernel_wins(kernel, alternative, in_features: int, dtype: torch.dtype,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shardlm import cpu_plan
 from shardlm.kernels import DTYPE_CODES, blocked_int4, blocked_int8, blocked_panel_width, fused_ops
 from shardlm.layers.cpu_matmul import panel_rows, rows_kernel_wins
 from shardlm.logger import init_logger
@@ -305,15 +306,12 @@ class QuantizedWeight:
         return out.view(*x.shape[:-1], self.out_features)
 
     def _measure(self) -> int:
-        """The most rows for which the packed kernel beats dequantize + matmul on this shape."""
-        key = (self.kernel, self.out_features, self.in_features, self.group, self.dtype)
-        if key not in _measured:
-            _measured[key] = rows_kernel_wins(self._kernel, lambda x: F.linear(x, self.dequantized()),
-                                              self.in_features, self.dtype)
-            logger.debug("Quantized %s [%d, %d]: packed kernel up to %d rows", self.kernel, self.out_features,
-                         self.in_features, _measured[key])
-        return _measured[key]
-
-
-_measured: dict[tuple, int] = {}
-
+        """The most rows for which the packed kernel beats dequantize + matmul on this shape (a CPU
+        plan's choice, measured once per shape)."""
+        def measure() -> tuple[int, str]:
+            rows = rows_kernel_wins(self._kernel, lambda x: F.linear(x, self.dequantized()), self.in_features,
+                                    self.dtype)
+            return rows, "timed against dequantize + matmul"
+        key = (f"{self.kernel} [{self.out_features}, {self.in_features}] group {self.group} "
+               f"{str(self.dtype).removeprefix('torch.')}")
+        return cpu_plan.choose("quantized_rows", key, measure)

@@ -104,7 +104,7 @@ class LlamaModel(nn.Module):
                                     if self.start <= i < self.end else PPMissingLayer()
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last_rank else None
-        self.fused_decode: FusedDecodeLayers | None | bool = False    # False: not built yet
+        self.fused_decode: FusedDecodeLayers | None = None     # the one-call decode step (prepare_fused_decode)
         # EAGLE-3: the layers whose input (hidden + residual) the last stage keeps in aux_hidden,
         # [tokens, len(aux_layers) * hidden]; earlier stages send theirs along
         self.aux_layers: tuple[int, ...] = ()
@@ -118,7 +118,7 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual, *aux = intermediate
         cos_sin = self.rotary.lookup(positions)
-        fused = self._fused_decode(meta) if not self.aux_layers else None
+        fused = self.fused_decode
         done = fused(hidden, residual, cos_sin, meta, lora_batch.current()) if fused is not None else None
         if done is not None:
             hidden, residual = done
@@ -135,14 +135,16 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-    def _fused_decode(self, meta) -> FusedDecodeLayers | None:
-        """The one-call decode path of this stage where it applies, built at the first decode step
-        (the weights are final and the KV cache bound by then)."""
-        if self.fused_decode is False:
-            if not (hasattr(meta, "buckets") and len(meta.buckets) == 1 and meta.buckets[0].in_order):
-                return None
-            self.fused_decode = FusedDecodeLayers.build(self, LlamaMLP)
-        return self.fused_decode
+    def prepare_fused_decode(self, on: bool) -> str:
+        """Builds (on) or drops the one-call decode step of this stage; called once its weights are
+        final and its KV cache bound. -> how its decode steps run, for the CPU plan."""
+        self.fused_decode = None
+        if not on:
+            return "layer by layer (--enforce-eager)"
+        if self.aux_layers:
+            return "layer by layer (an EAGLE-3 head reads the layers' inputs)"
+        self.fused_decode, why = FusedDecodeLayers.build(self, LlamaMLP)
+        return "in one C call" if self.fused_decode is not None else f"layer by layer ({why})"
 
 
 class LlamaForCausalLM(nn.Module):

@@ -68,19 +68,27 @@ def _weight(linear) -> torch.Tensor:
     return linear.quant.packed if linear.quant is not None else linear.weight
 
 
-def _fits(layer, layout: tuple[int, int], dense_mlp: type) -> bool:
-    """A decoder layer the C path runs: dense MLP, no q/k norm, the CPU attention backend, and
-    every linear's weight in `layout` (float weights in the norms' dtype)."""
+def _misfit(layer, layout: tuple[int, int, int], dense_mlp: type) -> str | None:
+    """Why the C path cannot run this decoder layer, or None: it runs a dense MLP without q/k
+    norms on the CPU attention backend, every linear's weight in `layout` (float weights in the
+    norms' dtype)."""
     attn = layer.self_attn
-    if (type(layer.mlp) is not dense_mlp or attn.q_norm is not None
-            or getattr(attn.attn.backend, "kernel_qkv", None) is None       # the CPU backend only
-            or layer.input_layernorm.weight.dtype not in DTYPE_CODES):
-        return False
+    if type(layer.mlp) is not dense_mlp:
+        return f"its MLP is a {type(layer.mlp).__name__}"
+    if attn.q_norm is not None:
+        return "q/k norms"
+    if getattr(attn.attn.backend, "kernel_qkv", None) is None:
+        return "not the CPU kernels' attention backend"
+    if layer.input_layernorm.weight.dtype not in DTYPE_CODES:
+        return f"dtype {layer.input_layernorm.weight.dtype}"
     linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     if get_tp_group().world_size > 1 and (attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None):
-        return False        # a row-parallel bias is added after the all-reduce, which the C loop does not do
-    return all(_layout(m) == layout and (m.quant is not None or m.weight.dtype == layer.input_layernorm.weight.dtype)
-               for m in linears)
+        # a row-parallel bias is added after the all-reduce, which the C loop does not do
+        return "a row-parallel bias under tensor parallel"
+    if not all(_layout(m) == layout and (m.quant is not None or m.weight.dtype == layer.input_layernorm.weight.dtype)
+               for m in linears):
+        return "its linears' weights are not all in one layout the C kernels read"
+    return None
 
 
 def _in_features(linear) -> int:
@@ -122,18 +130,22 @@ class FusedDecodeLayers:
         self._lora_segments: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, model, dense_mlp: type) -> FusedDecodeLayers | None:
-        """For a LlamaModel stage whose dense MLPs are of class `dense_mlp`, or None where the
-        fused path does not apply to it."""
+    def build(cls, model, dense_mlp: type) -> tuple[FusedDecodeLayers | None, str]:
+        """(the one-call step of a LlamaModel stage whose dense MLPs are of class `dense_mlp`, or
+        None where it does not apply; why not)."""
         layers = list(model.layers[model.start:model.end])
-        attn = layers[0].self_attn.attn if layers else None
-        if not layers or attn.cp.world_size != attn.dcp.world_size:    # PCP: each group its own tokens
-            return None
+        if not layers:
+            return None, "no decoder layers on this stage"
+        attn = layers[0].self_attn.attn
+        if attn.cp.world_size != attn.dcp.world_size:    # PCP: each group its own tokens
+            return None, "prefill context parallel"
         layout = _layout(layers[0].self_attn.qkv_proj)
-        if layout is None or not all(_fits(layer, layout, dense_mlp) for layer in layers):
-            return None
+        why = "the weights' layout has no C kernel" if layout is None else next(
+            (w for w in (_misfit(layer, layout, dense_mlp) for layer in layers) if w), None)
+        if why is not None:
+            return None, why
         kernel = kernels.llama_decode_layers()
-        return None if kernel is None else cls(layers, kernel)
+        return (None, "the kernel library is not built") if kernel is None else (cls(layers, kernel), "")
 
     def _reduce_in_place(self) -> int:
         """The C loop's all-reduce of the step's hidden rows; an error (a dead or hung peer) is kept

@@ -23,6 +23,7 @@ from shardlm.distributed.parallel_state import alone
 from shardlm.layers.attention import Attention
 from shardlm.logger import init_logger
 from shardlm.model_loader.weights import load_model
+from shardlm.models.llama import LlamaModel
 from shardlm.spec_decode.proposer import ProposalRequest, Proposer, TargetStep
 from shardlm.utils import cdiv
 
@@ -38,6 +39,7 @@ class ModelProposer(Proposer):
         self.max_model_len = config.model.max_model_len
         self.max_rows = config.scheduler.max_num_seqs
         self.dtype = config.model.dtype
+        self.enforce_eager = config.model.enforce_eager
         self.model = model
         self.attention = [m for m in model.modules() if isinstance(m, Attention)]
         # scratch blocks per request: the newest token's block (a copy) and what k more positions need
@@ -61,6 +63,10 @@ class ModelProposer(Proposer):
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.backend = self.backend
+        with alone():           # the draft's own decode steps in one C call too, where they apply (CPU)
+            for m in self.model.modules():
+                if isinstance(m, LlamaModel):
+                    m.prepare_fused_decode(not self.enforce_eager)
 
     def release_cache(self) -> None:
         for attn in self.attention:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from shardlm import cpu_plan
 from shardlm.attention.context_parallel import ContextShard
 from shardlm.attention.selector import get_attention_backend
 from shardlm.attention.torch_paged import ContextParallelStep
@@ -36,6 +37,7 @@ from shardlm.lora.manager import LoRAManager
 from shardlm.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from shardlm.model_loader.weights import load_model
 from shardlm.models.eagle3 import aux_layers_of
+from shardlm.models.llama import LlamaModel
 from shardlm.planner.layer_placement import stage_layers
 from shardlm.sampling_params import SamplingParams
 from shardlm.spec_decode.proposer import ProposalRequest, Proposer, TargetStep
@@ -75,6 +77,8 @@ class ModelRunner:
         self.use_cuda_graphs = False
         self.lora: LoRAManager | None = None
         self.proposer: Proposer | None = None          # speculative decoding, on the rank that samples
+        self.enforce_eager = config.model.enforce_eager
+        self.num_blocks: int | None = None              # KV cache blocks, once the cache is bound
 
     def load_model(self) -> None:
         par = self.config.parallel
@@ -106,10 +110,19 @@ class ModelRunner:
         """--enforce-eager: every step layer by layer (on); off: decode steps replayed from CUDA
         graphs on a GPU, through the one-call path on CPU, where they apply. Switchable at run
         time, to compare the two on the same weights and kernel choices."""
+        self.enforce_eager = on
         self.use_cuda_graphs = not on and self.cuda_graphs is not None
-        for module in self.model.modules():
-            if hasattr(module, "fused_decode"):
-                module.fused_decode = None if on else False     # None: never built; False: not built yet
+        if self.num_blocks is not None:       # else initialize_cache prepares it
+            self._prepare_cpu_decode()
+
+    def _prepare_cpu_decode(self) -> None:
+        """The one-call decode step of each stage, once the KV cache is bound (CPU); the CPU plan
+        records how decode steps run."""
+        if self.device.type != "cpu":
+            return
+        paths = {m.prepare_fused_decode(not self.enforce_eager) for m in self.model.modules()
+                 if isinstance(m, LlamaModel)}
+        cpu_plan.record(decode_path="; ".join(sorted(paths)) or "layer by layer (not a Llama-family model)")
 
     def attention_layers(self) -> list[Attention]:
         if self._attention_layers is None:
@@ -143,11 +156,13 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.initialize_cache(num_blocks)
         self.num_blocks = num_blocks
+        self._prepare_cpu_decode()
         # CPU: blocks below this id have had their memory faulted in (block 0 is read as padding)
         self._faulted_blocks = 1 if self.device.type == "cpu" else num_blocks
         self._fault_chunk = max(1, (64 << 20) // max(1, self.kv_cache_bytes_per_block()))
 
     def release_cache(self) -> None:
+        self.num_blocks = None
         for attn in self.attention_layers():
             attn.k_cache = attn.v_cache = None
         if self.proposer is not None:

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import resource
 import time
 
 import torch
 
+from shardlm import cpu_plan, kernels
 from shardlm.config import EngineConfig, format_bytes
 from shardlm.distributed import parallel_state
 from shardlm.logger import init_logger
 from shardlm.lora.request import LoRARequest
 from shardlm.messages import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
+from shardlm.models.llama import LlamaModel
 from shardlm.sampling_params import SamplingParams
 from shardlm.worker.cpu_binding import apply_binding, binding_for_rank
 from shardlm.worker.cpu_tuning import keep_freed_memory_in_heap
@@ -40,6 +43,7 @@ class Worker:
         self.device = config.device
         if self.device.type == "cuda":
             self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        cpu_plan.follow(config.model.cpu_plan)       # a spawned worker reads the file itself
         self.runner = ModelRunner(config, self.device)
 
     def init_device(self) -> None:
@@ -132,8 +136,8 @@ class Worker:
 
     def fused_decode_steps(self) -> int:
         """Decode steps this rank ran through the one-call path (models/llama_cpu_decode.py)."""
-        fused = (getattr(m, "fused_decode", None) for m in self.runner.model.modules())
-        return sum(f.steps for f in fused if hasattr(f, "steps"))
+        stages = (m.fused_decode for m in self.runner.model.modules() if isinstance(m, LlamaModel))
+        return sum(f.steps for f in stages if f is not None)
 
     def cuda_graph_steps(self) -> int:
         """Decode steps this rank replayed from CUDA graphs (worker/cuda_graphs.py)."""
@@ -187,6 +191,25 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.runner.initialize_cache(num_blocks)
+        if self.device.type == "cpu":
+            self._settle_cpu_plan()
+
+    def _settle_cpu_plan(self) -> None:
+        """Every CPU choice is made once the KV cache is bound: log the plan as one block (the first
+        rank; the others at debug level) and write it where --cpu-plan names a file not there yet."""
+        cpu_plan.record(isa=kernels.active_isa() if kernels.library() is not None else None,
+                        kernel_library=kernels.describe()["library"],
+                        dtype=str(self.config.model.dtype).removeprefix("torch."))
+        plan = cpu_plan.current()
+        first = self.rank == 0 and self.config.parallel.rank_offset == 0
+        logger.log(logging.INFO if first else logging.DEBUG, "%s", plan.describe())
+        written = cpu_plan.write_if_asked() if first else None
+        if written:
+            logger.info("CPU plan written to %s: --cpu-plan %s repeats these choices.", written, written)
+
+    def cpu_plan(self) -> str:
+        """This rank's CPU plan, as JSON (cpu_plan.py)."""
+        return cpu_plan.current().to_json()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute_model(scheduler_output)

@@ -13,6 +13,8 @@ def register(sub) -> None:
     e.add_argument("--ranks", type=int, default=2, help="local processes in the communication check")
     e.add_argument("--address", default=None, help="HEAD:PORT of a Ray cluster ('auto': the cluster of this node): "
                    "check every node and the communication across them")
+    e.add_argument("--cpu-plan", default=None, metavar="FILE", help="show the CPU plan a run with --cpu-plan FILE "
+                   "follows (its choices are taken, not measured)")
     e.add_argument("--json", action="store_true", help="print JSON")
     e.set_defaults(func=run)
 
@@ -28,6 +30,8 @@ def run(ns) -> None:
         sys.exit(1 if report["problems"] else 0)
     if ns.ranks < 2:
         raise ValueError("env check --ranks must be at least 2 (it measures communication between ranks).")
+    from shardlm import cpu_plan
+    cpu_plan.follow(ns.cpu_plan)
     facts = node_facts()
     device = "cuda" if len(facts["gpus"]) >= ns.ranks else "cpu"
     comm = communication_check(ns.ranks, device)
