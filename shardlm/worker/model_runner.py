@@ -1,16 +1,16 @@
 """Runs one scheduler step on this rank:
 
-    update request state -> prepare inputs -> run the model (or this pipeline stage)
-      -> choose the rows that need logits -> sample (and verify proposed tokens)
+    update request state -> the step's batch (worker/step_builder.py: order, tokens, attention
+      layout, context parallel split) -> tensors and attention metadata -> run the model (or this
+      pipeline stage) -> the rows that need logits -> sample (and verify proposed tokens)
       -> prompt logprobs -> propose the next tokens (speculative decoding)
 
-Each is one method below. Attention goes through the backend chosen once for this device
-(shardlm/attention/selector.py); the runner builds its metadata once per step.
+What the batch looks like is the step builder's; running it is one method each below.
+Attention goes through the backend chosen once for this device (shardlm/attention/selector.py);
+the runner builds its metadata once per step.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -18,7 +18,6 @@ import torch
 from shardlm import cpu_plan
 from shardlm.attention.context_parallel import ContextShard
 from shardlm.attention.selector import get_attention_backend
-from shardlm.attention.torch_paged import ContextParallelStep
 from shardlm.config import EngineConfig
 from shardlm.distributed.parallel_state import (
     get_cp_group,
@@ -39,25 +38,14 @@ from shardlm.model_loader.weights import load_model
 from shardlm.models.eagle3 import aux_layers_of
 from shardlm.models.llama import LlamaModel
 from shardlm.planner.layer_placement import stage_layers
-from shardlm.sampling_params import SamplingParams
 from shardlm.spec_decode.proposer import ProposalRequest, Proposer, TargetStep
 from shardlm.spec_decode.selector import make_proposer
 from shardlm.spec_decode.verify import accepted_tokens
 from shardlm.worker.cpu_tuning import zeroed_buffer
 from shardlm.worker.cuda_graphs import CudaGraphs, graphs_unavailable_reason
+from shardlm.worker.step_builder import RequestState, StepBatch, StepBuilder
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class RequestState:
-    """What the worker remembers of a request between steps."""
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    generator: torch.Generator | None
-    lora_int_id: int = 0                # its adapter (0: the base model)
-    output_token_ids: list[int] = field(default_factory=list)
-    prompt_logprobs_done: int = 0       # prompt positions answered (a recompute after preemption skips them)
 
 
 class ModelRunner:
@@ -88,7 +76,6 @@ class ModelRunner:
         if cp.world_size > 1:           # context parallel: this rank's share of every sequence
             self.attn_backend.shard = ContextShard(cp.world_size, cp.rank_in_group, par.dcp_kv_cache_interleave_size,
                                                    self.block_size, get_dcp_group().world_size)
-        self._pcp_tokens: list[list[int]] = []      # prefill context parallel: each group's tokens of the step
         self.model = load_model(self.config.model, self.device, stages[self.pp.rank_in_group])
         spec = self.config.speculative
         if spec is not None and spec.method == "eagle3":     # every rank: each stage hands its layers' on
@@ -98,6 +85,9 @@ class ModelRunner:
         if self.config.lora is not None:
             m = self.config.model
             self.lora = LoRAManager(self.model, self.config.lora, m.hf_config, m.dtype, self.device, m.download_dir)
+        self.step_builder = StepBuilder(self.requests, self.lora.slots_of if self.lora is not None else None,
+                                        self.config.lora.max_loras if self.lora is not None else 0, self.device,
+                                        self.pcp.world_size, self.pcp.rank_in_group, self.attn_backend.shard)
         if self.device.type == "cuda":
             reason = graphs_unavailable_reason(self)
             if reason is None:
@@ -187,17 +177,19 @@ class ModelRunner:
         self._update_requests(so)
         if not so.chunks:
             return ModelRunnerOutput({})
-        chunks, lora = self._lora_batch(so.chunks)
-        input_ids, positions, meta = self._prepare_inputs(chunks)
-        with dp_token_counts(self._tokens_per_replica(len(input_ids))), lora_batch.running(lora):
+        batch = self.step_builder.build(so.chunks)
+        chunks = batch.chunks
+        input_ids, positions, meta = self._prepare_inputs(batch)
+        with dp_token_counts(self._tokens_per_replica(len(input_ids))), lora_batch.running(batch.lora):
             hidden = self._run_model(input_ids, positions, meta)
         if hidden is None:                  # not the last pipeline stage: sent on
             return None
-        if self.pcp.world_size > 1:         # every group's tokens to the first, which samples
-            hidden = self._gather_pcp_hidden(hidden)
+        if batch.pcp is not None:           # every group's tokens to the first, which samples
+            hidden = self._gather_pcp_hidden(hidden, batch.pcp.groups)
             if hidden is None:
                 return None
-            input_ids, positions = self._step_tokens
+            input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
+            positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         out = self._sample(so, chunks, hidden)
         if self.proposer is not None:       # the rank that samples: out is its result
             self.proposer.follow(TargetStep(input_ids, positions, meta, hidden, chunks, out.sampled, self.requests,
@@ -213,7 +205,8 @@ class ModelRunner:
     def _sample(self, so: SchedulerOutput, chunks: list[ScheduledChunk], hidden: torch.Tensor):
         """The logits of the rows that need them, sampled (and proposed tokens verified), and prompt
         logprobs. -> the step's result on the rank that samples, None on the other TP ranks."""
-        rows, sample_chunks, prompt_rows = self._logits_rows(chunks)
+        needed = self.step_builder.logits_rows(chunks)
+        rows, sample_chunks, prompt_rows = needed.rows, needed.sample_chunks, needed.prompt_rows
         if not rows:
             # only unfinished prompt chunks (a prompt longer than the step's token budget is
             # prefilled over several steps): no logits needed, nothing to sample. Every TP rank
@@ -231,7 +224,7 @@ class ModelRunner:
             return None
         out = ModelRunnerOutput({})
         if sample_chunks:
-            row_states = self._row_states(sample_chunks, states)
+            row_states = self.step_builder.sampling_states(sample_chunks)
             batch = self._sampling_batch(row_states)
             if allowed is not None:
                 batch.allowed = allowed(0)
@@ -240,48 +233,15 @@ class ModelRunner:
         self._prompt_logprobs(logits, prompt_rows, out)
         return out
 
-    @staticmethod
-    def _row_states(sample_chunks: list[ScheduledChunk], states: list[RequestState]) -> list[RequestState]:
-        """One state per sampled position: a request's position j after its last known token has
-        its first j proposed tokens as output history (penalties, min_tokens see them; without
-        either, the sampler does not read it and the request's own state serves every row)."""
-        rows = []
-        for c, state in zip(sample_chunks, states):
-            rows.append(state)
-            drafts, sp = c.draft_token_ids, state.sampling_params
-            if sp.uses_penalties or len(state.output_token_ids) < sp.min_tokens:
-                rows.extend(replace(state, output_token_ids=state.output_token_ids + drafts[:j])
-                            for j in range(1, len(drafts) + 1))
-            else:
-                rows.extend([state] * len(drafts))
-        return rows
-
     def _allowed_tokens(self, so: SchedulerOutput, sample_chunks: list[ScheduledChunk]):
         """Structured outputs: a function (first token of the logits' columns) -> TokenBitmask of
         the constrained rows among sample_chunks, or None when none is constrained."""
         if not so.grammar_req_ids:
             return None
-        first_row, row = {}, 0
-        for c in sample_chunks:         # a request has a row per sampled position: 1 + its drafts
-            first_row[c.req_id] = (row, 1 + c.num_draft_tokens)
-            row += 1 + c.num_draft_tokens
-        rows = torch.tensor([first + j for r in so.grammar_req_ids for first, n in [first_row[r]] for j in range(n)],
-                            dtype=torch.long, device=self.device)
+        rows = torch.tensor(StepBuilder.grammar_rows(so.grammar_req_ids, sample_chunks), dtype=torch.long,
+                            device=self.device)
         words = np.frombuffer(so.grammar_bitmask, dtype=np.int32).reshape(len(rows), -1)
         return lambda first_token: TokenBitmask(rows, words, first_token)
-
-    def _lora_batch(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], lora_batch.LoRABatch | None]:
-        """The step's chunks ordered by adapter id (the base model's first), so each adapter's
-        tokens are one segment, and which segment runs on which slot (None: all on the base
-        model). The order follows the requests alone, so every pipeline stage orders alike."""
-        ids = [self.requests[c.req_id].lora_int_id for c in chunks] if self.lora is not None else []
-        if not any(ids):
-            return chunks, None
-        slots = self.lora.slots_of(ids)
-        order = sorted(range(len(chunks)), key=ids.__getitem__)
-        chunks = [chunks[i] for i in order]
-        return chunks, lora_batch.LoRABatch.of_chunks([slots[i] for i in order], [len(c.token_ids) for c in chunks],
-                                                      self.config.lora.max_loras, self.device)
 
     def _greedy_on_vocab_shards(self, states: list[RequestState]) -> bool:
         """TP: every row is a plain argmax (what Sampler does for them), decided from the requests'
@@ -322,65 +282,18 @@ class ModelRunner:
                 self.lora.register(lora)
             self.requests[new.req_id] = RequestState(new.prompt_token_ids, sp, gen, lora.lora_int_id if lora else 0)
 
-    def _prepare_inputs(self, chunks: list[ScheduledChunk]):
-        """Token ids, positions and the attention metadata of the step's tokens, in chunk order.
+    def _prepare_inputs(self, batch: StepBatch):
+        """The tensors and attention metadata of the tokens this rank computes."""
+        self._fault_in_blocks(max(max(c.block_ids) for c in batch.chunks))
+        layout = batch.attention
+        meta = self.attn_backend.build_metadata(layout.query_lens, layout.starts, layout.tables,
+                                                batch.pcp.step if batch.pcp is not None else None)
+        return (torch.tensor(batch.computed_ids, dtype=torch.long, device=self.device),
+                torch.tensor(batch.computed_positions, dtype=torch.long, device=self.device), meta)
 
-        A chunk with proposed tokens is attended as one decode per position (same block table,
-        context up to that position): the kernels, and so the numbers, of decoding its tokens
-        one by one, which keeps greedy outputs exact; and a step of decodes stays on the
-        one-call CPU path (CUDA graphs on a GPU)."""
-        self._fault_in_blocks(max(max(c.block_ids) for c in chunks))
-        input_ids, positions, query_lens, starts, tables = [], [], [], [], []
-        for c in chunks:
-            n = len(c.token_ids)
-            input_ids.extend(c.token_ids)
-            positions.extend(range(c.start_pos, c.start_pos + n))
-            if c.num_draft_tokens:
-                query_lens.extend([1] * n)
-                starts.extend(range(c.start_pos, c.start_pos + n))
-                tables.extend([c.block_ids] * n)
-            else:
-                query_lens.append(n)
-                starts.append(c.start_pos)
-                tables.append(c.block_ids)
-        pcp = None
-        if self.pcp.world_size > 1:         # this group computes the tokens of the positions it owns
-            pcp, mine = self._split_tokens(positions, query_lens, tables)
-            self._step_tokens = (torch.tensor(input_ids, device=self.device),
-                                 torch.tensor(positions, device=self.device))
-            input_ids, positions = [input_ids[i] for i in mine], [positions[i] for i in mine]
-        meta = self.attn_backend.build_metadata(query_lens, starts, tables, pcp)
-        return (torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                torch.tensor(positions, dtype=torch.long, device=self.device), meta)
-
-    def _split_tokens(self, positions: list[int], query_lens: list[int],
-                      tables: list[list[int]]) -> tuple[ContextParallelStep, list[int]]:
-        """Prefill context parallel: which of the step's tokens each group computes (those whose
-        positions its ranks own), and this rank's attention layout: the gathered queries are
-        group by group, each group's tokens in step order. -> (that layout, this group's tokens)"""
-        shard = self.attn_backend.shard
-        groups: list[list[int]] = [[] for _ in range(self.pcp.world_size)]
-        for i, pos in enumerate(positions):
-            groups[shard.pcp_owner(pos)].append(i)
-        row_of, row = [0] * len(positions), 0
-        for tokens in groups:
-            for i in tokens:
-                row_of[i], row = row, row + 1
-        query_rows, token_table, t = [], [], 0
-        for qlen, table in zip(query_lens, tables):
-            query_rows.append(row_of[t:t + qlen])
-            token_table.extend([table] * qlen)
-            t += qlen
-        mine = groups[self.pcp.rank_in_group]
-        self._pcp_tokens = groups
-        step = ContextParallelStep(query_rows, [(positions[i], token_table[i]) for i in mine], [len(g) for g in groups],
-                                   self.pcp.rank_in_group)
-        return step, mine
-
-    def _gather_pcp_hidden(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def _gather_pcp_hidden(self, hidden: torch.Tensor, groups: list[list[int]]) -> torch.Tensor | None:
         """The final hidden states of the whole step, in step order, on the first PCP group (None
-        on the others): each group's rows gathered (padded to the longest)."""
-        groups = self._pcp_tokens
+        on the others): each group's rows (groups: their tokens) gathered, padded to the longest."""
         padded = hidden.new_zeros(max(len(g) for g in groups), hidden.shape[-1])
         padded[:hidden.shape[0]] = hidden
         every = self.pcp.gather(padded.unsqueeze(0), dst=0, dim=0)
@@ -405,32 +318,6 @@ class ModelRunner:
             self._send_to_next_stage(hidden)
             return None
         return hidden
-
-    def _logits_rows(self, chunks: list[ScheduledChunk]):
-        """Rows whose logits are needed: the last token (and drafts) of each sampling chunk, then the prompt
-        positions of requests that asked for prompt logprobs.
-        -> (rows, sampling chunks, [(request id, first prompt position, first row, count)])"""
-        sample_chunks, rows, end = [], [], 0
-        prompt_rows: list[tuple[str, int, int, int]] = []
-        for c in chunks:
-            end += len(c.token_ids)
-            if c.sample:              # its last token's row, and one per proposed token
-                sample_chunks.append(c)
-                rows.extend(range(end - 1 - c.num_draft_tokens, end))
-        offset = 0
-        for c in chunks:
-            state = self.requests[c.req_id]
-            if state.sampling_params.prompt_logprobs is not None:
-                # the logits at position p score prompt token p + 1; a prompt split across steps is
-                # answered chunk by chunk, each position once
-                first = max(c.start_pos, state.prompt_logprobs_done)
-                last = min(c.start_pos + len(c.token_ids), len(state.prompt_token_ids) - 1)
-                if last > first:
-                    prompt_rows.append((c.req_id, first, len(rows), last - first))
-                    rows.extend(range(offset + first - c.start_pos, offset + last - c.start_pos))
-                    state.prompt_logprobs_done = last
-            offset += len(c.token_ids)
-        return rows, sample_chunks, prompt_rows
 
     def _record(self, sample_chunks: list[ScheduledChunk], states: list[RequestState], tokens: list[int],
                 logprobs: dict) -> ModelRunnerOutput:
