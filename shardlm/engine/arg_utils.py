@@ -455,19 +455,21 @@ def _faster_cpu_dtype(mlp_shape: tuple[int, int] | None, measurement) -> torch.d
     hands a measurement in)."""
     from shardlm.layers import cpu_dtype
     shape = mlp_shape or (2048, 8192)
-
-    def measure() -> tuple[str, str]:
-        m = measurement or cpu_dtype.measure(*shape)
-        speedup = m.bfloat16_speedup()
-        chosen = "bfloat16" if speedup * FLOAT32_MARGIN >= 1 else "float32"
-        how = (f"bfloat16 decode-sized products take {1 / speedup:.2f}x float32's time ({m.describe()}; ISA variant "
-               f"{_isa()})")
-        logger.info("--dtype auto: %s for this bfloat16 checkpoint: on this CPU %s. --dtype float32 or bfloat16 "
-                    "overrides.", chosen, how)
-        return chosen, how
     if measurement is not None:
-        return _DTYPES[measure()[0]]
-    return _DTYPES[cpu_plan.choose("dtype_auto", f"MLP [{shape[0]}, {shape[1]}]", measure)]
+        return _DTYPES[_dtype_from(measurement)[0]]
+    return _DTYPES[cpu_plan.choose("dtype_auto", f"MLP [{shape[0]}, {shape[1]}]",
+                                   lambda: _dtype_from(cpu_dtype.measure(*shape)))]
+
+
+def _dtype_from(measurement) -> tuple[str, str]:
+    """(the faster dtype's name, what was measured), logged."""
+    speedup = measurement.bfloat16_speedup()
+    chosen = "bfloat16" if speedup * FLOAT32_MARGIN >= 1 else "float32"
+    how = (f"bfloat16 decode-sized products take {1 / speedup:.2f}x float32's time ({measurement.describe()}; ISA "
+           f"variant {_isa()})")
+    logger.info("--dtype auto: %s for this bfloat16 checkpoint: on this CPU %s. --dtype float32 or bfloat16 "
+                "overrides.", chosen, how)
+    return chosen, how
 
 
 def _isa() -> str:

@@ -30,9 +30,7 @@ def knob_table() -> str:
     for f in dataclasses.fields(EngineArgs):
         if f.name == "model":
             continue
-        flag = f"--{f.name.replace('_', '-')}"
-        if isinstance(f.default, bool):
-            flag = f"--[no-]{f.name.replace('_', '-')}"
+        flag = f"--{'[no-]' if isinstance(f.default, bool) else ''}{f.name.replace('_', '-')}"
         flags = ", ".join(f"`{x}`" for x in ([f.metadata["short"]] if f.metadata["short"] else []) + [flag])
         meaning = f.metadata["help"].replace("|", "\\|")
         rows.append(f"| {f.name} | {flags} | {_default(f)} | {meaning} |")

@@ -125,8 +125,7 @@ KERNEL_API int32_t llama_decode_layers(const LlamaDecodeModel *m, const LlamaDec
             add_rmsnorm(hidden, E, residual, residual, hidden, w->input_norm, T, E, m->eps, dtype);
         }
         if (matmul(m, hidden, E, w->qkv_weight, w->qkv_bias, qkv, T, Q, E)) return -1;
-        if (lora && lora_segments(&ls, l, LORA_QKV, hidden, E, qkv, Q, E, 3 * R))
-            return -1;
+        if (lora && lora_segments(&ls, l, LORA_QKV, hidden, E, qkv, Q, E, 3 * R)) return -1;
         if (dcp) {
             rotary_cache_write(qkv, Q, st->cos, st->signed_sin, w->k_cache, w->v_cache, st->slot_mapping, T, H, Hkv, D,
                                m->num_blocks, m->block_size, dtype);
@@ -138,14 +137,11 @@ KERNEL_API int32_t llama_decode_layers(const LlamaDecodeModel *m, const LlamaDec
             return -1;
         }
         if (matmul(m, attn, H * D, w->o_weight, w->o_bias, hidden, T, E, H * D)) return -1;
-        if (lora && lora_segments(&ls, l, LORA_O, attn, H * D, hidden, E, H * D, R))
-            return -1;
+        if (lora && lora_segments(&ls, l, LORA_O, attn, H * D, hidden, E, H * D, R)) return -1;
         if (st->all_reduce && st->all_reduce()) return -2;
         add_rmsnorm(hidden, E, residual, residual, hidden, w->post_norm, T, E, m->eps, dtype);
         if (matmul(m, hidden, E, w->gate_up_weight, w->gate_up_bias, gate_up, T, 2 * I, E)) return -1;
-        if (lora && lora_segments(&ls, l, LORA_GATE_UP, hidden, E, gate_up, 2 * I, E,
-                                  2 * R))
-            return -1;
+        if (lora && lora_segments(&ls, l, LORA_GATE_UP, hidden, E, gate_up, 2 * I, E, 2 * R)) return -1;
         silu_and_mul(gate_up, act, T, I, dtype);
         if (matmul(m, act, I, w->down_weight, w->down_bias, hidden, T, E, I)) return -1;
         if (lora && lora_segments(&ls, l, LORA_DOWN, act, I, hidden, E, I, R)) return -1;

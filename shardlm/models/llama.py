@@ -147,6 +147,13 @@ class LlamaModel(nn.Module):
         return "in one C call" if self.fused_decode is not None else f"layer by layer ({why})"
 
 
+def prepare_fused_decode(model: nn.Module, on: bool) -> str:
+    """LlamaModel.prepare_fused_decode for every Llama stage in `model` (a target or a draft) ->
+    how their decode steps run."""
+    paths = {m.prepare_fused_decode(on) for m in model.modules() if isinstance(m, LlamaModel)}
+    return "; ".join(sorted(paths)) or "layer by layer (not a Llama-family model)"
+
+
 class LlamaForCausalLM(nn.Module):
     # checkpoint name -> (our parameter name, shard id)
     stacked_params = [(".qkv_proj.", ".q_proj.", "q"), (".qkv_proj.", ".k_proj.", "k"),

@@ -23,7 +23,7 @@ from shardlm.distributed.parallel_state import alone
 from shardlm.layers.attention import Attention
 from shardlm.logger import init_logger
 from shardlm.model_loader.weights import load_model
-from shardlm.models.llama import LlamaModel
+from shardlm.models.llama import prepare_fused_decode
 from shardlm.spec_decode.proposer import ProposalRequest, Proposer, TargetStep
 from shardlm.utils import cdiv
 
@@ -64,9 +64,7 @@ class ModelProposer(Proposer):
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.backend = self.backend
         with alone():           # the draft's own decode steps in one C call too, where they apply (CPU)
-            for m in self.model.modules():
-                if isinstance(m, LlamaModel):
-                    m.prepare_fused_decode(not self.enforce_eager)
+            prepare_fused_decode(self.model, not self.enforce_eager)
 
     def release_cache(self) -> None:
         for attn in self.attention:

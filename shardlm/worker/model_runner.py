@@ -36,7 +36,7 @@ from shardlm.lora.manager import LoRAManager
 from shardlm.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from shardlm.model_loader.weights import load_model
 from shardlm.models.eagle3 import aux_layers_of
-from shardlm.models.llama import LlamaModel
+from shardlm.models.llama import prepare_fused_decode
 from shardlm.planner.layer_placement import stage_layers
 from shardlm.spec_decode.proposer import ProposalRequest, Proposer, TargetStep
 from shardlm.spec_decode.selector import make_proposer
@@ -110,9 +110,7 @@ class ModelRunner:
         records how decode steps run."""
         if self.device.type != "cpu":
             return
-        paths = {m.prepare_fused_decode(not self.enforce_eager) for m in self.model.modules()
-                 if isinstance(m, LlamaModel)}
-        cpu_plan.record(decode_path="; ".join(sorted(paths)) or "layer by layer (not a Llama-family model)")
+        cpu_plan.record(decode_path=prepare_fused_decode(self.model, not self.enforce_eager))
 
     def attention_layers(self) -> list[Attention]:
         if self._attention_layers is None:

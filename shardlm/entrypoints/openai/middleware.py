@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-import json
 
 from shardlm.entrypoints.openai.errors import error_response
 from shardlm.entrypoints.openai.protocol import OpenAIError
@@ -42,7 +41,7 @@ class BodySizeLimit:
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._refuse(send)
+            return await self._refuse(scope, receive, send)
         seen = 0
 
         async def counted():
@@ -57,11 +56,8 @@ class BodySizeLimit:
         try:
             await self.app(scope, counted, send)
         except _BodyTooLarge:
-            await self._refuse(send)
+            await self._refuse(scope, receive, send)
 
-    async def _refuse(self, send):
-        body = json.dumps(OpenAIError(f"The request body is larger than this server accepts ({self.max_bytes} "
-                                      "bytes, --max-body-bytes).", 413).body()).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+    async def _refuse(self, scope, receive, send):
+        await error_response(OpenAIError(f"The request body is larger than this server accepts ({self.max_bytes} "
+                                         "bytes, --max-body-bytes).", 413))(scope, receive, send)
