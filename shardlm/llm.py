@@ -116,6 +116,13 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
+    def stats(self) -> dict:
+        """The engine's figures now, as the server's /metrics reports them: running and waiting
+        requests, KV cache usage and size, prefix cache queries and hits, preemptions, aborts (and
+        LoRA, speculative decoding and expert-load counters where those run). With data parallel,
+        totals over the replicas, each replica's own under "engines"."""
+        return self.engine.stats()
+
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         """Call a Worker method on every rank (as vLLM's LLM.collective_rpc); one result per rank."""
         return self.engine.collective_rpc(method, args)

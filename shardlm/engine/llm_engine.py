@@ -87,5 +87,8 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.call_utility("reset_prefix_cache")
 
+    def stats(self) -> dict:
+        return self.engine_core.call_utility("stats")
+
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -22,7 +22,7 @@ def _cli(*args, check=True, timeout=120):
     return run
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
@@ -33,7 +33,7 @@ def cluster(tiny_model_dir, tmp_path_factory):
     if ray.is_initialized():
         ray.shutdown()
     model = tiny_model_dir("llama-gqa")
-    port = _free_port()
+    port = free_port()
     with own_ray_auth_token(tmp_path_factory.mktemp("ray-auth")) as token_file:
         yield from _start_cluster(model, port, token_file)
 

@@ -25,7 +25,7 @@ def _run(path, prompts, params=GREEDY, **kwargs):
     llm = LLM(path, dtype="float32", **{"kv_cache_memory": "16MiB", "max_model_len": 512, **kwargs})
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        return outs, llm.engine.engine_core.call_utility("stats")
+        return outs, llm.stats()
     finally:
         llm.shutdown()
 
@@ -72,7 +72,7 @@ def test_context_parallel_with_chunked_prefill_prefix_hits_and_preemption(base, 
     try:
         got = llm.generate(prompts + shared, GREEDY, use_tqdm=False)
         again = llm.generate(shared, GREEDY, use_tqdm=False)
-        stats = llm.engine.engine_core.call_utility("stats")
+        stats = llm.stats()
     finally:
         llm.shutdown()
     assert stats["kv_cache_tokens"] == 2 * plain["kv_cache_tokens"] == 2 * 20 * 16

@@ -15,8 +15,9 @@ import pytest
 from shardlm import LLM, SamplingParams
 from shardlm.engine.core_client import EngineDeadError
 from tests.distributed.test_parallel_server import assert_server_answers_like_llm
+from tests.helpers import start_server, stop_server
 from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts
-from tests.server.test_openai_server import _start, _stop, assert_concurrent_streams_equal_offline
+from tests.server.test_openai_server import assert_concurrent_streams_equal_offline
 
 ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
 
@@ -32,7 +33,7 @@ def dp1_outputs(tiny_model_dir):
 
 def _routed(llm) -> list[int]:
     """Requests the client sent to each replica (the engine's public stats, as /metrics reports them)."""
-    return [e["num_routed"] for e in llm.engine.engine_core.call_utility("stats")["engines"]]
+    return [e["num_routed"] for e in llm.stats()["engines"]]
 
 
 @pytest.mark.slow
@@ -71,7 +72,7 @@ def test_n_samples_and_aborts_across_replicas(tiny_model_dir):
         engine.abort_request("long")
         assert not engine.has_unfinished_requests()
         assert engine.engine_core.balancer.in_flight == [0, 0]
-        stats = engine.engine_core.call_utility("stats")
+        stats = engine.stats()
         assert stats["num_aborted"] == 1 and [e["engine"] for e in stats["engines"]] == [0, 1]
     finally:
         llm.shutdown()
@@ -110,12 +111,12 @@ def test_offline_replica_death_fails_the_call_naming_it(tiny_model_dir):
 @pytest.fixture(scope="module")
 def dp_server(tiny_model_dir):
     path = tiny_model_dir("llama-gqa")
-    proc, url = _start(path, "-dp", "2")
+    proc, url = start_server(path, "-dp", "2")
     children = psutil.Process(proc.pid).children(recursive=True)
     try:
         yield proc, url, path
     finally:
-        _stop(proc)
+        stop_server(proc)
         _, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, f"processes left: {[p.pid for p in alive]}"
 
@@ -191,9 +192,9 @@ def test_headless_node_joins_the_head_and_both_serve(tiny_model_dir):
     import subprocess
     import sys
 
-    from tests.server.test_openai_server import _free_port
+    from tests.helpers import free_port
     path = tiny_model_dir("llama-gqa")
-    rpc = _free_port()
+    rpc = free_port()
     common = ["-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
               "--data-parallel-rpc-port", str(rpc)]
     node = subprocess.Popen([sys.executable, "-m", "shardlm.entrypoints.cli", "serve", path, "--dtype", "float32",
@@ -202,7 +203,7 @@ def test_headless_node_joins_the_head_and_both_serve(tiny_model_dir):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     node_children = []
     try:
-        proc, url = _start(path, *common)
+        proc, url = start_server(path, *common)
         node_children = psutil.Process(node.pid).children(recursive=True)
         try:
             assert_server_answers_like_llm(url, path)
@@ -211,7 +212,7 @@ def test_headless_node_joins_the_head_and_both_serve(tiny_model_dir):
             assert _labelled(text, "shardlm:num_requests_routed", "1") >= 4
             assert _labelled(text, "shardlm:num_requests_routed", "0") >= 4
         finally:
-            _stop(proc)
+            stop_server(proc)
         assert node.wait(timeout=30) == 0, node.stderr.read()[-3000:]
     finally:
         if node.poll() is None:
@@ -222,9 +223,9 @@ def test_headless_node_joins_the_head_and_both_serve(tiny_model_dir):
 
 @pytest.mark.slow
 def test_a_head_without_its_remote_replicas_names_them(tiny_model_dir):
-    from tests.server.test_openai_server import _free_port
+    from tests.helpers import free_port
     env_before = dict(os.environ)
     with pytest.raises(TimeoutError, match=r"replica\(s\) 1 did not join within 3 s"):
         LLM(tiny_model_dir("llama-gqa"), **ENGINE, data_parallel_size=2, data_parallel_size_local=1,
-            data_parallel_address="127.0.0.1", data_parallel_rpc_port=_free_port(), distributed_init_timeout=3)
+            data_parallel_address="127.0.0.1", data_parallel_rpc_port=free_port(), distributed_init_timeout=3)
     assert dict(os.environ) == env_before, "the engine cores bind their collectives, not the caller's process"

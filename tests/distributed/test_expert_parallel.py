@@ -17,8 +17,8 @@ from shardlm import LLM, SamplingParams
 from shardlm.engine.core_client import EngineDeadError
 from shardlm.layers.moe import local_experts
 from tests.distributed.test_parallel_server import assert_server_answers_like_llm
+from tests.helpers import start_server, stop_server
 from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts
-from tests.server.test_openai_server import _start, _stop
 
 ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
 
@@ -51,7 +51,7 @@ def test_expert_parallel_equals_one_rank_and_hf(name, dp, tp, tiny_model_dir, re
               enable_expert_parallel=True)
     try:
         outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
-        stats = llm.engine.engine_core.call_utility("stats")
+        stats = llm.stats()
     finally:
         llm.shutdown()
     assert _token_ids(outs) == one_rank_outputs(name)
@@ -112,7 +112,7 @@ def test_an_idle_replica_steps_with_the_busy_one_and_all_go_quiet(tiny_model_dir
     llm = LLM(path, **ENGINE, data_parallel_size=2, enable_expert_parallel=True)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        assert [e["num_routed"] for e in llm.engine.engine_core.call_utility("stats")["engines"]] == [2, 2]
+        assert [e["num_routed"] for e in llm.stats()["engines"]] == [2, 2]
         assert _token_ids(outs) == expected
         cores = [psutil.Process(c.process.pid) for c in llm.engine.engine_core.cores]
         time.sleep(0.5)
@@ -157,12 +157,12 @@ def test_expert_parallel_layouts_this_version_refuses(tiny_model_dir):
 @pytest.mark.slow
 def test_dp2_ep_server_answers_like_the_offline_engine_and_shows_the_expert_load(tiny_model_dir):
     path = tiny_model_dir("mixtral")
-    proc, url = _start(path, "-dp", "2", "--enable-expert-parallel")
+    proc, url = start_server(path, "-dp", "2", "--enable-expert-parallel")
     try:
         assert_server_answers_like_llm(url, path)
         metrics = httpx.get(url + "/metrics").text
     finally:
-        _stop(proc)
+        stop_server(proc)
     series = [line for line in metrics.splitlines() if line.startswith("shardlm:moe_expert_tokens{")]
     # 2 MoE layers x 4 experts, for each replica and their total
     assert len(series) == 2 * 4 * 3

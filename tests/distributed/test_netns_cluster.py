@@ -160,9 +160,9 @@ def test_headless_data_parallel_replica_in_the_other_namespace(two_hosts, tiny_m
     the other namespace runs replica 1 and joins over the veth pair. Both serve, equal to dp=1."""
     from tests.distributed.test_data_parallel import _labelled
     from tests.distributed.test_parallel_server import assert_server_answers_like_llm
-    from tests.server.test_openai_server import _free_port, _start, _stop
+    from tests.helpers import free_port, start_server, stop_server
     path = tiny_model_dir("llama-gqa")
-    rpc = _free_port()
+    rpc = free_port()
     common = ["-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address", HEAD_IP,
               "--data-parallel-rpc-port", str(rpc)]
     node = subprocess.Popen(["ip", "netns", "exec", NS, sys.executable, "-m", "shardlm.entrypoints.cli", "serve", path,
@@ -170,13 +170,13 @@ def test_headless_data_parallel_replica_in_the_other_namespace(two_hosts, tiny_m
                              "--data-parallel-start-rank", "1", "--headless"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        proc, url = _start(path, *common, env={"SHARDLM_HOST_IP": HEAD_IP})
+        proc, url = start_server(path, *common, env={"SHARDLM_HOST_IP": HEAD_IP})
         try:
             assert_server_answers_like_llm(url, path)
             routed = _labelled(httpx.get(url + "/metrics").text, "shardlm:num_requests_routed", "1")
             assert routed >= 1, "replica 1 (the other namespace) served"
         finally:
-            _stop(proc)
+            stop_server(proc)
         assert node.wait(timeout=HANG_GUARD_S) == 0, node.stderr.read()[-3000:]
         assert f"Data parallel replica 1 joined from node {NODE_IP}" in proc.stderr.read()
     finally:

@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from shardlm import LLM, SamplingParams
-from tests.server.test_openai_server import _start, _stop
+from tests.helpers import start_server, stop_server
 
 
 def assert_server_answers_like_llm(url: str, path: str) -> None:
@@ -33,18 +33,18 @@ def assert_server_answers_like_llm(url: str, path: str) -> None:
 @pytest.mark.parametrize("layout", [["-tp", "2"], ["-pp", "2"], ["-tp", "2", "-pp", "2"]])
 def test_parallel_server_smoke(tiny_model_dir, layout):
     path = tiny_model_dir("llama-gqa")
-    proc, url = _start(path, *layout)
+    proc, url = start_server(path, *layout)
     try:
         assert_server_answers_like_llm(url, path)
         # engine core + one worker per rank under the server
         ranks = 4 if len(layout) == 4 else 2
         assert len(psutil.Process(proc.pid).children(recursive=True)) >= 1 + ranks
     finally:
-        _stop(proc)        # asserts that SIGTERM leaves no process behind
+        stop_server(proc)        # asserts that SIGTERM leaves no process behind
 
 
 def test_tp2_server_worker_death_ends_the_server_naming_the_rank(tiny_model_dir):
-    proc, url = _start(tiny_model_dir("llama-gqa"), "-tp", "2")
+    proc, url = start_server(tiny_model_dir("llama-gqa"), "-tp", "2")
     children = psutil.Process(proc.pid).children(recursive=True)
     engine = [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())][0]
     workers = engine.children()

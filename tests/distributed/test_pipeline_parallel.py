@@ -56,7 +56,7 @@ def test_many_requests_in_flight_equal_pp1(tiny_model_dir):
               max_num_batched_tokens=256)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.engine.engine_core.call_utility("stats")["num_preemptions"] > 0
+        assert llm.stats()["num_preemptions"] > 0
     finally:
         llm.shutdown()
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in ref]

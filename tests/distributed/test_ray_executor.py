@@ -122,14 +122,15 @@ def test_stopped_actor_fails_the_engine_within_the_step_timeout(cluster, tiny_mo
 @pytest.mark.slow
 def test_server_on_two_ray_nodes(cluster, tiny_model_dir):
     from tests.distributed.test_parallel_server import assert_server_answers_like_llm
-    from tests.server.test_openai_server import _start, _stop
+    from tests.helpers import start_server, stop_server
     path = tiny_model_dir("llama-gqa")
-    proc, url = _start(path, "--distributed-executor-backend", "ray", "-pp", "2", env={"RAY_ADDRESS": cluster.address})
+    proc, url = start_server(path, "--distributed-executor-backend", "ray", "-pp", "2",
+                             env={"RAY_ADDRESS": cluster.address})
     try:
         assert_server_answers_like_llm(url, path)
         assert ray.available_resources().get("CPU", 0) == 0, "both nodes' CPUs held by the server's ranks"
     finally:
-        _stop(proc)        # SIGTERM leaves no local process behind
+        stop_server(proc)        # SIGTERM leaves no local process behind
     assert_nothing_left()
 
 
@@ -137,8 +138,8 @@ def test_server_on_two_ray_nodes(cluster, tiny_model_dir):
 def test_server_ends_when_an_idle_actor_dies(cluster, tiny_model_dir):
     import psutil
 
-    from tests.server.test_openai_server import _start
-    proc, _ = _start(tiny_model_dir("llama-gqa"), "--distributed-executor-backend", "ray", "-pp", "2",
+    from tests.helpers import start_server
+    proc, _ = start_server(tiny_model_dir("llama-gqa"), "--distributed-executor-backend", "ray", "-pp", "2",
                      env={"RAY_ADDRESS": cluster.address})
     children = psutil.Process(proc.pid).children(recursive=True)
     actors = [p for p in psutil.process_iter(["cmdline"])

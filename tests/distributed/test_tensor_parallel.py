@@ -63,7 +63,7 @@ def test_tp2_with_prefix_cache_chunked_prefill_and_preemption_equals_tp1(tiny_mo
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts + shared, PARAMS, use_tqdm=False)]
         again = llm.generate(shared, PARAMS, use_tqdm=False)
-        stats = llm.engine.engine_core.call_utility("stats")
+        stats = llm.stats()
     finally:
         llm.shutdown()
     assert stats["num_preemptions"] > 0

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from shardlm import LLM, SamplingParams
 from tests.distributed.test_parallel_server import assert_server_answers_like_llm
+from tests.helpers import start_server, stop_server
 from tests.models.test_tiny_models_vs_hf import MAX_TOKENS, PARAMS, _prompts
-from tests.server.test_openai_server import _start, _stop
 
 CUDA = torch.device("cuda")
 
@@ -131,11 +131,11 @@ def test_kv_budget_follows_gpu_memory_utilization(tiny_model_dir):
 
 def test_server_smoke_on_cuda(tiny_model_dir):
     path = tiny_model_dir("llama-gqa")
-    proc, url = _start(path, "--device", "cuda", "--gpu-memory-utilization", "0.3")
+    proc, url = start_server(path, "--device", "cuda", "--gpu-memory-utilization", "0.3")
     try:
         assert_server_answers_like_llm(url, path)
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 @pytest.mark.parametrize("model, quantization", [(None, "gguf"), ("llama-gqa", "int8"), ("llama-gqa", "int4")])
@@ -204,7 +204,7 @@ def test_speculative_decoding_on_cuda_keeps_greedy_outputs(method, tiny_model_di
         try:
             outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             if config:
-                stats = llm.engine.engine_core.call_utility("stats")
+                stats = llm.stats()
         finally:
             llm.shutdown()
     assert outs["spec"] == outs["plain"]

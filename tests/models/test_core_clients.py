@@ -41,7 +41,7 @@ def _run_sync(config, multiprocess, prompts=PROMPTS, params=PARAMS):
         while engine.has_unfinished_requests():
             for out in engine.step():
                 done[out.request_id] = out
-        stats = engine.engine_core.call_utility("stats")
+        stats = engine.stats()
         weights = engine.collective_rpc("weight_bytes")
         return [done[str(i)] for i in range(len(prompts))], stats, weights, engine.num_blocks
     finally:

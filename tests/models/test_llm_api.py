@@ -42,7 +42,7 @@ def test_n_samples_share_prompt_blocks_and_differ(llm):
     assert len(out.outputs) == 4 and [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     # samples 1..3 reused sample 0's prompt blocks
-    assert llm.engine.engine_core.engine_core.scheduler.kv.prefix_hits > 0
+    assert llm.stats()["prefix_cache_hits"] > 0
 
 
 def test_seed_gives_same_output_whatever_the_batch(llm):

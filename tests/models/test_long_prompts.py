@@ -109,7 +109,7 @@ def test_preempted_in_the_middle_of_its_prefill(tiny_model_dir, hf_long, hf):
     long_decode = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True, logprobs=5)
     decoding, long = llm.generate([{"prompt_token_ids": _tokens(60, 5)}, {"prompt_token_ids": LONG}],
                                   [long_decode, lp], use_tqdm=False)
-    assert llm.engine.engine_core.call_utility("stats")["num_preemptions"] > 0
+    assert llm.stats()["num_preemptions"] > 0
     greedy, _ = hf_long("llama-gqa")
     hf.assert_close([greedy["long"]], [long], "preempted")
     assert len(long.prompt_logprobs) == len(LONG)
@@ -188,5 +188,5 @@ def test_random_arrivals_on_the_real_engine(tiny_model_dir, budget, max_num_seqs
     for i, (prompt, max_tokens, _, abort) in enumerate(prompts):
         if abort is None or f"r{i}" in finished:
             assert finished[f"r{i}"] == _alone(path, prompt, max_tokens), f"r{i}"
-    stats = llm.engine.engine_core.call_utility("stats")
+    stats = llm.stats()
     assert stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0

@@ -32,7 +32,7 @@ def chi2_contingency_p(table) -> float:
 
 
 def stats(llm: LLM) -> dict:
-    return llm.engine.engine_core.call_utility("stats")
+    return llm.stats()
 
 
 def tokens(outputs) -> list[list[int]]:

@@ -127,7 +127,7 @@ def test_preempted_constrained_requests_recompute_to_the_same_output(tiny_model_
     small = LLM(tiny_model_dir("llama-gqa"), **{**ENGINE, "kv_cache_memory": 8192 * 13, "max_model_len": 192})
     try:
         outs = small.generate(prompts, p, use_tqdm=False)
-        assert small.engine.engine_core.call_utility("stats")["num_preemptions"] > 0
+        assert small.stats()["num_preemptions"] > 0
     finally:
         small.shutdown()
     assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in llm.generate(prompts, p, use_tqdm=False)]

@@ -48,7 +48,7 @@ def test_engine_variants_give_identical_outputs(variant, tiny_model_dir, referen
     llm = LLM(path, dtype="float32", **{"kv_cache_memory": "64MiB", **kwargs})
     outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
     if variant == "preemption":
-        assert llm.engine.engine_core.call_utility("stats")["num_preemptions"] > 0
+        assert llm.stats()["num_preemptions"] > 0
     hf.assert_close(references("llama-gqa"), outs, variant)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in baseline]
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.test_openai_server import _metric, _start, _stop
+from tests.helpers import metric, start_server, stop_server
 
 VOCAB = 49152          # the tiny models' vocabulary
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -89,9 +89,9 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    proc, url = _start(tiny_model_dir("llama-gqa"))
+    proc, url = start_server(tiny_model_dir("llama-gqa"))
     yield proc, url
-    _stop(proc)
+    stop_server(proc)
 
 
 def _greedy(url) -> str:
@@ -125,7 +125,7 @@ def test_hostile_requests_get_4xx_and_the_server_keeps_serving(server):
         assert _greedy(url) == before, f"a normal request changed after: {name}"
     assert not failures, "\n".join(failures)
     assert len(CASES) >= 30
-    assert _metric(url, "shardlm:num_requests_running") == 0
+    assert metric(url, "shardlm:num_requests_running") == 0
 
 
 def test_logit_bias_and_allowed_token_ids_steer_greedy_output(server):
@@ -148,15 +148,15 @@ def test_a_client_that_leaves_a_non_streaming_request_aborts_it(server):
     start = time.perf_counter()
     httpx.post(url + CMPL, json=body, timeout=30).raise_for_status()
     whole = time.perf_counter() - start         # the client leaves a quarter of the way through
-    aborted = _metric(url, "shardlm:num_requests_aborted")
+    aborted = metric(url, "shardlm:num_requests_aborted")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + CMPL, json=body, timeout=whole / 4)
     deadline = time.time() + 10
-    while time.time() < deadline and _metric(url, "shardlm:num_requests_aborted") < aborted + 1:
+    while time.time() < deadline and metric(url, "shardlm:num_requests_aborted") < aborted + 1:
         time.sleep(0.1)
-    assert _metric(url, "shardlm:num_requests_aborted") == aborted + 1
-    assert _metric(url, "shardlm:num_requests_running") == 0
-    assert _metric(url, "shardlm:kv_cache_usage_perc") == 0.0
+    assert metric(url, "shardlm:num_requests_aborted") == aborted + 1
+    assert metric(url, "shardlm:num_requests_running") == 0
+    assert metric(url, "shardlm:kv_cache_usage_perc") == 0.0
 
 
 @pytest.mark.slow
@@ -166,8 +166,8 @@ def test_a_client_that_leaves_a_stream_before_reading_it_aborts_it(server):
     import json
     import socket
     url = server[1]
-    aborted = _metric(url, "shardlm:num_requests_aborted")
-    routed = _metric(url, "shardlm:num_requests_routed")
+    aborted = metric(url, "shardlm:num_requests_aborted")
+    routed = metric(url, "shardlm:num_requests_routed")
     host, port = url.split("//")[1].split(":")
     body = json.dumps(_c(prompt="A long story", max_tokens=200, ignore_eos=True, stream=True)).encode()
     added = 0
@@ -176,16 +176,16 @@ def test_a_client_that_leaves_a_stream_before_reading_it_aborts_it(server):
             sock.sendall(f"POST {CMPL} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                          f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
             deadline = time.time() + 30
-            while _metric(url, "shardlm:num_requests_routed") - routed == added and time.time() < deadline:
+            while metric(url, "shardlm:num_requests_routed") - routed == added and time.time() < deadline:
                 time.sleep(0.01)
-        added = _metric(url, "shardlm:num_requests_routed") - routed
+        added = metric(url, "shardlm:num_requests_routed") - routed
     deadline = time.time() + 10
-    while time.time() < deadline and _metric(url, "shardlm:num_requests_aborted") < aborted + added:
+    while time.time() < deadline and metric(url, "shardlm:num_requests_aborted") < aborted + added:
         time.sleep(0.1)
     assert added >= 1, "no request reached the engine: the test shows nothing"
-    assert _metric(url, "shardlm:num_requests_aborted") == aborted + added
-    assert _metric(url, "shardlm:num_requests_running") == 0
-    assert _metric(url, "shardlm:kv_cache_usage_perc") == 0.0
+    assert metric(url, "shardlm:num_requests_aborted") == aborted + added
+    assert metric(url, "shardlm:num_requests_running") == 0
+    assert metric(url, "shardlm:kv_cache_usage_perc") == 0.0
 
 
 def _engine_process(proc) -> psutil.Process:
@@ -208,7 +208,7 @@ def _stream_then_signal(url, after_lines: int, pid: int, sig) -> tuple[dict, lis
 
 @pytest.mark.slow
 def test_a_stream_whose_engine_dies_ends_with_an_error_event_and_done(tiny_model_dir):
-    proc, url = _start(tiny_model_dir("llama-gqa"))
+    proc, url = start_server(tiny_model_dir("llama-gqa"))
     try:
         error, lines = _stream_then_signal(url, 3, _engine_process(proc).pid, signal.SIGKILL)
         assert lines[-1] == "data: [DONE]"
@@ -224,7 +224,7 @@ def test_a_stream_whose_engine_dies_ends_with_an_error_event_and_done(tiny_model
 @pytest.mark.slow
 def test_a_full_queue_answers_429_with_retry_after_and_keeps_serving(tiny_model_dir):
     import asyncio
-    proc, url = _start(tiny_model_dir("llama-gqa"), "--max-num-waiting", "8", "--max-num-seqs", "2")
+    proc, url = start_server(tiny_model_dir("llama-gqa"), "--max-num-waiting", "8", "--max-num-seqs", "2")
     try:
         async def one(client):      # two run at a time, 100 steps each: the queue fills however fast we are
             return await client.post(url + CMPL, json=_c(max_tokens=100, ignore_eos=True), timeout=300)
@@ -240,12 +240,12 @@ def test_a_full_queue_answers_429_with_retry_after_and_keeps_serving(tiny_model_
         assert busy.headers["retry-after"] == "1" and busy.json()["error"]["code"] == 429
         assert proc.poll() is None and _greedy(url)
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 @pytest.mark.slow
 def test_a_stopped_worker_fails_the_engine_within_the_step_timeout(tiny_model_dir):
-    proc, url = _start(tiny_model_dir("llama-gqa"), "-tp", "2", "--execute-model-timeout", "3")
+    proc, url = start_server(tiny_model_dir("llama-gqa"), "-tp", "2", "--execute-model-timeout", "3")
     children = psutil.Process(proc.pid).children(recursive=True)
     try:
         _greedy(url)                                   # the first step (no limit) is done
@@ -281,9 +281,9 @@ bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=8)
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_dir):
-    proc, url = _start(tiny_model_dir("llama-gqa"), "--max-n", "4", "--max-prompts", "4")
+    proc, url = start_server(tiny_model_dir("llama-gqa"), "--max-n", "4", "--max-prompts", "4")
     yield proc, url
-    _stop(proc)
+    stop_server(proc)
 
 
 @pytest.mark.slow

@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from shardlm import LLM, LoRARequest, SamplingParams
+from tests.helpers import start_server, stop_server
 from tests.lora_adapters import write_adapter
-from tests.server.test_openai_server import _start, _stop
 
 PROMPTS = ["The capital of", "One two three"]
 
@@ -21,10 +21,10 @@ def lora_server(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("server-lora")
     one = write_adapter(base, root / "one", rank=8, seed=1)
     two = write_adapter(base, root / "two", rank=4, seed=2, targets=("q_proj", "v_proj"))
-    proc, url = _start(base, "--enable-lora", "--max-loras", "2", "--lora-modules", f"one={one}",
+    proc, url = start_server(base, "--enable-lora", "--max-loras", "2", "--lora-modules", f"one={one}",
                        json.dumps({"name": "two", "path": two}), env={"SHARDLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
     yield base, url, {"one": one, "two": two}
-    _stop(proc)
+    stop_server(proc)
 
 
 def _offline(base, lora: LoRARequest | None) -> list[str]:
@@ -87,11 +87,11 @@ def test_adapters_load_and_unload_at_run_time(lora_server, tmp_path):
 @pytest.mark.slow
 def test_runtime_updates_need_the_opt_in_and_modules_need_enable_lora(lora_server):
     base, _, paths = lora_server
-    proc, url = _start(base, "--enable-lora", "--lora-modules", f"one={paths['one']}")
+    proc, url = start_server(base, "--enable-lora", "--lora-modules", f"one={paths['one']}")
     try:
         r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": paths["two"]})
         assert r.status_code == 404
     finally:
-        _stop(proc)
+        stop_server(proc)
     with pytest.raises(RuntimeError, match="--lora-modules needs --enable-lora"):
-        _start(base, "--lora-modules", f"one={paths['one']}")
+        start_server(base, "--lora-modules", f"one={paths['one']}")

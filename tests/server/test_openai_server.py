@@ -3,9 +3,6 @@
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -14,53 +11,17 @@ import psutil
 import pytest
 
 from shardlm import LLM, SamplingParams
+from tests.helpers import metric, start_server, stop_server
 
 KEY = "test-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(model_dir, *extra, env=None):
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "shardlm.entrypoints.cli", "serve", model_dir, "--port", str(port),
-                             "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "256",
-                             "--served-model-name", "tiny", "--uvicorn-log-level", "warning", *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
-    # until the server is healthy or has exited (each says so itself); the deadline only stops a hang
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("server neither became healthy nor exited in 600 s")
-
-
-def _stop(proc) -> None:
-    children = psutil.Process(proc.pid).children(recursive=True)
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
-    gone, alive = psutil.wait_procs(children, timeout=10)
-    assert not alive, f"processes left after SIGTERM: {[p.pid for p in alive]}"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     path = tiny_model_dir("llama-gqa")
-    proc, url = _start(path, "--api-key", KEY)
+    proc, url = start_server(path, "--api-key", KEY)
     yield path, url
-    _stop(proc)                       # SIGTERM leaves no child process
+    stop_server(proc)                       # SIGTERM leaves no child process
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +129,7 @@ def test_malformed_json_and_api_key(server):
 
 @pytest.mark.slow
 def test_dead_engine_turns_health_503_and_ends_the_server(tiny_model_dir):
-    proc, url = _start(tiny_model_dir("llama-gqa"))
+    proc, url = start_server(tiny_model_dir("llama-gqa"))
     engine = [p for p in psutil.Process(proc.pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
     assert engine, "the engine core runs in its own process"
     os.kill(engine[0].pid, signal.SIGKILL)
@@ -195,7 +156,7 @@ def test_prompts_longer_than_the_step_budget(tiny_model_dir):
     ref = LLM(path, dtype="float32", kv_cache_memory="64MiB", max_model_len=256, max_num_batched_tokens=2048).generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
         use_tqdm=False)
-    proc, url = _start(path, "--max-num-batched-tokens", "32")
+    proc, url = start_server(path, "--max-num-batched-tokens", "32")
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         alone = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=8, temperature=0,
@@ -209,7 +170,7 @@ def test_prompts_longer_than_the_step_budget(tiny_model_dir):
         assert "".join(c.choices[0].text for c in streamed if c.choices) == ref[1].outputs[0].text
         assert httpx.get(url + "/health").status_code == 200
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 # Loaded by every Python process of the server below (sitecustomize): a step holding token 31337 raises.
@@ -230,7 +191,7 @@ def test_a_failing_step_names_its_requests_and_ends_the_server(tiny_model_dir, t
     503, the log names the step's requests and the server exits with code 1 for its supervisor."""
     (tmp_path / "sitecustomize.py").write_text(_FAULTY_STEP)
     pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
-    proc, url = _start(tiny_model_dir("llama-gqa"), env={"PYTHONPATH": pythonpath})
+    proc, url = start_server(tiny_model_dir("llama-gqa"), env={"PYTHONPATH": pythonpath})
     try:
         ok = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
         assert ok.status_code == 200, ok.text
@@ -251,15 +212,7 @@ def test_a_failing_step_names_its_requests_and_ends_the_server(tiny_model_dir, t
         assert "The engine core stopped: RuntimeError: injected fault" in log
     finally:
         if proc.poll() is None:
-            _stop(proc)
-
-
-def _metric(url, name) -> float:
-    text = httpx.get(url + "/metrics").text
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
+            stop_server(proc)
 
 
 def assert_concurrent_streams_equal_offline(url: str, path: str, api_key: str = "none", n: int = 64) -> None:
@@ -283,9 +236,9 @@ def assert_concurrent_streams_equal_offline(url: str, path: str, api_key: str = 
 
     texts = asyncio.run(main())
     assert texts == [r.outputs[0].text for r in ref]
-    assert _metric(url, "shardlm:num_requests_running") == 0
-    assert _metric(url, "shardlm:kv_cache_usage_perc") == 0.0
-    assert _metric(url, "shardlm:generation_tokens_total") >= n * 16
+    assert metric(url, "shardlm:num_requests_running") == 0
+    assert metric(url, "shardlm:kv_cache_usage_perc") == 0.0
+    assert metric(url, "shardlm:generation_tokens_total") >= n * 16
 
 
 @pytest.mark.slow
@@ -297,7 +250,7 @@ def test_64_concurrent_streams_complete_correctly_and_free_the_cache(server):
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     url = server[1]
-    aborted_before = _metric(url, "shardlm:num_requests_aborted")
+    aborted_before = metric(url, "shardlm:num_requests_aborted")
     body = {"model": "tiny", "prompt": "A long story", "max_tokens": 200, "temperature": 0, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
@@ -305,19 +258,19 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
         got = [next(lines) for _ in range(4)]          # a few chunks, then the client goes away
     assert any(line.startswith("data: {") for line in got)
     deadline = time.time() + 10
-    while time.time() < deadline and (_metric(url, "shardlm:num_requests_running") != 0
-                                      or _metric(url, "shardlm:kv_cache_usage_perc") != 0.0):
+    while time.time() < deadline and (metric(url, "shardlm:num_requests_running") != 0
+                                      or metric(url, "shardlm:kv_cache_usage_perc") != 0.0):
         time.sleep(0.1)
-    assert _metric(url, "shardlm:num_requests_running") == 0
-    assert _metric(url, "shardlm:kv_cache_usage_perc") == 0.0
-    assert _metric(url, "shardlm:num_requests_aborted") == aborted_before + 1   # stopped, not run to the end
+    assert metric(url, "shardlm:num_requests_running") == 0
+    assert metric(url, "shardlm:kv_cache_usage_perc") == 0.0
+    assert metric(url, "shardlm:num_requests_aborted") == aborted_before + 1   # stopped, not run to the end
 
 
 def test_a_bad_prompt_among_several_adds_none_of_them(server):
     """Input is checked once, by the engine's input processor, before any response starts:
     a bad second prompt leaves no first prompt running."""
     url = server[1]
-    aborted_before = _metric(url, "shardlm:num_requests_aborted")
+    aborted_before = metric(url, "shardlm:num_requests_aborted")
     for stream in (False, True):
         body = {"model": "tiny", "prompt": [[5, 6, 7], [5, 10 ** 9]], "max_tokens": 200, "ignore_eos": True,
                 "stream": stream}
@@ -325,11 +278,11 @@ def test_a_bad_prompt_among_several_adds_none_of_them(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
         assert "outside the vocabulary" in r.json()["error"]["message"]
     deadline = time.time() + 10
-    while time.time() < deadline and _metric(url, "shardlm:num_requests_aborted") < aborted_before + 2:
+    while time.time() < deadline and metric(url, "shardlm:num_requests_aborted") < aborted_before + 2:
         time.sleep(0.1)
-    assert _metric(url, "shardlm:num_requests_aborted") == aborted_before + 2   # the first prompt, twice
-    assert _metric(url, "shardlm:num_requests_running") == 0
-    assert _metric(url, "shardlm:kv_cache_usage_perc") == 0.0
+    assert metric(url, "shardlm:num_requests_aborted") == aborted_before + 2   # the first prompt, twice
+    assert metric(url, "shardlm:num_requests_running") == 0
+    assert metric(url, "shardlm:kv_cache_usage_perc") == 0.0
 
 
 @pytest.mark.slow

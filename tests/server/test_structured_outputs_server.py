@@ -10,8 +10,8 @@ import pytest
 
 from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
 from shardlm.entrypoints.openai.serving import structured_outputs_params
+from tests.helpers import start_server, stop_server
 from tests.models.test_structured_outputs import SCHEMA, valid_json
-from tests.server.test_openai_server import _start, _stop
 
 
 def test_each_request_field_becomes_one_constraint_and_two_are_refused():
@@ -34,9 +34,9 @@ def test_each_request_field_becomes_one_constraint_and_two_are_refused():
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir):
-    proc, url = _start(tiny_model_dir("llama-gqa"))
+    proc, url = start_server(tiny_model_dir("llama-gqa"))
     yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    _stop(proc)
+    stop_server(proc)
 
 
 def chat(client, **kw):

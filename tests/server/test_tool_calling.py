@@ -12,7 +12,7 @@ import pytest
 
 from shardlm.entrypoints.openai.tool_parsers import get_parser
 from shardlm.entrypoints.openai.tools import ToolCallStream
-from tests.server.test_openai_server import _start, _stop
+from tests.helpers import start_server, stop_server
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -74,9 +74,9 @@ def test_text_that_looks_like_a_call_but_does_not_parse_stays_content():
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir):
-    proc, url = _start(tiny_model_dir("llama-gqa"), "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    proc, url = start_server(tiny_model_dir("llama-gqa"), "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    _stop(proc)
+    stop_server(proc)
 
 
 def ask(client, **kw):
@@ -140,11 +140,11 @@ def test_what_cannot_work_is_a_400(client, tiny_model_dir):
     for kw in bad:
         with pytest.raises(openai.BadRequestError):
             ask(client, **kw)
-    proc, url = _start(tiny_model_dir("llama-gqa"))      # auto tool choice not enabled
+    proc, url = start_server(tiny_model_dir("llama-gqa"))      # auto tool choice not enabled
     try:
         plain = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
             ask(plain, tool_choice="auto")
         assert ask(plain, max_tokens=5).choices[0].message.tool_calls is None    # tools, no choice: none
     finally:
-        _stop(proc)
+        stop_server(proc)

@@ -18,7 +18,7 @@ def test_make_model_moe_writes_a_mixtral_the_engine_serves(tmp_path, capsys):
     try:
         (o,) = llm.generate(["The capital of France is a city on the river"], SamplingParams(max_tokens=4),
                             use_tqdm=False)
-        load = llm.engine.engine_core.call_utility("stats")["expert_load"]
+        load = llm.stats()["expert_load"]
     finally:
         llm.shutdown()
     assert len(o.outputs[0].token_ids) == 4
