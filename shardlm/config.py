@@ -144,7 +144,8 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     """Sizes are per replica (TP x PCP x PP ranks) and across replicas (DP). A replica's ranks are
-    world ranks data_parallel_rank * world_size + 0..world_size-1 of the DP x PP x PCP x TP grid."""
+    world ranks data_parallel_rank * world_size + 0..world_size-1 of the DP x PP x PCP x TP grid.
+    Checks each size on its own; which sizes and features combine is engine/feature_rules.py's."""
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -172,6 +173,8 @@ class ParallelConfig:
             size = getattr(self, name)
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name}={size} must be a positive integer.")
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(f"data_parallel_backend={self.data_parallel_backend!r}: use 'mp' or 'ray'.")
         if self.data_parallel_size_local is None:
             self.data_parallel_size_local = self.data_parallel_size - self.data_parallel_start_rank
         if not 0 <= self.data_parallel_start_rank < self.data_parallel_size:
@@ -191,20 +194,12 @@ class ParallelConfig:
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor x pipeline parallel "
                              f"is {self.world_size} ranks: use 'mp' or 'ray' (or leave it out).")
-        if self.enable_expert_parallel and self.data_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ValueError("Expert parallel across data parallel replicas runs their MoE layers in lock-step, which "
-                             "this version does not combine with pipeline parallel: use -dp with -tp, or -pp without "
-                             "-dp (expert parallel then spans each stage's tensor parallel ranks).")
         dcp, tp = self.decode_context_parallel_size, self.tensor_parallel_size
         if tp % dcp:
             divisors = [n for n in range(1, tp + 1) if tp % n == 0]
             raise ValueError(f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp}: the "
                              f"KV cache is spread over ranks of each tensor parallel group. With -tp {tp}, -dcp can "
                              f"be {', '.join(map(str, divisors))}.")
-        if self.prefill_context_parallel_size > 1 and self.enable_expert_parallel:
-            raise ValueError("Prefill context parallel splits each step's tokens over groups of ranks, which this "
-                             "version does not combine with expert parallel's token exchange: leave out "
-                             "--enable-expert-parallel (the experts are then sliced by tensor parallel) or -pcp.")
         for name in ("distributed_init_timeout", "execute_model_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive seconds.")

@@ -29,6 +29,7 @@ from shardlm.config import (
     json_object_flag,
     parse_size,
 )
+from shardlm.engine.feature_rules import check_combinations
 from shardlm.executor.selection import choose_backend
 from shardlm.logger import init_logger
 from shardlm.model_loader import hub
@@ -244,7 +245,6 @@ class EngineArgs:
         """Resolve every knob and check the layout and memory; raises ValueError with what to do."""
         parallel = ParallelConfig(**{**self.landing_in("parallel"),
                                      "pp_layer_partition": _parse_partition(self.pp_layer_partition)})
-        self._check_data_parallel(parallel)
         # on Ray a core list is per node (checked when the ranks are placed)
         validate_binding(parallel.cpu_threads_bind, None if parallel.distributed_executor_backend == "ray"
                          else parallel.data_parallel_size_local * parallel.world_size)
@@ -283,6 +283,7 @@ class EngineArgs:
         if speculative is not None and speculative.model:
             speculative.draft_model_config = self._draft_model_config(speculative, model_cfg)
         config = EngineConfig(model_cfg, cache, scheduler, parallel, device, lora, speculative)
+        check_combinations(config)
         check_parallel_layout(config)
         check_fits(config)   # before any weights are loaded
         return config
@@ -315,17 +316,6 @@ class EngineArgs:
         return dataclasses.replace(target, model=path, hf_config=hf_config,
                                    architecture=resolve_architecture(hf_config), quantization=None,
                                    hub_source=_hub_source(draft, None, self.download_dir))
-
-    def _check_data_parallel(self, parallel: ParallelConfig) -> None:
-        """What of data parallel this version runs: replicas as processes (on this node, or joined
-        from headless nodes) or as Ray actors, each running its own ranks on its node."""
-        if parallel.data_parallel_size == 1:
-            return
-        if self.data_parallel_backend not in ("mp", "ray"):
-            raise ValueError(f"data_parallel_backend={self.data_parallel_backend!r}: use 'mp' or 'ray'.")
-        if parallel.distributed_executor_backend == "ray":
-            raise NotImplementedError("Data parallel replicas run their TP x PP ranks with the mp or uni executor "
-                                      "in this version; leave out --distributed-executor-backend ray.")
 
 
 def resolve_device(device: str) -> torch.device:

@@ -33,7 +33,6 @@ def check_parallel_layout(config: EngineConfig) -> None:
                          f"tensor parallel size {tp} cannot split it ({'; '.join(problems)}). "
                          f"Valid tensor parallel sizes are {valid}.")
     _check_decode_context_parallel(config, shape)
-    _check_context_parallel_features(config)
     stage_layers(m, par)   # raises if impossible
     if m.quantization is not None and m.quantization.group_size != -1:
         _check_quantization_groups(shape, tp, m.quantization)
@@ -62,22 +61,6 @@ def _check_decode_context_parallel(config: EngineConfig, shape: ModelShape) -> N
         raise ValueError(f"{shape.name} has {shape.kv_heads} KV heads: decode context parallel size {dcp} cannot run "
                          f"at tensor parallel size {tp} ({problems[0]}). At -tp {tp}, -dcp can be "
                          f"{', '.join(map(str, shape.valid_dcp_sizes(tp)))}; -dcp pays where tp exceeds the KV heads.")
-
-def _check_context_parallel_features(config: EngineConfig) -> None:
-    """What context parallel (either kind) does not combine with in this version."""
-    par = config.parallel
-    if par.context_parallel_size == 1:
-        return
-    flags = " ".join(f for f, n in (("-dcp", par.decode_context_parallel_size),
-                                    ("-pcp", par.prefill_context_parallel_size)) if n > 1)
-    spec = config.speculative
-    if spec is not None and spec.method != "ngram":
-        raise ValueError(f"Speculative decoding with method {spec.method!r} runs its draft on one rank with a KV "
-                         f"cache of whole blocks, which context parallel spreads over ranks: use method 'ngram' with "
-                         f"{flags}, or leave {flags} out.")
-    if par.prefill_context_parallel_size > 1 and config.lora is not None:
-        raise ValueError("LoRA adapters are not combined with prefill context parallel in this version: leave out "
-                         "--enable-lora or -pcp (-dcp works with adapters).")
 
 
 def _check_quantization_groups(shape: ModelShape, tp: int, quant) -> None:

@@ -108,8 +108,8 @@ def test_context_parallel_with_pipeline_or_data_parallel_and_ngram(base, layout,
      r"dcp_kv_cache_interleave_size=3 must divide block_size=16"),
     (dict(tensor_parallel_size=2, decode_context_parallel_size=2,
           speculative_config={"method": "draft_model", "model": "llama-draft", "num_speculative_tokens": 2}),
-     r"use method 'ngram' with -dcp"),
-    (dict(prefill_context_parallel_size=2, enable_lora=True), r"LoRA adapters are not combined with prefill context"),
+     r"-dcp or -pcp with a draft model.*Instead: method 'ngram'"),
+    (dict(prefill_context_parallel_size=2, enable_lora=True), r"-pcp with --enable-lora is not supported"),
     (dict(prefill_context_parallel_size=2, enable_expert_parallel=True), r"leave out --enable-expert-parallel"),
 ])
 def test_sizes_that_cannot_work_are_refused_naming_those_that_can(kwargs, message, tiny_model_dir):

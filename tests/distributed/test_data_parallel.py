@@ -84,7 +84,7 @@ def test_dp_options_this_version_does_not_run_are_clear_errors(tiny_model_dir):
         LLM(path, **ENGINE, data_parallel_size=2, data_parallel_size_local=1)
     with pytest.raises(ValueError, match="data_parallel_backend='spark': use 'mp' or 'ray'"):
         LLM(path, **ENGINE, data_parallel_size=2, data_parallel_backend="spark")
-    with pytest.raises(NotImplementedError, match="leave out --distributed-executor-backend ray"):
+    with pytest.raises(ValueError, match="leave out --distributed-executor-backend ray"):
         LLM(path, **ENGINE, data_parallel_size=2, distributed_executor_backend="ray")
     with pytest.raises(ValueError, match="data_parallel_start_rank=2 must be within the 2 replicas"):
         LLM(path, **ENGINE, data_parallel_size=2, data_parallel_start_rank=2)

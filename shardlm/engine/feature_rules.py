@@ -1,0 +1,77 @@
+"""Which features combine: the one table of the combinations this version refuses, and the one
+function that checks a resolved configuration against it (run by EngineArgs before any process
+starts). The README prints the same table (`python -m shardlm.engine.doc_tables`).
+
+A rule names the two features as the user gives them (flags), says why they do not combine and
+what to use instead; its test reads the resolved EngineConfig. Checks of one feature's own values
+stay with that feature's config (config.py); what a model allows (heads, experts) stays with the
+planner (planner/startup.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shardlm.config import EngineConfig
+
+
+class UnsupportedCombination(ValueError):
+    """Two features asked for together that this version does not run together."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    combination: str                          # the features, as flags
+    applies: Callable[[EngineConfig], bool]   # does the resolved config ask for it?
+    reason: str
+    instead: str
+
+    def message(self) -> str:
+        return f"{self.combination} is not supported in this version: {self.reason}. Instead: {self.instead}."
+
+
+def _drafts_on_one_rank(c: EngineConfig) -> bool:
+    return c.speculative is not None and c.speculative.method != "ngram"
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("-dp with --distributed-executor-backend ray",
+         lambda c: c.parallel.data_parallel_size > 1 and c.parallel.distributed_executor_backend == "ray",
+         "each data parallel replica runs its tensor x pipeline ranks with the mp or uni executor",
+         "leave out --distributed-executor-backend ray (--data-parallel-backend ray places the replicas on Ray "
+         "nodes)"),
+    Rule("--enable-expert-parallel with -dp and -pp",
+         lambda c: c.parallel.enable_expert_parallel and c.parallel.data_parallel_size > 1
+         and c.parallel.pipeline_parallel_size > 1,
+         "expert parallel across data parallel replicas runs their MoE layers in lock-step, which pipeline "
+         "stages do not",
+         "-dp with -tp, or -pp without -dp (expert parallel then spans each stage's tensor parallel ranks)"),
+    Rule("-pcp with --enable-expert-parallel",
+         lambda c: c.parallel.prefill_context_parallel_size > 1 and c.parallel.enable_expert_parallel,
+         "prefill context parallel splits each step's tokens over groups of ranks, and expert parallel's token "
+         "exchange expects every rank to hold the whole step",
+         "leave out --enable-expert-parallel (the experts are then sliced by tensor parallel) or -pcp"),
+    Rule("-pcp with --enable-lora",
+         lambda c: c.parallel.prefill_context_parallel_size > 1 and c.lora is not None,
+         "adapter segments are laid out over the whole step, not over each group's share of its tokens",
+         "leave out --enable-lora or -pcp (-dcp works with adapters)"),
+    Rule("-dcp or -pcp with a draft model or EAGLE head (--speculative-config method draft_model, eagle, eagle3)",
+         lambda c: c.parallel.context_parallel_size > 1 and _drafts_on_one_rank(c),
+         "the draft runs on one rank with a KV cache of whole blocks, which context parallel spreads over ranks",
+         "method 'ngram' with context parallel, or leave out -dcp and -pcp"),
+)
+
+
+def check_combinations(config: EngineConfig) -> None:
+    """Raise UnsupportedCombination for the first rule this configuration breaks."""
+    for rule in RULES:
+        if rule.applies(config):
+            raise UnsupportedCombination(rule.message())
+
+
+def combinations_table() -> str:
+    """The rules in markdown, as the README prints them."""
+    rows = ["| asked for together | why not | instead |", "|---|---|---|"]
+    rows += [f"| {r.combination} | {r.reason} | {r.instead} |" for r in RULES]
+    return "\n".join(rows)
