@@ -1,9 +1,11 @@
 """Engine configuration: one dataclass per concern, resolved once and then only read.
 
-`EngineArgs` (engine/arg_utils.py) is the flat list of user knobs; it resolves them into the
-`EngineConfig` below (model path, dtype, device, executor backend) and runs the start-up checks,
-once, in the process the user started. The resolved config then travels to the engine-core
-process and to every worker as it is. This module imports nothing of shardlm.
+The cache, scheduler, parallel and LoRA configs declare their user knobs (`knob`: default, help,
+short flag). `EngineArgs` (engine/arg_utils.py) is the flat list of every user knob, taking
+those as declared here; it resolves them into the `EngineConfig` below (model path, dtype,
+device, executor backend) and runs the start-up checks, once, in the process the user started.
+The resolved config then travels to the engine-core process and to every worker as it is. This
+module imports nothing of shardlm.
 """
 
 from __future__ import annotations
@@ -50,6 +52,13 @@ def format_bytes(n: float) -> str:
             return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+def knob(default, help: str, short: str | None = None):
+    """A field the user sets: its default, its help and an optional short flag, declared once here.
+    EngineArgs takes the field as it is (engine/arg_utils.py), and from it come the CLI flag,
+    `LLM(**kwargs)` and the user guide's table."""
+    return field(default=default, metadata={"help": help, "short": short})
 
 
 @dataclass
@@ -114,10 +123,14 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16
-    kv_cache_memory: int = 4 << 30           # CPU: bytes for the KV cache
-    gpu_memory_utilization: float = 0.9      # CUDA: fraction of device memory the engine may use
-    enable_prefix_caching: bool = True
+    block_size: int = knob(
+        16, "tokens per KV cache block")
+    kv_cache_memory: int = knob(
+        4 << 30, "CPU: memory for the KV cache, bytes or e.g. 4GiB")
+    gpu_memory_utilization: float = knob(
+        0.9, "CUDA: fraction of device memory for weights, activations and KV cache")
+    enable_prefix_caching: bool = knob(
+        True, "reuse the KV cache of shared prompt prefixes")
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -130,8 +143,11 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = knob(
+        256, "most sequences in one step")
+    max_num_batched_tokens: int = knob(
+        8192, "most tokens in one step (long prompts are prefilled in chunks); default: 8192, or max_num_seqs "
+        "where larger")
     max_model_len: int = 8192
 
     def __post_init__(self):
@@ -146,26 +162,57 @@ class ParallelConfig:
     """Sizes are per replica (TP x PCP x PP ranks) and across replicas (DP). A replica's ranks are
     world ranks data_parallel_rank * world_size + 0..world_size-1 of the DP x PP x PCP x TP grid.
     Checks each size on its own; which sizes and features combine is engine/feature_rules.py's."""
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    distributed_executor_backend: str | None = None    # resolved by EngineArgs (executor/selection.py)
-    distributed_init_timeout: float = 300.0
-    cpu_threads_bind: str = "auto"
-    pp_layer_partition: list[int] | None = None       # layers per pipeline stage; None: even split
-    allow_cross_node_tp: bool = False                 # Ray: let a TP group span nodes (slow; refused by default)
-    execute_model_timeout: float = 300.0              # a step of worker processes that takes longer fails the engine
-    data_parallel_size_local: int | None = None       # replicas on this node; None: all of them
-    data_parallel_start_rank: int = 0                 # the first replica this node runs
-    data_parallel_backend: str = "mp"                 # replicas as processes (mp) or Ray actors (ray)
-    data_parallel_address: str | None = None          # across nodes: the head's address, where replicas join
-    data_parallel_rpc_port: int | None = None         # ... and its port
+    tensor_parallel_size: int = knob(
+        1, "number of tensor parallel ranks", short="-tp")
+    pipeline_parallel_size: int = knob(
+        1, "number of pipeline stages", short="-pp")
+    data_parallel_size: int = knob(
+        1, "number of data parallel replicas (each an engine core with its own TP x PP ranks and KV cache; "
+        "the server spreads requests over them)", short="-dp")
+    distributed_executor_backend: str | None = knob(
+        None, "uni (one process), mp (processes on this node) or ray (nodes); default: uni for one rank, mp "
+        "when every rank fits on this node and this is not a Ray placement group, else ray")
+    distributed_init_timeout: float = knob(
+        300.0, "seconds to wait for every rank to join before failing with the missing ones")
+    cpu_threads_bind: str = knob(
+        "auto", "CPU: 'auto' (share this machine's cores evenly among ranks), 'nobind', or one core list per rank "
+        "separated by '|', e.g. '0-3|4-7' (pins each rank to its cores)")
+    pp_layer_partition: list[int] | None = knob(
+        None, "layers per pipeline stage, e.g. 16,14 (default: balanced, the LM head counted as the decoder "
+        "layers it weighs on the last stage)")
+    allow_cross_node_tp: bool = knob(
+        False, "Ray: allow a tensor parallel group to span nodes (two all-reduces per layer over the network; "
+        "refused by default)")
+    execute_model_timeout: float = knob(
+        300.0, "seconds a step of worker processes may take (the first excluded) before the engine fails, naming "
+        "the ranks that did not answer (a hung or stopped worker)")
+    data_parallel_size_local: int | None = knob(
+        None, "replicas this node runs (default: all of them)")
+    data_parallel_start_rank: int = knob(
+        0, "the first replica this node runs (multi-node data parallel)")
+    data_parallel_backend: str = knob(
+        "mp", "mp (replicas as processes of this node) or ray (replicas placed on Ray nodes)")
+    data_parallel_address: str | None = knob(
+        None, "address of the node that runs the API server (multi-node data parallel)")
+    data_parallel_rpc_port: int | None = knob(
+        None, "port on that address where remote replicas join (multi-node data parallel)")
     data_parallel_rank: int = 0                       # this replica (set per engine core by the DP client)
     data_parallel_master: tuple[str, int] | None = None   # the DP-wide rendezvous store (set by the DP client)
-    enable_expert_parallel: bool = False              # MoE: whole experts on the DP x TP ranks (not sliced by TP)
-    decode_context_parallel_size: int = 1             # -dcp: KV cache spread by position over ranks of a TP group
-    prefill_context_parallel_size: int = 1            # -pcp: groups of TP ranks, each computing its share of tokens
-    dcp_kv_cache_interleave_size: int = 1             # positions on one context parallel rank before the next's
+    enable_expert_parallel: bool = knob(
+        False, "MoE models: place whole experts on the ranks of each stage's DP x TP group (each loads only its "
+        "experts) instead of slicing every expert across TP; with -dp the replicas run their MoE layers "
+        "in lock-step")
+    decode_context_parallel_size: int = knob(
+        1, "decode context parallel: spread each sequence's KV cache over this many ranks of each tensor "
+        "parallel group by token position (each stores and reads 1/N of it); for GQA models whose KV "
+        "heads tensor parallel would otherwise replicate (tp a multiple of KV heads x N)", short="-dcp")
+    prefill_context_parallel_size: int = knob(
+        1, "prefill context parallel: this many groups of tensor parallel ranks, each computing the tokens "
+        "whose positions it owns (a long prompt's prefill split N ways) and keeping their KV cache; "
+        "attention merges over the groups", short="-pcp")
+    dcp_kv_cache_interleave_size: int = knob(
+        1, "context parallel: consecutive positions stored on one rank before the next rank's (divides "
+        "--block-size)")
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
@@ -244,9 +291,12 @@ class ParallelConfig:
 @dataclass
 class LoRAConfig:
     """--enable-lora: adapters served beside the base model (shardlm/lora/)."""
-    max_loras: int = 1               # adapters in one step (device slots per LoRA layer)
-    max_lora_rank: int = 16          # the largest rank an adapter may have (slots are this wide)
-    max_cpu_loras: int | None = None     # adapters kept read in CPU memory; None: max_loras
+    max_loras: int = knob(
+        1, "LoRA adapters that can run in one step (each takes a slot in every adapted layer)")
+    max_lora_rank: int = knob(
+        16, "the largest LoRA rank served; adapters of higher rank are refused")
+    max_cpu_loras: int | None = knob(
+        None, "LoRA adapters kept read in CPU memory, ready to be swapped into a slot (default: max_loras)")
 
     def __post_init__(self):
         if self.max_cpu_loras is None:

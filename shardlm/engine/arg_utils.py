@@ -49,16 +49,29 @@ _DTYPES = {
 
 
 def knob(default, lands_in: str, help: str, short: str | None = None):
-    """An EngineArgs field: its default, the config it lands in ("model", "cache", "scheduler",
-    "parallel", or "engine" for the device), its help text and an optional short flag."""
+    """A knob that EngineArgs resolves into the model config ("model") or that switches a feature
+    ("engine", "lora"): its default, where it lands, its help text and an optional short flag."""
     return field(default=default, metadata={"lands_in": lands_in, "help": help, "short": short})
+
+
+_LANDS_IN = {CacheConfig: "cache", SchedulerConfig: "scheduler", ParallelConfig: "parallel", LoRAConfig: "lora"}
+
+
+def knob_of(config: type, name: str, **override):
+    """The knob `config.name` as the config declares it (default, help, short flag), landing there
+    under the same name; `default=` where EngineArgs resolves it first (the help says how)."""
+    declared = next(f for f in fields(config) if f.name == name)
+    return field(default=override.get("default", declared.default),
+                 metadata={**declared.metadata, "lands_in": _LANDS_IN[config]})
 
 
 @dataclass
 class EngineArgs:
-    """Every user-facing engine knob, with vLLM's names, each declared once here: type, default,
-    help, the config it lands in (a field of the same name there, unless resolved) and a short
-    flag. The CLI flags (entrypoints/cli/) and `LLM(**kwargs)` are made from these fields."""
+    """Every user-facing engine knob, with vLLM's names: type, default, help, the config it lands
+    in (a field of the same name there, unless resolved) and a short flag. A knob of the cache,
+    scheduler, parallel or LoRA config is declared there and taken as it is (`knob_of`); the
+    others, which are resolved or switch a feature on, are declared here. The CLI flags
+    (entrypoints/cli/), `LLM(**kwargs)` and the user guide's table are made from these fields."""
 
     model: str | None = knob(
         None, "model",
@@ -96,94 +109,30 @@ class EngineArgs:
     tokenizer_revision: str | None = knob(
         None, "model",
         "a hub tokenizer's branch, tag or commit (default: main)")
-    block_size: int = knob(
-        16, "cache",
-        "tokens per KV cache block")
-    kv_cache_memory: int | str = knob(
-        4 << 30, "cache",
-        "CPU: memory for the KV cache, bytes or e.g. 4GiB")
-    gpu_memory_utilization: float = knob(
-        0.9, "cache",
-        "CUDA: fraction of device memory for weights, activations and KV cache")
-    enable_prefix_caching: bool = knob(
-        True, "cache",
-        "reuse the KV cache of shared prompt prefixes")
-    max_num_seqs: int = knob(
-        256, "scheduler",
-        "most sequences in one step")
-    max_num_batched_tokens: int | None = knob(
-        None, "scheduler",
-        "most tokens in one step (long prompts are prefilled in chunks); default: 8192, or "
-        "max_num_seqs where larger")
-    tensor_parallel_size: int = knob(
-        1, "parallel",
-        "number of tensor parallel ranks", short="-tp")
-    pipeline_parallel_size: int = knob(
-        1, "parallel",
-        "number of pipeline stages", short="-pp")
-    data_parallel_size: int = knob(
-        1, "parallel",
-        "number of data parallel replicas (each an engine core with its own TP x PP ranks and KV "
-        "cache; the server spreads requests over them)", short="-dp")
-    data_parallel_size_local: int | None = knob(
-        None, "parallel",
-        "replicas this node runs (default: all of them)")
-    data_parallel_start_rank: int = knob(
-        0, "parallel",
-        "the first replica this node runs (multi-node data parallel)")
-    data_parallel_address: str | None = knob(
-        None, "parallel",
-        "address of the node that runs the API server (multi-node data parallel)")
-    data_parallel_rpc_port: int | None = knob(
-        None, "parallel",
-        "port on that address where remote replicas join (multi-node data parallel)")
-    data_parallel_backend: str = knob(
-        "mp", "parallel",
-        "mp (replicas as processes of this node) or ray (replicas placed on Ray nodes)")
-    distributed_executor_backend: str | None = knob(
-        None, "parallel",
-        "uni (one process), mp (processes on this node) or ray (nodes); default: uni for one "
-        "rank, mp when every rank fits on this node and this is not a Ray placement group, else "
-        "ray")
-    distributed_init_timeout: float = knob(
-        300.0, "parallel",
-        "seconds to wait for every rank to join before failing with the missing ones")
-    cpu_threads_bind: str = knob(
-        "auto", "parallel",
-        "CPU: 'auto' (share this machine's cores evenly among ranks), 'nobind', or one core list "
-        "per rank separated by '|', e.g. '0-3|4-7' (pins each rank to its cores)")
-    pp_layer_partition: str | None = knob(
-        None, "parallel",
-        "layers per pipeline stage, e.g. 16,14 (default: balanced, the LM head counted as the "
-        "decoder layers it weighs on the last stage)")
-    allow_cross_node_tp: bool = knob(
-        False, "parallel",
-        "Ray: allow a tensor parallel group to span nodes (two all-reduces per layer over the "
-        "network; refused by default)")
-    execute_model_timeout: float = knob(
-        300.0, "parallel",
-        "seconds a step of worker processes may take (the first excluded) before the engine "
-        "fails, naming the ranks that did not answer (a hung or stopped worker)")
-    enable_expert_parallel: bool = knob(
-        False, "parallel",
-        "MoE models: place whole experts on the ranks of each stage's DP x TP group (each loads "
-        "only its experts) instead of slicing every expert across TP; with -dp the replicas run "
-        "their MoE layers in lock-step")
-    decode_context_parallel_size: int = knob(
-        1, "parallel",
-        "decode context parallel: spread each sequence's KV cache over this many ranks of each "
-        "tensor parallel group by token position (each stores and reads 1/N of it); for GQA models "
-        "whose KV heads tensor parallel would otherwise replicate (tp a multiple of KV heads x N)",
-        short="-dcp")
-    prefill_context_parallel_size: int = knob(
-        1, "parallel",
-        "prefill context parallel: this many groups of tensor parallel ranks, each computing the "
-        "tokens whose positions it owns (a long prompt's prefill split N ways) and keeping their KV "
-        "cache; attention merges over the groups", short="-pcp")
-    dcp_kv_cache_interleave_size: int = knob(
-        1, "parallel",
-        "context parallel: consecutive positions stored on one rank before the next rank's (divides "
-        "--block-size)")
+    block_size: int = knob_of(CacheConfig, "block_size")
+    kv_cache_memory: int | str = knob_of(CacheConfig, "kv_cache_memory")
+    gpu_memory_utilization: float = knob_of(CacheConfig, "gpu_memory_utilization")
+    enable_prefix_caching: bool = knob_of(CacheConfig, "enable_prefix_caching")
+    max_num_seqs: int = knob_of(SchedulerConfig, "max_num_seqs")
+    max_num_batched_tokens: int | None = knob_of(SchedulerConfig, "max_num_batched_tokens", default=None)
+    tensor_parallel_size: int = knob_of(ParallelConfig, "tensor_parallel_size")
+    pipeline_parallel_size: int = knob_of(ParallelConfig, "pipeline_parallel_size")
+    data_parallel_size: int = knob_of(ParallelConfig, "data_parallel_size")
+    data_parallel_size_local: int | None = knob_of(ParallelConfig, "data_parallel_size_local")
+    data_parallel_start_rank: int = knob_of(ParallelConfig, "data_parallel_start_rank")
+    data_parallel_address: str | None = knob_of(ParallelConfig, "data_parallel_address")
+    data_parallel_rpc_port: int | None = knob_of(ParallelConfig, "data_parallel_rpc_port")
+    data_parallel_backend: str = knob_of(ParallelConfig, "data_parallel_backend")
+    distributed_executor_backend: str | None = knob_of(ParallelConfig, "distributed_executor_backend")
+    distributed_init_timeout: float = knob_of(ParallelConfig, "distributed_init_timeout")
+    cpu_threads_bind: str = knob_of(ParallelConfig, "cpu_threads_bind")
+    pp_layer_partition: str | None = knob_of(ParallelConfig, "pp_layer_partition")
+    allow_cross_node_tp: bool = knob_of(ParallelConfig, "allow_cross_node_tp")
+    execute_model_timeout: float = knob_of(ParallelConfig, "execute_model_timeout")
+    enable_expert_parallel: bool = knob_of(ParallelConfig, "enable_expert_parallel")
+    decode_context_parallel_size: int = knob_of(ParallelConfig, "decode_context_parallel_size")
+    prefill_context_parallel_size: int = knob_of(ParallelConfig, "prefill_context_parallel_size")
+    dcp_kv_cache_interleave_size: int = knob_of(ParallelConfig, "dcp_kv_cache_interleave_size")
     quantization: str | None = knob(
         None, "model",
         "weight-only quantization of the linear layers at load: int8 (one scale per row) or int4 "
@@ -211,15 +160,9 @@ class EngineArgs:
         False, "engine",
         "serve LoRA adapters (PEFT format) beside the base model: requests name one with "
         "lora_request offline, or by model name in the server (--lora-modules)")
-    max_loras: int = knob(
-        1, "lora",
-        "LoRA adapters that can run in one step (each takes a slot in every adapted layer)")
-    max_lora_rank: int = knob(
-        16, "lora",
-        "the largest LoRA rank served; adapters of higher rank are refused")
-    max_cpu_loras: int | None = knob(
-        None, "lora",
-        "LoRA adapters kept read in CPU memory, ready to be swapped into a slot (default: max_loras)")
+    max_loras: int = knob_of(LoRAConfig, "max_loras")
+    max_lora_rank: int = knob_of(LoRAConfig, "max_lora_rank")
+    max_cpu_loras: int | None = knob_of(LoRAConfig, "max_cpu_loras")
     speculative_config: dict | str | None = knob(
         None, "engine",
         "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
@@ -276,8 +219,9 @@ class EngineArgs:
             download_dir=self.download_dir,
             reasoning_parser=_reasoning_parser(self.structured_outputs_config, self.reasoning_parser))
         cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
-        scheduler = SchedulerConfig(
-            self.max_num_seqs, self.max_num_batched_tokens or max(8192, self.max_num_seqs), max_model_len)
+        scheduler = SchedulerConfig(**{**self.landing_in("scheduler"), "max_model_len": max_model_len,
+                                       "max_num_batched_tokens": self.max_num_batched_tokens
+                                       or max(SchedulerConfig.max_num_batched_tokens, self.max_num_seqs)})
         lora = LoRAConfig(**self.landing_in("lora")) if self.enable_lora else None
         speculative = SpeculativeConfig.from_json(self.speculative_config) if self.speculative_config else None
         if speculative is not None and speculative.model:

@@ -1,14 +1,15 @@
-"""Each engine knob is declared once (engine/arg_utils.py: EngineArgs): the CLI flags, the LLM
-keywords and the configs are made from that one declaration."""
+"""Each engine knob is declared once (a config's `knob`, or EngineArgs' own for the knobs it
+resolves): the CLI flags, the LLM keywords and the configs are made from that one declaration."""
 
 import argparse
 import dataclasses
 
-from shardlm.config import CacheConfig, LoRAConfig, ParallelConfig
+from shardlm.config import CacheConfig, LoRAConfig, ParallelConfig, SchedulerConfig
 from shardlm.engine.arg_utils import EngineArgs
 from shardlm.entrypoints.cli import add_engine_args, engine_args_from
 
-CONFIGS = {"parallel": ParallelConfig, "cache": CacheConfig, "lora": LoRAConfig}
+CONFIGS = {"parallel": ParallelConfig, "cache": CacheConfig, "lora": LoRAConfig, "scheduler": SchedulerConfig}
+RESOLVED_BY_ENGINE_ARGS = {"max_num_batched_tokens"}      # None in EngineArgs: resolved from max_num_seqs
 
 
 def test_every_knob_is_declared_whole_and_lands_in_a_config_field():
@@ -18,7 +19,18 @@ def test_every_knob_is_declared_whole_and_lands_in_a_config_field():
         if target is not None:
             assert f.name in {g.name for g in dataclasses.fields(target)}, f"{f.name} is no field of {target}"
         else:
-            assert f.metadata["lands_in"] in ("model", "scheduler", "engine"), f.name
+            assert f.metadata["lands_in"] in ("model", "engine"), f.name
+
+
+def test_a_config_knob_has_its_default_and_help_from_the_config_alone():
+    for f in dataclasses.fields(EngineArgs):
+        target = CONFIGS.get(f.metadata["lands_in"])
+        if target is None:
+            continue
+        declared = next(g for g in dataclasses.fields(target) if g.name == f.name)
+        assert f.metadata["help"] is declared.metadata["help"], f"{f.name}: help written again in EngineArgs"
+        if f.name not in RESOLVED_BY_ENGINE_ARGS:
+            assert f.default == declared.default, f"{f.name}: EngineArgs' default differs from {target.__name__}'s"
 
 
 def test_the_cli_has_one_flag_per_knob_with_its_default():
