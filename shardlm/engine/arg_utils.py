@@ -32,8 +32,7 @@ from shardlm.config import (
 from shardlm.engine.feature_rules import check_combinations
 from shardlm.executor.selection import choose_backend
 from shardlm.logger import init_logger
-from shardlm.model_loader import hub
-from shardlm.model_loader.default_model import gguf_source, resolve_model_path, resolve_tokenizer_path
+from shardlm.model_loader.default_model import locate_model, resolve_tokenizer_path
 from shardlm.model_loader.gptq_awq import checkpoint_method
 from shardlm.models.registry import resolve_architecture
 from shardlm.planner.startup import check_fits, check_parallel_layout
@@ -195,9 +194,9 @@ class EngineArgs:
         cpu_plan.follow(self.cpu_plan)
         parallel.distributed_executor_backend = choose_backend(parallel.world_size, device,
                                                                parallel.distributed_executor_backend)
-        # a hub id is fetched once, here; what follows reads the local copy
-        model = hub.local_path(self.model, self.revision, self.download_dir) if self.model else None
-        path = resolve_model_path(model, self.download_dir)
+        # found once (a hub id fetched, a GGUF file converted); what follows reads the local directory
+        source = locate_model(self.model, self.revision, self.download_dir)
+        path = source.path
         hf_config = load_hf_config(path)
         architecture = resolve_architecture(hf_config)
         dtype = resolve_dtype(self.dtype, _config_dtype(hf_config), device, _mlp_shape(hf_config))
@@ -212,10 +211,10 @@ class EngineArgs:
             quantization=resolve_quantization(
                 self.quantization, self.quantization_group_size,
                 linear_inputs(hf_config, parallel.tensor_parallel_size) if self.quantization else None,
-                gguf_source=gguf_source(model),
+                gguf_source=source.gguf_file,
                 checkpoint=checkpoint_method(getattr(hf_config, "quantization_config", None))),
             enforce_eager=self.enforce_eager, cpu_plan=self.cpu_plan,
-            hub_source=_hub_source(self.model, self.revision, self.download_dir),
+            hub_source=source.hub,
             download_dir=self.download_dir,
             reasoning_parser=_reasoning_parser(self.structured_outputs_config, self.reasoning_parser))
         cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
@@ -238,7 +237,8 @@ class EngineArgs:
         the same vocabulary) that covers max_model_len, in the target's dtype, unquantized; an
         EAGLE head reads the target's hidden states, so it has the target's hidden size."""
         draft = spec.model
-        path = resolve_model_path(draft, self.download_dir)
+        source = locate_model(draft, None, self.download_dir)
+        path = source.path
         hf_config = load_hf_config(path)
         if spec.method in ("eagle", "eagle3") and hf_config.hidden_size != target.hf_config.hidden_size:
             raise ValueError(f"The EAGLE head {draft} has hidden size {hf_config.hidden_size}, the target "
@@ -259,7 +259,7 @@ class EngineArgs:
                              f"{target.max_model_len}: lower --max-model-len to at most {limit}.")
         return dataclasses.replace(target, model=path, hf_config=hf_config,
                                    architecture=resolve_architecture(hf_config), quantization=None,
-                                   hub_source=_hub_source(draft, None, self.download_dir))
+                                   hub_source=source.hub)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -417,14 +417,6 @@ def _mlp_shape(hf_config) -> tuple[int, int] | None:
     hidden = getattr(text, "hidden_size", None)
     inter = getattr(text, "intermediate_size", None) or getattr(text, "moe_intermediate_size", None)
     return (hidden, inter) if hidden and inter else None
-
-
-def _hub_source(model: str | None, revision: str | None, download_dir: str | None):
-    """(hub id, revision, download dir) where the model directory came from the hub (not a GGUF
-    file of a repo: that is converted on the head), else None."""
-    if model is None or ":" in model or not hub.names_hub_model(model, download_dir):
-        return None
-    return model, revision, download_dir
 
 
 def _reasoning_parser(config: dict | str | None, reasoning_parser: str | None) -> str | None:

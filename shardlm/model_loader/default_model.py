@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 
 from shardlm import envs
 from shardlm.logger import init_logger
@@ -30,24 +31,52 @@ _NEEDED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_conf
            "generation_config.json")
 
 
-def resolve_model_path(model: str | None, download_dir: str | None = None, revision: str | None = None) -> str:
-    """A local directory for `model`; None means the embedded default model; a .gguf file is
-    converted once to a directory in the cache (`gguf_source` tells where its weights came from);
-    a hub id (org/name, or org/name:file.gguf) is fetched into the hub cache (model_loader/hub.py)."""
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model named by the user is, found once: the local Hugging Face directory that
+    loads, the GGUF file its weights come from (if any), and the hub id it was fetched by."""
+    path: str
+    gguf_file: str | None = None
+    # (hub id, revision, download dir) of a model directory fetched from the hub: Ray nodes fetch it
+    # themselves (a GGUF file of a repo is converted on the head, so it has none)
+    hub: tuple[str, str | None, str | None] | None = None
+
+
+def locate_model(model: str | None, revision: str | None = None, download_dir: str | None = None) -> ModelSource:
+    """None means the embedded default model; a .gguf file is converted once to a directory in the
+    cache; a hub id (org/name, or org/name:file.gguf) is fetched into the hub cache
+    (model_loader/hub.py); a relative directory may lie under download_dir."""
     if model is None or model == DEFAULT_MODEL_NAME:
-        return default_model_dir()
-    path = os.path.expanduser(hub.local_path(model, revision, download_dir))
-    if path.endswith(".gguf") and os.path.isfile(path):
-        return converted_dir(os.path.abspath(path), os.path.basename(path)[:-5].lower())
+        return ModelSource(default_model_dir(), gguf_path())
+    path, from_hub = _fetched(model, revision, download_dir)
+    if _is_gguf(path):
+        path = os.path.abspath(path)
+        return ModelSource(converted_dir(path, os.path.basename(path)[:-5].lower()), gguf_file=path)
+    fetched = (model, revision, download_dir) if from_hub else None
     if download_dir and not os.path.isabs(path):
         candidate = os.path.join(os.path.expanduser(download_dir), path)
         if os.path.isdir(candidate):
-            return candidate
+            return ModelSource(candidate, hub=fetched)
     if os.path.isdir(path):
-        return os.path.abspath(path)
+        return ModelSource(os.path.abspath(path), hub=fetched)
     raise ValueError(f"Model {model!r} is not a local directory, a .gguf file or a hub id (org/name). shardlm "
                      "loads Hugging Face model directories (config.json, *.safetensors, tokenizer files), GGUF files "
                      "and hub repos of either. Leave the model out to use the embedded default model.")
+
+
+def _fetched(model: str, revision: str | None, download_dir: str | None) -> tuple[str, bool]:
+    """(the local path of `model`, whether it was fetched from the hub)."""
+    from_hub = hub.names_hub_model(model, download_dir)
+    return os.path.expanduser(hub.download_model(model, revision, download_dir) if from_hub else model), from_hub
+
+
+def _is_gguf(path: str) -> bool:
+    return path.endswith(".gguf") and os.path.isfile(path)
+
+
+def resolve_model_path(model: str | None, download_dir: str | None = None, revision: str | None = None) -> str:
+    """The local directory of `model` (locate_model)."""
+    return locate_model(model, revision, download_dir).path
 
 
 def gguf_path() -> str:
@@ -61,12 +90,11 @@ def gguf_path() -> str:
 
 
 def gguf_source(model: str | None, download_dir: str | None = None, revision: str | None = None) -> str | None:
-    """The GGUF file a model's weights come from (the default model's, a .gguf path, or a hub
-    repo's org/name:file.gguf, found in or fetched into the hub cache), else None."""
+    """The GGUF file a model's weights come from (found or fetched, not converted), else None."""
     if model is None or model == DEFAULT_MODEL_NAME:
         return gguf_path()
-    path = os.path.expanduser(hub.local_path(model, revision, download_dir) if model.endswith(".gguf") else model)
-    return os.path.abspath(path) if path.endswith(".gguf") and os.path.isfile(path) else None
+    path, _ = _fetched(model, revision, download_dir)
+    return os.path.abspath(path) if _is_gguf(path) else None
 
 
 def resolve_tokenizer_path(tokenizer: str, download_dir: str | None = None, revision: str | None = None) -> str:
