@@ -2,7 +2,7 @@
 
 Plain msgspec structs of ints, floats, strings and lists (never pickle), so any transport (a
 pipe, a shared-memory queue, a Ray call, a socket) carries them as msgpack bytes. This module
-imports nothing of shardlm but SamplingParams and LoRARequest, so every layer may use it.
+imports nothing of shardlm but SamplingParams, LoRARequest and TokenLogprobs, so every layer may use it.
 
 Three conversations:
 
@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from shardlm.lora.request import LoRARequest
+from shardlm.outputs import TokenLogprobs
 from shardlm.sampling_params import SamplingParams
 
 
@@ -66,15 +67,6 @@ class SchedulerOutput(msgspec.Struct):
 
 
 # ---- one step's result, output rank -> engine core ----
-class TokenLogprobs(msgspec.Struct):
-    """Logprobs at one position: the chosen token's, then the top-k (ids, logprobs)."""
-    token_id: int
-    logprob: float
-    rank: int
-    top_ids: list[int]
-    top_logprobs: list[float]
-
-
 class ModelRunnerOutput(msgspec.Struct):
     # req_id -> its new tokens: one, or with speculative decoding the accepted drafts and one more
     sampled: dict[str, list[int]]

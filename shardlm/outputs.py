@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 
 @dataclass
 class Logprob:
@@ -14,6 +16,16 @@ class Logprob:
 
 # One dict per position: token id -> Logprob (the sampled/actual token plus the top-k).
 PositionLogprobs = dict[int, Logprob]
+
+
+class TokenLogprobs(msgspec.Struct):
+    """One position's logprobs as the sampler sends them to the engine core (compact): the chosen
+    token's, then the top-k (ids, logprobs). The output processor turns them into PositionLogprobs."""
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 
 from shardlm.kernels import DTYPE_CODES, fused_ops
 from shardlm.layers.custom_op import CustomOp
-from shardlm.messages import TokenLogprobs
+from shardlm.outputs import TokenLogprobs
 
 
 @dataclass

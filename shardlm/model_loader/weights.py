@@ -12,7 +12,6 @@ from safetensors import safe_open
 
 from shardlm.config import ModelConfig
 from shardlm.model_loader.gptq_awq import PACKED_SUFFIXES, PackedLinears, is_v1
-from shardlm.models.registry import get_model_class
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -95,11 +94,11 @@ def _float_weights(weights: Iterator[tuple[str, object]], packed: PackedLinears,
             yield name, tensor
 
 
-def load_model(model_config: ModelConfig, device: torch.device,
+def load_model(cls: type, model_config: ModelConfig, device: torch.device,
                layer_range: tuple[int, int] | None = None) -> torch.nn.Module:
-    """The model, or with layer_range the part a pipeline stage holds: those layers, plus the
-    embedding on the first stage and norm + LM head on the last."""
-    cls = get_model_class(model_config.architecture)
+    """The model of class `cls` (models/registry.py picks it: this package sits below the models,
+    which read their weights with it), or with layer_range the part a pipeline stage holds: those
+    layers, plus the embedding on the first stage and norm + LM head on the last."""
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:

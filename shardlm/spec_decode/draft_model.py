@@ -24,6 +24,7 @@ from shardlm.layers.attention import Attention
 from shardlm.logger import init_logger
 from shardlm.model_loader.weights import load_model
 from shardlm.models.llama import prepare_fused_decode
+from shardlm.models.registry import get_model_class
 from shardlm.spec_decode.proposer import ProposalRequest, Proposer, TargetStep
 from shardlm.utils import cdiv
 
@@ -117,7 +118,8 @@ class DraftModelProposer(ModelProposer):
 
     def __init__(self, config: EngineConfig, device: torch.device, attn_backend):
         with alone():
-            model = load_model(config.speculative.draft_model_config, device)
+            draft = config.speculative.draft_model_config
+            model = load_model(get_model_class(draft.architecture), draft, device)
         super().__init__(config, device, attn_backend, model)
 
     def follow(self, step: TargetStep) -> None:

@@ -37,6 +37,7 @@ from shardlm.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from shardlm.model_loader.weights import load_model
 from shardlm.models.eagle3 import aux_layers_of
 from shardlm.models.llama import prepare_fused_decode
+from shardlm.models.registry import get_model_class
 from shardlm.planner.layer_placement import stage_layers
 from shardlm.spec_decode.proposer import ProposalRequest, Proposer, TargetStep
 from shardlm.spec_decode.selector import make_proposer
@@ -76,7 +77,8 @@ class ModelRunner:
         if cp.world_size > 1:           # context parallel: this rank's share of every sequence
             self.attn_backend.shard = ContextShard(cp.world_size, cp.rank_in_group, par.dcp_kv_cache_interleave_size,
                                                    self.block_size, get_dcp_group().world_size)
-        self.model = load_model(self.config.model, self.device, stages[self.pp.rank_in_group])
+        self.model = load_model(get_model_class(self.config.model.architecture), self.config.model, self.device,
+                                stages[self.pp.rank_in_group])
         spec = self.config.speculative
         if spec is not None and spec.method == "eagle3":     # every rank: each stage hands its layers' on
             self.model.model.aux_layers = aux_layers_of(spec.draft_model_config.hf_config, self.config.model.num_layers)

@@ -94,8 +94,14 @@ def test_the_cycle_finder_finds_cycles():
 def test_leaves_and_layers():
     graph = _graph()
     assert graph["shardlm.config"] == set()
-    assert graph["shardlm.messages"] <= {"shardlm.sampling_params", "shardlm.lora.request"}
-    assert graph["shardlm.lora.request"] == set()         # a leaf: it travels inside messages
+    assert graph["shardlm.messages"] <= {"shardlm.sampling_params", "shardlm.lora.request", "shardlm.outputs"}
+    assert graph["shardlm.lora.request"] == set()         # leaves: they travel inside messages
+    assert graph["shardlm.outputs"] == set()
+    for name, imports in graph.items():             # a lower floor never imports a higher one
+        if name.startswith("shardlm.model_loader"):
+            assert not any(m.startswith("shardlm.models") for m in imports), name
+        if name.startswith("shardlm.layers"):
+            assert "shardlm.messages" not in imports, name
     for name, imports in graph.items():
         if name.startswith("shardlm.core"):         # the engine-core process: not the front end
             assert not any(m.startswith(("shardlm.engine", "shardlm.entrypoints")) for m in imports), name
