@@ -97,6 +97,13 @@ def _qwen3_moe(path):
         norm_topk_prob=True, head_dim=16, use_sliding_window=False))
 
 
+def _qwen3(path):
+    """q/k norms and a head_dim (32) that is not hidden / heads (16), tied embeddings as Qwen3-0.6B."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    return _save_tiny(path, Qwen3ForCausalLM, Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True,
+                                                          use_sliding_window=False))
+
+
 def _llama_5_layers(path):
     """A layer count that 2 and 3 stages do not divide."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -115,7 +122,7 @@ def _llama_draft(path):
 TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers, "llama-draft": _llama_draft,
                "llama-tied-llama3rope": _llama_tied_llama3_rope,
                "qwen2-bias": _qwen2_bias, "mistral": _mistral, "mixtral": _mixtral,
-               "qwen2-moe": _qwen2_moe, "qwen3-moe": _qwen3_moe}
+               "qwen2-moe": _qwen2_moe, "qwen3-moe": _qwen3_moe, "qwen3": _qwen3}
 
 
 @pytest.fixture(scope="session")

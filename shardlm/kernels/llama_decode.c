@@ -1,5 +1,5 @@
 // The decode step of a pipeline stage's Llama decoder layers in one C call, on CPU, for one
-// tensor parallel rank (of one or more): each layer is add + RMSNorm, the qkv product, rotary + cache write +
+// tensor parallel rank (of one or more): each layer is add + RMSNorm, the qkv product (and q/k norms), rotary + cache write +
 // attention, the output product, add + RMSNorm, the gate/up product, SiLU-and-mul and the down
 // product -- the same kernels, in the same order, as the layer-by-layer path (so the same
 // results, bit for bit), without the Python and operator dispatch between them, which at a few
@@ -89,6 +89,16 @@ static int dcp_attention(const LlamaDecodeContextParallel *cp, const LlamaDecode
     return 0;
 }
 
+// An RMSNorm over each q head and each k head of qkv [T, Q], in place (before the rotary embedding).
+static void qk_norm(void *qkv, int Q, const LlamaDecodeLayer *w, int T, int H, int Hkv, int D, float eps, int dtype) {
+    const int esize = dtype == 0 ? 4 : 2;
+    for (int t = 0; t < T; t++) {
+        char *q = (char *)qkv + (int64_t)t * Q * esize, *k = q + (int64_t)H * D * esize;
+        add_rmsnorm(q, D, NULL, NULL, q, w->q_norm, H, D, eps, dtype);
+        add_rmsnorm(k, D, NULL, NULL, k, w->k_norm, Hkv, D, eps, dtype);
+    }
+}
+
 // Scratch, in order: qkv [T, Q], attn [T, H D], gate_up [T, 2 I], act [T, I]; with LoRA, xa
 // [T, 3 R] and delta [T, max(Q, E, 2 I)].
 KERNEL_API int64_t llama_decode_scratch_elements(const LlamaDecodeModel *m, int32_t tokens, int32_t lora_rank) {
@@ -126,6 +136,7 @@ KERNEL_API int32_t llama_decode_layers(const LlamaDecodeModel *m, const LlamaDec
         }
         if (matmul(m, hidden, E, w->qkv_weight, w->qkv_bias, qkv, T, Q, E)) return -1;
         if (lora && lora_segments(&ls, l, LORA_QKV, hidden, E, qkv, Q, E, 3 * R)) return -1;
+        if (w->q_norm) qk_norm(qkv, Q, w, T, H, Hkv, D, m->eps, dtype);
         if (dcp) {
             rotary_cache_write(qkv, Q, st->cos, st->signed_sin, w->k_cache, w->v_cache, st->slot_mapping, T, H, Hkv, D,
                                m->num_blocks, m->block_size, dtype);

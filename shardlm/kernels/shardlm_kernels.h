@@ -82,10 +82,13 @@ typedef struct {
 
 enum { DECODE_SKINNY, DECODE_BLOCKED, DECODE_BLOCKED_INT4, DECODE_BLOCKED_INT8 };
 
-// One decoder layer's weights and KV cache. A bias of NULL means none.
+// One decoder layer's weights and KV cache. A bias of NULL means none; q_norm and k_norm, the
+// weights [D] of an RMSNorm over each q and each k head before the rotary embedding (Qwen3), NULL
+// where the model has none.
 typedef struct {
     const void *input_norm, *qkv_weight, *qkv_bias, *o_weight, *o_bias;
     const void *post_norm, *gate_up_weight, *gate_up_bias, *down_weight, *down_bias;
+    const void *q_norm, *k_norm;
     void *k_cache, *v_cache;
 } LlamaDecodeLayer;
 

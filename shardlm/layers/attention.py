@@ -41,14 +41,13 @@ class Attention(nn.Module):
         """From the fresh projection qkv [T, (H + 2 Hkv) * D] -> [T, H * D]: the rotary embedding
         on q and k (after qk_norm, a transform of [T, H + Hkv, D], where the model has one), K/V
         into the cache, attention. One fused call where the backend has it for this step."""
-        if qk_norm is None:
-            out = self.backend.rotary_and_attend(self, qkv, cos_sin, meta)
-            if out is not None:
-                return out
         T, H, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qk, v = qkv.split([(H + Hkv) * D, Hkv * D], dim=-1)
-        qk = qk.view(T, H + Hkv, D)
         if qk_norm is not None:
-            qk = qk_norm(qk)
-        q, k = self.rotary(qk, cos_sin).split([H, Hkv], dim=1)
+            qk, v = qkv.split([(H + Hkv) * D, Hkv * D], dim=-1)
+            qkv = torch.cat([qk_norm(qk.reshape(T, H + Hkv, D)).reshape(T, -1), v], dim=-1)
+        out = self.backend.rotary_and_attend(self, qkv, cos_sin, meta)
+        if out is not None:
+            return out
+        qk, v = qkv.split([(H + Hkv) * D, Hkv * D], dim=-1)
+        q, k = self.rotary(qk.view(T, H + Hkv, D), cos_sin).split([H, Hkv], dim=1)
         return self.forward(q, k, v.view(T, Hkv, D), meta)

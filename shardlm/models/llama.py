@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3/3.1, SmolLM2, TinyLlama, Mistral, Qwen2).
+"""Llama-family decoder (Llama 2/3/3.1, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3).
 
 Module names follow the Hugging Face checkpoints, except that q/k/v and gate/up are
 merged into one matrix each (`qkv_proj`, `gate_up_proj`) for fewer, larger matmuls.
@@ -48,8 +48,12 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn.forward_qkv(self.qkv_proj(x), cos_sin, meta, qk_norm))
 
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
-        """[T, H + Hkv, D]: an RMSNorm over each q head and each k head."""
-        return torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
+        """[T, H + Hkv, D]: an RMSNorm over each q head and each k head, as rows of D (one C call
+        each on CPU, the one the one-call decode step makes)."""
+        T, H, D = qk.shape[0], self.num_heads, self.head_dim
+        q = self.q_norm(qk[:, :H].reshape(-1, D)).view(T, H, D)
+        k = self.k_norm(qk[:, H:].reshape(-1, D)).view(T, -1, D)
+        return torch.cat([q, k], dim=1)
 
 
 class LlamaMLP(nn.Module):
@@ -231,3 +235,9 @@ class LlamaForCausalLM(nn.Module):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias = True     # Qwen2 has q/k/v biases, no o_proj bias
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 (0.6B to 32B): Llama with an RMSNorm on each q and k head and an explicit head_dim
+    (e.g. 128 with hidden 1024 and 16 heads in Qwen3-0.6B); no q/k/v biases."""
+    qk_norm = True

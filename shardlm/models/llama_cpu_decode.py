@@ -69,14 +69,12 @@ def _weight(linear) -> torch.Tensor:
 
 
 def _misfit(layer, layout: tuple[int, int, int], dense_mlp: type) -> str | None:
-    """Why the C path cannot run this decoder layer, or None: it runs a dense MLP without q/k
-    norms on the CPU attention backend, every linear's weight in `layout` (float weights in the
+    """Why the C path cannot run this decoder layer, or None: it runs a dense MLP on the CPU
+    attention backend, every linear's weight in `layout` (float weights in the
     norms' dtype)."""
     attn = layer.self_attn
     if type(layer.mlp) is not dense_mlp:
         return f"its MLP is a {type(layer.mlp).__name__}"
-    if attn.q_norm is not None:
-        return "q/k norms"
     if getattr(attn.attn.backend, "kernel_qkv", None) is None:
         return "not the CPU kernels' attention backend"
     if layer.input_layernorm.weight.dtype not in DTYPE_CODES:
@@ -198,8 +196,9 @@ class FusedDecodeLayers:
                 rows.append(abi.LlamaDecodeLayer(*(_address(t) for t in (
                     layer.input_layernorm.weight, _weight(attn.qkv_proj), attn.qkv_proj.bias, _weight(attn.o_proj),
                     attn.o_proj.bias, layer.post_attention_layernorm.weight, _weight(mlp.gate_up_proj),
-                    mlp.gate_up_proj.bias, _weight(mlp.down_proj), mlp.down_proj.bias, attn.attn.k_cache,
-                    attn.attn.v_cache))))
+                    mlp.gate_up_proj.bias, _weight(mlp.down_proj), mlp.down_proj.bias,
+                    *(norm.weight if norm is not None else None for norm in (attn.q_norm, attn.k_norm)),
+                    attn.attn.k_cache, attn.attn.v_cache))))
             self._table, self._cache_address = (abi.LlamaDecodeLayer * len(rows))(*rows), k_cache.data_ptr()
             self.shape.num_blocks, self.shape.block_size = k_cache.shape[1], k_cache.shape[2]
         return self._table

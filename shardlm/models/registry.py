@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardlm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from shardlm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from shardlm.models.mixtral import MixtralForCausalLM
 from shardlm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
@@ -12,6 +12,7 @@ MODEL_REGISTRY = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 

@@ -26,6 +26,11 @@ def check_parallel_layout(config: EngineConfig) -> None:
     tp = par.tensor_parallel_size
     if par.enable_expert_parallel and not shape.is_moe:
         logger.warning("--enable-expert-parallel has no effect: %s has no mixture-of-experts layers.", shape.name)
+    ep = tp * par.data_parallel_size        # expert parallel spans each stage's DP x TP ranks
+    if par.enable_expert_parallel and shape.is_moe and shape.num_experts < ep:
+        raise ValueError(f"Expert parallel over {ep} ranks (-dp x -tp) needs at least as many experts; this model has "
+                         f"{shape.num_experts}. Leave out --enable-expert-parallel (tensor parallel then slices every "
+                         "expert) or use fewer ranks.")
     problems = shape.tp_problems(tp, expert_parallel=par.enable_expert_parallel)
     if problems:
         valid = ", ".join(map(str, shape.valid_tp_sizes(limit=max(shape.heads, tp))))

@@ -150,7 +150,7 @@ def test_expert_parallel_layouts_this_version_refuses(tiny_model_dir):
     path = tiny_model_dir("mixtral")
     with pytest.raises(ValueError, match="--enable-expert-parallel with -dp and -pp is not supported"):
         LLM(path, **ENGINE, data_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=True)
-    with pytest.raises(Exception, match="needs at least as many experts; this model has 4"):
+    with pytest.raises(ValueError, match="needs at least as many experts; this model has 4"):
         LLM(path, **ENGINE, data_parallel_size=2, tensor_parallel_size=4, enable_expert_parallel=True)
 
 

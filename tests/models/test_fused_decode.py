@@ -14,7 +14,7 @@ PROMPTS = [[101, 2054, 2003, 1037], [7592, 1010, 2088, 999, 102, 4000, 321] * 5]
 
 @pytest.mark.parametrize("name, dtype, quantization, group", [
     ("llama-gqa", "float32", None, None), ("llama-gqa", "bfloat16", None, None), ("qwen2-bias", "float32", None, None),
-    ("qwen2-bias", "bfloat16", None, None),
+    ("qwen2-bias", "bfloat16", None, None), ("qwen3", "float32", None, None), ("qwen3", "bfloat16", None, None),
     ("qwen2-bias", "bfloat16", "int4", 32),      # 4-bit panels, where the blocked kernel is built
     ("llama-gqa", "bfloat16", "int8", -1),       # 8-bit panels, one scale per row (rows of 64 and 128 columns)
 ])
@@ -45,7 +45,7 @@ def test_fused_decode_equals_the_layer_by_layer_path(name, dtype, quantization, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, dtype, dcp", [("llama-gqa", "float32", 1), ("qwen2-bias", "bfloat16", 1),
-                                             ("llama-tied-llama3rope", "bfloat16", 2)])
+                                             ("llama-tied-llama3rope", "bfloat16", 2), ("qwen3", "bfloat16", 1)])
 def test_fused_decode_under_tensor_parallel_equals_the_layer_by_layer_path(name, dtype, dcp, tiny_model_dir):
     """At tp=2 each rank's C loop calls back for the all-reduce after its row-parallel products
     (and under decode context parallel, for the query gather and the partials' exchange): the
