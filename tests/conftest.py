@@ -104,6 +104,14 @@ def _qwen3(path):
                                                           use_sliding_window=False))
 
 
+def _granite(path):
+    """Granite's four multipliers, none of them 1 (attention scale 0.1, not 1/sqrt(16))."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+    return _save_tiny(path, GraniteForCausalLM, GraniteConfig(
+        **TINY, tie_word_embeddings=True, attention_multiplier=0.1, residual_multiplier=0.5,
+        embedding_multiplier=2.0, logits_scaling=4.0))
+
+
 def _llama_5_layers(path):
     """A layer count that 2 and 3 stages do not divide."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -122,7 +130,8 @@ def _llama_draft(path):
 TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers, "llama-draft": _llama_draft,
                "llama-tied-llama3rope": _llama_tied_llama3_rope,
                "qwen2-bias": _qwen2_bias, "mistral": _mistral, "mixtral": _mixtral,
-               "qwen2-moe": _qwen2_moe, "qwen3-moe": _qwen3_moe, "qwen3": _qwen3}
+               "qwen2-moe": _qwen2_moe, "qwen3-moe": _qwen3_moe, "qwen3": _qwen3,
+               "granite": _granite}
 
 
 @pytest.fixture(scope="session")

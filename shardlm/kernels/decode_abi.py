@@ -20,6 +20,7 @@ EXCHANGE_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32)   # decode_
 class LlamaDecodeModel(ctypes.Structure):
     _fields_ = [("layers", _I32), ("hidden_size", _I32), ("heads", _I32), ("kv_heads", _I32), ("head_dim", _I32),
                 ("intermediate", _I32), ("num_blocks", _I32), ("block_size", _I32), ("scale", _F), ("eps", _F),
+                ("residual_multiplier", _F),
                 ("dtype", _I32), ("layout", _I32), ("group", _I32), ("table_bytes", _I32)]
 
 

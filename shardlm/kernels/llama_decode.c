@@ -89,6 +89,12 @@ static int dcp_attention(const LlamaDecodeContextParallel *cp, const LlamaDecode
     return 0;
 }
 
+// A branch's output times the residual multiplier (Granite), rounded as torch's product is.
+static void scale_branch(void *x, int64_t n, float multiplier, int dtype) {
+    if (multiplier == 1.f) return;
+    for (int64_t i = 0; i < n; i++) store(x, i, load(x, i, dtype) * multiplier, dtype);
+}
+
 // An RMSNorm over each q head and each k head of qkv [T, Q], in place (before the rotary embedding).
 static void qk_norm(void *qkv, int Q, const LlamaDecodeLayer *w, int T, int H, int Hkv, int D, float eps, int dtype) {
     const int esize = dtype == 0 ? 4 : 2;
@@ -150,6 +156,7 @@ KERNEL_API int32_t llama_decode_layers(const LlamaDecodeModel *m, const LlamaDec
         if (matmul(m, attn, H * D, w->o_weight, w->o_bias, hidden, T, E, H * D)) return -1;
         if (lora && lora_segments(&ls, l, LORA_O, attn, H * D, hidden, E, H * D, R)) return -1;
         if (st->all_reduce && st->all_reduce()) return -2;
+        scale_branch(hidden, (int64_t)T * E, m->residual_multiplier, dtype);
         add_rmsnorm(hidden, E, residual, residual, hidden, w->post_norm, T, E, m->eps, dtype);
         if (matmul(m, hidden, E, w->gate_up_weight, w->gate_up_bias, gate_up, T, 2 * I, E)) return -1;
         if (lora && lora_segments(&ls, l, LORA_GATE_UP, hidden, E, gate_up, 2 * I, E, 2 * R)) return -1;
@@ -157,6 +164,7 @@ KERNEL_API int32_t llama_decode_layers(const LlamaDecodeModel *m, const LlamaDec
         if (matmul(m, act, I, w->down_weight, w->down_bias, hidden, T, E, I)) return -1;
         if (lora && lora_segments(&ls, l, LORA_DOWN, act, I, hidden, E, I, R)) return -1;
         if (st->all_reduce && st->all_reduce()) return -2;
+        scale_branch(hidden, (int64_t)T * E, m->residual_multiplier, dtype);
     }
     return 0;
 }

@@ -74,6 +74,7 @@ typedef struct {
     int32_t intermediate;               // this rank's I (the MLP's inner size)
     int32_t num_blocks, block_size;     // the KV cache's
     float scale, eps;                   // attention's softmax scale, the RMS norms' epsilon
+    float residual_multiplier;          // each branch's output scaled before the residual add (1: Llama)
     int32_t dtype;                      // 0 float32, 1 bfloat16
     int32_t layout;                     // the linears' weights: DECODE_SKINNY ... DECODE_BLOCKED_INT8
     int32_t group;                      // 4-/8-bit: input columns per scale (0: one scale per row)

@@ -19,7 +19,7 @@ from shardlm.layers.linear import default_weight_loader
 from shardlm.layers.rotary import RotaryEmbedding
 from shardlm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from shardlm.model_loader.weights import iterate_weights
-from shardlm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from shardlm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaVariant
 
 
 def load_eagle(head: ModelConfig, target: ModelConfig, device: torch.device) -> EagleLlama:
@@ -67,9 +67,10 @@ class EagleLlama(nn.Module):
         self.rotary = RotaryEmbedding(config, head_dim, max_position, dtype)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden)
         self.fc = nn.Linear(2 * hidden, hidden, bias=bool(getattr(config, "eagle_fc_bias", False)))
-        bias = getattr(config, "attention_bias", False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, bias, bias, LlamaMLP(config)) for _ in
-                                    range(config.num_hidden_layers))
+        bias = bool(getattr(config, "attention_bias", False))
+        variant = LlamaVariant(qkv_bias=bias, o_bias=bias)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, LlamaMLP(config), variant)
+                                    for _ in range(config.num_hidden_layers))
         self.layers[0].input_layernorm = nn.Identity()      # EAGLE: its input is not normalized
         self.lm_head = ParallelLMHead(config.vocab_size, hidden)
 

@@ -23,7 +23,7 @@ from shardlm.layers.rotary import RotaryEmbedding
 from shardlm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from shardlm.model_loader.weights import iterate_weights
 from shardlm.models.eagle import load_head_tensors
-from shardlm.models.llama import LlamaAttention, LlamaMLP
+from shardlm.models.llama import LlamaAttention, LlamaMLP, LlamaVariant
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -40,8 +40,8 @@ class Eagle3MidLayer(nn.Module):
     def __init__(self, config):
         super().__init__()
         hidden = config.hidden_size
-        bias = getattr(config, "attention_bias", False)
-        self.self_attn = LlamaAttention(config, bias, bias)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.self_attn = LlamaAttention(config, LlamaVariant(qkv_bias=bias, o_bias=bias))
         a = self.self_attn
         a.qkv_proj = QKVParallelLinear(2 * hidden, a.head_dim, config.num_attention_heads,
                                        getattr(config, "num_key_value_heads", None) or config.num_attention_heads, bias)

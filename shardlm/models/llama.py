@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3/3.1, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3).
+"""Llama-family decoder (Llama 2/3/3.1, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3, Granite).
 
 Module names follow the Hugging Face checkpoints, except that q/k/v and gate/up are
 merged into one matrix each (`qkv_proj`, `gate_up_proj`) for fewer, larger matmuls.
@@ -6,8 +6,10 @@ merged into one matrix each (`qkv_proj`, `gate_up_proj`) for fewer, larger matmu
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -28,20 +30,32 @@ from shardlm.lora import batch as lora_batch
 from shardlm.models.llama_cpu_decode import FusedDecodeLayers
 
 
-class LlamaAttention(nn.Module):
-    """qk_norm: an RMSNorm over each head of q and of k before the rotary embedding (Qwen3)."""
+@dataclass(frozen=True)
+class LlamaVariant:
+    """What a Llama-family architecture changes in the Llama decoder (the model class says, from
+    its config: LlamaForCausalLM.variant)."""
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False                    # an RMSNorm over each head of q and of k before the rotary (Qwen3)
+    attention_scale: float | None = None     # None: head_dim ** -0.5 (Granite: attention_multiplier)
+    residual_multiplier: float = 1.0         # Granite: each branch's output scaled before the residual add
+    embedding_multiplier: float = 1.0        # Granite: the embeddings scaled
+    logits_scaling: float = 1.0              # Granite: the logits divided
 
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool = False):
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, variant: LlamaVariant):
         super().__init__()
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, heads, kv_heads, qkv_bias)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, heads, kv_heads, variant.qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads   # this rank's
-        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias=o_bias)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias=variant.o_bias)
+        scale = variant.attention_scale or self.head_dim ** -0.5
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
 
     def forward(self, cos_sin, x, meta):
         qk_norm = self._qk_norm if self.q_norm is not None else None
@@ -71,21 +85,26 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, mlp: nn.Module, qk_norm: bool = False):
+    def __init__(self, config, mlp: nn.Module, variant: LlamaVariant = LlamaVariant()):
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, variant)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = variant.residual_multiplier
 
     def forward(self, cos_sin, hidden, residual, meta):
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(cos_sin, hidden, meta)
+        hidden = self._scaled(self.self_attn(cos_sin, hidden, meta))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self._scaled(self.mlp(hidden)), residual
+
+    def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        """A branch's output as the residual add takes it (the next norm adds it)."""
+        return branch if self.residual_multiplier == 1.0 else branch * self.residual_multiplier
 
 
 class PPMissingLayer(nn.Module):
@@ -96,15 +115,16 @@ class LlamaModel(nn.Module):
     """This pipeline stage's share of the decoder: layers [start, end), the embedding on the
     first stage, the final norm on the last."""
 
-    def __init__(self, config, max_position: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool,
-                 layer_range: tuple[int, int], make_mlp, qk_norm: bool = False):
+    def __init__(self, config, max_position: int, dtype: torch.dtype, layer_range: tuple[int, int], make_mlp,
+                 variant: LlamaVariant):
         super().__init__()
         pp = get_pp_group()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.start, self.end = layer_range
         self.rotary = RotaryEmbedding(config, head_dim, max_position, dtype)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if pp.is_first_rank else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias, make_mlp(i), qk_norm)
+        self.embedding_multiplier = variant.embedding_multiplier
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, make_mlp(i), variant)
                                     if self.start <= i < self.end else PPMissingLayer()
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last_rank else None
@@ -119,6 +139,8 @@ class LlamaModel(nn.Module):
         Returns the final hidden states on the last stage, else [hidden, residual]."""
         if intermediate is None:
             hidden, residual, aux = self.embed_tokens(input_ids), None, []
+            if self.embedding_multiplier != 1.0:
+                hidden = hidden * self.embedding_multiplier
         else:
             hidden, residual, *aux = intermediate
         cos_sin = self.rotary.lookup(positions)
@@ -169,17 +191,20 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, max_position: int, dtype: torch.dtype, layer_range: tuple[int, int] | None = None):
         super().__init__()
         self.config = config
-        attention_bias = getattr(config, "attention_bias", False)
-        qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
-        self.model = LlamaModel(config, max_position, dtype, qkv_bias, o_bias=attention_bias,
-                                layer_range=layer_range or (0, config.num_hidden_layers),
-                                make_mlp=lambda i: self.make_mlp(config, i), qk_norm=self.qk_norm)
+        self.variant = self.make_variant(config)
+        self.model = LlamaModel(config, max_position, dtype, layer_range or (0, config.num_hidden_layers),
+                                lambda i: self.make_mlp(config, i), self.variant)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None
         if get_pp_group().is_last_rank:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
             if self.tie_word_embeddings and self.model.embed_tokens is not None:
                 self.lm_head.tie(self.model.embed_tokens)
+
+    def make_variant(self, config) -> LlamaVariant:
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return LlamaVariant(qkv_bias=attention_bias if self.qkv_bias is None else self.qkv_bias, o_bias=attention_bias,
+                            qk_norm=self.qk_norm)
 
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
         """The feed-forward block of layer `layer_idx` (MoE models: experts on some or all layers)."""
@@ -189,9 +214,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Last pipeline stage only."""
-        """Logits on the tensor parallel group's first rank; None on the others."""
-        return self.lm_head(hidden)
+        """Last pipeline stage only: logits on the tensor parallel group's first rank; None on the
+        others."""
+        logits = self.lm_head(hidden)
+        scaling = self.variant.logits_scaling
+        return logits if logits is None or scaling == 1.0 else logits / scaling
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -235,6 +262,17 @@ class LlamaForCausalLM(nn.Module):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias = True     # Qwen2 has q/k/v biases, no o_proj bias
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """IBM Granite 3.x: Llama with four multipliers from the config (attention scale, residual
+    branches, embeddings, logits)."""
+
+    def make_variant(self, config) -> LlamaVariant:
+        return dataclasses.replace(super().make_variant(config), attention_scale=config.attention_multiplier,
+                                   residual_multiplier=config.residual_multiplier,
+                                   embedding_multiplier=config.embedding_multiplier,
+                                   logits_scaling=config.logits_scaling)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

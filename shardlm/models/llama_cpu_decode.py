@@ -109,8 +109,8 @@ class FusedDecodeLayers:
         self.shape = abi.LlamaDecodeModel(
             layers=len(layers), hidden_size=first.input_layernorm.weight.shape[0], heads=self.heads,
             kv_heads=self.kv_heads, head_dim=self.head_dim, intermediate=_in_features(first.mlp.down_proj),
-            scale=attn.attn.scale, eps=first.input_layernorm.eps, dtype=DTYPE_CODES[self.dtype], layout=layout,
-            group=group, table_bytes=table_bytes)
+            scale=attn.attn.scale, eps=first.input_layernorm.eps, residual_multiplier=first.residual_multiplier,
+            dtype=DTYPE_CODES[self.dtype], layout=layout, group=group, table_bytes=table_bytes)
         self._table = None
         self._cache_address = None
         self._lora_cache: dict[tuple[int, ...], tuple] = {}     # slots of a step -> (LoRASlots.changes, tables)

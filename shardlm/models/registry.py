@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from shardlm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from shardlm.models.llama import GraniteForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from shardlm.models.mixtral import MixtralForCausalLM
 from shardlm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
+    "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
