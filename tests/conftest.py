@@ -112,6 +112,15 @@ def _granite(path):
         embedding_multiplier=2.0, logits_scaling=4.0))
 
 
+def _smollm3(path):
+    """4 layers, the last without a rotary embedding (NoPE: no_rope_layers[3] == 0)."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+    config = SmolLM3Config(**{**TINY, "num_hidden_layers": 4}, no_rope_layer_interval=4, tie_word_embeddings=True,
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    assert config.no_rope_layers == [1, 1, 1, 0]
+    return _save_tiny(path, SmolLM3ForCausalLM, config)
+
+
 def _llama_5_layers(path):
     """A layer count that 2 and 3 stages do not divide."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -131,7 +140,7 @@ TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers, "llam
                "llama-tied-llama3rope": _llama_tied_llama3_rope,
                "qwen2-bias": _qwen2_bias, "mistral": _mistral, "mixtral": _mixtral,
                "qwen2-moe": _qwen2_moe, "qwen3-moe": _qwen3_moe, "qwen3": _qwen3,
-               "granite": _granite}
+               "granite": _granite, "smollm3": _smollm3}
 
 
 @pytest.fixture(scope="session")

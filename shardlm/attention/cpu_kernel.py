@@ -23,14 +23,15 @@ class CpuKernelAttention(TorchPagedAttention):
         self.kernel_qkv = kernels.paged_decode_attention_qkv()
 
     def rotary_and_attend(self, layer, qkv: torch.Tensor, cos_sin, meta) -> torch.Tensor | None:
-        cos, signed_sin = cos_sin
+        cos, signed_sin = cos_sin if cos_sin is not None else (None, None)     # None: no rotary embedding
         if (self.shard is not None or len(meta.buckets) != 1 or not meta.buckets[0].in_order or qkv.stride(1) != 1
-                or cos.dtype != qkv.dtype):
+                or (cos is not None and cos.dtype != qkv.dtype)):
             return None
         b, T = meta.buckets[0], qkv.shape[0]
         out = torch.empty(T, layer.num_heads * layer.head_dim, dtype=qkv.dtype)
         Hkv, num_blocks, block_size, D = layer.k_cache.shape
-        rc = self.kernel_qkv(out.data_ptr(), qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), signed_sin.data_ptr(),
+        rope = (cos.data_ptr(), signed_sin.data_ptr()) if cos is not None else (None, None)
+        rc = self.kernel_qkv(out.data_ptr(), qkv.data_ptr(), qkv.stride(0), *rope,
                              layer.k_cache.data_ptr(), layer.v_cache.data_ptr(), meta.slot_mapping.data_ptr(),
                              b.block_table.data_ptr(), b.context_lens.data_ptr(), T, layer.num_heads, Hkv, D,
                              num_blocks, block_size, b.block_table.shape[1], layer.scale, DTYPE_CODES[qkv.dtype])

@@ -27,7 +27,7 @@ class LlamaDecodeModel(ctypes.Structure):
 class LlamaDecodeLayer(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("input_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "post_norm",
                                         "gate_up_weight", "gate_up_bias", "down_weight", "down_bias", "q_norm",
-                                        "k_norm", "k_cache", "v_cache")]
+                                        "k_norm", "k_cache", "v_cache")] + [("rope", _I32)]
 
 
 class LlamaDecodeStep(ctypes.Structure):

@@ -143,12 +143,13 @@ KERNEL_API int32_t llama_decode_layers(const LlamaDecodeModel *m, const LlamaDec
         if (matmul(m, hidden, E, w->qkv_weight, w->qkv_bias, qkv, T, Q, E)) return -1;
         if (lora && lora_segments(&ls, l, LORA_QKV, hidden, E, qkv, Q, E, 3 * R)) return -1;
         if (w->q_norm) qk_norm(qkv, Q, w, T, H, Hkv, D, m->eps, dtype);
+        const void *cos = w->rope ? st->cos : NULL;
         if (dcp) {
-            rotary_cache_write(qkv, Q, st->cos, st->signed_sin, w->k_cache, w->v_cache, st->slot_mapping, T, H, Hkv, D,
+            rotary_cache_write(qkv, Q, cos, st->signed_sin, w->k_cache, w->v_cache, st->slot_mapping, T, H, Hkv, D,
                                m->num_blocks, m->block_size, dtype);
             const int rc = dcp_attention(dcp, m, st, w, attn);
             if (rc) return rc;
-        } else if (paged_decode_attention_qkv(attn, qkv, Q, st->cos, st->signed_sin, w->k_cache, w->v_cache,
+        } else if (paged_decode_attention_qkv(attn, qkv, Q, cos, st->signed_sin, w->k_cache, w->v_cache,
                                               st->slot_mapping, st->block_tables, st->context_lens, T, H, Hkv, D,
                                               m->num_blocks, m->block_size, (int)st->max_blocks, m->scale, dtype)) {
             return -1;

@@ -328,8 +328,8 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
 }
 
 // The rotary embedding on the q and k heads of the fresh qkv projection [B, (H + 2 Hkv) * D]
-// (row stride qkv_stride) in place (cos, signed_sin [B, D]), and k and v written to the cache at
-// slot_mapping.
+// (row stride qkv_stride) in place (cos, signed_sin [B, D]; cos NULL: a layer without one), and k
+// and v written to the cache at slot_mapping.
 KERNEL_API void rotary_cache_write(void *qkv, int64_t qkv_stride, const void *cos, const void *signed_sin,
                                    void *k_cache, void *v_cache, const int64_t *slot_mapping, int B, int H, int Hkv,
                                    int D, int num_blocks, int block_size, int dtype) {
@@ -338,8 +338,9 @@ KERNEL_API void rotary_cache_write(void *qkv, int64_t qkv_stride, const void *co
     #pragma omp parallel for schedule(static) if (B >= 8)
     for (int b = 0; b < B; b++) {
         char *row = (char *)qkv + b * qkv_stride * esize;
-        rotary_heads(row, (const char *)cos + (int64_t)b * D * esize, (const char *)signed_sin + (int64_t)b * D * esize,
-                     H + Hkv, D, dtype);
+        if (cos)
+            rotary_heads(row, (const char *)cos + (int64_t)b * D * esize,
+                         (const char *)signed_sin + (int64_t)b * D * esize, H + Hkv, D, dtype);
         const char *k = row + (int64_t)H * D * esize, *v = k + (int64_t)Hkv * D * esize;
         for (int h = 0; h < Hkv; h++) {
             const int64_t dst = (h * head_stride + slot_mapping[b] * D) * esize;

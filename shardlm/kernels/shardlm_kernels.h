@@ -91,6 +91,7 @@ typedef struct {
     const void *post_norm, *gate_up_weight, *gate_up_bias, *down_weight, *down_bias;
     const void *q_norm, *k_norm;
     void *k_cache, *v_cache;
+    int32_t rope;                       // 0: no rotary embedding in this layer (SmolLM3's NoPE layers)
 } LlamaDecodeLayer;
 
 // The tensor parallel all-reduce of hidden (in place), and decode context parallel's exchange

@@ -36,11 +36,12 @@ class Attention(nn.Module):
         return merge_partials(out, lse, self.cp, self.num_heads, self.dcp.rank_in_group * self.num_heads, q.dtype,
                               meta.pcp_own)
 
-    def forward_qkv(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta,
+    def forward_qkv(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None, meta,
                     qk_norm=None) -> torch.Tensor:
         """From the fresh projection qkv [T, (H + 2 Hkv) * D] -> [T, H * D]: the rotary embedding
         on q and k (after qk_norm, a transform of [T, H + Hkv, D], where the model has one), K/V
-        into the cache, attention. One fused call where the backend has it for this step."""
+        into the cache, attention. One fused call where the backend has it for this step.
+        cos_sin None: a layer without a rotary embedding (NoPE)."""
         T, H, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if qk_norm is not None:
             qk, v = qkv.split([(H + Hkv) * D, Hkv * D], dim=-1)
@@ -49,5 +50,6 @@ class Attention(nn.Module):
         if out is not None:
             return out
         qk, v = qkv.split([(H + Hkv) * D, Hkv * D], dim=-1)
-        q, k = self.rotary(qk.view(T, H + Hkv, D), cos_sin).split([H, Hkv], dim=1)
+        qk = qk.view(T, H + Hkv, D)
+        q, k = (qk if cos_sin is None else self.rotary(qk, cos_sin)).split([H, Hkv], dim=1)
         return self.forward(q, k, v.view(T, Hkv, D), meta)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3/3.1, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3, Granite).
+"""Llama-family decoder (Llama 2/3/3.1, SmolLM2, SmolLM3, TinyLlama, Mistral, Qwen2, Qwen3, Granite).
 
 Module names follow the Hugging Face checkpoints, except that q/k/v and gate/up are
 merged into one matrix each (`qkv_proj`, `gate_up_proj`) for fewer, larger matmuls.
@@ -41,6 +41,7 @@ class LlamaVariant:
     residual_multiplier: float = 1.0         # Granite: each branch's output scaled before the residual add
     embedding_multiplier: float = 1.0        # Granite: the embeddings scaled
     logits_scaling: float = 1.0              # Granite: the logits divided
+    nope_layers: frozenset[int] = frozenset()    # layers without a rotary embedding (SmolLM3)
 
 
 class LlamaAttention(nn.Module):
@@ -85,9 +86,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, mlp: nn.Module, variant: LlamaVariant = LlamaVariant()):
+    def __init__(self, config, mlp: nn.Module, variant: LlamaVariant = LlamaVariant(), use_rope: bool = True):
         super().__init__()
         self.self_attn = LlamaAttention(config, variant)
+        self.use_rope = use_rope
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -98,7 +100,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self._scaled(self.self_attn(cos_sin, hidden, meta))
+        hidden = self._scaled(self.self_attn(cos_sin if self.use_rope else None, hidden, meta))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self._scaled(self.mlp(hidden)), residual
 
@@ -124,7 +126,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, head_dim, max_position, dtype)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if pp.is_first_rank else None
         self.embedding_multiplier = variant.embedding_multiplier
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, make_mlp(i), variant)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, make_mlp(i), variant, i not in variant.nope_layers)
                                     if self.start <= i < self.end else PPMissingLayer()
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last_rank else None
@@ -273,6 +275,18 @@ class GraniteForCausalLM(LlamaForCausalLM):
                                    residual_multiplier=config.residual_multiplier,
                                    embedding_multiplier=config.embedding_multiplier,
                                    logits_scaling=config.logits_scaling)
+
+
+class SmolLM3ForCausalLM(LlamaForCausalLM):
+    """SmolLM3: Llama with no rotary embedding on every fourth layer (config.no_rope_layers[i] is 0
+    there). Its optional sliding window is not supported."""
+
+    def make_variant(self, config) -> LlamaVariant:
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("This SmolLM3 config asks for sliding-window attention (use_sliding_window), which "
+                             "shardlm does not run for SmolLM3 yet; set use_sliding_window to false.")
+        nope = frozenset(i for i, rope in enumerate(config.no_rope_layers) if not rope)
+        return dataclasses.replace(super().make_variant(config), nope_layers=nope)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -198,7 +198,7 @@ class FusedDecodeLayers:
                     attn.o_proj.bias, layer.post_attention_layernorm.weight, _weight(mlp.gate_up_proj),
                     mlp.gate_up_proj.bias, _weight(mlp.down_proj), mlp.down_proj.bias,
                     *(norm.weight if norm is not None else None for norm in (attn.q_norm, attn.k_norm)),
-                    attn.attn.k_cache, attn.attn.v_cache))))
+                    attn.attn.k_cache, attn.attn.v_cache)), rope=int(layer.use_rope)))
             self._table, self._cache_address = (abi.LlamaDecodeLayer * len(rows))(*rows), k_cache.data_ptr()
             self.shape.num_blocks, self.shape.block_size = k_cache.shape[1], k_cache.shape[2]
         return self._table
