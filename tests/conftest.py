@@ -74,6 +74,21 @@ def _mistral(path):
     return _save_tiny(path, MistralForCausalLM, MistralConfig(**TINY, sliding_window=None))
 
 
+def _mistral_window(path):
+    """Every layer attends within a sliding window of 8 keys (Mistral v0.1's 4096, made small)."""
+    from transformers import MistralConfig, MistralForCausalLM
+    return _save_tiny(path, MistralForCausalLM, MistralConfig(**TINY, sliding_window=8))
+
+
+def _qwen2_window(path):
+    """Layer 1 attends within a window of 8 keys, layer 0 to everything (max_window_layers 1)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    config = Qwen2Config(**TINY, tie_word_embeddings=False, use_sliding_window=True, sliding_window=8,
+                         max_window_layers=1)
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    return _save_tiny(path, Qwen2ForCausalLM, config)
+
+
 def _mixtral(path):
     """4 experts, 2 per token."""
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -140,7 +155,8 @@ TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers, "llam
                "llama-tied-llama3rope": _llama_tied_llama3_rope,
                "qwen2-bias": _qwen2_bias, "mistral": _mistral, "mixtral": _mixtral,
                "qwen2-moe": _qwen2_moe, "qwen3-moe": _qwen3_moe, "qwen3": _qwen3,
-               "granite": _granite, "smollm3": _smollm3}
+               "granite": _granite, "smollm3": _smollm3, "mistral-window": _mistral_window,
+               "qwen2-window": _qwen2_window}
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ class CpuKernelAttention(TorchPagedAttention):
     def rotary_and_attend(self, layer, qkv: torch.Tensor, cos_sin, meta) -> torch.Tensor | None:
         cos, signed_sin = cos_sin if cos_sin is not None else (None, None)     # None: no rotary embedding
         if (self.shard is not None or len(meta.buckets) != 1 or not meta.buckets[0].in_order or qkv.stride(1) != 1
-                or (cos is not None and cos.dtype != qkv.dtype)):
+                or (cos is not None and cos.dtype != qkv.dtype) or not layer.plain):
             return None
         b, T = meta.buckets[0], qkv.shape[0]
         out = torch.empty(T, layer.num_heads * layer.head_dim, dtype=qkv.dtype)
@@ -40,7 +40,10 @@ class CpuKernelAttention(TorchPagedAttention):
         return out
 
     def decode(self, layer, q: torch.Tensor, b: AttentionBucket, lse: torch.Tensor | None = None) -> torch.Tensor:
-        """q [B, H, D] -> [B, H, D]; lse: a float32 [B, H] that receives each head's log-sum-exp."""
+        """q [B, H, D] -> [B, H, D]; lse: a float32 [B, H] that receives each head's log-sum-exp
+        (decode_partial). A sliding window or soft-capped logits: the torch path."""
+        if not layer.plain:
+            return super().decode(layer, q, b)
         B, H, D = q.shape
         out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
         Hkv, num_blocks, block_size, _ = layer.k_cache.shape
@@ -53,6 +56,8 @@ class CpuKernelAttention(TorchPagedAttention):
         return out
 
     def decode_partial(self, layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
+        if not layer.plain:
+            return super().decode_partial(layer, q, b)
         lse = torch.empty(q.shape[:2], dtype=torch.float32)
         return self.decode(layer, q, b, lse).float(), lse
 
@@ -60,13 +65,14 @@ class CpuKernelAttention(TorchPagedAttention):
         """torch's CPU flash attention, which returns the log-sum-exp beside the output (what
         scaled_dot_product_attention runs, without the LSE): several times the float32 path's
         speed on long prompts."""
-        if _flash_with_lse is None:
+        if _flash_with_lse is None or layer.logit_softcap is not None:
             return super().prefill_partial(layer, q, b)
         kb, vb = gather(layer, b)                                 # [Hkv, B, K, D]
         qb = q[b.token_index].transpose(1, 2)                     # [B, Hq, Q, D]
         group = qb.shape[1] // layer.num_kv_heads
         kb, vb = (t.transpose(0, 1).repeat_interleave(group, dim=1) for t in (kb, vb))
-        out, lse = _flash_with_lse(qb, kb, vb, 0.0, False, attn_mask=b.additive_mask(q.dtype), scale=layer.scale)
+        out, lse = _flash_with_lse(qb, kb, vb, 0.0, False, attn_mask=b.additive_mask(q.dtype, layer.sliding_window),
+                                    scale=layer.scale)
         # a query none of whose keys are on this rank: zeros, and -inf (it reports 0)
         lse = lse.masked_fill(b.keyless, float("-inf"))                    # [B, Hq, Q]
         Hq, D = qb.shape[1], qb.shape[3]

@@ -91,5 +91,8 @@ class CudaAttention(TorchPagedAttention):
         blocks = meta.block_table.flatten()
         kb = layer.k_cache.index_select(1, blocks).view(Hkv, B, -1, D)
         vb = layer.v_cache.index_select(1, blocks).view(Hkv, B, -1, D)
-        masked_out = (meta.positions[None, :] >= meta.context_lens[:, None]).view(1, B, 1, -1)
+        masked_out = meta.positions[None, :] >= meta.context_lens[:, None]
+        if layer.sliding_window is not None:       # the query is at context_lens - 1
+            masked_out |= meta.positions[None, :] < meta.context_lens[:, None] - layer.sliding_window
+        masked_out = masked_out.view(1, B, 1, -1)
         return decode_attention(layer, q, kb, vb, masked_out).view(T, -1)

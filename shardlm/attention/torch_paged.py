@@ -47,27 +47,49 @@ class AttentionBucket:
     shard: ContextShard | None = None      # context parallel: the positions this rank holds
     _additive: dict = field(default_factory=dict, repr=False)
 
+    _windowed: dict = field(default_factory=dict, repr=False)
+
     @cached_property
     def mask(self) -> torch.Tensor:
         """[B, 1, Q, N * block_size]: True where a query may attend."""
         width = self.block_table.shape[1] * self.block_size
         kj = torch.arange(width)
-        key_pos = kj if self.shard is None else self.shard.positions(width)
-        mask = ((key_pos[None, None, :] <= self.query_pos[:, :, None])
+        mask = ((self._key_pos[None, None, :] <= self.query_pos[:, :, None])
                 & (kj[None, None, :] < self.context[:, None, None]))
         return mask.unsqueeze(1).to(self.block_table.device)
 
     @cached_property
+    def _key_pos(self) -> torch.Tensor:
+        """The position of each key column (context parallel: the global positions this rank holds)."""
+        width = self.block_table.shape[1] * self.block_size
+        return torch.arange(width) if self.shard is None else self.shard.positions(width)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """mask, where a sliding window of `window` keys (the query's own and the window - 1 before
+        it, as transformers counts) also masks the older keys. Made once a step per window."""
+        if window is None:
+            return self.mask
+        if window not in self._windowed:
+            recent = self._key_pos[None, None, :] > self.query_pos[:, :, None] - window
+            self._windowed[window] = self.mask & recent.unsqueeze(1).to(self.mask.device)
+        return self._windowed[window]
+
+    @cached_property
     def masked_out(self) -> torch.Tensor:
         """~mask, shaped [1, B, 1, N * block_size] (decode)."""
-        return ~self.mask.view(1, self.block_table.shape[0], 1, -1)
+        return self.masked_out_for(None)
 
-    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """mask as 0 / -inf in dtype, for kernels that take a bias (made once a step, not per layer)."""
-        if dtype not in self._additive:
-            self._additive[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
-                ~self.mask, float("-inf"))
-        return self._additive[dtype]
+    def masked_out_for(self, window: int | None) -> torch.Tensor:
+        return ~self.mask_for(window).view(1, self.block_table.shape[0], 1, -1)
+
+    def additive_mask(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+        """mask_for(window) as 0 / -inf in dtype, for kernels that take a bias (made once a step, not
+        per layer)."""
+        if (dtype, window) not in self._additive:
+            mask = self.mask_for(window)
+            self._additive[dtype, window] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+                ~mask, float("-inf"))
+        return self._additive[dtype, window]
 
     @cached_property
     def keyless(self) -> torch.Tensor:
@@ -205,24 +227,27 @@ class TorchPagedAttention(AttentionBackend):
 
     def decode_partial(self, layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, Hq, D] -> (out [B, Hq, D] float32, lse [B, Hq])"""
-        return decode_attention(layer, q, *gather(layer, b), b.masked_out, with_lse=True)
+        return decode_attention(layer, q, *gather(layer, b), b.masked_out_for(layer.sliding_window), with_lse=True)
 
     def prefill_partial(self, layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
         """q: the step's [T, Hq, D] -> (out [B * Q, Hq, D] float32, lse [B * Q, Hq])"""
         return prefill_partial(layer, q, b)
 
     def prefill(self, layer, q: torch.Tensor, b: AttentionBucket) -> torch.Tensor:
-        """Sequences of several queries each: gathered context, one scaled_dot_product_attention."""
+        """Sequences of several queries each: gathered context, one scaled_dot_product_attention
+        (with logit soft-capping, which it lacks: the scores computed here, in float32)."""
+        if layer.logit_softcap is not None:
+            return prefill_partial(layer, q, b)[0].to(q.dtype)
         kb, vb = gather(layer, b)
         qb = q[b.token_index].transpose(1, 2)               # [B, H, Q, D]
         kb, vb = kb.transpose(0, 1), vb.transpose(0, 1)     # [B, Hkv, K, D]
-        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask, scale=layer.scale,
+        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask_for(layer.sliding_window), scale=layer.scale,
                                             enable_gqa=layer.num_heads != layer.num_kv_heads)
         return ob.transpose(1, 2).reshape(-1, layer.num_heads, layer.head_dim)
 
     def decode(self, layer, q: torch.Tensor, b: AttentionBucket) -> torch.Tensor:
         """One query per sequence. q: [B, H, D] (rows may be strided) -> [B, H, D]"""
-        return decode_attention(layer, q, *gather(layer, b), b.masked_out)
+        return decode_attention(layer, q, *gather(layer, b), b.masked_out_for(layer.sliding_window))
 
 
 def gather(layer, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,7 +268,7 @@ def decode_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # query heads grouped by their KV head, batched over (KV head, sequence); scaled in the copy
     qg = torch.empty(Hkv, B, group, D, dtype=q.dtype, device=q.device)
     torch.mul(q.view(B, Hkv, group, D).transpose(0, 1), layer.scale, out=qg)
-    scores = torch.bmm(qg.view(Hkv * B, group, D), k.view(Hkv * B, K, D).transpose(1, 2)).float()
+    scores = softcapped(layer, torch.bmm(qg.view(Hkv * B, group, D), k.view(Hkv * B, K, D).transpose(1, 2)).float())
     scores = scores.view(Hkv, B, group, K).masked_fill_(masked_out, float("-inf"))
     if with_lse:
         probs, lse = _softmax_lse(scores)
@@ -253,6 +278,12 @@ def decode_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv * B, group, K)
     out = torch.bmm(probs, v.view(Hkv * B, K, D))                       # [Hkv * B, G, D]
     return out.view(Hkv, B, group, D).transpose(0, 1).reshape(B, H, D)
+
+
+def softcapped(layer, scores: torch.Tensor) -> torch.Tensor:
+    """Scaled scores soft-capped where the layer caps them (Gemma 2: cap * tanh(scores / cap))."""
+    cap = layer.logit_softcap
+    return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
 def _softmax_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,8 +299,9 @@ _PARTIAL_SCORE_BYTES = 256 << 20
 
 
 def prefill_partial(layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt chunks under context parallel: attention with its log-sum-exp, in float32,
-    a piece of the queries at a time. q: the step's [T, Hq, D]. -> ([B * Q, Hq, D], [B * Q, Hq])"""
+    """Prompt chunks with the scores at hand (under context parallel, and where logits are
+    soft-capped): attention with its log-sum-exp, in float32, a piece of the queries at a time.
+    q: the step's [T, Hq, D]. -> ([B * Q, Hq, D], [B * Q, Hq])"""
     kb, vb = gather(layer, b)                                # [Hkv, B, K, D]
     Hkv, B, K, D = kb.shape
     qb = q[b.token_index]                                    # [B, Q, Hq, D]
@@ -284,8 +316,8 @@ def prefill_partial(layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.T
         qs = qb[:, q0:q0 + step].float() * layer.scale      # [B, q, Hq, D]
         n = qs.shape[1]
         qs = qs.view(B, n, Hkv, group, D).permute(0, 2, 3, 1, 4)           # [B, Hkv, G, q, D]
-        scores = qs @ kf.transpose(-1, -2)                                  # [B, Hkv, G, q, K]
-        scores.masked_fill_(~b.mask[:, :, q0:q0 + n].unsqueeze(1), float("-inf"))
+        scores = softcapped(layer, qs @ kf.transpose(-1, -2))              # [B, Hkv, G, q, K]
+        scores.masked_fill_(~b.mask_for(layer.sliding_window)[:, :, q0:q0 + n].unsqueeze(1), float("-inf"))
         probs, piece_lse = _softmax_lse(scores)
         out[:, q0:q0 + n] = (probs @ vf).permute(0, 3, 1, 2, 4).reshape(B, n, Hq, D)
         lse[:, q0:q0 + n] = piece_lse.permute(0, 3, 1, 2).reshape(B, n, Hq)

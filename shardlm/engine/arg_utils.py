@@ -455,12 +455,6 @@ def _eos_ids(hf_config, gen_defaults: dict) -> list[int]:
 
 def _resolve_max_model_len(hf_config, requested: int | None) -> int:
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) and window < limit:
-        # within the window, full attention is exactly sliding-window attention
-        logger.info("The model attends within a sliding window of %d tokens; shardlm's attention is full "
-                    "attention, so max_model_len is limited to %d.", window, window)
-        limit = window
     if requested is None:
         return limit
     if requested <= 0:

@@ -16,9 +16,13 @@ from shardlm.layers.rotary import ApplyRotary
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, logit_softcap: float | None = None):
+        """sliding_window: each query attends to itself and the window - 1 keys before it (None: all);
+        logit_softcap: scores become cap * tanh(scores / cap) before the softmax (Gemma 2)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.sliding_window, self.logit_softcap = sliding_window, logit_softcap
         self.k_cache: torch.Tensor | None = None   # layout: backend.kv_cache_shape(), bound by the runner
         self.v_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
@@ -26,6 +30,11 @@ class Attention(nn.Module):
         # context parallel: the ranks each holding a share of every sequence's KV (cp), those of
         # them in this TP group (dcp: they hold the same tokens, other heads)
         self.cp, self.dcp = get_cp_group(), get_dcp_group()
+
+    @property
+    def plain(self) -> bool:
+        """Full attention without soft-capping: what the C kernels compute."""
+        return self.sliding_window is None and self.logit_softcap is None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]"""

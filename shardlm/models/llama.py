@@ -44,8 +44,19 @@ class LlamaVariant:
     nope_layers: frozenset[int] = frozenset()    # layers without a rotary embedding (SmolLM3)
 
 
+def sliding_window(config, layer_idx: int) -> int | None:
+    """The attention window of a layer, as transformers reads the config: config.layer_types names
+    the layers with "sliding_attention" (Qwen2, SmolLM3, Gemma 2/3, GPT-OSS); without it, every
+    layer has config.sliding_window where one is set (Mistral v0.1) and not switched off."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    return window if types is None or types[layer_idx] == "sliding_attention" else None
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config, variant: LlamaVariant):
+    def __init__(self, config, variant: LlamaVariant, window: int | None = None):
         super().__init__()
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -54,7 +65,7 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads   # this rank's
         self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias=variant.o_bias)
         scale = variant.attention_scale or self.head_dim ** -0.5
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale, sliding_window=window)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
 
@@ -86,10 +97,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, mlp: nn.Module, variant: LlamaVariant = LlamaVariant(), use_rope: bool = True):
+    def __init__(self, config, mlp: nn.Module, variant: LlamaVariant = LlamaVariant(), layer_idx: int = 0):
         super().__init__()
-        self.self_attn = LlamaAttention(config, variant)
-        self.use_rope = use_rope
+        self.self_attn = LlamaAttention(config, variant, sliding_window(config, layer_idx))
+        self.use_rope = layer_idx not in variant.nope_layers
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -126,7 +137,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, head_dim, max_position, dtype)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if pp.is_first_rank else None
         self.embedding_multiplier = variant.embedding_multiplier
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, make_mlp(i), variant, i not in variant.nope_layers)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, make_mlp(i), variant, i)
                                     if self.start <= i < self.end else PPMissingLayer()
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last_rank else None
@@ -279,12 +290,9 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):
     """SmolLM3: Llama with no rotary embedding on every fourth layer (config.no_rope_layers[i] is 0
-    there). Its optional sliding window is not supported."""
+    there; with use_sliding_window, those layers attend within a window)."""
 
     def make_variant(self, config) -> LlamaVariant:
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("This SmolLM3 config asks for sliding-window attention (use_sliding_window), which "
-                             "shardlm does not run for SmolLM3 yet; set use_sliding_window to false.")
         nope = frozenset(i for i, rope in enumerate(config.no_rope_layers) if not rope)
         return dataclasses.replace(super().make_variant(config), nope_layers=nope)
 

@@ -77,6 +77,8 @@ def _misfit(layer, layout: tuple[int, int, int], dense_mlp: type) -> str | None:
         return f"its MLP is a {type(layer.mlp).__name__}"
     if getattr(attn.attn.backend, "kernel_qkv", None) is None:
         return "not the CPU kernels' attention backend"
+    if not attn.attn.plain:
+        return "a sliding attention window"
     if layer.input_layernorm.weight.dtype not in DTYPE_CODES:
         return f"dtype {layer.input_layernorm.weight.dtype}"
     linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)

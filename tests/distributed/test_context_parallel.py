@@ -46,6 +46,8 @@ def _ids(outs) -> list[list[int]]:
     ("llama-gqa", dict(tensor_parallel_size=4, decode_context_parallel_size=2, dcp_kv_cache_interleave_size=2)),
     ("llama-tied-llama3rope", dict(tensor_parallel_size=2, decode_context_parallel_size=2,
                                    prefill_context_parallel_size=2, dcp_kv_cache_interleave_size=4)),
+    # a sliding window of 8 keys, compared by global position on each rank's share
+    ("mistral-window", dict(tensor_parallel_size=4, decode_context_parallel_size=2, prefill_context_parallel_size=2)),
 ])
 def test_context_parallel_matches_hf_on_long_prompts(name, layout, tiny_model_dir, hf):
     """One KV head at tp=2; two KV heads at tp=4 (each replicated on a DCP pair); both kinds

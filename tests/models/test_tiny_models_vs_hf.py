@@ -19,7 +19,8 @@ PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, l
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "llama-tied-llama3rope", "qwen2-bias", "mistral", "mixtral",
-                                  "qwen2-moe", "qwen3-moe", "qwen3", "granite", "smollm3"])
+                                  "qwen2-moe", "qwen3-moe", "qwen3", "granite", "smollm3", "mistral-window",
+                                  "qwen2-window"])
 def test_batch_matches_hf(name, tiny_model_dir, references, hf):
     llm = LLM(tiny_model_dir(name), dtype="float32", kv_cache_memory="64MiB")
     outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
@@ -51,6 +52,16 @@ def test_engine_variants_give_identical_outputs(variant, tiny_model_dir, referen
         assert llm.stats()["num_preemptions"] > 0
     hf.assert_close(references("llama-gqa"), outs, variant)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in baseline]
+
+
+def test_a_sliding_window_holds_over_prefill_chunks_and_cached_prefixes(tiny_model_dir, references, hf):
+    """Chunks of 16 tokens (the window is 8) and prompts whose first blocks are cached give
+    transformers' tokens."""
+    llm = LLM(tiny_model_dir("mistral-window"), dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=16)
+    for _ in range(2):          # the second pass reads its prompts' blocks from the prefix cache
+        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+        assert hf.assert_close(references("mistral-window"), outs, "mistral-window chunked") >= 4
+    assert llm.stats()["prefix_cache_hits"] > 0
 
 
 def test_prefix_cache_hits_keep_outputs(tiny_model_dir):
