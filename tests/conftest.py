@@ -136,6 +136,35 @@ def _smollm3(path):
     return _save_tiny(path, SmolLM3ForCausalLM, config)
 
 
+_GEMMA = dict(**{**TINY, "num_hidden_layers": 4}, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+
+
+def _gemma2(path):
+    """Windows of 8 on layers 0 and 2; soft-caps small enough to bend the scores and logits."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    return _save_tiny(path, Gemma2ForCausalLM, Gemma2Config(**_GEMMA, attn_logit_softcapping=2.0,
+                                                            final_logit_softcapping=5.0))
+
+
+def _gemma3(path):
+    """Windows of 8 on layers 0 and 2 (rope base 10k there, 1M on the full layers), q/k norms."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    return _save_tiny(path, Gemma3ForCausalLM, Gemma3TextConfig(**_GEMMA))
+
+
+def _gemma3_multimodal(path):
+    """A Gemma 3 4B-style checkpoint (Gemma3ForConditionalGeneration): _gemma3's text model beside
+    a one-layer vision tower, stored as language_model.model.*, vision_tower.*."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=Gemma3TextConfig(**_GEMMA).to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, image_token_index=49151, boi_token_index=49150,
+                          eoi_token_index=49149)
+    return _save_tiny(path, Gemma3ForConditionalGeneration, config)
+
+
 def _llama_5_layers(path):
     """A layer count that 2 and 3 stages do not divide."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -156,7 +185,8 @@ TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers, "llam
                "qwen2-bias": _qwen2_bias, "mistral": _mistral, "mixtral": _mixtral,
                "qwen2-moe": _qwen2_moe, "qwen3-moe": _qwen3_moe, "qwen3": _qwen3,
                "granite": _granite, "smollm3": _smollm3, "mistral-window": _mistral_window,
-               "qwen2-window": _qwen2_window}
+               "qwen2-window": _qwen2_window, "gemma2": _gemma2, "gemma3": _gemma3,
+               "gemma3-multimodal": _gemma3_multimodal}
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,7 @@ from shardlm.executor.selection import choose_backend
 from shardlm.logger import init_logger
 from shardlm.model_loader.default_model import locate_model, resolve_tokenizer_path
 from shardlm.model_loader.gptq_awq import checkpoint_method
-from shardlm.models.registry import resolve_architecture
+from shardlm.models.registry import language_model_config, resolve_architecture
 from shardlm.planner.startup import check_fits, check_parallel_layout
 from shardlm.worker.cpu_binding import validate_binding
 
@@ -197,9 +197,10 @@ class EngineArgs:
         # found once (a hub id fetched, a GGUF file converted); what follows reads the local directory
         source = locate_model(self.model, self.revision, self.download_dir)
         path = source.path
-        hf_config = load_hf_config(path)
-        architecture = resolve_architecture(hf_config)
-        dtype = resolve_dtype(self.dtype, _config_dtype(hf_config), device, _mlp_shape(hf_config))
+        checkpoint_config = load_hf_config(path)
+        architecture = resolve_architecture(checkpoint_config)
+        hf_config = language_model_config(checkpoint_config, architecture)    # a multimodal one's text model
+        dtype = resolve_dtype(self.dtype, _config_dtype(checkpoint_config), device, _mlp_shape(hf_config))
         max_model_len = _resolve_max_model_len(hf_config, self.max_model_len)
         gen_defaults = load_generation_defaults(path)
         model_cfg = ModelConfig(
@@ -207,7 +208,7 @@ class EngineArgs:
             if self.tokenizer else path, hf_config=hf_config, dtype=dtype,
             max_model_len=max_model_len, seed=self.seed, architecture=architecture,
             served_model_name=self.served_model_name or (self.model or "SmolLM2-135M-Instruct"),
-            eos_token_ids=_eos_ids(hf_config, gen_defaults), generation_defaults=gen_defaults,
+            eos_token_ids=_eos_ids(checkpoint_config, gen_defaults), generation_defaults=gen_defaults,
             quantization=resolve_quantization(
                 self.quantization, self.quantization_group_size,
                 linear_inputs(hf_config, parallel.tensor_parallel_size) if self.quantization else None,

@@ -5,6 +5,15 @@ from shardlm.kernels import DTYPE_CODES, fused_ops
 from shardlm.layers.custom_op import CustomOp
 
 
+class GeluTanhAndMul(torch.nn.Module):
+    """gelu_tanh(gate) * up (Gemma's gated MLP), where the input is [gate | up] along the last
+    dimension."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
 class SiluAndMul(CustomOp):
     """silu(gate) * up, where the input is [gate | up] along the last dimension."""
 

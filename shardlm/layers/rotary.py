@@ -11,13 +11,15 @@ from shardlm.layers.custom_op import CustomOp
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def _rope_parameters(hf_config) -> dict:
+def _rope_parameters(hf_config, layer_type: str | None = None) -> dict:
+    """The config's rope parameters; with layer_type, those of that kind of layer (Gemma 3 keys
+    them by "sliding_attention" and "full_attention")."""
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    return dict(params)
+    return dict(params[layer_type] if layer_type is not None else params)
 
 
-def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
-    params = _rope_parameters(hf_config)
+def compute_inv_freq(hf_config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    params = _rope_parameters(hf_config, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in _STATIC_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(_STATIC_ROPE_TYPES)}.")
@@ -25,14 +27,15 @@ def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
         theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    extra = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **extra)
     return inv_freq.float(), float(scaling)
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, hf_config, head_dim: int, max_position: int, dtype: torch.dtype):
+    def __init__(self, hf_config, head_dim: int, max_position: int, dtype: torch.dtype, layer_type: str | None = None):
         super().__init__()
-        inv_freq, scaling = compute_inv_freq(hf_config, head_dim)
+        inv_freq, scaling = compute_inv_freq(hf_config, head_dim, layer_type)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)

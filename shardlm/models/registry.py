@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from shardlm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from shardlm.models.llama import (
     GraniteForCausalLM,
     LlamaForCausalLM,
@@ -13,6 +14,9 @@ from shardlm.models.mixtral import MixtralForCausalLM
 from shardlm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -32,6 +36,20 @@ def resolve_architecture(hf_config) -> str:
             return arch
     raise ValueError(f"Model architecture(s) {archs or '(none in config.json)'} are not supported. "
                      f"Supported architectures: {', '.join(sorted(MODEL_REGISTRY))}.")
+
+
+# checkpoints of a multimodal model that run as their language model (config.text_config)
+TEXT_MODEL_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration"}
+
+
+def language_model_config(hf_config, architecture: str):
+    """The config the model class is built from: a multimodal checkpoint's text_config (with its
+    architecture named), else the config itself."""
+    if architecture not in TEXT_MODEL_OF_MULTIMODAL:
+        return hf_config
+    text = hf_config.get_text_config()
+    text.architectures = [architecture]
+    return text
 
 
 def get_model_class(architecture: str):

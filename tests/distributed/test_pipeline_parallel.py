@@ -34,6 +34,8 @@ def _run(path, prompts, params, **kwargs):
     ("qwen3", 2, 2, None),                        # q/k norms, head_dim 32 (not hidden / heads), tied
     ("granite", 2, 2, None),                      # multipliers: embeddings on stage 0, logits on stage 1
     ("smollm3", 2, 2, None),                      # the NoPE layer on stage 1
+    ("gemma3", 2, 2, None),                       # sandwich norms, windows, two rope bases; stages pass [hidden]
+    ("gemma2", 1, 2, None),                       # soft-capped scores and logits
 ])
 def test_pp_matches_hf(name, tp, pp, partition, tiny_model_dir, references, hf):
     outs, _ = _run(tiny_model_dir(name), _prompts(), PARAMS, tensor_parallel_size=tp, pipeline_parallel_size=pp,

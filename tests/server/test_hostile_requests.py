@@ -53,6 +53,9 @@ CASES = [
     ("logit_bias key not an id", CMPL, _c(logit_bias={"five": 1}), 400, "logit_bias"),
     ("allowed_token_ids outside vocab", CHAT, _chat(allowed_token_ids=[10**12]), 400, "allowed_token_ids"),
     ("n 100000", CMPL, _c(n=100000), 400, "n"),
+    ("an image part", CHAT, _chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]),
+     400, None),
     ("10000 prompts", CMPL, _c(prompt=["hi"] * 10000), 400, "prompt"),
     ("prompt id -1", CMPL, _c(prompt=[5, -1]), 400, "prompt"),
     ("prompt id 10**30", CMPL, _c(prompt=[5, 10**30]), 400, "prompt"),

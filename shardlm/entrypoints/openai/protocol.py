@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 @dataclass
@@ -128,6 +128,19 @@ class ChatMessage(BaseModel):
     tool_calls: list[MessageToolCall] | None = None     # an assistant's earlier calls
     tool_call_id: str | None = None                     # a tool's answer: to which call
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        """An image or audio part gets a message that says why, not a schema error."""
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"content parts of type {kind!r} are not supported: shardlm serves text models "
+                                     "(a Gemma 3 checkpoint as its text model); send the message as text parts or "
+                                     "a string.")
+        return content
 
     def text(self) -> str:
         if isinstance(self.content, list):
