@@ -165,6 +165,28 @@ def _gemma3_multimodal(path):
     return _save_tiny(path, Gemma3ForConditionalGeneration, config)
 
 
+def _phi4_mini(path):
+    """Phi-4-mini's shape: fused qkv / gate_up in the checkpoint, 0.75 of each head rotating
+    (R = 12 of D = 16), LongRoPE past 128 positions (short and long factors of their own)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0],
+            "original_max_position_embeddings": 128}
+    config = Phi3Config(**TINY, rope_parameters=rope, original_max_position_embeddings=128, tie_word_embeddings=True,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    assert config.rope_parameters["original_max_position_embeddings"] == 128
+    return _save_tiny(path, Phi3ForCausalLM, config)
+
+
+def _phi3(path):
+    """Fused qkv / gate_up in the checkpoint and 0.75 of each head rotating, without LongRoPE
+    (whose factors depend on the range: test_tiny_models_vs_hf compares those alone)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    return _save_tiny(path, Phi3ForCausalLM, Phi3Config(**TINY, rope_parameters=rope, tie_word_embeddings=False,
+                                                        pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
 def _llama_5_layers(path):
     """A layer count that 2 and 3 stages do not divide."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -186,7 +208,8 @@ TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers, "llam
                "qwen2-moe": _qwen2_moe, "qwen3-moe": _qwen3_moe, "qwen3": _qwen3,
                "granite": _granite, "smollm3": _smollm3, "mistral-window": _mistral_window,
                "qwen2-window": _qwen2_window, "gemma2": _gemma2, "gemma3": _gemma3,
-               "gemma3-multimodal": _gemma3_multimodal}
+               "gemma3-multimodal": _gemma3_multimodal, "phi4-mini": _phi4_mini,
+               "phi3": _phi3}
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,9 @@ import json
 import os
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")     # Phi-3's modules
 BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-         "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+         "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
 
 
 def make_random_lora(model_dir: str, out_dir, rank: int = 16, alpha: float | None = None, seed: int = 0,

@@ -17,11 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-# PEFT's module name -> (shardlm's module under the decoder layer, shard of it)
+from shardlm.layers.rotary import permute_partial_rotary, rotary_dim
+
+# PEFT's module name -> (shardlm's module under the decoder layer, shard of it; None: every shard, a
+# fused module of the checkpoint, as Phi-3's qkv_proj and gate_up_proj, whose B is split by rows)
 TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
            "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
            "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
-           "down_proj": ("mlp.down_proj", 0)}
+           "down_proj": ("mlp.down_proj", 0),
+           "qkv_proj": ("self_attn.qkv_proj", None), "gate_up_proj": ("mlp.gate_up_proj", None)}
 _WEIGHT = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
@@ -47,7 +51,8 @@ def target_shapes(hf_config) -> dict[str, tuple[int, int]]:
     hidden, inter = c.hidden_size, getattr(c, "intermediate_size", None)
     return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv * head_dim), "v_proj": (hidden, kv * head_dim),
             "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-            "down_proj": (inter, hidden)}
+            "down_proj": (inter, hidden), "qkv_proj": (hidden, (heads + 2 * kv) * head_dim),
+            "gate_up_proj": (hidden, 2 * inter)}
 
 
 def read_lora_request(request, hf_config, max_lora_rank: int, download_dir: str | None = None) -> LoRAAdapter:
@@ -68,6 +73,8 @@ def read_adapter(name: str, path: str, hf_config, max_lora_rank: int) -> LoRAAda
     ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     tensors = _read_tensors(name, path)
     shapes, layers = target_shapes(hf_config), hf_config.num_hidden_layers
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    rot = rotary_dim(hf_config, head_dim)
     moe = bool(getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None))
     found: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -113,9 +120,22 @@ def read_adapter(name: str, path: str, hf_config, max_lora_rank: int) -> LoRAAda
                              "more.")
         scaling = _pattern_value(alphas, full, alpha if alpha is not None else r) / (math.sqrt(r) if rslora else r)
         target, shard = TARGETS[module]
-        weights.setdefault((layer, target), {})[shard] = (a.contiguous(), (b * scaling).contiguous())
+        parts = weights.setdefault((layer, target), {})
+        for shard, part, rows in _shards(module, shard, b * scaling, shapes):
+            if part in ("q_proj", "k_proj"):      # the base model's q and k rows, as laid out at load
+                rows = permute_partial_rotary(rows, head_dim, rot)
+            parts[shard] = (a.contiguous(), rows.contiguous())
         largest = max(largest, a.shape[0])
     return LoRAAdapter(name, largest, weights)
+
+
+def _shards(module: str, shard: int | None, b: torch.Tensor, shapes: dict):
+    """(shard, the unfused module it stands for, its rows of B): one, or a fused module's B split
+    as the base model's fused weight is split at load (A is the same for each)."""
+    if shard is not None:
+        return [(shard, module, b)]
+    parts = ("q_proj", "k_proj", "v_proj") if module == "qkv_proj" else ("gate_proj", "up_proj")
+    return [(i, part, rows) for i, (part, rows) in enumerate(zip(parts, b.split([shapes[p][1] for p in parts])))]
 
 
 def _read_config(name: str, path: str) -> dict:

@@ -107,6 +107,11 @@ def load_model(cls: type, model_config: ModelConfig, device: torch.device,
     finally:
         torch.set_default_dtype(old_dtype)
     quant = model_config.quantization
+    if quant is not None and quant.method in ("gguf", "gptq", "awq") and not getattr(
+            model, "reads_quantized_checkpoints", True):
+        raise ValueError(f"{model_config.architecture} lays out or splits its checkpoint's q/k tensors at load, which "
+                         f"{quant.method.upper()} weights taken as stored cannot follow: run the float checkpoint "
+                         "(with --quantization int8 or int4 to quantize it at load).")
     packed = None
     if quant is not None and quant.method in ("gptq", "awq"):
         packed = PackedLinears(quant.method, quant.group_size,

@@ -24,7 +24,7 @@ from shardlm.layers.linear import (
     default_weight_loader,
 )
 from shardlm.layers.norm import RMSNorm
-from shardlm.layers.rotary import RotaryEmbedding
+from shardlm.layers.rotary import RotaryEmbedding, permute_partial_rotary, rotary_dim
 from shardlm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from shardlm.lora import batch as lora_batch
 from shardlm.models.llama_cpu_decode import FusedDecodeLayers
@@ -207,6 +207,8 @@ class LlamaForCausalLM(nn.Module):
         self.variant = self.make_variant(config)
         self.model = LlamaModel(config, max_position, dtype, layer_range or (0, config.num_hidden_layers),
                                 lambda i: self.make_mlp(config, i), self.variant)
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary_dim = rotary_dim(config, self.head_dim)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None
         if get_pp_group().is_last_rank:
@@ -233,10 +235,24 @@ class LlamaForCausalLM(nn.Module):
         scaling = self.variant.logits_scaling
         return logits if logits is None or scaling == 1.0 else logits / scaling
 
+    @property
+    def reads_quantized_checkpoints(self) -> bool:
+        """Whether GGUF / GPTQ / AWQ linears, which are taken as stored, may be laid out as this
+        model needs them (not where checkpoint_tensors reorders or splits q and k)."""
+        return self.rotary_dim == self.head_dim and type(self).checkpoint_tensors is LlamaForCausalLM.checkpoint_tensors
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors as Llama names them (a family that stores them otherwise
+        renames or splits them here), q and k laid out for a partial rotary embedding."""
+        for name, tensor in weights:
+            if self.rotary_dim != self.head_dim and _ROTATED.search(name):
+                tensor = permute_partial_rotary(tensor[:], self.head_dim, self.rotary_dim)    # read whole
+            yield name, tensor
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded = set()
-        for name, tensor in weights:
+        for name, tensor in self.checkpoint_tensors(weights):
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
@@ -271,6 +287,34 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith(("model.norm.", "lm_head.")):
             return self.lm_head is not None
         return True
+
+
+# the tensors whose rows are q or k head dims: projections, their biases, per-head norms
+_ROTATED = re.compile(r"\.self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 and Phi-4-mini: Llama with q/k/v and gate/up fused in the checkpoint (split here, so
+    that tensor parallel slices them as it slices Llama's), a partial rotary embedding (Phi-4-mini:
+    0.75 of each head) and LongRoPE (its long or short factors chosen once from max_model_len)."""
+
+    def checkpoint_tensors(self, weights):
+        c = self.config
+        q, kv = c.num_attention_heads * self.head_dim, c.num_key_value_heads * self.head_dim
+        return super().checkpoint_tensors(self._split(weights, q, kv))
+
+    @staticmethod
+    def _split(weights, q: int, kv: int):
+        """Each fused tensor read whole (every rank reads it) and split into Llama's."""
+        for name, tensor in weights:
+            if name.endswith("self_attn.qkv_proj.weight"):
+                for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor[:].split([q, kv, kv])):
+                    yield name.replace("qkv_proj", part), piece
+            elif name.endswith("mlp.gate_up_proj.weight"):
+                for part, piece in zip(("gate_proj", "up_proj"), tensor[:].chunk(2)):
+                    yield name.replace("gate_up_proj", part), piece
+            else:
+                yield name, tensor
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

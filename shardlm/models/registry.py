@@ -6,6 +6,7 @@ from shardlm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3For
 from shardlm.models.llama import (
     GraniteForCausalLM,
     LlamaForCausalLM,
+    Phi3ForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
     SmolLM3ForCausalLM,
@@ -21,6 +22,7 @@ MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,

@@ -254,3 +254,20 @@ def test_bfloat16_adapters_part_from_transformers_only_among_its_top_tokens(adap
         llm.shutdown()
     margins = hf.divergence_margins(ref, outs)
     assert max(margins, default=0) <= 0.2, margins
+
+
+@pytest.mark.parametrize("layout", [{}, pytest.param({"tensor_parallel_size": 2}, marks=pytest.mark.slow)],
+                         ids=["tp1", "tp2"])
+def test_an_adapter_on_fused_modules_of_a_partial_rotary_model(layout, tiny_model_dir, tmp_path, hf):
+    """Phi-3's adapters name its fused qkv_proj and gate_up_proj: B is split as the weights are, and
+    its q and k rows laid out for the partial rotary embedding (12 of 16 dims) as the base's."""
+    from shardlm.bench.random_lora import FUSED_TARGETS
+    base = tiny_model_dir("phi3")
+    adapter = write_adapter(base, tmp_path / "phi", rank=8, seed=3, targets=FUSED_TARGETS)
+    ref = hf.greedy(merged_model(base, adapter, tmp_path / "merged"), _prompts(), MAX_TOKENS)
+    llm = LLM(base, max_lora_rank=8, **ENGINE, **layout)
+    try:
+        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False, lora_request=LoRARequest("phi", 1, adapter))
+    finally:
+        llm.shutdown()
+    _check(hf, ref, outs, f"phi3 adapter {layout}")

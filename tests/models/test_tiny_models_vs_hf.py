@@ -20,7 +20,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, l
 
 @pytest.mark.parametrize("name", ["llama-gqa", "llama-tied-llama3rope", "qwen2-bias", "mistral", "mixtral",
                                   "qwen2-moe", "qwen3-moe", "qwen3", "granite", "smollm3", "mistral-window",
-                                  "qwen2-window", "gemma2", "gemma3", "gemma3-multimodal"])
+                                  "qwen2-window", "gemma2", "gemma3", "gemma3-multimodal", "phi3"])
 def test_batch_matches_hf(name, tiny_model_dir, references, hf):
     llm = LLM(tiny_model_dir(name), dtype="float32", kv_cache_memory="64MiB")
     outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
@@ -62,6 +62,20 @@ def test_a_sliding_window_holds_over_prefill_chunks_and_cached_prefixes(tiny_mod
         outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
         assert hf.assert_close(references("mistral-window"), outs, "mistral-window chunked") >= 4
     assert llm.stats()["prefix_cache_hits"] > 0
+
+
+@pytest.mark.parametrize("max_model_len, lengths", [(128, (3, 17, 40, 64, 90, 100)),       # short factors
+                                                    (512, (130, 140, 160, 200, 250, 300))])  # long factors
+def test_longrope_ranges_and_a_partial_rotary_embedding_match_hf(max_model_len, lengths, tiny_model_dir, hf):
+    """Phi-4-mini's shape: LongRoPE's factors are chosen once from max_model_len; transformers
+    picks them by the sequence's length, so each range is compared with sequences that stay in it
+    (within 128 positions, or past them from the prompt on). 12 of each head's 16 dims rotate."""
+    path = tiny_model_dir("phi4-mini")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in lengths]
+    outs = LLM(path, dtype="float32", kv_cache_memory="64MiB", max_model_len=max_model_len).generate(
+        prompts, PARAMS, use_tqdm=False)
+    assert hf.assert_close(hf.greedy(path, prompts, MAX_TOKENS), outs, f"phi4-mini {max_model_len}") >= 4
 
 
 def test_prefix_cache_hits_keep_outputs(tiny_model_dir):
