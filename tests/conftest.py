@@ -187,6 +187,13 @@ def _phi3(path):
                                                         pad_token_id=0, bos_token_id=1, eos_token_id=2))
 
 
+def _olmo2(path):
+    """Post-norms only; q and k normed over all their heads (across tensor parallel ranks)."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+    return _save_tiny(path, Olmo2ForCausalLM, Olmo2Config(**TINY, tie_word_embeddings=False, pad_token_id=0,
+                                                          bos_token_id=1, eos_token_id=2))
+
+
 def _llama_5_layers(path):
     """A layer count that 2 and 3 stages do not divide."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -209,7 +216,7 @@ TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers, "llam
                "granite": _granite, "smollm3": _smollm3, "mistral-window": _mistral_window,
                "qwen2-window": _qwen2_window, "gemma2": _gemma2, "gemma3": _gemma3,
                "gemma3-multimodal": _gemma3_multimodal, "phi4-mini": _phi4_mini,
-               "phi3": _phi3}
+               "phi3": _phi3, "olmo2": _olmo2}
 
 
 @pytest.fixture(scope="session")

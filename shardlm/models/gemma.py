@@ -21,24 +21,16 @@ from shardlm.distributed.parallel_state import get_pp_group
 from shardlm.layers.activation import GeluTanhAndMul
 from shardlm.layers.attention import Attention
 from shardlm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from shardlm.layers.norm import Float32RMSNorm
 from shardlm.layers.rotary import RotaryEmbedding
-from shardlm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from shardlm.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from shardlm.models.llama import LlamaForCausalLM, LlamaVariant, PPMissingLayer, sliding_window
 
 
-class GemmaRMSNorm(nn.Module):
-    """x / rms(x) * (1 + weight), computed in float32 and then cast (the weight is stored as the
-    checkpoint has it, around 0)."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+def GemmaRMSNorm(size: int, eps: float) -> Float32RMSNorm:
+    """x / rms(x) * (1 + weight), in float32 and then cast (the weight stored as the checkpoint
+    has it, around 0)."""
+    return Float32RMSNorm(size, eps, offset=1.0)
 
 
 class GemmaMLP(nn.Module):
@@ -140,13 +132,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.variant = LlamaVariant()
         self.model = GemmaModel(config, max_position, dtype, layer_range or (0, config.num_hidden_layers),
                                 self.qk_norm, self.rope_by_layer_type)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
-        self.lm_head = None
-        if get_pp_group().is_last_rank:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-            if self.tie_word_embeddings and self.model.embed_tokens is not None:
-                self.lm_head.tie(self.model.embed_tokens)
+        self.finish_init(config, tied_by_default=True)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head(hidden)

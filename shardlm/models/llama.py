@@ -207,9 +207,14 @@ class LlamaForCausalLM(nn.Module):
         self.variant = self.make_variant(config)
         self.model = LlamaModel(config, max_position, dtype, layer_range or (0, config.num_hidden_layers),
                                 lambda i: self.make_mlp(config, i), self.variant)
+        self.finish_init(config)
+
+    def finish_init(self, config, tied_by_default: bool = False) -> None:
+        """What every family's model has beside its decoder (self.model): the head dims q/k are laid
+        out by, and the LM head on the last stage (tied to the embedding where the config says)."""
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_dim = rotary_dim(config, self.head_dim)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", tied_by_default))
         self.lm_head = None
         if get_pp_group().is_last_rank:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)

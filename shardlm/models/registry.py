@@ -12,6 +12,7 @@ from shardlm.models.llama import (
     SmolLM3ForCausalLM,
 )
 from shardlm.models.mixtral import MixtralForCausalLM
+from shardlm.models.olmo2 import Olmo2ForCausalLM
 from shardlm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
@@ -22,6 +23,7 @@ MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,

@@ -20,7 +20,8 @@ def _workers(llm):
 @pytest.mark.slow
 @pytest.mark.parametrize("name,tp", [("llama-gqa", 2), ("llama-gqa", 4), ("qwen2-bias", 2),
                                      ("llama-tied-llama3rope", 2), ("mixtral", 2), ("qwen2-moe", 2),
-                                     ("qwen3-moe", 2)])
+                                     ("qwen3-moe", 2),
+                                     ("olmo2", 4)])      # its k norm over KV heads held twice each
 def test_tp_matches_hf(name, tp, tiny_model_dir, references, hf):
     """tp=4 on 2 KV heads replicates each KV head on two ranks."""
     llm = LLM(tiny_model_dir(name), dtype="float32", kv_cache_memory="64MiB", tensor_parallel_size=tp)
