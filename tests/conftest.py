@@ -194,6 +194,18 @@ def _olmo2(path):
                                                           bos_token_id=1, eos_token_id=2))
 
 
+def _gpt_oss(path):
+    """4 experts (2 a token) with biases, sinks, windows of 8 on layers 0 and 2, YaRN."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+    config = GptOssConfig(**{**TINY, "num_hidden_layers": 4}, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                          sliding_window=8, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                          rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                           "truncate": False, "original_max_position_embeddings": 128,
+                                           "rope_theta": 150000.0})
+    assert config.layer_types[:2] == ["sliding_attention", "full_attention"]
+    return _save_tiny(path, GptOssForCausalLM, config)
+
+
 def _llama_5_layers(path):
     """A layer count that 2 and 3 stages do not divide."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -216,7 +228,7 @@ TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers, "llam
                "granite": _granite, "smollm3": _smollm3, "mistral-window": _mistral_window,
                "qwen2-window": _qwen2_window, "gemma2": _gemma2, "gemma3": _gemma3,
                "gemma3-multimodal": _gemma3_multimodal, "phi4-mini": _phi4_mini,
-               "phi3": _phi3, "olmo2": _olmo2}
+               "phi3": _phi3, "olmo2": _olmo2, "gpt-oss": _gpt_oss}
 
 
 @pytest.fixture(scope="session")

@@ -60,8 +60,9 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward_partial(self, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Context parallel: writes the k, v this rank owns, attends q [T, Hq, D] (the cp group's
-        gathered queries) over this rank's positions -> (output [T, Hq, D] float32, log-sum-exp [T, Hq] float32)."""
+        """Writes the k, v this rank owns, attends q [T, Hq, D] over this rank's positions -> (output
+        [T, Hq, D] float32, log-sum-exp [T, Hq] float32). Context parallel (q: the cp group's
+        gathered queries), and layers with attention sinks (layers/attention.py)."""
 
     def rotary_and_attend(self, layer: nn.Module, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                           meta: Any) -> torch.Tensor | None:

@@ -84,7 +84,16 @@ class CudaAttention(TorchPagedAttention):
     def forward(self, layer, q, k, v, meta):
         if not isinstance(meta, CudaDecodeMetadata):
             return super().forward(layer, q, k, v, meta)
-        T, Hkv, D = q.shape[0], layer.num_kv_heads, layer.head_dim
+        return self._decode(layer, q, k, v, meta).view(q.shape[0], -1)
+
+    def forward_partial(self, layer, q, k, v, meta):
+        """(out float32, log-sum-exp) for a layer with sinks, on the preallocated decode metadata too."""
+        if not isinstance(meta, CudaDecodeMetadata):
+            return super().forward_partial(layer, q, k, v, meta)
+        return self._decode(layer, q, k, v, meta, with_lse=True)
+
+    def _decode(self, layer, q, k, v, meta: CudaDecodeMetadata, with_lse: bool = False):
+        Hkv, D = layer.num_kv_heads, layer.head_dim
         layer.k_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         layer.v_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         B, N = meta.block_table.shape
@@ -95,4 +104,4 @@ class CudaAttention(TorchPagedAttention):
         if layer.sliding_window is not None:       # the query is at context_lens - 1
             masked_out |= meta.positions[None, :] < meta.context_lens[:, None] - layer.sliding_window
         masked_out = masked_out.view(1, B, 1, -1)
-        return decode_attention(layer, q, kb, vb, masked_out).view(T, -1)
+        return decode_attention(layer, q, kb, vb, masked_out, with_lse=with_lse)

@@ -12,6 +12,7 @@ from torch import nn
 from shardlm.attention.backend import AttentionBackend
 from shardlm.attention.context_parallel import gather_queries, merge_partials
 from shardlm.distributed.parallel_state import get_cp_group, get_dcp_group
+from shardlm.layers.linear import load_slice
 from shardlm.layers.rotary import ApplyRotary
 
 
@@ -23,6 +24,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.sliding_window, self.logit_softcap = sliding_window, logit_softcap
+        self.sinks: nn.Parameter | None = None      # a learned logit per head beside the keys (GPT-OSS; add_sinks)
         self.k_cache: torch.Tensor | None = None   # layout: backend.kv_cache_shape(), bound by the runner
         self.v_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
@@ -31,13 +33,24 @@ class Attention(nn.Module):
         # them in this TP group (dcp: they hold the same tokens, other heads)
         self.cp, self.dcp = get_cp_group(), get_dcp_group()
 
+    def add_sinks(self, first_head: int) -> None:
+        """A sink logit per head of this rank (heads first_head.. of the checkpoint's): the softmax
+        runs over the keys and the sink, whose value is zero, so each query's output is scaled by
+        sigmoid(lse - sink) (lse: the log-sum-exp of its scores)."""
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
+        self.sinks.weight_loader = lambda param, loaded, shard_id=None: load_slice(param, loaded, 0, first_head,
+                                                                                   self.num_heads)
+
     @property
     def plain(self) -> bool:
-        """Full attention without soft-capping: what the C kernels compute."""
-        return self.sliding_window is None and self.logit_softcap is None
+        """Full attention without soft-capping or sinks: what the C kernels compute."""
+        return self.sliding_window is None and self.logit_softcap is None and self.sinks is None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]"""
+        if self.sinks is not None:          # the attention with its log-sum-exp, scaled
+            out, lse = self.backend.forward_partial(self, q, k, v, meta)
+            return (out * torch.sigmoid(lse - self.sinks.float()).unsqueeze(-1)).to(q.dtype).view(q.shape[0], -1)
         if self.cp.world_size == 1:
             return self.backend.forward(self, q, k, v, meta)
         queries = gather_queries(q, self.cp, self.dcp.world_size, meta.pcp_counts)

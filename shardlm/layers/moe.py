@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -55,11 +56,28 @@ def local_experts(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, in
     return ep_rank * base + min(ep_rank, extra), base + (ep_rank < extra)
 
 
+@dataclass(frozen=True)
+class ExpertActivation:
+    """How an expert's gate and up halves combine. silu: silu(gate) * up (Mixtral, Qwen). With
+    limit (GPT-OSS): gate clamped to at most limit, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    alpha: float = 1.0
+    limit: float | None = None
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.limit is None:
+            return F.silu(gate) * up
+        gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool = True):
+                 renormalize: bool = True, bias: bool = False, activation: ExpertActivation = ExpertActivation()):
+        """bias: each expert's gate/up and down products have biases (GPT-OSS)."""
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.activation = activation
         self.hidden_size = hidden_size
         self.dp = get_dp_group()
         if expert_parallel_enabled():
@@ -83,6 +101,10 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, self.inter), requires_grad=False)
         self.w13.weight_loader = self._load_w13
         self.w2.weight_loader = self._load_w2
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(self.num_local, 2 * self.inter), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(self.num_local, hidden_size), requires_grad=False)
         self.expert_load = torch.zeros(num_experts, dtype=torch.int64, device="cpu")
 
     # ---- loading: shard_id = (expert, 0 for gate / 1 for up) for w13, expert for w2 ----
@@ -101,6 +123,23 @@ class FusedMoE(nn.Module):
     def _load_w2(self, param, loaded, shard_id) -> None:
         if (local := self._local(shard_id)) is not None:
             load_slice(param.data[local], loaded, 1, self.slice_rank * self.inter, self.inter)
+
+    # ---- loading all experts from one stacked tensor (GPT-OSS: gate and up interleaved by column) ----
+    def load_stacked(self, which: str, tensor: torch.Tensor) -> None:
+        """which: gate_up [E, H, 2I] (gate at even columns, up at odd), gate_up_bias [E, 2I],
+        down [E, I, H] or down_bias [E, H], as transformers' GptOssExperts holds them; this rank
+        takes its experts and its slice of their intermediate dims."""
+        rows = slice(self.slice_rank * self.inter, (self.slice_rank + 1) * self.inter)
+        for local in range(self.num_local):
+            t = tensor[self.first_expert + local]
+            if which == "gate_up":
+                self.w13.data[local].copy_(torch.cat([t[:, 0::2].t()[rows], t[:, 1::2].t()[rows]]))
+            elif which == "gate_up_bias":
+                self.w13_bias.data[local].copy_(torch.cat([t[0::2][rows], t[1::2][rows]]))
+            elif which == "down":
+                self.w2.data[local].copy_(t.t()[:, rows])
+            else:
+                self.w2_bias.data[local].copy_(t)
 
     # ---- forward ----
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,8 +181,12 @@ class FusedMoE(nn.Module):
             if n == 0:
                 continue
             gate_up = xs[start:start + n] @ self.w13[expert].t()
-            act = F.silu(gate_up[:, :self.inter]) * gate_up[:, self.inter:]
-            results[start:start + n] = act @ self.w2[expert].t()
+            if self.w13_bias is not None:
+                gate_up = gate_up + self.w13_bias[expert]
+            out = self.activation(gate_up[:, :self.inter], gate_up[:, self.inter:]) @ self.w2[expert].t()
+            if self.w2_bias is not None and self.slice_rank == 0:   # added once, not by every TP slice
+                out = out + self.w2_bias[expert]
+            results[start:start + n] = out
             start += n
         pair_weights = weights.flatten()[pairs].to(x.dtype).unsqueeze(1)
         return torch.zeros_like(x).index_add_(0, tokens, results * pair_weights)

@@ -42,6 +42,7 @@ class LlamaVariant:
     embedding_multiplier: float = 1.0        # Granite: the embeddings scaled
     logits_scaling: float = 1.0              # Granite: the logits divided
     nope_layers: frozenset[int] = frozenset()    # layers without a rotary embedding (SmolLM3)
+    sinks: bool = False                      # a learned attention sink logit per head (GPT-OSS)
 
 
 def sliding_window(config, layer_idx: int) -> int | None:
@@ -66,6 +67,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias=variant.o_bias)
         scale = variant.attention_scale or self.head_dim ** -0.5
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale, sliding_window=window)
+        if variant.sinks:
+            self.attn.add_sinks(first_head=self.qkv_proj.tp_rank * self.num_heads)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from shardlm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from shardlm.models.gpt_oss import GptOssForCausalLM
 from shardlm.models.llama import (
     GraniteForCausalLM,
     LlamaForCausalLM,
@@ -19,6 +20,7 @@ MODEL_REGISTRY = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,

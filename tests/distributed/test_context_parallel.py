@@ -113,6 +113,7 @@ def test_context_parallel_with_pipeline_or_data_parallel_and_ngram(base, layout,
      r"-dcp or -pcp with a draft model.*Instead: method 'ngram'"),
     (dict(prefill_context_parallel_size=2, enable_lora=True), r"-pcp with --enable-lora is not supported"),
     (dict(prefill_context_parallel_size=2, enable_expert_parallel=True), r"leave out --enable-expert-parallel"),
+    (dict(prefill_context_parallel_size=2, model="gpt-oss"), r"attention has sinks \(GPT-OSS\)"),
 ])
 def test_sizes_that_cannot_work_are_refused_naming_those_that_can(kwargs, message, tiny_model_dir):
     kwargs = {"model": "llama-tied-llama3rope", **kwargs}

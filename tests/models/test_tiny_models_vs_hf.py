@@ -21,7 +21,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, l
 @pytest.mark.parametrize("name", ["llama-gqa", "llama-tied-llama3rope", "qwen2-bias", "mistral", "mixtral",
                                   "qwen2-moe", "qwen3-moe", "qwen3", "granite", "smollm3", "mistral-window",
                                   "qwen2-window", "gemma2", "gemma3", "gemma3-multimodal", "phi3",
-                                  "olmo2"])
+                                  "olmo2", "gpt-oss"])
 def test_batch_matches_hf(name, tiny_model_dir, references, hf):
     llm = LLM(tiny_model_dir(name), dtype="float32", kv_cache_memory="64MiB")
     outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
@@ -77,6 +77,47 @@ def test_longrope_ranges_and_a_partial_rotary_embedding_match_hf(max_model_len, 
     outs = LLM(path, dtype="float32", kv_cache_memory="64MiB", max_model_len=max_model_len).generate(
         prompts, PARAMS, use_tqdm=False)
     assert hf.assert_close(hf.greedy(path, prompts, MAX_TOKENS), outs, f"phi4-mini {max_model_len}") >= 4
+
+
+def _to_mxfp4(weights: "torch.Tensor"):
+    """transformers' float experts [E, C, R] -> (blocks [E, R, C / 32, 16], scales [E, R, C / 32]) and
+    the float values they hold: each group of 32 scaled by a power of two into e2m1's range and
+    rounded to its nearest value."""
+    import torch
+
+    from shardlm.models.gpt_oss import _FP4_VALUES
+    rows = weights.transpose(1, 2)                                           # [E, R, C]
+    groups = rows.reshape(*rows.shape[:2], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    lut = torch.tensor(_FP4_VALUES)
+    codes = (scaled.unsqueeze(-1) - lut).abs().argmin(-1)                   # nearest e2m1 value
+    values = lut[codes] * torch.exp2(exponent).unsqueeze(-1)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exponent + 127).to(torch.uint8), values.reshape(rows.shape).transpose(1, 2).contiguous()
+
+
+def test_mxfp4_experts_as_shipped_are_dequantized_at_load(tiny_model_dir, tmp_path, hf):
+    """GPT-OSS ships its experts in MXFP4: a checkpoint of blocks and scales gives transformers'
+    tokens on the float weights they stand for."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    src = tiny_model_dir("gpt-oss")
+    weights = load_file(f"{src}/model.safetensors")
+    packed, floats = {}, {}
+    for name, t in weights.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales, values = _to_mxfp4(t.float())
+            packed[name + "_blocks"], packed[name + "_scales"], floats[name] = blocks, scales, values
+        else:
+            packed[name] = floats[name] = t
+    for where, tensors in (("mxfp4", packed), ("float", floats)):
+        shutil.copytree(src, tmp_path / where)
+        save_file(tensors, str(tmp_path / where / "model.safetensors"), metadata={"format": "pt"})
+    outs = LLM(str(tmp_path / "mxfp4"), dtype="float32", kv_cache_memory="64MiB").generate(
+        _prompts(), PARAMS, use_tqdm=False)
+    assert hf.assert_close(hf.greedy(str(tmp_path / "float"), _prompts(), MAX_TOKENS), outs, "mxfp4") >= 4
 
 
 def test_prefix_cache_hits_keep_outputs(tiny_model_dir):
