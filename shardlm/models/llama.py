@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama 2/3/3.1, SmolLM2, SmolLM3, TinyLlama, Mistral, Qwen2, Qwen3, Granite).
+"""Llama-family decoder (Llama 2/3/3.1, SmolLM2, TinyLlama, Mistral, Qwen2; the families that
+change only a little of it subclass LlamaForCausalLM in a file of their own: qwen3.py, granite.py,
+smollm3.py, phi3.py, and the MoE models).
 
 Module names follow the Hugging Face checkpoints, except that q/k/v and gate/up are
 merged into one matrix each (`qkv_proj`, `gate_up_proj`) for fewer, larger matmuls.
@@ -6,7 +8,6 @@ merged into one matrix each (`qkv_proj`, `gate_up_proj`) for fewer, larger matmu
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -301,55 +302,5 @@ class LlamaForCausalLM(nn.Module):
 _ROTATED = re.compile(r"\.self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
 
 
-class Phi3ForCausalLM(LlamaForCausalLM):
-    """Phi-3 and Phi-4-mini: Llama with q/k/v and gate/up fused in the checkpoint (split here, so
-    that tensor parallel slices them as it slices Llama's), a partial rotary embedding (Phi-4-mini:
-    0.75 of each head) and LongRoPE (its long or short factors chosen once from max_model_len)."""
-
-    def checkpoint_tensors(self, weights):
-        c = self.config
-        q, kv = c.num_attention_heads * self.head_dim, c.num_key_value_heads * self.head_dim
-        return super().checkpoint_tensors(self._split(weights, q, kv))
-
-    @staticmethod
-    def _split(weights, q: int, kv: int):
-        """Each fused tensor read whole (every rank reads it) and split into Llama's."""
-        for name, tensor in weights:
-            if name.endswith("self_attn.qkv_proj.weight"):
-                for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor[:].split([q, kv, kv])):
-                    yield name.replace("qkv_proj", part), piece
-            elif name.endswith("mlp.gate_up_proj.weight"):
-                for part, piece in zip(("gate_proj", "up_proj"), tensor[:].chunk(2)):
-                    yield name.replace("gate_up_proj", part), piece
-            else:
-                yield name, tensor
-
-
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias = True     # Qwen2 has q/k/v biases, no o_proj bias
-
-
-class GraniteForCausalLM(LlamaForCausalLM):
-    """IBM Granite 3.x: Llama with four multipliers from the config (attention scale, residual
-    branches, embeddings, logits)."""
-
-    def make_variant(self, config) -> LlamaVariant:
-        return dataclasses.replace(super().make_variant(config), attention_scale=config.attention_multiplier,
-                                   residual_multiplier=config.residual_multiplier,
-                                   embedding_multiplier=config.embedding_multiplier,
-                                   logits_scaling=config.logits_scaling)
-
-
-class SmolLM3ForCausalLM(LlamaForCausalLM):
-    """SmolLM3: Llama with no rotary embedding on every fourth layer (config.no_rope_layers[i] is 0
-    there; with use_sliding_window, those layers attend within a window)."""
-
-    def make_variant(self, config) -> LlamaVariant:
-        nope = frozenset(i for i, rope in enumerate(config.no_rope_layers) if not rope)
-        return dataclasses.replace(super().make_variant(config), nope_layers=nope)
-
-
-class Qwen3ForCausalLM(LlamaForCausalLM):
-    """Qwen3 (0.6B to 32B): Llama with an RMSNorm on each q and k head and an explicit head_dim
-    (e.g. 128 with hidden 1024 and 16 heads in Qwen3-0.6B); no q/k/v biases."""
-    qk_norm = True

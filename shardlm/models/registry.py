@@ -4,17 +4,14 @@ from __future__ import annotations
 
 from shardlm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from shardlm.models.gpt_oss import GptOssForCausalLM
-from shardlm.models.llama import (
-    GraniteForCausalLM,
-    LlamaForCausalLM,
-    Phi3ForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-    SmolLM3ForCausalLM,
-)
+from shardlm.models.granite import GraniteForCausalLM
+from shardlm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from shardlm.models.mixtral import MixtralForCausalLM
 from shardlm.models.olmo2 import Olmo2ForCausalLM
+from shardlm.models.phi3 import Phi3ForCausalLM
+from shardlm.models.qwen3 import Qwen3ForCausalLM
 from shardlm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from shardlm.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,

@@ -79,7 +79,7 @@ def test_longrope_ranges_and_a_partial_rotary_embedding_match_hf(max_model_len, 
     assert hf.assert_close(hf.greedy(path, prompts, MAX_TOKENS), outs, f"phi4-mini {max_model_len}") >= 4
 
 
-def _to_mxfp4(weights: "torch.Tensor"):
+def _to_mxfp4(weights):
     """transformers' float experts [E, C, R] -> (blocks [E, R, C / 32, 16], scales [E, R, C / 32]) and
     the float values they hold: each group of 32 scaled by a power of two into e2m1's range and
     rounded to its nearest value."""
