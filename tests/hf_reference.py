@@ -9,9 +9,11 @@ import torch
 
 def greedy(model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: torch.dtype = torch.float32,
            device: str = "cpu") -> list[tuple[list[int], list[set[int]]]]:
-    """Per prompt (no padding): generated ids and the top-5 ids at every step."""
+    """Per prompt (no padding): generated ids and the top-5 ids at every step. Attention is
+    transformers' eager implementation, the one every model has whole (its SDPA path dropped
+    Gemma 2's soft-capping in some versions)."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").to(device).eval()
     results = []
     with torch.inference_mode():
         for ids in prompts:

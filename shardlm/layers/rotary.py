@@ -49,7 +49,8 @@ def compute_inv_freq(hf_config, head_dim: int, layer_type: str | None = None,
     extra = {} if layer_type is None else {"layer_type": layer_type}
     if rope_type == "longrope":
         extra["seq_len"] = max_position
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **extra)
+    with torch.device("cpu"):       # whatever device the model is being built on
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **extra)
     return inv_freq.float(), float(scaling)
 
 
@@ -71,7 +72,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, hf_config, head_dim: int, max_position: int, dtype: torch.dtype, layer_type: str | None = None):
         super().__init__()
         inv_freq, scaling = compute_inv_freq(hf_config, head_dim, layer_type, max_position)
-        t = torch.arange(max_position, dtype=torch.float32)
+        t = torch.arange(max_position, dtype=torch.float32)       # on the device being built on (load_model's)
+        inv_freq = inv_freq.to(t.device)                          # transformers' rope functions give CPU tensors
         freqs = torch.outer(t, inv_freq)
         # [max_position, D / 2] per half, in the model dtype (as HF casts them); dims past R / 2 do
         # not rotate (cos 1, sin 0). The first half of sin is negated so that
