@@ -55,14 +55,19 @@ def test_engine_variants_give_identical_outputs(variant, tiny_model_dir, referen
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in baseline]
 
 
-def test_a_sliding_window_holds_over_prefill_chunks_and_cached_prefixes(tiny_model_dir, references, hf):
-    """Chunks of 16 tokens (the window is 8) and prompts whose first blocks are cached give
-    transformers' tokens."""
-    llm = LLM(tiny_model_dir("mistral-window"), dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=16)
+def test_a_sliding_window_holds_over_prefill_chunks_cached_prefixes_and_preemption(tiny_model_dir, references, hf):
+    """Chunks of 16 tokens (the window is 8), prompts whose first blocks are cached, and a KV cache
+    too small for the batch (8 KiB a block: 21 hold one request, not six) give transformers' tokens."""
+    path = tiny_model_dir("mistral-window")
+    llm = LLM(path, dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=16)
     for _ in range(2):          # the second pass reads its prompts' blocks from the prefix cache
         outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
         assert hf.assert_close(references("mistral-window"), outs, "mistral-window chunked") >= 4
     assert llm.stats()["prefix_cache_hits"] > 0
+    small = LLM(path, dtype="float32", kv_cache_memory=8192 * 21, max_model_len=256)
+    outs = small.generate(_prompts(), PARAMS, use_tqdm=False)
+    assert small.stats()["num_preemptions"] > 0
+    assert hf.assert_close(references("mistral-window"), outs, "mistral-window preempted") >= 4
 
 
 @pytest.mark.parametrize("max_model_len, lengths", [(128, (3, 17, 40, 64, 90, 100)),       # short factors
