@@ -246,6 +246,10 @@ class EngineArgs:
                              f"{target.hf_config.hidden_size}: an EAGLE head must be made for this target model.")
         if spec.method == "eagle3":
             from shardlm.models.eagle3 import aux_layers_of
+            from shardlm.models.registry import get_model_class
+            if not getattr(get_model_class(target.architecture), "eagle3_target", True):
+                raise ValueError(f"An EAGLE-3 head reads the inputs of a Llama-family decoder's layers, which "
+                                 f"{target.architecture} does not have: use method eagle, draft_model or ngram.")
             aux = aux_layers_of(hf_config, target.num_layers)
             if not all(0 <= i < target.num_layers for i in aux):
                 raise ValueError(f"The EAGLE-3 head {draft} reads the target's layers {list(aux)}, but the target has "

@@ -125,6 +125,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     tensor names are Llama's (plus the two extra norms), so loading is LlamaForCausalLM's."""
     qk_norm = False
     rope_by_layer_type = False
+    eagle3_target = False      # its layers are not LlamaModel's, whose inputs an EAGLE-3 head reads
 
     def __init__(self, config, max_position: int, dtype: torch.dtype, layer_range: tuple[int, int] | None = None):
         nn.Module.__init__(self)

@@ -82,6 +82,7 @@ class Olmo2Model(nn.Module):
 class Olmo2ForCausalLM(LlamaForCausalLM):
     """Checkpoint names are Llama's (with q_norm/k_norm and the two post-norms), so loading is
     LlamaForCausalLM's."""
+    eagle3_target = False      # its layers are not LlamaModel's, whose inputs an EAGLE-3 head reads
 
     def __init__(self, config, max_position: int, dtype: torch.dtype, layer_range: tuple[int, int] | None = None):
         nn.Module.__init__(self)

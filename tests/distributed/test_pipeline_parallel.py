@@ -32,10 +32,7 @@ def _run(path, prompts, params, **kwargs):
     ("llama-tied-llama3rope", 1, 2, None),        # the last stage's LM head is the first's embedding
     ("mixtral", 1, 2, None),                      # mixture of experts, a stage of experts each
     ("qwen3", 2, 2, None),                        # q/k norms, head_dim 32 (not hidden / heads), tied
-    ("granite", 2, 2, None),                      # multipliers: embeddings on stage 0, logits on stage 1
-    ("smollm3", 2, 2, None),                      # the NoPE layer on stage 1
     ("gemma3", 2, 2, None),                       # sandwich norms, windows, two rope bases; stages pass [hidden]
-    ("gemma2", 1, 2, None),                       # soft-capped scores and logits
     ("phi3", 2, 2, None),                         # fused qkv / gate_up split, then sliced; partial rotary
     ("olmo2", 2, 2, None),                        # q/k norms over all heads: sums of squares over tp ranks
     ("gpt-oss", 2, 2, None),                      # experts sliced by tp (down biases once), sinks per head

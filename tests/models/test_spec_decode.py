@@ -11,6 +11,7 @@ import torch
 
 from shardlm import LLM, SamplingParams
 from shardlm.bench.random_eagle import make_random_eagle
+from shardlm.engine.arg_utils import EngineArgs
 from shardlm.sampling_params import StructuredOutputsParams
 from shardlm.spec_decode.proposer import Proposer
 
@@ -305,3 +306,10 @@ def test_seeded_sampling_is_reproducible_and_chunked_prefill_changes_nothing(pla
     alone = generate(tiny_model_dir("llama-gqa"), NGRAM, prompts=PROMPTS[:1], params=seeded)[0]
     crowd = generate(tiny_model_dir("llama-gqa"), NGRAM, prompts=PROMPTS, params=[seeded] + [GREEDY] * 5)[0]
     assert crowd[0] == alone[0]
+
+
+def test_an_eagle3_head_on_a_decoder_it_cannot_read_is_refused(tiny_model_dir, tmp_path):
+    head = make_random_eagle(tiny_model_dir("llama-gqa"), tmp_path / "e3", eagle3=True)     # hidden 64, as gemma3
+    with pytest.raises(ValueError, match="EAGLE-3 head reads the inputs of a Llama-family decoder"):
+        EngineArgs(tiny_model_dir("gemma3"), dtype="float32", kv_cache_memory="16MiB",
+                   speculative_config={"method": "eagle3", "model": head}).create_engine_config()
