@@ -256,8 +256,8 @@ def test_bfloat16_adapters_part_from_transformers_only_among_its_top_tokens(adap
     assert max(margins, default=0) <= 0.2, margins
 
 
-@pytest.mark.parametrize("layout", [{}, pytest.param({"tensor_parallel_size": 2}, marks=pytest.mark.slow)],
-                         ids=["tp1", "tp2"])
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{}, {"tensor_parallel_size": 2}], ids=["tp1", "tp2"])
 def test_an_adapter_on_fused_modules_of_a_partial_rotary_model(layout, tiny_model_dir, tmp_path, hf):
     """Phi-3's adapters name its fused qkv_proj and gate_up_proj: B is split as the weights are, and
     its q and k rows laid out for the partial rotary embedding (12 of 16 dims) as the base's."""

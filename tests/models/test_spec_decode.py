@@ -308,6 +308,7 @@ def test_seeded_sampling_is_reproducible_and_chunked_prefill_changes_nothing(pla
     assert crowd[0] == alone[0]
 
 
+@pytest.mark.slow
 def test_an_eagle3_head_on_a_decoder_it_cannot_read_is_refused(tiny_model_dir, tmp_path):
     head = make_random_eagle(tiny_model_dir("llama-gqa"), tmp_path / "e3", eagle3=True)     # hidden 64, as gemma3
     with pytest.raises(ValueError, match="EAGLE-3 head reads the inputs of a Llama-family decoder"):

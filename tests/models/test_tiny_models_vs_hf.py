@@ -70,8 +70,9 @@ def test_a_sliding_window_holds_over_prefill_chunks_cached_prefixes_and_preempti
     assert hf.assert_close(references("mistral-window"), outs, "mistral-window preempted") >= 4
 
 
-@pytest.mark.parametrize("max_model_len, lengths", [(128, (3, 17, 40, 64, 90, 100)),       # short factors
-                                                    (512, (130, 140, 160, 200, 250, 300))])  # long factors
+@pytest.mark.parametrize("max_model_len, lengths", [
+    (128, (3, 17, 40, 64, 90, 100)),                                                        # short factors
+    pytest.param(512, (130, 140, 160, 200, 250, 300), marks=pytest.mark.slow)])              # long factors
 def test_longrope_ranges_and_a_partial_rotary_embedding_match_hf(max_model_len, lengths, tiny_model_dir, hf):
     """Phi-4-mini's shape: LongRoPE's factors are chosen once from max_model_len; transformers
     picks them by the sequence's length, so each range is compared with sequences that stay in it
@@ -102,6 +103,7 @@ def _to_mxfp4(weights):
     return blocks, (exponent + 127).to(torch.uint8), values.reshape(rows.shape).transpose(1, 2).contiguous()
 
 
+@pytest.mark.slow
 def test_mxfp4_experts_as_shipped_are_dequantized_at_load(tiny_model_dir, tmp_path, hf):
     """GPT-OSS ships its experts in MXFP4: a checkpoint of blocks and scales gives transformers'
     tokens on the float weights they stand for."""
