@@ -41,8 +41,8 @@ class GptOssMoE(nn.Module):
         self.router = Linear(config.hidden_size, config.num_local_experts, bias=True)    # on every rank
         self.experts = FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.intermediate_size, renormalize=True, bias=True,
-                                activation=ExpertActivation(alpha=config.swiglu_alpha if hasattr(config, "swiglu_alpha")
-                                                            else 1.702, limit=config.swiglu_limit))
+                                activation=ExpertActivation(alpha=getattr(config, "swiglu_alpha", 1.702),
+                                                            limit=config.swiglu_limit))
 
     def forward(self, x):
         return self.experts(x, self.router(x))
