@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import httpx
 import psutil
@@ -96,10 +97,20 @@ def test_offline_replica_death_fails_the_call_naming_it(tiny_model_dir):
     try:
         cores = llm.engine.engine_core.cores
         long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
-        threading.Timer(1.0, os.kill, (cores[1].process.pid, signal.SIGKILL)).start()
+        balancer = llm.engine.engine_core.balancer
+
+        def kill_replica_1_while_it_serves():
+            # a timer raced the replica: on a fast CPU it finished its share before the kill
+            deadline = time.monotonic() + 60
+            while balancer.in_flight[1] == 0 and time.monotonic() < deadline:
+                time.sleep(0.002)
+            os.kill(cores[1].process.pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_replica_1_while_it_serves, daemon=True)
+        killer.start()
         with pytest.raises(EngineDeadError, match=r"Data parallel replica 1 \(world rank 1\) process .* died"):
-            for _ in range(100):        # far longer than 1 s unless the kill stops it
-                llm.generate(["one", "two", "three", "four"], long, use_tqdm=False)
+            llm.generate(["one", "two", "three", "four"], long, use_tqdm=False)
+        killer.join()
         # the other replica serves on
         (out,) = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                               use_tqdm=False)
