@@ -42,7 +42,7 @@ class GptOssMoE(nn.Module):
         self.experts = FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.intermediate_size, renormalize=True, bias=True,
                                 activation=ExpertActivation(alpha=getattr(config, "swiglu_alpha", 1.702),
-                                                            limit=config.swiglu_limit))
+                                                            limit=getattr(config, "swiglu_limit", 7.0)))
 
     def forward(self, x):
         return self.experts(x, self.router(x))
