@@ -17,9 +17,10 @@ SHARDLM_HOST_IP = os.environ.get("SHARDLM_HOST_IP", "")
 # Ray executor: more variables to forward to the workers on every node, comma-separated
 # (NCCL_*, GLOO_* and SHARDLM_* are always forwarded), e.g. "HF_TOKEN,LD_LIBRARY_PATH".
 SHARDLM_FORWARD_ENV = os.environ.get("SHARDLM_FORWARD_ENV", "")
-# How worker processes start: "fork" or "spawn". Default: fork when this process runs a single
-# thread and has no CUDA context (what makes fork safe), else spawn (which re-imports the main
-# script, so scripts then need an `if __name__ == "__main__":` guard).
+# How worker and engine-core processes start: "fork", "forkserver" or "spawn". Default: fork
+# when this process runs a single thread and has no CUDA context (what makes fork safe), else
+# forkserver (whose processes, as spawned ones, import the main script: scripts then need an
+# `if __name__ == "__main__":` guard).
 SHARDLM_WORKER_MULTIPROC_METHOD = os.environ.get("SHARDLM_WORKER_MULTIPROC_METHOD", "")
 # The most a CPU kernel of shardlm's may use: portable (plain C), avx2, avx512, avx512_bf16 or
 # native (the default: everything this CPU has). A cap, as oneDNN's ONEDNN_MAX_CPU_ISA: it makes

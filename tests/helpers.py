@@ -53,6 +53,12 @@ def stop_server(proc) -> None:
     assert not alive, f"processes left after SIGTERM: {[p.pid for p in alive]}"
 
 
+def engine_core_processes(proc) -> list[psutil.Process]:
+    """The engine core processes below a server process, oldest first (they name themselves)."""
+    cores = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("shardlm-core")]
+    return sorted(cores, key=lambda p: p.create_time())
+
+
 def metric(url, name) -> float:
     """One figure of the server's Prometheus /metrics."""
     text = httpx.get(url + "/metrics").text

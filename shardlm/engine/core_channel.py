@@ -4,7 +4,6 @@ process on a headless node that joined over the network (RemoteCore)."""
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
 from multiprocessing.connection import wait
 
@@ -13,6 +12,7 @@ import msgspec
 from shardlm.config import EngineConfig
 from shardlm.engine.core_process import run_engine_core
 from shardlm.messages import EngineCoreOutputs, Failed, FromEngineCore, Ready, StartupFailed, UtilityResult, WaveStarted
+from shardlm.processes import InParentEnvironment, process_context, start_method
 
 
 class EngineDeadError(RuntimeError):
@@ -112,11 +112,11 @@ class CoreProcess(CoreChannel):
     """An engine core in a process of this node, behind two pipes."""
 
     def __init__(self, config: EngineConfig, index: int, node_address: str | None = None):
-        ctx = multiprocessing.get_context("spawn")
+        ctx = process_context(start_method(allow_fork=False)[0])
         req_recv, req_send = ctx.Pipe(duplex=False)
         out_recv, out_send = ctx.Pipe(duplex=False)
         # not daemonic: it starts the worker processes itself; the client stops it
-        self.process = ctx.Process(target=run_engine_core, name=f"shardlm-engine-core-{index}",
+        self.process = ctx.Process(target=InParentEnvironment(run_engine_core), name=f"shardlm-engine-core-{index}",
                                    args=(config, req_recv, out_send, node_address))
         self.process.start()
         req_recv.close()

@@ -30,7 +30,7 @@ from shardlm.messages import (
     UtilityResult,
     WaveStarted,
 )
-from shardlm.utils import die_with_parent
+from shardlm.utils import die_with_parent, set_process_name
 
 logger = init_logger(__name__)
 
@@ -46,6 +46,7 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
 
     if multiprocessing.parent_process() is not None:
         die_with_parent()         # its client died (even during start-up): so does it, and its workers
+        set_process_name(f"shardlm-core-{config.parallel.data_parallel_rank}")
     if threading.current_thread() is threading.main_thread():      # (a Ray actor may run it elsewhere)
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the parent decides
     encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(ToEngineCore).decode

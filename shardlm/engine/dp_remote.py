@@ -15,7 +15,6 @@ requests in, outputs out. The socket closing is the other side's death.
 
 from __future__ import annotations
 
-import multiprocessing
 import signal
 import socket
 import time
@@ -26,6 +25,7 @@ import msgspec
 from shardlm.config import EngineConfig
 from shardlm.logger import init_logger
 from shardlm.messages import JoinAccepted, JoinRefused, JoinRequest
+from shardlm.processes import InParentEnvironment, process_context, start_method
 
 logger = init_logger(__name__)
 
@@ -175,9 +175,9 @@ def run_headless(config: EngineConfig) -> int:
     the head; returns when they have all ended (the head shut them down, or they failed)."""
     from shardlm.engine.dp import replica_configs
     par = config.parallel
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context(start_method(allow_fork=False)[0])
     replicas = replica_configs(config, None)
-    procs = [ctx.Process(target=run_remote_engine_core, args=(c,), name=f"shardlm-engine-core-{k}")
+    procs = [ctx.Process(target=InParentEnvironment(run_remote_engine_core), args=(c,), name=f"shardlm-engine-core-{k}")
              for k, c in enumerate(replicas)]
     logger.info("Headless: starting data parallel replica(s) %s, joining the head at %s:%d",
                 ", ".join(str(c.parallel.data_parallel_rank) for c in replicas),

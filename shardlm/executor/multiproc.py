@@ -2,7 +2,7 @@
 
 Start-up: workers are forked when that is safe (this process runs one thread and has no CUDA
 context), as vLLM does on CPU, so scripts written without an `if __name__ == "__main__":` guard
-work; otherwise spawned (SHARDLM_WORKER_MULTIPROC_METHOD overrides). Nothing that starts a thread
+work; otherwise they come from a fork server (shardlm/processes.py). Nothing that starts a thread
 (the rendezvous store, the watcher) exists before the workers do.
 
 Control path, per step: the engine core encodes the scheduler output once (msgspec) and puts
@@ -18,17 +18,14 @@ engine core (PR_SET_PDEATHSIG) and are terminated on shutdown: no orphans.
 
 from __future__ import annotations
 
-import multiprocessing
 import signal
 import sys
-import threading
 import time
 from collections import deque
 from multiprocessing.connection import Connection, wait
 
 import msgspec
 
-from shardlm import envs
 from shardlm.config import EngineConfig
 from shardlm.distributed.parallel_state import (
     connect_store,
@@ -52,7 +49,8 @@ from shardlm.messages import (
     UtilityCall,
     UtilityResult,
 )
-from shardlm.utils import die_with_parent, os_thread_count
+from shardlm.processes import InParentEnvironment, imports_the_main_script, process_context, start_method
+from shardlm.utils import die_with_parent, set_process_name
 
 logger = init_logger(__name__)
 
@@ -68,9 +66,9 @@ class MultiprocExecutor(Executor):
         self._decode = msgspec.msgpack.Decoder(FromWorker).decode
         self._ready = False
         self._early_step_results: deque[StepResult] = deque()
-        self.start_method, why = worker_start_method()
+        self.start_method, why = start_method()
         logger.info("Starting %d worker processes with %s (%s)", self.world_size, self.start_method, why)
-        ctx = multiprocessing.get_context(self.start_method)
+        ctx = process_context(self.start_method)
         t0 = time.perf_counter()
         # the rendezvous port is open now; its store (which runs a thread) starts after the workers.
         # Data parallel: every replica's ranks meet at the DP client's store instead.
@@ -90,7 +88,7 @@ class MultiprocExecutor(Executor):
         for rank in range(self.world_size):
             err_recv, err_send = ctx.Pipe(duplex=False)
             links = (self.stage_links.get(rank), self.stage_links.get(rank - stage))
-            proc = ctx.Process(target=run_worker, name=f"shardlm-worker-{rank}", daemon=True,
+            proc = ctx.Process(target=InParentEnvironment(run_worker), name=f"shardlm-worker-{rank}", daemon=True,
                                args=(config, rank, rendezvous, self.broadcast,
                                      self.replies[rank], err_send, links))
             proc.start()
@@ -134,9 +132,9 @@ class MultiprocExecutor(Executor):
             except (EOFError, OSError):
                 pass
         hint = ""
-        if not error and not self._ready and self.start_method == "spawn":
+        if not error and not self._ready and imports_the_main_script(self.start_method):
             hint = (" If its log above mentions the 'bootstrapping phase', the script that starts shardlm needs an "
-                    "`if __name__ == \"__main__\":` guard (workers are spawned processes that import it).")
+                    f"`if __name__ == \"__main__\":` guard (workers started with {self.start_method} import it).")
         self.record_failure(f"Worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}{error}. "
                             f"The engine cannot continue; the other workers are being stopped.{hint}")
 
@@ -237,6 +235,7 @@ def run_worker(config: EngineConfig, rank: int, rendezvous: tuple[str, int], bro
     from shardlm.worker.worker import Worker
 
     die_with_parent()             # the engine core, however it dies
+    set_process_name(f"shardlm-rank-{config.parallel.rank_offset + rank}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the engine decides
     set_log_prefix(f"({config.parallel.describe_rank(rank)}) ")
     broadcast.attach_reader(rank)
@@ -287,26 +286,3 @@ def _process_state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "?"
-
-
-def worker_start_method() -> tuple[str, str]:
-    """fork or spawn, and why. Fork copies only the calling thread: a thread that holds a lock at
-    that moment (a Python thread, OpenMP's pool once torch ran ops, a CUDA context) leaves the
-    child waiting forever. So fork only from a process that runs no more threads than it did
-    right after importing torch (whose BLAS pool is fork-safe), and has no CUDA context."""
-    forced = envs.SHARDLM_WORKER_MULTIPROC_METHOD
-    if forced:
-        if forced not in ("fork", "spawn"):
-            raise ValueError(f"SHARDLM_WORKER_MULTIPROC_METHOD={forced!r}: use fork or spawn.")
-        return forced, "SHARDLM_WORKER_MULTIPROC_METHOD"
-    import torch
-
-    from shardlm import startup
-    if torch.cuda.is_initialized():
-        return "spawn", "CUDA is initialized in this process"
-    threads, baseline = os_thread_count(), startup.THREADS_AT_IMPORT
-    if threads < 0 or baseline < 0:
-        return "spawn", "this process's threads cannot be counted"
-    if threads > baseline or threading.active_count() > 1:
-        return "spawn", f"this process runs {threads - baseline} more thread(s) than after importing torch"
-    return "fork", "no thread or CUDA context besides torch's own"

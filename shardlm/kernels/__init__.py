@@ -70,6 +70,10 @@ def best_isa() -> str:
     return [v for v in supported_isas() if v != "native"][-1]
 
 
+def isa_cap() -> str:
+    return _isa_cap[0]
+
+
 def use_isa(cap: str) -> str:
     """Cap the variant from now on (tests run each kernel under each; SHARDLM_CPU_ISA at start-up):
     libraries are looked up again. -> the variant in use."""

@@ -1,17 +1,17 @@
-"""Run a function on `world` spawned gloo ranks that rendezvous at a store hosted here; collect
-what each puts on its result queue, keyed by rank."""
-
-import multiprocessing
+"""Run a function on `world` gloo rank processes (from shardlm's fork server) that rendezvous at
+a store hosted here; collect what each puts on its result queue, keyed by rank."""
 
 from shardlm.distributed import parallel_state as ps
+from shardlm.processes import InParentEnvironment, process_context
 
 
 def run_ranks(target, world: int, *args, timeout: float = 120) -> dict:
     """target(rank, world, store_port, *args, results) puts (rank, value) on results."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context("forkserver")
     store = ps.host_store("127.0.0.1", world, 60)
     results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, store.port, *args, results)) for r in range(world)]
+    procs = [ctx.Process(target=InParentEnvironment(target), args=(r, world, store.port, *args, results))
+             for r in range(world)]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=timeout) for _ in procs)

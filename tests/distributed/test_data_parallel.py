@@ -16,7 +16,7 @@ import pytest
 from shardlm import LLM, SamplingParams
 from shardlm.engine.core_client import EngineDeadError
 from tests.distributed.test_parallel_server import assert_server_answers_like_llm
-from tests.helpers import start_server, stop_server
+from tests.helpers import engine_core_processes, start_server, stop_server
 from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts
 from tests.server.test_openai_server import assert_concurrent_streams_equal_offline
 
@@ -156,8 +156,7 @@ def test_a_dead_replica_fails_its_streams_and_the_other_serves_on(dp_server):
     replica). Its two streams end with an error event naming it; the other two finish; /health
     says degraded; new requests are served by replica 0."""
     proc, url, _ = dp_server
-    cores = sorted((p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())),
-                   key=lambda p: p.create_time())
+    cores = engine_core_processes(proc)
     assert len(cores) == 2
     results, started = [None] * 4, threading.Barrier(5, timeout=30)
 

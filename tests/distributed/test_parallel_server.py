@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from shardlm import LLM, SamplingParams
-from tests.helpers import start_server, stop_server
+from tests.helpers import engine_core_processes, start_server, stop_server
 
 
 def assert_server_answers_like_llm(url: str, path: str) -> None:
@@ -46,7 +46,7 @@ def test_parallel_server_smoke(tiny_model_dir, layout):
 def test_tp2_server_worker_death_ends_the_server_naming_the_rank(tiny_model_dir):
     proc, url = start_server(tiny_model_dir("llama-gqa"), "-tp", "2")
     children = psutil.Process(proc.pid).children(recursive=True)
-    engine = [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())][0]
+    (engine,) = engine_core_processes(proc)
     workers = engine.children()
     assert len(workers) == 2
     os.kill(workers[1].pid, signal.SIGKILL)      # while idle: noticed without any request

@@ -1,5 +1,6 @@
 """Worker processes start with fork when that is safe, so a script written for vLLM (no
-`if __name__ == "__main__":` guard) runs pipeline parallel as it is; spawn otherwise."""
+`if __name__ == "__main__":` guard) runs pipeline parallel as it is; from a fork server otherwise,
+in the environment of the process that started them."""
 
 import json
 import os
@@ -11,7 +12,7 @@ import psutil
 import pytest
 
 from shardlm import LLM, SamplingParams
-from shardlm.executor.multiproc import worker_start_method
+from shardlm.processes import InParentEnvironment, start_method
 
 SCRIPT = textwrap.dedent("""
     import json, os
@@ -67,12 +68,46 @@ def test_start_method_choice(monkeypatch):
     from shardlm.utils import os_thread_count
 
     monkeypatch.setattr(startup, "THREADS_AT_IMPORT", os_thread_count() - 1)    # one thread more than torch's
-    assert worker_start_method() == ("spawn", "this process runs 1 more thread(s) than after importing torch")
+    assert start_method() == ("forkserver", "this process runs 1 more thread(s) than after importing torch")
     monkeypatch.setattr(startup, "THREADS_AT_IMPORT", os_thread_count())
     if threading.active_count() == 1:
-        assert worker_start_method()[0] == "fork"
+        assert start_method()[0] == "fork"
+        assert start_method(allow_fork=False)[0] == "forkserver"
     monkeypatch.setattr("shardlm.envs.SHARDLM_WORKER_MULTIPROC_METHOD", "spawn")
-    assert worker_start_method() == ("spawn", "SHARDLM_WORKER_MULTIPROC_METHOD")
+    assert start_method() == ("spawn", "SHARDLM_WORKER_MULTIPROC_METHOD")
     monkeypatch.setattr("shardlm.envs.SHARDLM_WORKER_MULTIPROC_METHOD", "vfork")
-    with pytest.raises(ValueError, match="fork or spawn"):
-        worker_start_method()
+    with pytest.raises(ValueError, match="fork, forkserver or spawn"):
+        start_method()
+
+
+def _environment_seen_by_a_child() -> dict:
+    from shardlm import envs, kernels
+    return {"var": os.environ.get("SHARDLM_TEST_VARIABLE"), "log_level": envs.SHARDLM_LOG_LEVEL,
+            "isa_cap": kernels.isa_cap()}
+
+
+def _report(queue):
+    queue.put(_environment_seen_by_a_child())
+
+
+def test_a_fork_server_child_sees_the_environment_of_the_process_that_started_it(monkeypatch):
+    """The fork server started with one environment; a process started after the environment changed
+    sees the new one, shardlm's settings read at import included."""
+    from shardlm.processes import process_context
+    ctx = process_context("forkserver")
+    queue = ctx.Queue()
+
+    def run():
+        proc = ctx.Process(target=InParentEnvironment(_report), args=(queue,))
+        proc.start()
+        seen = queue.get(timeout=120)
+        proc.join(30)
+        assert proc.exitcode == 0
+        return seen
+
+    before = run()        # starts the fork server (if no test did) in this environment
+    monkeypatch.setenv("SHARDLM_TEST_VARIABLE", "changed")
+    monkeypatch.setenv("SHARDLM_LOG_LEVEL", "DEBUG")
+    monkeypatch.setenv("SHARDLM_CPU_ISA", "portable")
+    assert before["var"] is None
+    assert run() == {"var": "changed", "log_level": "DEBUG", "isa_cap": "portable"}

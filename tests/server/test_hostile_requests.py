@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import metric, start_server, stop_server
+from tests.helpers import engine_core_processes, metric, start_server, stop_server
 
 VOCAB = 49152          # the tiny models' vocabulary
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -192,7 +192,7 @@ def test_a_client_that_leaves_a_stream_before_reading_it_aborts_it(server):
 
 
 def _engine_process(proc) -> psutil.Process:
-    return [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())][0]
+    return engine_core_processes(proc)[0]
 
 
 def _stream_then_signal(url, after_lines: int, pid: int, sig) -> tuple[dict, list[str]]:

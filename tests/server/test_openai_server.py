@@ -7,11 +7,10 @@ import time
 
 import httpx
 import openai
-import psutil
 import pytest
 
 from shardlm import LLM, SamplingParams
-from tests.helpers import metric, start_server, stop_server
+from tests.helpers import engine_core_processes, metric, start_server, stop_server
 
 KEY = "test-key"
 
@@ -130,7 +129,7 @@ def test_malformed_json_and_api_key(server):
 @pytest.mark.slow
 def test_dead_engine_turns_health_503_and_ends_the_server(tiny_model_dir):
     proc, url = start_server(tiny_model_dir("llama-gqa"))
-    engine = [p for p in psutil.Process(proc.pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+    engine = engine_core_processes(proc)
     assert engine, "the engine core runs in its own process"
     os.kill(engine[0].pid, signal.SIGKILL)
     deadline, seen_503 = time.time() + 10, False
