@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import sys
 import threading
@@ -63,6 +64,15 @@ def process_context(method: str) -> BaseContext:
     if method == "forkserver":
         ctx.set_forkserver_preload(FORK_SERVER_PRELOAD)
     return ctx
+
+
+def start_fork_server_early() -> None:
+    """Start the fork server now, where processes will come from it, so that its imports overlap
+    this process's own start-up work (a server's config, tokenizer and app)."""
+    method, _ = start_method(allow_fork=False)
+    if method == "forkserver":
+        process_context(method)
+        multiprocessing.forkserver.ensure_running()
 
 
 def imports_the_main_script(method: str) -> bool:

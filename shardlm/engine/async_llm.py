@@ -184,6 +184,13 @@ class AsyncLLM:
             logger.exception("Output processing failed")
             self._fail_requests(RuntimeError(f"Output processing failed: {type(e).__name__}: {e}"))
 
+    def fail_all(self, error: BaseException) -> None:
+        """End every request in flight with `error` (their callers raise it) and abort them in the engine."""
+        request_ids = list(self._collectors)
+        self._fail_requests(error)
+        for request_id in request_ids:
+            self.abort(request_id)
+
     def _fail_requests(self, error: BaseException) -> None:
         for collector in self._collectors.values():
             collector.put(error)

@@ -32,6 +32,11 @@ def register(sub) -> None:
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters to serve (with --enable-lora), each as name=path or as JSON "
                         "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request's model picks one")
+    from shardlm.entrypoints.openai.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM, refuse new requests (503) and let those in flight finish for up to this many "
+                        "seconds, then exit 0; 0 stops at once (SIGINT always does) (default: %(default)s, inside "
+                        "Kubernetes' 30 s grace period)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     from shardlm.entrypoints.openai.protocol import RequestLimits
@@ -62,6 +67,8 @@ def run(ns) -> None:
     api_key = ns.api_key if ns.api_key is not None else envs.SHARDLM_API_KEY
     if api_key is not None and not api_key.strip():
         sys.exit("shardlm: error: the API key is empty: give a key, or leave --api-key out to serve without one.")
+    if ns.shutdown_timeout < 0:
+        sys.exit(f"shardlm: error: --shutdown-timeout {ns.shutdown_timeout:g}: give seconds >= 0 (0 stops at once).")
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
         sys.exit("shardlm: error: --enable-auto-tool-choice needs --tool-call-parser NAME (hermes, llama3_json, "
                  "mistral or pythonic: the format this model writes tool calls in).")
@@ -71,4 +78,5 @@ def run(ns) -> None:
     except ValueError as e:
         sys.exit(f"shardlm: error: {e}")
     run_server(engine_args_from(ns), ns.host, ns.port, api_key, chat_template, ns.uvicorn_log_level, limits,
-               ns.metrics_require_key, ns.tool_call_parser if ns.enable_auto_tool_choice else None, lora_modules)
+               ns.metrics_require_key, ns.tool_call_parser if ns.enable_auto_tool_choice else None, lora_modules,
+               ns.shutdown_timeout)

@@ -18,6 +18,7 @@ from shardlm import envs
 from shardlm.config import EngineConfig
 from shardlm.engine.arg_utils import EngineArgs
 from shardlm.engine.async_llm import AsyncLLM
+from shardlm.entrypoints.openai.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, DrainGate, DrainingServer
 from shardlm.entrypoints.openai.errors import add_error_handlers
 from shardlm.entrypoints.openai.metrics import ServerMetrics
 from shardlm.entrypoints.openai.middleware import ApiKeyCheck, BodySizeLimit
@@ -28,6 +29,7 @@ from shardlm.entrypoints.openai.state import ServerState
 from shardlm.logger import init_logger
 from shardlm.lora.peft import read_lora_request
 from shardlm.lora.request import LoRARequest
+from shardlm.processes import start_fork_server_early
 
 logger = init_logger(__name__)
 _UNHEALTHY_GRACE_S = 2.0   # how long /health reports 503 after the engine died, before exiting
@@ -67,6 +69,7 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
         app.include_router(lora_admin.router)
     add_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(DrainGate, state=state, open_routes=health.OPEN_ROUTES)
     if api_key:       # added last, so it runs first
         open_routes = tuple(r for r in health.OPEN_ROUTES if not (metrics_require_key and r == "/metrics"))
         app.add_middleware(ApiKeyCheck, api_key=api_key, open_routes=open_routes)
@@ -76,14 +79,17 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
 def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | None = None,
                chat_template: str | None = None, log_level: str = "info", limits: RequestLimits | None = None,
                metrics_require_key: bool = False, tool_parser: str | None = None,
-               lora_modules: list[LoRARequest] | None = None) -> None:
-    config = engine_args.create_engine_config()   # bad settings fail here, plainly, before any process starts
+               lora_modules: list[LoRARequest] | None = None,
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
+    start_fork_server_early()     # the engine core comes from it: its imports overlap ours
+    config = engine_args.create_engine_config()   # bad settings fail here, plainly, before the engine starts
     if lora_modules and config.lora is None:
         raise ValueError("--lora-modules needs --enable-lora.")
     for module in lora_modules or []:      # a bad adapter fails here too, before any process starts
         read_lora_request(module, config.model.hf_config, config.lora.max_lora_rank, config.model.download_dir)
     app = build_app(config, api_key, chat_template, limits, metrics_require_key, tool_parser, lora_modules)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5),
+                            app.state.shardlm, shutdown_timeout)
     failed = {}
 
     async def watch_engine():

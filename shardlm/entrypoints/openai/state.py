@@ -18,6 +18,8 @@ class ServerState:
     llm: AsyncLLM | None = None              # None until the engine has started
     serving: OpenAIServing | None = None
     metrics: ServerMetrics | None = None
+    draining: bool = False                   # SIGTERM came: finishing what runs, admitting nothing (drain.py)
+    in_flight: int = 0                       # requests being answered (but the open routes)
 
 
 def server_state(request: Request) -> ServerState:

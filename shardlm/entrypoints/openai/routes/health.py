@@ -16,6 +16,8 @@ router = APIRouter()
 @router.get("/health")
 async def health(state: ServerState = Depends(server_state)):
     llm = state.llm
+    if state.draining:
+        return JSONResponse({"status": "draining", "in_flight": state.in_flight}, 503)
     if llm is None or not llm.is_running:
         return JSONResponse({"status": "unhealthy", "reason": llm.dead_reason if llm else "starting"}, 503)
     if llm.dead_replicas:          # data parallel: the others still serve
