@@ -24,7 +24,8 @@ from shardlm import envs
 from shardlm.utils import os_thread_count
 
 # what the fork server imports before its first fork
-FORK_SERVER_PRELOAD = ["torch", "transformers", "shardlm.core.engine_core", "shardlm.worker.worker"]
+FORK_SERVER_PRELOAD = ["torch", "transformers", "shardlm.core.engine_core", "shardlm.worker.worker",
+                       "shardlm.fork_server_exit"]
 METHODS = ("fork", "forkserver", "spawn")
 
 

@@ -1,11 +1,15 @@
 """What many test modules share: a real `shardlm serve` started on a free loopback port and stopped
-with nothing left running, and a figure read from its /metrics."""
+with nothing left running (or the same server in this process, quicker to start), and a figure
+read from its /metrics."""
 
+import asyncio
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -21,12 +25,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# what every test server runs with: float32, a small KV cache, served as "tiny"
+SERVE_FLAGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "256",
+               "--served-model-name", "tiny", "--uvicorn-log-level", "warning")
+
+
 def start_server(model_dir, *extra, env=None):
-    """`shardlm serve model_dir` (float32, a small KV cache, served as "tiny") -> (process, url)."""
+    """`shardlm serve model_dir` in its own process -> (process, url)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "shardlm.entrypoints.cli", "serve", model_dir, "--port", str(port),
-                             "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "256",
-                             "--served-model-name", "tiny", "--uvicorn-log-level", "warning", *extra],
+                             *SERVE_FLAGS, *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
@@ -44,13 +52,75 @@ def start_server(model_dir, *extra, env=None):
     raise RuntimeError(f"server neither became healthy nor exited in {START_HANG_GUARD_S} s")
 
 
+class ServerThread:
+    """What `shardlm serve model_dir *extra` serves, on a thread of this process: no interpreter to
+    start, and its engine core comes from the tests' fork server. For what the server answers;
+    what its process does (signals, exit status, children) needs start_server."""
+
+    def __init__(self, model_dir, *extra, env: dict[str, str] | None = None):
+        from shardlm.entrypoints.cli import build_parser
+        from shardlm.entrypoints.cli.serve import server_options
+        from shardlm.entrypoints.openai.server import make_server
+        from shardlm.processes import adopt_environment
+        self.url = f"http://127.0.0.1:{(port := free_port())}"
+        saved = dict(os.environ)
+        adopt_environment({**saved, **(env or {})})       # for what the app reads as it is built
+        try:
+            ns = build_parser().parse_args(["serve", model_dir, "--port", str(port), *SERVE_FLAGS, *extra])
+            self.server = make_server(**server_options(ns))
+        finally:
+            adopt_environment(saved)
+        self.thread = threading.Thread(target=asyncio.run, args=(self.server.serve(),), daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the server did not start: see its log above")
+            time.sleep(0.05)
+
+    def is_serving(self) -> bool:
+        return self.thread.is_alive() and not self.server.should_exit
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "the server thread did not stop"
+
+
+@contextlib.contextmanager
+def server_in_this_process(model_dir, *extra, env=None):
+    """ServerThread(...) for a with-block: -> (the ServerThread, url); stopped at its end."""
+    server = ServerThread(model_dir, *extra, env=env)
+    try:
+        yield server, server.url
+    finally:
+        server.stop()
+
+
 def stop_server(proc) -> None:
     """SIGTERM, then check that no child process is left."""
     children = psutil.Process(proc.pid).children(recursive=True)
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
-    gone, alive = psutil.wait_procs(children, timeout=10)
+    alive = wait_gone(children, 10)
     assert not alive, f"processes left after SIGTERM: {[p.pid for p in alive]}"
+
+
+def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Those of procs still running after up to `timeout` s. A zombie counts as gone: it has exited
+    and waits only for init to reap it, which in a container can take seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in procs if _running(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.02)
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def engine_core_processes(proc) -> list[psutil.Process]:

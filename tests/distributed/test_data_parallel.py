@@ -16,7 +16,7 @@ import pytest
 from shardlm import LLM, SamplingParams
 from shardlm.engine.core_client import EngineDeadError
 from tests.distributed.test_parallel_server import assert_server_answers_like_llm
-from tests.helpers import engine_core_processes, start_server, stop_server
+from tests.helpers import engine_core_processes, start_server, stop_server, wait_gone
 from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts
 from tests.server.test_openai_server import assert_concurrent_streams_equal_offline
 
@@ -128,7 +128,7 @@ def dp_server(tiny_model_dir):
         yield proc, url, path
     finally:
         stop_server(proc)
-        _, alive = psutil.wait_procs(children, timeout=10)
+        alive = wait_gone(children, 10)
         assert not alive, f"processes left: {[p.pid for p in alive]}"
 
 
@@ -227,7 +227,7 @@ def test_headless_node_joins_the_head_and_both_serve(tiny_model_dir):
     finally:
         if node.poll() is None:
             node.kill()
-    _, alive = psutil.wait_procs(node_children, timeout=10)
+    alive = wait_gone(node_children, 10)
     assert not alive, f"processes left on the headless node: {[p.pid for p in alive]}"
 
 

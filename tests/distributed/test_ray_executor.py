@@ -138,7 +138,7 @@ def test_server_on_two_ray_nodes(cluster, tiny_model_dir):
 def test_server_ends_when_an_idle_actor_dies(cluster, tiny_model_dir):
     import psutil
 
-    from tests.helpers import start_server
+    from tests.helpers import start_server, wait_gone
     proc, _ = start_server(tiny_model_dir("llama-gqa"), "--distributed-executor-backend", "ray", "-pp", "2",
                      env={"RAY_ADDRESS": cluster.address})
     children = psutil.Process(proc.pid).children(recursive=True)
@@ -149,7 +149,7 @@ def test_server_ends_when_an_idle_actor_dies(cluster, tiny_model_dir):
     assert proc.wait(timeout=15) != 0
     err = proc.stderr.read()
     assert "Worker rank" in err and "on node" in err and "died" in err, err[-2000:]
-    _, alive = psutil.wait_procs(children, timeout=10)
+    alive = wait_gone(children, 10)
     assert not alive, f"processes left: {[p.pid for p in alive]}"
     assert_nothing_left()
 

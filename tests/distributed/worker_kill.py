@@ -10,6 +10,7 @@ import pytest
 
 from shardlm import LLM, SamplingParams
 from shardlm.executor.base import WorkerDiedError
+from tests.helpers import wait_gone
 from tests.models.test_tiny_models_vs_hf import _prompts
 
 
@@ -38,5 +39,5 @@ def assert_killed_rank_fails_fast(model_dir: str, rank: int, **parallel) -> None
     workers = [psutil.Process(p.pid) for p in llm.engine.engine_core.engine_core.executor.procs]
     kill_during_generation(llm, workers[rank].pid, rf"rank {rank} .* died")
     llm.shutdown()
-    _, alive = psutil.wait_procs(workers, timeout=5)
+    alive = wait_gone(workers, 5)
     assert not alive, f"worker processes left: {[p.pid for p in alive]}"

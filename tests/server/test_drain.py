@@ -98,7 +98,8 @@ def test_requests_still_running_at_the_deadline_end_with_503_and_the_server_exit
                for _ in range(40)]        # one at a time, far more than 0.5 s of work
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    while not answers:                    # one has finished: the rest are running or waiting
+        time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(60)

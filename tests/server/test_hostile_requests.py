@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import engine_core_processes, metric, start_server, stop_server
+from tests.helpers import engine_core_processes, metric, server_in_this_process, start_server, stop_server, wait_gone
 
 VOCAB = 49152          # the tiny models' vocabulary
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -92,9 +92,8 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    proc, url = start_server(tiny_model_dir("llama-gqa"))
-    yield proc, url
-    stop_server(proc)
+    with server_in_this_process(tiny_model_dir("llama-gqa")) as served:
+        yield served
 
 
 def _greedy(url) -> str:
@@ -106,7 +105,7 @@ def _greedy(url) -> str:
 
 @pytest.mark.slow
 def test_hostile_requests_get_4xx_and_the_server_keeps_serving(server):
-    proc, url = server
+    served, url = server
     before = _greedy(url)
     failures = []
     for name, path, body, status, param in CASES:
@@ -124,7 +123,7 @@ def test_hostile_requests_get_4xx_and_the_server_keeps_serving(server):
             ok, err = False, r.text[:200]
         if not ok:
             failures.append(f"{name}: {r.status_code} in {took:.1f} s: {err}")
-        assert proc.poll() is None, f"the server died on: {name}"
+        assert served.is_serving(), f"the server died on: {name}"
         assert _greedy(url) == before, f"a normal request changed after: {name}"
     assert not failures, "\n".join(failures)
     assert len(CASES) >= 30
@@ -220,7 +219,7 @@ def test_a_stream_whose_engine_dies_ends_with_an_error_event_and_done(tiny_model
         children = psutil.Process(proc.pid).children(recursive=True)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
-        _, alive = psutil.wait_procs(children, timeout=10)
+        alive = wait_gone(children, 10)
         assert not alive
 
 
@@ -262,7 +261,7 @@ def test_a_stopped_worker_fails_the_engine_within_the_step_timeout(tiny_model_di
     finally:
         if proc.poll() is None:
             proc.kill()
-        _, alive = psutil.wait_procs(children, timeout=15)
+        alive = wait_gone(children, 15)
         assert not alive, f"processes left: {[p.pid for p in alive]}"
 
 

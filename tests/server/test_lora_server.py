@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from shardlm import LLM, LoRARequest, SamplingParams
-from tests.helpers import start_server, stop_server
+from tests.helpers import server_in_this_process, start_server, stop_server
 from tests.lora_adapters import write_adapter
 
 PROMPTS = ["The capital of", "One two three"]
@@ -21,10 +21,10 @@ def lora_server(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("server-lora")
     one = write_adapter(base, root / "one", rank=8, seed=1)
     two = write_adapter(base, root / "two", rank=4, seed=2, targets=("q_proj", "v_proj"))
-    proc, url = start_server(base, "--enable-lora", "--max-loras", "2", "--lora-modules", f"one={one}",
-                       json.dumps({"name": "two", "path": two}), env={"SHARDLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
-    yield base, url, {"one": one, "two": two}
-    stop_server(proc)
+    with server_in_this_process(base, "--enable-lora", "--max-loras", "2", "--lora-modules", f"one={one}",
+                                json.dumps({"name": "two", "path": two}),
+                                env={"SHARDLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}) as (_, url):
+        yield base, url, {"one": one, "two": two}
 
 
 def _offline(base, lora: LoRARequest | None) -> list[str]:

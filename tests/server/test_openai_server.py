@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from shardlm import LLM, SamplingParams
-from tests.helpers import engine_core_processes, metric, start_server, stop_server
+from tests.helpers import engine_core_processes, metric, server_in_this_process, start_server, stop_server
 
 KEY = "test-key"
 
@@ -18,9 +18,8 @@ KEY = "test-key"
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     path = tiny_model_dir("llama-gqa")
-    proc, url = start_server(path, "--api-key", KEY)
-    yield path, url
-    stop_server(proc)                       # SIGTERM leaves no child process
+    with server_in_this_process(path, "--api-key", KEY) as (_, url):
+        yield path, url
 
 
 @pytest.fixture(scope="module")

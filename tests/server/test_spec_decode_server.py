@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from shardlm import LLM, SamplingParams
-from tests.helpers import start_server, stop_server
+from tests.helpers import server_in_this_process
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 # token ids that repeat themselves: the random model's continuations repeat too, so lookups find proposals
@@ -19,9 +19,8 @@ PROMPTS = [[100, 200, 300, 400] * 5, [107, 200, 301, 400] * 5 + [107]]
 
 @pytest.fixture(scope="module")
 def spec_server(tiny_model_dir):
-    proc, url = start_server(tiny_model_dir("llama-gqa"), "--speculative-config", NGRAM)
-    yield url
-    stop_server(proc)
+    with server_in_this_process(tiny_model_dir("llama-gqa"), "--speculative-config", NGRAM) as (_, url):
+        yield url
 
 
 def test_completions_equal_plain_decoding_and_metrics_count_proposals(spec_server, tiny_model_dir):

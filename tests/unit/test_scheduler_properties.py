@@ -17,6 +17,7 @@ import hashlib
 from collections import deque
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -148,9 +149,14 @@ def simulate(block_size, budget, max_model_len, num_blocks, max_num_seqs, depth,
     return finished, sched
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads())
-def test_every_request_gets_its_own_tokens_within_the_budget(workload):
+@pytest.mark.parametrize("examples", [40, pytest.param(300, marks=pytest.mark.slow)])
+def test_every_request_gets_its_own_tokens_within_the_budget(examples):
+    """A few workloads in the quick tier, many in the full one."""
+    settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
+        given(workloads())(check_every_request_gets_its_own_tokens_within_the_budget))()
+
+
+def check_every_request_gets_its_own_tokens_within_the_budget(workload):
     block_size, budget, max_model_len, num_blocks, max_num_seqs, depth, arrivals = workload
     finished, sched = simulate(*workload)
     for i, a in enumerate(arrivals):

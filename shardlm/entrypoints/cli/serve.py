@@ -58,6 +58,11 @@ def run(ns) -> None:
                              "--data-parallel-size-local, with --data-parallel-address/--data-parallel-rpc-port.")
         sys.exit(run_headless(config))
     from shardlm.entrypoints.openai.server import run_server
+    run_server(**server_options(ns))
+
+
+def server_options(ns) -> dict:
+    """make_server's arguments from `shardlm serve`'s flags; a bad combination exits with why."""
     chat_template = ns.chat_template
     if chat_template and os.path.isfile(chat_template):
         with open(chat_template) as f:
@@ -77,6 +82,8 @@ def run(ns) -> None:
         lora_modules = [parse_lora_module(m) for m in ns.lora_modules or []]
     except ValueError as e:
         sys.exit(f"shardlm: error: {e}")
-    run_server(engine_args_from(ns), ns.host, ns.port, api_key, chat_template, ns.uvicorn_log_level, limits,
-               ns.metrics_require_key, ns.tool_call_parser if ns.enable_auto_tool_choice else None, lora_modules,
-               ns.shutdown_timeout)
+    return dict(engine_args=engine_args_from(ns), host=ns.host, port=ns.port, api_key=api_key,
+                chat_template=chat_template, log_level=ns.uvicorn_log_level, limits=limits,
+                metrics_require_key=ns.metrics_require_key,
+                tool_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None, lora_modules=lora_modules,
+                shutdown_timeout=ns.shutdown_timeout)

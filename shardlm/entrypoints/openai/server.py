@@ -76,11 +76,12 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
     return app
 
 
-def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | None = None,
-               chat_template: str | None = None, log_level: str = "info", limits: RequestLimits | None = None,
-               metrics_require_key: bool = False, tool_parser: str | None = None,
-               lora_modules: list[LoRARequest] | None = None,
-               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
+def make_server(engine_args: EngineArgs, host: str, port: int, api_key: str | None = None,
+                chat_template: str | None = None, log_level: str = "info", limits: RequestLimits | None = None,
+                metrics_require_key: bool = False, tool_parser: str | None = None,
+                lora_modules: list[LoRARequest] | None = None,
+                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> DrainingServer:
+    """The server `shardlm serve` runs, checked and ready to serve (the engine starts with it)."""
     start_fork_server_early()     # the engine core comes from it: its imports overlap ours
     config = engine_args.create_engine_config()   # bad settings fail here, plainly, before the engine starts
     if lora_modules and config.lora is None:
@@ -88,15 +89,20 @@ def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | Non
     for module in lora_modules or []:      # a bad adapter fails here too, before any process starts
         read_lora_request(module, config.model.hf_config, config.lora.max_lora_rank, config.model.download_dir)
     app = build_app(config, api_key, chat_template, limits, metrics_require_key, tool_parser, lora_modules)
-    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5),
-                            app.state.shardlm, shutdown_timeout)
+    return DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5),
+                          app.state.shardlm, shutdown_timeout)
+
+
+def run_server(*args, **kwargs) -> None:
+    """make_server's server, until SIGTERM (drained), SIGINT or the engine's death (exit 1)."""
+    server = make_server(*args, **kwargs)
     failed = {}
 
     async def watch_engine():
         """If the engine process dies: /health answers 503 for a moment (so health checkers see
         it), then the server stops and exits non-zero."""
         while not server.should_exit:
-            llm = app.state.shardlm.llm
+            llm = server.state.llm
             if llm is not None and not llm.is_running:
                 failed["reason"] = llm.dead_reason
                 await asyncio.sleep(_UNHEALTHY_GRACE_S)
