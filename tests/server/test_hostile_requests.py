@@ -87,6 +87,9 @@ CASES = [
     ("20 MB body", CMPL, json.dumps(_c(prompt="x " * (10 << 20))).encode(), 413, None),
     ("not JSON", CMPL, b"{bad", 400, None),
     ("messages not a list", CHAT, _chat(messages="hi"), 400, "messages"),
+    ("tokenize an empty conversation", "/tokenize", {"messages": []}, 400, "messages"),
+    ("tokenize a lone surrogate", "/tokenize", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+     "messages"),
 ]
 
 

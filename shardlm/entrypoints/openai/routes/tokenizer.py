@@ -17,9 +17,14 @@ async def tokenize(req: TokenizeRequest, state: ServerState = Depends(server_sta
     serving.check_model(req.model)
     tok = state.llm.tokenizer
     if req.messages is not None:
-        text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
-                                       tokenize=False, add_generation_prompt=True,
-                                       chat_template=serving.chat_template)
+        for m in req.messages:
+            check_encodable(m.text(), "messages")
+        try:
+            text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
+                                           tokenize=False, add_generation_prompt=True,
+                                           chat_template=serving.chat_template)
+        except Exception as e:   # a template that rejects the conversation is the client's error, as in chat
+            raise OpenAIError(f"The chat template could not render these messages: {e}", 400, "messages") from e
         ids = tok(text, add_special_tokens=False).input_ids
     elif req.prompt is not None:
         check_encodable(req.prompt, "prompt")
