@@ -67,12 +67,16 @@ def process_context(method: str) -> BaseContext:
     return ctx
 
 
+def clean_process_context() -> BaseContext:
+    """Where a process that serves clients (an engine core) comes from: never fork, which would
+    copy this process's state into it; the fork server, else spawn."""
+    return process_context(start_method(allow_fork=False)[0])
+
+
 def start_fork_server_early() -> None:
     """Start the fork server now, where processes will come from it, so that its imports overlap
     this process's own start-up work (a server's config, tokenizer and app)."""
-    method, _ = start_method(allow_fork=False)
-    if method == "forkserver":
-        process_context(method)
+    if clean_process_context().get_start_method() == "forkserver":
         multiprocessing.forkserver.ensure_running()
 
 

@@ -12,7 +12,7 @@ import msgspec
 from shardlm.config import EngineConfig
 from shardlm.engine.core_process import run_engine_core
 from shardlm.messages import EngineCoreOutputs, Failed, FromEngineCore, Ready, StartupFailed, UtilityResult, WaveStarted
-from shardlm.processes import InParentEnvironment, process_context, start_method
+from shardlm.processes import InParentEnvironment, clean_process_context
 
 
 class EngineDeadError(RuntimeError):
@@ -112,7 +112,7 @@ class CoreProcess(CoreChannel):
     """An engine core in a process of this node, behind two pipes."""
 
     def __init__(self, config: EngineConfig, index: int, node_address: str | None = None):
-        ctx = process_context(start_method(allow_fork=False)[0])
+        ctx = clean_process_context()
         req_recv, req_send = ctx.Pipe(duplex=False)
         out_recv, out_send = ctx.Pipe(duplex=False)
         # not daemonic: it starts the worker processes itself; the client stops it

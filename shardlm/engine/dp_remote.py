@@ -25,7 +25,7 @@ import msgspec
 from shardlm.config import EngineConfig
 from shardlm.logger import init_logger
 from shardlm.messages import JoinAccepted, JoinRefused, JoinRequest
-from shardlm.processes import InParentEnvironment, process_context, start_method
+from shardlm.processes import InParentEnvironment, clean_process_context
 
 logger = init_logger(__name__)
 
@@ -175,7 +175,7 @@ def run_headless(config: EngineConfig) -> int:
     the head; returns when they have all ended (the head shut them down, or they failed)."""
     from shardlm.engine.dp import replica_configs
     par = config.parallel
-    ctx = process_context(start_method(allow_fork=False)[0])
+    ctx = clean_process_context()
     replicas = replica_configs(config, None)
     procs = [ctx.Process(target=InParentEnvironment(run_remote_engine_core), args=(c,), name=f"shardlm-engine-core-{k}")
              for k, c in enumerate(replicas)]

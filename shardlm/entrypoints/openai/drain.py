@@ -53,7 +53,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.state, self.shutdown_timeout = state, shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain: asyncio.Task | None = None
+        self._drain: asyncio.Task | None = None      # held: the loop keeps only a weak reference to a task
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()

@@ -253,13 +253,9 @@ class OpenAIServing:
         for m in req.messages:
             check_encodable(m.text(), "messages")
         mode, function = tools.tool_mode(req, self.tool_parser)
-        try:
-            text = await self._off_loop(
-                tok.apply_chat_template, tools.template_messages(req), tools=tools.template_tools(req),
-                tokenize=False, add_generation_prompt=req.add_generation_prompt, chat_template=self.chat_template,
-                **(req.chat_template_kwargs or {}))
-        except Exception as e:   # a template that rejects the conversation is the client's error
-            raise OpenAIError(f"The chat template could not render these messages: {e}", 400, "messages") from e
+        text = await self._off_loop(
+            render_messages, tok, tools.template_messages(req), self.chat_template, tools=tools.template_tools(req),
+            add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {}))
         ids = (await self._off_loop(tok, text, add_special_tokens=False)).input_ids
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true.", 400, "top_logprobs")
@@ -324,6 +320,14 @@ def _invalid(e: ValueError, default_param: str | None) -> OpenAIError:
     if str(e).startswith("structured_outputs."):       # a constraint the grammar backend refused
         default_param = "structured_outputs"
     return OpenAIError(str(e).replace("SamplingParams.", ""), 400, m.group(1) if m else default_param)
+
+
+def render_messages(tokenizer, messages: list[dict], chat_template: str | None, **kwargs) -> str:
+    """The chat template applied to messages; a template that rejects them is the client's error."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template, **kwargs)
+    except Exception as e:
+        raise OpenAIError(f"The chat template could not render these messages: {e}", 400, "messages") from e
 
 
 def check_encodable(text: str, param: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from shardlm.entrypoints.openai.protocol import DetokenizeRequest, OpenAIError, TokenizeRequest
-from shardlm.entrypoints.openai.serving import check_encodable
+from shardlm.entrypoints.openai.serving import check_encodable, render_messages
 from shardlm.entrypoints.openai.state import ServerState, server_state
 
 router = APIRouter()
@@ -19,12 +19,8 @@ async def tokenize(req: TokenizeRequest, state: ServerState = Depends(server_sta
     if req.messages is not None:
         for m in req.messages:
             check_encodable(m.text(), "messages")
-        try:
-            text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
-                                           tokenize=False, add_generation_prompt=True,
-                                           chat_template=serving.chat_template)
-        except Exception as e:   # a template that rejects the conversation is the client's error, as in chat
-            raise OpenAIError(f"The chat template could not render these messages: {e}", 400, "messages") from e
+        text = render_messages(tok, [{"role": m.role, "content": m.text()} for m in req.messages],
+                               serving.chat_template, add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False).input_ids
     elif req.prompt is not None:
         check_encodable(req.prompt, "prompt")
