@@ -5,7 +5,7 @@ short flag). `EngineArgs` (engine/arg_utils.py) is the flat list of every user k
 those as declared here; it resolves them into the `EngineConfig` below (model path, dtype,
 device, executor backend) and runs the start-up checks, once, in the process the user started.
 The resolved config then travels to the engine-core process and to every worker as it is. This
-module imports nothing of shardlm.
+module imports nothing of shardlm but kv_cache_groups (which imports nothing).
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
+
+from shardlm.kv_cache_groups import KVCacheGroups, one_group, plan_kv_cache_groups, sliding_window
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
                "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4,
@@ -131,6 +134,9 @@ class CacheConfig:
         0.9, "CUDA: fraction of device memory for weights, activations and KV cache")
     enable_prefix_caching: bool = knob(
         True, "reuse the KV cache of shared prompt prefixes")
+    disable_hybrid_kv_cache_manager: bool = knob(
+        False, "keep every position of sliding-window layers (by default the blocks a window has "
+        "left behind are freed: kv_cache_groups.py)")
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -393,6 +399,19 @@ class EngineConfig:
         ranks (dcp x pcp) that each hold their share of its positions. The scheduler, prefix hashes
         and capacity count in these."""
         return self.cache.block_size * self.parallel.context_parallel_size
+
+    @cached_property
+    def kv_groups(self) -> KVCacheGroups:
+        """How the KV cache is grouped (kv_cache_groups.py): sliding-window layers in groups of
+        their own, whose blocks are freed once behind the window; one group where a window never
+        frees anything or a feature reads every layer through one table (context parallel's
+        shards, a draft model's or EAGLE head's cache)."""
+        m = self.model
+        spec = self.speculative
+        if (self.cache.disable_hybrid_kv_cache_manager or self.parallel.context_parallel_size > 1
+                or (spec is not None and spec.method != "ngram")):
+            return one_group(m.num_layers)
+        return plan_kv_cache_groups([sliding_window(m.hf_config, i) for i in range(m.num_layers)], m.max_model_len)
 
     @property
     def dp_lockstep(self) -> bool:

@@ -40,7 +40,7 @@ class ScheduledChunk(msgspec.Struct):
     req_id: str
     token_ids: list[int]
     start_pos: int
-    block_ids: list[int]
+    block_tables: list[list[int]]    # its block ids, one table per KV cache group (kv_cache_groups.py)
     sample: bool          # True when this chunk ends at the request's last known token
     # speculative decoding: the last num_draft_tokens of token_ids are proposed tokens, to verify
     num_draft_tokens: int = 0

@@ -153,6 +153,15 @@ def _gemma3(path):
     return _save_tiny(path, Gemma3ForCausalLM, Gemma3TextConfig(**_GEMMA))
 
 
+def _gemma3_12_layers(path, layer_types=None):
+    """Gemma 3's shape: five layers with windows (of 64) to each full one, over 12 layers."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    types = layer_types or (["sliding_attention"] * 5 + ["full_attention"]) * 2
+    config = Gemma3TextConfig(**{**_GEMMA, "num_hidden_layers": 12, "sliding_window": 64, "layer_types": types,
+                                 "max_position_embeddings": 4096})
+    return _save_tiny(path, Gemma3ForCausalLM, config)
+
+
 def _gemma3_multimodal(path):
     """A Gemma 3 4B-style checkpoint (Gemma3ForConditionalGeneration): _gemma3's text model beside
     a one-layer vision tower, stored as language_model.model.*, vision_tower.*."""
@@ -228,7 +237,8 @@ TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers, "llam
                "granite": _granite, "smollm3": _smollm3, "mistral-window": _mistral_window,
                "qwen2-window": _qwen2_window, "gemma2": _gemma2, "gemma3": _gemma3,
                "gemma3-multimodal": _gemma3_multimodal, "phi4-mini": _phi4_mini,
-               "phi3": _phi3, "olmo2": _olmo2, "gpt-oss": _gpt_oss}
+               "phi3": _phi3, "olmo2": _olmo2, "gpt-oss": _gpt_oss, "gemma3-12-layers": _gemma3_12_layers,
+               "gemma3-12-layers-full": lambda path: _gemma3_12_layers(path, ["full_attention"] * 12)}
 
 
 @pytest.fixture(scope="session")

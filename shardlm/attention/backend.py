@@ -11,6 +11,10 @@ A backend owns three decisions:
 A backend that can be captured in a CUDA graph keeps its metadata in preallocated device
 tensors and says so (supports_graph_capture); worker/cuda_graphs.py captures its decode steps.
 
+A model whose KV cache is in several groups (kv_cache_groups.py: sliding-window layers apart)
+has one backend and one metadata per group, passed to the model as KVGroupsMetadata; each
+layer reads its group's (metadata_of).
+
 Under context parallel the runner gives the backend this rank's ContextShard
 (context_parallel.py) and a sink slot for the positions other ranks own; the layer then calls
 forward_partial (output and log-sum-exp over this rank's positions) instead of forward.
@@ -73,3 +77,16 @@ class AttentionBackend(ABC):
 
     def prepare_graph_capture(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         """Allocate what a captured decode step reads (backends with supports_graph_capture)."""
+
+
+class KVGroupsMetadata:
+    """One step's attention metadata per KV cache group."""
+    __slots__ = ("per_group",)
+
+    def __init__(self, per_group: list):
+        self.per_group = per_group
+
+
+def metadata_of(layer: nn.Module, meta):
+    """The metadata `layer` attends with: its KV cache group's, where there are several."""
+    return meta.per_group[layer.kv_group] if isinstance(meta, KVGroupsMetadata) else meta

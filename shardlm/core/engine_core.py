@@ -26,7 +26,6 @@ from shardlm.logger import init_logger
 from shardlm.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
 from shardlm.planner.layer_placement import describe_partition, stage_layers
 from shardlm.structured_output.manager import StructuredOutputManager
-from shardlm.utils import cdiv
 
 logger = init_logger(__name__)
 
@@ -51,7 +50,8 @@ class EngineCore:
         # the scheduler counts blocks of kv_block_tokens (a block id's tokens over every context parallel rank)
         self.scheduler = Scheduler(config.scheduler, replace(config.cache, block_size=config.kv_block_tokens),
                                    num_blocks, self.max_in_flight,
-                                   config.lora.max_loras if config.lora is not None else 0, config.speculative)
+                                   config.lora.max_loras if config.lora is not None else 0, config.speculative,
+                                   config.kv_groups)
         self.stat_logger = StatLogger(self.scheduler)
         self.batch_queue: deque = deque()      # (scheduler output, wait for its result), oldest first
         self.wave = Wave() if config.dp_lockstep else None     # DP + EP: replicas step together
@@ -74,18 +74,24 @@ class EngineCore:
 
     def _check_kv_capacity(self, num_blocks: int) -> None:
         bs, max_len = self.config.kv_block_tokens, self.config.model.max_model_len
-        usable = num_blocks - 1   # block 0 is the null block
-        needed = cdiv(max_len, bs)
+        groups, chunk = self.config.kv_groups, self.config.scheduler.max_num_batched_tokens
+        usable = max(num_blocks - 1, 0)   # block 0 is the null block
+        needed = groups.blocks_held(max_len, bs, chunk)
         if usable < needed:
             raise ValueError(
-                f"The KV cache has room for {max(usable, 0) * bs} tokens ({max(usable, 0)} blocks of {bs}), "
-                f"fewer than one request of max_model_len={max_len} needs ({needed} blocks). "
-                "Give it more memory (kv_cache_memory on CPU, gpu_memory_utilization on CUDA) "
-                f"or lower max_model_len to at most {max(usable, 0) * bs}.")
+                f"The KV cache has room for {groups.max_tokens(usable, bs, chunk)} tokens of one request "
+                f"({usable} blocks of {bs}), fewer than one request of max_model_len={max_len} needs ({needed} "
+                "blocks). Give it more memory (kv_cache_memory on CPU, gpu_memory_utilization on CUDA) "
+                f"or lower max_model_len to at most {groups.max_tokens(usable, bs, chunk)}.")
         cp = self.config.parallel.context_parallel_size
         spread = f" ({self.config.cache.block_size} on each of {cp} context parallel ranks)" if cp > 1 else ""
-        logger.info("KV cache: %d blocks x %d tokens%s = %d tokens; max concurrency at max_model_len %d: %.2fx",
-                    usable, bs, spread, usable * bs, max_len, usable * bs / max_len)
+        if groups.windows == (None,):
+            logger.info("KV cache: %d blocks x %d tokens%s = %d tokens; max concurrency at max_model_len %d: %.2fx",
+                        usable, bs, spread, usable * bs, max_len, usable * bs / max_len)
+        else:
+            logger.info("KV cache: %d blocks x %d tokens, %s (sliding-window layers keep only their window); "
+                        "max concurrency at max_model_len %d: %.2fx", usable, bs, groups.describe(), max_len,
+                        usable / groups.blocks_held(max_len, bs))
 
     def add_request(self, req: EngineCoreRequest) -> int | None:
         """-> the lock-step wave this request started (the other replicas must join it), or None."""
@@ -186,7 +192,10 @@ class EngineCore:
     def stats(self) -> dict:
         return {"num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
                 "kv_cache_usage": self.scheduler.kv.usage(),
-                "kv_cache_tokens": (self.num_blocks - 1) * self.config.kv_block_tokens,   # block 0: the null block
+                # the context it holds (block 0: the null block); with sliding-window groups, that of
+                # as many requests of max_model_len as fit
+                "kv_cache_tokens": self.config.kv_groups.tokens_held(self.num_blocks - 1, self.config.kv_block_tokens,
+                                                                      self.config.model.max_model_len),
                 "prefix_cache_hit_rate": self.scheduler.kv.prefix_cache_hit_rate(),
                 "prefix_cache_queries": self.scheduler.kv.prefix_queries,
                 "prefix_cache_hits": self.scheduler.kv.prefix_hits,

@@ -26,8 +26,9 @@ from __future__ import annotations
 from collections import deque
 
 from shardlm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from shardlm.core.kv_cache_manager import KVCacheManager
+from shardlm.core.kv_cache_manager import ONE_GROUP, KVCacheManager
 from shardlm.core.request import Request, RequestStatus
+from shardlm.kv_cache_groups import KVCacheGroups
 from shardlm.logger import init_logger
 from shardlm.messages import EngineCoreOutput, ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 from shardlm.spec_decode.stats import SpecDecodingStats
@@ -40,16 +41,17 @@ SPEC_BACKOFF = 16      # tokens a request decodes without proposals after one mi
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 pipeline_depth: int = 1, max_loras: int = 0, speculative: SpeculativeConfig | None = None):
+                 pipeline_depth: int = 1, max_loras: int = 0, speculative: SpeculativeConfig | None = None,
+                 kv_groups: KVCacheGroups = ONE_GROUP):
         """pipeline_depth: batches in flight at once (the number of pipeline stages); max_loras:
         LoRA adapters the running requests may use at once (0: LoRA is off); speculative: whether
-        (and when) proposed tokens are verified."""
+        (and when) proposed tokens are verified; kv_groups: the KV cache groups (EngineConfig.kv_groups)."""
         self.config = config
         self.speculative = speculative
         self.spec_stats = SpecDecodingStats()
         self.max_loras = max_loras
         self.pipeline_depth = pipeline_depth
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, kv_groups)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

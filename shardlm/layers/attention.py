@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardlm.attention.backend import AttentionBackend
+from shardlm.attention.backend import AttentionBackend, metadata_of
 from shardlm.attention.context_parallel import gather_queries, merge_partials
 from shardlm.distributed.parallel_state import get_cp_group, get_dcp_group
 from shardlm.layers.linear import load_slice
@@ -28,6 +28,8 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None   # layout: backend.kv_cache_shape(), bound by the runner
         self.v_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
+        self.kv_group = 0                          # its KV cache group (kv_cache_groups.py) and the K/V
+        self.kv_slot = 0                           # tensors it shares with one layer of each other group
         self.rotary = ApplyRotary()
         # context parallel: the ranks each holding a share of every sequence's KV (cp), those of
         # them in this TP group (dcp: they hold the same tokens, other heads)
@@ -48,6 +50,7 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]"""
+        meta = metadata_of(self, meta)
         if self.sinks is not None:          # the attention with its log-sum-exp, scaled
             out, lse = self.backend.forward_partial(self, q, k, v, meta)
             return (out * torch.sigmoid(lse - self.sinks.float()).unsqueeze(-1)).to(q.dtype).view(q.shape[0], -1)
@@ -65,6 +68,7 @@ class Attention(nn.Module):
         into the cache, attention. One fused call where the backend has it for this step.
         cos_sin None: a layer without a rotary embedding (NoPE)."""
         T, H, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        meta = metadata_of(self, meta)
         if qk_norm is not None:
             qk, v = qkv.split([(H + Hkv) * D, Hkv * D], dim=-1)
             qkv = torch.cat([qk_norm(qk.reshape(T, H + Hkv, D)).reshape(T, -1), v], dim=-1)

@@ -24,7 +24,8 @@ from shardlm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear,
 from shardlm.layers.norm import Float32RMSNorm
 from shardlm.layers.rotary import RotaryEmbedding
 from shardlm.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from shardlm.models.llama import LlamaForCausalLM, LlamaVariant, PPMissingLayer, sliding_window
+from shardlm.kv_cache_groups import sliding_window
+from shardlm.models.llama import LlamaForCausalLM, LlamaVariant, PPMissingLayer
 
 
 def GemmaRMSNorm(size: int, eps: float) -> Float32RMSNorm:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from shardlm.distributed.parallel_state import get_pp_group
+from shardlm.kv_cache_groups import sliding_window
 from shardlm.layers.activation import SiluAndMul
 from shardlm.layers.attention import Attention
 from shardlm.layers.linear import (
@@ -44,17 +45,6 @@ class LlamaVariant:
     logits_scaling: float = 1.0              # Granite: the logits divided
     nope_layers: frozenset[int] = frozenset()    # layers without a rotary embedding (SmolLM3)
     sinks: bool = False                      # a learned attention sink logit per head (GPT-OSS)
-
-
-def sliding_window(config, layer_idx: int) -> int | None:
-    """The attention window of a layer, as transformers reads the config: config.layer_types names
-    the layers with "sliding_attention" (Qwen2, SmolLM3, Gemma 2/3, GPT-OSS); without it, every
-    layer has config.sliding_window where one is set (Mistral v0.1) and not switched off."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    types = getattr(config, "layer_types", None)
-    return window if types is None or types[layer_idx] == "sliding_attention" else None
 
 
 class LlamaAttention(nn.Module):

@@ -15,7 +15,8 @@ from shardlm.layers.linear import QKVParallelLinear, RowParallelLinear
 from shardlm.layers.norm import Float32RMSNorm, ShardedRMSNorm
 from shardlm.layers.rotary import RotaryEmbedding
 from shardlm.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from shardlm.models.llama import LlamaForCausalLM, LlamaMLP, LlamaVariant, PPMissingLayer, sliding_window
+from shardlm.kv_cache_groups import sliding_window
+from shardlm.models.llama import LlamaForCausalLM, LlamaMLP, LlamaVariant, PPMissingLayer
 
 
 class Olmo2Attention(nn.Module):

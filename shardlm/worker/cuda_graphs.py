@@ -50,6 +50,8 @@ def graphs_unavailable_reason(runner) -> str | None:
         return "mixture-of-experts layers"
     if any(getattr(m, "quant", None) is not None for m in runner.model.modules()):
         return "quantized layers"
+    if runner.kv_groups.num_groups > 1:
+        return "sliding-window layers keep their own block tables (--disable-hybrid-kv-cache-manager: captured)"
     if runner.lora is not None:
         return "LoRA adapters"
     if getattr(runner.model.model, "aux_layers", ()):

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from shardlm import cpu_plan
+from shardlm.attention.backend import KVGroupsMetadata
 from shardlm.attention.context_parallel import ContextShard
 from shardlm.attention.selector import get_attention_backend
 from shardlm.config import EngineConfig
@@ -58,7 +59,10 @@ class ModelRunner:
         self._attention_layers: list[Attention] | None = None
         self._moe_layers: dict[int, FusedMoE] | None = None
         self.sampler = Sampler()
-        self.attn_backend = get_attention_backend(config, device)
+        self.kv_groups = config.kv_groups
+        # one backend per KV cache group (each builds its group's metadata; the first is the engine's)
+        self.attn_backends = [get_attention_backend(config, device) for _ in range(self.kv_groups.num_groups)]
+        self.attn_backend = self.attn_backends[0]
         self.requests: dict[str, RequestState] = {}
         self.stop_ids_for_min_tokens = list(config.model.eos_token_ids)
         self.dp_lockstep = config.dp_lockstep
@@ -68,6 +72,7 @@ class ModelRunner:
         self.proposer: Proposer | None = None          # speculative decoding, on the rank that samples
         self.enforce_eager = config.model.enforce_eager
         self.num_blocks: int | None = None              # KV cache blocks, once the cache is bound
+        self._kv_tensors: list[tuple[torch.Tensor, torch.Tensor]] = []     # (K, V) per slot (attention_layers)
 
     def load_model(self) -> None:
         par = self.config.parallel
@@ -115,9 +120,28 @@ class ModelRunner:
         cpu_plan.record(decode_path=prepare_fused_decode(self.model, not self.enforce_eager))
 
     def attention_layers(self) -> list[Attention]:
+        """This rank's attention layers, each told its KV cache group and its tensor slot: the
+        layers at the same place in their groups share one K and one V tensor (kv_cache_groups.py)."""
         if self._attention_layers is None:
-            self._attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+            layers = [(name, m) for name, m in self.model.named_modules() if isinstance(m, Attention)]
+            place_in_group = [0] * self.kv_groups.num_groups
+            for name, attn in layers:
+                if self.kv_groups.num_groups > 1:
+                    attn.kv_group = self.kv_groups.group_of_layer(int(name.split(".layers.")[1].split(".")[0]))
+                attn.kv_slot = place_in_group[attn.kv_group]
+                place_in_group[attn.kv_group] += 1
+            self._attention_layers = [m for _, m in layers]
         return self._attention_layers
+
+    def _kv_slots(self) -> dict[int, Attention]:
+        """The first layer of each K/V tensor slot: the tensors' shapes."""
+        firsts: dict[int, Attention] = {}
+        for attn in self.attention_layers():
+            first = firsts.setdefault(attn.kv_slot, attn)
+            if (first.num_kv_heads, first.head_dim) != (attn.num_kv_heads, attn.head_dim):
+                raise ValueError("Layers whose KV cache shapes differ cannot share a block id: start with "
+                                 "--disable-hybrid-kv-cache-manager.")
+        return firsts
 
     def moe_layers(self) -> dict[int, FusedMoE]:
         """This rank's MoE layers by decoder layer index (found once: dummy steps use them every step)."""
@@ -127,22 +151,25 @@ class ModelRunner:
         return self._moe_layers
 
     def kv_cache_bytes_per_block(self) -> int:
-        """This rank's KV bytes per block: its layers, its share of the KV heads."""
+        """This rank's KV bytes per block: its layers' K/V tensors (one per layer, or per slot shared
+        by the KV cache groups), its share of the KV heads."""
         dtype_size = torch.empty((), dtype=self.config.model.dtype).element_size()
         draft = self.proposer.kv_cache_bytes_per_block() if self.proposer is not None else 0
         return draft + sum(2 * self.block_size * a.num_kv_heads * a.head_dim * dtype_size
-                           for a in self.attention_layers())
+                           for a in self._kv_slots().values())
 
     def initialize_cache(self, num_blocks: int) -> None:
         dtype = self.config.model.dtype
         # context parallel: one more block, the sink where positions of other ranks go
         sink = self.attn_backend.shard is not None
         self.attn_backend.sink_slot = num_blocks * self.block_size
+        self._kv_tensors = []
+        for a in self._kv_slots().values():
+            shape = self.attn_backend.kv_cache_shape(num_blocks + sink, a.num_kv_heads, a.head_dim)
+            self._kv_tensors.append((self._zeros(shape, dtype), self._zeros(shape, dtype)))
         for attn in self.attention_layers():
-            shape = self.attn_backend.kv_cache_shape(num_blocks + sink, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = self._zeros(shape, dtype)
-            attn.v_cache = self._zeros(shape, dtype)
-            attn.backend = self.attn_backend
+            attn.k_cache, attn.v_cache = self._kv_tensors[attn.kv_slot]
+            attn.backend = self.attn_backends[attn.kv_group]
         if self.proposer is not None:
             self.proposer.initialize_cache(num_blocks)
         self.num_blocks = num_blocks
@@ -153,6 +180,7 @@ class ModelRunner:
 
     def release_cache(self) -> None:
         self.num_blocks = None
+        self._kv_tensors = []
         for attn in self.attention_layers():
             attn.k_cache = attn.v_cache = None
         if self.proposer is not None:
@@ -197,7 +225,8 @@ class ModelRunner:
             wanted = so.propose_drafts
             if wanted and out.sampled:
                 out.draft_token_ids = self.proposer.propose([
-                    ProposalRequest(c.req_id, s.prompt_token_ids, s.output_token_ids, c.block_ids, wanted[c.req_id])
+                    ProposalRequest(c.req_id, s.prompt_token_ids, s.output_token_ids, c.block_tables[0],
+                                    wanted[c.req_id])
                     for c in chunks if c.req_id in out.sampled and c.req_id in wanted
                     for s in [self.requests[c.req_id]]])
         return out
@@ -284,10 +313,12 @@ class ModelRunner:
 
     def _prepare_inputs(self, batch: StepBatch):
         """The tensors and attention metadata of the tokens this rank computes."""
-        self._fault_in_blocks(max(max(c.block_ids) for c in batch.chunks))
+        self._fault_in_blocks(max(max(t) for c in batch.chunks for t in c.block_tables))
         layout = batch.attention
-        meta = self.attn_backend.build_metadata(layout.query_lens, layout.starts, layout.tables,
-                                                batch.pcp.step if batch.pcp is not None else None)
+        pcp = batch.pcp.step if batch.pcp is not None else None
+        metas = [backend.build_metadata(layout.query_lens, layout.starts, layout.tables_of(g), pcp)
+                 for g, backend in enumerate(self.attn_backends)]
+        meta = metas[0] if len(metas) == 1 else KVGroupsMetadata(metas)
         return (torch.tensor(batch.computed_ids, dtype=torch.long, device=self.device),
                 torch.tensor(batch.computed_positions, dtype=torch.long, device=self.device), meta)
 
@@ -370,9 +401,9 @@ class ModelRunner:
         if top_block < self._faulted_blocks:
             return
         hi = min(self.num_blocks, max(top_block + 1, self._faulted_blocks + self._fault_chunk))
-        for attn in self.attention_layers():
-            attn.k_cache[:, self._faulted_blocks:hi].zero_()
-            attn.v_cache[:, self._faulted_blocks:hi].zero_()
+        for k_cache, v_cache in self._kv_tensors:
+            k_cache[:, self._faulted_blocks:hi].zero_()
+            v_cache[:, self._faulted_blocks:hi].zero_()
         self._faulted_blocks = hi
 
     def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:

@@ -33,10 +33,15 @@ class RequestState:
 
 @dataclass
 class AttentionLayout:
-    """Per attention query sequence: its query length, first position and block table."""
+    """Per attention query sequence: its query length, first position and block tables (one per
+    KV cache group)."""
     query_lens: list[int]
     starts: list[int]
-    tables: list[list[int]]
+    tables: list[list[list[int]]]
+
+    def tables_of(self, group: int) -> list[list[int]]:
+        """Every sequence's block table in one KV cache group."""
+        return [t[group] for t in self.tables]
 
 
 @dataclass
@@ -122,11 +127,11 @@ class StepBuilder:
             if c.num_draft_tokens:
                 layout.query_lens.extend([1] * n)
                 layout.starts.extend(range(c.start_pos, c.start_pos + n))
-                layout.tables.extend([c.block_ids] * n)
+                layout.tables.extend([c.block_tables] * n)
             else:
                 layout.query_lens.append(n)
                 layout.starts.append(c.start_pos)
-                layout.tables.append(c.block_ids)
+                layout.tables.append(c.block_tables)
         return input_ids, positions, layout
 
     def split_over_pcp_groups(self, positions: list[int], attention: AttentionLayout) -> ContextParallelSplit:
@@ -141,7 +146,7 @@ class StepBuilder:
             for i in tokens:
                 row_of[i], row = row, row + 1
         query_rows, token_table, t = [], [], 0
-        for qlen, table in zip(attention.query_lens, attention.tables):
+        for qlen, table in zip(attention.query_lens, attention.tables_of(0)):     # one group under context parallel
             query_rows.append(row_of[t:t + qlen])
             token_table.extend([table] * qlen)
             t += qlen

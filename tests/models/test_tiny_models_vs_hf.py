@@ -55,19 +55,28 @@ def test_engine_variants_give_identical_outputs(variant, tiny_model_dir, referen
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in baseline]
 
 
-def test_a_sliding_window_holds_over_prefill_chunks_cached_prefixes_and_preemption(tiny_model_dir, references, hf):
-    """Chunks of 16 tokens (the window is 8), prompts whose first blocks are cached, and a KV cache
-    too small for the batch (8 KiB a block: 21 hold one request, not six) give transformers' tokens."""
-    path = tiny_model_dir("mistral-window")
+@pytest.mark.parametrize("name", ["mistral-window", "gemma3"])
+def test_a_sliding_window_holds_over_prefill_chunks_cached_prefixes_and_preemption(name, tiny_model_dir, references,
+                                                                                   hf):
+    """Chunks of 16 tokens (windows of 8: prompts up to 16 windows long), prompts whose first blocks
+    are cached, and a KV cache too small for the batch give transformers' tokens, with the windowed
+    layers' blocks freed behind their windows (kv_cache_groups.py) and kept (the hybrid manager
+    off). Every model here holds 8 KiB a block id: 2 layers x 2 KV heads x 16 dims x 4 bytes x 2 x
+    16 tokens (Gemma 3's 4 layers, 2 windowed, kept in two groups of 2; 16 KiB with the manager off)."""
+    path = tiny_model_dir(name)
     llm = LLM(path, dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=16)
     for _ in range(2):          # the second pass reads its prompts' blocks from the prefix cache
         outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
-        assert hf.assert_close(references("mistral-window"), outs, "mistral-window chunked") >= 4
+        assert hf.assert_close(references(name), outs, f"{name} chunked") >= 4
     assert llm.stats()["prefix_cache_hits"] > 0
-    small = LLM(path, dtype="float32", kv_cache_memory=8192 * 21, max_model_len=256)
-    outs = small.generate(_prompts(), PARAMS, use_tqdm=False)
-    assert small.stats()["num_preemptions"] > 0
-    assert hf.assert_close(references("mistral-window"), outs, "mistral-window preempted") >= 4
+    for hybrid in (True, False):
+        per_block = 16384 if name == "gemma3" and not hybrid else 8192
+        small = LLM(path, dtype="float32", kv_cache_memory=per_block * 21, max_model_len=256,
+                    max_num_batched_tokens=16, disable_hybrid_kv_cache_manager=not hybrid)
+        outs = small.generate(_prompts(), PARAMS, use_tqdm=False)
+        # 20 usable blocks: the six requests' full-attention positions need 33; windows alone, 2 each
+        assert (small.stats()["num_preemptions"] > 0) == (name == "gemma3" or not hybrid)
+        assert hf.assert_close(references(name), outs, f"{name} preempted, hybrid={hybrid}") >= 4
 
 
 @pytest.mark.parametrize("max_model_len, lengths", [

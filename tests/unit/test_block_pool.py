@@ -85,10 +85,10 @@ def test_prefix_hit_shares_blocks_and_leaves_one_token_to_compute():
     assert kv.allocate_slots(a, 12)
     b = make_request("b", list(range(12)))
     hits, n = kv.get_computed_blocks(b)
-    assert n == 8 and len(hits) == 2           # the last block is recomputed: a prompt token must remain
+    assert n == 8 and len(hits[0]) == 2        # the last block is recomputed: a prompt token must remain
     assert kv.allocate_slots(b, 4, hits)
-    assert kv.block_ids("a")[:2] == kv.block_ids("b")[:2]
-    assert kv.block_ids("a")[2] != kv.block_ids("b")[2]
+    [a_table], [b_table] = kv.block_ids("a"), kv.block_ids("b")
+    assert a_table[:2] == b_table[:2] and a_table[2] != b_table[2]
     kv.free(a)
     kv.free(b)
     assert kv.pool.num_free_blocks == 9
@@ -97,17 +97,17 @@ def test_prefix_hit_shares_blocks_and_leaves_one_token_to_compute():
 def test_no_hits_without_caching_or_with_prompt_logprobs():
     kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=True)
     assert kv.allocate_slots(make_request("a", list(range(12))), 12)
-    assert kv.get_computed_blocks(make_request("b", list(range(12)), prompt_logprobs=1)) == ([], 0)
+    assert kv.get_computed_blocks(make_request("b", list(range(12)), prompt_logprobs=1)) == ([[]], 0)
     off = KVCacheManager(num_blocks=10, block_size=4, enable_caching=False)
     assert off.allocate_slots(make_request("a", list(range(12))), 12)
-    assert off.get_computed_blocks(make_request("b", list(range(12)))) == ([], 0)
+    assert off.get_computed_blocks(make_request("b", list(range(12)))) == ([[]], 0)
 
 
 def test_allocation_fails_cleanly_when_short():
     kv = KVCacheManager(num_blocks=4, block_size=4, enable_caching=True)
     r = make_request("a", list(range(20)))
     assert not kv.allocate_slots(r, 20)      # needs 5 blocks, 3 usable
-    assert kv.pool.num_free_blocks == 3 and kv.block_ids("a") == []
+    assert kv.pool.num_free_blocks == 3 and kv.block_ids("a") == [[]]
 
 
 @pytest.mark.slow

@@ -93,7 +93,8 @@ def test_the_cycle_finder_finds_cycles():
 
 def test_leaves_and_layers():
     graph = _graph()
-    assert graph["shardlm.config"] == set()
+    assert graph["shardlm.config"] == {"shardlm.kv_cache_groups"}
+    assert graph["shardlm.kv_cache_groups"] == set()
     assert graph["shardlm.messages"] <= {"shardlm.sampling_params", "shardlm.lora.request", "shardlm.outputs"}
     assert graph["shardlm.lora.request"] == set()         # leaves: they travel inside messages
     assert graph["shardlm.outputs"] == set()

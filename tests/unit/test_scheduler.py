@@ -109,7 +109,7 @@ def test_shared_prefix_is_computed_once_in_the_same_step():
     s.add_request(req("b", 9))
     out, _ = step(s)
     assert [(c.req_id, c.start_pos, len(c.token_ids)) for c in out.chunks] == [("a", 0, 9), ("b", 8, 1)]
-    assert out.chunks[0].block_ids[:2] == out.chunks[1].block_ids[:2]
+    assert out.chunks[0].block_tables[0][:2] == out.chunks[1].block_tables[0][:2]
 
 
 def _pipelined(num_blocks=64, max_num_seqs=8, depth=2):

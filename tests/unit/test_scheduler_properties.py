@@ -1,14 +1,17 @@
 """Property-based scheduler test: random arrivals, prompts from 1 token to several step budgets,
 budgets, max_num_seqs, pipeline depths, KV caches small enough to force preemption, shared
-prefixes for the prefix cache, and aborts.
+prefixes for the prefix cache, aborts, and KV cache groups of sliding-window layers
+(kv_cache_groups.py) beside or instead of full attention.
 
 The model is a stand-in that keeps its "KV cache" honest: each step writes every scheduled
 token into the slot its block table names, then reads each request's whole context back
-through the block table, and its next token is a hash of what it read. A wrong block table, a
-prefix-cache block shared with the wrong content or a chunk scheduled twice changes the tokens
+through the block table (of every group; a window group only what its window reaches), and its
+next token is a hash of what it read. A wrong block table, a prefix-cache block shared with the
+wrong content, a block held by two groups at once or a chunk scheduled twice changes the tokens
 (or trips an assertion), so: every request that is not aborted must end with exactly the tokens
 it gets when run alone; no step holds more tokens than the budget or more requests than
-max_num_seqs; and once the engine is idle every block is free again.
+max_num_seqs; a window group holds no block its window has left; and once the engine is idle
+every block is free again.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from hypothesis import strategies as st
 from shardlm.config import CacheConfig, SchedulerConfig
 from shardlm.core.request import Request
 from shardlm.core.scheduler import Scheduler
+from shardlm.kv_cache_groups import KVCacheGroups, plan_kv_cache_groups
 from shardlm.messages import ModelRunnerOutput, SchedulerOutput
 from shardlm.sampling_params import SamplingParams
 from shardlm.utils import cdiv
@@ -46,12 +50,13 @@ def run_alone(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 class CheckingModel:
-    """Writes each scheduled token to its KV slot, then reads every request's context back
-    through its block table; samples from what it read."""
+    """Writes each scheduled token to its KV slot in every group, then reads every request's
+    context back through each group's block table (a window group: the positions its window
+    reaches from the chunk's first query); samples from what was read."""
 
-    def __init__(self, num_blocks: int, block_size: int):
-        self.bs = block_size
-        self.slots = [None] * (num_blocks * block_size)
+    def __init__(self, num_blocks: int, block_size: int, groups: KVCacheGroups):
+        self.bs, self.groups = block_size, groups
+        self.slots = [None] * (num_blocks * block_size)      # one pool: a block id is one group's at a time
         self.context: dict[str, list[int]] = {}     # what each request's tokens are (the truth)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -59,18 +64,27 @@ class CheckingModel:
             assert c.token_ids, "an empty chunk"
             known = self.context[c.req_id]
             assert c.token_ids == known[c.start_pos:c.start_pos + len(c.token_ids)], "a chunk of the wrong tokens"
-            for i, token in enumerate(c.token_ids):
-                pos = c.start_pos + i
-                block = c.block_ids[pos // self.bs]
-                assert block != 0, "a token written to the null block"
-                self.slots[block * self.bs + pos % self.bs] = token
+            assert len(c.block_tables) == self.groups.num_groups
+            for table in c.block_tables:
+                for i, token in enumerate(c.token_ids):
+                    pos = c.start_pos + i
+                    block = table[pos // self.bs]
+                    assert block != 0, "a token written to the null block"
+                    self.slots[block * self.bs + pos % self.bs] = token
         sampled = {}
         for c in so.chunks:     # every layer's K/V is written before attention reads it
             end = c.start_pos + len(c.token_ids)
-            seen = [self.slots[c.block_ids[p // self.bs] * self.bs + p % self.bs] for p in range(end)]
-            assert seen == self.context[c.req_id][:end], f"{c.req_id}: the KV cache holds other tokens"
-            if c.sample:
-                sampled[c.req_id] = [next_token(seen)]
+            seen = {}
+            for window, table in zip(self.groups.windows, c.block_tables):
+                # the first query attends from its own position back over window - 1 keys
+                first = 0 if window is None else max(0, c.start_pos - window + 1)
+                seen.update((p, self.slots[table[p // self.bs] * self.bs + p % self.bs]) for p in range(first, end))
+                held = sum(1 for b in table if b != 0)
+                assert held == cdiv(end, self.bs) - first // self.bs, f"{c.req_id}: window {window}, {held} blocks"
+            context = self.context[c.req_id]
+            assert [seen[p] for p in sorted(seen)] == context[min(seen):end], f"{c.req_id}: other tokens in the cache"
+            if c.sample:       # what a windowed model reads of the positions before is the truth's
+                sampled[c.req_id] = [next_token(context[:min(seen)] + [seen[p] for p in sorted(seen)])]
         return ModelRunnerOutput(sampled)
 
 
@@ -87,7 +101,11 @@ def workloads(draw):
     block_size = draw(st.sampled_from([4, 16]))
     budget = draw(st.integers(1, 48))
     max_model_len = draw(st.integers(8, 160))
-    min_blocks = cdiv(max_model_len, block_size) + 1          # the engine refuses fewer (one full request)
+    window = draw(st.integers(1, 40))
+    layers = draw(st.sampled_from([[None], [window, None, window, window, None, window], [window, window]]))
+    groups = plan_kv_cache_groups(layers, max_model_len)
+    # the engine refuses fewer (one full request)
+    min_blocks = groups.blocks_held(max_model_len, block_size, budget) + 1
     num_blocks = draw(st.integers(min_blocks, min_blocks + 24))
     max_num_seqs = draw(st.integers(1, 8))
     depth = draw(st.integers(1, 3))                             # batches in flight (pipeline stages)
@@ -105,15 +123,16 @@ def workloads(draw):
         abort_at = draw(st.one_of(st.none(), st.integers(step, step + 40)))
         room = max_model_len - len(prompt)                      # max_tokens must fit (processor.check_max_tokens)
         arrivals.append(Arrival(step, prompt, draw(st.one_of(st.none(), st.integers(1, min(24, room)))), abort_at))
-    return block_size, budget, max_model_len, num_blocks, max_num_seqs, depth, arrivals
+    return block_size, budget, max_model_len, num_blocks, max_num_seqs, depth, arrivals, groups
 
 
-def simulate(block_size, budget, max_model_len, num_blocks, max_num_seqs, depth, arrivals):
+def simulate(block_size, budget, max_model_len, num_blocks, max_num_seqs, depth, arrivals, groups):
     """Runs the workload as the engine core does (up to `depth` batches in flight);
     -> ({request id: output tokens} of the requests that finished, the scheduler)."""
     sched = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len),
-                      CacheConfig(block_size=block_size, enable_prefix_caching=True), num_blocks, depth)
-    model = CheckingModel(num_blocks, block_size)
+                      CacheConfig(block_size=block_size, enable_prefix_caching=True), num_blocks, depth,
+                      kv_groups=groups)
+    model = CheckingModel(num_blocks, block_size, groups)
     requests: dict[str, Request] = {}
     finished: dict[str, list[int]] = {}
     in_flight: deque = deque()
@@ -157,7 +176,7 @@ def test_every_request_gets_its_own_tokens_within_the_budget(examples):
 
 
 def check_every_request_gets_its_own_tokens_within_the_budget(workload):
-    block_size, budget, max_model_len, num_blocks, max_num_seqs, depth, arrivals = workload
+    block_size, budget, max_model_len, num_blocks, max_num_seqs, depth, arrivals, _ = workload
     finished, sched = simulate(*workload)
     for i, a in enumerate(arrivals):
         rid = f"r{i}"

@@ -99,7 +99,7 @@ def test_proposals_take_kv_slots_and_rejected_ones_are_handed_back():
     so = s.schedule()
     (c,) = so.chunks
     assert (c.token_ids, c.start_pos, c.num_draft_tokens, c.sample) == ([50, 51, 52, 53], 6, 3, True)
-    assert len(c.block_ids) == 3                             # positions 6..9 need a third block
+    assert len(c.block_tables[0]) == 3                             # positions 6..9 need a third block
     assert r.num_computed_tokens == 10
     out = s.update(so, ModelRunnerOutput({"a": [51, 60]}))  # 51 accepted, 52 rejected: 60 instead
     assert out[0].new_token_ids == [51, 60]
@@ -170,9 +170,9 @@ def test_target_step_pairs_each_position_with_the_token_after_it():
     requests = {"p": SimpleNamespace(prompt_token_ids=[1, 2, 3, 4, 5, 6], output_token_ids=[]),
                 "v": SimpleNamespace(prompt_token_ids=[7, 8], output_token_ids=[9, 10]),
                 "d": SimpleNamespace(prompt_token_ids=[20], output_token_ids=[21])}
-    chunks = [ScheduledChunk("p", [1, 2, 3], 0, [1], False),              # a prompt chunk: 4 comes next
-              ScheduledChunk("v", [10, 11, 12, 13], 3, [2], True, 3),     # proposals 11 12 13
-              ScheduledChunk("d", [21], 1, [3], True)]                    # a plain decode
+    chunks = [ScheduledChunk("p", [1, 2, 3], 0, [[1]], False),              # a prompt chunk: 4 comes next
+              ScheduledChunk("v", [10, 11, 12, 13], 3, [[2]], True, 3),     # proposals 11 12 13
+              ScheduledChunk("d", [21], 1, [[3]], True)]                    # a plain decode
     step = TargetStep(None, None, None, None, chunks, {"v": [11, 40], "d": [50]}, requests)
     next_ids, last_row = step.next_token_ids()
     # v kept 11, then sampled 40 where 12 was proposed: position 4 (row 4) is followed by 40

@@ -16,7 +16,7 @@ def _state(prompt_len=4, lora=0, **params) -> RequestState:
 
 def test_chunks_run_grouped_by_adapter_the_base_model_first():
     requests = {"a": _state(lora=2), "b": _state(), "c": _state(lora=1), "d": _state(lora=2)}
-    chunks = [ScheduledChunk(r, [1] * n, 0, [1], True) for r, n in zip("abcd", (3, 2, 4, 1))]
+    chunks = [ScheduledChunk(r, [1] * n, 0, [[1]], True) for r, n in zip("abcd", (3, 2, 4, 1))]
     builder = StepBuilder(requests, lora_slots=lambda ids: [{0: -1, 1: 0, 2: 1}[i] for i in ids], max_loras=2)
     ordered, lora = builder.order_by_adapter(chunks)
     assert [c.req_id for c in ordered] == ["b", "c", "a", "d"]
@@ -25,19 +25,19 @@ def test_chunks_run_grouped_by_adapter_the_base_model_first():
 
 
 def test_a_prompt_chunk_is_one_query_and_each_verified_position_a_decode():
-    prompt = ScheduledChunk("p", [5, 6, 7], 0, [1], True)
-    verify = ScheduledChunk("v", [8, 9, 10], 12, [2, 3], True, num_draft_tokens=2)
+    prompt = ScheduledChunk("p", [5, 6, 7], 0, [[1]], True)
+    verify = ScheduledChunk("v", [8, 9, 10], 12, [[2, 3]], True, num_draft_tokens=2)
     ids, positions, layout = StepBuilder.token_layout([prompt, verify])
     assert ids == [5, 6, 7, 8, 9, 10] and positions == [0, 1, 2, 12, 13, 14]
     assert layout.query_lens == [3, 1, 1, 1] and layout.starts == [0, 12, 13, 14]
-    assert layout.tables == [[1], [2, 3], [2, 3], [2, 3]]
+    assert layout.tables == [[[1]], [[2, 3]], [[2, 3]], [[2, 3]]]
 
 
 def test_prefill_context_parallel_splits_tokens_by_the_group_owning_their_position():
     # 2 PCP groups, interleave 2: positions 0-1 group 0, 2-3 group 1, 4-5 group 0, ...
     shard = ContextShard(2, 1, 2, 16, 1)
     builder = StepBuilder({}, pcp_size=2, pcp_rank=1, shard=shard)
-    batch_ids, positions, layout = StepBuilder.token_layout([ScheduledChunk("p", list(range(6)), 0, [1], True)])
+    batch_ids, positions, layout = StepBuilder.token_layout([ScheduledChunk("p", list(range(6)), 0, [[1]], True)])
     split = builder.split_over_pcp_groups(positions, layout)
     assert split.groups == [[0, 1, 4, 5], [2, 3]] and split.mine == [2, 3]
     assert split.step.query_rows == [[0, 1, 4, 5, 2, 3]]      # gathered group by group
@@ -47,12 +47,12 @@ def test_prefill_context_parallel_splits_tokens_by_the_group_owning_their_positi
 def test_logits_rows_cover_sampled_positions_and_each_prompt_position_once():
     requests = {"s": _state(), "p": _state(prompt_len=10, prompt_logprobs=1)}
     builder = StepBuilder(requests)
-    sample = ScheduledChunk("s", [1, 2, 3], 4, [1], True, num_draft_tokens=2)
-    first_half = ScheduledChunk("p", list(range(6)), 0, [2], False)
+    sample = ScheduledChunk("s", [1, 2, 3], 4, [[1]], True, num_draft_tokens=2)
+    first_half = ScheduledChunk("p", list(range(6)), 0, [[2]], False)
     needed = builder.logits_rows([sample, first_half])
     assert needed.rows == [0, 1, 2, 3, 4, 5, 6, 7, 8] and needed.sample_chunks == [sample]
     assert needed.prompt_rows == [("p", 0, 3, 6)]
-    rest = ScheduledChunk("p", list(range(6, 10)), 6, [2], True)
+    rest = ScheduledChunk("p", list(range(6, 10)), 6, [[2]], True)
     again = builder.logits_rows([rest])
     # positions 6..8 score prompt tokens 7..9; the last position is the sampled one
     assert again.prompt_rows == [("p", 6, 1, 3)] and again.rows == [3, 0, 1, 2]
@@ -62,8 +62,8 @@ def test_logits_rows_cover_sampled_positions_and_each_prompt_position_once():
 def test_each_verified_row_samples_with_the_history_it_follows():
     requests = {"pen": _state(presence_penalty=0.5), "plain": _state()}
     builder = StepBuilder(requests)
-    chunks = [ScheduledChunk("pen", [7, 8, 9], 4, [1], True, num_draft_tokens=2),
-              ScheduledChunk("plain", [3, 4], 4, [2], True, num_draft_tokens=1)]
+    chunks = [ScheduledChunk("pen", [7, 8, 9], 4, [[1]], True, num_draft_tokens=2),
+              ScheduledChunk("plain", [3, 4], 4, [[2]], True, num_draft_tokens=1)]
     rows = builder.sampling_states(chunks)
     assert [r.output_token_ids for r in rows[:3]] == [[], [8], [8, 9]]
     assert rows[3] is requests["plain"] and rows[4] is requests["plain"]
