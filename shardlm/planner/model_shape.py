@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
+
+from shardlm.kv_cache_groups import sliding_window
 
 _PRESETS_FILE = os.path.join(os.path.dirname(__file__), "presets.json")
 
@@ -65,6 +68,7 @@ class ModelShape:
     qk_nope_dim: int = 0
     qk_rope_dim: int = 0
     v_head_dim: int = 0
+    windows: tuple[int | None, ...] = ()     # per layer: its sliding window (None: full attention)
 
     @classmethod
     def from_config(cls, name: str, c: dict) -> ModelShape:
@@ -93,7 +97,8 @@ class ModelShape:
             sparse_step=c.get("decoder_sparse_step") or 1, dense_layers=tuple(c.get("mlp_only_layers") or ()),
             q_lora_rank=c.get("q_lora_rank") or 0, kv_lora_rank=c.get("kv_lora_rank") or 0,
             qk_nope_dim=c.get("qk_nope_head_dim") or 0, qk_rope_dim=c.get("qk_rope_head_dim") or 0,
-            v_head_dim=c.get("v_head_dim") or 0)
+            v_head_dim=c.get("v_head_dim") or 0,
+            windows=tuple(sliding_window(SimpleNamespace(**c), i) for i in range(c["num_hidden_layers"])))
 
     @property
     def is_moe(self) -> bool:
@@ -175,13 +180,21 @@ class ModelShape:
         return self.vocab * self.hidden / (layers / self.layers)
 
     # ---- KV cache ----
-    def kv_bytes_per_token(self, dtype_bytes: float, layers: int | None = None, tp: int = 1) -> float:
+    def kv_bytes_per_token(self, dtype_bytes: float, layers: float | None = None, tp: int = 1) -> float:
         """Standard attention: 2 (K and V) x layers x kv_heads x head_dim x bytes. MLA caches one
         compressed latent (kv_lora_rank + rope dims) per layer, the same on every TP rank."""
         layers = self.layers if layers is None else layers
         if self.is_mla:
             return layers * (self.kv_lora_rank + self.qk_rope_dim) * dtype_bytes
         return 2 * layers * self.kv_heads_per_rank(tp) * self.head_dim * dtype_bytes
+
+    def kv_layers(self, start: int, end: int, max_model_len: int, block_size: int) -> float:
+        """Layers start..end-1 in full-attention layers' worth of KV per token, for requests of
+        max_model_len: a layer with a window of W keeps only the blocks its window spans
+        (kv_cache_groups.py: cdiv(W - 1, block_size) + 1 of them while decoding)."""
+        per_request = -(-max_model_len // block_size)
+        return sum(1.0 if w is None else min(per_request, -(-(w - 1) // block_size) + 1) / per_request
+                   for w in (self.windows or (None,) * self.layers)[start:end])
 
     def linear_params_share(self) -> float:
         """Share of the parameters in linear layers (what weight quantization compresses)."""

@@ -41,6 +41,7 @@ class Workload:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     block_size: int = 16
+    hybrid_kv_cache: bool = True              # sliding-window layers keep only their window (kv_cache_groups.py)
 
     @classmethod
     def for_checkpoint(cls, cfg: dict, shape: ModelShape, dtype: str | None = None, max_model_len: int | None = None,
@@ -135,7 +136,10 @@ def evaluate(shape: ModelShape, tp: int, pp: int, hw: Hardware, w: Workload, ep:
             params += lm_head
             extra += ["norm", "lm_head"]
         wb = weight_bytes(shape, params, linear, w)
-        kv = shape.kv_bytes_per_token(w.dtype_bytes, end - start, tp) / (dcp * pcp)
+        # context parallel keeps every position of every layer (one KV cache group)
+        layers = (shape.kv_layers(start, end, w.max_model_len, w.block_size) if w.hybrid_kv_cache and dcp * pcp == 1
+                  else end - start)
+        kv = shape.kv_bytes_per_token(w.dtype_bytes, layers, tp) / (dcp * pcp)
         plan.stages.append({"stage": s, "layers": [start, end - 1], "holds": extra, "weights_bytes": wb,
                             "kv_bytes_per_token": kv})
         worst_weights, worst_kv = max(worst_weights, wb), max(worst_kv, kv)
@@ -286,6 +290,16 @@ def recommend(shape: ModelShape, hw: Hardware, w: Workload, model_arg: str | Non
         if shape.is_moe:
             notes += _expert_parallel_notes(shape, pick, local_dp, hw, w, model_arg or shape.name)
         notes += _decode_context_parallel_notes(shape, pick, hw, w, model_arg or shape.name)
+    kv_per_token = shape.kv_bytes_per_token(w.dtype_bytes)
+    windowed = [x for x in shape.windows if x is not None and x < w.max_model_len]
+    if windowed and w.hybrid_kv_cache:
+        every = kv_per_token
+        kv_per_token = shape.kv_bytes_per_token(w.dtype_bytes, shape.kv_layers(0, shape.layers, w.max_model_len,
+                                                                                w.block_size))
+        notes.append(f"{len(windowed)} of the {shape.layers} layers attend within a sliding window of "
+                     f"{max(windowed)} tokens and keep only that: {kv_per_token / 1024:.1f} KiB of KV cache per token "
+                     f"at max_model_len {w.max_model_len}, against {every / 1024:.1f} KiB with every position kept "
+                     "(--disable-hybrid-kv-cache-manager, or context parallel).")
     command = None
     if pick is not None:
         command = _serve_command(model_arg or shape.name, pick.tp, pick.pp, 1, w.max_model_len)
@@ -293,7 +307,7 @@ def recommend(shape: ModelShape, hw: Hardware, w: Workload, model_arg: str | Non
     if pick is not None and pick not in shown:
         shown.append(pick)
     return Recommendation(shape.name, params, shape.active_params(), weights, params * w.dtype_bytes * 1.2,
-                          shape.kv_bytes_per_token(w.dtype_bytes), hw, w, pick, reasons, notes, shown, command)
+                          kv_per_token, hw, w, pick, reasons, notes, shown, command)
 
 
 def expert_bytes_per_rank(shape: ModelShape, plan: SplitPlan, w: Workload) -> float:

@@ -90,7 +90,8 @@ def check_fits(config: EngineConfig) -> None:
     workload = Workload(dtype=_DTYPE_NAMES[m.dtype], max_model_len=m.max_model_len,
                         quantization_bits=quant.effective_bits(shape.hidden) if quant else None,
                         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-                        max_num_seqs=config.scheduler.max_num_seqs, block_size=config.cache.block_size)
+                        max_num_seqs=config.scheduler.max_num_seqs, block_size=config.cache.block_size,
+                        hybrid_kv_cache=config.kv_groups.windows != (None,))
     hw = detect_hardware(config.cache.gpu_memory_utilization)
     if config.device.type == "cpu":
         hw.device_memory, hw.utilization = psutil.virtual_memory().available, 1.0

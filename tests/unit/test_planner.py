@@ -66,6 +66,22 @@ def test_kv_bytes_per_token_by_hand():
     assert shape("DeepSeek-V3").kv_bytes_per_token(2) == 61 * (512 + 64) * 2   # MLA latent
 
 
+def test_sliding_window_layers_count_the_window_they_keep():
+    """Gemma 3 27B's shape: 10 full layers, 52 with windows of 1,024; at max_model_len 32,768 a
+    windowed layer keeps 65 of a request's 2,048 blocks, so a GPU holds 5.3x the tokens."""
+    from transformers import Gemma3TextConfig
+    d = Gemma3TextConfig(vocab_size=262208, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+                         num_attention_heads=32, num_key_value_heads=16, head_dim=128, sliding_window=1024,
+                         max_position_embeddings=131072).to_dict()
+    s = ModelShape.from_config("gemma-3-27b", {**d, "architectures": ["Gemma3ForCausalLM"]})
+    assert s.windows.count(None) == 10 and set(s.windows) == {None, 1024}
+    assert s.kv_layers(0, 62, 32768, 16) == pytest.approx(10 + 52 * 65 / 2048)
+    assert s.kv_layers(0, 62, 1024, 16) == 62              # the window covers every request
+    hw = Hardware("gpu", 1, 1, 141 * GiB)
+    kept, every = (evaluate(s, 1, 1, hw, Workload(max_model_len=32768, hybrid_kv_cache=h)) for h in (True, False))
+    assert kept.kv_tokens / every.kv_tokens == pytest.approx(62 / (10 + 52 * 65 / 2048), rel=0.01)
+
+
 def test_per_rank_weights_follow_the_split():
     s = shape("Llama-3.1-70B")
     hw = Hardware("gpu", 8, 1, 80 * GiB)
