@@ -45,6 +45,7 @@ class AttentionBucket:
     context: torch.Tensor | None = None    # [B] context_lens on CPU
     block_size: int = 0
     shard: ContextShard | None = None      # context parallel: the positions this rank holds
+    key_offset: torch.Tensor | None = None  # [B] position of each sequence's first key column (None: 0)
     _additive: dict = field(default_factory=dict, repr=False)
 
     _windowed: dict = field(default_factory=dict, repr=False)
@@ -54,15 +55,17 @@ class AttentionBucket:
         """[B, 1, Q, N * block_size]: True where a query may attend."""
         width = self.block_table.shape[1] * self.block_size
         kj = torch.arange(width)
-        mask = ((self._key_pos[None, None, :] <= self.query_pos[:, :, None])
+        mask = ((self._key_pos[:, None, :] <= self.query_pos[:, :, None])
                 & (kj[None, None, :] < self.context[:, None, None]))
         return mask.unsqueeze(1).to(self.block_table.device)
 
     @cached_property
     def _key_pos(self) -> torch.Tensor:
-        """The position of each key column (context parallel: the global positions this rank holds)."""
+        """[B or 1, K]: the position of each key column (context parallel: the global positions
+        this rank holds; a window group's table: from its first block kept)."""
         width = self.block_table.shape[1] * self.block_size
-        return torch.arange(width) if self.shard is None else self.shard.positions(width)
+        pos = torch.arange(width) if self.shard is None else self.shard.positions(width)
+        return pos[None, :] if self.key_offset is None else self.key_offset[:, None] + pos[None, :]
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """mask, where a sliding window of `window` keys (the query's own and the window - 1 before
@@ -70,7 +73,7 @@ class AttentionBucket:
         if window is None:
             return self.mask
         if window not in self._windowed:
-            recent = self._key_pos[None, None, :] > self.query_pos[:, :, None] - window
+            recent = self._key_pos[:, None, :] > self.query_pos[:, :, None] - window
             self._windowed[window] = self.mask & recent.unsqueeze(1).to(self.mask.device)
         return self._windowed[window]
 
@@ -160,6 +163,14 @@ def _bucket(rows, query_lens, starts, tables, offsets, block_size, device, shard
     if shard is not None:
         ctx = torch.tensor([shard.local_len(n) for n in ctx.tolist()])
     max_q = int(qlens.max())
+    # a sliding-window group's table begins with the null blocks its window has left (block 0 is
+    # never a sequence's own first block): those columns are dropped, the keys start later
+    skipped = [_leading_nulls(tables[i]) for i in rows]
+    key_offset = None
+    if any(skipped):
+        tables = {i: tables[i][n:] for i, n in zip(rows, skipped)}
+        key_offset = torch.tensor(skipped) * block_size
+        ctx = ctx - key_offset
     max_blocks = max(len(tables[i]) for i in rows)
     table = torch.tensor([tables[i] + [0] * (max_blocks - len(tables[i])) for i in rows])
 
@@ -173,7 +184,15 @@ def _bucket(rows, query_lens, starts, tables, offsets, block_size, device, shard
         out_rows = (qi[None, :] < qlens[:, None]).flatten().nonzero().squeeze(1).to(device)
     in_order = query_rows is None and len(rows) == len(query_lens) and max_q == 1
     return AttentionBucket(token_index.to(device), table.to(device), ctx.to(device), max_q == 1, out_rows, in_order,
-                           query_pos=start[:, None] + qi[None, :], context=ctx, block_size=block_size, shard=shard)
+                           query_pos=start[:, None] + qi[None, :], context=ctx, block_size=block_size, shard=shard,
+                           key_offset=key_offset)
+
+
+def _leading_nulls(table: list[int]) -> int:
+    n = 0
+    while n < len(table) and table[n] == 0:
+        n += 1
+    return n
 
 
 class TorchPagedAttention(AttentionBackend):
