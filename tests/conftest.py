@@ -26,7 +26,8 @@ def _tokenizer_dir() -> str:
     return default_model_dir()
 
 
-def _save_tiny(path, model_cls, config) -> str:
+def _save_tiny(path, model_cls, config, tweak=None) -> str:
+    """tweak(model): set what the random init leaves out (buffers), before saving."""
     torch.manual_seed(0)
     model = model_cls(config).to(torch.float32)
     # larger weights than the default init: peaked next-token distributions, few near-ties
@@ -34,6 +35,8 @@ def _save_tiny(path, model_cls, config) -> str:
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0, 0.15)
+        if tweak is not None:
+            tweak(model)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     model.generation_config.eos_token_id = None
@@ -215,6 +218,40 @@ def _gpt_oss(path):
     return _save_tiny(path, GptOssForCausalLM, config)
 
 
+_DEEPSEEK = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=512,
+                 first_k_dense_replace=1, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+                 tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32.0,
+         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+
+
+def _deepseek_v3(path):
+    """MLA with a q LoRA, a dense first layer, 8 experts in 4 groups (2 kept), sigmoid scores with
+    a correction bias (set here: transformers initialises it to zeros), one shared expert, YaRN."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    config = DeepseekV3Config(**_DEEPSEEK, q_lora_rank=32, n_group=4, topk_group=2, norm_topk_prob=True,
+                              routed_scaling_factor=2.5, rope_parameters=_YARN, rope_interleave=True)
+    return _save_tiny(path, DeepseekV3ForCausalLM, config,
+                      lambda m: [layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1) for layer in m.model.layers[1:]])
+
+
+def _deepseek_v2(path):
+    """V2: softmax scores, group-limited greedy routing over 4 groups, a q LoRA, interleaved rope."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+    config = DeepseekV2Config(**_DEEPSEEK, q_lora_rank=32, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+                              routed_scaling_factor=1.5, norm_topk_prob=False)
+    return _save_tiny(path, DeepseekV2ForCausalLM, config)
+
+
+def _deepseek_v2_lite(path):
+    """V2-Lite: no q LoRA (a plain q_proj), greedy routing."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+    config = DeepseekV2Config(**_DEEPSEEK, q_lora_rank=None, topk_method="greedy", norm_topk_prob=False)
+    return _save_tiny(path, DeepseekV2ForCausalLM, config)
+
+
 def _llama_5_layers(path):
     """A layer count that 2 and 3 stages do not divide."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -238,7 +275,8 @@ TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers, "llam
                "qwen2-window": _qwen2_window, "gemma2": _gemma2, "gemma3": _gemma3,
                "gemma3-multimodal": _gemma3_multimodal, "phi4-mini": _phi4_mini,
                "phi3": _phi3, "olmo2": _olmo2, "gpt-oss": _gpt_oss, "gemma3-12-layers": _gemma3_12_layers,
-               "gemma3-12-layers-full": lambda path: _gemma3_12_layers(path, ["full_attention"] * 12)}
+               "gemma3-12-layers-full": lambda path: _gemma3_12_layers(path, ["full_attention"] * 12),
+               "deepseek-v3": _deepseek_v3, "deepseek-v2": _deepseek_v2, "deepseek-v2-lite": _deepseek_v2_lite}
 
 
 @pytest.fixture(scope="session")

@@ -65,7 +65,7 @@ class CpuKernelAttention(TorchPagedAttention):
         """torch's CPU flash attention, which returns the log-sum-exp beside the output (what
         scaled_dot_product_attention runs, without the LSE): several times the float32 path's
         speed on long prompts."""
-        if _flash_with_lse is None or layer.logit_softcap is not None:
+        if _flash_with_lse is None or layer.logit_softcap is not None or layer.values_in_keys:
             return super().prefill_partial(layer, q, b)
         kb, vb = gather(layer, b)                                 # [Hkv, B, K, D]
         qb = q[b.token_index].transpose(1, 2)                     # [B, Hq, Q, D]

@@ -95,11 +95,13 @@ class CudaAttention(TorchPagedAttention):
     def _decode(self, layer, q, k, v, meta: CudaDecodeMetadata, with_lse: bool = False):
         Hkv, D = layer.num_kv_heads, layer.head_dim
         layer.k_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        layer.v_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        if not layer.values_in_keys:
+            layer.v_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         B, N = meta.block_table.shape
         blocks = meta.block_table.flatten()
         kb = layer.k_cache.index_select(1, blocks).view(Hkv, B, -1, D)
-        vb = layer.v_cache.index_select(1, blocks).view(Hkv, B, -1, D)
+        vb = (kb[..., :layer.v_head_dim] if layer.values_in_keys
+              else layer.v_cache.index_select(1, blocks).view(Hkv, B, -1, D))
         masked_out = meta.positions[None, :] >= meta.context_lens[:, None]
         if layer.sliding_window is not None:       # the query is at context_lens - 1
             masked_out |= meta.positions[None, :] < meta.context_lens[:, None] - layer.sliding_window

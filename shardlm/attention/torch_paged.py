@@ -207,7 +207,7 @@ class TorchPagedAttention(AttentionBackend):
         self.write_kv(layer, k, v, meta.slot_mapping)
         if len(meta.buckets) == 1 and meta.buckets[0].in_order:   # a pure decode step
             return self.decode(layer, q, meta.buckets[0]).view(T, -1)
-        out = q.new_empty(T, layer.num_heads, layer.head_dim)
+        out = q.new_empty(T, layer.num_heads, layer.v_head_dim)
         for b in meta.buckets:
             if b.is_decode:
                 ob = self.decode(layer, q[b.token_index[:, 0]], b)
@@ -223,15 +223,16 @@ class TorchPagedAttention(AttentionBackend):
     def write_kv(layer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         Hkv, D = layer.num_kv_heads, layer.head_dim
         layer.k_cache.view(Hkv, -1, D).index_copy_(1, slot_mapping, k.transpose(0, 1))
-        layer.v_cache.view(Hkv, -1, D).index_copy_(1, slot_mapping, v.transpose(0, 1))
+        if not layer.values_in_keys:
+            layer.v_cache.view(Hkv, -1, D).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
     def forward_partial(self, layer, q, k, v, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Context parallel: k, v of this step written where this rank owns them; q [T, Hq, D]
         (the cp group's gathered queries) attended over this rank's positions.
         -> (partial output [T, Hq, D] float32, log-sum-exp [T, Hq] float32)"""
         self.write_kv(layer, k, v, meta.slot_mapping)
-        T, Hq, D = q.shape
-        out = q.new_empty(T, Hq, D, dtype=torch.float32)
+        T, Hq = q.shape[:2]
+        out = q.new_empty(T, Hq, layer.v_head_dim, dtype=torch.float32)
         lse = q.new_empty(T, Hq, dtype=torch.float32)
         for b in meta.buckets:
             if b.is_decode:
@@ -262,7 +263,7 @@ class TorchPagedAttention(AttentionBackend):
         kb, vb = kb.transpose(0, 1), vb.transpose(0, 1)     # [B, Hkv, K, D]
         ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask_for(layer.sliding_window), scale=layer.scale,
                                             enable_gqa=layer.num_heads != layer.num_kv_heads)
-        return ob.transpose(1, 2).reshape(-1, layer.num_heads, layer.head_dim)
+        return ob.transpose(1, 2).reshape(-1, layer.num_heads, layer.v_head_dim)
 
     def decode(self, layer, q: torch.Tensor, b: AttentionBucket) -> torch.Tensor:
         """One query per sequence. q: [B, H, D] (rows may be strided) -> [B, H, D]"""
@@ -270,19 +271,22 @@ class TorchPagedAttention(AttentionBackend):
 
 
 def gather(layer, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bucket's K and V, [Hkv, B, K, D]: whole blocks, in block-table order."""
+    """The bucket's K and V, [Hkv, B, K, D] and [Hkv, B, K, Dv]: whole blocks, in block-table order."""
     B, blocks = b.block_table.shape[0], b.block_table.flatten()
     kb = layer.k_cache.index_select(1, blocks).view(layer.num_kv_heads, B, -1, layer.head_dim)
+    if layer.values_in_keys:
+        return kb, kb[..., :layer.v_head_dim]
     vb = layer.v_cache.index_select(1, blocks).view(layer.num_kv_heads, B, -1, layer.head_dim)
     return kb, vb
 
 
 def decode_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      masked_out: torch.Tensor, with_lse: bool = False):
-    """One query per sequence. q: [B, H, D]; k, v: [Hkv, B, K, D]; masked_out [1, B, 1, K] -> [B, H, D];
-    with_lse: -> (out [B, H, D] float32, log-sum-exp [B, H]), zeros and -inf where nothing is unmasked."""
+    """One query per sequence. q: [B, H, D]; k: [Hkv, B, K, D], v: [Hkv, B, K, Dv]; masked_out [1, B, 1, K]
+    -> [B, H, Dv]; with_lse: -> (out [B, H, Dv] float32, log-sum-exp [B, H]), zeros and -inf where
+    nothing is unmasked."""
     Hkv, B, K, D = k.shape
-    H = q.shape[1]
+    H, Dv = q.shape[1], v.shape[-1]
     group = H // Hkv
     # query heads grouped by their KV head, batched over (KV head, sequence); scaled in the copy
     qg = torch.empty(Hkv, B, group, D, dtype=q.dtype, device=q.device)
@@ -291,12 +295,12 @@ def decode_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scores = scores.view(Hkv, B, group, K).masked_fill_(masked_out, float("-inf"))
     if with_lse:
         probs, lse = _softmax_lse(scores)
-        out = torch.bmm(probs.view(Hkv * B, group, K), v.view(Hkv * B, K, D).float())
-        return (out.view(Hkv, B, group, D).transpose(0, 1).reshape(B, H, D),
+        out = torch.bmm(probs.view(Hkv * B, group, K), v.reshape(Hkv * B, K, Dv).float())
+        return (out.view(Hkv, B, group, Dv).transpose(0, 1).reshape(B, H, Dv),
                 lse.transpose(0, 1).reshape(B, H))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv * B, group, K)
-    out = torch.bmm(probs, v.view(Hkv * B, K, D))                       # [Hkv * B, G, D]
-    return out.view(Hkv, B, group, D).transpose(0, 1).reshape(B, H, D)
+    out = torch.bmm(probs, v.reshape(Hkv * B, K, Dv))                   # [Hkv * B, G, Dv]
+    return out.view(Hkv, B, group, Dv).transpose(0, 1).reshape(B, H, Dv)
 
 
 def softcapped(layer, scores: torch.Tensor) -> torch.Tensor:
@@ -321,14 +325,15 @@ def prefill_partial(layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.T
     """Prompt chunks with the scores at hand (under context parallel, and where logits are
     soft-capped): attention with its log-sum-exp, in float32, a piece of the queries at a time.
     q: the step's [T, Hq, D]. -> ([B * Q, Hq, D], [B * Q, Hq])"""
-    kb, vb = gather(layer, b)                                # [Hkv, B, K, D]
+    kb, vb = gather(layer, b)                                # [Hkv, B, K, D], [Hkv, B, K, Dv]
     Hkv, B, K, D = kb.shape
+    Dv = vb.shape[-1]
     qb = q[b.token_index]                                    # [B, Q, Hq, D]
     Q, Hq = qb.shape[1], qb.shape[2]
     group = Hq // Hkv
     kf = kb.float().transpose(0, 1).unsqueeze(2)             # [B, Hkv, 1, K, D]
     vf = vb.float().transpose(0, 1).unsqueeze(2)
-    out = torch.empty(B, Q, Hq, D, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, Q, Hq, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, Q, Hq, dtype=torch.float32, device=q.device)
     step = max(1, _PARTIAL_SCORE_BYTES // (4 * B * Hq * K))
     for q0 in range(0, Q, step):
@@ -338,6 +343,6 @@ def prefill_partial(layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.T
         scores = softcapped(layer, qs @ kf.transpose(-1, -2))              # [B, Hkv, G, q, K]
         scores.masked_fill_(~b.mask_for(layer.sliding_window)[:, :, q0:q0 + n].unsqueeze(1), float("-inf"))
         probs, piece_lse = _softmax_lse(scores)
-        out[:, q0:q0 + n] = (probs @ vf).permute(0, 3, 1, 2, 4).reshape(B, n, Hq, D)
+        out[:, q0:q0 + n] = (probs @ vf).permute(0, 3, 1, 2, 4).reshape(B, n, Hq, Dv)
         lse[:, q0:q0 + n] = piece_lse.permute(0, 3, 1, 2).reshape(B, n, Hq)
-    return out.view(B * Q, Hq, D), lse.view(B * Q, Hq)
+    return out.view(B * Q, Hq, Dv), lse.view(B * Q, Hq)

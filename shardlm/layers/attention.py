@@ -18,11 +18,16 @@ from shardlm.layers.rotary import ApplyRotary
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, logit_softcap: float | None = None):
+                 sliding_window: int | None = None, logit_softcap: float | None = None,
+                 value_dim: int | None = None):
         """sliding_window: each query attends to itself and the window - 1 keys before it (None: all);
-        logit_softcap: scores become cap * tanh(scores / cap) before the softmax (Gemma 2)."""
+        logit_softcap: scores become cap * tanh(scores / cap) before the softmax (Gemma 2);
+        value_dim: the values are the first value_dim dims of each key, and there is no V cache
+        (multi-head latent attention: the cache holds the latent and its rotary part, models/deepseek.py)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.values_in_keys = value_dim is not None
+        self.v_head_dim = value_dim or head_dim
         self.sliding_window, self.logit_softcap = sliding_window, logit_softcap
         self.sinks: nn.Parameter | None = None      # a learned logit per head beside the keys (GPT-OSS; add_sinks)
         self.k_cache: torch.Tensor | None = None   # layout: backend.kv_cache_shape(), bound by the runner
@@ -45,11 +50,16 @@ class Attention(nn.Module):
 
     @property
     def plain(self) -> bool:
-        """Full attention without soft-capping or sinks: what the C kernels compute."""
-        return self.sliding_window is None and self.logit_softcap is None and self.sinks is None
+        """Full attention without soft-capping, sinks or values inside the keys: what the C kernels compute."""
+        return (self.sliding_window is None and self.logit_softcap is None and self.sinks is None
+                and not self.values_in_keys)
+
+    def cache_values_per_token(self) -> int:
+        """Values this layer's KV cache holds per token: K and V, or (latent) K alone."""
+        return self.num_kv_heads * self.head_dim * (1 if self.values_in_keys else 2)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]"""
+        """q: [T, H, D]; k, v: [T, Hkv, D] (v None where the values are inside the keys) -> [T, H * Dv]"""
         meta = metadata_of(self, meta)
         if self.sinks is not None:          # the attention with its log-sum-exp, scaled
             out, lse = self.backend.forward_partial(self, q, k, v, meta)

@@ -106,6 +106,7 @@ class FusedMoE(nn.Module):
             self.w13_bias = nn.Parameter(torch.empty(self.num_local, 2 * self.inter), requires_grad=False)
             self.w2_bias = nn.Parameter(torch.empty(self.num_local, hidden_size), requires_grad=False)
         self.expert_load = torch.zeros(num_experts, dtype=torch.int64, device="cpu")
+        self.routing = None       # the model's own routing (GroupedTopK), in place of route's softmax top-k
 
     # ---- loading: shard_id = (expert, 0 for gate / 1 for up) for w13, expert for w2 ----
     def _local(self, expert: int) -> int | None:
@@ -143,7 +144,10 @@ class FusedMoE(nn.Module):
 
     # ---- forward ----
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Softmax over the experts, top-k, optionally renormalised: (weights, expert ids), [T, k]."""
+        """Softmax over the experts, top-k, optionally renormalised (or the model's own routing):
+        (weights, expert ids), [T, k]."""
+        if self.routing is not None:
+            return self.routing(router_logits)
         probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
@@ -208,6 +212,38 @@ class FusedMoE(nn.Module):
         """This replica has no tokens but joins the others' step (DP + EP lock-step)."""
         empty = torch.empty(0, self.hidden_size, dtype=self.w13.dtype, device=self.w13.device)
         self(empty, torch.empty(0, self.num_experts, dtype=self.w13.dtype, device=self.w13.device))
+
+
+@dataclass
+class GroupedTopK:
+    """DeepSeek's routing: scores by softmax (V2) or sigmoid (V3) of the router logits; the experts in
+    n_group groups, of which the topk_group best are kept (a group's score: its best expert's, or
+    with a correction bias its best two's), top_k experts chosen among those (V3 chooses by score +
+    bias, weighs by score); weights renormalised where asked, then scaled."""
+    top_k: int
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    renormalize: bool = False
+    scaling: float = 1.0
+    correction_bias: torch.Tensor | None = None     # [E] float32, added for the choice only
+
+    def __call__(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = router_logits.float()
+        scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores if self.correction_bias is None else scores + self.correction_bias
+        if self.n_group > 1:
+            grouped = choice.view(choice.shape[0], self.n_group, -1)
+            group_scores = (grouped.topk(2, dim=-1)[0].sum(dim=-1) if self.correction_bias is not None
+                            else grouped.amax(dim=-1))
+            kept = torch.zeros_like(group_scores, dtype=torch.bool)
+            kept.scatter_(1, group_scores.topk(self.topk_group, dim=-1)[1], True)
+            choice = choice.masked_fill(~kept.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
 
 
 def expert_checkpoint_name(name: str, pattern: re.Pattern, gate: str, up: str) -> tuple[str, object] | None:

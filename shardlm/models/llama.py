@@ -91,9 +91,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, mlp: nn.Module, variant: LlamaVariant = LlamaVariant(), layer_idx: int = 0):
+    def __init__(self, config, mlp: nn.Module, variant: LlamaVariant = LlamaVariant(), layer_idx: int = 0,
+                 attention: nn.Module | None = None):
+        """attention: the family's own attention block (None: LlamaAttention)."""
         super().__init__()
-        self.self_attn = LlamaAttention(config, variant, sliding_window(config, layer_idx))
+        self.self_attn = attention or LlamaAttention(config, variant, sliding_window(config, layer_idx))
         self.use_rope = layer_idx not in variant.nope_layers
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -123,7 +125,7 @@ class LlamaModel(nn.Module):
     first stage, the final norm on the last."""
 
     def __init__(self, config, max_position: int, dtype: torch.dtype, layer_range: tuple[int, int], make_mlp,
-                 variant: LlamaVariant):
+                 variant: LlamaVariant, make_attention=lambda i: None):
         super().__init__()
         pp = get_pp_group()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -131,7 +133,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, head_dim, max_position, dtype)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if pp.is_first_rank else None
         self.embedding_multiplier = variant.embedding_multiplier
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, make_mlp(i), variant, i)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, make_mlp(i), variant, i, make_attention(i))
                                     if self.start <= i < self.end else PPMissingLayer()
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last_rank else None
@@ -200,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.variant = self.make_variant(config)
         self.model = LlamaModel(config, max_position, dtype, layer_range or (0, config.num_hidden_layers),
-                                lambda i: self.make_mlp(config, i), self.variant)
+                                lambda i: self.make_mlp(config, i), self.variant, lambda i: self.make_attention(config, i))
         self.finish_init(config)
 
     def finish_init(self, config, tied_by_default: bool = False) -> None:
@@ -223,6 +225,10 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
         """The feed-forward block of layer `layer_idx` (MoE models: experts on some or all layers)."""
         return LlamaMLP(config, bias=getattr(config, "mlp_bias", False))
+
+    def make_attention(self, config, layer_idx: int) -> nn.Module | None:
+        """The attention block of layer `layer_idx`; None: LlamaAttention (DeepSeek: latent attention)."""
+        return None
 
     def forward(self, input_ids, positions, meta, intermediate=None):
         return self.model(input_ids, positions, meta, intermediate)

@@ -78,7 +78,7 @@ def _misfit(layer, layout: tuple[int, int, int], dense_mlp: type) -> str | None:
     if getattr(attn.attn.backend, "kernel_qkv", None) is None:
         return "not the CPU kernels' attention backend"
     if not attn.attn.plain:
-        return "a sliding attention window"
+        return "attention the C kernels do not compute (a window, a soft-cap, sinks or latent values)"
     if layer.input_layernorm.weight.dtype not in DTYPE_CODES:
         return f"dtype {layer.input_layernorm.weight.dtype}"
     linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
@@ -139,6 +139,8 @@ class FusedDecodeLayers:
         attn = layers[0].self_attn.attn
         if attn.cp.world_size != attn.dcp.world_size:    # PCP: each group its own tokens
             return None, "prefill context parallel"
+        if not hasattr(layers[0].self_attn, "qkv_proj"):
+            return None, f"its attention is a {type(layers[0].self_attn).__name__}"
         layout = _layout(layers[0].self_attn.qkv_proj)
         why = "the weights' layout has no C kernel" if layout is None else next(
             (w for w in (_misfit(layer, layout, dense_mlp) for layer in layers) if w), None)

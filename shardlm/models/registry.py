@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from shardlm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from shardlm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from shardlm.models.gpt_oss import GptOssForCausalLM
 from shardlm.models.granite import GraniteForCausalLM
@@ -14,6 +15,8 @@ from shardlm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from shardlm.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY = {
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,

@@ -138,7 +138,8 @@ class ModelRunner:
         firsts: dict[int, Attention] = {}
         for attn in self.attention_layers():
             first = firsts.setdefault(attn.kv_slot, attn)
-            if (first.num_kv_heads, first.head_dim) != (attn.num_kv_heads, attn.head_dim):
+            if (first.num_kv_heads, first.head_dim, first.v_head_dim) != (attn.num_kv_heads, attn.head_dim,
+                                                                           attn.v_head_dim):
                 raise ValueError("Layers whose KV cache shapes differ cannot share a block id: start with "
                                  "--disable-hybrid-kv-cache-manager.")
         return firsts
@@ -155,8 +156,7 @@ class ModelRunner:
         by the KV cache groups), its share of the KV heads."""
         dtype_size = torch.empty((), dtype=self.config.model.dtype).element_size()
         draft = self.proposer.kv_cache_bytes_per_block() if self.proposer is not None else 0
-        return draft + sum(2 * self.block_size * a.num_kv_heads * a.head_dim * dtype_size
-                           for a in self._kv_slots().values())
+        return draft + sum(self.block_size * a.cache_values_per_token() * dtype_size for a in self._kv_slots().values())
 
     def initialize_cache(self, num_blocks: int) -> None:
         dtype = self.config.model.dtype
@@ -166,7 +166,9 @@ class ModelRunner:
         self._kv_tensors = []
         for a in self._kv_slots().values():
             shape = self.attn_backend.kv_cache_shape(num_blocks + sink, a.num_kv_heads, a.head_dim)
-            self._kv_tensors.append((self._zeros(shape, dtype), self._zeros(shape, dtype)))
+            k = self._zeros(shape, dtype)
+            # multi-head latent attention: the values are the keys' first dims, no cache of their own
+            self._kv_tensors.append((k, k[..., :a.v_head_dim] if a.values_in_keys else self._zeros(shape, dtype)))
         for attn in self.attention_layers():
             attn.k_cache, attn.v_cache = self._kv_tensors[attn.kv_slot]
             attn.backend = self.attn_backends[attn.kv_group]

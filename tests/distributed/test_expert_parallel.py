@@ -44,9 +44,10 @@ def one_rank_outputs(tiny_model_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,dp,tp", [("mixtral", 1, 2), ("qwen2-moe", 1, 2), ("mixtral", 2, 1),
-                                        ("qwen3-moe", 2, 2), ("gpt-oss", 1, 2)],
+                                        ("qwen3-moe", 2, 2), ("gpt-oss", 1, 2), ("deepseek-v3", 1, 2),
+                                        ("deepseek-v3", 2, 1)],
                          ids=["mixtral-tp2-ep", "qwen2moe-tp2-ep", "mixtral-dp2-ep", "qwen3moe-dp2-tp2-ep",
-                              "gptoss-tp2-ep"])
+                              "gptoss-tp2-ep", "deepseekv3-tp2-ep", "deepseekv3-dp2-ep"])
 def test_expert_parallel_equals_one_rank_and_hf(name, dp, tp, tiny_model_dir, references, hf, one_rank_outputs):
     llm = LLM(tiny_model_dir(name), **ENGINE, data_parallel_size=dp, tensor_parallel_size=tp,
               enable_expert_parallel=True)

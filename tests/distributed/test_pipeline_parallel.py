@@ -36,6 +36,7 @@ def _run(path, prompts, params, **kwargs):
     ("phi3", 2, 2, None),                         # fused qkv / gate_up split, then sliced; partial rotary
     ("olmo2", 2, 2, None),                        # q/k norms over all heads: sums of squares over tp ranks
     ("gpt-oss", 2, 2, None),                      # experts sliced by tp (down biases once), sinks per head
+    ("deepseek-v3", 2, 2, None),                  # latent attention (heads split, the latent on every rank)
 ])
 def test_pp_matches_hf(name, tp, pp, partition, tiny_model_dir, references, hf):
     outs, _ = _run(tiny_model_dir(name), _prompts(), PARAMS, tensor_parallel_size=tp, pipeline_parallel_size=pp,

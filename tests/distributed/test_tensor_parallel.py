@@ -21,6 +21,7 @@ def _workers(llm):
 @pytest.mark.parametrize("name,tp", [("llama-gqa", 2), ("llama-gqa", 4), ("qwen2-bias", 2),
                                      ("llama-tied-llama3rope", 2), ("mixtral", 2), ("qwen2-moe", 2),
                                      ("qwen3-moe", 2), ("gemma3", 2),     # its window layers in KV cache groups
+                                     ("deepseek-v2", 2),                  # latent attention, grouped routing
                                      ("olmo2", 4)])      # its k norm over KV heads held twice each
 def test_tp_matches_hf(name, tp, tiny_model_dir, references, hf):
     """tp=4 on 2 KV heads replicates each KV head on two ranks."""

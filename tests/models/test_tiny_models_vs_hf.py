@@ -21,7 +21,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, l
 @pytest.mark.parametrize("name", ["llama-gqa", "llama-tied-llama3rope", "qwen2-bias", "mistral", "mixtral",
                                   "qwen2-moe", "qwen3-moe", "qwen3", "granite", "smollm3", "mistral-window",
                                   "qwen2-window", "gemma2", "gemma3", "gemma3-multimodal", "phi3",
-                                  "olmo2", "gpt-oss"])
+                                  "olmo2", "gpt-oss", "deepseek-v2", "deepseek-v2-lite", "deepseek-v3"])
 def test_batch_matches_hf(name, tiny_model_dir, references, hf):
     llm = LLM(tiny_model_dir(name), dtype="float32", kv_cache_memory="64MiB")
     outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)

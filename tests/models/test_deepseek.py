@@ -1,0 +1,45 @@
+"""DeepSeek-V2/V3 (models/deepseek.py): the KV cache holds the latent alone, and the latent cache
+holds over chunked prefill, prefix-cache hits and preemption. (Outputs against transformers on every
+layout: test_tiny_models_vs_hf, tests/distributed.)"""
+
+import pytest
+
+from shardlm import LLM
+from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts
+
+# the tiny V3: 3 layers, 4 heads; latent 16 + rotary 8 dims; k_nope 16, v 16 per head
+LATENT, HEADS, QK, V, LAYERS = 16 + 8, 4, 16 + 8, 16, 3
+
+
+def test_the_cache_holds_the_latent_not_each_heads_keys_and_values(tiny_model_dir):
+    """float32, 16-token blocks: 3 layers x 24 values x 4 bytes = 288 bytes a token, where plain
+    multi-head K/V would take 3 x 4 heads x (24 + 16) x 4 = 1,920 (6.7x)."""
+    memory = 4 << 20
+    llm = LLM(tiny_model_dir("deepseek-v3"), dtype="float32", kv_cache_memory=memory)
+    per_token = LAYERS * LATENT * 4
+    assert llm.stats()["kv_cache_tokens"] == (memory // (16 * per_token) - 1) * 16
+    assert LAYERS * HEADS * (QK + V) * 4 / per_token == pytest.approx(6.67, abs=0.01)
+    llm.shutdown()
+
+
+def test_chunks_cached_prefixes_and_preemption_give_transformers_tokens(tiny_model_dir, references, hf):
+    """Chunks of 16 tokens, a second pass from the prefix cache, then a cache of 20 blocks (one
+    256-token request, not six)."""
+    path = tiny_model_dir("deepseek-v3")
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=16)
+    for _ in range(2):
+        assert hf.assert_close(references("deepseek-v3"), llm.generate(_prompts(), PARAMS, use_tqdm=False),
+                               "deepseek-v3 chunked") >= 4
+    assert llm.stats()["prefix_cache_hits"] > 0
+    llm.shutdown()
+    small = LLM(path, dtype="float32", kv_cache_memory=16 * LAYERS * LATENT * 4 * 21, max_model_len=256)
+    outs = small.generate(_prompts(), PARAMS, use_tqdm=False)
+    assert small.stats()["num_preemptions"] > 0
+    assert hf.assert_close(references("deepseek-v3"), outs, "deepseek-v3 preempted") >= 4
+    small.shutdown()
+
+
+def test_context_parallel_is_refused_with_what_works(tiny_model_dir):
+    with pytest.raises(ValueError, match="latent attention.*leave out -dcp and -pcp"):
+        LLM(tiny_model_dir("deepseek-v3"), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2,
+            decode_context_parallel_size=2)
