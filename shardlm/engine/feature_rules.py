@@ -35,10 +35,9 @@ def _drafts_on_one_rank(c: EngineConfig) -> bool:
     return c.speculative is not None and c.speculative.method != "ngram"
 
 
-def _attention_kind(c: EngineConfig) -> str:
-    """The model's attention, where it is not plain multi-head ("sinks", "latent")."""
+def _attention_sinks(c: EngineConfig) -> bool:
     from shardlm.models.registry import get_model_class
-    return getattr(get_model_class(c.model.architecture), "attention_kind", "")
+    return getattr(get_model_class(c.model.architecture), "attention_sinks", False)
 
 
 RULES: tuple[Rule, ...] = (
@@ -67,15 +66,10 @@ RULES: tuple[Rule, ...] = (
          "the draft runs on one rank with a KV cache of whole blocks, which context parallel spreads over ranks",
          "method 'ngram' with context parallel, or leave out -dcp and -pcp"),
     Rule("-dcp or -pcp with a model whose attention has sinks (GPT-OSS)",
-         lambda c: c.parallel.context_parallel_size > 1 and _attention_kind(c) == "sinks",
+         lambda c: c.parallel.context_parallel_size > 1 and _attention_sinks(c),
          "each query's output is scaled by its sink after the softmax, which the merge of the ranks' partial "
          "outputs does not do yet",
          "leave out -dcp and -pcp (tensor, pipeline, data and expert parallel work)"),
-    Rule("-dcp or -pcp with multi-head latent attention (DeepSeek-V2/V3)",
-         lambda c: c.parallel.context_parallel_size > 1 and _attention_kind(c) == "latent",
-         "spreading the latent KV cache over ranks by position is not built yet",
-         "leave out -dcp and -pcp (tensor, pipeline, data and expert parallel work; the latent cache is the "
-         "same on every tensor parallel rank)"),
 )
 
 

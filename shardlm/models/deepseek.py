@@ -10,7 +10,8 @@ values (Attention's value_dim). Attention runs in the latent space, the up-proje
 dot product with [c, k_pe] is q_nope . k_nope + q_pe . k_pe; the output, a mix of latents, goes
 through W_UV to the head's value dims before o_proj. So every step, prefill too, reads the latent
 cache alone. Tensor parallel splits the heads (q_b_proj, kv_b_proj, o_proj); the latent is the
-same on every rank.
+same on every rank, which is what decode context parallel spreads: -dcp D (tp a multiple of D)
+gives each of D ranks 1/D of every sequence's latent cache (context_parallel.py, unchanged).
 
 DeepSeek lays the rotary dims out in interleaved pairs (V2 always; V3 where rope_interleave):
 their rows of q and k are de-interleaved at load (a dot product does not change when q and k are
@@ -152,7 +153,6 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     # q/k/v are not merged (latent attention); gate and up are, in the dense and shared MLPs
     stacked_params = [(".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1)]
     v3 = False
-    attention_kind = "latent"      # the latent cache under -dcp / -pcp: not built (feature_rules.py)
 
     def make_attention(self, config, layer_idx: int) -> nn.Module:
         return MultiHeadLatentAttention(config)

@@ -49,7 +49,7 @@ class GptOssMoE(nn.Module):
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
-    attention_kind = "sinks"       # their scaling of the merged output under context parallel: not built
+    attention_sinks = True         # their scaling of the merged output under context parallel: not built
 
     def make_variant(self, config) -> LlamaVariant:
         return dataclasses.replace(super().make_variant(config), sinks=True)

@@ -231,13 +231,12 @@ class ModelShape:
     def dcp_problems(self, tp: int, dcp: int) -> list[str]:
         """Why decode context parallel size dcp cannot run at tensor parallel size tp (empty: it
         can): its ranks must hold the same KV heads, i.e. tp replicates each KV head a multiple of
-        dcp times."""
+        dcp times. Latent attention (MLA) has one latent KV head, on every rank."""
         if dcp == 1:
             return []
-        if self.is_mla:
-            return ["decode context parallel needs standard (not latent) attention"]
-        if tp % dcp or tp % (self.kv_heads * dcp):
-            return [f"-dcp {dcp} needs tp to be a multiple of {self.kv_heads} KV heads x {dcp} (each KV head "
+        kv_heads = 1 if self.is_mla else self.kv_heads
+        if tp % dcp or tp % (kv_heads * dcp):
+            return [f"-dcp {dcp} needs tp to be a multiple of {kv_heads} KV heads x {dcp} (each KV head "
                     f"replicated on {dcp} ranks)"]
         return []
 

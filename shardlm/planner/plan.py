@@ -42,6 +42,7 @@ class Workload:
     max_num_seqs: int = 256
     block_size: int = 16
     hybrid_kv_cache: bool = True              # sliding-window layers keep only their window (kv_cache_groups.py)
+    dcp: int = 1                              # `plan -dcp`: decode context parallel in every split
 
     @classmethod
     def for_checkpoint(cls, cfg: dict, shape: ModelShape, dtype: str | None = None, max_model_len: int | None = None,
@@ -223,7 +224,7 @@ def _choose(plans: list[SplitPlan], hw: Hardware) -> SplitPlan | None:
 
 
 def recommend(shape: ModelShape, hw: Hardware, w: Workload, model_arg: str | None = None) -> Recommendation:
-    plans = [evaluate(shape, tp, pp, hw, w) for tp, pp in candidate_splits(shape, hw)]
+    plans = [evaluate(shape, tp, pp, hw, w, dcp=w.dcp) for tp, pp in candidate_splits(shape, hw)]
     params = shape.total_params()
     weights = weight_bytes(shape, params, params * shape.linear_params_share(), w)
     reasons, notes = [], []
@@ -259,7 +260,8 @@ def recommend(shape: ModelShape, hw: Hardware, w: Workload, model_arg: str | Non
         if w.quantization_bits is None:
             for bits in (8, 4):
                 qw = Workload(**{**asdict(w), "quantization_bits": bits})
-                qpick = _choose([evaluate(shape, tp, pp, hw, qw) for tp, pp in candidate_splits(shape, hw)], hw)
+                qpick = _choose([evaluate(shape, tp, pp, hw, qw, dcp=w.dcp) for tp, pp in candidate_splits(shape, hw)],
+                                hw)
                 if qpick:
                     reasons.append(f"With {bits}-bit weight quantization it fits as {qpick.label}.")
                     break
@@ -302,7 +304,7 @@ def recommend(shape: ModelShape, hw: Hardware, w: Workload, model_arg: str | Non
                      "(--disable-hybrid-kv-cache-manager, or context parallel).")
     command = None
     if pick is not None:
-        command = _serve_command(model_arg or shape.name, pick.tp, pick.pp, 1, w.max_model_len)
+        command = _serve_command(model_arg or shape.name, pick.tp, pick.pp, 1, w.max_model_len, dcp=w.dcp)
     shown = [p for p in plans if not shape.tp_problems(p.tp)][:10]
     if pick is not None and pick not in shown:
         shown.append(pick)
@@ -354,12 +356,14 @@ def _decode_context_parallel_notes(shape: ModelShape, pick: SplitPlan, hw: Hardw
     """Where tensor parallel replicates KV heads (tp above their number) and contexts are long:
     the largest -dcp that spreads each sequence's KV cache over the replicas, and what it holds."""
     sizes = shape.valid_dcp_sizes(pick.tp)
-    if shape.is_mla or len(sizes) < 2 or w.max_model_len < DCP_MIN_CONTEXT:
+    if w.dcp > 1 or len(sizes) < 2 or w.max_model_len < DCP_MIN_CONTEXT:
         return []
     dcp = sizes[-1]
     spread = evaluate(shape, pick.tp, pick.pp, hw, w, dcp=dcp)
-    return [f"TP={pick.tp} replicates each of the {shape.kv_heads} KV heads on {pick.tp // shape.kv_heads} ranks, "
-            f"so every rank stores every sequence's whole KV cache. Decode context parallel spreads it by position "
+    replicated = ("Latent attention keeps one latent KV cache, the same on all " f"{pick.tp} TP ranks" if shape.is_mla
+                  else f"TP={pick.tp} replicates each of the {shape.kv_heads} KV heads on "
+                  f"{pick.tp // shape.kv_heads} ranks")
+    return [f"{replicated}, so every rank stores every sequence's whole KV cache. Decode context parallel spreads it by position "
             f"over {dcp} of them: {spread.kv_tokens} KV tokens instead of {pick.kv_tokens} (max concurrency at "
             f"{w.max_model_len}: {spread.max_concurrency:.1f}x), for two more collectives per layer: "
             f"{_serve_command(model, pick.tp, pick.pp, 1, w.max_model_len, dcp=dcp)}"]

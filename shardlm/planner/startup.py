@@ -63,7 +63,8 @@ def _check_decode_context_parallel(config: EngineConfig, shape: ModelShape) -> N
         return
     problems = shape.dcp_problems(tp, dcp)
     if problems:
-        raise ValueError(f"{shape.name} has {shape.kv_heads} KV heads: decode context parallel size {dcp} cannot run "
+        kv_heads = "one latent KV head" if shape.is_mla else f"{shape.kv_heads} KV heads"
+        raise ValueError(f"{shape.name} has {kv_heads}: decode context parallel size {dcp} cannot run "
                          f"at tensor parallel size {tp} ({problems[0]}). At -tp {tp}, -dcp can be "
                          f"{', '.join(map(str, shape.valid_dcp_sizes(tp)))}; -dcp pays where tp exceeds the KV heads.")
 

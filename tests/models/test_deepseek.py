@@ -1,5 +1,5 @@
-"""DeepSeek-V2/V3 (models/deepseek.py): the KV cache holds the latent alone, and the latent cache
-holds over chunked prefill, prefix-cache hits and preemption. (Outputs against transformers on every
+"""DeepSeek-V2/V3 (models/deepseek.py): the KV cache holds the latent alone; the latent cache holds
+over chunked prefill, prefix-cache hits and preemption, and decode context parallel spreads it. (Outputs against transformers on every
 layout: test_tiny_models_vs_hf, tests/distributed.)"""
 
 import pytest
@@ -39,7 +39,19 @@ def test_chunks_cached_prefixes_and_preemption_give_transformers_tokens(tiny_mod
     small.shutdown()
 
 
-def test_context_parallel_is_refused_with_what_works(tiny_model_dir):
-    with pytest.raises(ValueError, match="latent attention.*leave out -dcp and -pcp"):
-        LLM(tiny_model_dir("deepseek-v3"), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2,
-            decode_context_parallel_size=2)
+@pytest.mark.slow
+def test_decode_context_parallel_spreads_the_latent_cache(tiny_model_dir, references, hf):
+    """The latent is the same on every tensor parallel rank: -dcp 2 at -tp 2 holds twice the
+    tokens in the same memory per rank, and transformers' tokens."""
+    path = tiny_model_dir("deepseek-v3")
+    tokens = {}
+    for dcp in (1, 2):
+        llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", tensor_parallel_size=2,
+                  decode_context_parallel_size=dcp)
+        try:
+            outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+            tokens[dcp] = llm.stats()["kv_cache_tokens"]
+        finally:
+            llm.shutdown()
+        assert hf.assert_close(references("deepseek-v3"), outs, f"deepseek-v3 tp=2 dcp={dcp}") >= 4
+    assert tokens[2] == 2 * tokens[1]

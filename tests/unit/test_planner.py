@@ -209,6 +209,17 @@ def test_decode_context_parallel_where_tp_replicates_kv_heads_and_contexts_are_l
     assert not any("Decode context parallel" in n for n in recommend(s, hw, Workload(max_model_len=8192)).notes)
 
 
+def test_deepseek_latent_cache_spread_by_dcp():
+    """The latent is the same on every TP rank: plan suggests -dcp, and with -dcp 8 every split
+    holds 8x the tokens (or says why it cannot run it)."""
+    hw = Hardware("gpu", 8, 2, 141 * GiB)
+    plain = recommend(shape("DeepSeek-V3"), hw, Workload(max_model_len=32768))
+    assert any("Latent attention keeps one latent KV cache" in n and "-dcp 8" in n for n in plain.notes)
+    spread = recommend(shape("DeepSeek-V3"), hw, Workload(max_model_len=32768, dcp=8), "DeepSeek-V3")
+    assert (spread.plan.tp, spread.plan.pp, spread.plan.dcp) == (8, 2, 8) and "-tp 8 -pp 2 -dcp 8" in spread.command
+    assert spread.plan.kv_tokens == pytest.approx(8 * plain.plan.kv_tokens, rel=0.001)
+
+
 def test_nothing_fits_suggests_quantization():
     r = _rec("DeepSeek-V3", 8, 2)
     assert r.plan is None and any("8-bit" in x for x in r.reasons)

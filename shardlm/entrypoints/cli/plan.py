@@ -18,6 +18,9 @@ def register(sub) -> None:
                    help="as `serve --quantization`: the bits the engine loads, scales included")
     p.add_argument("--quantization-group-size", type=int, default=None, help="as `serve`")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's maximum, at most 8192")
+    p.add_argument("-dcp", "--decode-context-parallel-size", type=int, default=1,
+                   help="as `serve -dcp`: each sequence's KV cache spread over this many ranks of each TP group "
+                        "(splits where it cannot run say why)")
     p.add_argument("--concurrency", type=int, default=None, help="requests of max_model_len to serve at once")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--interconnect", choices=["nvlink", "pcie"], default="nvlink")
@@ -43,5 +46,6 @@ def run(ns) -> None:
         bits = resolve_quantization(ns.quantization, ns.quantization_group_size,
                                     checkpoint=stored).effective_bits(shape.hidden)
     workload = Workload.for_checkpoint(cfg, shape, ns.dtype, ns.max_model_len, bits, ns.concurrency)
+    workload.dcp = ns.decode_context_parallel_size
     rec = recommend(shape, hw, workload, ns.model)
     print(to_json(rec) if ns.json else render(rec))
