@@ -331,7 +331,9 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int | None = None     # the draft runs whole on the rank that samples: 1
     draft_model_config: ModelConfig | None = None     # resolved by EngineArgs from `model`
 
-    METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+    METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+    ALIASES = {"deepseek_mtp": "mtp"}        # vLLM's older name
+    WITHOUT_MODEL = ("ngram", "mtp")         # mtp: the target checkpoint's own multi-token-prediction layer
     FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
               "disable_by_batch_size", "model", "draft_tensor_parallel_size")
     # measured on a 2-core CPU, default model, 62% of proposals accepted (docs/USER_GUIDE.md): ngram
@@ -350,13 +352,14 @@ class SpeculativeConfig:
         return cls(**value)
 
     def __post_init__(self):
+        self.method = self.ALIASES.get(self.method, self.method)
         if self.method not in self.METHODS:
             raise ValueError(f"speculative method {self.method!r} is not supported: use {', '.join(self.METHODS)}.")
-        if (self.method == "ngram") == bool(self.model):
+        if (self.method in self.WITHOUT_MODEL) == bool(self.model):
             raise ValueError(f"--speculative-config: method {self.method} needs \"model\", the draft model's "
                              "directory or hub id." if not self.model else
-                             f"--speculative-config: method ngram takes no model; for the draft model {self.model} "
-                             "use method draft_model (or leave method out).")
+                             f"--speculative-config: method {self.method} takes no model; for the draft model "
+                             f"{self.model} use method draft_model (or leave method out).")
         if self.draft_tensor_parallel_size not in (None, 1):
             raise ValueError(f"draft_tensor_parallel_size={self.draft_tensor_parallel_size}: the draft model runs "
                              "whole on the rank that samples in this version; use 1 (or leave it out).")

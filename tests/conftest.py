@@ -237,6 +237,26 @@ def _deepseek_v3(path):
                       lambda m: [layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1) for layer in m.model.layers[1:]])
 
 
+def _deepseek_v3_mtp(path):
+    """_deepseek_v3 with a multi-token-prediction layer written in as DeepSeek ships it (transformers
+    builds none): model.layers.3.{enorm, hnorm, eh_proj, shared_head.norm, shared_head.head} and a
+    decoder block (a copy of layer 2's, experts included)."""
+    from safetensors.torch import load_file, save_file
+    _deepseek_v3(path)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    gen = torch.Generator().manual_seed(1)
+    hidden = _DEEPSEEK["hidden_size"]
+    mtp = {"enorm.weight": torch.ones(hidden), "hnorm.weight": torch.ones(hidden),
+           "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=gen) * 0.15,
+           "shared_head.norm.weight": torch.ones(hidden), "shared_head.head.weight": tensors["lm_head.weight"].clone()}
+    mtp.update({name[len("model.layers.2."):]: t.clone() for name, t in tensors.items()
+                if name.startswith("model.layers.2.")})
+    tensors.update({f"model.layers.3.{name}": t for name, t in mtp.items()})
+    save_file(tensors, file, metadata={"format": "pt"})
+    return str(path)
+
+
 def _deepseek_v2(path):
     """V2: softmax scores, group-limited greedy routing over 4 groups, a q LoRA, interleaved rope."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
@@ -276,7 +296,8 @@ TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers, "llam
                "gemma3-multimodal": _gemma3_multimodal, "phi4-mini": _phi4_mini,
                "phi3": _phi3, "olmo2": _olmo2, "gpt-oss": _gpt_oss, "gemma3-12-layers": _gemma3_12_layers,
                "gemma3-12-layers-full": lambda path: _gemma3_12_layers(path, ["full_attention"] * 12),
-               "deepseek-v3": _deepseek_v3, "deepseek-v2": _deepseek_v2, "deepseek-v2-lite": _deepseek_v2_lite}
+               "deepseek-v3": _deepseek_v3, "deepseek-v2": _deepseek_v2, "deepseek-v2-lite": _deepseek_v2_lite,
+               "deepseek-v3-mtp": _deepseek_v3_mtp}
 
 
 @pytest.fixture(scope="session")

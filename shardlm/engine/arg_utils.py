@@ -170,7 +170,7 @@ class EngineArgs:
         "n-gram's previous occurrence in the prompt or output; \"disable_by_batch_size\": N turns it off "
         "in steps with N or more running requests (default 16; 0: never); {\"model\": DIR, ...} a "
         "draft model of the same tokenizer; {\"method\": \"eagle\" or \"eagle3\", \"model\": DIR, ...} "
-        "an EAGLE head")
+        "an EAGLE head; {\"method\": \"mtp\"} DeepSeek-V3's own multi-token-prediction layer")
     reasoning_parser: str | None = knob(
         None, "model",
         "how this reasoning model marks its thinking: deepseek_r1 or qwen3 (<think>...</think>); the "
@@ -227,6 +227,8 @@ class EngineArgs:
         speculative = SpeculativeConfig.from_json(self.speculative_config) if self.speculative_config else None
         if speculative is not None and speculative.model:
             speculative.draft_model_config = self._draft_model_config(speculative, model_cfg)
+        if speculative is not None and speculative.method == "mtp":
+            speculative.draft_model_config = _mtp_config(model_cfg)
         config = EngineConfig(model_cfg, cache, scheduler, parallel, device, lora, speculative)
         check_combinations(config)
         check_parallel_layout(config)
@@ -266,6 +268,15 @@ class EngineArgs:
         return dataclasses.replace(target, model=path, hf_config=hf_config,
                                    architecture=resolve_architecture(hf_config), quantization=None,
                                    hub_source=source.hub)
+
+
+def _mtp_config(target: ModelConfig) -> ModelConfig:
+    """Method mtp: the target's own multi-token-prediction layer (DeepSeek-V3's num_nextn_predict_layers)."""
+    from shardlm.models.deepseek_mtp import mtp_layers
+    if mtp_layers(target) == 0:
+        raise ValueError(f"Speculative method mtp needs a model with multi-token-prediction layers (DeepSeek-V3: "
+                         f"num_nextn_predict_layers); {target.architecture} has none. Use ngram, draft_model or eagle.")
+    return target
 
 
 def resolve_device(device: str) -> torch.device:

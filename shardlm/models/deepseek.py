@@ -149,6 +149,14 @@ class DeepseekMoE(nn.Module):
         return out + self.shared_experts(x) if self.shared_experts is not None else out
 
 
+def deepseek_mlp(config, layer_idx: int, v3: bool) -> nn.Module:
+    """Layer layer_idx's feed-forward block: experts from first_k_dense_replace on (every
+    moe_layer_freq-th layer), a dense MLP before."""
+    moe = (config.n_routed_experts and layer_idx >= (config.first_k_dense_replace or 0)
+           and layer_idx % (getattr(config, "moe_layer_freq", 1) or 1) == 0)
+    return DeepseekMoE(config, v3) if moe else LlamaMLP(config)
+
+
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     # q/k/v are not merged (latent attention); gate and up are, in the dense and shared MLPs
     stacked_params = [(".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1)]
@@ -158,9 +166,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         return MultiHeadLatentAttention(config)
 
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
-        moe = (config.n_routed_experts and layer_idx >= (config.first_k_dense_replace or 0)
-               and layer_idx % (getattr(config, "moe_layer_freq", 1) or 1) == 0)
-        return DeepseekMoE(config, self.v3) if moe else LlamaMLP(config)
+        return deepseek_mlp(config, layer_idx, self.v3)
 
     @property
     def interleaved_rope(self) -> bool:

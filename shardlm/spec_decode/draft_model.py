@@ -53,7 +53,7 @@ class ModelProposer(Proposer):
 
     def kv_cache_bytes_per_block(self) -> int:
         size = torch.empty((), dtype=self.dtype).element_size()
-        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * size for a in self.attention)
+        return sum(self.block_size * a.cache_values_per_token() * size for a in self.attention)
 
     def initialize_cache(self, num_blocks: int) -> None:
         """num_blocks: the target's; the scratch blocks come after them."""
@@ -62,7 +62,8 @@ class ModelProposer(Proposer):
         for attn in self.attention:
             shape = self.backend.kv_cache_shape(total, attn.num_kv_heads, attn.head_dim)
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = (attn.k_cache[..., :attn.v_head_dim] if attn.values_in_keys      # latent attention
+                            else torch.zeros(shape, dtype=self.dtype, device=self.device))
             attn.backend = self.backend
         with alone():           # the draft's own decode steps in one C call too, where they apply (CPU)
             prepare_fused_decode(self.model, not self.enforce_eager)
@@ -96,7 +97,8 @@ class ModelProposer(Proposer):
             dst = torch.tensor(copy_to, device=self.device)
             for attn in self.attention:
                 self.backend.copy_blocks(attn.k_cache, src, dst)
-                self.backend.copy_blocks(attn.v_cache, src, dst)
+                if not attn.values_in_keys:
+                    self.backend.copy_blocks(attn.v_cache, src, dst)
         chosen = []
         with alone():
             for j in range(steps):

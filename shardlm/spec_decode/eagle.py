@@ -1,4 +1,5 @@
-"""methods "eagle" and "eagle3": an EAGLE head (models/eagle.py, models/eagle3.py) proposes from
+"""methods "eagle", "eagle3" and "mtp": an EAGLE head (models/eagle.py, models/eagle3.py) or
+DeepSeek-V3's multi-token-prediction layer (models/deepseek_mtp.py, EAGLE's shape) proposes from
 the target's hidden states.
 
 follow runs the head over every position the target computed this step, each with the token
@@ -15,6 +16,7 @@ import torch
 from shardlm.config import EngineConfig
 from shardlm.distributed.parallel_state import alone
 from shardlm.models.eagle import load_eagle
+from shardlm.models.deepseek_mtp import load_deepseek_mtp
 from shardlm.models.eagle3 import aux_layers_of, load_eagle3
 from shardlm.spec_decode.draft_model import ModelProposer
 from shardlm.spec_decode.proposer import ProposalRequest, TargetStep
@@ -24,7 +26,9 @@ class EagleProposer(ModelProposer):
     def __init__(self, config: EngineConfig, device: torch.device, attn_backend):
         spec = config.speculative
         with alone():
-            if spec.method == "eagle3":
+            if spec.method == "mtp":
+                model = load_deepseek_mtp(config.model, device)
+            elif spec.method == "eagle3":
                 aux = aux_layers_of(spec.draft_model_config.hf_config, config.model.num_layers)
                 model = load_eagle3(spec.draft_model_config, config.model, len(aux), device)
             else:

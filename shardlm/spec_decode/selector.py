@@ -15,7 +15,7 @@ def make_proposer(config: EngineConfig, device: torch.device, attn_backend) -> P
     if spec.method == "ngram":
         from shardlm.spec_decode.ngram import NgramProposer
         return NgramProposer(spec)
-    if spec.method in ("eagle", "eagle3"):
+    if spec.method in ("eagle", "eagle3", "mtp"):
         from shardlm.spec_decode.eagle import EagleProposer
         return EagleProposer(config, device, attn_backend)
     from shardlm.spec_decode.draft_model import DraftModelProposer

@@ -55,3 +55,29 @@ def test_decode_context_parallel_spreads_the_latent_cache(tiny_model_dir, refere
             llm.shutdown()
         assert hf.assert_close(references("deepseek-v3"), outs, f"deepseek-v3 tp=2 dcp={dcp}") >= 4
     assert tokens[2] == 2 * tokens[1]
+
+
+def test_the_mtp_layer_proposes_and_greedy_outputs_stay_exact(tiny_model_dir):
+    """Speculative method mtp (and vLLM's older name deepseek_mtp) drafts with the checkpoint's own
+    multi-token-prediction layer: the same tokens as without it, with proposals verified."""
+    path = tiny_model_dir("deepseek-v3-mtp")
+    plain = LLM(path, dtype="float32", kv_cache_memory="16MiB")
+    want = [o.outputs[0].token_ids for o in plain.generate(_prompts(), PARAMS, use_tqdm=False)]
+    plain.shutdown()
+    for method in ("mtp", "deepseek_mtp"):
+        llm = LLM(path, dtype="float32", kv_cache_memory="16MiB",
+                  speculative_config={"method": method, "num_speculative_tokens": 2})
+        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+        stats = llm.stats()
+        llm.shutdown()
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert stats["spec_num_drafts"] > 0         # (a random layer: its proposals are rarely right)
+
+
+def test_mtp_without_the_layer_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="no multi-token-prediction layer"):
+        LLM(tiny_model_dir("deepseek-v3"), dtype="float32", kv_cache_memory="16MiB",
+            speculative_config={"method": "mtp"})
+    with pytest.raises(ValueError, match="needs a model with multi-token-prediction layers"):
+        LLM(tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory="16MiB",
+            speculative_config={"method": "mtp"})
