@@ -164,6 +164,33 @@ class SchedulerConfig:
 
 
 @dataclass
+class EPLBConfig:
+    """--eplb-config (vLLM's fields): how expert parallel load balancing measures and moves."""
+    window_size: int = 1000                 # steps whose expert loads decide a placement
+    step_interval: int = 3000               # steps between placements
+    num_redundant_experts: int = 0          # extra expert slots in each EP group, for copies of hot experts
+    log_balancedness: bool = False          # log the balancedness every step_interval steps too when unchanged
+
+    @classmethod
+    def from_json(cls, value: dict | str) -> EPLBConfig:
+        value = json_object_flag(value, "--eplb-config", '{"step_interval": 3000, "num_redundant_experts": 8}')
+        known = [f for f in cls.__dataclass_fields__]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ValueError(f"--eplb-config has unknown field(s) {unknown}; known: {', '.join(known)}.")
+        return cls(**value)
+
+    def __post_init__(self):
+        for name in ("window_size", "step_interval"):
+            n = getattr(self, name)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"--eplb-config {name}={n!r} must be a positive integer.")
+        n = self.num_redundant_experts
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"--eplb-config num_redundant_experts={n!r} must be a non-negative integer.")
+
+
+@dataclass
 class ParallelConfig:
     """Sizes are per replica (TP x PCP x PP ranks) and across replicas (DP). A replica's ranks are
     world ranks data_parallel_rank * world_size + 0..world_size-1 of the DP x PP x PCP x TP grid.
@@ -219,6 +246,14 @@ class ParallelConfig:
     dcp_kv_cache_interleave_size: int = knob(
         1, "context parallel: consecutive positions stored on one rank before the next rank's (divides "
         "--block-size)")
+    enable_eplb: bool = knob(
+        False, "expert parallel load balancing: every step_interval steps, place the experts over the EP ranks "
+        "by the tokens each got in the last window_size steps, with redundant copies of the hot ones (needs "
+        "--enable-expert-parallel)")
+    eplb_config: dict | str | None = knob(
+        None, "EPLB as JSON: {\"window_size\": 1000, \"step_interval\": 3000, \"num_redundant_experts\": 0, "
+        "\"log_balancedness\": false}")
+    eplb: EPLBConfig | None = None        # resolved from the two above (None: EPLB off)
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
@@ -256,6 +291,10 @@ class ParallelConfig:
         for name in ("distributed_init_timeout", "execute_model_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive seconds.")
+        if self.enable_eplb and self.eplb is None:
+            self.eplb = EPLBConfig.from_json(self.eplb_config or {})
+        elif self.eplb_config and not self.enable_eplb:
+            raise ValueError("--eplb-config is given without --enable-eplb: add --enable-eplb (or leave it out).")
 
     @property
     def world_size(self) -> int:

@@ -206,8 +206,9 @@ def _olmo2(path):
                                                           bos_token_id=1, eos_token_id=2))
 
 
-def _gpt_oss(path):
-    """4 experts (2 a token) with biases, sinks, windows of 8 on layers 0 and 2, YaRN."""
+def _gpt_oss(path, skewed: bool = False):
+    """4 experts (2 a token) with biases, sinks, windows of 8 on layers 0 and 2, YaRN. skewed: the
+    router's bias sends nearly every token to experts 0 and 1 (EPLB's test)."""
     from transformers import GptOssConfig, GptOssForCausalLM
     config = GptOssConfig(**{**TINY, "num_hidden_layers": 4}, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                           sliding_window=8, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
@@ -215,7 +216,8 @@ def _gpt_oss(path):
                                            "truncate": False, "original_max_position_embeddings": 128,
                                            "rope_theta": 150000.0})
     assert config.layer_types[:2] == ["sliding_attention", "full_attention"]
-    return _save_tiny(path, GptOssForCausalLM, config)
+    skew = (lambda m: [layer.mlp.router.bias[:2].add_(3.0) for layer in m.model.layers]) if skewed else None
+    return _save_tiny(path, GptOssForCausalLM, config, skew)
 
 
 _DEEPSEEK = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -297,7 +299,7 @@ TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers, "llam
                "phi3": _phi3, "olmo2": _olmo2, "gpt-oss": _gpt_oss, "gemma3-12-layers": _gemma3_12_layers,
                "gemma3-12-layers-full": lambda path: _gemma3_12_layers(path, ["full_attention"] * 12),
                "deepseek-v3": _deepseek_v3, "deepseek-v2": _deepseek_v2, "deepseek-v2-lite": _deepseek_v2_lite,
-               "deepseek-v3-mtp": _deepseek_v3_mtp}
+               "deepseek-v3-mtp": _deepseek_v3_mtp, "gpt-oss-skewed": lambda path: _gpt_oss(path, skewed=True)}
 
 
 @pytest.fixture(scope="session")

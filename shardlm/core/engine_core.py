@@ -203,7 +203,8 @@ class EngineCore:
                 "num_aborted": self.scheduler.num_aborted,
                 **self.scheduler.lora_stats(),
                 **(self.scheduler.spec_stats.as_dict() if self.config.speculative is not None else {}),
-                **({"expert_load": self.expert_load()} if self.config.model.num_experts else {})}
+                **({"expert_load": self.expert_load()} if self.config.model.num_experts else {}),
+                **({"eplb": self.executor.collective_rpc("eplb_state")[0]} if self.config.parallel.enable_eplb else {})}
 
     def expert_load(self) -> dict[str, list[int]]:
         """Tokens of this replica routed to each expert so far, per MoE layer (from the first TP

@@ -133,6 +133,8 @@ class EngineArgs:
     decode_context_parallel_size: int = knob_of(ParallelConfig, "decode_context_parallel_size")
     prefill_context_parallel_size: int = knob_of(ParallelConfig, "prefill_context_parallel_size")
     dcp_kv_cache_interleave_size: int = knob_of(ParallelConfig, "dcp_kv_cache_interleave_size")
+    enable_eplb: bool = knob_of(ParallelConfig, "enable_eplb")
+    eplb_config: dict | str | None = knob_of(ParallelConfig, "eplb_config")
     quantization: str | None = knob(
         None, "model",
         "weight-only quantization of the linear layers at load: int8 (one scale per row) or int4 "

@@ -52,6 +52,11 @@ RULES: tuple[Rule, ...] = (
          "expert parallel across data parallel replicas runs their MoE layers in lock-step, which pipeline "
          "stages do not",
          "-dp with -tp, or -pp without -dp (expert parallel then spans each stage's tensor parallel ranks)"),
+    Rule("--enable-eplb without --enable-expert-parallel",
+         lambda c: c.parallel.enable_eplb and not (c.parallel.enable_expert_parallel and c.model.num_experts > 0),
+         "load balancing places whole experts over the ranks of expert parallel (a model without experts, or "
+         "experts sliced by tensor parallel, has nothing to place)",
+         "add --enable-expert-parallel for a mixture-of-experts model, or leave out --enable-eplb"),
     Rule("-pcp with --enable-expert-parallel",
          lambda c: c.parallel.prefill_context_parallel_size > 1 and c.parallel.enable_expert_parallel,
          "prefill context parallel splits each step's tokens over groups of ranks, and expert parallel's token "

@@ -18,8 +18,10 @@ expert once per step, each active expert runs its tokens as one matmul, and the 
 weighted and summed back into their tokens with one index_add.
 
 `expert_load` counts the tokens of this replica routed to each expert (the imbalance is what
-EP is tuned for); a placement with redundant copies of hot experts (EPLB) would change only
-`local_experts` and the id mapping in `_run_local_experts`.
+EP is tuned for). With EPLB (`redundant_experts`, worker/expert_balancer.py) the EP group has
+E + R slots, (E + R) / ep per rank, each holding a logical expert (`slot_expert`); a token goes
+to one copy of its expert, chosen by its index, and `rebalance` moves experts between ranks
+(layers/expert_placement.py says where).
 """
 
 from __future__ import annotations
@@ -33,10 +35,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.distributed.parallel_state import expert_parallel_enabled, get_dp_group, get_ep_group, get_tp_group
+from shardlm.layers.expert_placement import balancedness, default_placement, place_experts
 from shardlm.layers.linear import load_slice
 
 # tokens of each DP replica in the current step, when the replicas run their MoE layers together
 _dp_token_counts: list[int] | None = None
+# EPLB: redundant expert slots of the MoE layers built within redundant_experts() (None: no EPLB)
+_num_redundant: list[int | None] = [None]
+
+
+@contextmanager
+def redundant_experts(n: int | None):
+    """MoE layers built within this block have physical slots with n redundant ones under expert
+    parallel, for EPLB to place (None: EPLB off)."""
+    _num_redundant[0] = n
+    try:
+        yield
+    finally:
+        _num_redundant[0] = None
 
 
 @contextmanager
@@ -80,6 +96,8 @@ class FusedMoE(nn.Module):
         self.activation = activation
         self.hidden_size = hidden_size
         self.dp = get_dp_group()
+        self.slot_expert: list[int] | None = None      # EPLB: the logical expert of each physical slot
+        self.num_redundant = 0
         if expert_parallel_enabled():
             self.reduce_group = get_ep_group()
             if num_experts < self.reduce_group.world_size:
@@ -89,6 +107,7 @@ class FusedMoE(nn.Module):
             self.first_expert, self.num_local = local_experts(num_experts, self.reduce_group.world_size,
                                                               self.reduce_group.rank_in_group)
             self.inter, self.slice_rank = intermediate_size, 0
+            self._place_redundant(_num_redundant[0])
         else:
             tp = self.reduce_group = get_tp_group()
             if intermediate_size % tp.world_size:
@@ -108,21 +127,49 @@ class FusedMoE(nn.Module):
         self.expert_load = torch.zeros(num_experts, dtype=torch.int64, device="cpu")
         self.routing = None       # the model's own routing (GroupedTopK), in place of route's softmax top-k
 
+    # ---- EPLB: physical slots ----
+    def _place_redundant(self, num_redundant: int | None) -> None:
+        if num_redundant is None:
+            return
+        self.num_redundant = num_redundant
+        ep = self.reduce_group.world_size
+        if (self.num_experts + num_redundant) % ep:
+            raise ValueError(f"EPLB: {self.num_experts} experts + {num_redundant} redundant slots do not divide over "
+                             f"{ep} expert parallel ranks: choose num_redundant_experts so that the sum is a "
+                             f"multiple of {ep}.")
+        self.num_local = (self.num_experts + num_redundant) // ep
+        self.first_expert = self.reduce_group.rank_in_group * self.num_local      # this rank's first slot
+        self.set_placement(default_placement(self.num_experts, num_redundant))
+
+    def set_placement(self, slot_expert: list[int]) -> None:
+        """Which logical expert each physical slot holds; a token routed to expert e goes to copy
+        (token index mod copies of e)."""
+        self.slot_expert = list(slot_expert)
+        copies = [[s for s, e in enumerate(slot_expert) if e == expert] for expert in range(self.num_experts)]
+        width = max(len(c) for c in copies)
+        self.copy_slots = torch.tensor([c + c[:1] * (width - len(c)) for c in copies])
+        self.copy_count = torch.tensor([len(c) for c in copies])
+
+    def local_expert_ids(self) -> list[int]:
+        """The logical expert of each of this rank's slots."""
+        if self.slot_expert is None:
+            return list(range(self.first_expert, self.first_expert + self.num_local))
+        return self.slot_expert[self.first_expert:self.first_expert + self.num_local]
+
     # ---- loading: shard_id = (expert, 0 for gate / 1 for up) for w13, expert for w2 ----
-    def _local(self, expert: int) -> int | None:
-        """Where global `expert` sits in this rank's stack; None when another rank holds it
-        (its tensor is then never read from disk)."""
-        local = expert - self.first_expert
-        return local if 0 <= local < self.num_local else None
+    def _local(self, expert: int) -> list[int]:
+        """Where global `expert` sits in this rank's stack (several slots with EPLB's copies);
+        none when another rank holds it (its tensor is then never read from disk)."""
+        return [i for i, e in enumerate(self.local_expert_ids()) if e == expert]
 
     def _load_w13(self, param, loaded, shard_id) -> None:
         expert, half = shard_id
-        if (local := self._local(expert)) is not None:
+        for local in self._local(expert):
             load_slice(param.data[local].narrow(0, half * self.inter, self.inter), loaded, 0,
                        self.slice_rank * self.inter, self.inter)
 
     def _load_w2(self, param, loaded, shard_id) -> None:
-        if (local := self._local(shard_id)) is not None:
+        for local in self._local(shard_id):
             load_slice(param.data[local], loaded, 1, self.slice_rank * self.inter, self.inter)
 
     # ---- loading all experts from one stacked tensor (GPT-OSS: gate and up interleaved by column) ----
@@ -131,8 +178,8 @@ class FusedMoE(nn.Module):
         down [E, I, H] or down_bias [E, H], as transformers' GptOssExperts holds them; this rank
         takes its experts and its slice of their intermediate dims."""
         rows = slice(self.slice_rank * self.inter, (self.slice_rank + 1) * self.inter)
-        for local in range(self.num_local):
-            t = tensor[self.first_expert + local]
+        for local, expert in enumerate(self.local_expert_ids()):
+            t = tensor[expert]
             if which == "gate_up":
                 self.w13.data[local].copy_(torch.cat([t[:, 0::2].t()[rows], t[:, 1::2].t()[rows]]))
             elif which == "gate_up_bias":
@@ -171,7 +218,12 @@ class FusedMoE(nn.Module):
     def _run_local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's part of the output: its experts (its slice of them under TP) for the
         tokens routed to them; zero rows for tokens that none of its experts serves."""
-        local = ids.flatten() - self.first_expert
+        if self.slot_expert is None:
+            local = ids.flatten() - self.first_expert
+        else:                                            # EPLB: the copy of its expert a token goes to
+            token = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(ids)
+            copies, slots = self.copy_count.to(ids.device), self.copy_slots.to(ids.device)
+            local = (slots[ids, token % copies[ids]] - self.first_expert).flatten()
         pairs = ((local >= 0) & (local < self.num_local)).nonzero().squeeze(1)    # (token, expert) pairs here
         local = local[pairs]
         order = local.argsort(stable=True)               # grouped by expert
@@ -207,6 +259,43 @@ class FusedMoE(nn.Module):
         rows = torch.cat([torch.arange(r * most, r * most + n) for r, n in enumerate(counts)])
         gathered = gathered[rows.to(gathered.device)]
         return gathered[:, :self.hidden_size], gathered[:, self.hidden_size:]
+
+    # ---- EPLB: moving experts ----
+    def rebalance(self, load: list[float]) -> tuple[float, float]:
+        """A new placement for these per-expert token counts (the same on every EP rank), the
+        weights moved to it where it is better balanced than the current one. -> balancedness
+        before and after."""
+        ep = self.reduce_group.world_size
+        new = place_experts(load, ep, self.num_redundant)
+        before, after = balancedness(load, self.slot_expert, ep), balancedness(load, new, ep)
+        if after <= before:
+            return before, before
+        self._move_experts(new)
+        self.set_placement(new)
+        return before, after
+
+    def _move_experts(self, new: list[int]) -> None:
+        """Every expert a slot gains is broadcast over the EP group by a rank that holds it now
+        (all broadcasts first, so no slot is overwritten before it is sent), then stored."""
+        old, group, mine = self.slot_expert, self.reduce_group, slice(self.first_expert,
+                                                                      self.first_expert + self.num_local)
+        params = [p for p in (self.w13, self.w2, self.w13_bias, self.w2_bias) if p is not None]
+        gained = sorted({e for e, was in zip(new, old) if e != was})
+        wanted = {e for e, was in zip(new[mine], old[mine]) if e != was}
+        staged = {}
+        for expert in gained:
+            holder = old.index(expert)
+            src = holder // self.num_local
+            bufs = [p.data[holder - self.first_expert].clone() if src == group.rank_in_group
+                    else torch.empty_like(p.data[0]) for p in params]
+            for buf in bufs:
+                group.broadcast(buf, src)
+            if expert in wanted:
+                staged[expert] = bufs
+        for local, (e, was) in enumerate(zip(new[mine], old[mine])):
+            if e != was:
+                for p, buf in zip(params, staged[e]):
+                    p.data[local].copy_(buf)
 
     def dummy_forward(self) -> None:
         """This replica has no tokens but joins the others' step (DP + EP lock-step)."""

@@ -29,7 +29,7 @@ from shardlm.distributed.parallel_state import (
     get_tp_group,
 )
 from shardlm.layers.attention import Attention
-from shardlm.layers.moe import FusedMoE, dp_token_counts
+from shardlm.layers.moe import FusedMoE, dp_token_counts, redundant_experts
 from shardlm.layers.sampler import Sampler, SamplingBatch, TokenBitmask, token_logprobs
 from shardlm.logger import init_logger
 from shardlm.lora import batch as lora_batch
@@ -45,6 +45,7 @@ from shardlm.spec_decode.selector import make_proposer
 from shardlm.spec_decode.verify import accepted_tokens
 from shardlm.worker.cpu_tuning import zeroed_buffer
 from shardlm.worker.cuda_graphs import CudaGraphs, graphs_unavailable_reason
+from shardlm.worker.expert_balancer import ExpertBalancer
 from shardlm.worker.step_builder import RequestState, StepBatch, StepBuilder
 
 logger = init_logger(__name__)
@@ -72,6 +73,7 @@ class ModelRunner:
         self.proposer: Proposer | None = None          # speculative decoding, on the rank that samples
         self.enforce_eager = config.model.enforce_eager
         self.num_blocks: int | None = None              # KV cache blocks, once the cache is bound
+        self.balancer: ExpertBalancer | None = None      # --enable-eplb: places the experts anew now and then
         self._kv_tensors: list[tuple[torch.Tensor, torch.Tensor]] = []     # (K, V) per slot (attention_layers)
 
     def load_model(self) -> None:
@@ -82,8 +84,12 @@ class ModelRunner:
         if cp.world_size > 1:           # context parallel: this rank's share of every sequence
             self.attn_backend.shard = ContextShard(cp.world_size, cp.rank_in_group, par.dcp_kv_cache_interleave_size,
                                                    self.block_size, get_dcp_group().world_size)
-        self.model = load_model(get_model_class(self.config.model.architecture), self.config.model, self.device,
-                                stages[self.pp.rank_in_group])
+        eplb = par.eplb
+        with redundant_experts(eplb.num_redundant_experts if eplb is not None else None):
+            self.model = load_model(get_model_class(self.config.model.architecture), self.config.model, self.device,
+                                    stages[self.pp.rank_in_group])
+        if eplb is not None and self.moe_layers():
+            self.balancer = ExpertBalancer(self.moe_layers(), eplb)
         spec = self.config.speculative
         if spec is not None and spec.method == "eagle3":     # every rank: each stage hands its layers' on
             self.model.model.aux_layers = aux_layers_of(spec.draft_model_config.hf_config, self.config.model.num_layers)
@@ -212,6 +218,8 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare_inputs(batch)
         with dp_token_counts(self._tokens_per_replica(len(input_ids))), lora_batch.running(batch.lora):
             hidden = self._run_model(input_ids, positions, meta)
+        if self.balancer is not None:
+            self.balancer.after_forward()
         if hidden is None:                  # not the last pipeline stage: sent on
             return None
         if batch.pcp is not None:           # every group's tokens to the first, which samples
@@ -289,6 +297,8 @@ class ModelRunner:
             if sum(counts):
                 for layer in self.moe_layers().values():
                     layer.dummy_forward()
+                if self.balancer is not None:
+                    self.balancer.after_forward()
         return sum(counts)
 
     def _tokens_per_replica(self, num_tokens: int) -> list[int] | None:

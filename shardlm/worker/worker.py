@@ -217,6 +217,10 @@ class Worker:
     def execute_dummy_batch(self) -> int:
         return self.runner.execute_dummy()
 
+    def eplb_state(self) -> dict | None:
+        """EPLB's placements so far and the last balancedness (None: not balancing here)."""
+        return self.runner.balancer.state() if self.runner.balancer is not None else None
+
     def expert_load(self) -> dict[int, list[int]]:
         """Tokens routed to each expert so far, per MoE layer of this rank (its replica's tokens)."""
         return {layer: moe.expert_load.tolist() for layer, moe in self.runner.moe_layers().items()}

@@ -170,3 +170,35 @@ def test_dp2_ep_server_answers_like_the_offline_engine_and_shows_the_expert_load
     assert len(series) == 2 * 4 * 3
     totals = [float(line.rsplit(" ", 1)[1]) for line in series if 'engine="all"' in line]
     assert sum(totals) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp,tp,redundant", [(1, 2, 0), (1, 2, 2), (2, 1, 0)],
+                         ids=["tp2-ep", "tp2-ep-2-copies", "dp2-ep"])
+def test_eplb_evens_a_skewed_routing_and_keeps_the_tokens(dp, tp, redundant, tiny_model_dir, one_rank_outputs):
+    """GPT-OSS with its router biased towards experts 0 and 1, which start on one rank (without
+    copies): placed anew every 4 forward passes from the last 4, with copies of the hot experts or
+    without, the replicas of dp2 balancing together, the ranks' loads even out (2 copies of 4
+    experts start even already) and the tokens do not change."""
+    llm = LLM(tiny_model_dir("gpt-oss-skewed"), **ENGINE, data_parallel_size=dp, tensor_parallel_size=tp,
+              enable_expert_parallel=True, enable_eplb=True,
+              eplb_config={"step_interval": 4, "window_size": 4, "num_redundant_experts": redundant})
+    try:
+        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    eplb = stats["engines"][0]["eplb"] if "engines" in stats else stats["eplb"]
+    assert eplb["rebalances"] > 0
+    assert eplb["balancedness_after"] > 0.9, eplb
+    if not redundant:
+        assert eplb["balancedness_at_start"] < 0.75, eplb
+    assert _token_ids(outs) == one_rank_outputs("gpt-oss-skewed")
+
+
+def test_eplb_needs_expert_parallel(tiny_model_dir):
+    with pytest.raises(ValueError, match="--enable-eplb without --enable-expert-parallel"):
+        LLM(tiny_model_dir("gpt-oss"), **ENGINE, tensor_parallel_size=2, enable_eplb=True)
+    with pytest.raises(ValueError, match="num_redundant_experts=-1"):
+        LLM(tiny_model_dir("gpt-oss"), **ENGINE, tensor_parallel_size=2, enable_expert_parallel=True,
+            enable_eplb=True, eplb_config={"num_redundant_experts": -1})
