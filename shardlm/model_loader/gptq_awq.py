@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from shardlm.model_loader.fp8 import fp8_method
 PACKED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)          # nibble j of a word holds output column AWQ_ORDER[j]
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
@@ -32,13 +33,14 @@ def _as_dict(qc) -> dict:
 def checkpoint_method(quantization_config) -> tuple[str, int] | None:
     """("gptq" | "awq", group size) of a checkpoint from its config.json's quantization_config
     (None: a float checkpoint); a clear error for what is not read."""
-    if not quantization_config:
+    if not quantization_config or fp8_method(quantization_config):     # FP8: dequantized as read (fp8.py)
         return None
     qc = _as_dict(quantization_config)
     method = str(qc.get("quant_method", "")).lower()
     if method not in ("gptq", "awq"):
-        raise ValueError(f"This checkpoint is quantized with {method or 'an unnamed method'!r}; shardlm reads GPTQ "
-                         "and AWQ checkpoints (4-bit), GGUF files, or float checkpoints with --quantization int8|int4.")
+        raise ValueError(f"This checkpoint is quantized with {method or 'an unnamed method'!r}; shardlm reads FP8 "
+                         "(fp8, fbgemm_fp8, compressed-tensors float), GPTQ and AWQ checkpoints (4-bit), GGUF files, "
+                         "or float checkpoints with --quantization int8|int4.")
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:
         raise ValueError(f"This {method.upper()} checkpoint has {bits}-bit weights; shardlm reads 4-bit ones.")

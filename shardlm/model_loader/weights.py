@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from shardlm.config import ModelConfig
+from shardlm.model_loader.fp8 import dequantized, fp8_method
 from shardlm.model_loader.gptq_awq import PACKED_SUFFIXES, PackedLinears, is_v1
 
 
@@ -29,11 +30,25 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 def iterate_weights(model_dir: str) -> Iterator[tuple[str, object]]:
     """(name, lazy tensor): a safetensors slice, read from disk only where a weight loader
-    indexes it, so each tensor parallel rank reads just its own part."""
+    indexes it, so each tensor parallel rank reads just its own part; an FP8 checkpoint's
+    weights dequantized as they are read (fp8.py)."""
+    weights = _safetensors_slices(model_dir)
+    return dequantized(weights, model_dir) if fp8_method(_quantization_config(model_dir)) else weights
+
+
+def _safetensors_slices(model_dir: str) -> Iterator[tuple[str, object]]:
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_slice(name)
+
+
+def _quantization_config(model_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return json.load(f).get("quantization_config")
+    except OSError:
+        return None
 
 
 def quantize_linears(model: torch.nn.Module, config) -> None:

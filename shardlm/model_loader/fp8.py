@@ -1,0 +1,114 @@
+"""FP8 checkpoints, read as they ship, dequantized at load into the model's dtype.
+
+Three formats, told apart by config.json's quantization_config (no flag, as vLLM):
+- `quant_method: "fp8"` (DeepSeek-V3, Qwen3-FP8): float8_e4m3fn weights; with `weight_block_size`
+  a `weight_scale_inv` per block of [128, 128] (a multiplier, despite its name), else a per-tensor
+  `weight_scale`; `ignored_layers` / `modules_to_not_convert` stay in float;
+- `quant_method: "fbgemm_fp8"` (Meta's Llama-3.1-405B-FP8): a float32 `weight_scale` of [out, 1];
+- `quant_method: "compressed-tensors"`, `format: "float-quantized"` (the -FP8 and -FP8-dynamic
+  releases): `weight_scale` per tensor, per channel ([out, 1]) or per block (`block_structure`).
+Every weight is its own scale's: q, k and v (or gate and up) with different per-tensor scales are
+dequantized apart before the loaders merge them. Activation scales (`input_scale`) and KV scales
+are not used: the weights become float, the activations stay in the compute dtype, so outputs
+are the dequantized model's. A weight is read lazily, only the rows or columns a tensor parallel
+rank loads, with the scales of the blocks those cover (a block may straddle a shard boundary).
+Not built yet: keeping the weights FP8 in memory (one byte a weight) with kernels that widen them
+in the product.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+from safetensors import safe_open
+
+FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
+_UNUSED_SUFFIXES = (".input_scale", ".input_scale_ub", ".k_scale", ".v_scale", ".kv_scale", ".weight_zero_point")
+
+
+def fp8_method(quantization_config) -> str | None:
+    """The FP8 format of a checkpoint's quantization_config (None: not FP8)."""
+    if not quantization_config:
+        return None
+    qc = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
+    method = str(qc.get("quant_method", "")).lower()
+    if method in ("fp8", "fbgemm_fp8"):
+        return method
+    if method == "compressed-tensors" and qc.get("format") in ("float-quantized", "naive-quantized") and any(
+            (g.get("weights") or {}).get("type") == "float" for g in (qc.get("config_groups") or {}).values()):
+        return method
+    return None
+
+
+def block_size(model_dir: str) -> tuple[int, int] | None:
+    """The [rows, columns] of a weight scale's block, where the checkpoint's config gives one."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            qc = json.load(f).get("quantization_config") or {}
+    except OSError:
+        return None
+    if qc.get("weight_block_size"):
+        return tuple(qc["weight_block_size"])
+    for group in (qc.get("config_groups") or {}).values():
+        structure = (group.get("weights") or {}).get("block_structure")
+        if structure:
+            return tuple(structure)
+    return None
+
+
+class Fp8Weight:
+    """A lazy FP8 weight, sliced and dequantized as a safetensors slice is sliced and read."""
+
+    def __init__(self, weight, scale: torch.Tensor, block: tuple[int, int] | None):
+        self.weight, self.scale, self.block = weight, scale.float(), block
+
+    def get_shape(self) -> list[int]:
+        return self.weight.get_shape()
+
+    def get_dtype(self) -> str:
+        return "F32"
+
+    def __getitem__(self, index) -> torch.Tensor:
+        shape = self.get_shape()
+        index = index if isinstance(index, tuple) else (index,)
+        index = index + (slice(None),) * (len(shape) - len(index))
+        ranges = [range(*s.indices(n)) for s, n in zip(index, shape)]
+        values = self.weight[index].float()
+        return values * self._scale_for(ranges, shape)
+
+    def _scale_for(self, ranges: list[range], shape: list[int]) -> torch.Tensor:
+        s = self.scale
+        if s.numel() == 1:                                  # per tensor
+            return s.reshape(())
+        if s.dim() == 2 and s.shape[1] == 1 and s.shape[0] == shape[0]:     # per output channel
+            return s[ranges[0].start:ranges[0].stop]
+        rows, cols = self.block or (math.ceil(shape[0] / s.shape[0]), math.ceil(shape[1] / s.shape[1]))
+        r = torch.arange(ranges[0].start, ranges[0].stop) // rows
+        c = torch.arange(ranges[1].start, ranges[1].stop) // cols
+        return s[r][:, c]
+
+
+def dequantized(weights, model_dir: str):
+    """The checkpoint's tensors with every FP8 weight as a lazy float one (its scale applied) and
+    the scales themselves left out."""
+    from shardlm.model_loader.weights import safetensors_files
+    scales, block = {}, block_size(model_dir)
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(_SCALE_SUFFIXES):
+                    scales[name] = f.get_tensor(name)
+    for name, tensor in weights:
+        if name.endswith(_SCALE_SUFFIXES + _UNUSED_SUFFIXES):
+            continue
+        if name.endswith(".weight") and getattr(tensor, "get_dtype", lambda: "")() in FP8_DTYPES:
+            base = name[:-len(".weight")]
+            scale = scales.get(base + ".weight_scale_inv", scales.get(base + ".weight_scale"))
+            if scale is None:
+                raise ValueError(f"The FP8 weight {name} has no weight_scale or weight_scale_inv in the checkpoint.")
+            tensor = Fp8Weight(tensor, scale, block)
+        yield name, tensor
