@@ -92,12 +92,11 @@ class Fp8Weight:
         return s[r][:, c]
 
 
-def dequantized(weights, model_dir: str):
-    """The checkpoint's tensors with every FP8 weight as a lazy float one (its scale applied) and
-    the scales themselves left out."""
-    from shardlm.model_loader.weights import safetensors_files
+def dequantized(weights, model_dir: str, files: list[str]):
+    """The checkpoint's tensors (weights, from the safetensors `files` of model_dir) with every FP8
+    weight as a lazy float one (its scale applied) and the scales themselves left out."""
     scales, block = {}, block_size(model_dir)
-    for path in safetensors_files(model_dir):
+    for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 if name.endswith(_SCALE_SUFFIXES):

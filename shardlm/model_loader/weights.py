@@ -33,7 +33,9 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, object]]:
     indexes it, so each tensor parallel rank reads just its own part; an FP8 checkpoint's
     weights dequantized as they are read (fp8.py)."""
     weights = _safetensors_slices(model_dir)
-    return dequantized(weights, model_dir) if fp8_method(_quantization_config(model_dir)) else weights
+    if fp8_method(_quantization_config(model_dir)):
+        return dequantized(weights, model_dir, safetensors_files(model_dir))
+    return weights
 
 
 def _safetensors_slices(model_dir: str) -> Iterator[tuple[str, object]]:
