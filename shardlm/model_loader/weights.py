@@ -6,6 +6,7 @@ import glob
 import json
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from safetensors import safe_open
@@ -51,6 +52,18 @@ def _quantization_config(model_dir: str) -> dict | None:
             return json.load(f).get("quantization_config")
     except OSError:
         return None
+
+
+@contextmanager
+def built_in(dtype: torch.dtype, device: torch.device):
+    """Modules made within this block have their parameters in dtype on device."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(old)
 
 
 def quantize_linears(model: torch.nn.Module, config) -> None:
@@ -116,13 +129,8 @@ def load_model(cls: type, model_config: ModelConfig, device: torch.device,
     """The model of class `cls` (models/registry.py picks it: this package sits below the models,
     which read their weights with it), or with layer_range the part a pipeline stage holds: those
     layers, plus the embedding on the first stage and norm + LM head on the last."""
-    old_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(model_config.dtype)
-    try:
-        with torch.device(device):
-            model = cls(model_config.hf_config, model_config.max_model_len, model_config.dtype, layer_range)
-    finally:
-        torch.set_default_dtype(old_dtype)
+    with built_in(model_config.dtype, device):
+        model = cls(model_config.hf_config, model_config.max_model_len, model_config.dtype, layer_range)
     quant = model_config.quantization
     if quant is not None and quant.method in ("gguf", "gptq", "awq") and not getattr(
             model, "reads_quantized_checkpoints", True):

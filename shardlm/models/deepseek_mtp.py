@@ -23,7 +23,7 @@ from shardlm.layers.linear import default_weight_loader
 from shardlm.layers.norm import RMSNorm
 from shardlm.layers.rotary import RotaryEmbedding
 from shardlm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from shardlm.model_loader.weights import iterate_weights
+from shardlm.model_loader.weights import built_in, iterate_weights
 from shardlm.models.deepseek import DeepseekV3ForCausalLM, MultiHeadLatentAttention, deepseek_mlp
 from shardlm.models.llama import LlamaDecoderLayer
 
@@ -110,12 +110,7 @@ class DeepseekMTP(nn.Module):
 
 def load_deepseek_mtp(target: ModelConfig, device: torch.device) -> DeepseekMTP:
     """The target's MTP layer, whole, in its dtype on `device` (call within parallel_state.alone())."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(target.dtype)
-    try:
-        with torch.device(device):
-            model = DeepseekMTP(target.hf_config, target.max_model_len, target.dtype)
-    finally:
-        torch.set_default_dtype(old)
+    with built_in(target.dtype, device):
+        model = DeepseekMTP(target.hf_config, target.max_model_len, target.dtype)
     model.load_weights(iterate_weights(target.model))
     return model

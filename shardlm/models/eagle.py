@@ -18,20 +18,15 @@ from shardlm.config import ModelConfig
 from shardlm.layers.linear import default_weight_loader
 from shardlm.layers.rotary import RotaryEmbedding
 from shardlm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from shardlm.model_loader.weights import iterate_weights
+from shardlm.model_loader.weights import built_in, iterate_weights
 from shardlm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaVariant
 
 
 def load_eagle(head: ModelConfig, target: ModelConfig, device: torch.device) -> EagleLlama:
     """The EAGLE head of `head.model`, in the target's dtype, on `device` (whole: call within
     parallel_state.alone())."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(target.dtype)
-    try:
-        with torch.device(device):
-            model = EagleLlama(head.hf_config, target.max_model_len, target.dtype)
-    finally:
-        torch.set_default_dtype(old)
+    with built_in(target.dtype, device):
+        model = EagleLlama(head.hf_config, target.max_model_len, target.dtype)
     model.load_weights(iterate_weights(head.model), iterate_weights(target.model))
     return model
 

@@ -21,7 +21,7 @@ from shardlm.layers.linear import QKVParallelLinear, default_weight_loader
 from shardlm.layers.norm import RMSNorm
 from shardlm.layers.rotary import RotaryEmbedding
 from shardlm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from shardlm.model_loader.weights import iterate_weights
+from shardlm.model_loader.weights import built_in, iterate_weights
 from shardlm.models.eagle import load_head_tensors
 from shardlm.models.llama import LlamaAttention, LlamaMLP, LlamaVariant
 
@@ -110,12 +110,7 @@ class Eagle3Llama(nn.Module):
 def load_eagle3(head: ModelConfig, target: ModelConfig, num_aux: int, device: torch.device) -> Eagle3Llama:
     """The EAGLE-3 head of `head.model`, in the target's dtype, whole on `device` (call within
     parallel_state.alone())."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(target.dtype)
-    try:
-        with torch.device(device):
-            model = Eagle3Llama(head.hf_config, num_aux, target.max_model_len, target.dtype)
-    finally:
-        torch.set_default_dtype(old)
+    with built_in(target.dtype, device):
+        model = Eagle3Llama(head.hf_config, num_aux, target.max_model_len, target.dtype)
     model.load_weights(iterate_weights(head.model), iterate_weights(target.model))
     return model
