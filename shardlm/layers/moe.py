@@ -40,6 +40,8 @@ from shardlm.layers.linear import load_slice
 
 # tokens of each DP replica in the current step, when the replicas run their MoE layers together
 _dp_token_counts: list[int] | None = None
+# EPLB: a placement is applied where it raises a layer's balancedness (mean/max) by at least this
+MIN_BALANCE_GAIN = 0.05
 # EPLB: redundant expert slots of the MoE layers built within redundant_experts() (None: no EPLB)
 _num_redundant: list[int | None] = [None]
 
@@ -263,12 +265,12 @@ class FusedMoE(nn.Module):
     # ---- EPLB: moving experts ----
     def rebalance(self, load: list[float]) -> tuple[float, float]:
         """A new placement for these per-expert token counts (the same on every EP rank), the
-        weights moved to it where it is better balanced than the current one. -> balancedness
-        before and after."""
+        weights moved to it where it balances better by at least MIN_BALANCE_GAIN (a move costs a
+        broadcast per expert moved). -> balancedness before and after."""
         ep = self.reduce_group.world_size
         new = place_experts(load, ep, self.num_redundant)
         before, after = balancedness(load, self.slot_expert, ep), balancedness(load, new, ep)
-        if after <= before:
+        if after < before + MIN_BALANCE_GAIN:
             return before, before
         self._move_experts(new)
         self.set_placement(new)

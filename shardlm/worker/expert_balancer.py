@@ -44,13 +44,14 @@ class ExpertBalancer:
         load = self.group.all_reduce(torch.stack(list(self.window)).sum(dim=0).double())
         results = [moe.rebalance(layer_load.tolist()) for moe, layer_load in zip(self.layers.values(), load)]
         before, after = (sum(r[i] for r in results) / len(results) for i in (0, 1))
+        moved = sum(1 for b, a in results if a != b)
         self.rebalances += 1
         self.balancedness = (before, after)
         if self.first_balancedness is None:
             self.first_balancedness = before
-        if self.group.rank_in_group == 0 and (after != before or self.config.log_balancedness):
-            logger.info("EPLB: experts of %d MoE layers placed anew after %d forward passes; balancedness (mean/max "
-                        "tokens per EP rank, last %d passes) %.3f -> %.3f", len(results), self.passes,
+        if self.group.rank_in_group == 0 and (moved or self.config.log_balancedness):
+            logger.info("EPLB: experts of %d of %d MoE layers placed anew after %d forward passes; balancedness "
+                        "(mean/max tokens per EP rank, last %d passes) %.3f -> %.3f", moved, len(results), self.passes,
                         len(self.window), before, after)
 
     def state(self) -> dict:

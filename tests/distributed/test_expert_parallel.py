@@ -202,3 +202,30 @@ def test_eplb_needs_expert_parallel(tiny_model_dir):
     with pytest.raises(ValueError, match="num_redundant_experts=-1"):
         LLM(tiny_model_dir("gpt-oss"), **ENGINE, tensor_parallel_size=2, enable_expert_parallel=True,
             enable_eplb=True, eplb_config={"num_redundant_experts": -1})
+
+
+@pytest.mark.slow
+def test_a_server_keeps_answering_while_eplb_moves_experts(tiny_model_dir):
+    """Experts placed anew every 2 forward passes under 8 concurrent requests: every request is
+    answered, the answers are the offline engine's, and the log shows the moves."""
+    import openai
+    path = tiny_model_dir("gpt-oss-skewed")
+    proc, url = start_server(path, "-tp", "2", "--enable-expert-parallel", "--enable-eplb",
+                             "--eplb-config", '{"step_interval": 2, "window_size": 2}')
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        results = [None] * 8
+
+        def ask(i):
+            results[i] = client.completions.create(model="tiny", prompt=f"Request {i} says", max_tokens=16,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert all(r is not None and len(r.choices[0].text) > 0 for r in results)
+        assert_server_answers_like_llm(url, path)
+    finally:
+        stop_server(proc)
+    assert "EPLB: experts of" in proc.stderr.read()
