@@ -124,12 +124,20 @@ class ModelConfig:
         return getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
 
 
+# --kv-cache-dtype -> the cache tensors' dtype (None: the model's)
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
+
+
 @dataclass
 class CacheConfig:
     block_size: int = knob(
         16, "tokens per KV cache block")
     kv_cache_memory: int = knob(
         4 << 30, "CPU: memory for the KV cache, bytes or e.g. 4GiB")
+    kv_cache_dtype: str = knob(
+        "auto", "the KV cache's dtype: auto (the model's), fp8 / fp8_e4m3 or fp8_e5m2 (one byte a value, twice "
+        "bfloat16's tokens; per-tensor scales of 1.0)")
     gpu_memory_utilization: float = knob(
         0.9, "CUDA: fraction of device memory for weights, activations and KV cache")
     enable_prefix_caching: bool = knob(
@@ -143,6 +151,8 @@ class CacheConfig:
             raise ValueError(f"block_size={self.block_size} must be a positive integer (default 16).")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1].")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: use {', '.join(KV_CACHE_DTYPES)}.")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be a positive number of bytes.")
 
@@ -434,6 +444,11 @@ class EngineConfig:
     device: torch.device
     lora: LoRAConfig | None = None           # None: --enable-lora is off
     speculative: SpeculativeConfig | None = None     # None: no speculative decoding
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """What the KV cache stores: the model's dtype, or FP8 (--kv-cache-dtype)."""
+        return KV_CACHE_DTYPES[self.cache.kv_cache_dtype] or self.model.dtype
 
     @property
     def kv_block_tokens(self) -> int:

@@ -25,7 +25,7 @@ class CpuKernelAttention(TorchPagedAttention):
     def rotary_and_attend(self, layer, qkv: torch.Tensor, cos_sin, meta) -> torch.Tensor | None:
         cos, signed_sin = cos_sin if cos_sin is not None else (None, None)     # None: no rotary embedding
         if (self.shard is not None or len(meta.buckets) != 1 or not meta.buckets[0].in_order or qkv.stride(1) != 1
-                or (cos is not None and cos.dtype != qkv.dtype) or not layer.plain):
+                or (cos is not None and cos.dtype != qkv.dtype) or not layer.plain or layer.k_cache.dtype != qkv.dtype):
             return None
         b, T = meta.buckets[0], qkv.shape[0]
         out = torch.empty(T, layer.num_heads * layer.head_dim, dtype=qkv.dtype)
@@ -42,7 +42,7 @@ class CpuKernelAttention(TorchPagedAttention):
     def decode(self, layer, q: torch.Tensor, b: AttentionBucket, lse: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, H, D] -> [B, H, D]; lse: a float32 [B, H] that receives each head's log-sum-exp
         (decode_partial). A sliding window or soft-capped logits: the torch path."""
-        if not layer.plain:
+        if not layer.plain or layer.k_cache.dtype != q.dtype:     # (an FP8 cache: widened by the torch path)
             return super().decode(layer, q, b)
         B, H, D = q.shape
         out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
@@ -56,7 +56,7 @@ class CpuKernelAttention(TorchPagedAttention):
         return out
 
     def decode_partial(self, layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
-        if not layer.plain:
+        if not layer.plain or layer.k_cache.dtype != q.dtype:
             return super().decode_partial(layer, q, b)
         lse = torch.empty(q.shape[:2], dtype=torch.float32)
         return self.decode(layer, q, b, lse).float(), lse
@@ -67,7 +67,7 @@ class CpuKernelAttention(TorchPagedAttention):
         speed on long prompts."""
         if _flash_with_lse is None or layer.logit_softcap is not None or layer.values_in_keys:
             return super().prefill_partial(layer, q, b)
-        kb, vb = gather(layer, b)                                 # [Hkv, B, K, D]
+        kb, vb = gather(layer, b, q.dtype)                                 # [Hkv, B, K, D]
         qb = q[b.token_index].transpose(1, 2)                     # [B, Hq, Q, D]
         group = qb.shape[1] // layer.num_kv_heads
         kb, vb = (t.transpose(0, 1).repeat_interleave(group, dim=1) for t in (kb, vb))

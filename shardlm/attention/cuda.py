@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardlm.attention.torch_paged import TorchPagedAttention, decode_attention
+from shardlm.attention.torch_paged import TorchPagedAttention, decode_attention, write_slots
 
 
 @dataclass
@@ -94,14 +94,14 @@ class CudaAttention(TorchPagedAttention):
 
     def _decode(self, layer, q, k, v, meta: CudaDecodeMetadata, with_lse: bool = False):
         Hkv, D = layer.num_kv_heads, layer.head_dim
-        layer.k_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        write_slots(layer.k_cache, meta.slot_mapping, k)
         if not layer.values_in_keys:
-            layer.v_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+            write_slots(layer.v_cache, meta.slot_mapping, v)
         B, N = meta.block_table.shape
         blocks = meta.block_table.flatten()
-        kb = layer.k_cache.index_select(1, blocks).view(Hkv, B, -1, D)
+        kb = layer.k_cache.index_select(1, blocks).view(Hkv, B, -1, D).to(q.dtype)
         vb = (kb[..., :layer.v_head_dim] if layer.values_in_keys
-              else layer.v_cache.index_select(1, blocks).view(Hkv, B, -1, D))
+              else layer.v_cache.index_select(1, blocks).view(Hkv, B, -1, D).to(q.dtype))
         masked_out = meta.positions[None, :] >= meta.context_lens[:, None]
         if layer.sliding_window is not None:       # the query is at context_lens - 1
             masked_out |= meta.positions[None, :] < meta.context_lens[:, None] - layer.sliding_window

@@ -221,10 +221,9 @@ class TorchPagedAttention(AttentionBackend):
 
     @staticmethod
     def write_kv(layer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        Hkv, D = layer.num_kv_heads, layer.head_dim
-        layer.k_cache.view(Hkv, -1, D).index_copy_(1, slot_mapping, k.transpose(0, 1))
+        write_slots(layer.k_cache, slot_mapping, k)
         if not layer.values_in_keys:
-            layer.v_cache.view(Hkv, -1, D).index_copy_(1, slot_mapping, v.transpose(0, 1))
+            write_slots(layer.v_cache, slot_mapping, v)
 
     def forward_partial(self, layer, q, k, v, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Context parallel: k, v of this step written where this rank owns them; q [T, Hq, D]
@@ -247,7 +246,7 @@ class TorchPagedAttention(AttentionBackend):
 
     def decode_partial(self, layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, Hq, D] -> (out [B, Hq, D] float32, lse [B, Hq])"""
-        return decode_attention(layer, q, *gather(layer, b), b.masked_out_for(layer.sliding_window), with_lse=True)
+        return decode_attention(layer, q, *gather(layer, b, q.dtype), b.masked_out_for(layer.sliding_window), with_lse=True)
 
     def prefill_partial(self, layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
         """q: the step's [T, Hq, D] -> (out [B * Q, Hq, D] float32, lse [B * Q, Hq])"""
@@ -258,7 +257,7 @@ class TorchPagedAttention(AttentionBackend):
         (with logit soft-capping, which it lacks: the scores computed here, in float32)."""
         if layer.logit_softcap is not None:
             return prefill_partial(layer, q, b)[0].to(q.dtype)
-        kb, vb = gather(layer, b)
+        kb, vb = gather(layer, b, q.dtype)
         qb = q[b.token_index].transpose(1, 2)               # [B, H, Q, D]
         kb, vb = kb.transpose(0, 1), vb.transpose(0, 1)     # [B, Hkv, K, D]
         ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask_for(layer.sliding_window), scale=layer.scale,
@@ -267,16 +266,28 @@ class TorchPagedAttention(AttentionBackend):
 
     def decode(self, layer, q: torch.Tensor, b: AttentionBucket) -> torch.Tensor:
         """One query per sequence. q: [B, H, D] (rows may be strided) -> [B, H, D]"""
-        return decode_attention(layer, q, *gather(layer, b), b.masked_out_for(layer.sliding_window))
+        return decode_attention(layer, q, *gather(layer, b, q.dtype), b.masked_out_for(layer.sliding_window))
 
 
-def gather(layer, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bucket's K and V, [Hkv, B, K, D] and [Hkv, B, K, Dv]: whole blocks, in block-table order."""
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """rows [T, Hkv, D] into the cache's slots (a cache of another dtype, FP8: converted; torch's
+    index_copy has no FP8 kernel, so its bytes are copied)."""
+    flat = cache.view(cache.shape[0], -1, cache.shape[-1])
+    rows = rows.transpose(0, 1)
+    if cache.dtype == rows.dtype:
+        flat.index_copy_(1, slots, rows)
+    else:
+        flat.view(torch.uint8).index_copy_(1, slots, rows.to(cache.dtype).view(torch.uint8))
+
+
+def gather(layer, b: AttentionBucket, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bucket's K and V, [Hkv, B, K, D] and [Hkv, B, K, Dv] in dtype (an FP8 cache widened):
+    whole blocks, in block-table order."""
     B, blocks = b.block_table.shape[0], b.block_table.flatten()
-    kb = layer.k_cache.index_select(1, blocks).view(layer.num_kv_heads, B, -1, layer.head_dim)
+    kb = layer.k_cache.index_select(1, blocks).view(layer.num_kv_heads, B, -1, layer.head_dim).to(dtype)
     if layer.values_in_keys:
         return kb, kb[..., :layer.v_head_dim]
-    vb = layer.v_cache.index_select(1, blocks).view(layer.num_kv_heads, B, -1, layer.head_dim)
+    vb = layer.v_cache.index_select(1, blocks).view(layer.num_kv_heads, B, -1, layer.head_dim).to(dtype)
     return kb, vb
 
 
@@ -325,7 +336,7 @@ def prefill_partial(layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.T
     """Prompt chunks with the scores at hand (under context parallel, and where logits are
     soft-capped): attention with its log-sum-exp, in float32, a piece of the queries at a time.
     q: the step's [T, Hq, D]. -> ([B * Q, Hq, D], [B * Q, Hq])"""
-    kb, vb = gather(layer, b)                                # [Hkv, B, K, D], [Hkv, B, K, Dv]
+    kb, vb = gather(layer, b, q.dtype)                                # [Hkv, B, K, D], [Hkv, B, K, Dv]
     Hkv, B, K, D = kb.shape
     Dv = vb.shape[-1]
     qb = q[b.token_index]                                    # [B, Q, Hq, D]

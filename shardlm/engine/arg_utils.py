@@ -112,6 +112,7 @@ class EngineArgs:
     kv_cache_memory: int | str = knob_of(CacheConfig, "kv_cache_memory")
     gpu_memory_utilization: float = knob_of(CacheConfig, "gpu_memory_utilization")
     enable_prefix_caching: bool = knob_of(CacheConfig, "enable_prefix_caching")
+    kv_cache_dtype: str = knob_of(CacheConfig, "kv_cache_dtype")
     disable_hybrid_kv_cache_manager: bool = knob_of(CacheConfig, "disable_hybrid_kv_cache_manager")
     max_num_seqs: int = knob_of(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: int | None = knob_of(SchedulerConfig, "max_num_batched_tokens", default=None)

@@ -79,6 +79,8 @@ def _misfit(layer, layout: tuple[int, int, int], dense_mlp: type) -> str | None:
         return "not the CPU kernels' attention backend"
     if not attn.attn.plain:
         return "attention the C kernels do not compute (a window, a soft-cap, sinks or latent values)"
+    if attn.attn.k_cache is not None and attn.attn.k_cache.dtype != layer.input_layernorm.weight.dtype:
+        return "a KV cache in another dtype (FP8)"
     if layer.input_layernorm.weight.dtype not in DTYPE_CODES:
         return f"dtype {layer.input_layernorm.weight.dtype}"
     linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)

@@ -43,6 +43,7 @@ class Workload:
     block_size: int = 16
     hybrid_kv_cache: bool = True              # sliding-window layers keep only their window (kv_cache_groups.py)
     dcp: int = 1                              # `plan -dcp`: decode context parallel in every split
+    kv_cache_dtype: str = "auto"              # --kv-cache-dtype: fp8 stores one byte a value
 
     @classmethod
     def for_checkpoint(cls, cfg: dict, shape: ModelShape, dtype: str | None = None, max_model_len: int | None = None,
@@ -53,6 +54,10 @@ class Workload:
         dtype = dtype or {"float32": "float32", "float16": "float16"}.get(stored, "bfloat16")
         return cls(dtype=dtype, quantization_bits=quantization_bits,
                    max_model_len=max_model_len or min(shape.max_position, 8192), concurrency=concurrency)
+
+    @property
+    def kv_dtype_bytes(self) -> int:
+        return 1 if self.kv_cache_dtype.startswith("fp8") else self.dtype_bytes
 
     @property
     def dtype_bytes(self) -> int:
@@ -140,7 +145,7 @@ def evaluate(shape: ModelShape, tp: int, pp: int, hw: Hardware, w: Workload, ep:
         # context parallel keeps every position of every layer (one KV cache group)
         layers = (shape.kv_layers(start, end, w.max_model_len, w.block_size) if w.hybrid_kv_cache and dcp * pcp == 1
                   else end - start)
-        kv = shape.kv_bytes_per_token(w.dtype_bytes, layers, tp) / (dcp * pcp)
+        kv = shape.kv_bytes_per_token(w.kv_dtype_bytes, layers, tp) / (dcp * pcp)
         plan.stages.append({"stage": s, "layers": [start, end - 1], "holds": extra, "weights_bytes": wb,
                             "kv_bytes_per_token": kv})
         worst_weights, worst_kv = max(worst_weights, wb), max(worst_kv, kv)
@@ -292,11 +297,11 @@ def recommend(shape: ModelShape, hw: Hardware, w: Workload, model_arg: str | Non
         if shape.is_moe:
             notes += _expert_parallel_notes(shape, pick, local_dp, hw, w, model_arg or shape.name)
         notes += _decode_context_parallel_notes(shape, pick, hw, w, model_arg or shape.name)
-    kv_per_token = shape.kv_bytes_per_token(w.dtype_bytes)
+    kv_per_token = shape.kv_bytes_per_token(w.kv_dtype_bytes)
     windowed = [x for x in shape.windows if x is not None and x < w.max_model_len]
     if windowed and w.hybrid_kv_cache:
         every = kv_per_token
-        kv_per_token = shape.kv_bytes_per_token(w.dtype_bytes, shape.kv_layers(0, shape.layers, w.max_model_len,
+        kv_per_token = shape.kv_bytes_per_token(w.kv_dtype_bytes, shape.kv_layers(0, shape.layers, w.max_model_len,
                                                                                 w.block_size))
         notes.append(f"{len(windowed)} of the {shape.layers} layers attend within a sliding window of "
                      f"{max(windowed)} tokens and keep only that: {kv_per_token / 1024:.1f} KiB of KV cache per token "

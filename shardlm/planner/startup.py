@@ -92,7 +92,7 @@ def check_fits(config: EngineConfig) -> None:
                         quantization_bits=quant.effective_bits(shape.hidden) if quant else None,
                         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                         max_num_seqs=config.scheduler.max_num_seqs, block_size=config.cache.block_size,
-                        hybrid_kv_cache=config.kv_groups.windows != (None,))
+                        hybrid_kv_cache=config.kv_groups.windows != (None,), kv_cache_dtype=config.cache.kv_cache_dtype)
     hw = detect_hardware(config.cache.gpu_memory_utilization)
     if config.device.type == "cpu":
         hw.device_memory, hw.utilization = psutil.virtual_memory().available, 1.0

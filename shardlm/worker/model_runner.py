@@ -160,12 +160,12 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         """This rank's KV bytes per block: its layers' K/V tensors (one per layer, or per slot shared
         by the KV cache groups), its share of the KV heads."""
-        dtype_size = torch.empty((), dtype=self.config.model.dtype).element_size()
+        dtype_size = torch.empty((), dtype=self.config.kv_cache_torch_dtype).element_size()
         draft = self.proposer.kv_cache_bytes_per_block() if self.proposer is not None else 0
         return draft + sum(self.block_size * a.cache_values_per_token() * dtype_size for a in self._kv_slots().values())
 
     def initialize_cache(self, num_blocks: int) -> None:
-        dtype = self.config.model.dtype
+        dtype = self.config.kv_cache_torch_dtype
         # context parallel: one more block, the sink where positions of other ranks go
         sink = self.attn_backend.shard is not None
         self.attn_backend.sink_slot = num_blocks * self.block_size

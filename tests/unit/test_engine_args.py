@@ -43,4 +43,5 @@ def test_the_cli_has_one_flag_per_knob_with_its_default():
     assert (given.model, given.tensor_parallel_size, given.enable_prefix_caching, given.kv_cache_memory,
             given.execute_model_timeout) == ("m", 2, False, "1GiB", 7.5)
     assert given.landing_in("cache") == {"block_size": 16, "kv_cache_memory": "1GiB", "gpu_memory_utilization": 0.9,
-                                         "enable_prefix_caching": False, "disable_hybrid_kv_cache_manager": False}
+                                         "enable_prefix_caching": False, "disable_hybrid_kv_cache_manager": False,
+                                         "kv_cache_dtype": "auto"}

@@ -18,6 +18,8 @@ def register(sub) -> None:
                    help="as `serve --quantization`: the bits the engine loads, scales included")
     p.add_argument("--quantization-group-size", type=int, default=None, help="as `serve`")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's maximum, at most 8192")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], default="auto",
+                   help="as `serve --kv-cache-dtype`: fp8 counts one byte a cached value")
     p.add_argument("-dcp", "--decode-context-parallel-size", type=int, default=1,
                    help="as `serve -dcp`: each sequence's KV cache spread over this many ranks of each TP group "
                         "(splits where it cannot run say why)")
@@ -47,5 +49,6 @@ def run(ns) -> None:
                                     checkpoint=stored).effective_bits(shape.hidden)
     workload = Workload.for_checkpoint(cfg, shape, ns.dtype, ns.max_model_len, bits, ns.concurrency)
     workload.dcp = ns.decode_context_parallel_size
+    workload.kv_cache_dtype = ns.kv_cache_dtype
     rec = recommend(shape, hw, workload, ns.model)
     print(to_json(rec) if ns.json else render(rec))
