@@ -235,8 +235,8 @@ def _deepseek_v3(path):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     config = DeepseekV3Config(**_DEEPSEEK, q_lora_rank=32, n_group=4, topk_group=2, norm_topk_prob=True,
                               routed_scaling_factor=2.5, rope_parameters=_YARN, rope_interleave=True)
-    return _save_tiny(path, DeepseekV3ForCausalLM, config,
-                      lambda m: [layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1) for layer in m.model.layers[1:]])
+    return _save_tiny(path, DeepseekV3ForCausalLM, config, lambda m: [
+        layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1) for layer in m.model.layers[1:]])
 
 
 def _deepseek_v3_mtp(path):

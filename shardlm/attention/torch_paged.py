@@ -246,7 +246,8 @@ class TorchPagedAttention(AttentionBackend):
 
     def decode_partial(self, layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, Hq, D] -> (out [B, Hq, D] float32, lse [B, Hq])"""
-        return decode_attention(layer, q, *gather(layer, b, q.dtype), b.masked_out_for(layer.sliding_window), with_lse=True)
+        return decode_attention(layer, q, *gather(layer, b, q.dtype), b.masked_out_for(layer.sliding_window),
+                                with_lse=True)
 
     def prefill_partial(self, layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
         """q: the step's [T, Hq, D] -> (out [B * Q, Hq, D] float32, lse [B * Q, Hq])"""

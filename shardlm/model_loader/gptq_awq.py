@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from shardlm.model_loader.fp8 import fp8_method
+
 PACKED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)          # nibble j of a word holds output column AWQ_ORDER[j]
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)

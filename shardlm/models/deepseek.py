@@ -189,7 +189,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             yield name, tensor
 
     def map_checkpoint_name(self, name: str) -> tuple[str, object]:
-        return expert_checkpoint_name(name, _EXPERT, gate="gate_proj", up="up_proj") or super().map_checkpoint_name(name)
+        return (expert_checkpoint_name(name, _EXPERT, gate="gate_proj", up="up_proj")
+                or super().map_checkpoint_name(name))
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from shardlm.distributed.parallel_state import get_pp_group
+from shardlm.kv_cache_groups import sliding_window
 from shardlm.layers.activation import GeluTanhAndMul
 from shardlm.layers.attention import Attention
 from shardlm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from shardlm.layers.norm import Float32RMSNorm
 from shardlm.layers.rotary import RotaryEmbedding
 from shardlm.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from shardlm.kv_cache_groups import sliding_window
 from shardlm.models.llama import LlamaForCausalLM, LlamaVariant, PPMissingLayer
 
 

@@ -202,7 +202,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.variant = self.make_variant(config)
         self.model = LlamaModel(config, max_position, dtype, layer_range or (0, config.num_hidden_layers),
-                                lambda i: self.make_mlp(config, i), self.variant, lambda i: self.make_attention(config, i))
+                                lambda i: self.make_mlp(config, i), self.variant,
+                                lambda i: self.make_attention(config, i))
         self.finish_init(config)
 
     def finish_init(self, config, tied_by_default: bool = False) -> None:

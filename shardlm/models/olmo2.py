@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from shardlm.distributed.parallel_state import get_pp_group
+from shardlm.kv_cache_groups import sliding_window
 from shardlm.layers.attention import Attention
 from shardlm.layers.linear import QKVParallelLinear, RowParallelLinear
 from shardlm.layers.norm import Float32RMSNorm, ShardedRMSNorm
 from shardlm.layers.rotary import RotaryEmbedding
 from shardlm.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from shardlm.kv_cache_groups import sliding_window
 from shardlm.models.llama import LlamaForCausalLM, LlamaMLP, LlamaVariant, PPMissingLayer
 
 

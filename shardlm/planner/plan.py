@@ -365,12 +365,14 @@ def _decode_context_parallel_notes(shape: ModelShape, pick: SplitPlan, hw: Hardw
         return []
     dcp = sizes[-1]
     spread = evaluate(shape, pick.tp, pick.pp, hw, w, dcp=dcp)
-    replicated = ("Latent attention keeps one latent KV cache, the same on all " f"{pick.tp} TP ranks" if shape.is_mla
-                  else f"TP={pick.tp} replicates each of the {shape.kv_heads} KV heads on "
-                  f"{pick.tp // shape.kv_heads} ranks")
-    return [f"{replicated}, so every rank stores every sequence's whole KV cache. Decode context parallel spreads it by position "
-            f"over {dcp} of them: {spread.kv_tokens} KV tokens instead of {pick.kv_tokens} (max concurrency at "
-            f"{w.max_model_len}: {spread.max_concurrency:.1f}x), for two more collectives per layer: "
+    if shape.is_mla:
+        replicated = f"Latent attention keeps one latent KV cache, the same on all {pick.tp} TP ranks"
+    else:
+        copies = pick.tp // shape.kv_heads
+        replicated = f"TP={pick.tp} replicates each of the {shape.kv_heads} KV heads on {copies} ranks"
+    return [f"{replicated}, so every rank stores every sequence's whole KV cache. Decode context parallel spreads "
+            f"it by position over {dcp} of them: {spread.kv_tokens} KV tokens instead of {pick.kv_tokens} (max "
+            f"concurrency at {w.max_model_len}: {spread.max_concurrency:.1f}x), for two more collectives per layer: "
             f"{_serve_command(model, pick.tp, pick.pp, 1, w.max_model_len, dcp=dcp)}"]
 
 

@@ -15,8 +15,8 @@ import torch
 
 from shardlm.config import EngineConfig
 from shardlm.distributed.parallel_state import alone
-from shardlm.models.eagle import load_eagle
 from shardlm.models.deepseek_mtp import load_deepseek_mtp
+from shardlm.models.eagle import load_eagle
 from shardlm.models.eagle3 import aux_layers_of, load_eagle3
 from shardlm.spec_decode.draft_model import ModelProposer
 from shardlm.spec_decode.proposer import ProposalRequest, TargetStep

@@ -171,7 +171,8 @@ class Worker:
         for i in range(num_seqs):
             n = per_seq // bs + 1
             blocks = list(range(next_block, next_block + n))
-            chunks.append(ScheduledChunk(f"profile-{i}", [0] * per_seq, 0, [blocks] * self.config.kv_groups.num_groups, True))
+            tables = [blocks] * self.config.kv_groups.num_groups        # every KV cache group: the same blocks
+            chunks.append(ScheduledChunk(f"profile-{i}", [0] * per_seq, 0, tables, True))
             next_block += n
         new = [NewRequestData(c.req_id, c.token_ids, SamplingParams(temperature=0)) for c in chunks]
         self.runner.execute_model(SchedulerOutput(chunks, new))

@@ -1,6 +1,7 @@
 """DeepSeek-V2/V3 (models/deepseek.py): the KV cache holds the latent alone; the latent cache holds
-over chunked prefill, prefix-cache hits and preemption, and decode context parallel spreads it. (Outputs against transformers on every
-layout: test_tiny_models_vs_hf, tests/distributed.)"""
+over chunked prefill, prefix-cache hits and preemption, and decode context parallel spreads it;
+the MTP layer drafts. (Outputs against transformers on every layout: test_tiny_models_vs_hf,
+tests/distributed.)"""
 
 import pytest
 
