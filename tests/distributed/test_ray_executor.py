@@ -46,6 +46,14 @@ def test_pp2_one_stage_per_node_matches_hf_and_mp(cluster, tiny_model_dir, refer
 
 
 @pytest.mark.slow
+def test_deepseek_stages_on_two_nodes_match_hf(cluster, tiny_model_dir, references, hf):
+    """Latent attention and grouped experts, one pipeline stage per Ray node."""
+    outs, _ = _generate(tiny_model_dir("deepseek-v3"), pipeline_parallel_size=2, distributed_executor_backend="ray")
+    assert hf.assert_close(references("deepseek-v3"), outs, "deepseek-v3 ray pp=2") >= 4
+    assert_nothing_left()
+
+
+@pytest.mark.slow
 def test_tp_across_nodes_is_refused_unless_forced(cluster, tiny_model_dir, references, hf):
     path = tiny_model_dir("llama-gqa")
     with pytest.raises(ValueError, match=r"tensor parallel group of ranks 0-1 would span 2 nodes.*"
