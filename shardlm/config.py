@@ -137,7 +137,7 @@ class CacheConfig:
         4 << 30, "CPU: memory for the KV cache, bytes or e.g. 4GiB")
     kv_cache_dtype: str = knob(
         "auto", "the KV cache's dtype: auto (the model's), fp8 / fp8_e4m3 or fp8_e5m2 (one byte a value, twice "
-        "bfloat16's tokens; per-tensor scales of 1.0)")
+        "bfloat16's tokens; the checkpoint's k_scale / v_scale per layer, else 1.0)")
     gpu_memory_utilization: float = knob(
         0.9, "CUDA: fraction of device memory for weights, activations and KV cache")
     enable_prefix_caching: bool = knob(

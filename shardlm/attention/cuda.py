@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardlm.attention.torch_paged import TorchPagedAttention, decode_attention, write_slots
+from shardlm.attention.torch_paged import TorchPagedAttention, decode_attention, widened, write_slots
 
 
 @dataclass
@@ -94,14 +94,14 @@ class CudaAttention(TorchPagedAttention):
 
     def _decode(self, layer, q, k, v, meta: CudaDecodeMetadata, with_lse: bool = False):
         Hkv, D = layer.num_kv_heads, layer.head_dim
-        write_slots(layer.k_cache, meta.slot_mapping, k)
+        write_slots(layer.k_cache, meta.slot_mapping, k, layer.k_scale)
         if not layer.values_in_keys:
-            write_slots(layer.v_cache, meta.slot_mapping, v)
+            write_slots(layer.v_cache, meta.slot_mapping, v, layer.v_scale)
         B, N = meta.block_table.shape
         blocks = meta.block_table.flatten()
-        kb = layer.k_cache.index_select(1, blocks).view(Hkv, B, -1, D).to(q.dtype)
+        kb = widened(layer.k_cache.index_select(1, blocks).view(Hkv, B, -1, D), q.dtype, layer.k_scale)
         vb = (kb[..., :layer.v_head_dim] if layer.values_in_keys
-              else layer.v_cache.index_select(1, blocks).view(Hkv, B, -1, D).to(q.dtype))
+              else widened(layer.v_cache.index_select(1, blocks).view(Hkv, B, -1, D), q.dtype, layer.v_scale))
         masked_out = meta.positions[None, :] >= meta.context_lens[:, None]
         if layer.sliding_window is not None:       # the query is at context_lens - 1
             masked_out |= meta.positions[None, :] < meta.context_lens[:, None] - layer.sliding_window

@@ -221,9 +221,9 @@ class TorchPagedAttention(AttentionBackend):
 
     @staticmethod
     def write_kv(layer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        write_slots(layer.k_cache, slot_mapping, k)
+        write_slots(layer.k_cache, slot_mapping, k, layer.k_scale)
         if not layer.values_in_keys:
-            write_slots(layer.v_cache, slot_mapping, v)
+            write_slots(layer.v_cache, slot_mapping, v, layer.v_scale)
 
     def forward_partial(self, layer, q, k, v, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Context parallel: k, v of this step written where this rank owns them; q [T, Hq, D]
@@ -270,25 +270,35 @@ class TorchPagedAttention(AttentionBackend):
         return decode_attention(layer, q, *gather(layer, b, q.dtype), b.masked_out_for(layer.sliding_window))
 
 
-def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """rows [T, Hkv, D] into the cache's slots (a cache of another dtype, FP8: converted; torch's
-    index_copy has no FP8 kernel, so its bytes are copied)."""
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: float = 1.0) -> None:
+    """rows [T, Hkv, D] into the cache's slots (a cache of another dtype, FP8: divided by its scale
+    and converted; torch's index_copy has no FP8 kernel, so its bytes are copied)."""
     flat = cache.view(cache.shape[0], -1, cache.shape[-1])
     rows = rows.transpose(0, 1)
     if cache.dtype == rows.dtype:
         flat.index_copy_(1, slots, rows)
     else:
-        flat.view(torch.uint8).index_copy_(1, slots, rows.to(cache.dtype).view(torch.uint8))
+        stored = (rows if scale == 1.0 else rows / scale).to(cache.dtype)
+        flat.view(torch.uint8).index_copy_(1, slots, stored.view(torch.uint8))
+
+
+def widened(cache_rows: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if cache_rows.dtype == dtype:
+        return cache_rows
+    rows = cache_rows.to(dtype)
+    return rows if scale == 1.0 else rows * scale
 
 
 def gather(layer, b: AttentionBucket, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The bucket's K and V, [Hkv, B, K, D] and [Hkv, B, K, Dv] in dtype (an FP8 cache widened):
     whole blocks, in block-table order."""
     B, blocks = b.block_table.shape[0], b.block_table.flatten()
-    kb = layer.k_cache.index_select(1, blocks).view(layer.num_kv_heads, B, -1, layer.head_dim).to(dtype)
+    kb = widened(layer.k_cache.index_select(1, blocks).view(layer.num_kv_heads, B, -1, layer.head_dim), dtype,
+                  layer.k_scale)
     if layer.values_in_keys:
         return kb, kb[..., :layer.v_head_dim]
-    vb = layer.v_cache.index_select(1, blocks).view(layer.num_kv_heads, B, -1, layer.head_dim).to(dtype)
+    vb = widened(layer.v_cache.index_select(1, blocks).view(layer.num_kv_heads, B, -1, layer.head_dim), dtype,
+                  layer.v_scale)
     return kb, vb
 
 

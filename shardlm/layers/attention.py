@@ -27,6 +27,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.values_in_keys = value_dim is not None
+        self.k_scale = self.v_scale = 1.0          # an FP8 KV cache's per-tensor scales (the checkpoint's, else 1)
         self.v_head_dim = value_dim or head_dim
         self.sliding_window, self.logit_softcap = sliding_window, logit_softcap
         self.sinks: nn.Parameter | None = None      # a learned logit per head beside the keys (GPT-OSS; add_sinks)

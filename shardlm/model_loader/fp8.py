@@ -8,10 +8,12 @@ Three formats, told apart by config.json's quantization_config (no flag, as vLLM
 - `quant_method: "compressed-tensors"`, `format: "float-quantized"` (the -FP8 and -FP8-dynamic
   releases): `weight_scale` per tensor, per channel ([out, 1]) or per block (`block_structure`).
 Every weight is its own scale's: q, k and v (or gate and up) with different per-tensor scales are
-dequantized apart before the loaders merge them. Activation scales (`input_scale`) and KV scales
-are not used: the weights become float, the activations stay in the compute dtype, so outputs
-are the dequantized model's. A weight is read lazily, only the rows or columns a tensor parallel
-rank loads, with the scales of the blocks those cover (a block may straddle a shard boundary).
+dequantized apart before the loaders merge them. Activation scales (`input_scale`) are not used:
+the weights become float, the activations stay in the compute dtype, so outputs are the
+dequantized model's. KV scales (`k_scale`, `v_scale`, the older `kv_scale`) pass on to the model,
+which gives them to its attention layers for an FP8 KV cache (--kv-cache-dtype fp8). A weight is
+read lazily, only the rows or columns a tensor parallel rank loads, with the scales of the blocks
+those cover (a block may straddle a shard boundary).
 Not built yet: keeping the weights FP8 in memory (one byte a weight) with kernels that widen them
 in the product.
 """
@@ -27,7 +29,7 @@ from safetensors import safe_open
 
 FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
-_UNUSED_SUFFIXES = (".input_scale", ".input_scale_ub", ".k_scale", ".v_scale", ".kv_scale", ".weight_zero_point")
+_UNUSED_SUFFIXES = (".input_scale", ".input_scale_ub", ".weight_zero_point")
 
 
 def fp8_method(quantization_config) -> str | None:

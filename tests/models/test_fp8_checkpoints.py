@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shardlm import LLM
+from shardlm import LLM, SamplingParams
 from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts
 
 # the linears (DeepSeek's latent projections and experts too), not the router (mlp.gate)
@@ -76,6 +76,9 @@ def _write(src, fmt, tmp_path_factory):
             floats[name] = deq
         else:
             quantized[name] = floats[name] = t
+        if fmt == "compressed-tensors" and name.endswith(".self_attn.k_proj.weight"):   # a KV cache scheme's scales
+            layer = name[:-len("k_proj.weight")]
+            quantized[layer + "k_scale"], quantized[layer + "v_scale"] = torch.tensor(0.05), torch.tensor(0.02)
     save_file(quantized, os.path.join(fp8_dir, "model.safetensors"), metadata={"format": "pt"})
     save_file(floats, os.path.join(float_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(fp8_dir, "config.json")) as f:
@@ -118,3 +121,22 @@ def test_deepseek_in_fp8_with_expert_parallel(fp8_checkpoints):
     experts placed whole on two ranks."""
     fp8_dir, float_dir = fp8_checkpoints["deepseek-v3"]
     assert _tokens(fp8_dir, tensor_parallel_size=2, enable_expert_parallel=True) == _tokens(float_dir)
+
+
+def test_checkpoint_kv_scales_reach_an_fp8_kv_cache(fp8_checkpoints):
+    """compressed-tensors' self_attn.k_scale / v_scale: each attention layer writes its FP8 cache
+    divided by them; the tokens stay within the float cache's top 5."""
+    fp8_dir, _ = fp8_checkpoints["compressed-tensors"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    runs = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(fp8_dir, dtype="float32", kv_cache_memory="16MiB", kv_cache_dtype=kv)
+        runs[kv] = llm.generate(_prompts(), params, use_tqdm=False)
+        layers = llm.engine.engine_core.engine_core.executor.worker.runner.attention_layers()   # tp=1: here
+        assert all((a.k_scale, a.v_scale) == (pytest.approx(0.05), pytest.approx(0.02)) for a in layers)
+        llm.shutdown()
+    for r, o in zip(runs["auto"], runs["fp8"]):
+        for i, token in enumerate(o.outputs[0].token_ids):
+            assert token in r.outputs[0].logprobs[i]
+            if token != r.outputs[0].token_ids[i]:
+                break

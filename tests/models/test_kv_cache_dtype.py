@@ -10,18 +10,21 @@ from shardlm.attention.torch_paged import AttentionBucket, gather, write_slots
 from tests.models.test_tiny_models_vs_hf import _prompts
 
 
-def test_a_written_slot_reads_back_as_its_fp8_value():
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_a_written_slot_reads_back_as_its_fp8_value(scale):
+    """Written divided by the layer's scale into FP8, read back widened and multiplied by it."""
     cache = torch.zeros(2, 4, 16, 8, dtype=torch.float8_e4m3fn)          # [Hkv, blocks, block, D]
     rows = torch.randn(3, 2, 8) * 4                                     # [T, Hkv, D]
-    write_slots(cache, torch.tensor([17, 18, 40]), rows)
+    write_slots(cache, torch.tensor([17, 18, 40]), rows, scale)
 
     class Layer:
         k_cache = v_cache = cache
         num_kv_heads, head_dim, v_head_dim, values_in_keys = 2, 8, 8, False
+        k_scale = v_scale = scale
     bucket = AttentionBucket(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[1, 2]]), torch.tensor([32]), True)
-    keys, _ = gather(Layer, bucket, torch.bfloat16)                     # blocks 1 and 2: slots 16..47
-    assert keys.dtype == torch.bfloat16
-    want = rows.to(torch.float8_e4m3fn).to(torch.bfloat16).transpose(0, 1)
+    keys, _ = gather(Layer, bucket, torch.float32)                      # blocks 1 and 2: slots 16..47
+    assert keys.dtype == torch.float32
+    want = ((rows / scale).to(torch.float8_e4m3fn).float() * scale).transpose(0, 1)
     assert torch.equal(keys[:, 0, [1, 2, 24]], want)
 
 
