@@ -20,9 +20,7 @@ in the product.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import torch
 from safetensors import safe_open
@@ -46,13 +44,8 @@ def fp8_method(quantization_config) -> str | None:
     return None
 
 
-def block_size(model_dir: str) -> tuple[int, int] | None:
-    """The [rows, columns] of a weight scale's block, where the checkpoint's config gives one."""
-    try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            qc = json.load(f).get("quantization_config") or {}
-    except OSError:
-        return None
+def block_size(qc: dict) -> tuple[int, int] | None:
+    """The [rows, columns] of a weight scale's block, where the quantization_config gives one."""
     if qc.get("weight_block_size"):
         return tuple(qc["weight_block_size"])
     for group in (qc.get("config_groups") or {}).values():
@@ -94,10 +87,10 @@ class Fp8Weight:
         return s[r][:, c]
 
 
-def dequantized(weights, model_dir: str, files: list[str]):
-    """The checkpoint's tensors (weights, from the safetensors `files` of model_dir) with every FP8
-    weight as a lazy float one (its scale applied) and the scales themselves left out."""
-    scales, block = {}, block_size(model_dir)
+def dequantized(weights, quantization_config: dict, files: list[str]):
+    """The checkpoint's tensors (weights, from the safetensors `files`) with every FP8 weight as a
+    lazy float one (its scale applied) and the scales themselves left out."""
+    scales, block = {}, block_size(quantization_config)
     for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():

@@ -33,9 +33,9 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, object]]:
     """(name, lazy tensor): a safetensors slice, read from disk only where a weight loader
     indexes it, so each tensor parallel rank reads just its own part; an FP8 checkpoint's
     weights dequantized as they are read (fp8.py)."""
-    weights = _safetensors_slices(model_dir)
-    if fp8_method(_quantization_config(model_dir)):
-        return dequantized(weights, model_dir, safetensors_files(model_dir))
+    weights, qc = _safetensors_slices(model_dir), _quantization_config(model_dir)
+    if fp8_method(qc):
+        return dequantized(weights, qc, safetensors_files(model_dir))
     return weights
 
 

@@ -157,9 +157,24 @@ def deepseek_mlp(config, layer_idx: int, v3: bool) -> nn.Module:
     return DeepseekMoE(config, v3) if moe else LlamaMLP(config)
 
 
+# q/k/v are not merged (latent attention); gate and up are, in the dense and shared MLPs
+_STACKED = [(".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1)]
+
+
+def deepseek_checkpoint_name(name: str) -> tuple[str, object]:
+    """A DeepSeek checkpoint tensor's parameter and shard: experts into their layer's stacked w13 /
+    w2, gate and up into gate_up_proj (the target's layers and the MTP layer's block alike)."""
+    found = expert_checkpoint_name(name, _EXPERT, gate="gate_proj", up="up_proj")
+    if found is not None:
+        return found
+    for merged, part, shard in _STACKED:
+        if part in name:
+            return name.replace(part, merged), shard
+    return name, None
+
+
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
-    # q/k/v are not merged (latent attention); gate and up are, in the dense and shared MLPs
-    stacked_params = [(".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1)]
+    stacked_params = _STACKED
     v3 = False
 
     def make_attention(self, config, layer_idx: int) -> nn.Module:
@@ -189,8 +204,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             yield name, tensor
 
     def map_checkpoint_name(self, name: str) -> tuple[str, object]:
-        return (expert_checkpoint_name(name, _EXPERT, gate="gate_proj", up="up_proj")
-                or super().map_checkpoint_name(name))
+        return deepseek_checkpoint_name(name)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

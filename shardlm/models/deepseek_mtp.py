@@ -13,8 +13,6 @@ the embedding is zeroed at position 0.
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
@@ -24,7 +22,7 @@ from shardlm.layers.norm import RMSNorm
 from shardlm.layers.rotary import RotaryEmbedding
 from shardlm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from shardlm.model_loader.weights import built_in, iterate_weights
-from shardlm.models.deepseek import DeepseekV3ForCausalLM, MultiHeadLatentAttention, deepseek_mlp
+from shardlm.models.deepseek import MultiHeadLatentAttention, deepseek_checkpoint_name, deepseek_mlp
 from shardlm.models.llama import LlamaDecoderLayer
 
 
@@ -69,7 +67,6 @@ class DeepseekMTP(nn.Module):
         where the layer has none."""
         params = dict(self.named_parameters())
         prefix = f"model.layers.{self.layer_index}."
-        merged = dict((part, (whole, sid)) for whole, part, sid in DeepseekV3ForCausalLM.stacked_params)
         loaded, embedding = set(), None
         for name, tensor in target_weights:
             if name == "model.embed_tokens.weight":
@@ -78,17 +75,7 @@ class DeepseekMTP(nn.Module):
                 continue
             name, shard = name[len(prefix):], None
             if not name.startswith(("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")):
-                name = "block." + name
-                expert = re.search(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
-                if expert:
-                    which = expert.group(2)
-                    name = name[:expert.start()] + (".mlp.experts.w2" if which == "down_proj" else ".mlp.experts.w13")
-                    shard = int(expert.group(1)) if which == "down_proj" else (int(expert.group(1)),
-                                                                               0 if which == "gate_proj" else 1)
-                else:
-                    for part, (whole, sid) in merged.items():
-                        if part in name:
-                            name, shard = name.replace(part, whole), sid
+                name, shard = deepseek_checkpoint_name("block." + name)     # the block: as the target's layers
             if name not in params:
                 raise ValueError(f"The checkpoint's MTP layer has a tensor {name!r} that shardlm's MTP layer does not "
                                  "know.")
