@@ -67,17 +67,25 @@ def knob(default, help: str, short: str | None = None):
 @dataclass
 class QuantizationConfig:
     """Weight-only quantization of the linear layers at load (layers/quantization.py)."""
-    method: str              # "int8" or "int4" (quantized at load); "gguf", "gptq", "awq" (read as stored)
+    # "int8", "int4", "fp8_per_channel", "fp8_per_tensor", "fp8_per_block" (quantized at load);
+    # "gguf", "gptq", "awq", "fp8" (an FP8 checkpoint's: read as stored)
+    method: str
     group_size: int          # input columns per (scale, min); -1: one group per row
     source: str | None = None    # gguf: the GGUF file the linears are read from (gptq, awq: the checkpoint)
 
     @property
     def bits(self) -> int:
-        return 8 if self.method == "int8" else 4
+        return 8 if self.method == "int8" or self.method.startswith("fp8") else 4
+
+    @property
+    def at_load(self) -> bool:
+        """Quantized from the float checkpoint at load (else read as the checkpoint or file stores it)."""
+        return self.method in ("int8", "int4") or self.method.startswith("fp8_")
 
     def effective_bits(self, in_features: int = 4096) -> float:
-        """Bits per weight including the float32 scale and min of every group."""
-        return self.bits + 64 / (in_features if self.group_size == -1 else self.group_size)
+        """Bits per weight including the float32 scale (and min, but for FP8) of every group."""
+        tables = 32 if self.method.startswith("fp8") else 64
+        return self.bits + tables / (in_features if self.group_size == -1 else self.group_size)
 
 
 @dataclass

@@ -138,11 +138,13 @@ class EngineArgs:
     eplb_config: dict | str | None = knob_of(ParallelConfig, "eplb_config")
     quantization: str | None = knob(
         None, "model",
-        "weight-only quantization of the linear layers at load: int8 (one scale per row) or int4 "
-        "(asymmetric, groups of 128 columns, else 64 or 32 where 128 does not divide); "
+        "weight-only quantization of the linear layers at load: int8 (one scale per row), int4 "
+        "(asymmetric, groups of 128 columns, else 64 or 32 where 128 does not divide), "
+        "fp8_per_channel (alias fp8), fp8_per_tensor or fp8_per_block (e4m3, blocks of 128 x 128); "
         "embeddings, LM head and experts stay in --dtype. Faster only with --dtype bfloat16. "
         "gguf: a .gguf model's own Q8_0/Q4_0/Q4_1 and Q4_K/Q5_K/Q6_K blocks; GPTQ and AWQ "
-        "checkpoints (4-bit) are detected from config.json and run as stored")
+        "checkpoints (4-bit) and FP8 ones (fp8, fbgemm_fp8, compressed-tensors) are detected from "
+        "config.json and run as stored")
     quantization_group_size: int | None = knob(
         None, "model",
         "input columns per quantization scale (-1: one per row; default: int8 -1, int4 128)")
@@ -335,10 +337,14 @@ def resolve_quantization(method: str | None, group_size: int | None, inputs: lis
                          checkpoint: tuple[str, int] | None = None) -> QuantizationConfig | None:
     """int4's default group: 128 columns, or 64 or 32 where 128 does not divide every layer's inputs
     per rank (`inputs`; e.g. SmolLM2's 576). gguf: the linears as the GGUF file stores them.
-    checkpoint: a GPTQ/AWQ checkpoint's (method, group size), which is what runs (as vLLM, it
-    needs no flag)."""
+    checkpoint: a GPTQ/AWQ/FP8 checkpoint's (method, group size), which is what runs (as vLLM, it
+    needs no flag). fp8 on a float checkpoint: fp8_per_channel (vLLM's alias)."""
+    from shardlm.layers.fp8 import ALIASES, BLOCK, SCHEMES
     from shardlm.layers.quantization import DEFAULT_GROUP_SIZE
     from shardlm.model_loader.gguf_weights import GROUP
+    if checkpoint is not None and checkpoint[0] == "fp8" and method in SCHEMES:
+        raise ValueError(f"This checkpoint is already FP8 and runs as it is stored: leave out --quantization {method} "
+                         "(online FP8 quantizes a float checkpoint).")
     if checkpoint is not None:
         stored, group = checkpoint
         if method not in (None, stored) or group_size not in (None, group):
@@ -362,10 +368,16 @@ def resolve_quantization(method: str | None, group_size: int | None, inputs: lis
             raise ValueError("quantization_group_size is given without a quantization method: add --quantization "
                              "int8 or int4.")
         return None
+    method = ALIASES.get(method, method)
+    if method in SCHEMES:
+        if group_size is not None:
+            raise ValueError(f"--quantization {method} sets its own scales (per output channel, per tensor, or per "
+                             "block of 128 x 128): leave out --quantization-group-size.")
+        return QuantizationConfig(method, BLOCK if method == "fp8_per_block" else -1)
     if method not in DEFAULT_GROUP_SIZE:
-        raise ValueError(f"quantization={method!r} is not supported: use int8 or int4 (weight-only, quantized at "
-                         "load), gguf (a GGUF file's own blocks), or gptq / awq (read from such a checkpoint; "
-                         "detected without the flag).")
+        raise ValueError(f"quantization={method!r} is not supported: use int8, int4, fp8_per_channel (fp8), "
+                         "fp8_per_tensor or fp8_per_block (weight-only, quantized at load), gguf (a GGUF file's own "
+                         "blocks), or gptq / awq / fp8 (read from such a checkpoint; detected without the flag).")
     group = group_size
     if group is None:
         group = DEFAULT_GROUP_SIZE[method]

@@ -214,11 +214,13 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "blocked_int4_pack": ([_P, _P, _P, _I, _I, _I, _I, _P], None),
     "blocked_int8_size": ([_I, _I, _I, _I], _I64),
     "blocked_int8_pack": ([_P, _P, _I, _I, _I, _I, _P], None),
-    "blocked_rows": ([_P, _P, _I, _I, _I, _I, _I, _I, _P], None),
+    "blocked_fp8_pack": ([_P, _P, _I, _I, _I, _P], _I),
+    "blocked_rows": ([_P, _P, _I, _I, _I, _I, _I, _I, _I, _P], None),
     "blocked_set_bf16_dot": ([_I], _I),
     "blocked_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I),
     "blocked_int4_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I),
     "blocked_int8_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I),
+    "blocked_fp8_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I], _I),
     "llama_decode_scratch_elements": ([_to(abi.LlamaDecodeModel), _I32, _I32], _I64),
     "llama_decode_layers": ([_to(abi.LlamaDecodeModel), _to(abi.LlamaDecodeLayer), _to(abi.LlamaDecodeStep),
                              _to(abi.LlamaDecodeLora), _to(abi.LlamaDecodeContextParallel)], _I32),
@@ -350,8 +352,18 @@ def blocked_int8():
     return _function("blocked_int8_size"), _function("blocked_int8_pack"), _function("blocked_int8_matmul")
 
 
+def blocked_fp8():
+    """(blocked_int8_size(N, K, group, 4) -> bytes, blocked_fp8_pack(q, scales, N, K, group, out) -> 0 / -1
+    if out of memory, blocked_fp8_matmul(x, x_stride, packed, bias, y, M, N, K, group, dtype) -> 0 / -1)
+    for FP8 (e4m3fn) weights in the 8-bit panels, float32 scales; in every variant (plain C loops
+    where it has no vector tiles), None without the library."""
+    if library() is None:
+        return None
+    return _function("blocked_int8_size"), _function("blocked_fp8_pack"), _function("blocked_fp8_matmul")
+
+
 def blocked_rows():
-    """blocked_rows(packed, index, n, K, bits, group, tb, dtype, out): rows of a weight in float or
+    """blocked_rows(packed, index, n, K, bits, fp8, group, tb, dtype, out): rows of a weight in float or
     8-bit blocked panels (an embedding lookup in a tied LM head's table); None where this variant
     has no blocked panels."""
     return _function("blocked_rows") if blocked_vector_bits() else None

@@ -27,6 +27,11 @@
 // scale applied to its sum (int8_tile_dot): a tied LM head read from Q8_0 moves half the bytes of
 // bfloat16.
 //
+// FP8 weights (e4m3fn, w = fp8 * scale per group) use the 8-bit panels as they are: each byte is
+// widened by vf_fp8 to its value times 2^-8 (exact, and exact in bfloat16 too), and the tables
+// hold scale * 2^8 (blocked_fp8_pack), so every tile and the dot product work unchanged. A build
+// without AVX2 or AVX-512 runs them with plain C loops (plain_8bit_panels).
+//
 // dtype 0 = float32, 1 = bfloat16 (x, w, bias and y all in it). x rows have stride x_stride.
 #include <stdint.h>
 #include <stdlib.h>
@@ -178,6 +183,19 @@ KERNEL_API void blocked_int8_pack(const int8_t *q, const void *scales, int N, in
     }
 }
 
+// FP8 (e4m3fn) bytes q [N, K] and their scales [N, K / group] (float32) -> the 8-bit panel layout,
+// the tables holding scale * 2^8 (exact: a power of two), as the widened bytes are value * 2^-8.
+// Returns -1 where its work buffer could not be allocated.
+KERNEL_API int blocked_fp8_pack(const uint8_t *q, const float *scales, int N, int K, int group, uint8_t *out) {
+    const int64_t count = (int64_t)N * (K / group);
+    float *tables = (float *)malloc(sizeof(float) * (size_t)count);
+    if (!tables) return -1;
+    for (int64_t i = 0; i < count; i++) tables[i] = scales[i] * 256.f;
+    blocked_int8_pack((const int8_t *)q, tables, N, K, group, 4, out);
+    free(tables);
+    return 0;
+}
+
 static inline float f16_to_f32(uint16_t h) {
     const int exponent = h >> 10 & 31, mantissa = h & 1023;
     const float magnitude = exponent == 0 ? ldexpf((float)mantissa, -24)
@@ -185,11 +203,14 @@ static inline float f16_to_f32(uint16_t h) {
     return h & 0x8000 ? -magnitude : magnitude;
 }
 
+// An 8-bit panel's value of byte q as float32: int8 as it is, FP8 times 2^-8 (its tables hold scale * 2^8)
+static inline float eight_bit_value(int8_t q, int fp8) { return fp8 ? fp8_scaled((uint8_t)q) : (float)q; }
+
 // Rows index[0..n) of a weight [N, K] packed by blocked_pack (bits 0, in dtype) or by
-// blocked_int8_pack (bits 8: q * scale in float32, rounded to dtype), as out [n, K]: an embedding
-// lookup in a tied LM head's table.
-KERNEL_API void blocked_rows(const void *packed, const int64_t *index, int n, int K, int bits, int group, int tb,
-                             int dtype, void *out) {
+// blocked_int8_pack / blocked_fp8_pack (bits 8: q * scale in float32, rounded to dtype), as out
+// [n, K]: an embedding lookup in a tied LM head's table.
+KERNEL_API void blocked_rows(const void *packed, const int64_t *index, int n, int K, int bits, int fp8, int group,
+                             int tb, int dtype, void *out) {
     for (int i = 0; i < n; i++) {
         const int64_t panel = index[i] / NR, j = index[i] % NR;
         if (bits == 8) {
@@ -199,7 +220,7 @@ KERNEL_API void blocked_rows(const void *packed, const int64_t *index, int n, in
                 float s;
                 if (tb == 4) memcpy(&s, scale, 4);
                 else { uint16_t h; memcpy(&h, scale, 2); s = f16_to_f32(h); }
-                store(out, (int64_t)i * K + k, (float)int8_column(p, group, tb, k)[j] * s, dtype);
+                store(out, (int64_t)i * K + k, eight_bit_value(int8_column(p, group, tb, k)[j], fp8) * s, dtype);
             }
         } else if (dtype == 0) {
             for (int k = 0; k < K; k++) ((float *)out)[(int64_t)i * K + k] = ((const float *)packed)[(panel * K + k) * NR + j];
@@ -409,9 +430,9 @@ static void quantize_x(const void *x, int64_t x_stride, int M, int K, int group,
         }
 }
 
-// 16 features' integers of one k of an 8-bit panel, as float32
-static inline __attribute__((always_inline)) vf16 int8_floats(const int8_t *column) {
-    return vf_int8(column);
+// 16 features' values of one k of an 8-bit panel, as float32: int8 as it is, FP8 times 2^-8
+static inline __attribute__((always_inline)) vf16 int8_floats(const int8_t *column, const int fp8) {
+    return fp8 ? vf_fp8((const uint8_t *)column) : vf_int8(column);
 }
 
 // Asks for the bytes of an 8-bit panel's k pair PF_BYTES ahead in the stream (2 NR = 96 bytes:
@@ -427,7 +448,8 @@ static inline __attribute__((always_inline)) void prefetch_int8_tables(const uin
 // panel_tile for an 8-bit panel: each k's weights widened to float32, w = q * scale (one
 // rounding), then as panel_tile
 static inline __attribute__((always_inline)) void int8_tile(const float *x, int64_t x_stride, const uint8_t *panel, int K,
-                                                      int group, int tb, const int NM, vf16 acc[MR][NV], int prefetch) {
+                                                      int group, int tb, const int NM, vf16 acc[MR][NV], int prefetch,
+                                                      const int fp8) {
     for (int m = 0; m < NM; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = vf_zero();
     for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
@@ -438,7 +460,7 @@ static inline __attribute__((always_inline)) void int8_tile(const float *x, int6
             const int8_t *column = int8_column(panel, group, tb, k);
             if (prefetch && k % 2 == 0) prefetch_int8_pair(column);
             vf16 w[NV];
-            for (int v = 0; v < NV; v++) w[v] = vf_mul(int8_floats(column + 16 * v), s[v]);
+            for (int v = 0; v < NV; v++) w[v] = vf_mul(int8_floats(column + 16 * v, fp8), s[v]);
             for (int m = 0; m < NM; m++) {
                 const vf16 xb = vf_set1(x[m * x_stride + k]);
                 for (int v = 0; v < NV; v++) acc[m][v] = vf_fmadd(xb, w[v], acc[m][v]);
@@ -449,10 +471,11 @@ static inline __attribute__((always_inline)) void int8_tile(const float *x, int6
 }
 #if defined(__AVX512BF16__)
 // k pair (k, k + 1) of 16 features of an 8-bit panel as bfloat16 pairs for the dot product. The
-// integers are exact in bfloat16 (at most 8 significant bits), so the high half of their float32
+// integers (and FP8 values) are exact in bfloat16 (at most 8 significant bits), so the high half of their float32
 // conversion is their bfloat16 value: lane j = (q[k], q[k + 1]).
-static inline __attribute__((always_inline)) __m512i int8_pairs(const int8_t *column) {
-    const __m512i even = _mm512_castps_si512(int8_floats(column)), odd = _mm512_castps_si512(int8_floats(column + NR));
+static inline __attribute__((always_inline)) __m512i int8_pairs(const int8_t *column, const int fp8) {
+    const __m512i even = _mm512_castps_si512(int8_floats(column, fp8));
+    const __m512i odd = _mm512_castps_si512(int8_floats(column + NR, fp8));
     // even >> 16 | odd & 0xffff0000
     return _mm512_ternarylogic_epi32(_mm512_srli_epi32(even, 16), odd, _mm512_set1_epi32((int)0xffff0000u), 0xF8);
 }
@@ -461,7 +484,8 @@ static inline __attribute__((always_inline)) __m512i int8_pairs(const int8_t *co
 // sum_k x[k] * q[k] * scale = scale * sum_k x[k] * q[k], the integers multiplied as they are.
 // pairs: the panel's pairs converted once (widen_int8_panel), or NULL to convert them here.
 static inline __attribute__((always_inline)) void int8_tile_dot(const uint16_t *x, int64_t x_stride, const uint8_t *panel,
-        const uint32_t *pairs, int K, int group, int tb, const int NM, __m512 acc[MR][NV], int prefetch) {
+        const uint32_t *pairs, int K, int group, int tb, const int NM, __m512 acc[MR][NV], int prefetch,
+        const int fp8) {
     for (int m = 0; m < NM; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
     for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
@@ -473,7 +497,8 @@ static inline __attribute__((always_inline)) void int8_tile_dot(const uint16_t *
             if (prefetch) prefetch_int8_pair(column);
             __m512i w[NV];
             for (int v = 0; v < NV; v++)
-                w[v] = pairs ? _mm512_loadu_si512(pairs + (int64_t)(k / 2) * NR + 16 * v) : int8_pairs(column + 16 * v);
+                w[v] = pairs ? _mm512_loadu_si512(pairs + (int64_t)(k / 2) * NR + 16 * v)
+                             : int8_pairs(column + 16 * v, fp8);
             dot_step(x, x_stride, k, NM, w, part);
         }
         const uint8_t *tables = int8_tables(panel, group, tb, g);
@@ -494,19 +519,19 @@ static int bf16_dot = 0;
 
 // An 8-bit panel widened as the 8-bit tiles widen it: float32 q * scale ([K][NR]) or the dot
 // tile's bfloat16 integer pairs ([K / 2][NR])
-static void widen_int8_panel(const uint8_t *panel, int K, int group, int tb, int dot, void *out) {
+static void widen_int8_panel(const uint8_t *panel, int K, int group, int tb, int dot, int fp8, void *out) {
     for (int k = 0; k < K; k += 2)
         for (int v = 0; v < NV; v++) {
             const int8_t *column = int8_column(panel, group, tb, k) + 16 * v;
 #if defined(__AVX512BF16__)
             if (dot) {
-                _mm512_storeu_si512((uint32_t *)out + (int64_t)(k / 2) * NR + 16 * v, int8_pairs(column));
+                _mm512_storeu_si512((uint32_t *)out + (int64_t)(k / 2) * NR + 16 * v, int8_pairs(column, fp8));
                 continue;
             }
 #endif
             const vf16 s = load_table(int8_tables(panel, group, tb, k / group), 16 * v, tb);
-            vf_store((float *)out + (int64_t)k * NR + 16 * v, vf_mul(int8_floats(column), s));
-            vf_store((float *)out + (int64_t)(k + 1) * NR + 16 * v, vf_mul(int8_floats(column + NR), s));
+            vf_store((float *)out + (int64_t)k * NR + 16 * v, vf_mul(int8_floats(column, fp8), s));
+            vf_store((float *)out + (int64_t)(k + 1) * NR + 16 * v, vf_mul(int8_floats(column + NR, fp8), s));
         }
 }
 
@@ -518,6 +543,8 @@ enum {
     TILE_DOT_AHEAD, // the same, asking for the next panel meanwhile (ahead_t)
     TILE_INT8,      // 8-bit panel widened to float32, float32 x
     TILE_INT8_DOT,  // 8-bit panel as bfloat16 integer pairs, bfloat16 x, dot product per group
+    TILE_FP8,       // the same two with FP8 bytes
+    TILE_FP8_DOT,
     TILE_INT4_Q16,  // 4-bit panel, x quantized to int16 per group (qx_t), integer dot product per group
 };
 
@@ -538,18 +565,23 @@ static inline __attribute__((always_inline)) void panel_product(int kind, const 
 #define DOT(n) panel_tile_dot((const uint16_t *)x, xs, (const uint32_t *)panel, Kp, n, acc, prefetch, 0, NULL)
 #define DOT_AHEAD(n) panel_tile_dot((const uint16_t *)x, xs, (const uint32_t *)panel, Kp, n, acc, prefetch, 1, ahead)
 #define INT4_Q16(n) int4_tile_q16(xq, m0, (const uint8_t *)panel, Kp, group, tb, n < MR4_Q ? n : MR4_Q, acc, prefetch)
-#define INT8(n) int8_tile((const float *)x, xs, (const uint8_t *)panel, Kp, group, tb, n < MR4 ? n : MR4, acc, prefetch)
+#define INT8(n) int8_tile((const float *)x, xs, (const uint8_t *)panel, Kp, group, tb, n < MR4 ? n : MR4, acc, prefetch, 0)
 #define INT8_DOT(n) int8_tile_dot((const uint16_t *)x, xs, (const uint8_t *)panel, pairs, Kp, group, tb, \
-                                  n < MR4_DOT ? n : MR4_DOT, acc, prefetch)
+                                  n < MR4_DOT ? n : MR4_DOT, acc, prefetch, 0)
+#define FP8(n) int8_tile((const float *)x, xs, (const uint8_t *)panel, Kp, group, tb, n < MR4 ? n : MR4, acc, prefetch, 1)
+#define FP8_DOT(n) int8_tile_dot((const uint16_t *)x, xs, (const uint8_t *)panel, pairs, Kp, group, tb, \
+                                 n < MR4_DOT ? n : MR4_DOT, acc, prefetch, 1)
     switch (kind) {
         case TILE_F32: ROWS(F32) break;
         case TILE_BF16: ROWS(BF16) break;
         case TILE_INT8: ROWS(INT8) break;
+        case TILE_FP8: ROWS(FP8) break;
         case TILE_INT4_Q16: ROWS(INT4_Q16) break;
 #if defined(__AVX512BF16__)
         case TILE_DOT: ROWS(DOT) break;
         case TILE_DOT_AHEAD: ROWS(DOT_AHEAD) break;
         case TILE_INT8_DOT: ROWS(INT8_DOT) break;
+        case TILE_FP8_DOT: ROWS(FP8_DOT) break;
 #endif
     }
 #undef ROWS
@@ -560,6 +592,8 @@ static inline __attribute__((always_inline)) void panel_product(int kind, const 
 #undef INT8
 #undef INT4_Q16
 #undef INT8_DOT
+#undef FP8
+#undef FP8_DOT
 }
 
 // y[i..i+n) = r (+ bias[b..b+n)), rounded to dtype; n <= 16
@@ -577,16 +611,17 @@ static inline __attribute__((always_inline)) void store_outputs(void *y, int64_t
 }
 
 // The product over all panels, for float panels (bits 0) or 4- or 8-bit ones (group: columns
-// per scale, tb: bytes per table entry); parallel over panels. Returns -1 where a work buffer
-// could not be allocated.
+// per scale, tb: bytes per table entry; fp8: 8-bit panels of FP8 bytes); parallel over panels.
+// Returns -1 where a work buffer could not be allocated.
 static int run_panels(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M, int N,
-                      int K, int bits, int group, int tb, int dtype) {
+                      int K, int bits, int fp8, int group, int tb, int dtype) {
     const int panels = (N + NR - 1) / NR, Kp = dtype == 0 || bits ? K : K + K % 2;
     const int64_t panel_bytes = bits == 4 ? blocked_int4_size(NR, K, group, tb)
                               : bits == 8 ? blocked_int8_size(NR, K, group, tb)
                                                                             : (int64_t)Kp * NR * (dtype == 0 ? 4 : 2);
     const int dot = dtype == 1 && bf16_dot;
-    const int kind = bits == 4 ? TILE_INT4_Q16 : bits == 8 ? (dot ? TILE_INT8_DOT : TILE_INT8)
+    const int kind = bits == 4 ? TILE_INT4_Q16
+                   : bits == 8 ? (fp8 ? (dot ? TILE_FP8_DOT : TILE_FP8) : (dot ? TILE_INT8_DOT : TILE_INT8))
                    : dot ? TILE_DOT : dtype == 0 ? TILE_F32 : TILE_BF16;
     // x as the tiles take it: bfloat16 for the dot product (an odd K's rows copied with a zero
     // after them, to make whole pairs), else float32 (bfloat16 widened once)
@@ -646,7 +681,7 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
         if (widen_once && !wide_panel) continue;
         const char *panel = (const char *)packed + p * panel_bytes;
         const int n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
-        if (widen_once) widen_int8_panel((const uint8_t *)panel, K, group, tb, dot, wide_panel);
+        if (widen_once) widen_int8_panel((const uint8_t *)panel, K, group, tb, dot, fp8, wide_panel);
         const int pairs_only = widen_once && dot;    // the dot tiles read the tables from the panel
         for (int m0 = 0; m0 < M; m0 += step) {
             const int rows = M - m0 < step ? M - m0 : step, tile = m0 / step;
@@ -695,7 +730,7 @@ KERNEL_API int blocked_set_bf16_dot(int on) {
 KERNEL_API int blocked_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M,
                               int N, int K, int dtype) {
 #if defined(HAVE_SIMD16)
-    return run_panels(x, x_stride, packed, bias, y, M, N, K, 0, 0, 0, dtype);
+    return run_panels(x, x_stride, packed, bias, y, M, N, K, 0, 0, 0, 0, dtype);
 #else
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)dtype;
     return -2;
@@ -707,7 +742,7 @@ KERNEL_API int blocked_matmul(const void *x, int64_t x_stride, const void *packe
 KERNEL_API int blocked_int4_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y,
                                    int M, int N, int K, int group, int tb, int dtype) {
 #if defined(HAVE_SIMD16)
-    return run_panels(x, x_stride, packed, bias, y, M, N, K, 4, group, tb, dtype);
+    return run_panels(x, x_stride, packed, bias, y, M, N, K, 4, 0, group, tb, dtype);
 #else
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)group, (void)tb;
     (void)dtype;
@@ -719,10 +754,55 @@ KERNEL_API int blocked_int4_matmul(const void *x, int64_t x_stride, const void *
 KERNEL_API int blocked_int8_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y,
                                    int M, int N, int K, int group, int tb, int dtype) {
 #if defined(HAVE_SIMD16)
-    return run_panels(x, x_stride, packed, bias, y, M, N, K, 8, group, tb, dtype);
+    return run_panels(x, x_stride, packed, bias, y, M, N, K, 8, 0, group, tb, dtype);
 #else
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)group, (void)tb;
     (void)dtype;
     return -2;
+#endif
+}
+
+#if !defined(HAVE_SIMD16)
+// 8-bit panels in plain C, for builds without AVX2 or AVX-512: per panel and x row, NR float32
+// sums over k in order (the compiler vectorizes the loop over the panel's features)
+static int plain_8bit_panels(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M,
+                             int N, int K, int fp8, int group, int tb, int dtype) {
+    const int panels = (N + NR - 1) / NR;
+    const int64_t panel_bytes = blocked_int8_size(NR, K, group, tb);
+    #pragma omp parallel for schedule(static) if (panels > 1 && (int64_t)N * K >= 65536)
+    for (int p = 0; p < panels; p++) {
+        const uint8_t *panel = (const uint8_t *)packed + p * panel_bytes;
+        const int n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
+        for (int m = 0; m < M; m++) {
+            float acc[NR] = {0};
+            for (int g = 0; g < K / group; g++) {
+                float s[NR];
+                const uint8_t *tables = int8_tables(panel, group, tb, g);
+                for (int j = 0; j < NR; j++) {
+                    if (tb == 4) memcpy(&s[j], tables + 4 * j, 4);
+                    else { uint16_t h; memcpy(&h, tables + 2 * j, 2); s[j] = f16_to_f32(h); }
+                }
+                for (int k = g * group; k < (g + 1) * group; k++) {
+                    const int8_t *column = int8_column(panel, group, tb, k);
+                    const float xk = load(x, m * x_stride + k, dtype);
+                    for (int j = 0; j < NR; j++) acc[j] += xk * (eight_bit_value(column[j], fp8) * s[j]);
+                }
+            }
+            for (int j = 0; j < width; j++)
+                store(y, (int64_t)m * N + n0 + j, bias ? acc[j] + load(bias, n0 + j, dtype) : acc[j], dtype);
+        }
+    }
+    return 0;
+}
+#endif
+
+// The same with an FP8 weight packed by blocked_fp8_pack (tb 4), in every build: plain C loops
+// without AVX2 or AVX-512.
+KERNEL_API int blocked_fp8_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y,
+                                  int M, int N, int K, int group, int dtype) {
+#if defined(HAVE_SIMD16)
+    return run_panels(x, x_stride, packed, bias, y, M, N, K, 8, 1, group, 4, dtype);
+#else
+    return plain_8bit_panels(x, x_stride, packed, bias, y, M, N, K, 1, group, 4, dtype);
 #endif
 }

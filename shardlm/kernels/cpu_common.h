@@ -26,6 +26,16 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+// An FP8 (e4m3fn) byte's value times 2^-8, as vf_fp8 widens it (its NaN codes are not weights)
+static inline float fp8_scaled(uint8_t b) {
+    const uint32_t exponent = b >> 3 & 15, mantissa = b & 7;
+    if (!exponent) return (b & 0x80 ? -1.f : 1.f) * (float)mantissa * 0x1p-17f;     // subnormal
+    const uint32_t u = (uint32_t)(b & 0x80) << 24 | (exponent + 112) << 23 | mantissa << 20;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 static inline float load(const void *p, int64_t i, int dtype) {
     return dtype == 0 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
 }

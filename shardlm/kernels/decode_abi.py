@@ -11,7 +11,7 @@ import ctypes
 _P, _I32, _I64, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 # the weight layouts the C step multiplies (DECODE_SKINNY ... in shardlm_kernels.h)
-SKINNY, BLOCKED, BLOCKED_INT4, BLOCKED_INT8 = 0, 1, 2, 3
+SKINNY, BLOCKED, BLOCKED_INT4, BLOCKED_INT8, BLOCKED_FP8 = 0, 1, 2, 3, 4
 
 ALL_REDUCE_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int32)                 # decode_all_reduce_fn
 EXCHANGE_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32)   # decode_exchange_fn

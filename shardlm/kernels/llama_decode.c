@@ -17,6 +17,7 @@ static int matmul(const LlamaDecodeModel *m, const void *x, int64_t x_stride, co
     switch (m->layout) {
     case DECODE_BLOCKED_INT4: return blocked_int4_matmul(x, x_stride, w, bias, y, M, N, K, group, m->table_bytes, dtype);
     case DECODE_BLOCKED_INT8: return blocked_int8_matmul(x, x_stride, w, bias, y, M, N, K, group, m->table_bytes, dtype);
+    case DECODE_BLOCKED_FP8: return blocked_fp8_matmul(x, x_stride, w, bias, y, M, N, K, group, dtype);
     case DECODE_BLOCKED: return blocked_matmul(x, x_stride, w, bias, y, M, N, K, dtype);
     default: return skinny_matmul(x, x_stride, w, bias, y, M, N, K, dtype);
     }

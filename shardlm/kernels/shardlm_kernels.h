@@ -51,8 +51,9 @@ KERNEL_API void blocked_int4_pack(const int8_t *q, const void *scales, const voi
                                   int tb, uint8_t *out);
 KERNEL_API int64_t blocked_int8_size(int N, int K, int group, int tb);
 KERNEL_API void blocked_int8_pack(const int8_t *q, const void *scales, int N, int K, int group, int tb, uint8_t *out);
-KERNEL_API void blocked_rows(const void *packed, const int64_t *index, int n, int K, int bits, int group, int tb,
-                             int dtype, void *out);
+KERNEL_API int blocked_fp8_pack(const uint8_t *q, const float *scales, int N, int K, int group, uint8_t *out);
+KERNEL_API void blocked_rows(const void *packed, const int64_t *index, int n, int K, int bits, int fp8, int group,
+                             int tb, int dtype, void *out);
 KERNEL_API int blocked_set_bf16_dot(int on);
 KERNEL_API int blocked_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M,
                               int N, int K, int dtype);
@@ -60,6 +61,8 @@ KERNEL_API int blocked_int4_matmul(const void *x, int64_t x_stride, const void *
                                    int M, int N, int K, int group, int tb, int dtype);
 KERNEL_API int blocked_int8_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y,
                                    int M, int N, int K, int group, int tb, int dtype);
+KERNEL_API int blocked_fp8_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y,
+                                  int M, int N, int K, int group, int dtype);
 
 // llama_decode.c: a stage's decoder layers in one call. Its arguments are these structs, each
 // mirrored field for field by a ctypes.Structure in kernels/decode_abi.py (a test compares
@@ -76,12 +79,12 @@ typedef struct {
     float scale, eps;                   // attention's softmax scale, the RMS norms' epsilon
     float residual_multiplier;          // each branch's output scaled before the residual add (1: Llama)
     int32_t dtype;                      // 0 float32, 1 bfloat16
-    int32_t layout;                     // the linears' weights: DECODE_SKINNY ... DECODE_BLOCKED_INT8
-    int32_t group;                      // 4-/8-bit: input columns per scale (0: one scale per row)
+    int32_t layout;                     // the linears' weights: DECODE_SKINNY ... DECODE_BLOCKED_FP8
+    int32_t group;                      // 4-/8-bit, FP8: input columns per scale (0: one scale per row)
     int32_t table_bytes;                // 4-/8-bit: bytes per scale (4 float32, 2 float16)
 } LlamaDecodeModel;
 
-enum { DECODE_SKINNY, DECODE_BLOCKED, DECODE_BLOCKED_INT4, DECODE_BLOCKED_INT8 };
+enum { DECODE_SKINNY, DECODE_BLOCKED, DECODE_BLOCKED_INT4, DECODE_BLOCKED_INT8, DECODE_BLOCKED_FP8 };
 
 // One decoder layer's weights and KV cache. A bias of NULL means none; q_norm and k_norm, the
 // weights [D] of an RMSNorm over each q and each k head before the rotary embedding (Qwen3), NULL

@@ -34,6 +34,13 @@ INL vf16 vi_bits_f(vi16 a) { return _mm512_castsi512_ps(a); }
 INL vf16 vf_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 // 16 int8 values as float32
 INL vf16 vf_int8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+// 16 FP8 (e4m3fn) values as float32, times 2^-8: each byte, sign-extended to 16 bits and shifted,
+// is a float16 with the same sign, exponent bits and mantissa bits (float16's exponent bias is 8
+// more than e4m3's, hence 2^-8; subnormals included), which the CPU widens exactly
+INL vf16 vf_fp8(const uint8_t *p) {
+    const __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBF80)));
+}
 INL vi16 vi_zero(void) { return _mm512_setzero_si512(); }
 // 16 bfloat16 values as float32
 INL vf16 vf_bf16(const uint16_t *p) {
@@ -99,6 +106,11 @@ INL vf16 vf_int8(const int8_t *p) {
     return (vf16){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))),
                   _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))))};
 }
+INL __m256 fp8_8(const uint8_t *p) {
+    const __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16((short)0xBF80)));
+}
+INL vf16 vf_fp8(const uint8_t *p) { return (vf16){fp8_8(p), fp8_8(p + 8)}; }
 INL vi16 vi_zero(void) { return (vi16){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 INL vf16 vf_bf16(const uint16_t *p) {
     const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));

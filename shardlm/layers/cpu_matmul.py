@@ -115,7 +115,7 @@ def panel_rows(packed: torch.Tensor, index: torch.Tensor, K: int, dtype: torch.d
     """Rows of a weight in float (bits 0) or 8-bit blocked panels, as [*index.shape, K] of dtype."""
     flat = index.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(flat.numel(), K, dtype=dtype)
-    kernels.blocked_rows()(packed.data_ptr(), flat.data_ptr(), flat.numel(), K, bits, group, table_bytes,
+    kernels.blocked_rows()(packed.data_ptr(), flat.data_ptr(), flat.numel(), K, bits, 0, group, table_bytes,
                            DTYPE_CODES[dtype], out.data_ptr())
     return out.view(*index.shape, K)
 

@@ -14,6 +14,11 @@ disk, never the whole tensor. At tp=1 the layers are plain linears with no colle
 On CPU, each weight's layout and kernels (shardlm's blocked kernel on AVX-512 CPUs; elsewhere
 its skinny kernel for decode rows and oneDNN for the rest) are chosen after loading:
 layers/cpu_matmul.py.
+
+A weight loaded from an FP8 checkpoint tensor (model_loader/fp8.py) arrives dequantized, with the
+scales of the rows and columns read (`fp8_scale_table`): the layer notes them per row and group
+of columns as it places the rows, and after loading keeps the weight as FP8 again, exactly
+(layers/fp8.py).
 """
 
 from __future__ import annotations
@@ -23,7 +28,11 @@ from torch import nn
 
 from shardlm.distributed.parallel_state import get_tp_group
 from shardlm.layers.cpu_matmul import CpuMatmul, linear, prepare_weight
+from shardlm.layers.fp8 import ALIASES, Fp8LinearWeight, from_scales, quantize_fp8
 from shardlm.layers.quantization import QuantizedWeight, check_group_size, quantize_rtn
+from shardlm.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 def checkpoint_shape(loaded) -> tuple[int, ...]:
@@ -60,9 +69,11 @@ def load_slice(param: torch.Tensor, loaded, dim: int, start: int, size: int) -> 
 class Linear(nn.Module):
     """A replicated linear (every rank holds all of it); the base of the parallel ones."""
 
-    quant: QuantizedWeight | None = None     # set by quantize(): the weight is then None
+    quant: QuantizedWeight | Fp8LinearWeight | None = None     # set by quantize(): the weight is then None
     cpu_matmul: CpuMatmul | None = None      # on CPU: the weight's layout and kernels (cpu_matmul.py)
     lora = None                              # with --enable-lora: this layer's adapter slots (lora/layers.py)
+    # the FP8 checkpoint's scales of this rank's rows [out, in / group] (NaN: a row not from FP8)
+    fp8_scales: torch.Tensor | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -74,10 +85,30 @@ class Linear(nn.Module):
 
     def weight_loader(self, param, loaded, shard_id=None):
         default_weight_loader(param, loaded)
+        self.note_fp8_scales(param, loaded, 0, self.out_features, 0, 0)
+
+    def note_fp8_scales(self, param, loaded, row: int, rows: int, first_row: int, first_column: int) -> None:
+        """Where `loaded`, an FP8 checkpoint tensor, filled rows [row, row + rows) of this rank's
+        weight from its rows and columns from (first_row, first_column): note their scales."""
+        table_of = getattr(loaded, "fp8_scale_table", None)
+        if param is not self.weight or table_of is None:
+            return
+        table = table_of(range(first_row, first_row + rows), range(first_column, first_column + self.in_features))
+        if self.fp8_scales is None:
+            self.fp8_scales = torch.full((self.out_features, table.shape[1]), float("nan"))
+        if table.shape[1] != self.fp8_scales.shape[1]:     # tensors with other column groups: kept in float
+            self.fp8_scales[:] = float("nan")
+            return
+        self.fp8_scales[row:row + table.shape[0]] = table
 
     def quantize(self, config, row_absmax: torch.Tensor | None = None) -> None:
         """Replace the loaded float weight by its weight-only quantized form (config: QuantizationConfig)."""
         w = self.weight.data
+        if config.method.startswith("fp8"):
+            self.quant = Fp8LinearWeight(*quantize_fp8(w, ALIASES.get(config.method, config.method), row_absmax),
+                                         w.dtype)
+            self.weight = None
+            return
         group = check_group_size(config.method, config.group_size, w.shape[1], type(self).__name__)
         self.quant = QuantizedWeight(*quantize_rtn(w, config.bits, group, row_absmax), config.bits, w.dtype)
         self.weight = None
@@ -93,11 +124,26 @@ class Linear(nn.Module):
         self.weight = None
 
     def process_weights_after_loading(self) -> None:
+        if self.quant is None and self.fp8_scales is not None:
+            self._keep_fp8()
         if self.quant is not None:
             return
         packed, self.cpu_matmul = prepare_weight(self.weight.data)
         if packed is not None:
             self.weight = nn.Parameter(packed, requires_grad=False)
+
+    def _keep_fp8(self) -> None:
+        """The weight loaded from FP8 tensors, FP8 again with their scales (exact: a float weight of
+        8 or more significant bits holds q * scale closely enough to give q back); in float where
+        some rows came from a float tensor or the groups do not suit the kernels."""
+        scales, w, self.fp8_scales = self.fp8_scales, self.weight.data, None
+        group = self.in_features // scales.shape[1]
+        if scales.isnan().any() or group % 2:
+            logger.info("%s keeps its FP8 checkpoint weight in %s (%s)", type(self).__name__, w.dtype,
+                        f"groups of {group} columns" if group % 2 else "some of its rows are not FP8")
+            return
+        quant = Fp8LinearWeight(from_scales(w, scales), scales, w.dtype)
+        self.quant, self.weight = quant, None
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:
@@ -150,6 +196,7 @@ class ColumnParallelLinear(Linear):
             raise ValueError("a merged checkpoint tensor needs a shard id")
         offset, rows, index = shards[0]
         load_slice(param.data.narrow(0, offset, rows), loaded, 0, index * rows, rows)
+        self.note_fp8_scales(param, loaded, offset, rows, index * rows, 0)
 
 
     def lora_num_shards(self) -> int:
@@ -159,6 +206,12 @@ class ColumnParallelLinear(Linear):
         """Column parallel: B's rows of this rank (A is whole on every rank)."""
         offset, rows, index = self.shards[shard]
         return a, b[index * rows:(index + 1) * rows], offset
+
+    def quantize(self, config, row_absmax: torch.Tensor | None = None) -> None:
+        if config.method == "fp8_per_tensor" and self.tp_size > 1:     # the largest |w| over every rank's rows
+            mine = self.weight.data.float().abs().amax().view(1, 1)
+            row_absmax = get_tp_group().all_gather(mine, dim=1).amax()
+        super().quantize(config, row_absmax)
 
     def take_quantized(self, parts: list[tuple]) -> None:
         """parts: (q, scales, mins, bits) of each checkpoint tensor, in shard order; this rank's rows."""
@@ -209,6 +262,7 @@ class RowParallelLinear(Linear):
             return default_weight_loader(param, loaded)
         cols = param.shape[1]
         load_slice(param, loaded, 1, self.tp.rank_in_group * cols, cols)
+        self.note_fp8_scales(param, loaded, 0, self.out_features, 0, self.tp.rank_in_group * cols)
 
     def take_quantized(self, parts: list[tuple]) -> None:
         """parts: the one checkpoint tensor's (q, scales, mins, bits); this rank's columns (whole groups)."""
@@ -219,6 +273,11 @@ class RowParallelLinear(Linear):
                                                         for t in (scales, mins)), bits)
 
     def quantize(self, config, row_absmax: torch.Tensor | None = None) -> None:
+        if config.method in ("fp8_per_tensor", "fp8_per_channel", "fp8") and self.tp.world_size > 1:
+            # the whole tensor's or row's largest |w|, over every rank's columns
+            mine = self.weight.data.float().abs().amax(1, keepdim=True)
+            every = self.tp.all_gather(mine, dim=1)
+            return super().quantize(config, every.amax() if config.method == "fp8_per_tensor" else every.amax(1))
         if config.bits == 8 and config.group_size == -1 and self.tp.world_size > 1:
             # one scale per whole row, as at one rank: the largest |w| over every rank's columns
             mine = self.weight.data.float().abs().amax(1, keepdim=True)

@@ -14,8 +14,10 @@ dequantized model's. KV scales (`k_scale`, `v_scale`, the older `kv_scale`) pass
 which gives them to its attention layers for an FP8 KV cache (--kv-cache-dtype fp8). A weight is
 read lazily, only the rows or columns a tensor parallel rank loads, with the scales of the blocks
 those cover (a block may straddle a shard boundary).
-Not built yet: keeping the weights FP8 in memory (one byte a weight) with kernels that widen them
-in the product.
+The linears keep their weights FP8 in memory (one byte a weight): each notes the scales of the
+rows and columns it read (`fp8_scale_table`) and quantizes its float weight back with them after
+loading, exactly (layers/linear.py, layers/fp8.py). Other weights (embeddings, MoE experts, latent
+attention's up-projection) stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -75,6 +77,20 @@ class Fp8Weight:
         values = self.weight[index].float()
         return values * self._scale_for(ranges, shape)
 
+    def fp8_scale_table(self, rows: range, cols: range) -> torch.Tensor:
+        """The scales of rows x cols of the weight, one per row and group of columns, [len(rows),
+        len(cols) / group]: a group is all the columns for a per-tensor or per-channel scale, else
+        the block's columns, or fewer where the columns start or end inside a block (a tensor
+        parallel slice): group = gcd(block columns, cols.start, len(cols))."""
+        shape = self.get_shape()
+        if self.scale.numel() == 1 or (self.scale.dim() == 2 and self.scale.shape[1] == 1):
+            group = len(cols)
+        else:
+            block_cols = self.block[1] if self.block else math.ceil(shape[1] / self.scale.shape[1])
+            group = math.gcd(block_cols, cols.start, len(cols))
+        starts = range(cols.start, cols.stop, group)
+        return self._scale_for([rows, starts], shape).expand(len(rows), len(starts)).contiguous()
+
     def _scale_for(self, ranges: list[range], shape: list[int]) -> torch.Tensor:
         s = self.scale
         if s.numel() == 1:                                  # per tensor
@@ -82,8 +98,8 @@ class Fp8Weight:
         if s.dim() == 2 and s.shape[1] == 1 and s.shape[0] == shape[0]:     # per output channel
             return s[ranges[0].start:ranges[0].stop]
         rows, cols = self.block or (math.ceil(shape[0] / s.shape[0]), math.ceil(shape[1] / s.shape[1]))
-        r = torch.arange(ranges[0].start, ranges[0].stop) // rows
-        c = torch.arange(ranges[1].start, ranges[1].stop) // cols
+        r = torch.arange(ranges[0].start, ranges[0].stop, ranges[0].step) // rows
+        c = torch.arange(ranges[1].start, ranges[1].stop, ranges[1].step) // cols
         return s[r][:, c]
 
 

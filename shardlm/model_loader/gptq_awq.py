@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from shardlm.model_loader.fp8 import fp8_method
+from shardlm.model_loader.fp8 import block_size, fp8_method
 
 PACKED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)          # nibble j of a word holds output column AWQ_ORDER[j]
@@ -32,11 +32,15 @@ def _as_dict(qc) -> dict:
 
 
 def checkpoint_method(quantization_config) -> tuple[str, int] | None:
-    """("gptq" | "awq", group size) of a checkpoint from its config.json's quantization_config
-    (None: a float checkpoint); a clear error for what is not read."""
-    if not quantization_config or fp8_method(quantization_config):     # FP8: dequantized as read (fp8.py)
+    """("gptq" | "awq" | "fp8", group size) of a checkpoint from its config.json's
+    quantization_config (None: a float checkpoint); a clear error for what is not read. An FP8
+    checkpoint's group: its blocks' columns, or -1 for scales per tensor or channel (fp8.py)."""
+    if not quantization_config:
         return None
     qc = _as_dict(quantization_config)
+    if fp8_method(qc):
+        block = block_size(qc)
+        return "fp8", block[1] if block else -1
     method = str(qc.get("quant_method", "")).lower()
     if method not in ("gptq", "awq"):
         raise ValueError(f"This checkpoint is quantized with {method or 'an unnamed method'!r}; shardlm reads FP8 "

@@ -150,7 +150,7 @@ def load_model(cls: type, model_config: ModelConfig, device: torch.device,
     elif quant is not None and quant.method == "gguf":
         from shardlm.model_loader.gguf_weights import read_linears
         take_quantized_linears(model, read_linears(quant.source, model_config.hf_config))
-    elif quant is not None:
+    elif quant is not None and quant.at_load:
         quantize_linears(model, quant)
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:

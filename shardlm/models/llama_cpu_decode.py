@@ -18,7 +18,7 @@ path does.
 
 It applies where every piece has its CPU kernel: float32 or bfloat16, plain Llama layers
 (dense MLP, no q/k norm, and under TP no bias on the row-parallel linears) whose linears all
-have one layout the C kernels read (the blocked kernel's float, 4- or 8-bit panels at any rows;
+have one layout the C kernels read (the blocked kernel's float, 4-, 8-bit or FP8 panels at any rows;
 plain weights on the skinny kernel up to the rows it was measured for), the CPU attention
 backend, and a step of decodes only; not with enforce_eager. Anything else takes the
 layer-by-layer path.
@@ -32,7 +32,7 @@ from shardlm import kernels
 from shardlm.distributed.parallel_state import get_tp_group
 from shardlm.kernels import DTYPE_CODES
 from shardlm.kernels import decode_abi as abi
-from shardlm.kernels.decode_abi import BLOCKED, BLOCKED_INT4, BLOCKED_INT8, SKINNY
+from shardlm.kernels.decode_abi import BLOCKED, BLOCKED_FP8, BLOCKED_INT4, BLOCKED_INT8, SKINNY
 from shardlm.lora.batch import LoRABatch
 from shardlm.lora.layers import PANEL_MAX_ROWS, LoRASlots
 
@@ -41,7 +41,7 @@ def _address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-_QUANTIZED = {"blocked4": BLOCKED_INT4, "blocked8": BLOCKED_INT8}
+_QUANTIZED = {"blocked4": BLOCKED_INT4, "blocked8": BLOCKED_INT8, "fp8": BLOCKED_FP8}
 
 
 def _layout(linear) -> tuple[int, int, int] | None:

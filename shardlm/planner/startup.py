@@ -39,7 +39,8 @@ def check_parallel_layout(config: EngineConfig) -> None:
                          f"Valid tensor parallel sizes are {valid}.")
     _check_decode_context_parallel(config, shape)
     stage_layers(m, par)   # raises if impossible
-    if m.quantization is not None and m.quantization.group_size != -1:
+    # FP8's groups split wherever a rank's columns start (layers/fp8.py)
+    if m.quantization is not None and m.quantization.group_size != -1 and not m.quantization.method.startswith("fp8"):
         _check_quantization_groups(shape, tp, m.quantization)
     local_ranks = par.world_size * par.data_parallel_size_local
     if config.device.type == "cuda" and par.distributed_executor_backend != "ray" \

@@ -1,7 +1,9 @@
 """FP8 checkpoints in the three formats that ship (model_loader/fp8.py), written here from a tiny
-Llama's weights quantized by the test: loaded without a flag, their weights dequantized, they give
-the tokens of the same model stored as those dequantized weights in float32 (and so transformers')
-at tp=1, and at tp=2 with scale blocks straddling the shard boundary."""
+Llama's weights quantized by the test: loaded without a flag, their linears kept in FP8 (one byte
+a weight), they give the tokens of the same model stored as the dequantized weights in float32
+(and so transformers') at tp=1, at tp=2 with scale blocks straddling the shard boundary, at pp=2
+and at dp=2; and --quantization fp8_per_channel / fp8_per_tensor / fp8_per_block quantize a
+float checkpoint at load, within the tolerance int8 is held to."""
 
 import json
 import os
@@ -97,11 +99,33 @@ def _tokens(path, **kw):
         llm.shutdown()
 
 
+def _fp8_linears(llm) -> tuple[int, int]:
+    """(linears in FP8, linears in all) of the model (tp=1: in this process)."""
+    from shardlm.layers.fp8 import Fp8LinearWeight
+    from shardlm.layers.linear import Linear
+    linears = [m for m in llm.engine.engine_core.engine_core.executor.worker.runner.model.modules()
+               if isinstance(m, Linear)]
+    return sum(isinstance(m.quant, Fp8LinearWeight) for m in linears), len(linears)
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_an_fp8_checkpoint_gives_its_dequantized_models_tokens(fmt, fp8_checkpoints, hf):
     fp8_dir, float_dir = fp8_checkpoints[fmt]
     want = _tokens(float_dir)
-    assert _tokens(fp8_dir) == want
+    llm = LLM(fp8_dir, dtype="float32", kv_cache_memory="16MiB")
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(_prompts(), PARAMS, use_tqdm=False)] == want
+        fp8, linears = _fp8_linears(llm)
+        assert fp8 == linears == 2 * 4          # q/k/v, o, gate/up and down of both layers: one byte a weight
+        fp8_bytes = llm.collective_rpc("weight_bytes")[0]
+    finally:
+        llm.shutdown()
+    llm = LLM(float_dir, dtype="float32", kv_cache_memory="16MiB")
+    try:
+        # the linears' 2 x 49152 weights: 4 bytes each in float32, 1 (and their scales) in FP8
+        assert llm.collective_rpc("weight_bytes")[0] - fp8_bytes > 0.7 * 3 * 2 * 49152
+    finally:
+        llm.shutdown()
     assert hf.assert_close(hf.greedy(float_dir, _prompts(), PARAMS.max_tokens),
                            LLM(fp8_dir, dtype="float32", kv_cache_memory="16MiB").generate(_prompts(), PARAMS,
                                                                                           use_tqdm=False),
@@ -113,6 +137,70 @@ def test_an_fp8_checkpoint_gives_its_dequantized_models_tokens(fmt, fp8_checkpoi
 def test_tensor_parallel_slices_the_scales_with_their_rows(fmt, fp8_checkpoints):
     fp8_dir, float_dir = fp8_checkpoints[fmt]
     assert _tokens(fp8_dir, tensor_parallel_size=2) == _tokens(float_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"pipeline_parallel_size": 2}, {"data_parallel_size": 2}], ids=["pp2", "dp2"])
+def test_fp8_checkpoint_on_other_layouts(layout, fp8_checkpoints):
+    fp8_dir, float_dir = fp8_checkpoints["fp8-block"]
+    assert _tokens(fp8_dir, **layout) == _tokens(float_dir)
+
+
+def _fp8_round_trip(src: str, dst, scheme: str) -> str:
+    """The HF model with each linear's weight as online FP8 quantization holds it: q/k/v and
+    gate/up quantized as the one matrix the engine merges them into (per tensor: one scale, as
+    vLLM's online FP8 has it; per block: blocks of its rows)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from shardlm.layers.fp8 import dequantize_fp8, quantize_fp8
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    merged = {"q": "qkv", "k": "qkv", "v": "qkv", "gate": "gate_up", "up": "gate_up"}
+    with torch.no_grad():
+        groups = {}
+        for name, m in model.named_modules():
+            if re.search(r"\.(q|k|v|o|gate|up|down)_proj$", name):
+                prefix, leaf = name.rsplit(".", 1)
+                groups.setdefault((prefix, merged.get(leaf[:-len("_proj")], leaf)), []).append(m.weight)
+        for weights in groups.values():
+            whole = torch.cat(list(weights))
+            rows = dequantize_fp8(*quantize_fp8(whole, scheme), torch.float32).split([w.shape[0] for w in weights])
+            for w, r in zip(weights, rows):
+                w.copy_(r)
+    model.save_pretrained(dst, safe_serialization=True)
+    for f in os.listdir(src):
+        if f.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(src, f), dst)
+    return str(dst)
+
+
+@pytest.mark.parametrize("scheme, layout", [
+    ("fp8_per_channel", {}), pytest.param("fp8_per_tensor", {}, marks=pytest.mark.slow),
+    pytest.param("fp8_per_block", {}, marks=pytest.mark.slow),
+    pytest.param("fp8_per_channel", {"tensor_parallel_size": 2}, marks=pytest.mark.slow)])
+def test_online_fp8_equals_hf_on_the_round_tripped_weights(scheme, layout, tiny_model_dir, tmp_path, hf):
+    """As --quantization int8 is held (tests/models/test_quantized.py): at least 4 of the 6 greedy
+    sequences equal transformers' exactly on the same FP8 weights, the rest within its top-k. At
+    tp=2 a row's per-channel scale spans every rank's columns, so it is tp=1's."""
+    src = tiny_model_dir("llama-gqa")
+    want = hf.greedy(_fp8_round_trip(src, tmp_path / scheme, scheme), _prompts(), PARAMS.max_tokens)
+    alias = "fp8" if scheme == "fp8_per_channel" and not layout else scheme      # vLLM's alias
+    llm = LLM(src, dtype="float32", kv_cache_memory="16MiB", quantization=alias, **layout)
+    try:
+        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+        if not layout:
+            assert _fp8_linears(llm) == (8, 8)
+    finally:
+        llm.shutdown()
+    assert hf.assert_close(want, outs, f"{scheme} {layout}") >= 4
+
+
+def test_fp8_flags_say_what_works(tiny_model_dir, fp8_checkpoints):
+    with pytest.raises(ValueError, match="fp8_per_block sets its own scales"):
+        LLM(tiny_model_dir("llama-gqa"), dtype="float32", quantization="fp8_per_block", quantization_group_size=64)
+    with pytest.raises(ValueError, match="already FP8 and runs as it is stored"):
+        LLM(fp8_checkpoints["fbgemm"][0], dtype="float32", quantization="fp8_per_tensor")
 
 
 @pytest.mark.slow

@@ -21,9 +21,11 @@ PROMPTS = [[101, 2054, 2003, 1037], [7592, 1010, 2088, 999, 102, 4000, 321] * 5]
         ("smollm3", "bfloat16", None, None), ("phi3", "bfloat16", None, None))),
     ("qwen2-bias", "bfloat16", "int4", 32),      # 4-bit panels, where the blocked kernel is built
     ("llama-gqa", "bfloat16", "int8", -1),       # 8-bit panels, one scale per row (rows of 64 and 128 columns)
+    ("llama-gqa", "bfloat16", "fp8", None),      # FP8 bytes in the 8-bit panels, one scale per row
+    pytest.param("llama-gqa", "float32", "fp8_per_tensor", None, marks=pytest.mark.slow),
 ])
 def test_fused_decode_equals_the_layer_by_layer_path(name, dtype, quantization, group, tiny_model_dir, monkeypatch):
-    if quantization and kernels.blocked_int4() is None:
+    if quantization and quantization.startswith("int") and kernels.blocked_int4() is None:
         pytest.skip("quantized weights take the fused path only with the blocked kernel (AVX-512)")
     taken = []
     fused_call = llama_cpu_decode.FusedDecodeLayers.__call__

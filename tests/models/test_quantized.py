@@ -85,7 +85,7 @@ def test_quantized_weights_are_smaller(tiny_model_dir):
 
 def test_bad_quantization_settings_say_what_works(tiny_model_dir):
     path = tiny_model_dir("llama-gqa")
-    with pytest.raises(ValueError, match="int3.*use int8 or int4"):
+    with pytest.raises(ValueError, match="int3.*use int8, int4, fp8_per_channel"):
         LLM(path, **ENGINE, quantization="int3")
     # o_proj and down_proj have 64 and 128 input columns: 32-column groups cannot split o_proj in 4
     with pytest.raises(ValueError, match=r"o_proj \(16 columns per rank\).*Valid tensor parallel sizes for this "

@@ -119,7 +119,8 @@ def test_checkpoint_configs_are_read_or_refused_clearly():
         checkpoint_method({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True})
     with pytest.raises(ValueError, match="8-bit weights; shardlm reads 4-bit"):
         checkpoint_method({"quant_method": "gptq", "bits": 8, "group_size": 128})
-    assert checkpoint_method({"quant_method": "fp8", "weight_block_size": [128, 128]}) is None   # read as FP8
+    assert checkpoint_method({"quant_method": "fp8", "weight_block_size": [128, 128]}) == ("fp8", 128)   # FP8
+    assert checkpoint_method({"quant_method": "fbgemm_fp8"}) == ("fp8", -1)      # per channel: one group a row
     with pytest.raises(ValueError, match="'bitsandbytes'.*FP8.*GPTQ and AWQ"):
         checkpoint_method({"quant_method": "bitsandbytes"})
     with pytest.raises(ValueError, match="'gemv'"):
