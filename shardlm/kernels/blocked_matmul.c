@@ -29,8 +29,9 @@
 //
 // FP8 weights (e4m3fn, w = fp8 * scale per group) use the 8-bit panels as they are: each byte is
 // widened by vf_fp8 to its value times 2^-8 (exact, and exact in bfloat16 too), and the tables
-// hold scale * 2^8 (blocked_fp8_pack), so every tile and the dot product work unchanged. A build
-// without AVX2 or AVX-512 runs them with plain C loops (plain_8bit_panels).
+// hold scale * 2^8 (blocked_fp8_pack). Each group's sum over its k's is taken first and its scale
+// applied to it (fp8_tile; the dot product's tile as for 8-bit integers), so a weight costs its
+// widening and one FMA. A build without AVX2 or AVX-512 runs plain C loops (plain_fp8_panels).
 //
 // dtype 0 = float32, 1 = bfloat16 (x, w, bias and y all in it). x rows have stride x_stride.
 #include <stdint.h>
@@ -45,9 +46,11 @@
 #if SIMD16_BITS == 256
 #define MR 2             // x rows per register tile: 12 accumulator registers
 #define MR4 1            // for 8-bit weights, whose widening needs more registers
+#define MR4_FP8 1        // for FP8 weights: a partial and a total accumulator per vector
 #else
 #define MR 8             // x rows per register tile: 24 accumulators
 #define MR4 6            // for 8-bit weights, whose widening needs more registers
+#define MR4_FP8 4        // for FP8 weights: a partial and a total accumulator per vector
 #endif
 #define MR4_DOT 4        // for 8-bit weights with the dot product: a partial and a total accumulator per vector
 #if SIMD16_BITS == 256
@@ -435,6 +438,21 @@ static inline __attribute__((always_inline)) vf16 int8_floats(const int8_t *colu
     return fp8 ? vf_fp8((const uint8_t *)column) : vf_int8(column);
 }
 
+// The NR FP8 values of one k of an 8-bit panel, as float32 times 2^-8; on AVX-512 32 bytes at a
+// time where it can (one sign extension, shift and mask for two vectors)
+static inline __attribute__((always_inline)) void fp8_column(const int8_t *column, vf16 out[NV]) {
+    int v = 0;
+#if defined(__AVX512F__)
+    for (; v + 2 <= NV; v += 2) {
+        const __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(column + 16 * v)));
+        const __m512i half = _mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16((short)0xBF80));
+        out[v] = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
+        out[v + 1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
+    }
+#endif
+    for (; v < NV; v++) out[v] = vf_fp8((const uint8_t *)column + 16 * v);
+}
+
 // Asks for the bytes of an 8-bit panel's k pair PF_BYTES ahead in the stream (2 NR = 96 bytes:
 // two lines 64 bytes apart cover each pair's), and at a group's end for its tables' bytes
 static inline __attribute__((always_inline)) void prefetch_int8_pair(const int8_t *column) {
@@ -448,8 +466,7 @@ static inline __attribute__((always_inline)) void prefetch_int8_tables(const uin
 // panel_tile for an 8-bit panel: each k's weights widened to float32, w = q * scale (one
 // rounding), then as panel_tile
 static inline __attribute__((always_inline)) void int8_tile(const float *x, int64_t x_stride, const uint8_t *panel, int K,
-                                                      int group, int tb, const int NM, vf16 acc[MR][NV], int prefetch,
-                                                      const int fp8) {
+                                                      int group, int tb, const int NM, vf16 acc[MR][NV], int prefetch) {
     for (int m = 0; m < NM; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = vf_zero();
     for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
@@ -457,16 +474,53 @@ static inline __attribute__((always_inline)) void int8_tile(const float *x, int6
         vf16 s[NV];
         for (int v = 0; v < NV; v++) s[v] = load_table(tables, 16 * v, tb);
         for (int k = g0; k < g0 + group; k++) {
-            const int8_t *column = int8_column(panel, group, tb, k);
+            const int8_t *column = int8_column(panel, group, tb, g0) + (int64_t)(k - g0) * NR;   // no division per k
             if (prefetch && k % 2 == 0) prefetch_int8_pair(column);
             vf16 w[NV];
-            for (int v = 0; v < NV; v++) w[v] = vf_mul(int8_floats(column + 16 * v, fp8), s[v]);
+            for (int v = 0; v < NV; v++) w[v] = vf_mul(int8_floats(column + 16 * v, 0), s[v]);
             for (int m = 0; m < NM; m++) {
                 const vf16 xb = vf_set1(x[m * x_stride + k]);
                 for (int v = 0; v < NV; v++) acc[m][v] = vf_fmadd(xb, w[v], acc[m][v]);
             }
         }
         if (prefetch) prefetch_int8_tables(tables, tb);
+    }
+}
+
+// An 8-bit tile of FP8 bytes: per group, each k's bytes widened to value * 2^-8 (or read so
+// widened from `wide`, [K][NR] float32: widen_int8_panel) and multiplied into a partial sum per
+// row and vector, to which the group's scale * 2^8 is applied at the group's end (as the dot tile
+// applies its scales): no multiply per weight, which at one row is a sixth of the work.
+static inline __attribute__((always_inline)) void fp8_tile(const float *x, int64_t x_stride, const uint8_t *panel,
+                                                     const float *wide, int K, int group, const int NM,
+                                                     vf16 acc[MR][NV], int prefetch) {
+    for (int m = 0; m < NM; m++)
+        for (int v = 0; v < NV; v++) acc[m][v] = vf_zero();
+    for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
+        vf16 part[MR4_FP8][NV];
+        for (int m = 0; m < NM; m++)
+            for (int v = 0; v < NV; v++) part[m][v] = vf_zero();
+        const int8_t *first = int8_column(panel, group, 4, g0);
+        for (int k = g0; k < g0 + group; k++) {
+            vf16 w[NV];
+            if (wide) {
+                for (int v = 0; v < NV; v++) w[v] = vf_load(wide + (int64_t)k * NR + 16 * v);
+            } else {
+                const int8_t *column = first + (int64_t)(k - g0) * NR;
+                if (prefetch && k % 2 == 0) prefetch_int8_pair(column);
+                fp8_column(column, w);
+            }
+            for (int m = 0; m < NM; m++) {
+                const vf16 xb = vf_set1(x[m * x_stride + k]);
+                for (int v = 0; v < NV; v++) part[m][v] = vf_fmadd(xb, w[v], part[m][v]);
+            }
+        }
+        const uint8_t *tables = int8_tables(panel, group, 4, g);
+        if (prefetch) prefetch_int8_tables(tables, 4);
+        for (int v = 0; v < NV; v++) {
+            const vf16 s = vf_load((const float *)tables + 16 * v);
+            for (int m = 0; m < NM; m++) acc[m][v] = vf_fmadd(s, part[m][v], acc[m][v]);
+        }
     }
 }
 #if defined(__AVX512BF16__)
@@ -493,7 +547,7 @@ static inline __attribute__((always_inline)) void int8_tile_dot(const uint16_t *
         for (int m = 0; m < NM; m++)
             for (int v = 0; v < NV; v++) part[m][v] = _mm512_setzero_ps();
         for (int k = g0; k < g0 + group; k += 2) {
-            const int8_t *column = int8_column(panel, group, tb, k);
+            const int8_t *column = int8_column(panel, group, tb, g0) + (int64_t)(k - g0) * NR;   // no division per k
             if (prefetch) prefetch_int8_pair(column);
             __m512i w[NV];
             for (int v = 0; v < NV; v++)
@@ -517,8 +571,8 @@ static inline __attribute__((always_inline)) void int8_tile_dot(const uint16_t *
 // process, before the first product: every product then sums in the same order)
 static int bf16_dot = 0;
 
-// An 8-bit panel widened as the 8-bit tiles widen it: float32 q * scale ([K][NR]) or the dot
-// tile's bfloat16 integer pairs ([K / 2][NR])
+// An 8-bit panel widened as the 8-bit tiles widen it: float32 q * scale ([K][NR]; FP8: value *
+// 2^-8, the scales applied by fp8_tile) or the dot tile's bfloat16 integer pairs ([K / 2][NR])
 static void widen_int8_panel(const uint8_t *panel, int K, int group, int tb, int dot, int fp8, void *out) {
     for (int k = 0; k < K; k += 2)
         for (int v = 0; v < NV; v++) {
@@ -529,7 +583,7 @@ static void widen_int8_panel(const uint8_t *panel, int K, int group, int tb, int
                 continue;
             }
 #endif
-            const vf16 s = load_table(int8_tables(panel, group, tb, k / group), 16 * v, tb);
+            const vf16 s = fp8 ? vf_set1(1.f) : load_table(int8_tables(panel, group, tb, k / group), 16 * v, tb);
             vf_store((float *)out + (int64_t)k * NR + 16 * v, vf_mul(int8_floats(column, fp8), s));
             vf_store((float *)out + (int64_t)(k + 1) * NR + 16 * v, vf_mul(int8_floats(column + NR, fp8), s));
         }
@@ -543,16 +597,18 @@ enum {
     TILE_DOT_AHEAD, // the same, asking for the next panel meanwhile (ahead_t)
     TILE_INT8,      // 8-bit panel widened to float32, float32 x
     TILE_INT8_DOT,  // 8-bit panel as bfloat16 integer pairs, bfloat16 x, dot product per group
-    TILE_FP8,       // the same two with FP8 bytes
-    TILE_FP8_DOT,
+    TILE_FP8,       // 8-bit panel of FP8 bytes widened to float32, float32 x, scales per group (fp8_tile)
+    TILE_FP8_WIDE,  // the same, the panel's values widened once (widen_int8_panel)
+    TILE_FP8_DOT,   // 8-bit panel of FP8 bytes as bfloat16 pairs, bfloat16 x, dot product per group
     TILE_INT4_Q16,  // 4-bit panel, x quantized to int16 per group (qx_t), integer dot product per group
 };
 
 // acc = `rows` rows of x (at most MR; MR4_Q for 4-bit tiles, MR4 / MR4_DOT for 8-bit ones) . one panel, by a
-// tile of that constant row count (its accumulators stay in registers). pairs: the quantized dot
-// tiles'; xq and m0: the integer 4-bit tile's quantized x and the tile's first row in it.
+// tile of that constant row count (its accumulators stay in registers). widened: the 8-bit panel
+// widened once (the dot tiles' pairs, TILE_FP8_WIDE's floats); xq and m0: the integer 4-bit
+// tile's quantized x and the tile's first row in it.
 static inline __attribute__((always_inline)) void panel_product(int kind, const void *x, int64_t xs, const void *panel,
-        const uint32_t *pairs, const qx_t *xq, int m0, int Kp, int group, int tb,
+        const void *widened, const qx_t *xq, int m0, int Kp, int group, int tb,
         int rows, vf16 acc[MR][NV], int prefetch, const ahead_t *ahead) {
 #if MR == 2
 #define ROWS(CALL) switch (rows) { case 1: CALL(1); break; default: CALL(MR); }
@@ -565,17 +621,21 @@ static inline __attribute__((always_inline)) void panel_product(int kind, const 
 #define DOT(n) panel_tile_dot((const uint16_t *)x, xs, (const uint32_t *)panel, Kp, n, acc, prefetch, 0, NULL)
 #define DOT_AHEAD(n) panel_tile_dot((const uint16_t *)x, xs, (const uint32_t *)panel, Kp, n, acc, prefetch, 1, ahead)
 #define INT4_Q16(n) int4_tile_q16(xq, m0, (const uint8_t *)panel, Kp, group, tb, n < MR4_Q ? n : MR4_Q, acc, prefetch)
-#define INT8(n) int8_tile((const float *)x, xs, (const uint8_t *)panel, Kp, group, tb, n < MR4 ? n : MR4, acc, prefetch, 0)
-#define INT8_DOT(n) int8_tile_dot((const uint16_t *)x, xs, (const uint8_t *)panel, pairs, Kp, group, tb, \
-                                  n < MR4_DOT ? n : MR4_DOT, acc, prefetch, 0)
-#define FP8(n) int8_tile((const float *)x, xs, (const uint8_t *)panel, Kp, group, tb, n < MR4 ? n : MR4, acc, prefetch, 1)
-#define FP8_DOT(n) int8_tile_dot((const uint16_t *)x, xs, (const uint8_t *)panel, pairs, Kp, group, tb, \
-                                 n < MR4_DOT ? n : MR4_DOT, acc, prefetch, 1)
+#define INT8(n) int8_tile((const float *)x, xs, (const uint8_t *)panel, Kp, group, tb, n < MR4 ? n : MR4, acc, prefetch)
+#define INT8_DOT(n) int8_tile_dot((const uint16_t *)x, xs, (const uint8_t *)panel, (const uint32_t *)widened, Kp, \
+                                  group, tb, n < MR4_DOT ? n : MR4_DOT, acc, prefetch, 0)
+#define FP8(n) fp8_tile((const float *)x, xs, (const uint8_t *)panel, NULL, Kp, group, n < MR4_FP8 ? n : MR4_FP8, acc, \
+                        prefetch)
+#define FP8_WIDE(n) fp8_tile((const float *)x, xs, (const uint8_t *)panel, (const float *)widened, Kp, group, \
+                             n < MR4_FP8 ? n : MR4_FP8, acc, prefetch)
+#define FP8_DOT(n) int8_tile_dot((const uint16_t *)x, xs, (const uint8_t *)panel, (const uint32_t *)widened, Kp, \
+                                 group, tb, n < MR4_DOT ? n : MR4_DOT, acc, prefetch, 1)
     switch (kind) {
         case TILE_F32: ROWS(F32) break;
         case TILE_BF16: ROWS(BF16) break;
         case TILE_INT8: ROWS(INT8) break;
         case TILE_FP8: ROWS(FP8) break;
+        case TILE_FP8_WIDE: ROWS(FP8_WIDE) break;
         case TILE_INT4_Q16: ROWS(INT4_Q16) break;
 #if defined(__AVX512BF16__)
         case TILE_DOT: ROWS(DOT) break;
@@ -593,6 +653,7 @@ static inline __attribute__((always_inline)) void panel_product(int kind, const 
 #undef INT4_Q16
 #undef INT8_DOT
 #undef FP8
+#undef FP8_WIDE
 #undef FP8_DOT
 }
 
@@ -659,9 +720,9 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
     // quantized panels against more than one tile of rows: each panel widened once (the same values
     // as the quantized tile's, so the same sums), instead of widened again for every tile: float32
     // weights for the float tile, or the dot tile's integer pairs
-    const int rows_q = bits == 4 ? MR4_Q : dot ? MR4_DOT : MR4;
-    const int widen_once = bits == 8 && M > rows_q, step = bits && (dot || !widen_once) ? rows_q : MR;
-    const int wide_kind = dot ? kind : TILE_F32;
+    const int rows_q = bits == 4 ? MR4_Q : dot ? MR4_DOT : fp8 ? MR4_FP8 : MR4;
+    const int widen_once = bits == 8 && M > rows_q, step = bits && (dot || fp8 || !widen_once) ? rows_q : MR;
+    const int wide_kind = dot ? kind : fp8 ? TILE_FP8_WIDE : TILE_F32;
     // with 3 row tiles or more, the tiles after the first share asking for the next panel: a slice
     // each, ahead_lines every AHEAD_SEGMENT k (with 2, one tile's asks come in bursts that cost
     // more than they save; ahead_lines 0: none)
@@ -682,7 +743,7 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
         const char *panel = (const char *)packed + p * panel_bytes;
         const int n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
         if (widen_once) widen_int8_panel((const uint8_t *)panel, K, group, tb, dot, fp8, wide_panel);
-        const int pairs_only = widen_once && dot;    // the dot tiles read the tables from the panel
+        const int pairs_only = widen_once && (dot || fp8);    // these tiles read the tables from the panel
         for (int m0 = 0; m0 < M; m0 += step) {
             const int rows = M - m0 < step ? M - m0 : step, tile = m0 / step;
             ahead_t ahead = {NULL, NULL, 0};
@@ -696,7 +757,7 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
             }
             vf16 acc[MR][NV];
             panel_product(tile_kind, (const char *)xt + m0 * xs * (int64_t)x_size, xs,
-                          widen_once && !pairs_only ? wide_panel : panel, pairs_only ? (const uint32_t *)wide_panel : NULL,
+                          widen_once && !pairs_only ? wide_panel : panel, pairs_only ? wide_panel : NULL,
                           &xq, m0, Kp, group, tb, rows, acc, m0 == 0 && !widen_once,
                           &ahead);
             for (int m = 0; m < rows; m++)
@@ -763,12 +824,13 @@ KERNEL_API int blocked_int8_matmul(const void *x, int64_t x_stride, const void *
 }
 
 #if !defined(HAVE_SIMD16)
-// 8-bit panels in plain C, for builds without AVX2 or AVX-512: per panel and x row, NR float32
-// sums over k in order (the compiler vectorizes the loop over the panel's features)
-static int plain_8bit_panels(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M,
-                             int N, int K, int fp8, int group, int tb, int dtype) {
+// FP8 panels in plain C, for builds without AVX2 or AVX-512: per panel, x row and group, NR
+// float32 partial sums over k in order, then the group's scales (as fp8_tile; the compiler
+// vectorizes the loops over the panel's features)
+static int plain_fp8_panels(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M,
+                            int N, int K, int group, int dtype) {
     const int panels = (N + NR - 1) / NR;
-    const int64_t panel_bytes = blocked_int8_size(NR, K, group, tb);
+    const int64_t panel_bytes = blocked_int8_size(NR, K, group, 4);
     #pragma omp parallel for schedule(static) if (panels > 1 && (int64_t)N * K >= 65536)
     for (int p = 0; p < panels; p++) {
         const uint8_t *panel = (const uint8_t *)packed + p * panel_bytes;
@@ -776,17 +838,15 @@ static int plain_8bit_panels(const void *x, int64_t x_stride, const void *packed
         for (int m = 0; m < M; m++) {
             float acc[NR] = {0};
             for (int g = 0; g < K / group; g++) {
-                float s[NR];
-                const uint8_t *tables = int8_tables(panel, group, tb, g);
-                for (int j = 0; j < NR; j++) {
-                    if (tb == 4) memcpy(&s[j], tables + 4 * j, 4);
-                    else { uint16_t h; memcpy(&h, tables + 2 * j, 2); s[j] = f16_to_f32(h); }
-                }
+                float part[NR] = {0};
+                const int8_t *first = int8_column(panel, group, 4, g * group);
                 for (int k = g * group; k < (g + 1) * group; k++) {
-                    const int8_t *column = int8_column(panel, group, tb, k);
+                    const int8_t *column = first + (int64_t)(k - g * group) * NR;
                     const float xk = load(x, m * x_stride + k, dtype);
-                    for (int j = 0; j < NR; j++) acc[j] += xk * (eight_bit_value(column[j], fp8) * s[j]);
+                    for (int j = 0; j < NR; j++) part[j] += xk * fp8_scaled((uint8_t)column[j]);
                 }
+                const float *scales = (const float *)int8_tables(panel, group, 4, g);
+                for (int j = 0; j < NR; j++) acc[j] += scales[j] * part[j];
             }
             for (int j = 0; j < width; j++)
                 store(y, (int64_t)m * N + n0 + j, bias ? acc[j] + load(bias, n0 + j, dtype) : acc[j], dtype);
@@ -803,6 +863,6 @@ KERNEL_API int blocked_fp8_matmul(const void *x, int64_t x_stride, const void *p
 #if defined(HAVE_SIMD16)
     return run_panels(x, x_stride, packed, bias, y, M, N, K, 8, 1, group, 4, dtype);
 #else
-    return plain_8bit_panels(x, x_stride, packed, bias, y, M, N, K, 1, group, 4, dtype);
+    return plain_fp8_panels(x, x_stride, packed, bias, y, M, N, K, group, dtype);
 #endif
 }
