@@ -68,6 +68,16 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
     return (q.float().view(n, scales.shape[1], -1) * scales.unsqueeze(-1)).view(n, k).to(dtype)
 
 
+def packs(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether an FP8 weight goes into the blocked panels here (on CPU, with the kernel library)."""
+    return (q.device.type == "cpu" and dtype in DTYPE_CODES and (q.shape[1] // scales.shape[1]) % 2 == 0
+            and blocked_fp8() is not None)
+
+
+def packed_bytes(out_features: int, in_features: int, group: int) -> int:
+    return blocked_fp8()[0](out_features, in_features, group, 4)
+
+
 def _has_fp8_matmul(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
@@ -77,16 +87,17 @@ class Fp8LinearWeight:
 
     bits, table_bytes = 8, 4
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, into: torch.Tensor | None = None):
+        """into: the uint8 tensor of packed_bytes(...) to pack the panels in (a row of an expert stack)."""
         self.out_features, self.in_features = q.shape
         self.group = self.in_features // scales.shape[1]
         self.dtype = dtype                                   # of activations and outputs
         self.kernel = None
         self.q, self._scales = q.contiguous(), scales.float().contiguous()
-        fns = blocked_fp8()
-        if q.device.type == "cpu" and dtype in DTYPE_CODES and self.group % 2 == 0 and fns is not None:
-            size, pack, _ = fns
-            self.packed = torch.zeros(size(self.out_features, self.in_features, self.group, 4), dtype=torch.uint8)
+        if packs(q, scales, dtype):
+            pack = blocked_fp8()[1]
+            self.packed = torch.zeros(packed_bytes(*q.shape, self.group), dtype=torch.uint8) if into is None \
+                else into.zero_()
             if pack(self.q.view(torch.uint8).data_ptr(), self._scales.data_ptr(), self.out_features,
                     self.in_features, self.group, self.packed.data_ptr()):
                 raise MemoryError(f"could not allocate the scales of an FP8 weight {tuple(q.shape)}")

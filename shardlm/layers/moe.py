@@ -22,6 +22,10 @@ EP is tuned for). With EPLB (`redundant_experts`, worker/expert_balancer.py) the
 E + R slots, (E + R) / ep per rank, each holding a logical expert (`slot_expert`); a token goes
 to one copy of its expert, chosen by its index, and `rebalance` moves experts between ranks
 (layers/expert_placement.py says where).
+
+Experts read from an FP8 checkpoint stay FP8 on CPU: the loaders note each rank's scales as they
+place the rows (as the linears do), and after loading each expert's w13 and w2 go into FP8 panels
+(layers/fp8.py), stacked as one uint8 tensor per matrix so that EPLB moves them as it moves floats.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from torch import nn
 
 from shardlm.distributed.parallel_state import expert_parallel_enabled, get_dp_group, get_ep_group, get_tp_group
 from shardlm.layers.expert_placement import balancedness, default_placement, place_experts
+from shardlm.layers.fp8 import Fp8LinearWeight, from_scales, packed_bytes, packs
 from shardlm.layers.linear import load_slice
 
 # tokens of each DP replica in the current step, when the replicas run their MoE layers together
@@ -128,6 +133,11 @@ class FusedMoE(nn.Module):
             self.w2_bias = nn.Parameter(torch.empty(self.num_local, hidden_size), requires_grad=False)
         self.expert_load = torch.zeros(num_experts, dtype=torch.int64, device="cpu")
         self.routing = None       # the model's own routing (GroupedTopK), in place of route's softmax top-k
+        self.dtype = self.w13.dtype
+        # an FP8 checkpoint's scales of w13 / w2 as this rank loads them ([E_local, rows, groups], NaN:
+        # not from FP8), then each expert's FP8 weights (their panels rows of w13 / w2, uint8)
+        self.fp8_scales: dict[str, torch.Tensor | None] = {"w13": None, "w2": None}
+        self.fp8: dict[str, list[Fp8LinearWeight]] | None = None
 
     # ---- EPLB: physical slots ----
     def _place_redundant(self, num_redundant: int | None) -> None:
@@ -169,10 +179,55 @@ class FusedMoE(nn.Module):
         for local in self._local(expert):
             load_slice(param.data[local].narrow(0, half * self.inter, self.inter), loaded, 0,
                        self.slice_rank * self.inter, self.inter)
+            self._note_fp8_scales("w13", loaded, local, half * self.inter, range(
+                self.slice_rank * self.inter, (self.slice_rank + 1) * self.inter), range(self.hidden_size))
 
     def _load_w2(self, param, loaded, shard_id) -> None:
         for local in self._local(shard_id):
             load_slice(param.data[local], loaded, 1, self.slice_rank * self.inter, self.inter)
+            self._note_fp8_scales("w2", loaded, local, 0, range(self.hidden_size),
+                                  range(self.slice_rank * self.inter, (self.slice_rank + 1) * self.inter))
+
+    def _note_fp8_scales(self, which: str, loaded, local: int, row: int, rows: range, cols: range) -> None:
+        """Where an FP8 checkpoint tensor filled rows [row, row + len(rows)) of local expert `local`'s
+        `which` from its rows x cols: their scales (model_loader/fp8.py)."""
+        table_of = getattr(loaded, "fp8_scale_table", None)
+        if table_of is None:
+            return
+        table = table_of(rows, cols)
+        param = getattr(self, which)
+        scales = self.fp8_scales[which]
+        if scales is None:
+            scales = self.fp8_scales[which] = torch.full((self.num_local, param.shape[1], table.shape[1]),
+                                                         float("nan"))
+        if table.shape[1] != scales.shape[2]:        # other column groups than its first tensor's: stays float
+            scales[:] = float("nan")
+            return
+        scales[local, row:row + len(rows)] = table
+
+    def process_weights_after_loading(self) -> None:
+        """Experts loaded from FP8 tensors: into FP8 panels again, exactly (as Linear._keep_fp8), where
+        every expert's rows came from FP8 and this device has the kernel; else they stay float."""
+        scales = self.fp8_scales
+        self.fp8_scales = {"w13": None, "w2": None}
+        if any(s is None or s.isnan().any() for s in scales.values()):
+            return
+        weights = {"w13": self.w13.data, "w2": self.w2.data}
+        if not all(packs(w[0], scales[k][0], self.dtype) for k, w in weights.items()):
+            return
+        self.fp8 = {}
+        for which, w in weights.items():
+            group = w.shape[2] // scales[which].shape[2]
+            stack = torch.empty(self.num_local, packed_bytes(w.shape[1], w.shape[2], group), dtype=torch.uint8)
+            self.fp8[which] = [Fp8LinearWeight(from_scales(w[e], scales[which][e]), scales[which][e], self.dtype,
+                                               into=stack[e]) for e in range(self.num_local)]
+            setattr(self, which, nn.Parameter(stack, requires_grad=False))
+
+    def _product(self, which: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """x . this rank's `which` (w13 or w2) of local expert `expert`, transposed."""
+        if self.fp8 is not None:
+            return self.fp8[which][expert].matmul(x)
+        return x @ getattr(self, which)[expert].t()
 
     # ---- loading all experts from one stacked tensor (GPT-OSS: gate and up interleaved by column) ----
     def load_stacked(self, which: str, tensor: torch.Tensor) -> None:
@@ -238,10 +293,10 @@ class FusedMoE(nn.Module):
         for expert, n in enumerate(counts):
             if n == 0:
                 continue
-            gate_up = xs[start:start + n] @ self.w13[expert].t()
+            gate_up = self._product("w13", expert, xs[start:start + n])
             if self.w13_bias is not None:
                 gate_up = gate_up + self.w13_bias[expert]
-            out = self.activation(gate_up[:, :self.inter], gate_up[:, self.inter:]) @ self.w2[expert].t()
+            out = self._product("w2", expert, self.activation(gate_up[:, :self.inter], gate_up[:, self.inter:]))
             if self.w2_bias is not None and self.slice_rank == 0:   # added once, not by every TP slice
                 out = out + self.w2_bias[expert]
             results[start:start + n] = out
@@ -301,8 +356,8 @@ class FusedMoE(nn.Module):
 
     def dummy_forward(self) -> None:
         """This replica has no tokens but joins the others' step (DP + EP lock-step)."""
-        empty = torch.empty(0, self.hidden_size, dtype=self.w13.dtype, device=self.w13.device)
-        self(empty, torch.empty(0, self.num_experts, dtype=self.w13.dtype, device=self.w13.device))
+        empty = torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.w13.device)
+        self(empty, torch.empty(0, self.num_experts, dtype=self.dtype, device=self.w13.device))
 
 
 @dataclass

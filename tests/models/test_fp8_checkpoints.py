@@ -203,12 +203,41 @@ def test_fp8_flags_say_what_works(tiny_model_dir, fp8_checkpoints):
         LLM(fp8_checkpoints["fbgemm"][0], dtype="float32", quantization="fp8_per_tensor")
 
 
-@pytest.mark.slow
-def test_deepseek_in_fp8_with_expert_parallel(fp8_checkpoints):
-    """DeepSeek-V3's own format (blocks of weight_scale_inv) on its latent projections and experts,
-    experts placed whole on two ranks."""
+def test_deepseek_keeps_its_fp8_experts_and_linears_in_fp8(fp8_checkpoints):
+    """DeepSeek-V3's own format (blocks of weight_scale_inv): its routed experts go into FP8 panels
+    (a uint8 stack per matrix) and its linears stay FP8 but those whose rotary rows are reordered at
+    load (q_b_proj, kv_a_proj_with_mqa: float); the tokens are the dequantized model's."""
+    from shardlm.layers.moe import FusedMoE
     fp8_dir, float_dir = fp8_checkpoints["deepseek-v3"]
-    assert _tokens(fp8_dir, tensor_parallel_size=2, enable_expert_parallel=True) == _tokens(float_dir)
+    llm = LLM(fp8_dir, dtype="float32", kv_cache_memory="16MiB")
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(_prompts(), PARAMS, use_tqdm=False)] == \
+            _tokens(float_dir)
+        model = llm.engine.engine_core.engine_core.executor.worker.runner.model
+        experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        assert experts and all(m.fp8 is not None and m.w13.dtype == torch.uint8 for m in experts)
+        fp8, linears = _fp8_linears(llm)
+        assert fp8 >= linears // 2
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("eplb", [False, True], ids=["ep", "ep-eplb"])
+def test_deepseek_in_fp8_with_expert_parallel(eplb, fp8_checkpoints):
+    """Experts placed whole on two ranks; with EPLB rebalancing every 4 steps, FP8 experts move
+    between ranks as their panels (and a copy of each hot one is kept)."""
+    fp8_dir, float_dir = fp8_checkpoints["deepseek-v3"]
+    balancing = dict(enable_eplb=True, eplb_config={"step_interval": 4, "window_size": 4,
+                                                     "num_redundant_experts": 2}) if eplb else {}
+    llm = LLM(fp8_dir, dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2, enable_expert_parallel=True,
+              **balancing)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(_prompts(), PARAMS, use_tqdm=False)] == \
+            _tokens(float_dir)
+        assert not eplb or llm.stats()["eplb"]["rebalances"] > 0
+    finally:
+        llm.shutdown()
 
 
 def test_checkpoint_kv_scales_reach_an_fp8_kv_cache(fp8_checkpoints):
