@@ -225,6 +225,27 @@ def test_nothing_fits_suggests_quantization():
     assert r.plan is None and any("8-bit" in x for x in r.reasons)
 
 
+def test_fp8_checkpoints_plan_at_one_byte_a_weight(capsys):
+    """The guide's Llama-3.1-405B-FP8 (fbgemm_fp8, read from its config.json) fits one node of 8 x
+    80 GiB at TP=8, which bfloat16 does not; --kv-cache-dtype fp8 doubles its KV tokens there;
+    DeepSeek-V3 as published (FP8 blocks of 128) counts a float32 scale per 128 weights."""
+    from shardlm.entrypoints.cli import main
+    runs = {}
+    for model, extra in (("Llama-3.1-405B-FP8", []), ("Llama-3.1-405B", []),
+                         ("Llama-3.1-405B-FP8", ["--kv-cache-dtype", "fp8"]), ("DeepSeek-V3", []),
+                         ("Llama-3.1-70B", ["--quantization", "fp8_per_channel"])):
+        main(["plan", model, "--gpus-per-node", "8", "--gpu-memory", "80GiB", "--json", *extra])
+        runs[model, tuple(extra)] = json.loads(capsys.readouterr().out)
+    fp8 = runs["Llama-3.1-405B-FP8", ()]
+    assert fp8["plan"]["tp"] == 8 and fp8["plan"]["pp"] == 1 and runs["Llama-3.1-405B", ()]["plan"] is None
+    assert fp8["workload"]["quantization_bits"] == pytest.approx(8 + 32 / 16384)
+    kv8 = runs["Llama-3.1-405B-FP8", ("--kv-cache-dtype", "fp8")]["plan"]["kv_tokens"]
+    assert kv8 == pytest.approx(2 * fp8["plan"]["kv_tokens"], rel=0.01)
+    assert runs["DeepSeek-V3", ()]["workload"]["quantization_bits"] == pytest.approx(8.25)
+    assert runs["Llama-3.1-70B", ("--quantization", "fp8_per_channel")]["workload"]["quantization_bits"] == \
+        pytest.approx(8 + 32 / 8192)
+
+
 def test_plan_command_json(capsys):
     from shardlm.entrypoints.cli import main
     main(["plan", "Llama-3.1-70B", "--gpus-per-node", "4", "--gpu-memory", "80GiB", "--json"])

@@ -6,7 +6,8 @@ from __future__ import annotations
 def register(sub) -> None:
     p = sub.add_parser("plan", help="will a model fit, and how to split it: from config.json, nothing loaded")
     p.add_argument("model", help="model directory, config.json, or a preset: Llama-3.1-8B, Llama-3.1-70B, "
-                   "Llama-3.1-405B, Mixtral-8x7B, Qwen2.5-7B, Qwen2.5-72B, DeepSeek-V3")
+                   "Llama-3.1-405B, Llama-3.1-405B-FP8, Mixtral-8x7B, Qwen2.5-7B, Qwen2.5-72B, DeepSeek-V3 (FP8, as "
+                   "published)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: the GPUs of this machine")
     p.add_argument("--nodes", type=int, default=None, help="default: 1")
     p.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GiB (default: this machine's)")
@@ -14,7 +15,8 @@ def register(sub) -> None:
                    help="default: the checkpoint's (bfloat16 unless it says float32/float16)")
     p.add_argument("--quantization-bits", type=int, choices=[2, 3, 4, 8], default=None,
                    help="weight quantization width for linear layers")
-    p.add_argument("--quantization", choices=["int8", "int4", "gptq", "awq"], default=None,
+    p.add_argument("--quantization", choices=["int8", "int4", "fp8", "fp8_per_channel", "fp8_per_tensor",
+                                              "fp8_per_block", "gptq", "awq"], default=None,
                    help="as `serve --quantization`: the bits the engine loads, scales included")
     p.add_argument("--quantization-group-size", type=int, default=None, help="as `serve`")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's maximum, at most 8192")
@@ -41,7 +43,7 @@ def run(ns) -> None:
     hw = described_hardware(ns.gpu_memory_utilization, ns.gpus_per_node, ns.nodes,
                             parse_size(ns.gpu_memory) if ns.gpu_memory else None, ns.interconnect)
     bits = ns.quantization_bits
-    stored = checkpoint_method(cfg.get("quantization_config"))     # a GPTQ/AWQ checkpoint
+    stored = checkpoint_method(cfg.get("quantization_config"))     # a GPTQ/AWQ/FP8 checkpoint
     if ns.quantization or (stored and bits is None):
         # what the engine loads: the integers plus a float32 scale and min per group
         from shardlm.engine.arg_utils import resolve_quantization
