@@ -1,6 +1,6 @@
 """The CPU attention backend: decode sequences through shardlm's C kernel
-(kernels/paged_attention.c), which reads K and V straight from the paged cache with no
-gathered copy; prefill chunks through the torch path. A step of decodes only is one C call
+(kernels/paged_attention.c), which reads K and V straight from the paged cache (in the model's
+dtype or FP8) with no gathered copy; prefill chunks through the torch path. A step of decodes only is one C call
 per layer from the qkv projection: rotary embedding, cache write and attention (at one row
 those are a dozen torch operators whose dispatch costs more than their work)."""
 
@@ -10,7 +10,7 @@ import torch
 
 from shardlm import kernels
 from shardlm.attention.torch_paged import AttentionBucket, TorchPagedAttention, gather
-from shardlm.kernels import DTYPE_CODES
+from shardlm.kernels import DTYPE_CODES, kv_format
 
 
 class CpuKernelAttention(TorchPagedAttention):
@@ -24,8 +24,9 @@ class CpuKernelAttention(TorchPagedAttention):
 
     def rotary_and_attend(self, layer, qkv: torch.Tensor, cos_sin, meta) -> torch.Tensor | None:
         cos, signed_sin = cos_sin if cos_sin is not None else (None, None)     # None: no rotary embedding
+        cache = kv_format(layer.k_cache.dtype, qkv.dtype)
         if (self.shard is not None or len(meta.buckets) != 1 or not meta.buckets[0].in_order or qkv.stride(1) != 1
-                or (cos is not None and cos.dtype != qkv.dtype) or not layer.plain or layer.k_cache.dtype != qkv.dtype):
+                or (cos is not None and cos.dtype != qkv.dtype) or not layer.plain or cache is None):
             return None
         b, T = meta.buckets[0], qkv.shape[0]
         out = torch.empty(T, layer.num_heads * layer.head_dim, dtype=qkv.dtype)
@@ -34,7 +35,8 @@ class CpuKernelAttention(TorchPagedAttention):
         rc = self.kernel_qkv(out.data_ptr(), qkv.data_ptr(), qkv.stride(0), *rope,
                              layer.k_cache.data_ptr(), layer.v_cache.data_ptr(), meta.slot_mapping.data_ptr(),
                              b.block_table.data_ptr(), b.context_lens.data_ptr(), T, layer.num_heads, Hkv, D,
-                             num_blocks, block_size, b.block_table.shape[1], layer.scale, DTYPE_CODES[qkv.dtype])
+                             num_blocks, block_size, b.block_table.shape[1], layer.scale, DTYPE_CODES[qkv.dtype],
+                             cache, layer.k_scale, layer.v_scale)
         if rc != 0:
             raise MemoryError("paged attention kernel could not allocate its work buffers")
         return out
@@ -42,7 +44,8 @@ class CpuKernelAttention(TorchPagedAttention):
     def decode(self, layer, q: torch.Tensor, b: AttentionBucket, lse: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, H, D] -> [B, H, D]; lse: a float32 [B, H] that receives each head's log-sum-exp
         (decode_partial). A sliding window or soft-capped logits: the torch path."""
-        if not layer.plain or layer.k_cache.dtype != q.dtype:     # (an FP8 cache: widened by the torch path)
+        cache = kv_format(layer.k_cache.dtype, q.dtype)
+        if not layer.plain or cache is None:
             return super().decode(layer, q, b)
         B, H, D = q.shape
         out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
@@ -50,13 +53,14 @@ class CpuKernelAttention(TorchPagedAttention):
         rc = self.kernel(out.data_ptr(), q.data_ptr(), q.stride(0), layer.k_cache.data_ptr(),
                          layer.v_cache.data_ptr(), b.block_table.data_ptr(), b.context_lens.data_ptr(),
                          B, H, Hkv, D, num_blocks, block_size, b.block_table.shape[1], layer.scale,
-                         DTYPE_CODES[q.dtype], lse.data_ptr() if lse is not None else None)
+                         DTYPE_CODES[q.dtype], cache, layer.k_scale, layer.v_scale,
+                         lse.data_ptr() if lse is not None else None)
         if rc != 0:
             raise MemoryError("paged attention kernel could not allocate its work buffers")
         return out
 
     def decode_partial(self, layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
-        if not layer.plain or layer.k_cache.dtype != q.dtype:
+        if not layer.plain or kv_format(layer.k_cache.dtype, q.dtype) is None:
             return super().decode_partial(layer, q, b)
         lse = torch.empty(q.shape[:2], dtype=torch.float32)
         return self.decode(layer, q, b, lse).float(), lse

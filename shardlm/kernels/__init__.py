@@ -44,6 +44,14 @@ _source: list[str] = []     # where the loaded library came from, for `shardlm e
 
 # the `dtype` argument every kernel takes
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# what a KV cache holds, for the attention kernels (KV_AS_DTYPE ... in shardlm_kernels.h)
+_KV_FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
+
+def kv_format(cache_dtype: torch.dtype, dtype: torch.dtype) -> int | None:
+    """The kernels' code for a KV cache of cache_dtype read by a model in dtype, or None where they
+    cannot read it."""
+    return 0 if cache_dtype == dtype else _KV_FP8_FORMATS.get(cache_dtype)
 
 _isa_cap = [envs.SHARDLM_CPU_ISA]
 
@@ -200,10 +208,11 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "dequantize_int4pack": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _I], None),
     "argmax_rows": ([_P, _I64, _I, _I, _I, _P], None),
     "mask_disallowed": ([_P, _I64, _P, _I, _I, _P, _I, _I], None),
-    "paged_decode_attention": ([_P, _P, _I64, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _P], _I),
-    "paged_decode_attention_qkv": ([_P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I],
-                                   _I),
-    "rotary_cache_write": ([_P, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I], None),
+    "paged_decode_attention": ([_P, _P, _I64, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I, _F, _F, _P],
+                               _I),
+    "paged_decode_attention_qkv": ([_P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I,
+                                    _I, _F, _F], _I),
+    "rotary_cache_write": ([_P, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F], None),
     "merge_attention_partials": ([_P, _I, _I, _I, _I, _I, _I, _P, _I], None),
     "skinny_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I),
     "blocked_vector_bits": ([], _I),

@@ -199,12 +199,6 @@ KERNEL_API int blocked_fp8_pack(const uint8_t *q, const float *scales, int N, in
     return 0;
 }
 
-static inline float f16_to_f32(uint16_t h) {
-    const int exponent = h >> 10 & 31, mantissa = h & 1023;
-    const float magnitude = exponent == 0 ? ldexpf((float)mantissa, -24)
-                          : exponent == 31 ? (mantissa ? NAN : INFINITY) : ldexpf((float)(mantissa | 1024), exponent - 25);
-    return h & 0x8000 ? -magnitude : magnitude;
-}
 
 // An 8-bit panel's value of byte q as float32: int8 as it is, FP8 times 2^-8 (its tables hold scale * 2^8)
 static inline float eight_bit_value(int8_t q, int fp8) { return fp8 ? fp8_scaled((uint8_t)q) : (float)q; }

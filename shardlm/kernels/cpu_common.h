@@ -26,6 +26,56 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+static inline float f16_to_f32(uint16_t h) {
+    const int exponent = h >> 10 & 31, mantissa = h & 1023;
+    const float magnitude = exponent == 0 ? ldexpf((float)mantissa, -24)
+                          : exponent == 31 ? (mantissa ? NAN : INFINITY) : ldexpf((float)(mantissa | 1024), exponent - 25);
+    return h & 0x8000 ? -magnitude : magnitude;
+}
+
+// A float16 FP8 e5m2 byte's value (e5m2 is float16's high byte)
+static inline float e5m2_value(uint8_t b) { return f16_to_f32((uint16_t)((uint16_t)b << 8)); }
+
+static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+// float32 -> FP8 as torch converts: to nearest even; e4m3fn saturates (464 and above, infinity
+// included, become 448; NaN stays NaN); e5m2 goes to infinity past its largest value. Subnormals
+// by a float addition that lets the FPU round (its bits are used, so fast-math keeps it).
+static inline uint8_t f32_to_e4m3(float f) {
+    uint32_t bits = f32_bits(f);
+    const uint32_t sign = bits & 0x80000000u;
+    bits ^= sign;
+    uint8_t out;
+    if (bits > 0x7f800000u) {
+        out = 0x7f;
+    } else if (bits >= 0x43e80000u) {        // 464
+        out = 0x7e;
+    } else if (bits < 121u << 23) {
+        out = (uint8_t)(f32_bits(bits_f32(bits) + bits_f32(141u << 23)) - (141u << 23));
+    } else {
+        bits += ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + (bits >> 20 & 1);
+        out = (uint8_t)(bits >> 20);
+    }
+    return out | (uint8_t)(sign >> 24);
+}
+
+static inline uint8_t f32_to_e5m2(float f) {
+    uint32_t bits = f32_bits(f);
+    const uint32_t sign = bits & 0x80000000u;
+    bits ^= sign;
+    uint8_t out;
+    if (bits >= 143u << 23) {
+        out = bits > 255u << 23 ? 0x7f : 0x7c;
+    } else if (bits < 113u << 23) {
+        out = (uint8_t)(f32_bits(bits_f32(bits) + bits_f32(134u << 23)) - (134u << 23));
+    } else {
+        bits += ((uint32_t)(15 - 127) << 23) + 0xFFFFFu + (bits >> 21 & 1);
+        out = (uint8_t)(bits >> 21);
+    }
+    return out | (uint8_t)(sign >> 24);
+}
+
 // An FP8 (e4m3fn) byte's value times 2^-8, as vf_fp8 widens it (its NaN codes are not weights)
 static inline float fp8_scaled(uint8_t b) {
     const uint32_t exponent = b >> 3 & 15, mantissa = b & 7;

@@ -21,13 +21,14 @@ class LlamaDecodeModel(ctypes.Structure):
     _fields_ = [("layers", _I32), ("hidden_size", _I32), ("heads", _I32), ("kv_heads", _I32), ("head_dim", _I32),
                 ("intermediate", _I32), ("num_blocks", _I32), ("block_size", _I32), ("scale", _F), ("eps", _F),
                 ("residual_multiplier", _F),
-                ("dtype", _I32), ("layout", _I32), ("group", _I32), ("table_bytes", _I32)]
+                ("dtype", _I32), ("layout", _I32), ("group", _I32), ("table_bytes", _I32), ("kv_format", _I32)]
 
 
 class LlamaDecodeLayer(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("input_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "post_norm",
                                         "gate_up_weight", "gate_up_bias", "down_weight", "down_bias", "q_norm",
-                                        "k_norm", "k_cache", "v_cache")] + [("rope", _I32)]
+                                        "k_norm", "k_cache", "v_cache")] + [("rope", _I32), ("k_scale", _F),
+                                                                            ("v_scale", _F)]
 
 
 class LlamaDecodeStep(ctypes.Structure):

@@ -78,7 +78,8 @@ static int dcp_attention(const LlamaDecodeContextParallel *cp, const LlamaDecode
     if (cp->exchange(0)) return -2;
     if (paged_decode_attention(cp->partial, cp->q_all, (int64_t)Hall * D, layer->k_cache, layer->v_cache,
                                st->block_tables, st->context_lens, T, Hall, m->kv_heads, D, m->num_blocks,
-                               m->block_size, (int)st->max_blocks, m->scale, m->dtype, cp->lse))
+                               m->block_size, (int)st->max_blocks, m->scale, m->dtype, m->kv_format, layer->k_scale,
+                               layer->v_scale, cp->lse))
         return -1;
     for (int t = 0; t < T; t++) {
         for (int64_t i = 0; i < (int64_t)Hall * D; i++)
@@ -147,12 +148,13 @@ KERNEL_API int32_t llama_decode_layers(const LlamaDecodeModel *m, const LlamaDec
         const void *cos = w->rope ? st->cos : NULL;
         if (dcp) {
             rotary_cache_write(qkv, Q, cos, st->signed_sin, w->k_cache, w->v_cache, st->slot_mapping, T, H, Hkv, D,
-                               m->num_blocks, m->block_size, dtype);
+                               m->num_blocks, m->block_size, dtype, m->kv_format, w->k_scale, w->v_scale);
             const int rc = dcp_attention(dcp, m, st, w, attn);
             if (rc) return rc;
         } else if (paged_decode_attention_qkv(attn, qkv, Q, cos, st->signed_sin, w->k_cache, w->v_cache,
                                               st->slot_mapping, st->block_tables, st->context_lens, T, H, Hkv, D,
-                                              m->num_blocks, m->block_size, (int)st->max_blocks, m->scale, dtype)) {
+                                              m->num_blocks, m->block_size, (int)st->max_blocks, m->scale, dtype,
+                                              m->kv_format, w->k_scale, w->v_scale)) {
             return -1;
         }
         if (matmul(m, attn, H * D, w->o_weight, w->o_bias, hidden, T, E, H * D)) return -1;

@@ -9,6 +9,11 @@
 // block_tables [B, max_blocks] (int64); context_lens [B] (int64). dtype 0 = float32, 1 = bfloat16.
 // lse [B, H] float32, or NULL: each head's log-sum-exp of its scaled scores, for merging partial
 // outputs over split contexts (decode context parallel). A context of 0 gives zeros and -inf.
+//
+// kv_format: the cache holds dtype values (KV_AS_DTYPE) or FP8 ones (KV_FP8_E4M3, KV_FP8_E5M2), a
+// key being its byte's value times k_scale and a value times v_scale. The bytes are widened as
+// they are read (vf_fp8, vf_e5m2) and the scales applied to the scores and to the weighted sum of
+// the values, not to each row; rotary_cache_write divides by them and converts as torch does.
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -17,9 +22,32 @@
 
 #include "cpu_common.h"
 
-// row of D values -> float32
+// What a cache holds ("cdt"): 0 float32, 1 bfloat16 (as dtype), 2 FP8 e4m3fn, 3 FP8 e5m2
+enum { CACHE_E4M3 = 2, CACHE_E5M2 = 3 };
+static inline int cache_type(int kv_format, int dtype) { return kv_format == KV_AS_DTYPE ? dtype : 1 + kv_format; }
+static inline int cache_esize(int cdt) { return cdt == 0 ? 4 : cdt == 1 ? 2 : 1; }
+
+// What a cache's widened values are multiplied by: 1, or its scale (an e4m3 byte widens to its
+// value times 2^-8: vf_fp8, fp8_scaled)
+static inline float cache_multiplier(int cdt, float scale) {
+    return cdt == CACHE_E4M3 ? scale * 256.f : cdt == CACHE_E5M2 ? scale : 1.f;
+}
+
+#if defined(HAVE_SIMD16)
+// 16 cache values from element i, widened to float32
+static inline __attribute__((always_inline)) vf16 cache16(const void *cache, int64_t i, int cdt) {
+    if (cdt == CACHE_E4M3) return vf_fp8((const uint8_t *)cache + i);
+    if (cdt == CACHE_E5M2) return vf_e5m2((const uint8_t *)cache + i);
+    return vf_load_as(cache, i, cdt);
+}
+#endif
+
+// row of D values -> float32 (dtype: a cache type, cdt)
 static inline void load_row(const void *base, int64_t index, int D, int dtype, float *dst) {
-    if (dtype == 0) {
+    if (dtype >= CACHE_E4M3) {
+        const uint8_t *src = (const uint8_t *)base + index * D;
+        for (int d = 0; d < D; d++) dst[d] = dtype == CACHE_E4M3 ? fp8_scaled(src[d]) : e5m2_value(src[d]);
+    } else if (dtype == 0) {
         memcpy(dst, (const float *)base + index * D, sizeof(float) * D);
     } else {
         const uint16_t *src = (const uint16_t *)base + index * D;
@@ -86,7 +114,8 @@ static inline void softmax_weights(float *s, int64_t n, float top, float *total)
 // query heads' scaled scores are in scores (G x ctx): per head the softmax weights and their sum
 // of the values, in registers, into out_acc (G x D); lse (or NULL) gets each head's log-sum-exp
 static inline __attribute__((always_inline)) void weigh_values(const int NC, int G, float *scores, const void *v_cache,
-        const int64_t *table, int64_t ctx, int64_t head_rows, int block_size, int dtype, float *out_acc, float *lse) {
+        const int64_t *table, int64_t ctx, int64_t head_rows, int block_size, int cdt, float v_mult, float *out_acc,
+        float *lse) {
     const int D = NC * 16;
     for (int g = 0; g < G; g++) {
         float *sg = scores + g * ctx, total;
@@ -100,10 +129,10 @@ static inline __attribute__((always_inline)) void weigh_values(const int NC, int
             const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
             for (int i = 0; i < n; i++) {
                 const vf16 p = vf_set1(sg[t0 + i]);
-                for (int c = 0; c < NC; c++) acc[c] = vf_fmadd(p, vf_load_as(v_cache, (first + i) * D + 16 * c, dtype), acc[c]);
+                for (int c = 0; c < NC; c++) acc[c] = vf_fmadd(p, cache16(v_cache, (first + i) * D + 16 * c, cdt), acc[c]);
             }
         }
-        const vf16 inv = vf_set1(1.f / total);
+        const vf16 inv = vf_set1(v_mult / total);
         for (int c = 0; c < NC; c++) vf_store(out_acc + g * D + 16 * c, vf_mul(acc[c], inv));
     }
 }
@@ -131,7 +160,7 @@ static inline __m512 reduce16(const __m512 v[16]) {
 // (float32, G x D) against the context's keys and values, 16 cache rows at a time.
 static inline __attribute__((always_inline)) void attend_simd(const int NC, const float *qf, int G, const void *k_cache,
         const void *v_cache, const int64_t *table, int64_t ctx, int64_t head_rows, int block_size, float scale,
-        int dtype, float *scores, float *out_acc, float *lse) {
+        int cdt, float v_mult, float *scores, float *out_acc, float *lse) {
     const int D = NC * 16;
     for (int64_t blk = 0, t0 = 0; t0 < ctx; blk++, t0 += block_size) {
         const int64_t first = head_rows + table[blk] * block_size;
@@ -142,7 +171,7 @@ static inline __attribute__((always_inline)) void attend_simd(const int NC, cons
                 __m512 q[NC], dots[16];
                 for (int c = 0; c < NC; c++) q[c] = _mm512_loadu_ps(qf + g * D + 16 * c);
 #if defined(__AVX512BF16__)
-                if (dtype == 1) {   // bfloat16 q and keys: the CPU's dot product of (d, d + 1) pairs
+                if (cdt == 1) {     // bfloat16 q and keys: the CPU's dot product of (d, d + 1) pairs
                     __m512bh qp[NC / 2];
                     for (int c = 0; c < NC / 2; c++) qp[c] = _mm512_cvtne2ps_pbh(q[2 * c + 1], q[2 * c]);  // exact
                     for (int i = 0; i < 16; i++) {
@@ -158,14 +187,14 @@ static inline __attribute__((always_inline)) void attend_simd(const int NC, cons
                     dots[i] = _mm512_setzero_ps();
                     if (i < rows)
                         for (int c = 0; c < NC; c++)
-                            dots[i] = _mm512_fmadd_ps(q[c], load16(k_cache, (first + i0 + i) * D + 16 * c, 0xffff, dtype), dots[i]);
+                            dots[i] = _mm512_fmadd_ps(q[c], cache16(k_cache, (first + i0 + i) * D + 16 * c, cdt), dots[i]);
                 }
                 _mm512_mask_storeu_ps(scores + g * ctx + t0 + i0, (__mmask16)((1u << rows) - 1),
                                       _mm512_mul_ps(reduce16(dots), _mm512_set1_ps(scale)));
             }
         }
     }
-    weigh_values(NC, G, scores, v_cache, table, ctx, head_rows, block_size, dtype, out_acc, lse);
+    weigh_values(NC, G, scores, v_cache, table, ctx, head_rows, block_size, cdt, v_mult, out_acc, lse);
 }
 #endif
 
@@ -175,14 +204,14 @@ static inline __attribute__((always_inline)) void attend_simd(const int NC, cons
 // values summed in registers
 static inline __attribute__((always_inline)) void attend_vf16(const int NC, const float *qf, int G, const void *k_cache,
         const void *v_cache, const int64_t *table, int64_t ctx, int64_t head_rows, int block_size, float scale,
-        int dtype, float *scores, float *out_acc, float *lse) {
+        int cdt, float v_mult, float *scores, float *out_acc, float *lse) {
     const int D = NC * 16;
     for (int64_t blk = 0, t0 = 0; t0 < ctx; blk++, t0 += block_size) {
         const int64_t first = head_rows + table[blk] * block_size;
         const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
         for (int i = 0; i < n; i++) {
             vf16 k[NC];
-            for (int c = 0; c < NC; c++) k[c] = vf_load_as(k_cache, (first + i) * D + 16 * c, dtype);
+            for (int c = 0; c < NC; c++) k[c] = cache16(k_cache, (first + i) * D + 16 * c, cdt);
             for (int g = 0; g < G; g++) {
                 vf16 dot = vf_mul(vf_load(qf + g * D), k[0]);
                 for (int c = 1; c < NC; c++) dot = vf_fmadd(vf_load(qf + g * D + 16 * c), k[c], dot);
@@ -190,7 +219,7 @@ static inline __attribute__((always_inline)) void attend_vf16(const int NC, cons
             }
         }
     }
-    weigh_values(NC, G, scores, v_cache, table, ctx, head_rows, block_size, dtype, out_acc, lse);
+    weigh_values(NC, G, scores, v_cache, table, ctx, head_rows, block_size, cdt, v_mult, out_acc, lse);
 }
 #endif
 
@@ -199,8 +228,8 @@ static inline __attribute__((always_inline)) void attend_vf16(const int NC, cons
 // prefetcher, so they are asked for one task ahead. Inlined: as a call of its own, gcc found it
 // free of effects and dropped it.
 static inline __attribute__((always_inline)) void prefetch_task(const void *k_cache, const void *v_cache,
-        const int64_t *table, int64_t ctx, int64_t head_rows, int block_size, int D, int dtype) {
-    const int esize = dtype == 0 ? 4 : 2;
+        const int64_t *table, int64_t ctx, int64_t head_rows, int block_size, int D, int cdt) {
+    const int esize = cache_esize(cdt);
     for (int64_t blk = 0, t0 = 0; t0 < ctx; blk++, t0 += block_size) {
         const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
         const int64_t first = (head_rows + table[blk] * block_size) * D * esize;
@@ -214,8 +243,11 @@ static inline __attribute__((always_inline)) void prefetch_task(const void *k_ca
 KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, const int64_t *context_lens,
                            int B, int H, int Hkv, int D, int num_blocks, int block_size,
-                           int max_blocks, float scale, int dtype, float *lse) {
-    const int G = H / Hkv;
+                           int max_blocks, float scale, int dtype, int kv_format, float k_scale, float v_scale,
+                           float *lse) {
+    const int G = H / Hkv, cdt = cache_type(kv_format, dtype);
+    const float v_mult = cache_multiplier(cdt, v_scale);
+    scale *= cache_multiplier(cdt, k_scale);     // the scores' scale: the keys' too
     int64_t max_ctx = 0;
     for (int b = 0; b < B; b++) if (context_lens[b] > max_ctx) max_ctx = context_lens[b];
     int failed = 0;
@@ -249,7 +281,7 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
             if (part == 0 && pair + 1 < pairs) {
                 const int nb = (pair + 1) / Hkv, nh = (pair + 1) % Hkv;
                 prefetch_task(k_cache, v_cache, block_tables + (int64_t)nb * max_blocks, context_lens[nb],
-                              (int64_t)nh * num_blocks * block_size, block_size, D, dtype);
+                              (int64_t)nh * num_blocks * block_size, block_size, D, cdt);
             }
             float *head_lse = lse ? lse + (int64_t)b * H + h * G + g0 : NULL;
             if (ctx == 0) {     // a decode context parallel rank that holds none of this context yet
@@ -264,16 +296,20 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
             // the common head sizes: scores, softmax and sum of values in registers
             if (D == 64 || D == 128) {
                 const int64_t head_rows = (int64_t)h * num_blocks * block_size;
-                if (D == 64) attend_simd(4, qf, Gt, k_cache, v_cache, table, ctx, head_rows, block_size, scale, dtype, scores, acc, head_lse);
-                else attend_simd(8, qf, Gt, k_cache, v_cache, table, ctx, head_rows, block_size, scale, dtype, scores, acc, head_lse);
+                if (D == 64) attend_simd(4, qf, Gt, k_cache, v_cache, table, ctx, head_rows, block_size, scale, cdt, v_mult,
+                                         scores, acc, head_lse);
+                else attend_simd(8, qf, Gt, k_cache, v_cache, table, ctx, head_rows, block_size, scale, cdt, v_mult,
+                                 scores, acc, head_lse);
                 write_out(out, acc, b, H, h * G + g0, Gt, D, dtype);
                 continue;
             }
 #elif defined(HAVE_SIMD16)
             if (D == 64 || D == 128) {
                 const int64_t head_rows = (int64_t)h * num_blocks * block_size;
-                if (D == 64) attend_vf16(4, qf, Gt, k_cache, v_cache, table, ctx, head_rows, block_size, scale, dtype, scores, acc, head_lse);
-                else attend_vf16(8, qf, Gt, k_cache, v_cache, table, ctx, head_rows, block_size, scale, dtype, scores, acc, head_lse);
+                if (D == 64) attend_vf16(4, qf, Gt, k_cache, v_cache, table, ctx, head_rows, block_size, scale, cdt, v_mult,
+                                         scores, acc, head_lse);
+                else attend_vf16(8, qf, Gt, k_cache, v_cache, table, ctx, head_rows, block_size, scale, cdt, v_mult,
+                                 scores, acc, head_lse);
                 write_out(out, acc, b, H, h * G + g0, Gt, D, dtype);
                 continue;
             }
@@ -285,7 +321,7 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
                 const int64_t first = ((int64_t)h * num_blocks + table[blk]) * block_size;
                 const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
                 for (int i = 0; i < n; i++) {
-                    const float *kr = row_f32(k_cache, first + i, D, dtype, row);
+                    const float *kr = row_f32(k_cache, first + i, D, cdt, row);
                     for (int g = 0; g < Gt; g++) {
                         const float *qg = qf + g * D;
                         float s = 0.f;
@@ -301,7 +337,7 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
                 const float m = max_of(s, ctx);
                 softmax_weights(s, ctx, m, &sum);
                 if (head_lse) head_lse[g] = m + logf(sum);
-                const float inv = 1.f / sum;
+                const float inv = v_mult / sum;
                 #pragma omp simd
                 for (int64_t t = 0; t < ctx; t++) s[t] *= inv;
             }
@@ -311,7 +347,7 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
                 const int64_t first = ((int64_t)h * num_blocks + table[blk]) * block_size;
                 const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
                 for (int i = 0; i < n; i++) {
-                    const float *vr = row_f32(v_cache, first + i, D, dtype, row);
+                    const float *vr = row_f32(v_cache, first + i, D, cdt, row);
                     for (int g = 0; g < Gt; g++) {
                         const float p = scores[g * ctx + t0 + i];
                         float *a = acc + g * D;
@@ -327,13 +363,24 @@ KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride
     return failed ? -1 : 0;
 }
 
+// A head's D values of k or v (dtype) into an FP8 cache row, as torch's write does it
+// (attention/torch_paged.py: write_slots): divided by the scale (rounded to dtype), converted
+static void write_fp8_row(uint8_t *dst, const void *src, int D, int dtype, int cdt, float scale) {
+    for (int d = 0; d < D; d++) {
+        float v = load(src, d, dtype);
+        if (scale != 1.f) v = round_to(v / scale, dtype);
+        dst[d] = cdt == CACHE_E4M3 ? f32_to_e4m3(v) : f32_to_e5m2(v);
+    }
+}
+
 // The rotary embedding on the q and k heads of the fresh qkv projection [B, (H + 2 Hkv) * D]
 // (row stride qkv_stride) in place (cos, signed_sin [B, D]; cos NULL: a layer without one), and k
-// and v written to the cache at slot_mapping.
+// and v written to the cache at slot_mapping (an FP8 cache: divided by k_scale / v_scale).
 KERNEL_API void rotary_cache_write(void *qkv, int64_t qkv_stride, const void *cos, const void *signed_sin,
                                    void *k_cache, void *v_cache, const int64_t *slot_mapping, int B, int H, int Hkv,
-                                   int D, int num_blocks, int block_size, int dtype) {
-    const int esize = dtype == 0 ? 4 : 2;
+                                   int D, int num_blocks, int block_size, int dtype, int kv_format, float k_scale,
+                                   float v_scale) {
+    const int esize = dtype == 0 ? 4 : 2, cdt = cache_type(kv_format, dtype);
     const int64_t head_stride = (int64_t)num_blocks * block_size * D;    // elements between KV heads
     #pragma omp parallel for schedule(static) if (B >= 8)
     for (int b = 0; b < B; b++) {
@@ -343,9 +390,14 @@ KERNEL_API void rotary_cache_write(void *qkv, int64_t qkv_stride, const void *co
                          (const char *)signed_sin + (int64_t)b * D * esize, H + Hkv, D, dtype);
         const char *k = row + (int64_t)H * D * esize, *v = k + (int64_t)Hkv * D * esize;
         for (int h = 0; h < Hkv; h++) {
-            const int64_t dst = (h * head_stride + slot_mapping[b] * D) * esize;
-            memcpy((char *)k_cache + dst, k + (int64_t)h * D * esize, (size_t)D * esize);
-            memcpy((char *)v_cache + dst, v + (int64_t)h * D * esize, (size_t)D * esize);
+            const int64_t at = h * head_stride + slot_mapping[b] * D;
+            if (cdt >= CACHE_E4M3) {
+                write_fp8_row((uint8_t *)k_cache + at, k + (int64_t)h * D * esize, D, dtype, cdt, k_scale);
+                write_fp8_row((uint8_t *)v_cache + at, v + (int64_t)h * D * esize, D, dtype, cdt, v_scale);
+                continue;
+            }
+            memcpy((char *)k_cache + at * esize, k + (int64_t)h * D * esize, (size_t)D * esize);
+            memcpy((char *)v_cache + at * esize, v + (int64_t)h * D * esize, (size_t)D * esize);
         }
     }
 }
@@ -356,11 +408,11 @@ KERNEL_API int paged_decode_attention_qkv(void *out, void *qkv, int64_t qkv_stri
                                void *k_cache, void *v_cache, const int64_t *slot_mapping,
                                const int64_t *block_tables, const int64_t *context_lens,
                                int B, int H, int Hkv, int D, int num_blocks, int block_size,
-                               int max_blocks, float scale, int dtype) {
+                               int max_blocks, float scale, int dtype, int kv_format, float k_scale, float v_scale) {
     rotary_cache_write(qkv, qkv_stride, cos, signed_sin, k_cache, v_cache, slot_mapping, B, H, Hkv, D, num_blocks,
-                       block_size, dtype);
+                       block_size, dtype, kv_format, k_scale, v_scale);
     return paged_decode_attention(out, qkv, qkv_stride, k_cache, v_cache, block_tables, context_lens, B, H, Hkv,
-                                  D, num_blocks, block_size, max_blocks, scale, dtype, NULL);
+                                  D, num_blocks, block_size, max_blocks, scale, dtype, kv_format, k_scale, v_scale, NULL);
 }
 
 // Decode context parallel's merge: every [N, T, Hall * (D + 1)] float32 holds each of the N

@@ -21,21 +21,24 @@ KERNEL_API void argmax_rows(const void *x, int64_t x_stride, int T, int V, int d
 KERNEL_API void mask_disallowed(float *x, int64_t x_stride, const int64_t *rows, int R, int V,
                                 const int32_t *bitmask, int words, int first_token);
 
-// paged_attention.c
+// paged_attention.c. kv_format: what the KV cache holds (FP8: times k_scale / v_scale).
+enum { KV_AS_DTYPE, KV_FP8_E4M3, KV_FP8_E5M2 };
 KERNEL_API int paged_decode_attention(void *out, const void *q, int64_t q_stride, const void *k_cache,
                                       const void *v_cache, const int64_t *block_tables, const int64_t *context_lens,
                                       int B, int H, int Hkv, int D, int num_blocks, int block_size, int max_blocks,
-                                      float scale, int dtype, float *lse);
+                                      float scale, int dtype, int kv_format, float k_scale, float v_scale, float *lse);
 KERNEL_API void rotary_cache_write(void *qkv, int64_t qkv_stride, const void *cos, const void *signed_sin,
                                    void *k_cache, void *v_cache, const int64_t *slot_mapping, int B, int H, int Hkv,
-                                   int D, int num_blocks, int block_size, int dtype);
+                                   int D, int num_blocks, int block_size, int dtype, int kv_format, float k_scale,
+                                   float v_scale);
 KERNEL_API void merge_attention_partials(const float *every, int N, int T, int Hall, int D, int first, int H,
                                          void *out, int dtype);
 KERNEL_API int paged_decode_attention_qkv(void *out, void *qkv, int64_t qkv_stride, const void *cos,
                                           const void *signed_sin, void *k_cache, void *v_cache,
                                           const int64_t *slot_mapping, const int64_t *block_tables,
                                           const int64_t *context_lens, int B, int H, int Hkv, int D, int num_blocks,
-                                          int block_size, int max_blocks, float scale, int dtype);
+                                          int block_size, int max_blocks, float scale, int dtype, int kv_format,
+                                          float k_scale, float v_scale);
 
 // skinny_matmul.c
 KERNEL_API int skinny_matmul(const void *x, int64_t x_stride, const void *w, const void *bias, void *y, int M, int N,
@@ -82,6 +85,7 @@ typedef struct {
     int32_t layout;                     // the linears' weights: DECODE_SKINNY ... DECODE_BLOCKED_FP8
     int32_t group;                      // 4-/8-bit, FP8: input columns per scale (0: one scale per row)
     int32_t table_bytes;                // 4-/8-bit: bytes per scale (4 float32, 2 float16)
+    int32_t kv_format;                  // the KV cache's: KV_AS_DTYPE, KV_FP8_E4M3, KV_FP8_E5M2
 } LlamaDecodeModel;
 
 enum { DECODE_SKINNY, DECODE_BLOCKED, DECODE_BLOCKED_INT4, DECODE_BLOCKED_INT8, DECODE_BLOCKED_FP8 };
@@ -95,6 +99,7 @@ typedef struct {
     const void *q_norm, *k_norm;
     void *k_cache, *v_cache;
     int32_t rope;                       // 0: no rotary embedding in this layer (SmolLM3's NoPE layers)
+    float k_scale, v_scale;             // an FP8 KV cache's scales (1: none)
 } LlamaDecodeLayer;
 
 // The tensor parallel all-reduce of hidden (in place), and decode context parallel's exchange

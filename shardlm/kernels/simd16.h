@@ -41,6 +41,10 @@ INL vf16 vf_fp8(const uint8_t *p) {
     const __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
     return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBF80)));
 }
+// 16 FP8 e5m2 values as float32 (exact: e5m2 is float16's high byte)
+INL vf16 vf_e5m2(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8));
+}
 INL vi16 vi_zero(void) { return _mm512_setzero_si512(); }
 // 16 bfloat16 values as float32
 INL vf16 vf_bf16(const uint16_t *p) {
@@ -111,6 +115,10 @@ INL __m256 fp8_8(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16((short)0xBF80)));
 }
 INL vf16 vf_fp8(const uint8_t *p) { return (vf16){fp8_8(p), fp8_8(p + 8)}; }
+INL __m256 e5m2_8(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
+}
+INL vf16 vf_e5m2(const uint8_t *p) { return (vf16){e5m2_8(p), e5m2_8(p + 8)}; }
 INL vi16 vi_zero(void) { return (vi16){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 INL vf16 vf_bf16(const uint16_t *p) {
     const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));

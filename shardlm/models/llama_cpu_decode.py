@@ -30,7 +30,7 @@ import torch
 
 from shardlm import kernels
 from shardlm.distributed.parallel_state import get_tp_group
-from shardlm.kernels import DTYPE_CODES
+from shardlm.kernels import DTYPE_CODES, kv_format
 from shardlm.kernels import decode_abi as abi
 from shardlm.kernels.decode_abi import BLOCKED, BLOCKED_FP8, BLOCKED_INT4, BLOCKED_INT8, SKINNY
 from shardlm.lora.batch import LoRABatch
@@ -79,8 +79,8 @@ def _misfit(layer, layout: tuple[int, int, int], dense_mlp: type) -> str | None:
         return "not the CPU kernels' attention backend"
     if not attn.attn.plain:
         return "attention the C kernels do not compute (a window, a soft-cap, sinks or latent values)"
-    if attn.attn.k_cache is not None and attn.attn.k_cache.dtype != layer.input_layernorm.weight.dtype:
-        return "a KV cache in another dtype (FP8)"
+    if attn.attn.k_cache is not None and kv_format(attn.attn.k_cache.dtype, layer.input_layernorm.weight.dtype) is None:
+        return f"a KV cache of {attn.attn.k_cache.dtype}"
     if layer.input_layernorm.weight.dtype not in DTYPE_CODES:
         return f"dtype {layer.input_layernorm.weight.dtype}"
     linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
@@ -204,9 +204,11 @@ class FusedDecodeLayers:
                     attn.o_proj.bias, layer.post_attention_layernorm.weight, _weight(mlp.gate_up_proj),
                     mlp.gate_up_proj.bias, _weight(mlp.down_proj), mlp.down_proj.bias,
                     *(norm.weight if norm is not None else None for norm in (attn.q_norm, attn.k_norm)),
-                    attn.attn.k_cache, attn.attn.v_cache)), rope=int(layer.use_rope)))
+                    attn.attn.k_cache, attn.attn.v_cache)), rope=int(layer.use_rope),
+                    k_scale=attn.attn.k_scale, v_scale=attn.attn.v_scale))
             self._table, self._cache_address = (abi.LlamaDecodeLayer * len(rows))(*rows), k_cache.data_ptr()
             self.shape.num_blocks, self.shape.block_size = k_cache.shape[1], k_cache.shape[2]
+            self.shape.kv_format = kv_format(k_cache.dtype, self.dtype)
         return self._table
 
     def _lora_tables(self, lora: LoRABatch) -> abi.LlamaDecodeLora | None:

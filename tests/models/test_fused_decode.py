@@ -49,6 +49,28 @@ def test_fused_decode_equals_the_layer_by_layer_path(name, dtype, quantization, 
     assert results[True] == results[False]
 
 
+@pytest.mark.parametrize("kv, dtype", [("fp8", "bfloat16"),
+                                       pytest.param("fp8_e5m2", "float32", marks=pytest.mark.slow)])
+def test_fused_decode_with_an_fp8_kv_cache_equals_the_layer_by_layer_path(kv, dtype, tiny_model_dir):
+    """An FP8 KV cache: the one-call step writes and reads it with the same C kernels as the layer
+    path's decode (paged_attention.c): the same tokens and log-probabilities, bit for bit."""
+    llm = LLM(tiny_model_dir("llama-gqa"), dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=False,
+              kv_cache_dtype=kv, distributed_executor_backend="uni")
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
+    results = {}
+    try:
+        for fused in (True, False):
+            llm.collective_rpc("set_enforce_eager", (not fused,))
+            before = llm.collective_rpc("fused_decode_steps")[0]
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+            steps = llm.collective_rpc("fused_decode_steps")[0] - before
+            assert steps >= 19 if fused else steps == 0, steps
+            results[fused] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    finally:
+        llm.shutdown()
+    assert results[True] == results[False]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, dtype, dcp", [("llama-gqa", "float32", 1), ("qwen2-bias", "bfloat16", 1),
                                              ("llama-tied-llama3rope", "bfloat16", 2), ("qwen3", "bfloat16", 1)])

@@ -126,3 +126,46 @@ def test_a_step_with_a_prompt_chunk_is_not_fused():
     qkv = torch.cat([q.view(8, -1), k.view(8, -1), v.view(8, -1)], dim=1)
     cos = torch.ones(8, 1, D)
     assert attn.backend.rotary_and_attend(attn, qkv, (cos, cos), meta) is None
+
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.05, 0.3)])
+def test_fp8_cache_writes_as_torch_and_decodes_as_the_widened_cache(cache_dtype, dtype, scales, cpu_isa):
+    """An FP8 KV cache in the C kernels: the fused step writes the bytes torch's write_slots writes
+    (divided by the layer's scale, rounded to nearest even; past the range e4m3 saturates and e5m2
+    goes to infinity; subnormals), and the decode equals plain attention over the cache widened
+    times its scales."""
+    from shardlm.attention.torch_paged import write_slots
+    lens = [1, 5, 16, 17, 40, 100]
+    T = len(lens)
+    results = {}
+    for fused in (True, False):
+        attn, meta, tables, q, k, v = _setup(dtype, lens, use_kernel=fused)
+        attn.k_scale, attn.v_scale = scales
+        for name in ("k_cache", "v_cache"):
+            setattr(attn, name, (getattr(attn, name).float() / 4).to(cache_dtype))
+        special = torch.tensor([1e-7, -3e-3, 500.0, -70000.0, 0.0, 2.0 ** -8, 1.0, -0.3])
+        k = k.clone()
+        k[0, 0, :8] = special.to(dtype)                     # out of range, subnormal, zero
+        qkv = torch.cat([q.view(T, -1), k.view(T, -1), v.view(T, -1)], dim=1)
+        if fused:
+            out = attn.backend.rotary_and_attend(attn, qkv, None, meta)
+            assert out is not None, "an FP8 cache takes the C kernels"
+        else:
+            write_slots(attn.k_cache, meta.slot_mapping, k, attn.k_scale)
+            write_slots(attn.v_cache, meta.slot_mapping, v, attn.v_scale)
+            out = None
+        results[fused] = (out, attn.k_cache.view(torch.uint8).clone(), attn.v_cache.view(torch.uint8).clone())
+        if fused:
+            widened = Attention(H, HKV, D, D ** -0.5)
+            widened.k_cache = attn.k_cache.float().nan_to_num(0.0, 0.0, 0.0) * scales[0]
+            widened.v_cache = attn.v_cache.float() * scales[1]
+            ref = _reference(widened, tables, lens, [1] * T, q)
+    assert torch.equal(results[True][1], results[False][1]) and torch.equal(results[True][2], results[False][2])
+    # the first sequence's one key holds the out-of-range values: compared above, not attended here
+    out = results[True][0].float()
+    assert (out[1:] - ref[1:]).abs().max() < (1e-4 if dtype == torch.float32 else 3e-2)
