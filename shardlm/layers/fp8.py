@@ -102,13 +102,14 @@ class Fp8LinearWeight:
                     self.in_features, self.group, self.packed.data_ptr()):
                 raise MemoryError(f"could not allocate the scales of an FP8 weight {tuple(q.shape)}")
             self.kernel, self.q, self._scales = "fp8", None, None
-        self._rowwise = (self.kernel is None and self.group == self.in_features and _has_fp8_matmul(q.device)
-                         and dtype == torch.bfloat16 and self.in_features % 16 == 0 and self.out_features % 16 == 0)
+        elif (self.group == self.in_features and _has_fp8_matmul(q.device) and dtype == torch.bfloat16
+              and self.in_features % 16 == 0 and self.out_features % 16 == 0):
+            self.kernel = "scaled_mm"
 
     def values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q float8_e4m3fn [N, K], scales float32 [N, K / group]), read back from the panels where
         they are packed: per panel and group, [group][width] bytes, then the width scales * 2^8."""
-        if self.kernel is None:
+        if self.kernel != "fp8":
             return self.q, self._scales
         width, K, G, group = blocked_panel_width()(), self.in_features, self.in_features // self.group, self.group
         groups = self.packed.view(-1, G, group * width + width * 4)
@@ -118,7 +119,7 @@ class Fp8LinearWeight:
         return q, scales.permute(0, 2, 1).reshape(-1, G)[:self.out_features] / 256
 
     def weight_bytes(self) -> int:
-        if self.kernel is not None:
+        if self.kernel == "fp8":
             return self.packed.numel()
         return self.q.numel() + self._scales.numel() * 4
 
@@ -128,7 +129,7 @@ class Fp8LinearWeight:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.kernel == "fp8":
             return self._blocked(x, bias)
-        if self._rowwise:
+        if self.kernel == "scaled_mm":
             return self._scaled_mm(x, bias)
         return F.linear(x, self.dequantized(), bias)
 

@@ -142,6 +142,7 @@ class Linear(nn.Module):
             logger.info("%s keeps its FP8 checkpoint weight in %s (%s)", type(self).__name__, w.dtype,
                         f"groups of {group} columns" if group % 2 else "some of its rows are not FP8")
             return
+        scales = scales.to(w.device)                # noted on the CPU as the checkpoint was read
         quant = Fp8LinearWeight(from_scales(w, scales), scales, w.dtype)
         self.quant, self.weight = quant, None
 

@@ -8,6 +8,7 @@ from shardlm import LLM
 from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts
 
 FAMILIES = ["qwen3", "granite", "smollm3", "mistral-window", "qwen2-window", "gemma2", "gemma3", "gemma3-multimodal",
+            "gemma3-12-layers", "deepseek-v3", "deepseek-v2-lite",
             "phi3", "olmo2", "gpt-oss", "qwen3-moe"]
 
 
