@@ -196,6 +196,24 @@ def test_online_fp8_equals_hf_on_the_round_tripped_weights(scheme, layout, tiny_
     assert hf.assert_close(want, outs, f"{scheme} {layout}") >= 4
 
 
+@pytest.mark.slow
+def test_lora_on_an_fp8_checkpoint_gives_the_dequantized_models_tokens(fp8_checkpoints, tmp_path):
+    """A LoRA adapter's deltas add to the FP8 products as to float ones (at tp=2 too)."""
+    from shardlm import LoRARequest
+    from tests.lora_adapters import write_adapter
+    fp8_dir, float_dir = fp8_checkpoints["fp8-block"]
+    adapter = LoRARequest("a", 1, write_adapter(float_dir, tmp_path / "a", rank=8, seed=3))
+    tokens = []
+    for path, tp in ((fp8_dir, 1), (fp8_dir, 2), (float_dir, 1)):
+        llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", enable_lora=True, tensor_parallel_size=tp)
+        try:
+            tokens.append([o.outputs[0].token_ids for o in llm.generate(_prompts(), PARAMS, use_tqdm=False,
+                                                                        lora_request=adapter)])
+        finally:
+            llm.shutdown()
+    assert tokens[0] == tokens[1] == tokens[2]
+
+
 def test_fp8_flags_say_what_works(tiny_model_dir, fp8_checkpoints):
     with pytest.raises(ValueError, match="fp8_per_block sets its own scales"):
         LLM(tiny_model_dir("llama-gqa"), dtype="float32", quantization="fp8_per_block", quantization_group_size=64)
