@@ -491,7 +491,7 @@ static inline __attribute__((always_inline)) void fp8_tile(const float *x, int64
     for (int m = 0; m < NM; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = vf_zero();
     for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
-        vf16 part[MR4_FP8][NV];
+        vf16 part[MR][NV];
         for (int m = 0; m < NM; m++)
             for (int v = 0; v < NV; v++) part[m][v] = vf_zero();
         const int8_t *first = int8_column(panel, group, 4, g0);
@@ -620,8 +620,8 @@ static inline __attribute__((always_inline)) void panel_product(int kind, const 
                                   group, tb, n < MR4_DOT ? n : MR4_DOT, acc, prefetch, 0)
 #define FP8(n) fp8_tile((const float *)x, xs, (const uint8_t *)panel, NULL, Kp, group, n < MR4_FP8 ? n : MR4_FP8, acc, \
                         prefetch)
-#define FP8_WIDE(n) fp8_tile((const float *)x, xs, (const uint8_t *)panel, (const float *)widened, Kp, group, \
-                             n < MR4_FP8 ? n : MR4_FP8, acc, prefetch)
+#define FP8_WIDE(n) fp8_tile((const float *)x, xs, (const uint8_t *)panel, (const float *)widened, Kp, group, n, acc, \
+                             prefetch)
 #define FP8_DOT(n) int8_tile_dot((const uint16_t *)x, xs, (const uint8_t *)panel, (const uint32_t *)widened, Kp, \
                                  group, tb, n < MR4_DOT ? n : MR4_DOT, acc, prefetch, 1)
     switch (kind) {
@@ -715,7 +715,7 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
     // as the quantized tile's, so the same sums), instead of widened again for every tile: float32
     // weights for the float tile, or the dot tile's integer pairs
     const int rows_q = bits == 4 ? MR4_Q : dot ? MR4_DOT : fp8 ? MR4_FP8 : MR4;
-    const int widen_once = bits == 8 && M > rows_q, step = bits && (dot || fp8 || !widen_once) ? rows_q : MR;
+    const int widen_once = bits == 8 && M > rows_q, step = bits && (dot || !widen_once) ? rows_q : MR;
     const int wide_kind = dot ? kind : fp8 ? TILE_FP8_WIDE : TILE_F32;
     // with 3 row tiles or more, the tiles after the first share asking for the next panel: a slice
     // each, ahead_lines every AHEAD_SEGMENT k (with 2, one tile's asks come in bursts that cost
