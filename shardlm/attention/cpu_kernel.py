@@ -65,6 +65,29 @@ class CpuKernelAttention(TorchPagedAttention):
         lse = torch.empty(q.shape[:2], dtype=torch.float32)
         return self.decode(layer, q, b, lse).float(), lse
 
+    def prefill(self, layer, q: torch.Tensor, b: AttentionBucket) -> torch.Tensor:
+        """A prompt chunk of one sequence (how long prompts arrive): its attention to the cached
+        prefix, which it sees whole, and to itself, causally, each by torch's CPU flash kernel
+        without a mask (the causal one skips the blocks above the diagonal), merged by their
+        log-sum-exps. Several sequences, windows, soft-caps, context parallel: the torch path."""
+        if (_flash_with_lse is None or b.token_index.shape[0] != 1 or not layer.plain or b.shard is not None
+                or b.key_offset is not None or b.out_rows is not None):
+            return super().prefill(layer, q, b)
+        Q, context = b.token_index.shape[1], int(b.context_lens[0])
+        prefix = context - Q
+        kb, vb = gather(layer, b, q.dtype)                                 # [Hkv, 1, K, D]
+        group = layer.num_heads // layer.num_kv_heads
+        keys, values = (t[:, 0, :context].repeat_interleave(group, dim=0).unsqueeze(0) for t in (kb, vb))
+        qb = q[b.token_index[0]].transpose(0, 1).unsqueeze(0)              # [1, H, Q, D]
+        out, lse = _flash_with_lse(qb, keys[:, :, prefix:], values[:, :, prefix:], 0.0, True, scale=layer.scale)
+        if prefix:
+            before, before_lse = _flash_with_lse(qb, keys[:, :, :prefix], values[:, :, :prefix], 0.0, False,
+                                                 scale=layer.scale)
+            top = torch.maximum(lse, before_lse)
+            w_own, w_before = torch.exp(lse - top).unsqueeze(-1), torch.exp(before_lse - top).unsqueeze(-1)
+            out = (out.float() * w_own + before.float() * w_before) / (w_own + w_before)
+        return out[0].transpose(0, 1).to(q.dtype)                         # [Q, H, D]
+
     def prefill_partial(self, layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
         """torch's CPU flash attention, which returns the log-sum-exp beside the output (what
         scaled_dot_product_attention runs, without the LSE): several times the float32 path's

@@ -103,7 +103,8 @@ def run_throughput(engine_args, workload_path, num_prompts, output_len, reps, st
     """structured_outputs: a StructuredOutputsParams every request is constrained by, or None;
     loras: LoRARequests the requests take in turn, or None."""
     llm, startup_s = _start(engine_args)
-    w = load_workload(workload_path, llm.get_tokenizer(), num_prompts, output_len)
+    w = load_workload(workload_path, llm.get_tokenizer(), num_prompts, output_len,
+                      llm.engine.config.model.max_model_len)
     _timed(llm, w.prompts[:4], 8, structured_outputs, loras)   # warm-up
     runs = [_timed(llm, w.prompts, w.output_len, structured_outputs, loras, w.ignore_eos) for _ in range(reps)]
     times = [t for t, _ in runs]
@@ -124,7 +125,7 @@ def run_latency(engine_args, workload_path, output_len, reps, batch_size: int = 
                 each_prompt: bool = False) -> dict:
     t0 = time.perf_counter()
     llm, startup_s = _start(engine_args)
-    w = load_workload(workload_path, llm.get_tokenizer(), None, output_len)
+    w = load_workload(workload_path, llm.get_tokenizer(), None, output_len, llm.engine.config.model.max_model_len)
     indices = range(len(w.prompts)) if each_prompt else [w.latency_prompt_index]
     first_prompt = [w.prompts[indices[0]]] * batch_size
     first = _timed(llm, first_prompt, 1, loras=loras)[0]

@@ -34,12 +34,12 @@ class Workload:
 
 
 def load_workload(path: str | None, tokenizer, num_prompts: int | None = None,
-                  output_len: int | None = None) -> Workload:
+                  output_len: int | None = None, max_model_len: int | None = None) -> Workload:
     if path == "grounded":
         from shardlm.bench.grounded import TASKS
         w = Workload(chat_prompts(tokenizer, TASKS), 256, source="grounded", ignore_eos=False)
     elif path == "long":
-        w = Workload(long_prompts(tokenizer), 128, source="long")
+        w = Workload(long_prompts(tokenizer, long_lengths(max_model_len, output_len or 128)), 128, source="long")
     elif path:
         with open(path) as f:
             data = json.load(f)
@@ -53,6 +53,17 @@ def load_workload(path: str | None, tokenizer, num_prompts: int | None = None,
     if output_len:
         w.output_len = output_len
     return w
+
+
+def long_lengths(max_model_len: int | None, output_len: int) -> tuple[int, ...]:
+    """The long workload's prompt lengths: 4k, 8k and 16k where the model takes them with
+    output_len tokens after; for a shorter model, 2k, 4k and the longest that fits, in thousands
+    (2,048, 4,096 and 8,000 for the default model's 8,192 positions)."""
+    room = (max_model_len or 1 << 30) - output_len
+    fits = [n for n in (2048, 4096, 8192, 16384) if n <= room]
+    if 16384 not in fits and room // 1000 * 1000 > (fits[-1] if fits else 0):
+        fits.append(room // 1000 * 1000)
+    return tuple(fits[-3:])
 
 
 def long_prompts(tokenizer, lengths=(4096, 8192, 16384), seed: int = 0) -> list[list[int]]:

@@ -169,3 +169,14 @@ def test_fp8_cache_writes_as_torch_and_decodes_as_the_widened_cache(cache_dtype,
     # the first sequence's one key holds the out-of-range values: compared above, not attended here
     out = results[True][0].float()
     assert (out[1:] - ref[1:]).abs().max() < (1e-4 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("prefix, chunk", [(0, 37), (50, 30), (16, 1)])
+def test_a_prompt_chunk_attends_to_its_prefix_and_causally_to_itself(dtype, tol, prefix, chunk):
+    """One sequence's chunk after `prefix` cached tokens: the CPU backend's two flash calls (the
+    prefix whole, the chunk causally, merged by log-sum-exp) equal plain causal attention."""
+    lens = [prefix + chunk]
+    attn, meta, tables, q, k, v = _setup(dtype, lens, [chunk], use_kernel=True)
+    out = attn(q, k, v, meta)
+    assert (out.float() - _reference(attn, tables, lens, [chunk], q)).abs().max() < tol
