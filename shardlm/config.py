@@ -102,6 +102,7 @@ class ModelConfig:
     generation_defaults: dict = field(default_factory=dict)
     quantization: QuantizationConfig | None = None
     enforce_eager: bool = False      # no one-call decode path (models/llama_cpu_decode.py)
+    batch_invariant: bool = True     # False: bfloat16 products of many rows on AMX tiles (kernels.amx_rows)
     cpu_plan: str | None = None      # --cpu-plan: the CPU plan file to follow or write (cpu_plan.py)
     reasoning_parser: str | None = None      # structured outputs constrain what follows the thinking
     # (hub id, revision, download dir) of a model fetched from the hub: Ray nodes fetch it themselves

@@ -66,27 +66,34 @@ class CpuKernelAttention(TorchPagedAttention):
         return self.decode(layer, q, b, lse).float(), lse
 
     def prefill(self, layer, q: torch.Tensor, b: AttentionBucket) -> torch.Tensor:
-        """A prompt chunk of one sequence (how long prompts arrive): its attention to the cached
-        prefix, which it sees whole, and to itself, causally, each by torch's CPU flash kernel
-        without a mask (the causal one skips the blocks above the diagonal), merged by their
-        log-sum-exps. Several sequences, windows, soft-caps, context parallel: the torch path."""
-        if (_flash_with_lse is None or b.token_index.shape[0] != 1 or not layer.plain or b.shard is not None
-                or b.key_offset is not None or b.out_rows is not None):
+        """Prompt chunks. A sequence's chunk of SPLIT_QUERIES queries or more (how long prompts
+        arrive) attends to its cached prefix, which it sees whole, and to itself, causally, each by
+        torch's CPU flash kernel without a mask (the causal one skips the blocks above the
+        diagonal), merged by their log-sum-exps; shorter chunks go through the masked path
+        together. Which way a sequence goes depends on it alone, so its outputs do not depend on
+        the others in the step. Windows, soft-caps, context parallel: the masked path."""
+        if _flash_with_lse is None or not layer.plain or b.shard is not None or b.key_offset is not None:
             return super().prefill(layer, q, b)
-        Q, context = b.token_index.shape[1], int(b.context_lens[0])
-        prefix = context - Q
-        kb, vb = gather(layer, b, q.dtype)                                 # [Hkv, 1, K, D]
+        starts, contexts = b.query_pos[:, 0].tolist(), b.context.tolist()
+        long = [i for i, (start, ctx) in enumerate(zip(starts, contexts)) if ctx - start >= SPLIT_QUERIES]
+        if not long:
+            return super().prefill(layer, q, b)
+        B, width = b.token_index.shape
+        out = q.new_empty(B, width, layer.num_heads, layer.v_head_dim)
+        short = [i for i in range(B) if i not in long]
+        if short:
+            rows = torch.tensor(short)
+            part = AttentionBucket(b.token_index[rows], b.block_table[rows], b.context_lens[rows], False,
+                                   query_pos=b.query_pos[rows], context=b.context[rows], block_size=b.block_size)
+            out[rows] = super().prefill(layer, q, part).view(len(short), width, layer.num_heads, -1)
+        kb, vb = gather(layer, b, q.dtype)                                 # [Hkv, B, K, D]
         group = layer.num_heads // layer.num_kv_heads
-        keys, values = (t[:, 0, :context].repeat_interleave(group, dim=0).unsqueeze(0) for t in (kb, vb))
-        qb = q[b.token_index[0]].transpose(0, 1).unsqueeze(0)              # [1, H, Q, D]
-        out, lse = _flash_with_lse(qb, keys[:, :, prefix:], values[:, :, prefix:], 0.0, True, scale=layer.scale)
-        if prefix:
-            before, before_lse = _flash_with_lse(qb, keys[:, :, :prefix], values[:, :, :prefix], 0.0, False,
-                                                 scale=layer.scale)
-            top = torch.maximum(lse, before_lse)
-            w_own, w_before = torch.exp(lse - top).unsqueeze(-1), torch.exp(before_lse - top).unsqueeze(-1)
-            out = (out.float() * w_own + before.float() * w_before) / (w_own + w_before)
-        return out[0].transpose(0, 1).to(q.dtype)                         # [Q, H, D]
+        for i in long:
+            n, ctx = contexts[i] - starts[i], contexts[i]
+            keys, values = (t[:, i, :ctx].repeat_interleave(group, dim=0).unsqueeze(0) for t in (kb, vb))
+            out[i, :n] = _chunk_attention(q[b.token_index[i, :n]].transpose(0, 1).unsqueeze(0), keys, values,
+                                          ctx - n, layer.scale)
+        return out.view(B * width, layer.num_heads, -1)
 
     def prefill_partial(self, layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
         """torch's CPU flash attention, which returns the log-sum-exp beside the output (what
@@ -108,3 +115,18 @@ class CpuKernelAttention(TorchPagedAttention):
 
 # torch's CPU flash attention with its log-sum-exp (an aten op without a public wrapper)
 _flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# a chunk of this many queries or more attends to its prefix and itself apart (prefill)
+SPLIT_QUERIES = 64
+
+
+def _chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int,
+                     scale: float) -> torch.Tensor:
+    """q [1, H, Q, D], keys and values [1, H, prefix + Q, D]: the queries at the last Q positions,
+    each attending to the prefix and to the chunk up to itself. -> [Q, H, Dv] in q's dtype."""
+    out, lse = _flash_with_lse(q, keys[:, :, prefix:], values[:, :, prefix:], 0.0, True, scale=scale)
+    if prefix:
+        before, before_lse = _flash_with_lse(q, keys[:, :, :prefix], values[:, :, :prefix], 0.0, False, scale=scale)
+        top = torch.maximum(lse, before_lse)
+        w_own, w_before = torch.exp(lse - top).unsqueeze(-1), torch.exp(before_lse - top).unsqueeze(-1)
+        out = (out.float() * w_own + before.float() * w_before) / (w_own + w_before)
+    return out[0].transpose(0, 1).to(q.dtype)

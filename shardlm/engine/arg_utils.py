@@ -157,6 +157,12 @@ class EngineArgs:
         False, "model",
         "run every step layer by layer: no CUDA graphs on a GPU, no one-call C decode path on "
         "CPU; the same results, slower")
+    batch_invariant: bool = knob(
+        True, "model",
+        "CPU: every product sums a row in the same order whatever the rows it is computed with, so a "
+        "request's outputs do not depend on the batch it is in; --no-batch-invariant lets bfloat16 "
+        "products of many rows (prefill, large batches) run on the AMX tiles of Xeons that have them "
+        "(about 2x faster prefill), few rows on the vector kernels")
     structured_outputs_config: dict | str | None = knob(
         None, "model",
         "structured outputs, as JSON: {\"backend\": \"auto\"} (auto or guidance: llguidance), "
@@ -220,7 +226,7 @@ class EngineArgs:
                 linear_inputs(hf_config, parallel.tensor_parallel_size) if self.quantization else None,
                 gguf_source=source.gguf_file,
                 checkpoint=checkpoint_method(getattr(hf_config, "quantization_config", None))),
-            enforce_eager=self.enforce_eager, cpu_plan=self.cpu_plan,
+            enforce_eager=self.enforce_eager, batch_invariant=self.batch_invariant, cpu_plan=self.cpu_plan,
             hub_source=source.hub,
             download_dir=self.download_dir,
             reasoning_parser=_reasoning_parser(self.structured_outputs_config, self.reasoning_parser))

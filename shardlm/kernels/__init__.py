@@ -226,6 +226,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "blocked_fp8_pack": ([_P, _P, _I, _I, _I, _P], _I),
     "blocked_rows": ([_P, _P, _I, _I, _I, _I, _I, _I, _I, _P], None),
     "blocked_set_bf16_dot": ([_I], _I),
+    "blocked_set_amx": ([_I], _I),
     "blocked_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I),
     "blocked_int4_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I),
     "blocked_int8_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I),
@@ -332,6 +333,42 @@ def _time_bf16_dot(setter, matmul) -> tuple[bool, str]:
         matmul(x.data_ptr(), K, packed.data_ptr(), None, y.data_ptr(), M, N, K, 1)
     widened, dot = median_seconds_side_by_side(lambda: product(0), lambda: product(1), 9)
     return widened > 1.2 * dot, f"the dot product took {dot / widened:.2f}x widening's time on [{M}, {K}] x [{K}, {N}]"
+
+
+def use_amx(min_rows: int) -> bool:
+    """bfloat16 products of at least min_rows rows (0: none) on the AMX tiles, where this build has
+    them and the OS grants them (blocked_matmul.c: amx_panels); False where not."""
+    setter = _function("blocked_set_amx")
+    return bool(setter(min_rows)) if setter is not None and blocked_vector_bits() else False
+
+
+def amx_rows() -> int:
+    """The fewest rows from which bfloat16 products run faster on the AMX tiles than on the
+    panels' vector tiles, timed once per process on a product of the default model's size (a CPU
+    plan's choice); 0 where AMX is missing or never faster. Leaves AMX off."""
+    if not use_amx(0):
+        return 0
+    from shardlm.utils import median_seconds_side_by_side
+
+    def measure() -> tuple[int, str]:
+        pack_size, pack, matmul = _function("blocked_packed_size"), _function("blocked_pack"), blocked_matmul()
+        N, K = 1536, 576
+        w = torch.randn(N, K).to(torch.bfloat16)
+        packed = torch.empty(pack_size(N, K, 1), dtype=torch.bfloat16)
+        pack(w.data_ptr(), N, K, 1, packed.data_ptr())
+        for rows in (8, 16, 32, 64):
+            x, y = torch.randn(rows, K).to(torch.bfloat16), torch.empty(rows, N, dtype=torch.bfloat16)
+
+            def product(min_rows: int):
+                use_amx(min_rows)
+                matmul(x.data_ptr(), K, packed.data_ptr(), None, y.data_ptr(), rows, N, K, 1)
+            tiles, vectors = median_seconds_side_by_side(lambda: product(1), lambda: product(0), 9)
+            if tiles * 1.2 < vectors:
+                return rows, f"AMX took {tiles / vectors:.2f}x the vector tiles' time at {rows} rows"
+        return 0, "AMX was not 1.2x faster at up to 64 rows"
+    rows = cpu_plan.choose("amx_rows", f"bfloat16 products ({active_isa()})", measure)
+    use_amx(0)
+    return rows
 
 
 def blocked_pack():

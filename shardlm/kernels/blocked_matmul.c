@@ -36,6 +36,10 @@
 // dtype 0 = float32, 1 = bfloat16 (x, w, bias and y all in it). x rows have stride x_stride.
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "cpu_common.h"
 #include "simd16.h"
@@ -665,11 +669,87 @@ static inline __attribute__((always_inline)) void store_outputs(void *y, int64_t
 #endif
 }
 
+#if defined(__AMX_BF16__)
+// bfloat16 products over float panels of at least this many rows run on the AMX tiles (0: none;
+// blocked_set_amx)
+static int amx_min_rows = 0;
+
+// AMX's tile configuration (palette 1): tiles 0-2 the C blocks of a panel's three 16-feature
+// vectors for 16 rows of x, tile 3 16 rows x 32 k of x, tiles 4-6 the panel's 16 k pairs x 16
+// features: a bfloat16 panel is AMX's B layout already (a k pair per 32-bit word), rows NR words apart.
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+
+static void amx_configure(int rows) {
+    tile_config_t c;
+    memset(&c, 0, sizeof(c));
+    c.palette = 1;
+    for (int t = 0; t < 7; t++) c.rows[t] = t < 4 ? rows : 16, c.colsb[t] = 64;   // C and x: `rows` rows of 16 (or fewer)
+    _tile_loadconfig(&c);
+}
+
+// y = x . w^T for bfloat16 x and float panels of bfloat16 w, K a multiple of 32, on the AMX tiles:
+// per panel and 16 rows of x (the last zero-padded in a copy), the sum over k in runs of 32, each
+// row's independent of the others (so of the batch it is in). Returns -1 where a buffer could not
+// be allocated.
+static int amx_panels(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const void *bias, void *y, int M,
+                      int N, int K) {
+    const int panels = (N + NR - 1) / NR, blocks = (M + 15) / 16, tile_rows = M < 16 ? M : 16;
+    const int64_t panel_elements = (int64_t)K * NR;
+    uint16_t *xp = (uint16_t *)calloc((size_t)blocks * 16 * K, sizeof(uint16_t));     // x, padded to 16 rows
+    if (!xp) return -1;
+    for (int m = 0; m < M; m++) memcpy(xp + (int64_t)m * K, x + m * x_stride, sizeof(uint16_t) * K);
+    #pragma omp parallel if (panels > 1 && (int64_t)N * K >= 65536)
+    {
+    amx_configure(M < 16 ? M : 16);
+    float c[16][NR];
+    #pragma omp for schedule(static)
+    for (int p = 0; p < panels; p++) {
+        const uint16_t *panel = packed + p * panel_elements;
+        const int n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
+        for (int b = 0; b < blocks; b++) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            for (int k0 = 0; k0 < K; k0 += 32) {
+                _tile_loadd(3, xp + (int64_t)b * tile_rows * K + k0, K * 2);
+                const uint16_t *w = panel + (int64_t)k0 * NR;    // k pair k0 / 2: NR words = 2 NR elements
+                _tile_loadd(4, w, NR * 4);
+                _tile_loadd(5, w + 32, NR * 4);
+                _tile_loadd(6, w + 64, NR * 4);
+                _tile_dpbf16ps(0, 3, 4);
+                _tile_dpbf16ps(1, 3, 5);
+                _tile_dpbf16ps(2, 3, 6);
+            }
+            _tile_stored(0, &c[0][0], NR * 4);
+            _tile_stored(1, &c[0][16], NR * 4);
+            _tile_stored(2, &c[0][32], NR * 4);
+            const int rows = M - b * 16 < 16 ? M - b * 16 : 16;
+            for (int m = 0; m < rows; m++)
+                for (int v = 0; v < NV && 16 * v < width; v++)
+                    store_outputs(y, (int64_t)(b * 16 + m) * N + n0 + 16 * v, vf_load(&c[m][16 * v]), bias, n0 + 16 * v,
+                                  width - 16 * v < 16 ? width - 16 * v : 16, 1);
+        }
+    }
+    _tile_release();
+    }
+    free(xp);
+    return 0;
+}
+#endif
+
 // The product over all panels, for float panels (bits 0) or 4- or 8-bit ones (group: columns
 // per scale, tb: bytes per table entry; fp8: 8-bit panels of FP8 bytes); parallel over panels.
 // Returns -1 where a work buffer could not be allocated.
 static int run_panels(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M, int N,
                       int K, int bits, int fp8, int group, int tb, int dtype) {
+#if defined(__AMX_BF16__)
+    if (amx_min_rows && M >= amx_min_rows && dtype == 1 && bits == 0 && K % 32 == 0)
+        return amx_panels((const uint16_t *)x, x_stride, (const uint16_t *)packed, bias, y, M, N, K);
+#endif
     const int panels = (N + NR - 1) / NR, Kp = dtype == 0 || bits ? K : K + K % 2;
     const int64_t panel_bytes = bits == 4 ? blocked_int4_size(NR, K, group, tb)
                               : bits == 8 ? blocked_int8_size(NR, K, group, tb)
@@ -767,6 +847,23 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
     return failed ? -1 : 0;
 }
 #endif
+
+// bfloat16 products over float panels whose K is a multiple of 32 on the AMX tiles from min_rows
+// rows on (0: never). A row's result then depends on whether its product had min_rows rows.
+// Returns 1 if set, 0 in a build without AMX or where the OS refuses this process the tiles' state
+// (arch_prctl ARCH_REQ_XCOMP_PERM, asked once).
+KERNEL_API int blocked_set_amx(int min_rows) {
+#if defined(__AMX_BF16__)
+    static int permitted = -1;
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    if (!permitted) return 0;
+    amx_min_rows = min_rows > 0 ? min_rows : 0;
+    return 1;
+#else
+    (void)min_rows;
+    return 0;
+#endif
+}
 
 // bfloat16 products with the CPU's dot product (on = 1) or widened to float32 FMAs (0). Returns
 // 1 if set, 0 in a build without AVX512_BF16 (widened, whatever on says).

@@ -31,7 +31,8 @@ _ISA_STEPS = (("portable", set(), []),
               ("avx2", {"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]),
               ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
                ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]),
-              ("avx512_bf16", {"avx512_bf16", "avx512_vnni"}, ["-mavx512bf16", "-mavx512vnni"]))
+              ("avx512_bf16", {"avx512_bf16", "avx512_vnni"}, ["-mavx512bf16", "-mavx512vnni"]),
+              ("amx", {"amx_tile", "amx_bf16"}, ["-mamx-tile", "-mamx-bf16"]))
 ISA_VARIANTS: dict[str, tuple[set[str], list[str]]] = {}
 for _name, _needs, _flags in _ISA_STEPS:
     _below = list(ISA_VARIANTS.values())[-1] if ISA_VARIANTS else (set(), [])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shardlm import cpu_plan
+from shardlm import cpu_plan, kernels
 from shardlm.attention.backend import KVGroupsMetadata
 from shardlm.attention.context_parallel import ContextShard
 from shardlm.attention.selector import get_attention_backend
@@ -78,6 +78,12 @@ class ModelRunner:
 
     def load_model(self) -> None:
         par = self.config.parallel
+        m = self.config.model
+        if self.device.type == "cpu" and not m.batch_invariant and m.dtype == torch.bfloat16:
+            rows = kernels.amx_rows()
+            kernels.use_amx(rows)
+            logger.info("--no-batch-invariant: bfloat16 products of %s on the AMX tiles", f"{rows}+ rows" if rows
+                        else "no rows (AMX is missing here or not faster)")
         stages = stage_layers(self.config.model, par)
         self.pp, self.tp, self.pcp = get_pp_group(), get_tp_group(), get_pcp_group()
         cp = get_cp_group()

@@ -172,11 +172,12 @@ def test_fp8_cache_writes_as_torch_and_decodes_as_the_widened_cache(cache_dtype,
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("prefix, chunk", [(0, 37), (50, 30), (16, 1)])
-def test_a_prompt_chunk_attends_to_its_prefix_and_causally_to_itself(dtype, tol, prefix, chunk):
-    """One sequence's chunk after `prefix` cached tokens: the CPU backend's two flash calls (the
-    prefix whole, the chunk causally, merged by log-sum-exp) equal plain causal attention."""
-    lens = [prefix + chunk]
-    attn, meta, tables, q, k, v = _setup(dtype, lens, [chunk], use_kernel=True)
+@pytest.mark.parametrize("prefixes, chunks", [([0], [70]), ([50], [64]), ([16, 0, 30], [100, 5, 80])])
+def test_a_long_prompt_chunk_attends_to_its_prefix_and_causally_to_itself(dtype, tol, prefixes, chunks):
+    """Chunks of 64 queries or more after their cached prefixes: the CPU backend's two flash calls
+    each (the prefix whole, the chunk causally, merged by log-sum-exp), beside a short chunk on the
+    masked path, equal plain causal attention."""
+    lens = [p + c for p, c in zip(prefixes, chunks)]
+    attn, meta, tables, q, k, v = _setup(dtype, lens, chunks, use_kernel=True)
     out = attn(q, k, v, meta)
-    assert (out.float() - _reference(attn, tables, lens, [chunk], q)).abs().max() < tol
+    assert (out.float() - _reference(attn, tables, lens, chunks, q)).abs().max() < tol
