@@ -80,17 +80,25 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return out
 
 
-def blocked(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [..., K] . W^T + bias, W packed by pack_blocked."""
+def on_rows(x: torch.Tensor, out_features: int, bias: torch.Tensor | None, product) -> torch.Tensor:
+    """x [..., K] . W^T + bias by a C product over rows: product(rows, out, bias address) with rows
+    [M, K] of unit column stride, out [M, out_features] and the bias in x's dtype (held while C
+    reads them); it returns nonzero where its work buffer could not be allocated."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    M, K = rows.shape
-    out = torch.empty(M, out_features, dtype=x.dtype)
-    if blocked_matmul()(rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                        out.data_ptr(), M, out_features, K, DTYPE_CODES[x.dtype]):
-        raise MemoryError(f"blocked matmul could not allocate its {M} x {K} work buffer")
+    out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
+    bias = None if bias is None else bias.to(x.dtype).contiguous()
+    if product(rows, out, None if bias is None else bias.data_ptr()):
+        raise MemoryError(f"a CPU matmul could not allocate its {rows.shape[0]} x {rows.shape[1]} work buffer")
     return out.view(*x.shape[:-1], out_features)
+
+
+def blocked(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [..., K] . W^T + bias, W packed by pack_blocked."""
+    return on_rows(x, out_features, bias, lambda rows, out, b: blocked_matmul()(
+        rows.data_ptr(), rows.stride(0), packed.data_ptr(), b, out.data_ptr(), rows.shape[0], out_features,
+        rows.shape[1], DTYPE_CODES[x.dtype]))
 
 
 def pack_blocked(weight: torch.Tensor) -> torch.Tensor:

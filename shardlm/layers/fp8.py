@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from shardlm.kernels import DTYPE_CODES, blocked_fp8, blocked_panel_width
+from shardlm.layers.cpu_matmul import on_rows
 
 FP8_MAX = 448.0                      # the largest float8_e4m3fn value
 BLOCK = 128                          # fp8_per_block's block: [128, 128], as DeepSeek-V3's checkpoints
@@ -134,16 +135,9 @@ class Fp8LinearWeight:
         return F.linear(x, self.dequantized(), bias)
 
     def _blocked(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
-        bias = None if bias is None else bias.to(x.dtype).contiguous()     # held while C reads it
-        if blocked_fp8()[2](rows.data_ptr(), rows.stride(0), self.packed.data_ptr(),
-                            None if bias is None else bias.data_ptr(), out.data_ptr(), rows.shape[0],
-                            self.out_features, self.in_features, self.group, DTYPE_CODES[x.dtype]):
-            raise MemoryError(f"FP8 matmul could not allocate its {rows.shape[0]} x {self.in_features} buffer")
-        return out.view(*x.shape[:-1], self.out_features)
+        return on_rows(x, self.out_features, bias, lambda rows, out, b: blocked_fp8()[2](
+            rows.data_ptr(), rows.stride(0), self.packed.data_ptr(), b, out.data_ptr(), rows.shape[0],
+            self.out_features, self.in_features, self.group, DTYPE_CODES[x.dtype]))
 
     def _scaled_mm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The GPU's FP8 product: x quantized per token (row) at run time, the weight's per-row scales."""

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from shardlm import cpu_plan
 from shardlm.kernels import DTYPE_CODES, blocked_int4, blocked_int8, blocked_panel_width, fused_ops
-from shardlm.layers.cpu_matmul import panel_rows, rows_kernel_wins
+from shardlm.layers.cpu_matmul import on_rows, panel_rows, rows_kernel_wins
 from shardlm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -292,18 +292,10 @@ class QuantizedWeight:
         return out.to(self.dtype).view(*shape[:-1], self.out_features)
 
     def _blocked(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
-        bias = None if bias is None else bias.to(x.dtype).contiguous()     # held while C reads it
         product = (blocked_int4() if self.bits == 4 else blocked_int8())[2]
-        if product(rows.data_ptr(), rows.stride(0), self.packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                   out.data_ptr(), rows.shape[0], self.out_features, self.in_features, self.group, self.table_bytes,
-                   DTYPE_CODES[x.dtype]):
-            raise MemoryError(f"blocked int{self.bits} matmul could not allocate its {rows.shape[0]} x "
-                              f"{self.in_features} buffer")
-        return out.view(*x.shape[:-1], self.out_features)
+        return on_rows(x, self.out_features, bias, lambda rows, out, b: product(
+            rows.data_ptr(), rows.stride(0), self.packed.data_ptr(), b, out.data_ptr(), rows.shape[0],
+            self.out_features, self.in_features, self.group, self.table_bytes, DTYPE_CODES[x.dtype]))
 
     def _measure(self) -> int:
         """The most rows for which the packed kernel beats dequantize + matmul on this shape (a CPU
