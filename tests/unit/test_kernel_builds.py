@@ -96,7 +96,7 @@ def test_the_isa_cap_selects_the_variant(fresh_kernels):
     assert kernels.fused_ops() is not None                 # plain C: every CPU
     best = kernels.best_isa()
     assert kernels.use_isa("native") == "native" and kernels.fused_ops() is not None
-    assert (kernels.blocked_matmul() is not None) == best.startswith(("avx2", "avx512"))
+    assert (kernels.blocked_matmul() is not None) == best.startswith(("avx2", "avx512", "amx"))
     with pytest.raises(ValueError, match="use one of portable, avx2"):
         kernels.use_isa("sse9")
     built = os.listdir(os.path.join(envs.SHARDLM_CACHE_DIR, "kernels"))
