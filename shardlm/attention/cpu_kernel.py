@@ -82,15 +82,12 @@ class CpuKernelAttention(TorchPagedAttention):
         out = q.new_empty(B, width, layer.num_heads, layer.v_head_dim)
         short = [i for i in range(B) if i not in long]
         if short:
-            rows = torch.tensor(short)
-            part = AttentionBucket(b.token_index[rows], b.block_table[rows], b.context_lens[rows], False,
-                                   query_pos=b.query_pos[rows], context=b.context[rows], block_size=b.block_size)
-            out[rows] = super().prefill(layer, q, part).view(len(short), width, layer.num_heads, -1)
-        kb, vb = gather(layer, b, q.dtype)                                 # [Hkv, B, K, D]
+            out[short] = super().prefill(layer, q, _rows_of(b, short)).view(len(short), width, layer.num_heads, -1)
+        kb, vb = gather(layer, _rows_of(b, long), q.dtype)                 # [Hkv, len(long), K, D]
         group = layer.num_heads // layer.num_kv_heads
-        for i in long:
+        for j, i in enumerate(long):
             n, ctx = contexts[i] - starts[i], contexts[i]
-            keys, values = (t[:, i, :ctx].repeat_interleave(group, dim=0).unsqueeze(0) for t in (kb, vb))
+            keys, values = (t[:, j, :ctx].repeat_interleave(group, dim=0).unsqueeze(0) for t in (kb, vb))
             out[i, :n] = _chunk_attention(q[b.token_index[i, :n]].transpose(0, 1).unsqueeze(0), keys, values,
                                           ctx - n, layer.scale)
         return out.view(B * width, layer.num_heads, -1)
@@ -117,6 +114,15 @@ class CpuKernelAttention(TorchPagedAttention):
 _flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # a chunk of this many queries or more attends to its prefix and itself apart (prefill)
 SPLIT_QUERIES = 64
+
+
+def _rows_of(b: AttentionBucket, rows: list[int]) -> AttentionBucket:
+    """The prompt bucket of b's sequences `rows` (no window table or context parallel shard)."""
+    if len(rows) == b.token_index.shape[0]:
+        return b
+    index = torch.tensor(rows)
+    return AttentionBucket(b.token_index[index], b.block_table[index], b.context_lens[index], False,
+                           query_pos=b.query_pos[index], context=b.context[index], block_size=b.block_size)
 
 
 def _chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int,

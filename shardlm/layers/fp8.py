@@ -64,6 +64,19 @@ def from_scales(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return w.clamp(-FP8_MAX, FP8_MAX).view(n, k).to(torch.float8_e4m3fn)
 
 
+def note_scales(scales: torch.Tensor | None, rows_shape: tuple[int, ...], table: torch.Tensor, at) -> torch.Tensor:
+    """A loader's record of an FP8 checkpoint's scales, [*rows_shape, groups] (NaN: rows not read
+    from FP8; made on the first table), with `table` [rows, groups] written at index `at`; all NaN
+    where a table's groups differ from the first's (the weight then stays in float)."""
+    if scales is None:
+        scales = torch.full((*rows_shape, table.shape[1]), float("nan"))
+    if table.shape[1] != scales.shape[-1]:
+        scales.fill_(float("nan"))
+    else:
+        scales[at] = table
+    return scales
+
+
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     n, k = q.shape
     return (q.float().view(n, scales.shape[1], -1) * scales.unsqueeze(-1)).view(n, k).to(dtype)
@@ -97,8 +110,8 @@ class Fp8LinearWeight:
         self.q, self._scales = q.contiguous(), scales.float().contiguous()
         if packs(q, scales, dtype):
             pack = blocked_fp8()[1]
-            self.packed = torch.zeros(packed_bytes(*q.shape, self.group), dtype=torch.uint8) if into is None \
-                else into.zero_()
+            # every byte is written by the pack
+            self.packed = torch.empty(packed_bytes(*q.shape, self.group), dtype=torch.uint8) if into is None else into
             if pack(self.q.view(torch.uint8).data_ptr(), self._scales.data_ptr(), self.out_features,
                     self.in_features, self.group, self.packed.data_ptr()):
                 raise MemoryError(f"could not allocate the scales of an FP8 weight {tuple(q.shape)}")

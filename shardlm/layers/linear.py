@@ -28,7 +28,7 @@ from torch import nn
 
 from shardlm.distributed.parallel_state import get_tp_group
 from shardlm.layers.cpu_matmul import CpuMatmul, linear, prepare_weight
-from shardlm.layers.fp8 import ALIASES, Fp8LinearWeight, from_scales, quantize_fp8
+from shardlm.layers.fp8 import Fp8LinearWeight, from_scales, note_scales, quantize_fp8
 from shardlm.layers.quantization import QuantizedWeight, check_group_size, quantize_rtn
 from shardlm.logger import init_logger
 
@@ -94,19 +94,13 @@ class Linear(nn.Module):
         if param is not self.weight or table_of is None:
             return
         table = table_of(range(first_row, first_row + rows), range(first_column, first_column + self.in_features))
-        if self.fp8_scales is None:
-            self.fp8_scales = torch.full((self.out_features, table.shape[1]), float("nan"))
-        if table.shape[1] != self.fp8_scales.shape[1]:     # tensors with other column groups: kept in float
-            self.fp8_scales[:] = float("nan")
-            return
-        self.fp8_scales[row:row + table.shape[0]] = table
+        self.fp8_scales = note_scales(self.fp8_scales, (self.out_features,), table, slice(row, row + rows))
 
     def quantize(self, config, row_absmax: torch.Tensor | None = None) -> None:
         """Replace the loaded float weight by its weight-only quantized form (config: QuantizationConfig)."""
         w = self.weight.data
         if config.method.startswith("fp8"):
-            self.quant = Fp8LinearWeight(*quantize_fp8(w, ALIASES.get(config.method, config.method), row_absmax),
-                                         w.dtype)
+            self.quant = Fp8LinearWeight(*quantize_fp8(w, config.method, row_absmax), w.dtype)
             self.weight = None
             return
         group = check_group_size(config.method, config.group_size, w.shape[1], type(self).__name__)
@@ -274,7 +268,7 @@ class RowParallelLinear(Linear):
                                                         for t in (scales, mins)), bits)
 
     def quantize(self, config, row_absmax: torch.Tensor | None = None) -> None:
-        if config.method in ("fp8_per_tensor", "fp8_per_channel", "fp8") and self.tp.world_size > 1:
+        if config.method in ("fp8_per_tensor", "fp8_per_channel") and self.tp.world_size > 1:
             # the whole tensor's or row's largest |w|, over every rank's columns
             mine = self.weight.data.float().abs().amax(1, keepdim=True)
             every = self.tp.all_gather(mine, dim=1)

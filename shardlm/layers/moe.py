@@ -40,7 +40,7 @@ from torch import nn
 
 from shardlm.distributed.parallel_state import expert_parallel_enabled, get_dp_group, get_ep_group, get_tp_group
 from shardlm.layers.expert_placement import balancedness, default_placement, place_experts
-from shardlm.layers.fp8 import Fp8LinearWeight, from_scales, packed_bytes, packs
+from shardlm.layers.fp8 import Fp8LinearWeight, from_scales, note_scales, packed_bytes, packs
 from shardlm.layers.linear import load_slice
 
 # tokens of each DP replica in the current step, when the replicas run their MoE layers together
@@ -194,16 +194,8 @@ class FusedMoE(nn.Module):
         table_of = getattr(loaded, "fp8_scale_table", None)
         if table_of is None:
             return
-        table = table_of(rows, cols)
-        param = getattr(self, which)
-        scales = self.fp8_scales[which]
-        if scales is None:
-            scales = self.fp8_scales[which] = torch.full((self.num_local, param.shape[1], table.shape[1]),
-                                                         float("nan"))
-        if table.shape[1] != scales.shape[2]:        # other column groups than its first tensor's: stays float
-            scales[:] = float("nan")
-            return
-        scales[local, row:row + len(rows)] = table
+        self.fp8_scales[which] = note_scales(self.fp8_scales[which], (self.num_local, getattr(self, which).shape[1]),
+                                             table_of(rows, cols), (local, slice(row, row + len(rows))))
 
     def process_weights_after_loading(self) -> None:
         """Experts loaded from FP8 tensors: into FP8 panels again, exactly (as Linear._keep_fp8), where

@@ -16,8 +16,9 @@ read lazily, only the rows or columns a tensor parallel rank loads, with the sca
 those cover (a block may straddle a shard boundary).
 The linears keep their weights FP8 in memory (one byte a weight): each notes the scales of the
 rows and columns it read (`fp8_scale_table`) and quantizes its float weight back with them after
-loading, exactly (layers/linear.py, layers/fp8.py). Other weights (embeddings, MoE experts, latent
-attention's up-projection) stay in the model's dtype.
+loading, exactly (layers/linear.py, layers/fp8.py), and so do MoE experts on CPU (layers/moe.py).
+Other weights (embeddings, latent attention's up-projection, rows a model reorders at load) stay
+in the model's dtype.
 """
 
 from __future__ import annotations

@@ -49,25 +49,32 @@ def test_fused_decode_equals_the_layer_by_layer_path(name, dtype, quantization, 
     assert results[True] == results[False]
 
 
-@pytest.mark.parametrize("kv, dtype", [("fp8", "bfloat16"),
-                                       pytest.param("fp8_e5m2", "float32", marks=pytest.mark.slow)])
-def test_fused_decode_with_an_fp8_kv_cache_equals_the_layer_by_layer_path(kv, dtype, tiny_model_dir):
-    """An FP8 KV cache: the one-call step writes and reads it with the same C kernels as the layer
-    path's decode (paged_attention.c): the same tokens and log-probabilities, bit for bit."""
-    llm = LLM(tiny_model_dir("llama-gqa"), dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=False,
-              kv_cache_dtype=kv, distributed_executor_backend="uni")
+def _both_paths(llm, **generate) -> dict[bool, list]:
+    """The same greedy run with the one-call path (True) and layer by layer (enforce_eager, False)
+    in one engine: each sequence's tokens and log-probabilities; every rank takes the one-call
+    path on at least 19 of the 20 decode steps, and none in the other run. Shuts the engine down."""
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
     results = {}
     try:
         for fused in (True, False):
             llm.collective_rpc("set_enforce_eager", (not fused,))
-            before = llm.collective_rpc("fused_decode_steps")[0]
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-            steps = llm.collective_rpc("fused_decode_steps")[0] - before
-            assert steps >= 19 if fused else steps == 0, steps
+            before = llm.collective_rpc("fused_decode_steps")
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False, **generate)
+            steps = [after - b for after, b in zip(llm.collective_rpc("fused_decode_steps"), before)]
+            assert all(s >= 19 for s in steps) if fused else not any(steps), steps
             results[fused] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
     finally:
         llm.shutdown()
+    return results
+
+
+@pytest.mark.parametrize("kv, dtype", [("fp8", "bfloat16"),
+                                       pytest.param("fp8_e5m2", "float32", marks=pytest.mark.slow)])
+def test_fused_decode_with_an_fp8_kv_cache_equals_the_layer_by_layer_path(kv, dtype, tiny_model_dir):
+    """An FP8 KV cache: the one-call step writes and reads it with the same C kernels as the layer
+    path's decode (paged_attention.c): the same tokens and log-probabilities, bit for bit."""
+    results = _both_paths(LLM(tiny_model_dir("llama-gqa"), dtype=dtype, kv_cache_memory="64MiB",
+                              enable_prefix_caching=False, kv_cache_dtype=kv, distributed_executor_backend="uni"))
     assert results[True] == results[False]
 
 
@@ -80,20 +87,8 @@ def test_fused_decode_under_tensor_parallel_equals_the_layer_by_layer_path(name,
     same tokens and log-probabilities, bit for bit, as the layer-by-layer path (enforce_eager,
     switched on in the same engine: where plain weights are multiplied, which kernel serves how
     many rows is measured at load, so two engines may choose differently); both ranks take it."""
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
-    results = {}
-    llm = LLM(tiny_model_dir(name), dtype=dtype, tensor_parallel_size=2, kv_cache_memory="64MiB",
-              enable_prefix_caching=False, decode_context_parallel_size=dcp)
-    try:
-        for fused in (True, False):
-            llm.collective_rpc("set_enforce_eager", (not fused,))
-            before = llm.collective_rpc("fused_decode_steps")
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-            steps = [after - b for after, b in zip(llm.collective_rpc("fused_decode_steps"), before)]
-            assert all(s >= 19 for s in steps) if fused else steps == [0, 0], steps
-            results[fused] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-    finally:
-        llm.shutdown()
+    results = _both_paths(LLM(tiny_model_dir(name), dtype=dtype, tensor_parallel_size=2, kv_cache_memory="64MiB",
+                              enable_prefix_caching=False, decode_context_parallel_size=dcp))
     assert results[True] == results[False]
 
 
@@ -111,18 +106,6 @@ def test_fused_decode_with_lora_adapters_equals_the_layer_by_layer_path(dtype, m
     a = LoRARequest("a", 1, write_adapter(path, tmp_path / "a", rank=8, seed=1))
     b = LoRARequest("b", 2, write_adapter(path, tmp_path / "b", rank=4, seed=2, targets=("q_proj", "down_proj")))
     lora = {"one": a, "two": [a, b], "base+one": [None, a]}[mix]
-    llm = LLM(path, dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=False, enable_lora=True,
-              max_loras=2, distributed_executor_backend="uni")
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
-    results = {}
-    try:
-        for fused in (True, False):
-            llm.collective_rpc("set_enforce_eager", (not fused,))
-            before = llm.collective_rpc("fused_decode_steps")[0]
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False, lora_request=lora)
-            steps = llm.collective_rpc("fused_decode_steps")[0] - before
-            assert steps >= 19 if fused else steps == 0, steps
-            results[fused] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-    finally:
-        llm.shutdown()
+    results = _both_paths(LLM(path, dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=False,
+                              enable_lora=True, max_loras=2, distributed_executor_backend="uni"), lora_request=lora)
     assert results[True] == results[False]
