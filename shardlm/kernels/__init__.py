@@ -100,7 +100,7 @@ def library() -> ctypes.CDLL | None:
     return _loaded[0]
 
 
-KERNEL_FILES = ("fused_ops", "paged_attention", "skinny_matmul", "blocked_matmul", "llama_decode")
+KERNEL_FILES = ("fused_ops", "paged_attention", "prefill_attention", "skinny_matmul", "blocked_matmul", "llama_decode")
 
 
 def describe() -> dict:
@@ -212,6 +212,8 @@ SIGNATURES: dict[str, tuple[list, object]] = {
                                _I),
     "paged_decode_attention_qkv": ([_P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I,
                                     _I, _F, _F], _I),
+    "paged_prefill_attention": ([_P, _P, _I64, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F, _I,
+                                 _I, _F, _F, _P], _I),
     "rotary_cache_write": ([_P, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F], None),
     "merge_attention_partials": ([_P, _I, _I, _I, _I, _I, _I, _P, _I], None),
     "skinny_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I),
@@ -252,6 +254,11 @@ def _function(name: str):
 def paged_decode_attention():
     """The paged decode attention function, or None."""
     return _function("paged_decode_attention")
+
+
+def paged_prefill_attention():
+    """Tiled causal attention for prompt chunks over the paged cache (prefill_attention.c), or None."""
+    return _function("paged_prefill_attention")
 
 
 def paged_decode_attention_qkv():

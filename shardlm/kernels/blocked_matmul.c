@@ -36,10 +36,6 @@
 // dtype 0 = float32, 1 = bfloat16 (x, w, bias and y all in it). x rows have stride x_stride.
 #include <stdint.h>
 #include <stdlib.h>
-#if defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #include "cpu_common.h"
 #include "simd16.h"
@@ -674,14 +670,9 @@ static inline __attribute__((always_inline)) void store_outputs(void *y, int64_t
 // blocked_set_amx)
 static int amx_min_rows = 0;
 
-// AMX's tile configuration (palette 1): tiles 0-2 the C blocks of a panel's three 16-feature
+// The tiles for the products (palette 1): tiles 0-2 the C blocks of a panel's three 16-feature
 // vectors for 16 rows of x, tile 3 16 rows x 32 k of x, tiles 4-6 the panel's 16 k pairs x 16
 // features: a bfloat16 panel is AMX's B layout already (a k pair per 32-bit word), rows NR words apart.
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config_t;
 
 static void amx_configure(int rows) {
     tile_config_t c;
@@ -854,9 +845,7 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
 // (arch_prctl ARCH_REQ_XCOMP_PERM, asked once).
 KERNEL_API int blocked_set_amx(int min_rows) {
 #if defined(__AMX_BF16__)
-    static int permitted = -1;
-    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    if (!permitted) return 0;
+    if (!amx_permitted()) return 0;
     amx_min_rows = min_rows > 0 ? min_rows : 0;
     return 1;
 #else

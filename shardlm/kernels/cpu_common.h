@@ -7,6 +7,10 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "shardlm_kernels.h"
 #include "simd16.h"
@@ -161,3 +165,20 @@ static inline void rotary_heads(void *x, const void *cos, const void *signed_sin
         }
     }
 }
+
+#if defined(__AMX_BF16__)
+// Whether the OS lets this process use the AMX tiles' state (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA; asked once per kernel file, and granted for the whole process)
+static inline int amx_permitted(void) {
+    static int permitted = -1;
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return permitted;
+}
+
+// AMX's tile configuration (palette 1): rows and bytes per row of each of the 8 tiles
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+#endif

@@ -40,6 +40,14 @@ KERNEL_API int paged_decode_attention_qkv(void *out, void *qkv, int64_t qkv_stri
                                           int block_size, int max_blocks, float scale, int dtype, int kv_format,
                                           float k_scale, float v_scale);
 
+// prefill_attention.c
+KERNEL_API int paged_prefill_attention(void *out, const void *q, int64_t q_stride, const int64_t *token_index,
+                                       int width, const int64_t *starts, const int64_t *contexts,
+                                       const void *k_cache, const void *v_cache, const int64_t *block_tables,
+                                       int max_blocks, int B, int H, int Hkv, int D, int Dv, int num_blocks,
+                                       int block_size, float scale, int dtype, int kv_format, float k_scale,
+                                       float v_scale, float *lse);
+
 // skinny_matmul.c
 KERNEL_API int skinny_matmul(const void *x, int64_t x_stride, const void *w, const void *bias, void *y, int M, int N,
                              int K, int dtype);
