@@ -81,7 +81,7 @@ static inline __attribute__((always_inline)) void weigh_values(const int NC, int
         const float top = max_of(sg, ctx);
         softmax_weights(sg, ctx, top, &total);
         if (lse) lse[g] = top + logf(total);
-        vf16 acc[NC];
+        vf16 acc[8];                     // NC of them (a fixed size: a variable one would live in memory)
         for (int c = 0; c < NC; c++) acc[c] = vf_zero();
         for (int64_t blk = 0, t0 = 0; t0 < ctx; blk++, t0 += block_size) {
             const int64_t first = head_rows + table[blk] * block_size;
@@ -127,11 +127,11 @@ static inline __attribute__((always_inline)) void attend_simd(const int NC, cons
         for (int i0 = 0; i0 < n; i0 += 16) {
             const int rows = n - i0 < 16 ? n - i0 : 16;
             for (int g = 0; g < G; g++) {
-                __m512 q[NC], dots[16];
+                __m512 q[8], dots[16];
                 for (int c = 0; c < NC; c++) q[c] = _mm512_loadu_ps(qf + g * D + 16 * c);
 #if defined(__AVX512BF16__)
                 if (cdt == 1) {     // bfloat16 q and keys: the CPU's dot product of (d, d + 1) pairs
-                    __m512bh qp[NC / 2];
+                    __m512bh qp[4];
                     for (int c = 0; c < NC / 2; c++) qp[c] = _mm512_cvtne2ps_pbh(q[2 * c + 1], q[2 * c]);  // exact
                     for (int i = 0; i < 16; i++) {
                         dots[i] = _mm512_setzero_ps();
@@ -169,7 +169,7 @@ static inline __attribute__((always_inline)) void attend_vf16(const int NC, cons
         const int64_t first = head_rows + table[blk] * block_size;
         const int n = ctx - t0 < block_size ? (int)(ctx - t0) : block_size;
         for (int i = 0; i < n; i++) {
-            vf16 k[NC];
+            vf16 k[8];
             for (int c = 0; c < NC; c++) k[c] = cache16(k_cache, (first + i) * D + 16 * c, cdt);
             for (int g = 0; g < G; g++) {
                 vf16 dot = vf_mul(vf_load(qf + g * D), k[0]);
