@@ -16,6 +16,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PREBUILT_DIR = os.path.join(HERE, "prebuilt")
@@ -81,18 +82,23 @@ def prebuilt_variants() -> list[str]:
     return list(ISA_VARIANTS) if is_x86() else ["portable"]
 
 
-def compile_library(cc: str, flags: list[str], path: str) -> str:
-    """Compiles each source, then links them into the shared library at path (atomically:
-    concurrent builders agree). Raises OSError where cc cannot run or path cannot be written,
-    RuntimeError on a compile error."""
+def compile_library(cc: str, flags: list[str], path: str, workers: int | None = None) -> str:
+    """Compiles each source (`workers` at once; default: one per CPU), then links them into the
+    shared library at path (atomically: concurrent builders agree). Raises OSError where cc cannot
+    run or path cannot be written, RuntimeError on a compile error."""
     out_dir = os.path.dirname(path)
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     objects = [f"{tmp}.{os.path.basename(src)}.o" for src in sources()]
+
+    def compile_one(src_obj: tuple[str, str]) -> subprocess.CompletedProcess:
+        return subprocess.run([cc, *flags, "-c", src_obj[0], "-o", src_obj[1]], capture_output=True, text=True)
+
     try:
-        for src, obj in zip(sources(), objects):
-            result = subprocess.run([cc, *flags, "-c", src, "-o", obj], capture_output=True, text=True)
+        with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+            results = list(pool.map(compile_one, zip(sources(), objects)))
+        for src, result in zip(sources(), results):
             if result.returncode != 0:
                 raise RuntimeError(f"{cc} failed to compile {os.path.basename(src)}:\n{result.stderr[-2000:]}")
         result = subprocess.run([cc, *LINK_FLAGS, *objects, "-o", tmp, "-lm"], capture_output=True, text=True)
@@ -107,13 +113,19 @@ def compile_library(cc: str, flags: list[str], path: str) -> str:
 
 
 def build_prebuilt(cc: str, out_dir: str) -> dict[str, str]:
-    """Builds every prebuilt variant into out_dir (install time): variant -> path, or -> the
-    reason it was not built. Never raises: a machine that cannot build them compiles at run time."""
-    built = {}
-    for isa in prebuilt_variants():
+    """Builds every prebuilt variant into out_dir (install time), several at once (the CPUs shared
+    between variants and their sources): variant -> path, or -> the reason it was not built. Never
+    raises: a machine that cannot build them compiles at run time."""
+    variants = prebuilt_variants()
+    cpus = os.cpu_count() or 1
+    at_once = min(len(variants), cpus)
+
+    def build_one(isa: str) -> str:
         try:
-            built[isa] = compile_library(cc, [*FLAGS, *variant_flags(isa)],
-                                         os.path.join(out_dir, prebuilt_name(isa)))
+            return compile_library(cc, [*FLAGS, *variant_flags(isa)], os.path.join(out_dir, prebuilt_name(isa)),
+                                   workers=max(1, cpus // at_once))
         except (OSError, RuntimeError) as e:
-            built[isa] = f"not built: {str(e).splitlines()[0]}"
-    return built
+            return f"not built: {str(e).splitlines()[0]}"
+
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
+        return dict(zip(variants, pool.map(build_one, variants)))
