@@ -339,7 +339,8 @@ def references(tiny_model_dir):
 
 def _supported_isas() -> list[str]:
     """The variants this CPU runs, but "amx": its vector kernels are avx512_bf16's code (AMX adds
-    only amx_panels, which tests/unit/test_amx.py runs in it; native includes it where present)."""
+    amx_panels, which tests/unit/test_amx.py runs in it, and the prefill attention's tiles, which
+    native runs: native includes AMX where the CPU has it)."""
     from shardlm import kernels
     return [isa for isa in kernels.supported_isas() if isa != "amx"]
 
