@@ -701,11 +701,22 @@ static int amx_panels(const uint16_t *x, int64_t x_stride, const uint16_t *packe
     for (int p = 0; p < panels; p++) {
         const uint16_t *panel = packed + p * panel_elements;
         const int n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
+        // the next panel asked for into L2 while this one runs from cache (as the vector tiles
+        // do): its lines spread over the k steps of the row blocks after the first (of the only
+        // one, where there is one)
+        const char *ahead = p + 1 < panels ? (const char *)(panel + panel_elements) : NULL;
+        const int64_t ahead_lines = panel_elements * 2 / 64;
+        const int ahead_steps = (blocks > 1 ? blocks - 1 : 1) * (K / 32);
+        const int per_step = (int)((ahead_lines + ahead_steps - 1) / ahead_steps);
+        int64_t line = 0;
         for (int b = 0; b < blocks; b++) {
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
             for (int k0 = 0; k0 < K; k0 += 32) {
+                if (ahead && (b > 0 || blocks == 1))
+                    for (int i = 0; i < per_step && line < ahead_lines; i++, line++)
+                        __builtin_prefetch(ahead + line * 64, 0, 2);
                 _tile_loadd(3, xp + (int64_t)b * tile_rows * K + k0, K * 2);
                 const uint16_t *w = panel + (int64_t)k0 * NR;    // k pair k0 / 2: NR words = 2 NR elements
                 _tile_loadd(4, w, NR * 4);
