@@ -97,9 +97,20 @@ class GroupCoordinator:
         return mine
 
     def _on_one_host(self) -> bool:
+        return len(set(self.hosts())) == 1
+
+    def hosts(self) -> list[str]:
+        """Each rank's host name, in group order (every rank of the group calls it together)."""
+        if self.world_size == 1:
+            return [socket.gethostname()]
         hosts = [None] * self.world_size
         dist.all_gather_object(hosts, socket.gethostname(), group=self.cpu_group)
-        return len(set(hosts)) == 1
+        return hosts
+
+    def node_count(self) -> int:
+        """The nodes the group spans, where each holds an equal run of consecutive ranks (as the
+        rank grid lays them out); 1 where they do not (callers then treat the group as one node)."""
+        return nodes_in_runs(self.hosts())
 
     @property
     def is_first_rank(self) -> bool:
@@ -415,3 +426,13 @@ def destroy_model_parallel() -> None:
     _expert_parallel[0] = False
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def nodes_in_runs(hosts: list[str]) -> int:
+    """How many nodes ranks on these hosts (in rank order) span, where each node holds an equal run
+    of consecutive ranks; 1 where they do not."""
+    nodes = len(set(hosts))
+    per_node = len(hosts) // nodes
+    runs = [hosts[i:i + per_node] for i in range(0, len(hosts), per_node)]
+    even = per_node * nodes == len(hosts) and all(len(set(run)) == 1 for run in runs)
+    return nodes if even and len({run[0] for run in runs}) == nodes else 1

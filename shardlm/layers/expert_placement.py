@@ -8,6 +8,12 @@ over a window of recent steps, as DeepSeek's EPLB does it: the R copies go one a
 expert with the most tokens per copy, then the copies, heaviest first, each to the least loaded
 rank with a free slot (a rank holds at most one copy of an expert while another rank has room).
 Balancedness: mean over max of the tokens per rank (1: even).
+
+Where the EP group spans several nodes and the model routes by expert groups (DeepSeek's n_group,
+each token's experts drawn from its topk_group best groups), placement is hierarchical, as
+DeepSeek's EPLB does it: whole groups go to nodes first (heaviest first, to the least loaded node
+with room), then each node places its groups' experts and its share of the redundant slots on its
+own ranks as above. A token's experts then sit on few nodes, and a copy never crosses a node.
 """
 
 from __future__ import annotations
@@ -31,6 +37,30 @@ def place_experts(load: list[float], num_ranks: int, num_redundant: int) -> list
         slots[rank].append(expert)
         rank_load[rank] += weight
     return [e for rank_slots in slots for e in sorted(rank_slots)]
+
+
+def place_experts_hierarchical(load: list[float], num_ranks: int, num_redundant: int, num_groups: int,
+                               num_nodes: int) -> list[int]:
+    """place_experts with whole expert groups per node (ranks node by node, num_ranks / num_nodes
+    each); the flat placement where groups, ranks or redundant slots do not divide among the nodes."""
+    num_experts = len(load)
+    if (num_nodes <= 1 or num_groups % num_nodes or num_experts % num_groups or num_ranks % num_nodes
+            or num_redundant % num_nodes):
+        return place_experts(load, num_ranks, num_redundant)
+    size = num_experts // num_groups
+    group_load = [sum(load[g * size:(g + 1) * size]) for g in range(num_groups)]
+    node_load, node_groups = [0.0] * num_nodes, [[] for _ in range(num_nodes)]
+    for g in sorted(range(num_groups), key=lambda g: (-group_load[g], g)):
+        node = min((n for n in range(num_nodes) if len(node_groups[n]) < num_groups // num_nodes),
+                   key=lambda n: (node_load[n], n))
+        node_groups[node].append(g)
+        node_load[node] += group_load[g]
+    placement = []
+    for groups in node_groups:
+        experts = [e for g in sorted(groups) for e in range(g * size, (g + 1) * size)]
+        local = place_experts([load[e] for e in experts], num_ranks // num_nodes, num_redundant // num_nodes)
+        placement += [experts[i] for i in local]
+    return placement
 
 
 def balancedness(load: list[float], placement: list[int], num_ranks: int) -> float:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.distributed.parallel_state import expert_parallel_enabled, get_dp_group, get_ep_group, get_tp_group
-from shardlm.layers.expert_placement import balancedness, default_placement, place_experts
+from shardlm.layers.expert_placement import balancedness, default_placement, place_experts_hierarchical
 from shardlm.layers.fp8 import Fp8LinearWeight, from_scales, note_scales, packed_bytes, packs
 from shardlm.layers.linear import load_slice
 
@@ -310,12 +310,14 @@ class FusedMoE(nn.Module):
         return gathered[:, :self.hidden_size], gathered[:, self.hidden_size:]
 
     # ---- EPLB: moving experts ----
-    def rebalance(self, load: list[float]) -> tuple[float, float]:
-        """A new placement for these per-expert token counts (the same on every EP rank), the
-        weights moved to it where it balances better by at least MIN_BALANCE_GAIN (a move costs a
-        broadcast per expert moved). -> balancedness before and after."""
+    def rebalance(self, load: list[float], num_nodes: int = 1) -> tuple[float, float]:
+        """A new placement for these per-expert token counts (the same on every EP rank; whole
+        expert groups per node where the EP group spans num_nodes nodes), the weights moved to it
+        where it balances better by at least MIN_BALANCE_GAIN (a move costs a broadcast per expert
+        moved). -> balancedness before and after."""
         ep = self.reduce_group.world_size
-        new = place_experts(load, ep, self.num_redundant)
+        groups = self.routing.n_group if self.routing is not None else 1
+        new = place_experts_hierarchical(load, ep, self.num_redundant, groups, num_nodes)
         before, after = balancedness(load, self.slot_expert, ep), balancedness(load, new, ep)
         if after < before + MIN_BALANCE_GAIN:
             return before, before

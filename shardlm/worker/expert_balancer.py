@@ -23,6 +23,11 @@ class ExpertBalancer:
     def __init__(self, moe_layers: dict[int, FusedMoE], config: EPLBConfig):
         self.layers, self.config = moe_layers, config
         self.group = get_ep_group()
+        # several nodes: each keeps whole expert groups (layers/expert_placement.py)
+        self.num_nodes = self.group.node_count()
+        if self.num_nodes > 1 and self.group.rank_in_group == 0:
+            logger.info("EPLB: the EP group spans %d nodes; experts are placed hierarchically (whole expert groups "
+                        "per node, where the model routes by groups and they divide among the nodes)", self.num_nodes)
         self.window: deque[torch.Tensor] = deque(maxlen=config.window_size)
         self.counted = self._counts()
         self.passes = self.rebalances = 0
@@ -42,7 +47,8 @@ class ExpertBalancer:
 
     def rebalance(self) -> None:
         load = self.group.all_reduce(torch.stack(list(self.window)).sum(dim=0).double())
-        results = [moe.rebalance(layer_load.tolist()) for moe, layer_load in zip(self.layers.values(), load)]
+        results = [moe.rebalance(layer_load.tolist(), self.num_nodes)
+                   for moe, layer_load in zip(self.layers.values(), load)]
         before, after = (sum(r[i] for r in results) / len(results) for i in (0, 1))
         moved = sum(1 for b, a in results if a != b)
         self.rebalances += 1
