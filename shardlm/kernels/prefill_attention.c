@@ -374,7 +374,7 @@ static void attend_task(const seq_t *a, int h, int64_t i0, int n, const void *ke
 #endif
         for (int t = first; t < padded; t += tile)
             float_tile(a, (const float *)keys + kb * BK * D, (const float *)values + kb * BK * Dv, kb, w->pos + t,
-                       w->q + (int64_t)t * D, w->o + (int64_t)t * Dv, w->m + t, w->l + t, w->s + t * BK);
+                       w->q + (int64_t)t * D, w->o + (int64_t)t * Dv, w->m + t, w->l + t, w->s);
     }
     for (int r = 0; r < rows; r++) {
         const int64_t i = i0 + r / G, head = (int64_t)h * G + r % G, out_row = (int64_t)a->b * a->width + i;
