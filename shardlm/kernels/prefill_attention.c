@@ -56,7 +56,7 @@ typedef struct {
 
 // The work buffers of one thread, for tasks of up to `rows` rows
 typedef struct {
-    float *q, *o, *s, *m, *l;             // q: rows x D (AMX: bfloat16); o: rows x Dv; s: 16 x BK scores
+    float *q, *o, *s, *m, *l;             // q: rows x D (AMX: bfloat16); o: rows x Dv; s: rows x BK scores
     uint16_t *p;                          // AMX: rows x BK weights in bfloat16
     int64_t *pos;                          // each row's position
 } scratch_t;
