@@ -9,7 +9,9 @@ which changes no output.
 
 With pipeline parallel the engine core keeps several batches in flight. A request is in at
 most one of them: until its batch's tokens come back (update), the scheduler leaves it out,
-and it is never preempted (its blocks are in use).
+and it is never preempted (its blocks are in use). A request short of blocks while every newer
+one is in flight waits for them to come back rather than preempt itself (which would let the
+newer ones push it back over and over).
 
 Speculative decoding: a decode that has proposed tokens (Request.spec_token_ids) takes 1 + k
 positions and KV slots; update keeps the accepted ones and hands the rest back. When the KV
@@ -123,7 +125,9 @@ class Scheduler:
                     drafts = []
                     continue
                 victim = self._newest_preemptable()
-                if victim is None:          # everything else is in flight: wait for it
+                # everything else is in flight, or everything newer: wait for it (preempting itself
+                # for a newer request in flight, an older one would give way to it over and over)
+                if victim is None or (victim is request and self.running[-1] is not request):
                     i += 1
                     break
                 self.running.remove(victim)

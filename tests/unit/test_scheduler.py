@@ -140,11 +140,16 @@ def test_requests_in_flight_are_never_preempted():
     assert [c.req_id for c in first.chunks + second.chunks] == ["old", "new"]
     blocks_in_flight = s.kv.block_ids("new")
     s.update(first, ModelRunnerOutput({"old": [7]}))
-    # "old" needs a fifth block; the newest request ("new") is in flight, so "old" yields itself
+    # "old" needs a fifth block; the newer request holding the rest ("new") is in flight: "old"
+    # waits for it (yielding itself, it would give way to "new" over and over)
     out = s.schedule()
-    assert not out.chunks and s.num_preemptions == 1
-    assert s.requests["old"].status == RequestStatus.PREEMPTED
+    assert not out.chunks and s.num_preemptions == 0
     assert s.requests["new"].status == RequestStatus.RUNNING and s.kv.block_ids("new") == blocks_in_flight
+    # "new" back: now it is the one preempted, and "old" goes on
+    s.update(second, ModelRunnerOutput({"new": [9]}))
+    out = s.schedule()
+    assert [c.req_id for c in out.chunks] == ["old"] and s.num_preemptions == 1
+    assert s.requests["new"].status == RequestStatus.PREEMPTED
 
 
 def test_finished_ids_wait_for_a_batch_that_carries_them():

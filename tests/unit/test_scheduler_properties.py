@@ -188,3 +188,16 @@ def check_every_request_gets_its_own_tokens_within_the_budget(workload):
     # idle again: no request holds a block, every block but the null block is free
     assert not sched.has_unfinished() and not sched.kv.req_blocks
     assert sched.kv.pool.num_free_blocks == num_blocks - 1
+
+
+def test_an_older_request_does_not_give_way_to_a_newer_one_in_flight():
+    """Found by the property test: two identical prompts that each need most of the cache, three
+    batches in flight. The older one, short of a block while the newer was in flight, used to
+    preempt itself; readmitted through the prefix cache, it then pushed the newer one to do the
+    same, and neither ever finished. Now it waits for the newer one to come back and preempts it."""
+    prompt = [28, 34, 12, 15, 16, 48, 49, 20, 23, 23, 38, 55, 44, 56, 42, 51, 32, 53, 7]
+    arrivals = [Arrival(step, prompt, None, None) for step in (0, 0, 29, 25, 0, 0)]
+    arrivals += [Arrival(17, [54, 15, 47, 22, 26, 40, 1, 1, 1, 1, 8], None, None), Arrival(0, prompt, None, None),
+                 Arrival(0, prompt, None, None), Arrival(0, [5], None, None)]
+    groups = plan_kv_cache_groups([36, None, 36, 36, None, 36], 139)
+    check_every_request_gets_its_own_tokens_within_the_budget((16, 7, 139, 18, 4, 3, arrivals, groups))
