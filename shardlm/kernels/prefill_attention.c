@@ -129,10 +129,12 @@ static inline __attribute__((always_inline)) vf16 exp2_nonpositive(vf16 x) {
 static inline void block_weights(float *s, int n, const int64_t *pos, int64_t key0, float scale2, float *m, float *l,
                                  float *alpha) {
     float top[16], m_old[16], m_new[16];
+    int hidden[16];                                  // each row's first key past its position
     for (int r = 0; r < n; r++) {
         float *row = s + r * BK;
         const int64_t visible = pos[r] + 1 - key0;
-        for (int j = visible > 0 ? (int)visible : 0; j < BK; j++) row[j] = -INFINITY;
+        hidden[r] = visible <= 0 ? 0 : visible < BK ? (int)visible : BK;
+        for (int j = hidden[r]; j < BK; j++) row[j] = -INFINITY;
 #if defined(HAVE_SIMD16)
         vf16 tops = vf_load(row);
         for (int j = 16; j < BK; j += 16) tops = vf_max(tops, vf_load(row + j));
@@ -164,8 +166,7 @@ static inline void block_weights(float *s, int n, const int64_t *pos, int64_t ke
 #else
         for (int j = 0; j < BK; j++) { row[j] = exp2f(row[j] * scale2 - m_new[r]); sum += row[j]; }
 #endif
-        const int64_t visible = pos[r] + 1 - key0;
-        for (int j = visible > 0 ? (int)visible : 0; j < BK; j++) sum -= row[j], row[j] = 0.f;
+        for (int j = hidden[r]; j < BK; j++) sum -= row[j], row[j] = 0.f;
         l[r] = l[r] * alpha[r] + sum;
     }
 }
@@ -190,27 +191,24 @@ static inline __attribute__((always_inline)) void score_pass(const float *q, int
 }
 
 // o[r][d0..d0 + 16 NV) = o[r] * alpha[r] + sum over the block's keys of s[r][j] * values[j], PR
-// rows; NV a constant of each definition, so that the sums stay in registers
-#define VALUE_PASS(name, NV)                                                                                      \
-    static inline __attribute__((always_inline)) void name(const float *s, const float *alpha, const float *values, \
-                                                           int Dv, int d0, float *o) {                            \
-        vf16 acc[PR][NV];                                                                                         \
-        for (int r = 0; r < PR; r++)                                                                              \
-            for (int c = 0; c < NV; c++)                                                                          \
-                acc[r][c] = vf_mul(vf_load(o + (int64_t)r * Dv + d0 + 16 * c), vf_set1(alpha[r]));               \
-        for (int j = 0; j < BK; j++) {                                                                            \
-            vf16 v[NV];                                                                                           \
-            for (int c = 0; c < NV; c++) v[c] = vf_load(values + (int64_t)j * Dv + d0 + 16 * c);                  \
-            for (int r = 0; r < PR; r++) {                                                                        \
-                const vf16 w = vf_set1(s[r * BK + j]);                                                            \
-                for (int c = 0; c < NV; c++) acc[r][c] = vf_fmadd(w, v[c], acc[r][c]);                            \
-            }                                                                                                     \
-        }                                                                                                         \
-        for (int r = 0; r < PR; r++)                                                                              \
-            for (int c = 0; c < NV; c++) vf_store(o + (int64_t)r * Dv + d0 + 16 * c, acc[r][c]);                 \
+// rows, NV <= VV (a constant where it is called; the arrays have a fixed size, so that the sums
+// stay in registers)
+static inline __attribute__((always_inline)) void value_pass(const int NV, const float *s, const float *alpha,
+                                                            const float *values, int Dv, int d0, float *o) {
+    vf16 acc[PR][VV];
+    for (int r = 0; r < PR; r++)
+        for (int c = 0; c < NV; c++) acc[r][c] = vf_mul(vf_load(o + (int64_t)r * Dv + d0 + 16 * c), vf_set1(alpha[r]));
+    for (int j = 0; j < BK; j++) {
+        vf16 v[VV];
+        for (int c = 0; c < NV; c++) v[c] = vf_load(values + (int64_t)j * Dv + d0 + 16 * c);
+        for (int r = 0; r < PR; r++) {
+            const vf16 w = vf_set1(s[r * BK + j]);
+            for (int c = 0; c < NV; c++) acc[r][c] = vf_fmadd(w, v[c], acc[r][c]);
+        }
     }
-VALUE_PASS(value_pass, VV)
-VALUE_PASS(value_pass_one, 1)
+    for (int r = 0; r < PR; r++)
+        for (int c = 0; c < NV; c++) vf_store(o + (int64_t)r * Dv + d0 + 16 * c, acc[r][c]);
+}
 #endif
 
 // PR rows (q, o, m, l from the tile's first row) against key block kb, in float32
@@ -231,8 +229,8 @@ static void float_tile(const seq_t *a, const float *keys, const float *values, i
     block_weights(s, PR, pos, kb * BK, a->scale2, m, l, alpha);
     int d0 = 0;
 #if defined(HAVE_SIMD16)
-    for (; d0 + 16 * VV <= Dv; d0 += 16 * VV) value_pass(s, alpha, values, Dv, d0, o);
-    for (; d0 + 16 <= Dv; d0 += 16) value_pass_one(s, alpha, values, Dv, d0, o);
+    for (; d0 + 16 * VV <= Dv; d0 += 16 * VV) value_pass(VV, s, alpha, values, Dv, d0, o);
+    for (; d0 + 16 <= Dv; d0 += 16) value_pass(1, s, alpha, values, Dv, d0, o);
 #endif
     for (int r = 0; r < PR; r++)
         for (int d = d0; d < Dv; d++) {
