@@ -250,6 +250,9 @@ class ParallelConfig:
         None, "port on that address where remote replicas join (multi-node data parallel)")
     data_parallel_rank: int = 0                       # this replica (set per engine core by the DP client)
     data_parallel_master: tuple[str, int] | None = None   # the DP-wide rendezvous store (set by the DP client)
+    # a replica started again after it died (engine/core_client.py): the others' DP groups still
+    # count its old ranks, so its ranks form a world of their own (replicas that do not step together)
+    data_parallel_own_world: bool = False
     enable_expert_parallel: bool = knob(
         False, "MoE models: place whole experts on the ranks of each stage's DP x TP group (each loads only its "
         "experts) instead of slicing every expert across TP; with -dp the replicas run their MoE layers "
@@ -334,11 +337,17 @@ class ParallelConfig:
 
     @property
     def world_size_across_dp(self) -> int:
-        return self.world_size * self.data_parallel_size
+        """Ranks of the torch.distributed world this replica's ranks join."""
+        return self.world_size * (1 if self.data_parallel_own_world else self.data_parallel_size)
+
+    @property
+    def first_world_rank(self) -> int:
+        """World rank of this replica's rank 0 in that world."""
+        return 0 if self.data_parallel_own_world else self.rank_offset
 
     @property
     def rank_offset(self) -> int:
-        """World rank of this replica's rank 0."""
+        """This replica's rank 0 in the DP x PP x TP grid (its world rank, but in a world of its own)."""
         return self.data_parallel_rank * self.world_size
 
     @property

@@ -25,6 +25,7 @@ from shardlm.engine.arg_utils import EngineArgs
 from shardlm.engine.core_client import AsyncMPClient, EngineDeadError
 from shardlm.engine.output_processor import OutputProcessor
 from shardlm.engine.processor import InputProcessor, load_tokenizer
+from shardlm.engine.restarts import RestartPolicy
 from shardlm.logger import init_logger
 from shardlm.lora.request import LoRARequest
 from shardlm.outputs import RequestOutput
@@ -61,14 +62,16 @@ class RequestOutputCollector:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop | None = None):
+    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop | None = None,
+                 restarts: RestartPolicy | None = None):
+        """restarts: start a dead engine core again (the server's policy); None: it stays dead."""
         t0 = time.perf_counter()
         self.config = config
         self.loop = loop or asyncio.get_event_loop()
         self.tokenizer = load_tokenizer(config.model.tokenizer)
         self.processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = AsyncMPClient(config, self.loop)
+        self.engine_core = AsyncMPClient(config, self.loop, restarts)
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._output_handler: asyncio.Task | None = None
         logger.info("Engine started in %.2f s (model %s)", time.perf_counter() - t0, config.model.model)
@@ -93,7 +96,23 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
+        """False once the engine is dead for good (a restart in progress is not that)."""
         return self.dead_reason is None
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why no request can be taken now: dead, or (every replica) starting again."""
+        return self.engine_core.unavailable
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """Restarts so far: of the whole engine ("engine") and of each data parallel replica (its rank)."""
+        client = self.engine_core
+        if client.restarts is None:
+            return {}
+        return {"engine": client.engine_budget.total,
+                **{str(client.cores[k].config.parallel.data_parallel_rank): b.total
+                   for k, b in enumerate(client.replica_budgets)}}
 
     @property
     def on_finished(self) -> Callable[[RequestOutput], None] | None:
@@ -205,9 +224,13 @@ class AsyncLLM:
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Check the adapter and read it on every worker, ahead of its first request."""
         await asyncio.to_thread(self.processor.check_lora, lora_request)
-        return all(await self.collective_rpc("add_lora", (lora_request,)))
+        added = all(await self.collective_rpc("add_lora", (lora_request,)))
+        if added:
+            self.engine_core.adapters[lora_request.lora_int_id] = lora_request    # for a restarted core
+        return added
 
     async def remove_lora(self, lora_id: int) -> bool:
+        self.engine_core.adapters.pop(lora_id, None)
         return any(await self.collective_rpc("remove_lora", (lora_id,)))
 
     async def collective_rpc(self, method: str, args: tuple = ()) -> list:

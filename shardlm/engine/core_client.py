@@ -13,6 +13,12 @@ channel (core_channel.py), whose reader thread drains its output pipe at once (s
 ever blocks on a full pipe) and hands each message on: outputs to one queue, utility results to
 the waiting caller, a core's death to everything that waits on it. With data parallel, the
 routing of requests to replicas is the LoadBalancer's (dp.py).
+
+With a RestartPolicy (the server's), a dead core is started again (restarts.py): a data parallel
+replica on its own while the others serve, else the whole engine. Requests that had an answer
+from the dead core fail (their callers retry); those that had none are sent again, to a live
+replica or to the new engine once it is ready, so a queued request never sees the fault.
+Adapters loaded at run time are loaded again first.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import atexit
 import itertools
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -34,7 +41,9 @@ from shardlm.engine.core_channel import EngineDeadError
 from shardlm.engine.core_process import call_utility, check_utility
 from shardlm.engine.dp import LoadBalancer, combine_utility
 from shardlm.engine.launcher import LaunchedCores
+from shardlm.engine.restarts import RestartBudget, RestartPolicy
 from shardlm.logger import init_logger
+from shardlm.lora.request import LoRARequest
 from shardlm.messages import (
     AbortRequests,
     EngineCoreOutput,
@@ -117,7 +126,9 @@ class MPClient(EngineCoreClient):
     With replicas, each request goes to the one the LoadBalancer picks, aborts follow it, and
     utility calls go to every live replica (their answers combined)."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, restarts: RestartPolicy | None = None):
+        """restarts: start dead cores again, as it says (None: a dead engine stays dead)."""
+        self.config = config
         self._encode = msgspec.msgpack.Encoder().encode
         self._closing = False
         self.dead_reason: str | None = None
@@ -129,6 +140,16 @@ class MPClient(EngineCoreClient):
         self.num_blocks_per_engine = self.launched.num_blocks
         self.num_blocks = self.num_blocks_per_engine[0]
         self.balancer = LoadBalancer(len(self.cores), config.kv_block_tokens)
+        self.restarts = restarts
+        self.restarting: str | None = None       # the whole engine is starting again, after this
+        if restarts is not None:
+            self.engine_budget = RestartBudget(restarts.max_engine_restarts, restarts.window_s)
+            self.replica_budgets = [RestartBudget(restarts.max_replica_restarts, restarts.window_s)
+                                    for _ in self.cores]
+        self._unanswered: dict[str, EngineCoreRequest] = {}   # sent, nothing back yet: sent again if its core dies
+        self._requeued: dict[str, EngineCoreRequest] = {}     # waiting for a core to come back
+        self.adapters: dict[int, LoRARequest] = {}            # loaded at run time: loaded again on a new core
+        self._replicas_restarting: set[int] = set()
         for core in self.cores:
             core.start_reader(self._on_core_message, self._on_core_death)
         atexit.register(self.shutdown)
@@ -154,9 +175,20 @@ class MPClient(EngineCoreClient):
             return
         if isinstance(msg, EngineCoreOutputs):
             self.balancer.on_outputs(index, msg)
+            if self._unanswered:
+                for out in msg.outputs:
+                    self._unanswered.pop(out.req_id, None)
         self._deliver(msg)
 
     def _on_core_death(self, index: int, reason: str) -> None:
+        if self._closing:
+            return
+        if self.restarts is not None and self.launched.restartable:
+            if self.cores[index].config.dp_lockstep or len(self.cores) == 1:
+                self._restart_engine(reason)
+            else:
+                self._restart_replica(index, reason)
+            return
         live = [c.index for c in self.cores if c.dead_reason is None]
         if live and self.cores[index].config.dp_lockstep:
             # the replicas run their MoE layers together: the others cannot step without it
@@ -174,16 +206,156 @@ class MPClient(EngineCoreClient):
         lost = self.balancer.mark_dead(index, reason)
         logger.warning("%s Its %d requests in flight fail; the server goes on with replica(s) %s.", reason,
                        len(lost), ", ".join(str(self.cores[k].config.parallel.data_parallel_rank) for k in live))
-        with self._state_lock:
-            broken_ids = [cid for cid, (_, k) in self._gathers.items() if k == index]
-            broken = [self._gathers.pop(cid)[0] for cid in broken_ids]
-        self._fail_calls(broken, EngineDeadError(reason))
+        self._fail_calls(self._take_gathers([index]), EngineDeadError(reason))
         if lost:
             self._deliver(EngineCoreOutputs([EngineCoreOutput(rid, [], error=reason) for rid in lost]))
 
     def _die(self, reason: str) -> None:
         self.dead_reason = reason
         self._fail(EngineDeadError(reason))
+
+    # ---- restarts (reader threads decide, a thread of its own starts the cores) ----
+    def _restart_engine(self, reason: str) -> None:
+        """The one core, or one of replicas that step together, died: every core starts again."""
+        with self._state_lock:
+            if self.restarting or self.dead_reason:
+                return            # another replica of the same engine reported first
+            self.restarting = reason
+        for core in self.cores:
+            core.closing = True   # the others stop as well: no more deaths to report
+        delay = self.engine_budget.next_delay()
+        if delay is None:
+            self._give_up(reason, "--max-engine-restarts", self.restarts.max_engine_restarts)
+            return
+        self._fail_calls(self._take_gathers(range(len(self.cores))), EngineDeadError(reason))
+        self._hand_back(self.balancer.forget(list(self.balancer.owner)), reason)
+        logger.warning("%s Starting the engine again in %.0f s; requests that had no answer yet wait for it.",
+                       reason, delay)
+        threading.Thread(target=self._relaunch, args=(delay, reason), name="shardlm-engine-restart",
+                         daemon=True).start()
+
+    def _relaunch(self, delay: float, reason: str) -> None:
+        t0 = time.monotonic()
+        old = self.launched
+        while True:
+            time.sleep(delay)
+            old.stop(self._encode(Shutdown()), timeout=1.0)
+            if self._closing:
+                return
+            self.engine_budget.spend()
+            try:
+                launched = LaunchedCores(self.config)
+                break
+            except Exception as e:           # it failed to start: counts as a restart
+                reason = f"{reason} Starting it again failed: {e}"
+                delay = self.engine_budget.next_delay()
+                if delay is None:
+                    self._give_up(reason, "--max-engine-restarts", self.restarts.max_engine_restarts)
+                    return
+        if self._closing:
+            launched.stop(self._encode(Shutdown()), timeout=1.0)
+            return
+        self.launched, self.cores = launched, launched.cores
+        self.balancer.revive(range(len(self.cores)))
+        for core in self.cores:
+            core.start_reader(self._on_core_message, self._on_core_death)
+            self._reload_adapters(core.index)
+        self.restarting = None
+        logger.info("The engine serves again, %.1f s after it died (restart %d in the last hour, at most %d).",
+                    time.monotonic() - t0, len(self.engine_budget.times), self.restarts.max_engine_restarts)
+        self._send_requeued()
+
+    def _restart_replica(self, index: int, reason: str) -> None:
+        """Replica `index` died while the others may serve: it starts again on its own."""
+        lost = self.balancer.mark_dead(index, reason)
+        self._fail_calls(self._take_gathers([index]), EngineDeadError(reason))
+        self._hand_back({index: lost}, reason)
+        delay = self.replica_budgets[index].next_delay()
+        if delay is None:
+            self._give_up(reason, "--max-replica-restarts", self.restarts.max_replica_restarts, index)
+            return
+        self._replicas_restarting.add(index)
+        logger.warning("%s Starting it again in %.0f s; the other replicas serve meanwhile.", reason, delay)
+        threading.Thread(target=self._relaunch_replica, args=(index, delay, reason),
+                         name=f"shardlm-replica-restart-{index}", daemon=True).start()
+
+    def _relaunch_replica(self, index: int, delay: float, reason: str) -> None:
+        t0, budget = time.monotonic(), self.replica_budgets[index]
+        while True:
+            time.sleep(delay)
+            if self._closing:
+                return
+            budget.spend()
+            try:
+                core = self.launched.restart_replica(index)
+                break
+            except Exception as e:
+                reason = f"{reason} Starting it again failed: {e}"
+                delay = budget.next_delay()
+                if delay is None:
+                    self._give_up(reason, "--max-replica-restarts", self.restarts.max_replica_restarts, index)
+                    return
+        if self._closing:
+            core.shutdown(self._encode(Shutdown()), timeout=1.0)
+            return
+        core.start_reader(self._on_core_message, self._on_core_death)
+        self._reload_adapters(index)
+        self.balancer.revive([index])
+        self._replicas_restarting.discard(index)
+        logger.info("%s serves again, %.1f s after it died (restart %d in the last hour, at most %d).",
+                    core.name, time.monotonic() - t0, len(budget.times), self.restarts.max_replica_restarts)
+        self._send_requeued()
+
+    def _give_up(self, reason: str, flag: str, limit: int, index: int | None = None) -> None:
+        """Past the restart limit: the replica stays dead (if others may still serve), else the engine."""
+        why = f"{reason} Not started again: {limit} restart(s) in the last hour is the limit ({flag})."
+        if index is not None:
+            logger.error("%s", why)
+            self._replicas_restarting.discard(index)
+            if len(self.balancer.dead) < len(self.cores) or self._replicas_restarting:
+                return            # others serve, or will
+            why = "Every data parallel replica has died; the last: " + why
+        self.restarting = None
+        self._requeued.clear()
+        self._die(why)
+
+    def _take_gathers(self, indices) -> list[_Gather]:
+        """The utility calls waiting on these cores, no longer waited for."""
+        indices = set(indices)
+        with self._state_lock:
+            ids = [cid for cid, (_, k) in self._gathers.items() if k in indices]
+            return list({id(g): g for g in (self._gathers.pop(cid)[0] for cid in ids)}.values())
+
+    def _hand_back(self, lost: dict[int, list[str]], reason: str) -> None:
+        """Requests of dead cores: those with an answer fail (their callers retry); those without
+        go to a live replica, or wait for a core to come back."""
+        failed = []
+        for rid in (rid for ids in lost.values() for rid in ids):
+            request = self._unanswered.pop(rid, None)
+            if request is None:
+                failed.append(rid)
+            else:
+                self._requeued[rid] = request
+        if failed:
+            why = f"{reason} The request had begun there and cannot go on: retry it."
+            self._deliver(EngineCoreOutputs([EngineCoreOutput(rid, [], error=why) for rid in failed]))
+        if self.unavailable is None:
+            self._send_requeued()
+
+    def _send_requeued(self) -> None:
+        while self._requeued and self.unavailable is None:
+            rid, request = self._requeued.popitem()
+            try:
+                self.add_request(request)
+            except EngineDeadError:
+                self._requeued[rid] = request      # its new core died too: it waits for the next
+                return
+
+    def _reload_adapters(self, index: int) -> None:
+        """The adapters loaded at run time, ahead of any request (the pipe keeps the order; no
+        one waits for the answer, call id -1)."""
+        for lora in list(self.adapters.values()):
+            self.cores[index].send(self._encode(UtilityCall(-1, "collective_rpc", ["add_lora", [lora]])))
 
     @abstractmethod
     def _deliver(self, msg: EngineCoreOutputs | UtilityResult) -> None:
@@ -202,17 +374,35 @@ class MPClient(EngineCoreClient):
             raise EngineDeadError(self.dead_reason)
         self.cores[index].send(self._encode(msg))
 
+    @property
+    def unavailable(self) -> str | None:
+        """Why no core can take a request now (the engine or every replica is starting again)."""
+        if self.dead_reason or self.restarting:
+            return self.dead_reason or f"The engine is restarting after a fault ({self.restarting})."
+        if len(self.balancer.dead) == len(self.cores):
+            return "Every data parallel replica is restarting after a fault."
+        return None
+
     def add_request(self, request: EngineCoreRequest) -> None:
+        if (why := self.unavailable) is not None:
+            raise EngineDeadError(why + (" Retry shortly." if self.dead_reason is None else ""))
         index = self.balancer.assign(request.request_id, request.prompt_token_ids)
+        if self.restarts is not None:
+            self._unanswered[request.request_id] = request
         try:
             self._send(index, request)
         except EngineDeadError:
             self.balancer.forget([request.request_id])
+            self._unanswered.pop(request.request_id, None)
             raise
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         if self._closing:
             return
+        request_ids = list(request_ids)
+        for rid in request_ids:
+            self._unanswered.pop(rid, None)
+            self._requeued.pop(rid, None)
         for index, ids in self.balancer.forget(request_ids).items():
             if self.cores[index].dead_reason is None:
                 self._send(index, AbortRequests(ids))
@@ -240,7 +430,9 @@ class MPClient(EngineCoreClient):
         """Send a utility call to every live engine core; `future` gets the combined answer or
         the error that stopped it."""
         check_utility(method)
-        live = [c.index for c in self.cores if c.dead_reason is None]
+        if (why := self.unavailable) is not None:
+            raise EngineDeadError(why)
+        live = [c.index for c in self.cores if c.dead_reason is None and c.index not in self.balancer.dead]
         gather = _Gather(future, method, live)
         sent = []
         with self._state_lock:
@@ -308,10 +500,11 @@ class AsyncMPClient(MPClient):
     """Outputs reach the caller's event loop through one asyncio queue (not one per request);
     futures are completed on that loop."""
 
-    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop | None = None):
+    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop | None = None,
+                 restarts: RestartPolicy | None = None):
         self.loop = loop or asyncio.get_event_loop()
         self._outputs: asyncio.Queue = asyncio.Queue()
-        super().__init__(config)
+        super().__init__(config, restarts)
 
     def _deliver(self, msg) -> None:
         self.loop.call_soon_threadsafe(self._on_message, msg)

@@ -116,6 +116,14 @@ class LoadBalancer:
         self.forget(lost)
         return lost
 
+    def revive(self, engines) -> None:
+        """These replicas serve again (started anew: empty, their prefix cache too)."""
+        with self._lock:
+            for k in engines:
+                self.dead.pop(k, None)
+                self.reported_running[k] = 0
+                self._prefixes[k].clear()
+
     # ---- prefix affinity ----
     def _block_hashes(self, token_ids: list[int]) -> list[int]:
         bs, out, h = self.block_size, [], 0

@@ -48,6 +48,27 @@ class LaunchedCores:
             if listener is not None:
                 listener.close()
 
+    @property
+    def restartable(self) -> bool:
+        """Whether every core is a process of this node (what this node can start again)."""
+        return all(isinstance(core, CoreProcess) for core in self.cores)
+
+    def restart_replica(self, k: int) -> CoreChannel:
+        """Start data parallel replica k (a process of this node that died) again, ready. The
+        others' DP groups still count its old ranks, so its ranks form a world of their own: for
+        replicas that never step together (not DP + EP lock-step)."""
+        old = self.cores[k]
+        par = dataclasses.replace(old.config.parallel, data_parallel_master=None, data_parallel_own_world=True)
+        core = CoreProcess(dataclasses.replace(old.config, parallel=par), k)
+        try:
+            self.num_blocks[k] = core.wait_ready()
+        except BaseException:
+            core.shutdown(b"", timeout=1)
+            raise
+        old.shutdown(b"", timeout=1)        # ended already: reap it and close its pipes
+        self.cores[k] = core
+        return core
+
     def stop(self, shutdown_msg: bytes, timeout: float) -> None:
         """Ask every core to shut down (`shutdown_msg`), wait up to `timeout`, then end them."""
         for core in self.cores:

@@ -103,7 +103,7 @@ class MultiprocExecutor(Executor):
         self._start_watcher(self._watch_workers, "shardlm-worker-watch")
         self._shutdown_at_exit()
         try:
-            wait_for_ranks(self._store, range(par.rank_offset, par.rank_offset + self.world_size),
+            wait_for_ranks(self._store, range(par.first_world_rank, par.first_world_rank + self.world_size),
                            par.distributed_init_timeout, alive=lambda: self._failure is None)
             for rank in range(self.world_size):
                 self._receive(rank)          # Ready, or why it failed

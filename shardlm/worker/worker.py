@@ -56,11 +56,12 @@ class Worker:
         if par.world_size_across_dp > 1:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             host, port = self.rendezvous
-            world_rank = par.rank_offset + self.rank
+            world_rank = par.first_world_rank + self.rank
             parallel_state.init_distributed_environment(par.world_size_across_dp, world_rank, host, port, backend,
                                                         par.distributed_init_timeout)
             parallel_state.initialize_model_parallel(par.tensor_parallel_size, par.pipeline_parallel_size,
-                                                     par.data_parallel_size, rank=world_rank, backend=backend,
+                                                     par.world_size_across_dp // par.world_size, rank=world_rank,
+                                                     backend=backend,
                                                      timeout_s=par.execute_model_timeout,
                                                      expert_parallel=par.enable_expert_parallel,
                                                      dcp=par.decode_context_parallel_size,

@@ -122,7 +122,7 @@ def test_offline_replica_death_fails_the_call_naming_it(tiny_model_dir):
 @pytest.fixture(scope="module")
 def dp_server(tiny_model_dir):
     path = tiny_model_dir("llama-gqa")
-    proc, url = start_server(path, "-dp", "2")
+    proc, url = start_server(path, "-dp", "2", "--max-replica-restarts", "0")     # restarts: test_self_healing.py
     children = psutil.Process(proc.pid).children(recursive=True)
     try:
         yield proc, url, path

@@ -44,7 +44,7 @@ def test_parallel_server_smoke(tiny_model_dir, layout):
 
 
 def test_tp2_server_worker_death_ends_the_server_naming_the_rank(tiny_model_dir):
-    proc, url = start_server(tiny_model_dir("llama-gqa"), "-tp", "2")
+    proc, url = start_server(tiny_model_dir("llama-gqa"), "-tp", "2", "--max-engine-restarts", "0")
     children = psutil.Process(proc.pid).children(recursive=True)
     try:
         workers = sorted((p for p in children if p.name().startswith("shardlm-rank")), key=lambda p: p.name())

@@ -148,7 +148,7 @@ def test_server_ends_when_an_idle_actor_dies(cluster, tiny_model_dir):
 
     from tests.helpers import start_server, wait_gone
     proc, _ = start_server(tiny_model_dir("llama-gqa"), "--distributed-executor-backend", "ray", "-pp", "2",
-                     env={"RAY_ADDRESS": cluster.address})
+                           "--max-engine-restarts", "0", env={"RAY_ADDRESS": cluster.address})
     children = psutil.Process(proc.pid).children(recursive=True)
     actors = [p for p in psutil.process_iter(["cmdline"])
               if " ".join(p.info["cmdline"] or []).startswith("ray::RayWorker")]

@@ -127,7 +127,7 @@ def test_malformed_json_and_api_key(server):
 
 @pytest.mark.slow
 def test_dead_engine_turns_health_503_and_ends_the_server(tiny_model_dir):
-    proc, url = start_server(tiny_model_dir("llama-gqa"))
+    proc, url = start_server(tiny_model_dir("llama-gqa"), "--max-engine-restarts", "0")
     engine = engine_core_processes(proc)
     assert engine, "the engine core runs in its own process"
     os.kill(engine[0].pid, signal.SIGKILL)

@@ -37,6 +37,15 @@ def register(sub) -> None:
                    help="on SIGTERM, refuse new requests (503) and let those in flight finish for up to this many "
                         "seconds, then exit 0; 0 stops at once (SIGINT always does) (default: %(default)s, inside "
                         "Kubernetes' 30 s grace period)")
+    from shardlm.engine.restarts import DEFAULT_MAX_RESTARTS
+    p.add_argument("--max-engine-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
+                   help="start the engine again when it dies (a worker killed, a step failing or timing out) at "
+                        "most this many times an hour, then exit non-zero; requests with an answer begun fail "
+                        "with 503 + Retry-After, those without wait for the new engine (0: exit at once) "
+                        "(default: %(default)s)")
+    p.add_argument("--max-replica-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
+                   help="data parallel: start a dead replica again, while the others serve, at most this many "
+                        "times an hour each; past it the replica stays dead (default: %(default)s)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     from shardlm.entrypoints.openai.protocol import RequestLimits
@@ -63,6 +72,7 @@ def run(ns) -> None:
 
 def server_options(ns) -> dict:
     """make_server's arguments from `shardlm serve`'s flags; a bad combination exits with why."""
+    from shardlm.engine.restarts import RestartPolicy
     chat_template = ns.chat_template
     if chat_template and os.path.isfile(chat_template):
         with open(chat_template) as f:
@@ -74,6 +84,10 @@ def server_options(ns) -> dict:
         sys.exit("shardlm: error: the API key is empty: give a key, or leave --api-key out to serve without one.")
     if ns.shutdown_timeout < 0:
         sys.exit(f"shardlm: error: --shutdown-timeout {ns.shutdown_timeout:g}: give seconds >= 0 (0 stops at once).")
+    for flag in ("max_engine_restarts", "max_replica_restarts"):
+        if getattr(ns, flag) < 0:
+            sys.exit(f"shardlm: error: --{flag.replace('_', '-')} {getattr(ns, flag)}: give a count >= 0 "
+                     "(0 never restarts).")
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
         sys.exit("shardlm: error: --enable-auto-tool-choice needs --tool-call-parser NAME (hermes, llama3_json, "
                  "mistral or pythonic: the format this model writes tool calls in).")
@@ -86,4 +100,5 @@ def server_options(ns) -> dict:
                 chat_template=chat_template, log_level=ns.uvicorn_log_level, limits=limits,
                 metrics_require_key=ns.metrics_require_key,
                 tool_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None, lora_modules=lora_modules,
-                shutdown_timeout=ns.shutdown_timeout)
+                shutdown_timeout=ns.shutdown_timeout,
+                restarts=RestartPolicy(ns.max_engine_restarts, ns.max_replica_restarts))

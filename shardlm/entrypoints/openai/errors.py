@@ -37,7 +37,8 @@ async def on_http_error(_, e: StarletteHTTPException):
 
 
 async def on_engine_dead(_, e: EngineDeadError):
-    return error_response(OpenAIError(str(e), 503, type_="ServiceUnavailableError"))
+    # retriable: the engine is starting again, or another server behind the same balancer can answer
+    return error_response(OpenAIError(str(e), 503, type_="ServiceUnavailableError", headers={"Retry-After": "5"}))
 
 
 async def on_unexpected(request: Request, e: Exception):

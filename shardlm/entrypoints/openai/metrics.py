@@ -58,6 +58,9 @@ class ServerMetrics:
         self.spec_per_position = Gauge("shardlm:spec_decode_num_accepted_tokens_per_pos",
                                        "Proposed tokens accepted at each position of a proposal",
                                        per_engine + ["position"], registry=r)
+        self.restarts = Gauge("shardlm:engine_restarts",
+                              "Times the engine (engine=\"all\") or a data parallel replica was started again "
+                              "after it died", per_engine, registry=r)
         self.prompt_tokens = Counter("shardlm:prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
         self.generation_tokens = Counter("shardlm:generation_tokens", "Generated tokens of finished requests", labels,
                                          registry=r)
@@ -84,8 +87,11 @@ class ServerMetrics:
         if longest > 1:
             self.tpot.labels(**lab).observe((m.finished_time - m.first_token_time) / (longest - 1))
 
-    def render(self, stats: dict | None) -> bytes:
-        """stats: the engine cores' combined stats (engine/dp.py combine_stats)."""
+    def render(self, stats: dict | None, restarts: dict[str, int] | None = None) -> bytes:
+        """stats: the engine cores' combined stats (engine/dp.py combine_stats); restarts:
+        AsyncLLM.restarts (None while the engine is down: the gauges keep their last values)."""
+        for engine, n in (restarts or {}).items():
+            self.restarts.labels(engine="all" if engine == "engine" else engine, **self.labels).set(n)
         if stats:
             for engine, values in [("all", stats), *((str(e["engine"]), e) for e in stats.get("engines", []))]:
                 for key, gauge in self.engine_gauges.items():

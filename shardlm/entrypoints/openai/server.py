@@ -18,6 +18,7 @@ from shardlm import envs
 from shardlm.config import EngineConfig
 from shardlm.engine.arg_utils import EngineArgs
 from shardlm.engine.async_llm import AsyncLLM
+from shardlm.engine.restarts import RestartPolicy
 from shardlm.entrypoints.openai.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, DrainGate, DrainingServer
 from shardlm.entrypoints.openai.errors import add_error_handlers
 from shardlm.entrypoints.openai.metrics import ServerMetrics
@@ -37,15 +38,17 @@ _UNHEALTHY_GRACE_S = 2.0   # how long /health reports 503 after the engine died,
 
 def build_app(config: EngineConfig, api_key: str | None = None, chat_template: str | None = None,
               limits: RequestLimits | None = None, metrics_require_key: bool = False,
-              tool_parser: str | None = None, lora_modules: list[LoRARequest] | None = None) -> FastAPI:
-    """lora_modules: --lora-modules, as LoRARequests (their ids are given out here)."""
+              tool_parser: str | None = None, lora_modules: list[LoRARequest] | None = None,
+              restarts: RestartPolicy | None = None) -> FastAPI:
+    """lora_modules: --lora-modules, as LoRARequests (their ids are given out here); restarts: when
+    to start a dead engine again (None: never; the server then exits)."""
     limits = limits or RequestLimits()
     state = ServerState()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         t0 = time.perf_counter()
-        llm = AsyncLLM(config)
+        llm = AsyncLLM(config, restarts=restarts)
         names = [llm.config.model.served_model_name]
         state.llm, state.serving = llm, OpenAIServing(llm, names, chat_template, limits, tool_parser)
         for module in lora_modules or []:       # each checked and read now: a bad one stops the start
@@ -80,7 +83,8 @@ def make_server(engine_args: EngineArgs, host: str, port: int, api_key: str | No
                 chat_template: str | None = None, log_level: str = "info", limits: RequestLimits | None = None,
                 metrics_require_key: bool = False, tool_parser: str | None = None,
                 lora_modules: list[LoRARequest] | None = None,
-                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> DrainingServer:
+                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+                restarts: RestartPolicy | None = None) -> DrainingServer:
     """The server `shardlm serve` runs, checked and ready to serve (the engine starts with it)."""
     start_fork_server_early()     # the engine core comes from it: its imports overlap ours
     config = engine_args.create_engine_config()   # bad settings fail here, plainly, before the engine starts
@@ -88,19 +92,21 @@ def make_server(engine_args: EngineArgs, host: str, port: int, api_key: str | No
         raise ValueError("--lora-modules needs --enable-lora.")
     for module in lora_modules or []:      # a bad adapter fails here too, before any process starts
         read_lora_request(module, config.model.hf_config, config.lora.max_lora_rank, config.model.download_dir)
-    app = build_app(config, api_key, chat_template, limits, metrics_require_key, tool_parser, lora_modules)
+    app = build_app(config, api_key, chat_template, limits, metrics_require_key, tool_parser, lora_modules,
+                    restarts)
     return DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5),
                           app.state.shardlm, shutdown_timeout)
 
 
 def run_server(*args, **kwargs) -> None:
-    """make_server's server, until SIGTERM (drained), SIGINT or the engine's death (exit 1)."""
+    """make_server's server, until SIGTERM (drained), SIGINT or the engine's death past its
+    restarts (exit 1)."""
     server = make_server(*args, **kwargs)
     failed = {}
 
     async def watch_engine():
-        """If the engine process dies: /health answers 503 for a moment (so health checkers see
-        it), then the server stops and exits non-zero."""
+        """If the engine is dead for good (past --max-engine-restarts): /health answers 503 for a
+        moment (so health checkers see it), then the server stops and exits non-zero."""
         while not server.should_exit:
             llm = server.state.llm
             if llm is not None and not llm.is_running:

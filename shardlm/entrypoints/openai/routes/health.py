@@ -20,6 +20,8 @@ async def health(state: ServerState = Depends(server_state)):
         return JSONResponse({"status": "draining", "in_flight": state.in_flight}, 503)
     if llm is None or not llm.is_running:
         return JSONResponse({"status": "unhealthy", "reason": llm.dead_reason if llm else "starting"}, 503)
+    if llm.unavailable:            # starting again after a fault: send requests elsewhere meanwhile
+        return JSONResponse({"status": "restarting", "reason": llm.unavailable}, 503, headers={"Retry-After": "5"})
     if llm.dead_replicas:          # data parallel: the others still serve
         return JSONResponse({"status": "degraded", "dead_replicas": llm.dead_replicas})
     return JSONResponse({"status": "ok"})
@@ -27,8 +29,8 @@ async def health(state: ServerState = Depends(server_state)):
 
 @router.get("/metrics")
 async def metrics(state: ServerState = Depends(server_state)):
-    stats = await state.llm.stats() if state.llm.is_running else None
-    return Response(state.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+    stats = await state.llm.stats() if state.llm.unavailable is None else None
+    return Response(state.metrics.render(stats, state.llm.restarts), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/version")

@@ -1,0 +1,197 @@
+"""A server that starts its dead engine again: real processes killed (SIGKILL) and frozen
+(SIGSTOP) under load. What users see: the requests that had begun on the dead engine end with a
+retriable 503 naming it; those still queued there are answered, exactly, by the new engine (or by a
+live replica); the server serves again within a bound; past --max-engine-restarts it exits non-zero."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from shardlm import LLM, SamplingParams
+from tests.helpers import engine_core_processes, metric, start_server, stop_server, wait_gone
+
+SERVED_AGAIN_WITHIN_S = 60     # a bound on kill -> serving again (a tiny model starts in a few seconds)
+LONG = {"model": "tiny", "max_tokens": 250, "temperature": 0, "ignore_eos": True}
+SHORT = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def _reference(path: str, prompts: list[str]) -> list[str]:
+    llm = LLM(path, dtype="float32", kv_cache_memory="64MiB", max_model_len=256)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        return [o.outputs[0].text for o in outs]
+    finally:
+        llm.shutdown()
+
+
+def _workers(proc) -> list[psutil.Process]:
+    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("shardlm-rank")]
+    return sorted(ranks, key=lambda p: p.name())
+
+
+class Stream(threading.Thread):
+    """A long streamed completion; `begun` is set at its first event; `lines` holds every line."""
+
+    def __init__(self, url: str, prompt: str):
+        super().__init__(daemon=True)
+        self.url, self.prompt, self.lines, self.begun = url, prompt, [], threading.Event()
+        self.start()
+
+    def run(self):
+        with httpx.stream("POST", self.url + "/v1/completions", json={**LONG, "prompt": self.prompt, "stream": True},
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    self.lines.append(line)
+                    self.begun.set()
+
+    @property
+    def error(self) -> dict | None:
+        last = self.lines[-2] if len(self.lines) >= 2 else ""
+        return json.loads(last[6:])["error"] if '"error"' in last else None
+
+
+class Post(threading.Thread):
+    """A short completion, not streamed: its response once it came."""
+
+    def __init__(self, url: str, prompt: str):
+        super().__init__(daemon=True)
+        self.url, self.prompt, self.response = url, prompt, None
+        self.start()
+
+    def run(self):
+        self.response = httpx.post(self.url + "/v1/completions", json={**SHORT, "prompt": self.prompt}, timeout=120)
+
+
+def _wait_health(url: str, status: str, timeout: float) -> float:
+    """Seconds until /health says `status`."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if httpx.get(url + "/health", timeout=2).json().get("status") == status:
+                return time.monotonic() - t0
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"/health never said {status!r} in {timeout} s")
+
+
+def _fault_under_load(url: str, fault, queued_prompt: str) -> tuple[Stream, Post, float]:
+    """One stream runs (--max-num-seqs 1) and one request waits behind it; `fault()` strikes.
+    -> the stream, the queued request, and seconds from the fault to the queued one's answer."""
+    stream = Stream(url, "A long story")
+    assert stream.begun.wait(60)
+    queued = Post(url, queued_prompt)
+    deadline = time.monotonic() + 30
+    while metric(url, "shardlm:num_requests_waiting") < 1:      # it is in the engine, behind the stream
+        assert time.monotonic() < deadline, "the second request never queued"
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    fault()
+    queued.join(SERVED_AGAIN_WITHIN_S)
+    served_after = time.monotonic() - t0
+    stream.join(30)
+    return stream, queued, served_after
+
+
+@pytest.mark.slow
+def test_a_killed_and_a_frozen_worker_restart_the_engine_and_queued_requests_survive(tiny_model_dir):
+    path = tiny_model_dir("llama-gqa")
+    prompts = ["The capital of France is", "One two three four"]
+    ref = _reference(path, prompts)
+    proc, url = start_server(path, "-tp", "2", "--max-num-seqs", "1", "--max-engine-restarts", "2",
+                             "--execute-model-timeout", "3")
+    try:
+        # 1. kill -9 a tensor parallel worker while a stream runs and a request waits
+        first = _workers(proc)
+        stream, queued, took = _fault_under_load(url, lambda: os.kill(first[1].pid, signal.SIGKILL), prompts[0])
+        assert stream.error is not None and stream.lines[-1] == "data: [DONE]", stream.lines[-2:]
+        assert stream.error["code"] == 503 and "Worker rank 1" in stream.error["message"], stream.error
+        assert "retry" in stream.error["message"].lower()
+        assert queued.response.status_code == 200, queued.response.text
+        assert queued.response.json()["choices"][0]["text"] == ref[0]       # re-queued, answered exactly
+        assert took < SERVED_AGAIN_WITHIN_S
+        print(f"kill -9 of a TP worker -> the queued request answered {took:.1f} s later")
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+        assert metric(url, "shardlm:engine_restarts") == 1
+        second = _workers(proc)
+        assert len(second) == 2 and not {p.pid for p in second} & {p.pid for p in first}
+
+        # 2. SIGSTOP a worker: the step timeout (3 s) names it, the engine starts again
+        stream, queued, took = _fault_under_load(url, lambda: os.kill(second[0].pid, signal.SIGSTOP), prompts[1])
+        assert stream.error is not None and stream.error["code"] == 503, stream.lines[-2:]
+        assert "--execute-model-timeout" in stream.error["message"], stream.error
+        assert queued.response.status_code == 200 and queued.response.json()["choices"][0]["text"] == ref[1]
+        print(f"SIGSTOP of a TP worker -> the queued request answered {took:.1f} s later")
+        assert not psutil.pid_exists(second[0].pid) or psutil.Process(second[0].pid).status() == psutil.STATUS_ZOMBIE
+        assert metric(url, "shardlm:engine_restarts") == 2
+        r = httpx.post(url + "/v1/completions", json={**SHORT, "prompt": prompts[0]}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref[0]
+
+        # 3. past --max-engine-restarts 2: the server exits non-zero, naming the limit
+        children = psutil.Process(proc.pid).children(recursive=True)
+        os.kill(_workers(proc)[1].pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) != 0
+        err = proc.stderr.read()
+        assert "--max-engine-restarts" in err and "Worker rank 1" in err, err[-2000:]
+        alive = wait_gone(children, 10)
+        assert not alive, f"processes left: {[p.pid for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            stop_server(proc)
+
+
+@pytest.mark.slow
+def test_a_killed_replica_starts_again_while_the_other_serves(tiny_model_dir):
+    """-dp 2, one request running and one waiting on each replica; replica 1's engine core is
+    killed: its running stream fails (503), its waiting request is answered by replica 0, /health
+    says degraded, then ok once replica 1 is back, and replica 1 serves again."""
+    path = tiny_model_dir("llama-gqa")
+    proc, url = start_server(path, "-dp", "2", "--max-num-seqs", "1")
+    children = psutil.Process(proc.pid).children(recursive=True)
+    try:
+        core1 = engine_core_processes(proc)[1]
+        streams = [Stream(url, f"Story {i}") for i in range(4)]     # two run, one waits on each replica
+        deadline = time.monotonic() + 60
+        while sum(s.begun.is_set() for s in streams) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        core1.kill()
+        degraded = httpx.get(url + "/health").json()
+        assert degraded["status"] == "degraded" and "Data parallel replica 1" in degraded["dead_replicas"]["1"]
+        back = _wait_health(url, "ok", SERVED_AGAIN_WITHIN_S)
+        print(f"kill -9 of replica 1's engine core -> /health ok again {time.monotonic() - t0:.1f} s later")
+        assert back < SERVED_AGAIN_WITHIN_S
+        for s in streams:
+            s.join(120)
+        errors = [s.error for s in streams if s.error is not None]
+        assert len(errors) == 1, [s.lines[-2:] for s in streams]     # the running one; the waiting one moved
+        assert errors[0]["code"] == 503 and "Data parallel replica 1" in errors[0]["message"]
+        finished = [s for s in streams if s.error is None]
+        assert all(json.loads(s.lines[-2][6:])["choices"][0]["finish_reason"] == "length" for s in finished)
+        routed_before = _labelled(httpx.get(url + "/metrics").text, "shardlm:num_requests_routed", "1")
+        for _ in range(4):
+            r = httpx.post(url + "/v1/completions", json={**SHORT, "prompt": "Hi"}, timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        text = httpx.get(url + "/metrics").text
+        assert _labelled(text, "shardlm:num_requests_routed", "1") > routed_before, "replica 1 serves again"
+        assert _labelled(text, "shardlm:engine_restarts", "1") == 1
+        assert core1.pid not in {p.pid for p in engine_core_processes(proc)}
+    finally:
+        stop_server(proc)
+    alive = wait_gone(children, 10)
+    assert not alive, f"processes left: {[p.pid for p in alive]}"
+
+
+def _labelled(metrics: str, name: str, engine: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") and f'engine="{engine}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{{engine={engine}}} not in /metrics")
