@@ -74,6 +74,9 @@ class ModelRunnerOutput(msgspec.Struct):
     prompt_logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)
     # speculative decoding: tokens proposed for each request's next step
     draft_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    # requests whose own part of the step failed (an adapter that could not be read): why. Their
+    # rows ran (so every rank ran the same step); their tokens are dropped and they end.
+    failed: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 # ---- front end <-> engine core ----
@@ -95,7 +98,8 @@ class EngineCoreOutput(msgspec.Struct):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    error: str | None = None       # the request failed (its data parallel replica died): why
+    error: str | None = None       # the request failed: why
+    error_kind: str = "engine"     # "engine": its engine core or replica died; "request": its own fault
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True):
@@ -120,6 +124,7 @@ class UtilityCall(msgspec.Struct, tag=True):
 class UtilityResult(msgspec.Struct, tag=True):
     call_id: int
     value: Any
+    error: str | None = None       # the call raised this (the engine core and its workers go on)
 
 
 class StartWave(msgspec.Struct, tag=True):
@@ -149,6 +154,7 @@ class StartupFailed(msgspec.Struct, tag=True):
 class Failed(msgspec.Struct, tag=True):
     """The engine core stopped on an error (a worker died, ...); it exits after sending this."""
     error: str
+    in_failed_steps: list[str] = msgspec.field(default_factory=list)   # the requests of the steps it ran
 
 
 # ---- a headless node's engine core joining the head (data parallel across nodes) ----

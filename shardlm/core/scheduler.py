@@ -289,6 +289,12 @@ class Scheduler:
             request = self.requests.get(chunk.req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if (why := result.failed.get(chunk.req_id)) is not None:    # its own fault: it ends, the rest go on
+                logger.error("Request %s failed: %s", chunk.req_id, why)
+                self.finish_requests([chunk.req_id])
+                outputs.append(EngineCoreOutput(chunk.req_id, [], finish_reason=RequestStatus.FINISHED_ABORTED.value,
+                                                error=why, error_kind="request"))
+                continue
             prompt_lp = result.prompt_logprobs.get(chunk.req_id)
             tokens = result.sampled.get(chunk.req_id) if chunk.sample else None
             if not tokens:

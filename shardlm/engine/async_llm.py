@@ -188,10 +188,10 @@ class AsyncLLM:
                 processed = self.output_processor.process(core_outputs.outputs)
                 if processed.reqs_to_abort:
                     self.engine_core.abort_requests(processed.reqs_to_abort)
-                for parent, error in processed.failed:    # a data parallel replica died under it
+                for parent, error in processed.failed:    # its replica died under it, or its own part failed
                     collector = self._collectors.pop(parent.request_id, None)
                     if collector is not None:
-                        collector.put(EngineDeadError(error))
+                        collector.put(error)
                 # Let the streams read this step before the next: queued steps come back from
                 # get_output_async without a pause, and a stream not yet woken would receive them
                 # merged into one delta (as vLLM's handler, which yields between chunks).

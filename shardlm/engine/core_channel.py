@@ -11,12 +11,9 @@ import msgspec
 
 from shardlm.config import EngineConfig
 from shardlm.engine.core_process import run_engine_core
+from shardlm.engine.errors import EngineDeadError
 from shardlm.messages import EngineCoreOutputs, Failed, FromEngineCore, Ready, StartupFailed, UtilityResult, WaveStarted
 from shardlm.processes import InParentEnvironment, clean_process_context
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core is gone; requests in flight cannot finish."""
 
 
 class CoreChannel:
@@ -32,6 +29,7 @@ class CoreChannel:
         self._send_lock = threading.Lock()
         self.closing = False
         self.dead_reason: str | None = None
+        self.in_failed_steps: set[str] = set()    # requests of the steps running when it failed
         self._reader: threading.Thread | None = None
 
     @property
@@ -77,6 +75,7 @@ class CoreChannel:
                 on_message(self.index, msg)
                 continue
             if isinstance(msg, Failed):
+                self.in_failed_steps = set(msg.in_failed_steps)
                 self.dead_reason = f"{self.name} stopped: {msg.error}"
                 on_death(self.index, self.dead_reason)
                 return

@@ -37,9 +37,9 @@ from typing import Any
 import msgspec
 
 from shardlm.config import EngineConfig
-from shardlm.engine.core_channel import EngineDeadError
 from shardlm.engine.core_process import call_utility, check_utility
 from shardlm.engine.dp import LoadBalancer, combine_utility
+from shardlm.engine.errors import EngineDeadError, RequestFailedError  # noqa: F401 - the callers' errors
 from shardlm.engine.launcher import LaunchedCores
 from shardlm.engine.restarts import RestartBudget, RestartPolicy
 from shardlm.logger import init_logger
@@ -327,15 +327,18 @@ class MPClient(EngineCoreClient):
             return list({id(g): g for g in (self._gathers.pop(cid)[0] for cid in ids)}.values())
 
     def _hand_back(self, lost: dict[int, list[str]], reason: str) -> None:
-        """Requests of dead cores: those with an answer fail (their callers retry); those without
-        go to a live replica, or wait for a core to come back."""
+        """Requests of dead cores: those with an answer fail (their callers retry), and so do those
+        in a step that failed (one may be what made it fail: sent again, it could fail the next
+        engine too); the others go to a live replica, or wait for a core to come back."""
         failed = []
-        for rid in (rid for ids in lost.values() for rid in ids):
-            request = self._unanswered.pop(rid, None)
-            if request is None:
-                failed.append(rid)
-            else:
-                self._requeued[rid] = request
+        for index, ids in lost.items():
+            suspects = self.cores[index].in_failed_steps
+            for rid in ids:
+                request = self._unanswered.pop(rid, None)
+                if request is None or rid in suspects:
+                    failed.append(rid)
+                else:
+                    self._requeued[rid] = request
         if failed:
             why = f"{reason} The request had begun there and cannot go on: retry it."
             self._deliver(EngineCoreOutputs([EngineCoreOutput(rid, [], error=why) for rid in failed]))
@@ -413,6 +416,10 @@ class MPClient(EngineCoreClient):
         with self._state_lock:
             gather, index = self._gathers.pop(msg.call_id, (None, None))
             if gather is None:
+                return
+            if msg.error is not None:        # the call failed there; the engine goes on
+                if not gather.future.done():
+                    gather.future.set_exception(RuntimeError(msg.error))
                 return
             gather.results[index] = msg.value
             gather.waiting.discard(index)

@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection, wait
 import msgspec
 
 from shardlm.config import EngineConfig
+from shardlm.executor.base import WorkerDiedError
 from shardlm.logger import init_logger
 from shardlm.messages import (
     AbortRequests,
@@ -78,7 +79,7 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
                 elif isinstance(msg, AbortRequests):
                     core.abort_requests(msg.request_ids)
                 elif isinstance(msg, UtilityCall):
-                    outputs.send_bytes(encode(UtilityResult(msg.call_id, call_utility(core, msg.method, msg.args))))
+                    outputs.send_bytes(encode(answer_utility(core, msg)))
             if core.is_busy():
                 step_outputs = core.step()
                 if step_outputs.outputs:
@@ -89,7 +90,7 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
         # the traceback is for a bug report; the failed step's requests were logged just before
         logger.error("The engine core stopped: %s: %s", type(e).__name__, e, exc_info=True)
         try:
-            outputs.send_bytes(encode(Failed(f"{type(e).__name__}: {e}")))
+            outputs.send_bytes(encode(Failed(f"{type(e).__name__}: {e}", sorted(core.scheduler.in_flight))))
         except (BrokenPipeError, OSError):
             pass
     finally:
@@ -99,6 +100,18 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
 def check_utility(method: str) -> None:
     if method not in UTILITY_METHODS:
         raise ValueError(f"The engine core has no utility {method!r} (it has {', '.join(UTILITY_METHODS)}).")
+
+
+def answer_utility(core, call: UtilityCall) -> UtilityResult:
+    """A utility call's result, or why it failed: a call that fails (an adapter that cannot be read)
+    is that caller's error, not the engine's."""
+    try:
+        return UtilityResult(call.call_id, call_utility(core, call.method, call.args))
+    except WorkerDiedError:
+        raise                     # a rank is gone: the engine cannot go on
+    except Exception as e:        # noqa: BLE001 - answered to the caller
+        logger.warning("Utility call %s failed: %s: %s", call.method, type(e).__name__, e)
+        return UtilityResult(call.call_id, None, error=f"{type(e).__name__}: {e}")
 
 
 def call_utility(core, method: str, args) -> object:

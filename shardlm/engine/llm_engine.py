@@ -9,7 +9,7 @@ import time
 
 from shardlm.config import EngineConfig
 from shardlm.engine.arg_utils import EngineArgs
-from shardlm.engine.core_client import EngineCoreClient, EngineDeadError, make_client
+from shardlm.engine.core_client import EngineCoreClient, make_client
 from shardlm.engine.output_processor import OutputProcessor
 from shardlm.engine.processor import InputProcessor, load_tokenizer
 from shardlm.logger import init_logger
@@ -65,8 +65,8 @@ class LLMEngine:
         processed = self.output_processor.process(self.engine_core.get_output().outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
-        if processed.failed:              # a data parallel replica died under these requests
-            raise EngineDeadError(processed.failed[0][1])
+        if processed.failed:              # its replica died under it (EngineDeadError), or its own part failed
+            raise processed.failed[0][1]
         return processed.request_outputs
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:

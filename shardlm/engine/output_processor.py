@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shardlm.engine.detokenizer import IncrementalDetokenizer
+from shardlm.engine.errors import EngineDeadError, RequestFailedError
 from shardlm.messages import EngineCoreOutput, TokenLogprobs
 from shardlm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from shardlm.sampling_params import RequestOutputKind, SamplingParams
@@ -63,7 +64,7 @@ class ParentRequest:
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]    # for requests without a collector
     reqs_to_abort: list[str]                # engine-core ids that hit a stop string
-    failed: list[tuple[ParentRequest, str]] = field(default_factory=list)   # requests that failed, and why
+    failed: list[tuple[ParentRequest, Exception]] = field(default_factory=list)   # requests that failed: why
 
 
 class OutputProcessor:
@@ -94,17 +95,18 @@ class OutputProcessor:
         changed: dict[str, ParentRequest] = {}
         touched: set[int] = set()       # id() of the samples this step changed (what a delta holds)
         to_abort: list[str] = []
-        failed: list[tuple[ParentRequest, str]] = []
+        failed: list[tuple[ParentRequest, Exception]] = []
         for out in outputs:
             sample = self.samples.get(out.req_id)
             if sample is None:
                 continue
             parent = sample.parent
-            if out.error is not None:          # its replica died: the whole request fails
+            if out.error is not None:          # its replica died, or its own part failed: the whole request fails
                 self._forget(parent)
                 changed.pop(parent.request_id, None)
                 to_abort.extend(cid for cid in parent.child_ids if cid != out.req_id)
-                failed.append((parent, out.error))
+                failed.append((parent, (RequestFailedError if out.error_kind == "request" else EngineDeadError)(
+                    out.error)))
                 continue
             if out.prompt_logprobs and parent.prompt_logprobs is not None and sample.index == 0:
                 parent.prompt_logprobs.extend(self._convert_logprobs(lp) for lp in out.prompt_logprobs)

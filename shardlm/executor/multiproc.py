@@ -177,7 +177,11 @@ class MultiprocExecutor(Executor):
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         self._send(UtilityCall(0, method, list(args)))
-        return [self._receive_answer(rank).value for rank in range(self.world_size)]
+        answers = [self._receive_answer(rank) for rank in range(self.world_size)]    # every one, in order
+        failed = [(rank, a.error) for rank, a in enumerate(answers) if a.error is not None]
+        if failed:
+            raise RuntimeError(f"{method} failed on rank {failed[0][0]}: {failed[0][1]}")
+        return [a.value for a in answers]
 
     def _receive_answer(self, rank: int):
         """A utility call's answer; a step in flight may answer first on the output rank: its
@@ -205,7 +209,8 @@ class MultiprocExecutor(Executor):
                 self.broadcast.put(self._encode(Shutdown()), timeout=2)
             except (QueueClosed, TimeoutError):
                 pass
-        self._stop_workers(grace_s=5.0)
+        # after a failure the others are not told to stop, and wait in a collective: no grace
+        self._stop_workers(grace_s=5.0 if self._failure is None else 0.0)
         self._watcher.join(5)       # before the queues it may still close go away
         for q in [self.broadcast, *self.replies, *self.stage_links.values()]:
             q.destroy()
@@ -214,14 +219,17 @@ class MultiprocExecutor(Executor):
         self._store = None
 
     def _stop_workers(self, grace_s: float) -> None:
-        """Let workers exit on their own for grace_s, then SIGTERM, then SIGKILL."""
+        """Let workers exit on their own for grace_s, then SIGTERM (SIGKILL at once for a stopped
+        one, which a SIGTERM would not wake), then SIGKILL."""
         deadline = time.monotonic() + grace_s
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in self.procs:
             if proc.is_alive():
-                proc.terminate()
-                proc.join(2)
+                proc.kill() if _process_state(proc.pid) in ("T", "t") else proc.terminate()
+        deadline = time.monotonic() + 2.0
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -261,7 +269,7 @@ def run_worker(config: EngineConfig, rank: int, rendezvous: tuple[str, int], bro
                 if answers_steps:
                     reply.put(encode(StepResult(output)))
             else:
-                reply.put(encode(UtilityResult(msg.call_id, getattr(worker, msg.method)(*msg.args))))
+                reply.put(encode(_answer(worker, msg)))
     except QueueClosed:       # the engine core closed the queues: another rank failed
         return
     except BaseException as e:
@@ -277,6 +285,14 @@ def run_worker(config: EngineConfig, rank: int, rendezvous: tuple[str, int], bro
         for q in (broadcast, reply, *stage_links):
             if q is not None:
                 q.destroy()
+
+
+def _answer(worker, call: UtilityCall) -> UtilityResult:
+    """A utility call's result, or why it failed (this rank goes on: the failure is the caller's)."""
+    try:
+        return UtilityResult(call.call_id, getattr(worker, call.method)(*call.args))
+    except Exception as e:        # noqa: BLE001 - answered to the engine core
+        return UtilityResult(call.call_id, None, error=f"{type(e).__name__}: {e}")
 
 
 def _process_state(pid: int) -> str:

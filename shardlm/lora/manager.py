@@ -40,6 +40,7 @@ class LoRAManager:
         self.requests: dict[int, LoRARequest] = {}          # every adapter named to this worker, by id
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()     # least recently used first
         self.slots: list[int | None] = [None] * config.max_loras    # the adapter id in each slot
+        self.unreadable: dict[int, str] = {}       # adapters the last step could not read: why
         self._slot_order: OrderedDict[int, None] = OrderedDict()    # slots by last use
         logger.info("LoRA: %d slots of rank %d in %d layers (%.1f MiB)", config.max_loras, config.max_lora_rank,
                     len(self.layers), sum(s.nbytes() for s in self.layers.values()) / 2**20)
@@ -80,8 +81,18 @@ class LoRAManager:
         """Each chunk's slot (lora_ids: each chunk's adapter, 0 = base -> -1), with every adapter
         of the step swapped into a slot."""
         needed = {i for i in lora_ids if i}
-        slot_of = {lora_id: self._slot(lora_id, needed) for lora_id in sorted(needed)}
+        self.unreadable, slot_of = {}, {}
+        for lora_id in sorted(needed):
+            try:
+                slot_of[lora_id] = self._slot(lora_id, needed)
+            except (OSError, ValueError) as e:     # its files are gone or spoilt since it was checked
+                self.unreadable[lora_id] = f"LoRA adapter {self.requests[lora_id].lora_name!r} could not be read: {e}"
+                slot_of[lora_id] = -1     # its rows run on the base model (every rank alike); its requests fail
         return [slot_of[i] if i else -1 for i in lora_ids]
+
+    def failed_requests(self, lora_ids: dict[str, int]) -> dict[str, str]:
+        """Of these requests (id -> adapter id), those whose adapter this step could not read: why."""
+        return {rid: self.unreadable[i] for rid, i in lora_ids.items() if i in self.unreadable}
 
     def _slot(self, lora_id: int, needed: set[int]) -> int:
         """The slot holding `lora_id`, swapping it in from the CPU cache (into a free slot, else the

@@ -235,6 +235,8 @@ class ModelRunner:
             input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
             positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         out = self._sample(so, chunks, hidden)
+        if out is not None and self.lora is not None and self.lora.unreadable:
+            out.failed = self.lora.failed_requests({c.req_id: self.requests[c.req_id].lora_int_id for c in chunks})
         if self.proposer is not None:       # the rank that samples: out is its result
             self.proposer.follow(TargetStep(input_ids, positions, meta, hidden, chunks, out.sampled, self.requests,
                                             getattr(self.model.model, "aux_hidden", None)))

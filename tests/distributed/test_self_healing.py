@@ -195,3 +195,41 @@ def _labelled(metrics: str, name: str, engine: str) -> float:
         if line.startswith(name + "{") and f'engine="{engine}"' in line:
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name}{{engine={engine}}} not in /metrics")
+
+
+@pytest.mark.slow
+def test_a_failing_step_fails_its_request_alone_and_the_engine_starts_again(tiny_model_dir, tmp_path):
+    """A step holding token 31337 raises (tests/server/test_openai_server.py's injected fault). The
+    request in that step fails with 503 naming the fault and is not sent again (it would fail the
+    next engine too); the request queued behind it is answered, exactly, by the new engine."""
+    from tests.server.test_openai_server import _FAULTY_STEP
+    (tmp_path / "sitecustomize.py").write_text(_FAULTY_STEP)
+    pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    path = tiny_model_dir("llama-gqa")
+    ref = _reference(path, ["One two three four"])
+    proc, url = start_server(path, "--max-num-seqs", "1", env={"PYTHONPATH": pythonpath})
+    try:
+        holder = Stream(url, "A long story")         # holds the one running slot
+        assert holder.begun.wait(60)
+        bad = threading.Thread(target=lambda: results.update(
+            bad=httpx.post(url + "/v1/completions", json={**SHORT, "prompt": [5, 31337, 7]}, timeout=120)))
+        results: dict = {}
+        bad.start()
+        while metric(url, "shardlm:num_requests_waiting") < 1:
+            time.sleep(0.02)
+        good = Post(url, "One two three four")
+        while metric(url, "shardlm:num_requests_waiting") < 2:
+            time.sleep(0.02)
+        bad.join(SERVED_AGAIN_WITHIN_S)
+        good.join(SERVED_AGAIN_WITHIN_S)
+        holder.join(60)
+        assert holder.error is None            # it finished before the bad step ran
+        r = results["bad"]
+        assert r.status_code == 503 and "injected fault" in r.json()["error"]["message"], r.text
+        assert r.headers["retry-after"] == "5"
+        assert good.response.status_code == 200 and good.response.json()["choices"][0]["text"] == ref[0]
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+        assert metric(url, "shardlm:engine_restarts") == 1
+    finally:
+        stop_server(proc)
+    assert "A step failed (RuntimeError: injected fault)" in proc.stderr.read()

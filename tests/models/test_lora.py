@@ -271,3 +271,37 @@ def test_an_adapter_on_fused_modules_of_a_partial_rotary_model(layout, tiny_mode
     finally:
         llm.shutdown()
     _check(hf, ref, outs, f"phi3 adapter {layout}")
+
+
+@pytest.mark.parametrize("layout", [{"distributed_executor_backend": "uni"},
+                                    pytest.param({"tensor_parallel_size": 2}, marks=pytest.mark.slow)],
+                         ids=["uni", "tp2"])
+def test_an_adapter_that_can_no_longer_be_read_fails_its_requests_alone(layout, adapters, tmp_path):
+    """The adapter's files vanish after it was checked: the request on it fails, naming it; a base
+    request in the same step finishes exactly; the engine goes on (before, the engine stopped)."""
+    from shardlm.engine.errors import RequestFailedError
+    base, loras, _ = adapters
+    gone = LoRARequest("gone", 9, str(shutil.copytree(loras["one"].lora_path, tmp_path / "gone")))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(base, **layout, **ENGINE)
+    try:
+        ref = llm.generate("Hello", params, use_tqdm=False)[0].outputs[0].token_ids
+        assert llm.add_lora(gone) and llm.remove_lora(9)     # checked, then out of memory: read again on use
+        shutil.rmtree(gone.lora_path)
+        engine, done = llm.engine, {}
+        engine.add_request("base", "Hello", params)
+        engine.add_request("adapted", "Hello", params, lora_request=gone)
+        with pytest.raises(RequestFailedError, match="LoRA adapter 'gone' could not be read"):
+            while engine.has_unfinished_requests():
+                done.update((o.request_id, o) for o in engine.step() if o.finished)
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert list(done) == ["base"] and done["base"].outputs[0].token_ids == ref
+        # a worker that cannot read an adapter it is asked to load answers so; it goes on too
+        with pytest.raises((RuntimeError, ValueError), match="nowhere"):
+            llm.collective_rpc("add_lora", (LoRARequest("nowhere", 10, str(tmp_path / "nowhere")),))
+        assert llm.generate("Hello", params, use_tqdm=False)[0].outputs[0].token_ids == ref
+        adapted = llm.generate("Hello", params, use_tqdm=False, lora_request=loras["two"])
+        assert len(adapted[0].outputs[0].token_ids) == 6
+    finally:
+        llm.shutdown()

@@ -185,11 +185,12 @@ ModelRunner.execute_model = _faulty
 
 @pytest.mark.slow
 def test_a_failing_step_names_its_requests_and_ends_the_server(tiny_model_dir, tmp_path):
-    """An error inside a step stops the engine (as in vLLM): the request gets a 503, /health turns
-    503, the log names the step's requests and the server exits with code 1 for its supervisor."""
+    """With restarts off, an error inside a step stops the engine (as in vLLM): the request gets a
+    503, /health turns 503, the log names the step's requests and the server exits with code 1 for
+    its supervisor. (With restarts: test_self_healing.py.)"""
     (tmp_path / "sitecustomize.py").write_text(_FAULTY_STEP)
     pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
-    proc, url = start_server(tiny_model_dir("llama-gqa"), env={"PYTHONPATH": pythonpath})
+    proc, url = start_server(tiny_model_dir("llama-gqa"), "--max-engine-restarts", "0", env={"PYTHONPATH": pythonpath})
     try:
         ok = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
         assert ok.status_code == 200, ok.text

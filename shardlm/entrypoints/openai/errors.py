@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shardlm.engine.core_client import EngineDeadError
+from shardlm.engine.errors import EngineDeadError, RequestFailedError
 from shardlm.entrypoints.openai.protocol import OpenAIError
 from shardlm.logger import init_logger
 
@@ -36,9 +36,18 @@ async def on_http_error(_, e: StarletteHTTPException):
                                       else "invalid_request_error"))
 
 
-async def on_engine_dead(_, e: EngineDeadError):
-    # retriable: the engine is starting again, or another server behind the same balancer can answer
-    return error_response(OpenAIError(str(e), 503, type_="ServiceUnavailableError", headers={"Retry-After": "5"}))
+def engine_error(e: Exception) -> OpenAIError | None:
+    """What the client gets for a request the engine could not finish (None: not such an error)."""
+    if isinstance(e, EngineDeadError):
+        # retriable: the engine is starting again, or another server behind the same balancer can answer
+        return OpenAIError(str(e), 503, type_="ServiceUnavailableError", headers={"Retry-After": "5"})
+    if isinstance(e, RequestFailedError):       # this request's own fault; the engine goes on
+        return OpenAIError(f"The request failed: {e}", 500, type_="InternalServerError")
+    return None
+
+
+async def on_engine_error(_, e: Exception):
+    return error_response(engine_error(e))
 
 
 async def on_unexpected(request: Request, e: Exception):
@@ -49,6 +58,7 @@ async def on_unexpected(request: Request, e: Exception):
 
 def add_error_handlers(app: FastAPI) -> None:
     for exc, handler in ((OpenAIError, on_openai_error), (RequestValidationError, on_validation_error),
-                         (StarletteHTTPException, on_http_error), (EngineDeadError, on_engine_dead),
+                         (StarletteHTTPException, on_http_error), (EngineDeadError, on_engine_error),
+                         (RequestFailedError, on_engine_error),
                          (Exception, on_unexpected)):
         app.add_exception_handler(exc, handler)

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from shardlm.engine.core_client import EngineDeadError
+from shardlm.entrypoints.openai.errors import engine_error
 from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from shardlm.entrypoints.openai.serving import EventStream, sse
 from shardlm.entrypoints.openai.state import ServerState, server_state
@@ -87,8 +87,8 @@ async def sse_errors(stream):
     except Exception as e:   # noqa: BLE001 - reported to the client, logged here
         if isinstance(e, OpenAIError):
             err = e
-        elif isinstance(e, EngineDeadError):
-            err = OpenAIError(str(e), 503, type_="ServiceUnavailableError")
+        elif (known := engine_error(e)) is not None:
+            err = known
         else:
             logger.error("Stream failed", exc_info=e)
             err = OpenAIError(f"{type(e).__name__}: {e}", 500, type_="InternalServerError")
