@@ -1,0 +1,48 @@
+"""Schema fuzzing, as vLLM's test_openai_schema.py does: schemathesis generates requests for every
+operation of the live server's /openapi.json (valid ones and near misses) and none may get a 5xx.
+Bounded here (a fixed seed, SHARDLM_FUZZ_EXAMPLES per operation, 15 by default); at length on
+demand: SHARDLM_FUZZ_EXAMPLES=1000 python -m pytest tests/server/test_schema_fuzz.py.
+
+The server fuzzed generates little (generation_config.json's max_new_tokens 4, --max-model-len 64,
+--max-n 4) so that the cases probe validation, not generation speed; each limit is a 400 to
+reach, itself fuzzed."""
+
+import json
+import os
+import shutil
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+
+from tests.helpers import start_server, stop_server
+
+EXAMPLES = int(os.environ.get("SHARDLM_FUZZ_EXAMPLES", "15"))
+
+
+@pytest.fixture(scope="module")
+def fuzzed_server(tiny_model_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("fuzz") / "model"
+    shutil.copytree(tiny_model_dir("llama-gqa"), path)
+    (path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 4}))
+    proc, url = start_server(str(path), "--max-model-len", "64", "--max-n", "4")
+    yield url
+    stop_server(proc)
+    assert proc.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def api_schema(fuzzed_server):
+    return schemathesis.openapi.from_url(fuzzed_server + "/openapi.json")
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@pytest.mark.slow
+@schema.parametrize()
+@settings(max_examples=EXAMPLES, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+def test_no_request_gets_a_server_error(case):
+    response = case.call(timeout=60)
+    case.validate_response(response, checks=[not_a_server_error])
