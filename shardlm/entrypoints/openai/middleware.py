@@ -1,4 +1,5 @@
-"""What every request passes before its route: the API key check and the body size limit."""
+"""What every request passes before its route: the API key check (the limits on headers and
+body: transport.py)."""
 
 from __future__ import annotations
 
@@ -24,40 +25,3 @@ class ApiKeyCheck:
                                                   401, type_="AuthenticationError"))
             return await response(scope, receive, send)
         return await self.app(scope, receive, send)
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-class BodySizeLimit:
-    """ASGI middleware: a request body over max_bytes gets 413, whether it says its length or not."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._refuse(scope, receive, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _BodyTooLarge
-            return message
-
-        try:
-            await self.app(scope, counted, send)
-        except _BodyTooLarge:
-            await self._refuse(scope, receive, send)
-
-    async def _refuse(self, scope, receive, send):
-        await error_response(OpenAIError(f"The request body is larger than this server accepts ({self.max_bytes} "
-                                         "bytes, --max-body-bytes).", 413))(scope, receive, send)

@@ -17,13 +17,23 @@ class RequestLimits:
     max_stop_string_chars: int = 256
     max_body_bytes: int = 16 << 20      # 413 beyond it
     max_num_waiting: int = 1024         # requests waiting to be scheduled; 429 beyond it
+    # the transport (transport.py): nginx's default header buffers hold 32 KiB; a client has a
+    # minute to send a request (a 16 MiB body at 2 Mbit/s)
+    max_header_bytes: int = 32 << 10    # 431 beyond it
+    max_header_count: int = 100         # 431 beyond it
+    max_connections: int = 2048         # requests on more open connections than this get 503
+    client_timeout: int = 60            # seconds for a request's headers and body to arrive; 408 after
 
     HELP = {"max_n": "most samples (n) per prompt in one request",
             "max_prompts": "most prompts in one /v1/completions request",
             "max_stop_strings": "most stop strings in one request",
             "max_stop_string_chars": "longest stop string, in characters",
             "max_body_bytes": "largest request body in bytes (413 beyond it)",
-            "max_num_waiting": "most requests waiting to be scheduled; beyond it new ones get 429 with Retry-After"}
+            "max_num_waiting": "most requests waiting to be scheduled; beyond it new ones get 429 with Retry-After",
+            "max_header_bytes": "largest request line and headers in bytes (431 beyond it)",
+            "max_header_count": "most headers in one request (431 beyond it)",
+            "max_connections": "most open connections; a request on one more gets 503",
+            "client_timeout": "seconds a client has to send a request's headers and body (408 after)"}
 
 
 class OpenAIError(Exception):

@@ -22,11 +22,12 @@ from shardlm.engine.restarts import RestartPolicy
 from shardlm.entrypoints.openai.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, DrainGate, DrainingServer
 from shardlm.entrypoints.openai.errors import add_error_handlers
 from shardlm.entrypoints.openai.metrics import ServerMetrics
-from shardlm.entrypoints.openai.middleware import ApiKeyCheck, BodySizeLimit
+from shardlm.entrypoints.openai.middleware import ApiKeyCheck
 from shardlm.entrypoints.openai.protocol import RequestLimits
 from shardlm.entrypoints.openai.routes import health, lora_admin, openai_api, tokenizer
 from shardlm.entrypoints.openai.serving import OpenAIServing
 from shardlm.entrypoints.openai.state import ServerState
+from shardlm.entrypoints.openai.transport import TransportGuard, guarded_protocol
 from shardlm.logger import init_logger
 from shardlm.lora.peft import read_lora_request
 from shardlm.lora.request import LoRARequest
@@ -71,7 +72,7 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
     if envs.SHARDLM_ALLOW_RUNTIME_LORA_UPDATING:
         app.include_router(lora_admin.router)
     add_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(TransportGuard, limits=limits)
     app.add_middleware(DrainGate, state=state, open_routes=health.OPEN_ROUTES)
     if api_key:       # added last, so it runs first
         open_routes = tuple(r for r in health.OPEN_ROUTES if not (metrics_require_key and r == "/metrics"))
@@ -94,8 +95,12 @@ def make_server(engine_args: EngineArgs, host: str, port: int, api_key: str | No
         read_lora_request(module, config.model.hf_config, config.lora.max_lora_rank, config.model.download_dir)
     app = build_app(config, api_key, chat_template, limits, metrics_require_key, tool_parser, lora_modules,
                     restarts)
-    return DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5),
-                          app.state.shardlm, shutdown_timeout)
+    limits = limits or RequestLimits()
+    # uvicorn answers 503 once a request finds limit_concurrency connections open, itself counted
+    http = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                          http=guarded_protocol(limits), h11_max_incomplete_event_size=limits.max_header_bytes,
+                          limit_concurrency=limits.max_connections + 1)
+    return DrainingServer(http, app.state.shardlm, shutdown_timeout)
 
 
 def run_server(*args, **kwargs) -> None:
