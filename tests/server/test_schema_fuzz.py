@@ -19,6 +19,7 @@ from schemathesis.checks import not_a_server_error
 from tests.helpers import start_server, stop_server
 
 EXAMPLES = int(os.environ.get("SHARDLM_FUZZ_EXAMPLES", "15"))
+CALLS: dict[str, int] = {}      # requests sent, per operation (printed at the end: run with -s)
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,7 @@ def fuzzed_server(tiny_model_dir, tmp_path_factory):
     (path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 4}))
     proc, url = start_server(str(path), "--max-model-len", "64", "--max-n", "4")
     yield url
+    print(f"\nschema fuzz: {sum(CALLS.values())} requests, no 5xx: {CALLS}")
     stop_server(proc)
     assert proc.returncode == 0
 
@@ -45,4 +47,5 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_request_gets_a_server_error(case):
     response = case.call(timeout=60)
+    CALLS[case.operation.label] = CALLS.get(case.operation.label, 0) + 1
     case.validate_response(response, checks=[not_a_server_error])
