@@ -69,6 +69,14 @@ def register(sub) -> None:
     b.add_argument("--num-prompts", type=int, default=64)
     b.add_argument("--workload", default=None, help="workload JSON (shared format; token ids are sent as they are)")
     b.add_argument("--output-len", type=int, default=None, help="new tokens per request (default: workload's, 128)")
+    b.add_argument("--duration", default=None, help="soak: clients send request after request for this long "
+                   "(e.g. 30m; instead of --num-prompts), with a report per --interval")
+    b.add_argument("--ramp", default="60s", help="soak: time over which the clients join (default: %(default)s)")
+    b.add_argument("--interval", default="60s", help="soak: one report row per this much time (default: %(default)s)")
+    b.add_argument("--server-pid", type=int, default=None,
+                   help="soak: the server's process, whose tree's RSS is reported (default: the one listening on "
+                        "--base-url's port, if local)")
+    b.add_argument("--plot", default=None, metavar="PNG", help="soak: plot throughput, latency and RSS over time")
     b.add_argument("--json", action="store_true", help="print JSON")
     b.set_defaults(func=run)
     b = bsub.add_parser("plot", help="W1 and batch-1 decode of shardlm and peers (vLLM, llama.cpp) per precision, "
@@ -157,6 +165,14 @@ def run(ns) -> None:
         for metric, values in plot(ns.results, ns.out, ns.title).items():
             print(f"{metric}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(values.items())))
         print(f"wrote {ns.out}")
+        return
+    if ns.bench_kind == "serve" and ns.duration is not None:
+        from shardlm.bench import soak
+        result = soak.run_soak(ns.base_url, ns.model, ns.api_key, ns.concurrency, ns.duration, ns.ramp, ns.interval,
+                               ns.workload, ns.output_len, ns.server_pid)
+        soak.report(result, ns.json)
+        if ns.plot:
+            soak.plot(result, ns.plot)
         return
     if ns.bench_kind == "serve":
         from shardlm.bench.serve import report as report_serve

@@ -1,0 +1,33 @@
+"""`shardlm bench serve --duration`: the soak's report over time, against a real server whose KV
+cache is too small for its clients (so it preempts): rows per interval with throughput, latency,
+each server process's RSS and the preemptions; no request fails; the plot is written."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import start_server, stop_server
+
+
+@pytest.mark.slow
+def test_a_short_soak_reports_each_interval_and_forces_preemption(tiny_model_dir, tmp_path):
+    proc, url = start_server(tiny_model_dir("llama-gqa"), "--kv-cache-memory", "256KiB")
+    try:
+        png = tmp_path / "soak.png"
+        run = subprocess.run([sys.executable, "-m", "shardlm.entrypoints.cli", "bench", "serve", "--base-url", url,
+                              "--duration", "12s", "--ramp", "2s", "--interval", "3s", "--concurrency", "16",
+                              "--output-len", "48", "--server-pid", str(proc.pid), "--plot", str(png), "--json"],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        r = json.loads(run.stdout)
+    finally:
+        stop_server(proc)
+    assert r["failed"] == 0 and r["completed"] > 16, r["errors"]
+    assert r["preemptions"] > 0, "a KV cache of 256 KiB holds fewer tokens than 16 clients need"
+    rows = r["windows"]
+    assert len(rows) >= 4 and all(w["completed"] > 0 for w in rows[1:])
+    assert all(any(name.startswith("shardlm-core") for name in w["rss_mib"]) for w in rows)
+    assert rows[-1]["clients"] == 16 and all(w["itl_ms_p99"] is not None for w in rows[1:])
+    assert png.stat().st_size > 10_000
