@@ -255,6 +255,9 @@ class MPClient(EngineCoreClient):
         if self._closing:
             launched.stop(self._encode(Shutdown()), timeout=1.0)
             return
+        # a request sent to a lock-step replica as the engine began to restart (it still took
+        # messages then) was not handed back with the others
+        self._hand_back(self.balancer.forget(list(self.balancer.owner)), reason)
         self.launched, self.cores = launched, launched.cores
         self.balancer.revive(range(len(self.cores)))
         for core in self.cores:
@@ -347,7 +350,8 @@ class MPClient(EngineCoreClient):
 
     def _send_requeued(self) -> None:
         while self._requeued and self.unavailable is None:
-            rid, request = self._requeued.popitem()
+            rid = next(iter(self._requeued))          # in the order they came
+            request = self._requeued.pop(rid)
             try:
                 self.add_request(request)
             except EngineDeadError:
