@@ -136,3 +136,11 @@ def metric(url, name) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in /metrics")
+
+
+def labelled_metric(metrics: str, name: str, engine: str) -> float:
+    """One replica's figure (engine="0", "1", ... or "all") in /metrics text."""
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") and f'engine="{engine}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{{engine={engine}}} not in /metrics")

@@ -16,7 +16,7 @@ import pytest
 from shardlm import LLM, SamplingParams
 from shardlm.engine.core_client import EngineDeadError
 from tests.distributed.test_parallel_server import assert_server_answers_like_llm
-from tests.helpers import engine_core_processes, start_server, stop_server, wait_gone
+from tests.helpers import engine_core_processes, labelled_metric, start_server, stop_server, wait_gone
 from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts
 from tests.server.test_openai_server import assert_concurrent_streams_equal_offline
 
@@ -138,16 +138,9 @@ def test_dp2_server_answers_like_the_offline_engine(dp_server):
     assert_server_answers_like_llm(url, path)
     assert_concurrent_streams_equal_offline(url, path)
     text = httpx.get(url + "/metrics").text
-    routed = {e: _labelled(text, "shardlm:num_requests_routed", e) for e in ("0", "1", "all")}
+    routed = {e: labelled_metric(text, "shardlm:num_requests_routed", e) for e in ("0", "1", "all")}
     assert routed["0"] > 20 and routed["1"] > 20 and routed["0"] + routed["1"] == routed["all"], routed
     assert httpx.get(url + "/health").json() == {"status": "ok"}
-
-
-def _labelled(metrics: str, name: str, engine: str) -> float:
-    for line in metrics.splitlines():
-        if line.startswith(name + "{") and f'engine="{engine}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name}{{engine={engine}}} not in /metrics")
 
 
 @pytest.mark.slow
@@ -219,8 +212,8 @@ def test_headless_node_joins_the_head_and_both_serve(tiny_model_dir):
             assert_server_answers_like_llm(url, path)
             assert_concurrent_streams_equal_offline(url, path, n=16)
             text = httpx.get(url + "/metrics").text
-            assert _labelled(text, "shardlm:num_requests_routed", "1") >= 4
-            assert _labelled(text, "shardlm:num_requests_routed", "0") >= 4
+            assert labelled_metric(text, "shardlm:num_requests_routed", "1") >= 4
+            assert labelled_metric(text, "shardlm:num_requests_routed", "0") >= 4
         finally:
             stop_server(proc)
         assert node.wait(timeout=30) == 0, node.stderr.read()[-3000:]

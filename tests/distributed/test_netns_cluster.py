@@ -158,9 +158,8 @@ def test_a_rendezvous_address_the_other_node_cannot_reach_is_named(two_hosts, ti
 def test_headless_data_parallel_replica_in_the_other_namespace(two_hosts, tiny_model_dir):
     """The head (this namespace, HEAD_IP) runs the API server and replica 0; a headless node in
     the other namespace runs replica 1 and joins over the veth pair. Both serve, equal to dp=1."""
-    from tests.distributed.test_data_parallel import _labelled
     from tests.distributed.test_parallel_server import assert_server_answers_like_llm
-    from tests.helpers import free_port, start_server, stop_server
+    from tests.helpers import free_port, labelled_metric, start_server, stop_server
     path = tiny_model_dir("llama-gqa")
     rpc = free_port()
     common = ["-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address", HEAD_IP,
@@ -173,7 +172,7 @@ def test_headless_data_parallel_replica_in_the_other_namespace(two_hosts, tiny_m
         proc, url = start_server(path, *common, env={"SHARDLM_HOST_IP": HEAD_IP})
         try:
             assert_server_answers_like_llm(url, path)
-            routed = _labelled(httpx.get(url + "/metrics").text, "shardlm:num_requests_routed", "1")
+            routed = labelled_metric(httpx.get(url + "/metrics").text, "shardlm:num_requests_routed", "1")
             assert routed >= 1, "replica 1 (the other namespace) served"
         finally:
             stop_server(proc)

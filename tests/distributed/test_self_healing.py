@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from shardlm import LLM, SamplingParams
-from tests.helpers import engine_core_processes, metric, start_server, stop_server, wait_gone
+from tests.helpers import engine_core_processes, labelled_metric, metric, start_server, stop_server, wait_gone
 
 SERVED_AGAIN_WITHIN_S = 60     # a bound on kill -> serving again (a tiny model starts in a few seconds)
 LONG = {"model": "tiny", "max_tokens": 250, "temperature": 0, "ignore_eos": True}
@@ -178,25 +178,18 @@ def test_a_killed_replica_starts_again_while_the_other_serves(tiny_model_dir):
         assert errors[0]["code"] == 503 and "Data parallel replica 1" in errors[0]["message"]
         finished = [s for s in streams if s.error is None]
         assert all(json.loads(s.lines[-2][6:])["choices"][0]["finish_reason"] == "length" for s in finished)
-        routed_before = _labelled(httpx.get(url + "/metrics").text, "shardlm:num_requests_routed", "1")
+        routed_before = labelled_metric(httpx.get(url + "/metrics").text, "shardlm:num_requests_routed", "1")
         for _ in range(4):
             r = httpx.post(url + "/v1/completions", json={**SHORT, "prompt": "Hi"}, timeout=60)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         text = httpx.get(url + "/metrics").text
-        assert _labelled(text, "shardlm:num_requests_routed", "1") > routed_before, "replica 1 serves again"
-        assert _labelled(text, "shardlm:engine_restarts", "1") == 1
+        assert labelled_metric(text, "shardlm:num_requests_routed", "1") > routed_before, "replica 1 serves again"
+        assert labelled_metric(text, "shardlm:engine_restarts", "1") == 1
         assert core1.pid not in {p.pid for p in engine_core_processes(proc)}
     finally:
         stop_server(proc)
     alive = wait_gone(children, 10)
     assert not alive, f"processes left: {[p.pid for p in alive]}"
-
-
-def _labelled(metrics: str, name: str, engine: str) -> float:
-    for line in metrics.splitlines():
-        if line.startswith(name + "{") and f'engine="{engine}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name}{{engine={engine}}} not in /metrics")
 
 
 @pytest.mark.slow
