@@ -8,7 +8,7 @@ from enum import IntEnum
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
-_INT64_MAX = 2**63 - 1
+INT64_MAX = 2**63 - 1
 MAX_LOGIT_BIAS = 100.0     # OpenAI's range for logit_bias values
 
 
@@ -105,7 +105,7 @@ class SamplingParams:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
                 bad(name, v, rule or f"it must be a finite number in [{lo}, {hi}]")
 
-        def integer(name, lo, hi=_INT64_MAX, rule="", optional=False):
+        def integer(name, lo, hi=INT64_MAX, rule="", optional=False):
             v = getattr(self, name)
             if v is None and optional:
                 return
@@ -131,10 +131,10 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             integer(name, 0, MAX_LOGPROBS, rule=f"it must be an integer in [0, {MAX_LOGPROBS}] or None",
                     optional=True)
-        integer("seed", 0, rule=f"it must be an integer in [0, {_INT64_MAX}] or None", optional=True)
+        integer("seed", 0, rule=f"it must be an integer in [0, {INT64_MAX}] or None", optional=True)
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", self.stop, "it must be a non-empty string or a list of non-empty strings")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _INT64_MAX
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT64_MAX
                for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "it must be a list of token ids (integers >= 0)")
         if self.logit_bias is not None:
@@ -145,7 +145,7 @@ class SamplingParams:
                         f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids or any(isinstance(t, bool) or not isinstance(t, int)
-                                                 or not 0 <= t <= _INT64_MAX for t in self.allowed_token_ids):
+                                                 or not 0 <= t <= INT64_MAX for t in self.allowed_token_ids):
                 bad("allowed_token_ids", self.allowed_token_ids, "it must be a non-empty list of token ids "
                     "(integers >= 0), or None")
 

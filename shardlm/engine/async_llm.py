@@ -107,12 +107,8 @@ class AsyncLLM:
     @property
     def restarts(self) -> dict[str, int]:
         """Restarts so far: of the whole engine ("engine") and of each data parallel replica (its rank)."""
-        client = self.engine_core
-        if client.restarts is None:
-            return {}
-        return {"engine": client.engine_budget.total,
-                **{str(client.cores[k].config.parallel.data_parallel_rank): b.total
-                   for k, b in enumerate(client.replica_budgets)}}
+        restarter = self.engine_core.restarter
+        return restarter.counts() if restarter is not None else {}
 
     @property
     def on_finished(self) -> Callable[[RequestOutput], None] | None:

@@ -28,7 +28,6 @@ import atexit
 import itertools
 import queue
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -41,7 +40,7 @@ from shardlm.engine.core_process import call_utility, check_utility
 from shardlm.engine.dp import LoadBalancer, combine_utility
 from shardlm.engine.errors import EngineDeadError, RequestFailedError  # noqa: F401 - the callers' errors
 from shardlm.engine.launcher import LaunchedCores
-from shardlm.engine.restarts import RestartBudget, RestartPolicy
+from shardlm.engine.restarts import Restarter, RestartPolicy
 from shardlm.logger import init_logger
 from shardlm.lora.request import LoRARequest
 from shardlm.messages import (
@@ -140,19 +139,18 @@ class MPClient(EngineCoreClient):
         self.num_blocks_per_engine = self.launched.num_blocks
         self.num_blocks = self.num_blocks_per_engine[0]
         self.balancer = LoadBalancer(len(self.cores), config.kv_block_tokens)
-        self.restarts = restarts
+        self.restarter = Restarter(self, restarts) if restarts is not None else None
         self.restarting: str | None = None       # the whole engine is starting again, after this
-        if restarts is not None:
-            self.engine_budget = RestartBudget(restarts.max_engine_restarts, restarts.window_s)
-            self.replica_budgets = [RestartBudget(restarts.max_replica_restarts, restarts.window_s)
-                                    for _ in self.cores]
         self._unanswered: dict[str, EngineCoreRequest] = {}   # sent, nothing back yet: sent again if its core dies
         self._requeued: dict[str, EngineCoreRequest] = {}     # waiting for a core to come back
         self.adapters: dict[int, LoRARequest] = {}            # loaded at run time: loaded again on a new core
-        self._replicas_restarting: set[int] = set()
         for core in self.cores:
             core.start_reader(self._on_core_message, self._on_core_death)
         atexit.register(self.shutdown)
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
 
     @property
     def process(self):
@@ -183,16 +181,13 @@ class MPClient(EngineCoreClient):
     def _on_core_death(self, index: int, reason: str) -> None:
         if self._closing:
             return
-        if self.restarts is not None and self.launched.restartable:
-            if self.cores[index].config.dp_lockstep or len(self.cores) == 1:
-                self._restart_engine(reason)
-            else:
-                self._restart_replica(index, reason)
+        if self.restarter is not None and self.launched.restartable:
+            self.restarter.on_death(index, reason)
             return
         live = [c.index for c in self.cores if c.dead_reason is None]
         if live and self.cores[index].config.dp_lockstep:
             # the replicas run their MoE layers together: the others cannot step without it
-            self._die(f"{reason} Expert parallel replicas run every step together, so the engine cannot go on "
+            self.die(f"{reason} Expert parallel replicas run every step together, so the engine cannot go on "
                       "without it.")
             for core in self.cores:
                 if core.index != index and core.dead_reason is None:
@@ -200,7 +195,7 @@ class MPClient(EngineCoreClient):
                     threading.Thread(target=core.shutdown, args=(self._encode(Shutdown()), 1.0), daemon=True).start()
             return
         if not live:
-            self._die(reason if len(self.cores) == 1 else
+            self.die(reason if len(self.cores) == 1 else
                       "Every data parallel replica has died; the last: " + reason)
             return
         lost = self.balancer.mark_dead(index, reason)
@@ -210,117 +205,47 @@ class MPClient(EngineCoreClient):
         if lost:
             self._deliver(EngineCoreOutputs([EngineCoreOutput(rid, [], error=reason) for rid in lost]))
 
-    def _die(self, reason: str) -> None:
+    def die(self, reason: str) -> None:
+        """Dead for good: every waiting caller gets EngineDeadError(reason)."""
+        self.restarting = None
+        self._requeued.clear()
         self.dead_reason = reason
         self._fail(EngineDeadError(reason))
 
-    # ---- restarts (reader threads decide, a thread of its own starts the cores) ----
-    def _restart_engine(self, reason: str) -> None:
-        """The one core, or one of replicas that step together, died: every core starts again."""
-        with self._state_lock:
-            if self.restarting or self.dead_reason:
-                return            # another replica of the same engine reported first
-            self.restarting = reason
+    # ---- restarts: when, the Restarter (restarts.py); what becomes of the requests and cores, here ----
+    def hand_back_all(self, reason: str) -> None:
+        """The engine stopped as a whole: every core is done; its requests handed back."""
         for core in self.cores:
             core.closing = True   # the others stop as well: no more deaths to report
-        delay = self.engine_budget.next_delay()
-        if delay is None:
-            self._give_up(reason, "--max-engine-restarts", self.restarts.max_engine_restarts)
-            return
         self._fail_calls(self._take_gathers(range(len(self.cores))), EngineDeadError(reason))
         self._hand_back(self.balancer.forget(list(self.balancer.owner)), reason)
-        logger.warning("%s Starting the engine again in %.0f s; requests that had no answer yet wait for it.",
-                       reason, delay)
-        threading.Thread(target=self._relaunch, args=(delay, reason), name="shardlm-engine-restart",
-                         daemon=True).start()
 
-    def _relaunch(self, delay: float, reason: str) -> None:
-        t0 = time.monotonic()
-        old = self.launched
-        while True:
-            time.sleep(delay)
-            old.stop(self._encode(Shutdown()), timeout=1.0)
-            if self._closing:
-                return
-            self.engine_budget.spend()
-            try:
-                launched = LaunchedCores(self.config)
-                break
-            except Exception as e:           # it failed to start: counts as a restart
-                reason = f"{reason} Starting it again failed: {e}"
-                delay = self.engine_budget.next_delay()
-                if delay is None:
-                    self._give_up(reason, "--max-engine-restarts", self.restarts.max_engine_restarts)
-                    return
-        if self._closing:
-            launched.stop(self._encode(Shutdown()), timeout=1.0)
-            return
+    def hand_back_replica(self, index: int, reason: str) -> None:
+        """Replica `index` died: out of routing, its requests handed back."""
+        lost = self.balancer.mark_dead(index, reason)
+        self._fail_calls(self._take_gathers([index]), EngineDeadError(reason))
+        self._hand_back({index: lost}, reason)
+
+    def adopt(self, launched: LaunchedCores, reason: str) -> None:
+        """The engine's new cores, ready: they take the waiting requests."""
         # a request sent to a lock-step replica as the engine began to restart (it still took
         # messages then) was not handed back with the others
         self._hand_back(self.balancer.forget(list(self.balancer.owner)), reason)
         self.launched, self.cores = launched, launched.cores
-        self.balancer.revive(range(len(self.cores)))
-        for core in self.cores:
-            core.start_reader(self._on_core_message, self._on_core_death)
-            self._reload_adapters(core.index)
+        self._serve_again(range(len(self.cores)))
         self.restarting = None
-        logger.info("The engine serves again, %.1f s after it died (restart %d in the last hour, at most %d).",
-                    time.monotonic() - t0, len(self.engine_budget.times), self.restarts.max_engine_restarts)
         self._send_requeued()
 
-    def _restart_replica(self, index: int, reason: str) -> None:
-        """Replica `index` died while the others may serve: it starts again on its own."""
-        lost = self.balancer.mark_dead(index, reason)
-        self._fail_calls(self._take_gathers([index]), EngineDeadError(reason))
-        self._hand_back({index: lost}, reason)
-        delay = self.replica_budgets[index].next_delay()
-        if delay is None:
-            self._give_up(reason, "--max-replica-restarts", self.restarts.max_replica_restarts, index)
-            return
-        self._replicas_restarting.add(index)
-        logger.warning("%s Starting it again in %.0f s; the other replicas serve meanwhile.", reason, delay)
-        threading.Thread(target=self._relaunch_replica, args=(index, delay, reason),
-                         name=f"shardlm-replica-restart-{index}", daemon=True).start()
-
-    def _relaunch_replica(self, index: int, delay: float, reason: str) -> None:
-        t0, budget = time.monotonic(), self.replica_budgets[index]
-        while True:
-            time.sleep(delay)
-            if self._closing:
-                return
-            budget.spend()
-            try:
-                core = self.launched.restart_replica(index)
-                break
-            except Exception as e:
-                reason = f"{reason} Starting it again failed: {e}"
-                delay = budget.next_delay()
-                if delay is None:
-                    self._give_up(reason, "--max-replica-restarts", self.restarts.max_replica_restarts, index)
-                    return
-        if self._closing:
-            core.shutdown(self._encode(Shutdown()), timeout=1.0)
-            return
-        core.start_reader(self._on_core_message, self._on_core_death)
-        self._reload_adapters(index)
-        self.balancer.revive([index])
-        self._replicas_restarting.discard(index)
-        logger.info("%s serves again, %.1f s after it died (restart %d in the last hour, at most %d).",
-                    core.name, time.monotonic() - t0, len(budget.times), self.restarts.max_replica_restarts)
+    def adopt_replica(self, index: int) -> None:
+        """Replica `index`, started again and ready (already in self.cores), takes requests."""
+        self._serve_again([index])
         self._send_requeued()
 
-    def _give_up(self, reason: str, flag: str, limit: int, index: int | None = None) -> None:
-        """Past the restart limit: the replica stays dead (if others may still serve), else the engine."""
-        why = f"{reason} Not started again: {limit} restart(s) in the last hour is the limit ({flag})."
-        if index is not None:
-            logger.error("%s", why)
-            self._replicas_restarting.discard(index)
-            if len(self.balancer.dead) < len(self.cores) or self._replicas_restarting:
-                return            # others serve, or will
-            why = "Every data parallel replica has died; the last: " + why
-        self.restarting = None
-        self._requeued.clear()
-        self._die(why)
+    def _serve_again(self, indices) -> None:
+        for k in indices:
+            self.cores[k].start_reader(self._on_core_message, self._on_core_death)
+            self._reload_adapters(k)
+        self.balancer.revive(indices)
 
     def _take_gathers(self, indices) -> list[_Gather]:
         """The utility calls waiting on these cores, no longer waited for."""
@@ -333,18 +258,19 @@ class MPClient(EngineCoreClient):
         """Requests of dead cores: those with an answer fail (their callers retry), and so do those
         in a step that failed (one may be what made it fail: sent again, it could fail the next
         engine too); the others go to a live replica, or wait for a core to come back."""
+        begun = f"{reason} The request had begun there and cannot go on: retry it."
+        suspect = f"{reason} The request was in the step that failed, so it is not sent again (it may be the cause)."
         failed = []
         for index, ids in lost.items():
             suspects = self.cores[index].in_failed_steps
             for rid in ids:
                 request = self._unanswered.pop(rid, None)
                 if request is None or rid in suspects:
-                    failed.append(rid)
+                    failed.append(EngineCoreOutput(rid, [], error=begun if request is None else suspect))
                 else:
                     self._requeued[rid] = request
         if failed:
-            why = f"{reason} The request had begun there and cannot go on: retry it."
-            self._deliver(EngineCoreOutputs([EngineCoreOutput(rid, [], error=why) for rid in failed]))
+            self._deliver(EngineCoreOutputs(failed))
         if self.unavailable is None:
             self._send_requeued()
 
@@ -394,7 +320,7 @@ class MPClient(EngineCoreClient):
         if (why := self.unavailable) is not None:
             raise EngineDeadError(why + (" Retry shortly." if self.dead_reason is None else ""))
         index = self.balancer.assign(request.request_id, request.prompt_token_ids)
-        if self.restarts is not None:
+        if self.restarter is not None:
             self._unanswered[request.request_id] = request
         try:
             self._send(index, request)

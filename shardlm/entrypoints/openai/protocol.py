@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from shardlm.sampling_params import INT64_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS
+
 
 @dataclass
 class RequestLimits:
@@ -68,47 +70,58 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+def checked(default, **schema):
+    """A field whose bounds SamplingParams checks (with the messages users see), published in
+    /openapi.json as JSON-schema keywords so that a client or a fuzzer knows them too."""
+    return Field(default, json_schema_extra=schema)
+
+
+_TOKEN_IDS = {"items": {"type": "integer", "minimum": 0, "maximum": INT64_MAX}}
+
+
 class _SamplingFields(BaseModel):
     # fields this server does not implement are refused by name (OpenAIServing.check_fields),
-    # except those a client sends as null
-    model_config = ConfigDict(extra="allow")
+    # except those a client sends as null; the schema lists only the fields it takes
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    n: int = checked(1, minimum=1, maximum=INT64_MAX)
+    temperature: float | None = checked(None, minimum=0)
+    top_p: float | None = checked(None, exclusiveMinimum=0, maximum=1)
+    top_k: int | None = checked(None, minimum=-1, maximum=INT64_MAX)
+    min_p: float | None = checked(None, minimum=0, maximum=1)
+    seed: int | None = checked(None, minimum=0, maximum=INT64_MAX)
+    presence_penalty: float = checked(0.0, minimum=-2, maximum=2)
+    frequency_penalty: float = checked(0.0, minimum=-2, maximum=2)
+    repetition_penalty: float | None = checked(None, exclusiveMinimum=0)
+    stop: str | list[str] | None = checked(None, minLength=1, items={"minLength": 1})
+    stop_token_ids: list[int] | None = checked(None, **_TOKEN_IDS)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = checked(0, minimum=0, maximum=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = checked(None, propertyNames={"pattern": "^[0-9]+$"},
+                                                  additionalProperties={"minimum": -MAX_LOGIT_BIAS,
+                                                                        "maximum": MAX_LOGIT_BIAS})
+    allowed_token_ids: list[int] | None = checked(None, minItems=1, **_TOKEN_IDS)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs, and the older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = checked(None, minItems=1)
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(json_schema_extra={"minLength": 1, "minItems": 1})
+    max_tokens: int | None = checked(16, minimum=1, maximum=INT64_MAX)
+    logprobs: int | None = checked(None, minimum=0, maximum=MAX_LOGPROBS)
     echo: bool = False
 
 
@@ -187,16 +200,24 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = checked(None, minimum=1, maximum=INT64_MAX)
+    max_completion_tokens: int | None = checked(None, minimum=1, maximum=INT64_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = checked(None, minimum=0, maximum=MAX_LOGPROBS)
+
+    # top_logprobs needs logprobs: true (OpenAI's rule), said in the schema too
+    model_config = ConfigDict(extra="allow", json_schema_extra={
+        "additionalProperties": False,
+        "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}})
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra={
+        "anyOf": [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                  {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
@@ -206,7 +227,28 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    tokens: list[int]
+    tokens: list[int] = Field(json_schema_extra=_TOKEN_IDS)
+
+
+def publish_vocabulary(schema: dict, vocab_size: int) -> dict:
+    """/openapi.json with this model's bound on every token id (prompt ids, stop_token_ids,
+    allowed_token_ids, detokenize's tokens): the server refuses ids at or past its vocabulary.
+    Also gives back the integer bounds FastAPI's schema model wrote as floats (2^63 - 1 became
+    2^63, past what the server takes)."""
+    def bound(node):
+        if isinstance(node, dict):
+            for key in ("minimum", "maximum", "exclusiveMinimum"):
+                if isinstance(node.get(key), float) and node[key].is_integer():
+                    node[key] = min(int(node[key]), INT64_MAX)
+            if node.get("type") == "array" and node.get("items", {}).get("type") == "integer":
+                node["items"].update(minimum=0, maximum=vocab_size - 1)
+            for value in node.values():
+                bound(value)
+        elif isinstance(node, list):
+            for value in node:
+                bound(value)
+    bound(schema["components"]["schemas"])
+    return schema
 
 
 class LoadLoRAAdapterRequest(BaseModel):

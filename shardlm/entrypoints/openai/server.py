@@ -23,7 +23,7 @@ from shardlm.entrypoints.openai.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, DrainGa
 from shardlm.entrypoints.openai.errors import add_error_handlers
 from shardlm.entrypoints.openai.metrics import ServerMetrics
 from shardlm.entrypoints.openai.middleware import ApiKeyCheck
-from shardlm.entrypoints.openai.protocol import RequestLimits
+from shardlm.entrypoints.openai.protocol import RequestLimits, publish_vocabulary
 from shardlm.entrypoints.openai.routes import health, lora_admin, openai_api, tokenizer
 from shardlm.entrypoints.openai.serving import OpenAIServing
 from shardlm.entrypoints.openai.state import ServerState
@@ -67,6 +67,13 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
 
     app = FastAPI(title="shardlm", version=shardlm.__version__, lifespan=lifespan)
     app.state.shardlm = state
+    default_openapi = app.openapi
+
+    def openapi() -> dict:        # the schema says this model's bound on token ids
+        if app.openapi_schema is None:
+            app.openapi_schema = publish_vocabulary(default_openapi(), config.model.vocab_size)
+        return app.openapi_schema
+    app.openapi = openapi
     for router in (health.router, openai_api.router, tokenizer.router):
         app.include_router(router)
     if envs.SHARDLM_ALLOW_RUNTIME_LORA_UPDATING:
