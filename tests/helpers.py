@@ -30,18 +30,19 @@ SERVE_FLAGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-
                "--served-model-name", "tiny", "--uvicorn-log-level", "warning")
 
 
-def start_server(model_dir, *extra, env=None):
-    """`shardlm serve model_dir` in its own process -> (process, url)."""
+def start_server(model_dir, *extra, env=None, stderr=subprocess.PIPE):
+    """`shardlm serve model_dir` in its own process -> (process, url). stderr: a pipe the test reads
+    (proc.stderr), or a file for a server that logs much (a pipe nobody reads fills and blocks it)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "shardlm.entrypoints.cli", "serve", model_dir, "--port", str(port),
                              *SERVE_FLAGS, *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            stdout=subprocess.DEVNULL, stderr=stderr, text=True,
                             env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + START_HANG_GUARD_S
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read()[-3000:]}")
+            raise RuntimeError(f"server exited: {proc.stderr.read()[-3000:] if proc.stderr else proc.returncode}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return proc, url

@@ -27,10 +27,12 @@ def fuzzed_server(tiny_model_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("fuzz") / "model"
     shutil.copytree(tiny_model_dir("llama-gqa"), path)
     (path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 4}))
-    proc, url = start_server(str(path), "--max-model-len", "64", "--max-n", "4")
+    log = open(path.parent / "server.log", "w")      # it logs every request it fails
+    proc, url = start_server(str(path), "--max-model-len", "64", "--max-n", "4", stderr=log)
     yield url
     print(f"\nschema fuzz: {sum(CALLS.values())} requests, no 5xx: {CALLS}")
     stop_server(proc)
+    log.close()
     assert proc.returncode == 0
 
 

@@ -13,7 +13,8 @@ from tests.helpers import start_server, stop_server
 
 @pytest.mark.slow
 def test_a_short_soak_reports_each_interval_and_forces_preemption(tiny_model_dir, tmp_path):
-    proc, url = start_server(tiny_model_dir("llama-gqa"), "--kv-cache-memory", "256KiB")
+    log = open(tmp_path / "server.log", "w")        # a line per preemption: more than a pipe holds
+    proc, url = start_server(tiny_model_dir("llama-gqa"), "--kv-cache-memory", "256KiB", stderr=log)
     try:
         png = tmp_path / "soak.png"
         run = subprocess.run([sys.executable, "-m", "shardlm.entrypoints.cli", "bench", "serve", "--base-url", url,
@@ -24,6 +25,7 @@ def test_a_short_soak_reports_each_interval_and_forces_preemption(tiny_model_dir
         r = json.loads(run.stdout)
     finally:
         stop_server(proc)
+        log.close()
     assert r["failed"] == 0 and r["completed"] > 16, r["errors"]
     assert r["preemptions"] > 0, "a KV cache of 256 KiB holds fewer tokens than 16 clients need"
     rows = r["windows"]

@@ -208,8 +208,7 @@ class ChatCompletionRequest(_SamplingFields):
     # top_logprobs needs logprobs: true (OpenAI's rule), said in the schema too
     model_config = ConfigDict(extra="allow", json_schema_extra={
         "additionalProperties": False,
-        "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
-        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}})
+        "dependentSchemas": {"top_logprobs": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}}})
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
