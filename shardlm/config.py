@@ -108,6 +108,9 @@ class ModelConfig:
     # (hub id, revision, download dir) of a model fetched from the hub: Ray nodes fetch it themselves
     hub_source: tuple[str, str | None, str | None] | None = None
     download_dir: str | None = None          # --download-dir: where hub models and adapters are fetched to
+    runner: str = "generate"                 # generate, or pooling (embeddings, classes, scores: pooling/)
+    convert: str | None = None               # a generative architecture run as a pooling model: embed, classify
+    pooler: object | None = None             # the pooling runner's PoolerConfig (pooling/config.py)
 
     @property
     def num_layers(self) -> int:

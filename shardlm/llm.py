@@ -10,7 +10,18 @@ from shardlm.engine.arg_utils import EngineArgs
 from shardlm.engine.llm_engine import LLMEngine
 from shardlm.engine.processor import split_prompt
 from shardlm.lora.request import LoRARequest
-from shardlm.outputs import RequestOutput
+from shardlm.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from shardlm.pooling.params import PoolingParams
+from shardlm.pooling.scoring import cosine, cross_encoder_prompt, score_pairs
 from shardlm.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict
@@ -77,6 +88,75 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tok(text, add_special_tokens=False).input_ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    # ---- pooling models (runner pooling): embeddings, classes, scores ----
+    def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | Sequence[PoolingParams]
+               | None = None, *, pooling_task: str | None = None, truncate_prompt_tokens: int | None = None,
+               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """The pooled output of each prompt as a tensor (outputs.data): pooling_task embed, classify,
+        token_embed or token_classify (None: the model's own task)."""
+        items = _normalize_prompts(prompts)
+        given = list(pooling_params) if isinstance(pooling_params, (list, tuple)) else [pooling_params] * len(items)
+        if len(given) != len(items):
+            raise ValueError(f"Got {len(items)} prompts but {len(given)} pooling params: give one, or one per prompt.")
+        params = []
+        for p in given:
+            p = p or PoolingParams()
+            if not isinstance(p, PoolingParams):
+                raise TypeError(f"pooling_params must be PoolingParams, not {type(p).__name__}.")
+            changes = {k: v for k, v in (("task", pooling_task), ("truncate_prompt_tokens", truncate_prompt_tokens))
+                       if v is not None}
+            params.append(p.clone(**changes) if changes else p)
+        ids = []
+        try:
+            for prompt, p in zip(items, params):
+                rid = str(next(self._counter))
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (outputs.embedding)."""
+        outs = self.encode(prompts, pooling_params, pooling_task="embed", truncate_prompt_tokens=truncate_prompt_tokens,
+                           use_tqdm=use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids)
+                for o in outs]
+
+    def classify(self, prompts: Prompt | Sequence[Prompt], *, truncate_prompt_tokens: int | None = None,
+                 use_tqdm: bool = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (outputs.probs) from a classification model."""
+        outs = self.encode(prompts, pooling_params, pooling_task="classify",
+                           truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(o.outputs.data.tolist()),
+                                            o.prompt_token_ids) for o in outs]
+
+    def score(self, data_1, data_2, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """Scores of text pairs: data_1 one text against each of data_2, or both lists pairwise. A
+        cross-encoder reads each pair; an embedding model gives the cosine of their embeddings."""
+        pairs = score_pairs(data_1, data_2)
+        pooler = self.engine.config.model.pooler
+        params = (pooling_params or PoolingParams()).clone(truncate_prompt_tokens=truncate_prompt_tokens)
+        if pooler is not None and pooler.task == "classify":
+            keep = self.engine.config.model.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            tok = self.get_tokenizer()
+            outs = self.encode([cross_encoder_prompt(tok, a, b, keep) for a, b in pairs],
+                               params.clone(truncate_prompt_tokens=None), pooling_task="score", use_tqdm=use_tqdm)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data.flatten()[-1])),
+                                         o.prompt_token_ids) for o in outs]
+        texts = list({_key(t): t for pair in pairs for t in pair}.values())
+        embedded = {_key(t): o for t, o in zip(texts, self.encode(texts, params, pooling_task="embed",
+                                                                  use_tqdm=use_tqdm))}
+        return [ScoringRequestOutput(embedded[_key(a)].request_id + "-" + embedded[_key(b)].request_id,
+                                     ScoringOutput(cosine(embedded[_key(a)].outputs.data, embedded[_key(b)].outputs.data)),
+                                     embedded[_key(a)].prompt_token_ids + embedded[_key(b)].prompt_token_ids)
+                for a, b in pairs]
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         bar = None
@@ -89,7 +169,8 @@ class LLM:
                 for out in self.engine.step():
                     done[out.request_id] = out
                     if bar is not None:
-                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        if isinstance(out, RequestOutput):
+                            out_tokens += sum(len(c.token_ids) for c in out.outputs)
                         bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s",
                                             refresh=False)
                         bar.update(1)
@@ -139,3 +220,8 @@ def _normalize_prompts(prompts) -> list:
     for p in prompts:
         split_prompt(p)          # a prompt it cannot read fails before any request is added
     return list(prompts)
+
+
+def _key(prompt) -> str:
+    """A prompt as a dict key (a text is embedded once however often it is scored)."""
+    return prompt if isinstance(prompt, str) else repr(prompt)

@@ -2,7 +2,7 @@
 
 Plain msgspec structs of ints, floats, strings and lists (never pickle), so any transport (a
 pipe, a shared-memory queue, a Ray call, a socket) carries them as msgpack bytes. This module
-imports nothing of shardlm but SamplingParams, LoRARequest and TokenLogprobs, so every layer may use it.
+imports nothing of shardlm but SamplingParams, PoolingParams, LoRARequest and TokenLogprobs, so every layer may use it.
 
 Three conversations:
 
@@ -23,6 +23,7 @@ import msgspec
 
 from shardlm.lora.request import LoRARequest
 from shardlm.outputs import TokenLogprobs
+from shardlm.pooling.params import PoolingParams
 from shardlm.sampling_params import SamplingParams
 
 
@@ -33,6 +34,14 @@ class NewRequestData(msgspec.Struct):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None    # a pooling request: its result instead of tokens
+    token_type_ids: list[int] | None = None        # encoders: each token's segment (a pair's second text: 1)
+
+
+class PooledData(msgspec.Struct):
+    """A pooling request's result: float32 values of this shape, as bytes."""
+    shape: list[int]
+    data: bytes
 
 
 class ScheduledChunk(msgspec.Struct):
@@ -77,6 +86,7 @@ class ModelRunnerOutput(msgspec.Struct):
     # requests whose own part of the step failed (an adapter that could not be read): why. Their
     # rows ran (so every rank ran the same step); their tokens are dropped and they end.
     failed: dict[str, str] = msgspec.field(default_factory=dict)
+    pooled: dict[str, PooledData] = msgspec.field(default_factory=dict)    # pooling requests: their results
 
 
 # ---- front end <-> engine core ----
@@ -87,6 +97,8 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     params: SamplingParams
     arrival_time: float
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
+    token_type_ids: list[int] | None = None
 
 
 class EngineCoreOutput(msgspec.Struct):
@@ -100,6 +112,7 @@ class EngineCoreOutput(msgspec.Struct):
     num_cached_tokens: int = 0
     error: str | None = None       # the request failed: why
     error_kind: str = "engine"     # "engine": its engine core or replica died; "request": its own fault
+    pooled: PooledData | None = None    # a pooling request's result (it ends with it)
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True):

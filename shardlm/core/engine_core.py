@@ -23,6 +23,7 @@ from shardlm.core.stat_logger import StatLogger
 from shardlm.core.wave import Wave
 from shardlm.executor.selection import executor_class
 from shardlm.logger import init_logger
+from shardlm.models.registry import get_model_class
 from shardlm.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
 from shardlm.planner.layer_placement import describe_partition, stage_layers
 from shardlm.structured_output.manager import StructuredOutputManager
@@ -85,7 +86,10 @@ class EngineCore:
                 f"or lower max_model_len to at most {groups.max_tokens(usable, bs, chunk)}.")
         cp = self.config.parallel.context_parallel_size
         spread = f" ({self.config.cache.block_size} on each of {cp} context parallel ranks)" if cp > 1 else ""
-        if groups.windows == (None,):
+        if getattr(get_model_class(self.config.model.architecture, self.config.model.convert), "is_encoder", False):
+            logger.info("No KV cache (an encoder computes whole prompts): at most %d prompts a step",
+                        self.config.scheduler.max_num_seqs)
+        elif groups.windows == (None,):
             logger.info("KV cache: %d blocks x %d tokens%s = %d tokens; max concurrency at max_model_len %d: %.2fx",
                         usable, bs, spread, usable * bs, max_len, usable * bs / max_len)
         else:
@@ -97,7 +101,8 @@ class EngineCore:
         """-> the lock-step wave this request started (the other replicas must join it), or None."""
         m = self.config.model
         request = Request(req.request_id, req.prompt_token_ids, req.params, m.eos_token_ids, m.max_model_len,
-                          self.config.kv_block_tokens, req.arrival_time, req.lora_request)
+                          self.config.kv_block_tokens, req.arrival_time, req.lora_request, req.pooling_params,
+                          req.token_type_ids)
         if req.params.structured_outputs is not None:
             if self.structured_outputs is None:
                 self.structured_outputs = StructuredOutputManager(m.tokenizer, m.vocab_size, m.reasoning_parser)

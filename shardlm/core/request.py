@@ -42,8 +42,11 @@ def hash_block_tokens(parent_hash: bytes | None, tokens: tuple[int, ...]) -> byt
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: list[int], max_model_len: int, block_size: int,
-                 arrival_time: float | None = None, lora_request: LoRARequest | None = None):
+                 arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                 pooling_params=None, token_type_ids: list[int] | None = None):
         self.request_id = request_id
+        self.pooling_params = pooling_params      # a pooling request: one step, its result instead of tokens
+        self.token_type_ids = token_type_ids
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = set(eos_token_ids)

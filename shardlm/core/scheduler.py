@@ -155,6 +155,8 @@ class Scheduler:
                 continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
+            if request.pooling_params is not None and num_new < request.num_tokens - num_hit:
+                break                           # a pooling request runs whole, in one step
             if not self.kv.allocate_slots(request, num_new, hit_blocks):
                 break
             del self.waiting[skipped]            # the head, but for requests still compiling
@@ -168,7 +170,8 @@ class Scheduler:
             if request.request_id not in self._known_to_workers:
                 self._known_to_workers.add(request.request_id)
                 new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
-                                                   request.sampling_params, request.lora_request))
+                                                   request.sampling_params, request.lora_request,
+                                                   request.pooling_params, request.token_type_ids))
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
 
@@ -268,6 +271,17 @@ class Scheduler:
                            "total preemptions: %d. Give the KV cache more memory or lower max_num_seqs "
                            "for better throughput.", request.request_id, self.num_preemptions)
 
+    def _pooled(self, request: Request, result: ModelRunnerOutput) -> EngineCoreOutput:
+        """A pooling request ends with its step: its result, or an error if the step gave none."""
+        pooled = result.pooled.get(request.request_id)
+        request.status = RequestStatus.FINISHED_STOPPED
+        self.running.remove(request)
+        self._free(request)
+        if pooled is None:
+            return EngineCoreOutput(request.request_id, [], finish_reason=RequestStatus.FINISHED_ABORTED.value,
+                                    error="the model returned no pooled result", error_kind="request")
+        return EngineCoreOutput(request.request_id, [], finish_reason=request.status.value, pooled=pooled)
+
     @staticmethod
     def _advance_grammar(request: Request, token: int) -> None:
         ends = request.thinking_end_ids
@@ -294,6 +308,9 @@ class Scheduler:
                 self.finish_requests([chunk.req_id])
                 outputs.append(EngineCoreOutput(chunk.req_id, [], finish_reason=RequestStatus.FINISHED_ABORTED.value,
                                                 error=why, error_kind="request"))
+                continue
+            if request.pooling_params is not None:
+                outputs.append(self._pooled(request, result))
                 continue
             prompt_lp = result.prompt_logprobs.get(chunk.req_id)
             tokens = result.sampled.get(chunk.req_id) if chunk.sample else None

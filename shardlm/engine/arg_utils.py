@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field, fields
+from types import SimpleNamespace
 
 import torch
 
@@ -34,8 +35,14 @@ from shardlm.executor.selection import choose_backend
 from shardlm.logger import init_logger
 from shardlm.model_loader.default_model import locate_model, resolve_tokenizer_path
 from shardlm.model_loader.gptq_awq import checkpoint_method
-from shardlm.models.registry import language_model_config, resolve_architecture
+from shardlm.models.registry import (
+    get_model_class,
+    is_pooling_architecture,
+    language_model_config,
+    resolve_architecture,
+)
 from shardlm.planner.startup import check_fits, check_parallel_layout
+from shardlm.pooling.config import resolve_pooler_config, resolve_runner
 from shardlm.worker.cpu_binding import validate_binding
 
 logger = init_logger(__name__)
@@ -182,6 +189,21 @@ class EngineArgs:
         "in steps with N or more running requests (default 16; 0: never); {\"model\": DIR, ...} a "
         "draft model of the same tokenizer; {\"method\": \"eagle\" or \"eagle3\", \"model\": DIR, ...} "
         "an EAGLE head; {\"method\": \"mtp\"} DeepSeek-V3's own multi-token-prediction layer")
+    runner: str = knob(
+        "auto", "model",
+        "generate, or pooling (embeddings, classes, scores and rerank: /v1/embeddings, /classify, /score, "
+        "/rerank; LLM.embed, classify, score, encode); auto: pooling for the architectures that only pool "
+        "(BertModel, XLMRobertaModel, ...ForSequenceClassification), generate for the rest")
+    convert: str = knob(
+        "auto", "model",
+        "run a generative checkpoint as a pooling model: embed (its last token's hidden state, e.g. "
+        "Qwen3-Embedding) or classify (its `score` matrix); auto: embed with --runner pooling; none")
+    pooler_config: dict | str | None = knob(
+        None, "model",
+        "the pooling runner's pooling, as JSON over the checkpoint's sentence-transformers files and the "
+        "model's defaults: {\"pooling_type\": \"MEAN\"} (CLS, LAST, MEAN, ALL, STEP), \"normalize\": "
+        "bool (embeddings to unit length), \"use_activation\": bool (sigmoid / softmax over classes), "
+        "\"step_tag_id\": int (STEP: the token whose positions are returned)")
     reasoning_parser: str | None = knob(
         None, "model",
         "how this reasoning model marks its thinking: deepseek_r1 or qwen3 (<think>...</think>); the "
@@ -213,7 +235,17 @@ class EngineArgs:
         architecture = resolve_architecture(checkpoint_config)
         hf_config = language_model_config(checkpoint_config, architecture)    # a multimodal one's text model
         dtype = resolve_dtype(self.dtype, _config_dtype(checkpoint_config), device, _mlp_shape(hf_config))
-        max_model_len = _resolve_max_model_len(hf_config, self.max_model_len)
+        runner, convert = resolve_runner(architecture, self.runner, self.convert,
+                                         is_pooling_architecture(architecture))
+        pooler = None
+        if runner == "pooling":
+            pooler = resolve_pooler_config(path, hf_config, get_model_class(architecture, convert),
+                                           self.pooler_config)
+            max_model_len = _pooling_max_model_len(hf_config, pooler, self.max_model_len)
+        else:
+            if self.pooler_config:
+                raise ValueError("--pooler-config applies to pooling models: add --runner pooling.")
+            max_model_len = _resolve_max_model_len(hf_config, self.max_model_len)
         gen_defaults = load_generation_defaults(path)
         model_cfg = ModelConfig(
             model=path, tokenizer=resolve_tokenizer_path(self.tokenizer, self.download_dir, self.tokenizer_revision)
@@ -229,11 +261,16 @@ class EngineArgs:
             enforce_eager=self.enforce_eager, batch_invariant=self.batch_invariant, cpu_plan=self.cpu_plan,
             hub_source=source.hub,
             download_dir=self.download_dir,
-            reasoning_parser=_reasoning_parser(self.structured_outputs_config, self.reasoning_parser))
+            reasoning_parser=_reasoning_parser(self.structured_outputs_config, self.reasoning_parser),
+            runner=runner, convert=convert, pooler=pooler)
         cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
+        batched_tokens = self.max_num_batched_tokens or max(SchedulerConfig.max_num_batched_tokens, self.max_num_seqs)
+        if pooler is not None:
+            # a pooled prompt is computed whole in one step; its KV cache is not kept for later prompts
+            cache.enable_prefix_caching = False
+            batched_tokens = max(batched_tokens, max_model_len)
         scheduler = SchedulerConfig(**{**self.landing_in("scheduler"), "max_model_len": max_model_len,
-                                       "max_num_batched_tokens": self.max_num_batched_tokens
-                                       or max(SchedulerConfig.max_num_batched_tokens, self.max_num_seqs)})
+                                       "max_num_batched_tokens": batched_tokens})
         lora = LoRAConfig(**self.landing_in("lora")) if self.enable_lora else None
         speculative = SpeculativeConfig.from_json(self.speculative_config) if self.speculative_config else None
         if speculative is not None and speculative.model:
@@ -489,6 +526,17 @@ def _eos_ids(hf_config, gen_defaults: dict) -> list[int]:
     if eos is None:
         return []
     return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def _pooling_max_model_len(hf_config, pooler, requested: int | None) -> int:
+    """An encoder covers its position table (less RoBERTa's offset); a sentence-transformers
+    checkpoint's max_seq_length is the default, as sentence-transformers itself uses it."""
+    from shardlm.pooling.bert import encoder_max_positions
+    is_encoder = getattr(hf_config, "model_type", "") in ("bert", "roberta", "xlm-roberta")
+    limit = encoder_max_positions(hf_config) if is_encoder else _resolve_max_model_len(hf_config, None)
+    if requested is None:
+        return min(limit, pooler.max_seq_length or limit)
+    return _resolve_max_model_len(SimpleNamespace(max_position_embeddings=limit), requested)
 
 
 def _resolve_max_model_len(hf_config, requested: int | None) -> int:

@@ -29,6 +29,7 @@ from shardlm.engine.restarts import RestartPolicy
 from shardlm.logger import init_logger
 from shardlm.lora.request import LoRARequest
 from shardlm.outputs import RequestOutput
+from shardlm.pooling.params import PoolingParams
 from shardlm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
@@ -129,9 +130,9 @@ class AsyncLLM:
         return max(0, len(self.output_processor.samples) - self.engine_core.num_running)
 
     # ---- requests ----
-    def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams,
+    def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams | PoolingParams,
                  request_id: str, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
-        """Check the request and send it to the engine core now (bad input raises here, before a
+        """PoolingParams (a pooling model): one PoolingRequestOutput. Check the request and send it to the engine core now (bad input raises here, before a
         caller starts any response), then stream its outputs as the returned iterator is read.
         prompt: a string, a list of token ids, or {"prompt": ..., "prompt_token_ids": ...}.
         Closing the iterator early aborts the request (a caller that never reads it calls abort)."""
@@ -140,7 +141,7 @@ class AsyncLLM:
         if request_id in self._collectors:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         parent, requests = self.processor.process(request_id, prompt, sampling_params, lora_request=lora_request)
-        parent.collector = collector = RequestOutputCollector(sampling_params.output_kind)
+        parent.collector = collector = RequestOutputCollector(parent.params.output_kind)
         self._collectors[request_id] = collector
         self.output_processor.add_request(parent, [r.request_id for r in requests], [r.params for r in requests])
         self._start_output_handler()

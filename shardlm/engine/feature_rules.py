@@ -78,6 +78,30 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+def _pooling(c: EngineConfig) -> bool:
+    return c.model.runner == "pooling"
+
+
+RULES += (
+    Rule("--runner pooling with -pp",
+         lambda c: _pooling(c) and c.parallel.pipeline_parallel_size > 1,
+         "the pooler reads a whole prompt's final hidden states in the step that computes them, on one stage",
+         "-tp or -dp (a pooling model is small enough for one stage)"),
+    Rule("--runner pooling with -dcp or -pcp",
+         lambda c: _pooling(c) and c.parallel.context_parallel_size > 1,
+         "a pooled prompt is computed whole in one step, where context parallel shares positions over ranks",
+         "-tp or -dp"),
+    Rule("--runner pooling with --enable-lora or --speculative-config",
+         lambda c: _pooling(c) and (c.lora is not None or c.speculative is not None),
+         "pooling requests generate no tokens, and adapters are not applied to pooling models yet",
+         "leave out --enable-lora and --speculative-config"),
+    Rule("--runner pooling with --enable-expert-parallel",
+         lambda c: _pooling(c) and c.parallel.enable_expert_parallel,
+         "the pooling models served (encoders, dense decoders) have no experts",
+         "-tp or -dp"),
+)
+
+
 def check_combinations(config: EngineConfig) -> None:
     """Raise UnsupportedCombination for the first rule this configuration breaks."""
     for rule in RULES:

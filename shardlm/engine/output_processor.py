@@ -13,10 +13,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+import torch
+
 from shardlm.engine.detokenizer import IncrementalDetokenizer
 from shardlm.engine.errors import EngineDeadError, RequestFailedError
-from shardlm.messages import EngineCoreOutput, TokenLogprobs
-from shardlm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from shardlm.messages import EngineCoreOutput, PooledData, TokenLogprobs
+from shardlm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from shardlm.pooling.params import PoolingParams
 from shardlm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -54,6 +66,8 @@ class ParentRequest:
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
     collector: object | None = None     # AsyncLLM's RequestOutputCollector: has put(RequestOutput)
+    pooling_params: PoolingParams | None = None     # a pooling request: one PoolingRequestOutput at its end
+    pooled: PooledData | None = None
 
     @property
     def finished(self) -> bool:
@@ -110,6 +124,9 @@ class OutputProcessor:
                 continue
             if out.prompt_logprobs and parent.prompt_logprobs is not None and sample.index == 0:
                 parent.prompt_logprobs.extend(self._convert_logprobs(lp) for lp in out.prompt_logprobs)
+            if out.pooled is not None:
+                parent.pooled, sample.finish_reason = out.pooled, out.finish_reason
+                parent.metrics.first_token_time = parent.metrics.last_token_time = now
             if out.new_token_ids:
                 self._append(sample, out, now, to_abort)
             touched.add(id(sample))
@@ -158,7 +175,9 @@ class OutputProcessor:
         return entries
 
     # ---- what goes out ----
-    def _output_for(self, parent: ParentRequest, finished: bool, touched: set[int]) -> RequestOutput | None:
+    def _output_for(self, parent: ParentRequest, finished: bool, touched: set[int]):
+        if parent.pooling_params is not None:
+            return pooling_output(parent) if finished else None
         kind = parent.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY:
             return self._whole_output(parent, True) if finished else None
@@ -206,3 +225,9 @@ class OutputProcessor:
             return []
         self._forget(parent)
         return list(parent.child_ids)
+
+
+def pooling_output(parent: ParentRequest) -> PoolingRequestOutput:
+    data = parent.pooled
+    values = torch.from_numpy(np.frombuffer(data.data, dtype=np.float32).copy()).view(data.shape)
+    return PoolingRequestOutput(parent.request_id, PoolingOutput(values), parent.prompt_token_ids, True, parent.prompt)

@@ -16,7 +16,8 @@ from shardlm.lora.peft import read_lora_request
 from shardlm.lora.request import LoRARequest
 from shardlm.messages import EngineCoreRequest
 from shardlm.outputs import RequestMetrics
-from shardlm.sampling_params import SamplingParams
+from shardlm.pooling.params import PoolingParams
+from shardlm.sampling_params import RequestOutputKind, SamplingParams
 from shardlm.structured_output.grammar import GrammarCompiler
 
 # generation_config.json keys -> SamplingParams fields (used when the caller gives no params)
@@ -69,7 +70,14 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt, params: SamplingParams, arrival_time: float | None = None,
                 lora_request: LoRARequest | None = None) -> tuple[ParentRequest, list[EngineCoreRequest]]:
-        """-> the request as the output processor tracks it, and its n engine-core requests."""
+        """-> the request as the output processor tracks it, and its n engine-core requests.
+        params: SamplingParams, or PoolingParams for a pooling model (one request, no tokens out)."""
+        if isinstance(params, PoolingParams):
+            return self._process_pooling(request_id, prompt, params, arrival_time, lora_request)
+        if self.config.model.runner == "pooling":
+            raise ValueError(f"{self.config.model.served_model_name} is a pooling model (embeddings, classes, scores): "
+                             "it does not generate text. Use LLM.embed / classify / score / encode, or the server's "
+                             "/v1/embeddings, /classify, /score and /rerank.")
         if lora_request is not None:
             self.check_lora(lora_request)
         text, prompt_token_ids = split_prompt(prompt)
@@ -96,6 +104,51 @@ class InputProcessor:
                               lora_request)
             for i in range(params.n)]
 
+    def _process_pooling(self, request_id: str, prompt, params: PoolingParams, arrival_time: float | None,
+                         lora_request: LoRARequest | None) -> tuple[ParentRequest, list[EngineCoreRequest]]:
+        pooler = self.config.model.pooler
+        name = self.config.model.served_model_name
+        if pooler is None:
+            raise ValueError(f"{name} is a generative model: pooling (embeddings, classes, scores) needs a pooling "
+                             "model, or this one run as one with --runner pooling (--convert embed).")
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not applied to pooling models.")
+        task = params.task or pooler.task
+        if task not in pooler.tasks:
+            raise ValueError(f"{name} does not serve the pooling task {task!r}: it serves {', '.join(pooler.tasks)}.")
+        if params.task is None:
+            params = params.clone(task=task)
+        hidden = self.config.model.hf_config.hidden_size
+        if params.dimensions is not None:
+            if pooler.task != "embed" or not pooler.matryoshka:
+                raise ValueError(f"{name} does not support matryoshka representation: leave out dimensions.")
+            if params.dimensions > hidden:
+                raise ValueError(f"dimensions={params.dimensions} is more than the model's {hidden}.")
+        text, ids = split_prompt(prompt)
+        token_type_ids = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if ids is None:
+            if not isinstance(text, str):
+                raise TypeError(f"A prompt must be a string or a list of token ids, not {type(text).__name__}.")
+            encoded = self.tokenizer(text)
+            ids, token_type_ids = encoded.input_ids, encoded.get("token_type_ids")
+        ids, token_type_ids = self._truncated(ids, token_type_ids, params.truncate_prompt_tokens)
+        self._validate(ids, room_for_output=False)
+        arrival_time = arrival_time or time.time()
+        sampling = SamplingParams(max_tokens=None, output_kind=RequestOutputKind.FINAL_ONLY)
+        parent = ParentRequest(request_id, text, ids, sampling, RequestMetrics(arrival_time), pooling_params=params)
+        return parent, [EngineCoreRequest(request_id, ids, sampling, arrival_time, None, params,
+                                          list(token_type_ids) if token_type_ids is not None else None)]
+
+    def _truncated(self, ids: list[int], token_type_ids: list[int] | None, keep: int | None):
+        """A pooling prompt cut to `keep` tokens (-1: max_model_len) on the tokenizer's truncation side."""
+        if keep is None:
+            return ids, token_type_ids
+        keep = self.config.model.max_model_len if keep == -1 else keep
+        if len(ids) <= keep:
+            return ids, token_type_ids
+        part = slice(-keep, None) if getattr(self.tokenizer, "truncation_side", "right") == "left" else slice(keep)
+        return ids[part], token_type_ids[part] if token_type_ids is not None else None
+
     def check_lora(self, lora_request: LoRARequest) -> None:
         """The adapter can be served: LoRA is on, and the adapter reads and fits the base model
         (read once per id and path; a ValueError says what is wrong)."""
@@ -111,11 +164,15 @@ class InputProcessor:
                               self.config.model.download_dir)
             self._checked_loras.add(key)
 
-    def _validate(self, ids: list[int]) -> None:
+    def _validate(self, ids: list[int], room_for_output: bool = True) -> None:
         max_len = self.config.model.max_model_len
         if not ids:
             raise ValueError("The prompt is empty: give at least one token.")
-        if len(ids) >= max_len:
+        if not room_for_output and len(ids) > max_len:
+            raise ValueError(f"The input is {len(ids)} tokens long, but this model's maximum context length is "
+                             f"{max_len} tokens: shorten it, or set truncate_prompt_tokens to cut it (-1: to "
+                             f"{max_len}).")
+        if room_for_output and len(ids) >= max_len:
             raise ValueError(f"The prompt is {len(ids)} tokens long, but max_model_len={max_len} leaves no room "
                              f"for output: shorten the prompt below {max_len} tokens or raise max_model_len.")
         vocab = self.config.model.vocab_size

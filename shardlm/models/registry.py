@@ -13,6 +13,13 @@ from shardlm.models.phi3 import Phi3ForCausalLM
 from shardlm.models.qwen3 import Qwen3ForCausalLM
 from shardlm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from shardlm.models.smollm3 import SmolLM3ForCausalLM
+from shardlm.pooling.bert import (
+    BertForSequenceClassification,
+    BertModel,
+    XLMRobertaForSequenceClassification,
+    XLMRobertaModel,
+)
+from shardlm.pooling.decoder import as_classification_model, as_embedding_model
 
 MODEL_REGISTRY = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
@@ -35,13 +42,31 @@ MODEL_REGISTRY = {
 }
 
 
+# architectures that only pool (the pooling runner's; pooling/): encoders, and decoder classifiers
+POOLING_REGISTRY = {
+    "BertModel": BertModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "RobertaModel": XLMRobertaModel,
+    "RobertaForSequenceClassification": XLMRobertaForSequenceClassification,
+    "XLMRobertaModel": XLMRobertaModel,
+    "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
+    **{f"{family}ForSequenceClassification": as_classification_model(MODEL_REGISTRY[f"{family}ForCausalLM"])
+       for family in ("Llama", "Mistral", "Qwen2", "Qwen3")},
+}
+
+
 def resolve_architecture(hf_config) -> str:
     archs = getattr(hf_config, "architectures", None) or []
     for arch in archs:
-        if arch in MODEL_REGISTRY:
+        if arch in MODEL_REGISTRY or arch in POOLING_REGISTRY:
             return arch
     raise ValueError(f"Model architecture(s) {archs or '(none in config.json)'} are not supported. "
-                     f"Supported architectures: {', '.join(sorted(MODEL_REGISTRY))}.")
+                     f"Supported architectures: {', '.join(sorted(MODEL_REGISTRY))}; pooling (embeddings, "
+                     f"classes, scores): {', '.join(sorted(POOLING_REGISTRY))}.")
+
+
+def is_pooling_architecture(architecture: str) -> bool:
+    return architecture in POOLING_REGISTRY
 
 
 # checkpoints of a multimodal model that run as their language model (config.text_config)
@@ -58,5 +83,17 @@ def language_model_config(hf_config, architecture: str):
     return text
 
 
-def get_model_class(architecture: str):
-    return MODEL_REGISTRY[architecture]
+_CONVERTED: dict[tuple[str, str], type] = {}
+
+
+def get_model_class(architecture: str, convert: str | None = None):
+    """convert: embed or classify, a generative architecture as a pooling model (--convert)."""
+    if architecture in POOLING_REGISTRY:
+        return POOLING_REGISTRY[architecture]
+    if convert is None:
+        return MODEL_REGISTRY[architecture]
+    key = (architecture, convert)
+    if key not in _CONVERTED:       # one class per pair: pickled and compared by identity
+        as_pooling = as_embedding_model if convert == "embed" else as_classification_model
+        _CONVERTED[key] = as_pooling(MODEL_REGISTRY[architecture])
+    return _CONVERTED[key]

@@ -40,6 +40,8 @@ from shardlm.models.eagle3 import aux_layers_of
 from shardlm.models.llama import prepare_fused_decode
 from shardlm.models.registry import get_model_class
 from shardlm.planner.layer_placement import stage_layers
+from shardlm.pooling.bert import EncoderBatch
+from shardlm.pooling.pooler import pool_step
 from shardlm.spec_decode.proposer import ProposalRequest, Proposer, TargetStep
 from shardlm.spec_decode.selector import make_proposer
 from shardlm.spec_decode.verify import accepted_tokens
@@ -92,7 +94,7 @@ class ModelRunner:
                                                    self.block_size, get_dcp_group().world_size)
         eplb = par.eplb
         with redundant_experts(eplb.num_redundant_experts if eplb is not None else None):
-            self.model = load_model(get_model_class(self.config.model.architecture), self.config.model, self.device,
+            self.model = load_model(get_model_class(m.architecture, m.convert), m, self.device,
                                     stages[self.pp.rank_in_group])
         if eplb is not None and self.moe_layers():
             self.balancer = ExpertBalancer(self.moe_layers(), eplb)
@@ -234,6 +236,9 @@ class ModelRunner:
                 return None
             input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
             positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        if self.config.model.pooler is not None:      # pooling requests end with their result
+            return ModelRunnerOutput({}, pooled=pool_step(self.model, self.config.model.pooler, hidden, chunks, {
+                c.req_id: self.requests[c.req_id].pooling_params for c in chunks}))
         out = self._sample(so, chunks, hidden)
         if out is not None and self.lora is not None and self.lora.unreadable:
             out.failed = self.lora.failed_requests({c.req_id: self.requests[c.req_id].lora_int_id for c in chunks})
@@ -329,10 +334,16 @@ class ModelRunner:
             lora = new.lora_request
             if lora is not None:
                 self.lora.register(lora)
-            self.requests[new.req_id] = RequestState(new.prompt_token_ids, sp, gen, lora.lora_int_id if lora else 0)
+            self.requests[new.req_id] = RequestState(new.prompt_token_ids, sp, gen, lora.lora_int_id if lora else 0,
+                                                     pooling_params=new.pooling_params,
+                                                     token_type_ids=new.token_type_ids)
 
     def _prepare_inputs(self, batch: StepBatch):
         """The tensors and attention metadata of the tokens this rank computes."""
+        if getattr(self.model, "is_encoder", False):       # whole prompts, no KV cache
+            return (torch.tensor(batch.computed_ids, dtype=torch.long, device=self.device),
+                    torch.tensor(batch.computed_positions, dtype=torch.long, device=self.device),
+                    self._encoder_batch(batch.chunks))
         self._fault_in_blocks(max(max(t) for c in batch.chunks for t in c.block_tables))
         layout = batch.attention
         pcp = batch.pcp.step if batch.pcp is not None else None
@@ -341,6 +352,14 @@ class ModelRunner:
         meta = metas[0] if len(metas) == 1 else KVGroupsMetadata(metas)
         return (torch.tensor(batch.computed_ids, dtype=torch.long, device=self.device),
                 torch.tensor(batch.computed_positions, dtype=torch.long, device=self.device), meta)
+
+    def _encoder_batch(self, chunks: list[ScheduledChunk]) -> EncoderBatch:
+        types = []
+        for c in chunks:
+            given = self.requests[c.req_id].token_type_ids
+            types.extend(given if given is not None else [0] * len(c.token_ids))
+        return EncoderBatch([len(c.token_ids) for c in chunks],
+                            torch.tensor(types, dtype=torch.long, device=self.device))
 
     def _gather_pcp_hidden(self, hidden: torch.Tensor, groups: list[list[int]]) -> torch.Tensor | None:
         """The final hidden states of the whole step, in step order, on the first PCP group (None

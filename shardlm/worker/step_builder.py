@@ -17,6 +17,7 @@ import torch
 from shardlm.attention.torch_paged import ContextParallelStep
 from shardlm.lora.batch import LoRABatch
 from shardlm.messages import ScheduledChunk
+from shardlm.pooling.params import PoolingParams
 from shardlm.sampling_params import SamplingParams
 
 
@@ -29,6 +30,8 @@ class RequestState:
     lora_int_id: int = 0                # its adapter (0: the base model)
     output_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs_done: int = 0       # prompt positions answered (a recompute after preemption skips them)
+    pooling_params: PoolingParams | None = None     # a pooling request (pooling/pooler.py)
+    token_type_ids: list[int] | None = None
 
 
 @dataclass

@@ -86,6 +86,9 @@ class Worker:
         """KV blocks this rank can hold: a fixed budget on CPU; on CUDA what is left of
         gpu_memory_utilization after the weights and a profiled peak of activations."""
         per_block = self.runner.kv_cache_bytes_per_block()
+        if per_block == 0:      # an encoder keeps no KV cache: block ids only count what each step holds
+            sched = self.config.scheduler
+            return sched.max_num_seqs * -(-sched.max_model_len // self.config.cache.block_size) + 1
         if self.device.type != "cuda":
             blocks = self.config.cache.kv_cache_memory // per_block
         else:

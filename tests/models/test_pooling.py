@@ -1,0 +1,243 @@
+"""Pooling models against their references: the real all-MiniLM-L6-v2 against
+sentence-transformers; tiny random cross-encoders (BERT, XLM-RoBERTa), a decoder reranker and a
+decoder embedder against transformers; tensor and data parallel against one rank; bad input
+refused with what to do."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from shardlm import LLM, PoolingParams
+
+SENTENCES = ["The cat sits on the mat.", "A man is playing a guitar in the park.",
+             "Paris is the capital of France.", "hello", "Embeddings map text to vectors that can be compared."]
+QUERY = "Where does the cat sit?"
+
+
+def _save(path, model_cls, config, tokenizer_dir: str) -> str:
+    torch.manual_seed(0)
+    model = model_cls(config).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name.lower():
+                p.normal_(0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.exists(os.path.join(tokenizer_dir, f)):
+            shutil.copy(os.path.join(tokenizer_dir, f), path)
+    return str(path)
+
+
+ENCODER = dict(vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=128)
+
+
+@pytest.fixture(scope="module")
+def bert_cross_encoder(tmp_path_factory, minilm_dir):
+    from transformers import BertConfig, BertForSequenceClassification
+    return _save(tmp_path_factory.mktemp("bert-ce"), BertForSequenceClassification,
+                 BertConfig(**ENCODER, num_labels=1), minilm_dir)
+
+
+@pytest.fixture(scope="module")
+def bert_classifier(tmp_path_factory, minilm_dir):
+    from transformers import BertConfig, BertForSequenceClassification
+    return _save(tmp_path_factory.mktemp("bert-cls"), BertForSequenceClassification,
+                 BertConfig(**ENCODER, num_labels=3), minilm_dir)
+
+
+@pytest.fixture(scope="module")
+def xlmr_reranker(tmp_path_factory, minilm_dir):
+    from transformers import XLMRobertaConfig, XLMRobertaForSequenceClassification
+    config = XLMRobertaConfig(**{**ENCODER, "max_position_embeddings": 130}, type_vocab_size=1, num_labels=1,
+                              pad_token_id=1)
+    return _save(tmp_path_factory.mktemp("xlmr"), XLMRobertaForSequenceClassification, config, minilm_dir)
+
+
+@pytest.fixture(scope="module")
+def decoder_reranker(tmp_path_factory, default_model_dir):
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+    config = Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         num_labels=1, pad_token_id=0, architectures=["Qwen3ForSequenceClassification"])
+    return _save(tmp_path_factory.mktemp("qwen3-reranker"), Qwen3ForSequenceClassification, config, default_model_dir)
+
+
+def _cosines(a, b) -> list[float]:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return list((a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1))
+
+
+@pytest.fixture(scope="module")
+def minilm_reference(minilm_dir):
+    from sentence_transformers import SentenceTransformer
+    return SentenceTransformer(minilm_dir, device="cpu").encode(SENTENCES, convert_to_numpy=True)
+
+
+@pytest.fixture(scope="module")
+def minilm(minilm_dir):
+    llm = LLM(minilm_dir)
+    yield llm
+    llm.shutdown()
+
+
+def test_minilm_embeddings_match_sentence_transformers(minilm, minilm_reference):
+    outs = minilm.embed(SENTENCES, use_tqdm=False)
+    assert [len(o.outputs.embedding) for o in outs] == [384] * len(SENTENCES)
+    assert min(_cosines([o.outputs.embedding for o in outs], minilm_reference)) >= 0.9999
+    # normalized as its Normalize module says; normalize=False gives the raw mean
+    assert np.allclose(np.linalg.norm([o.outputs.embedding for o in outs], axis=-1), 1.0, atol=1e-5)
+    raw = minilm.embed(SENTENCES[:1], pooling_params=PoolingParams(normalize=False), use_tqdm=False)[0]
+    assert np.linalg.norm(raw.outputs.embedding) > 1.5
+    assert min(_cosines([raw.outputs.embedding], minilm_reference[:1])) >= 0.9999
+
+
+def test_minilm_token_embeddings_and_score(minilm, minilm_dir, minilm_reference):
+    from transformers import AutoModel, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(minilm_dir)
+    ids = tok(SENTENCES[1], return_tensors="pt")
+    with torch.no_grad():
+        ref = AutoModel.from_pretrained(minilm_dir)(**ids).last_hidden_state[0]
+    out = minilm.encode(SENTENCES[1], pooling_task="token_embed", pooling_params=PoolingParams(normalize=False),
+                        use_tqdm=False)[0]
+    assert out.outputs.data.shape == ref.shape
+    torch.testing.assert_close(out.outputs.data, ref, atol=1e-4, rtol=1e-4)
+    # an embedder scores a pair by the cosine of the two embeddings
+    scores = minilm.score(SENTENCES[0], SENTENCES[1:3], use_tqdm=False)
+    expected = _cosines([minilm_reference[0]] * 2, minilm_reference[1:3])
+    assert [s.outputs.score for s in scores] == pytest.approx(expected, abs=1e-4)
+
+
+def test_minilm_refuses_bad_input_with_what_to_do(minilm):
+    with pytest.raises(ValueError, match="matryoshka"):
+        minilm.embed("x", pooling_params=PoolingParams(dimensions=8), use_tqdm=False)
+    long = " ".join(["word"] * 400)
+    with pytest.raises(ValueError, match="maximum context length is 256 tokens.*truncate_prompt_tokens"):
+        minilm.embed(long, use_tqdm=False)
+    cut = minilm.embed(long, truncate_prompt_tokens=-1, use_tqdm=False)[0]
+    assert len(cut.prompt_token_ids) == 256
+    assert len(minilm.embed(long, truncate_prompt_tokens=10, use_tqdm=False)[0].prompt_token_ids) == 10
+    with pytest.raises(ValueError, match="does not serve the pooling task 'classify'"):
+        minilm.classify("x", use_tqdm=False)
+    with pytest.raises(ValueError, match="pooling model.*does not generate"):
+        minilm.generate("x", use_tqdm=False)
+    with pytest.raises(ValueError, match="one text with N, or N texts with N"):
+        minilm.score(["a", "b"], ["c", "d", "e"], use_tqdm=False)
+
+
+def _hf_logits(path, cls, texts, pairs_with=None, **kwargs):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    model = cls.from_pretrained(path).eval()
+    out = []
+    for text in texts:
+        enc = tok(pairs_with, text, return_tensors="pt") if pairs_with is not None else tok(text, return_tensors="pt")
+        enc = {k: v for k, v in enc.items() if k in kwargs.get("inputs", enc.keys())}
+        with torch.no_grad():
+            out.append(model(**enc).logits[0])
+    return torch.stack(out)
+
+
+def test_bert_cross_encoder_scores_match_transformers(bert_cross_encoder, bert_classifier):
+    from transformers import BertForSequenceClassification
+    ref = torch.sigmoid(_hf_logits(bert_cross_encoder, BertForSequenceClassification, SENTENCES, QUERY))[:, 0]
+    llm = LLM(bert_cross_encoder)
+    try:
+        got = [s.outputs.score for s in llm.score(QUERY, SENTENCES, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert got == pytest.approx(ref.tolist(), abs=1e-4)
+    assert len(set(np.round(got, 3))) > 1          # the documents' segments matter: not one score for all
+    ref = torch.softmax(_hf_logits(bert_classifier, BertForSequenceClassification, SENTENCES), dim=-1)
+    llm = LLM(bert_classifier)
+    try:
+        probs = [o.outputs.probs for o in llm.classify(SENTENCES, use_tqdm=False)]
+        raw = llm.classify(SENTENCES[0], pooling_params=PoolingParams(use_activation=False), use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    torch.testing.assert_close(torch.tensor(probs), ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(raw.outputs.probs).softmax(-1), ref[0], atol=1e-4, rtol=0)
+
+
+def test_xlm_roberta_reranker_matches_transformers(xlmr_reranker):
+    from transformers import XLMRobertaForSequenceClassification
+    ref = torch.sigmoid(_hf_logits(xlmr_reranker, XLMRobertaForSequenceClassification, SENTENCES, QUERY,
+                                   inputs=("input_ids", "attention_mask")))[:, 0]
+    llm = LLM(xlmr_reranker)
+    try:
+        got = [s.outputs.score for s in llm.score(QUERY, SENTENCES, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert got == pytest.approx(ref.tolist(), abs=1e-4)
+
+
+def test_decoder_reranker_and_embedder_match_transformers(decoder_reranker, tiny_model_dir):
+    from transformers import AutoModel, AutoTokenizer, Qwen3ForSequenceClassification
+    ref = torch.sigmoid(_hf_logits(decoder_reranker, Qwen3ForSequenceClassification, SENTENCES, QUERY))[:, 0]
+    llm = LLM(decoder_reranker)
+    try:
+        got = [s.outputs.score for s in llm.score(QUERY, SENTENCES, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert got == pytest.approx(ref.tolist(), abs=1e-4)
+    # a generative checkpoint as an embedder: its last token's final hidden state, normalized
+    path = tiny_model_dir("qwen3")
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        ref = torch.stack([torch.nn.functional.normalize(
+            model(**tok(s, return_tensors="pt")).last_hidden_state[0, -1], dim=-1) for s in SENTENCES])
+    llm = LLM(path, runner="pooling")
+    try:
+        got = torch.tensor([o.outputs.embedding for o in llm.embed(SENTENCES, use_tqdm=False)])
+        mean = llm.encode(SENTENCES[:1], pooling_task="token_embed", use_tqdm=False)[0].outputs.data
+    finally:
+        llm.shutdown()
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    assert mean.shape == (len(tok(SENTENCES[0]).input_ids), 64)
+
+
+def test_runner_and_pooler_flags_are_checked(minilm_dir, tiny_model_dir):
+    with pytest.raises(ValueError, match="is a pooling model.*--runner pooling"):
+        LLM(minilm_dir, runner="generate")
+    with pytest.raises(ValueError, match="unknown key.*pooling_kind"):
+        LLM(minilm_dir, pooler_config={"pooling_kind": "MEAN"})
+    with pytest.raises(ValueError, match="--pooler-config applies to pooling models"):
+        LLM(tiny_model_dir("llama-gqa"), pooler_config={"pooling_type": "MEAN"})
+    with pytest.raises(ValueError, match="CLS pooling reads the first token"):
+        LLM(tiny_model_dir("llama-gqa"), runner="pooling", pooler_config={"pooling_type": "CLS"})
+    with pytest.raises(ValueError, match="--runner pooling with -pp"):
+        LLM(minilm_dir, pipeline_parallel_size=2)
+    llm = LLM(tiny_model_dir("llama-gqa"))
+    try:
+        with pytest.raises(ValueError, match="generative model.*--runner pooling"):
+            llm.embed("x", use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"data_parallel_size": 2}])
+def test_parallel_layouts_equal_one_rank(minilm_dir, minilm_reference, bert_cross_encoder, layout):
+    llm = LLM(minilm_dir, **layout)
+    try:
+        outs = llm.embed(SENTENCES, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert min(_cosines([o.outputs.embedding for o in outs], minilm_reference)) >= 0.9999
+    one = LLM(bert_cross_encoder)
+    try:
+        expected = [s.outputs.score for s in one.score(QUERY, SENTENCES, use_tqdm=False)]
+    finally:
+        one.shutdown()
+    llm = LLM(bert_cross_encoder, **layout)
+    try:
+        got = [s.outputs.score for s in llm.score(QUERY, SENTENCES, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert got == pytest.approx(expected, abs=1e-5)
