@@ -8,5 +8,5 @@ from shardlm.pooling.params import PoolingParams
 from shardlm.sampling_params import RequestOutputKind, SamplingParams
 from shardlm.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "PoolingParams", "PoolingRequestOutput", "LoRARequest", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-           "__version__"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "PoolingRequestOutput", "LoRARequest", "RequestOutputKind",
+           "RequestOutput", "CompletionOutput", "__version__"]

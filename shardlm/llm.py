@@ -152,10 +152,13 @@ class LLM:
         texts = list({_key(t): t for pair in pairs for t in pair}.values())
         embedded = {_key(t): o for t, o in zip(texts, self.encode(texts, params, pooling_task="embed",
                                                                   use_tqdm=use_tqdm))}
-        return [ScoringRequestOutput(embedded[_key(a)].request_id + "-" + embedded[_key(b)].request_id,
-                                     ScoringOutput(cosine(embedded[_key(a)].outputs.data, embedded[_key(b)].outputs.data)),
-                                     embedded[_key(a)].prompt_token_ids + embedded[_key(b)].prompt_token_ids)
-                for a, b in pairs]
+        scores = []
+        for a, b in pairs:
+            first, second = embedded[_key(a)], embedded[_key(b)]
+            scores.append(ScoringRequestOutput(f"{first.request_id}-{second.request_id}",
+                                               ScoringOutput(cosine(first.outputs.data, second.outputs.data)),
+                                               first.prompt_token_ids + second.prompt_token_ids))
+        return scores
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

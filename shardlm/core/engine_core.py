@@ -23,8 +23,8 @@ from shardlm.core.stat_logger import StatLogger
 from shardlm.core.wave import Wave
 from shardlm.executor.selection import executor_class
 from shardlm.logger import init_logger
-from shardlm.models.registry import get_model_class
 from shardlm.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
+from shardlm.models.registry import get_model_class
 from shardlm.planner.layer_placement import describe_partition, stage_layers
 from shardlm.structured_output.manager import StructuredOutputManager
 

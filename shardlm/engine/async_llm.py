@@ -132,9 +132,10 @@ class AsyncLLM:
     # ---- requests ----
     def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams | PoolingParams,
                  request_id: str, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
-        """PoolingParams (a pooling model): one PoolingRequestOutput. Check the request and send it to the engine core now (bad input raises here, before a
+        """Check the request and send it to the engine core now (bad input raises here, before a
         caller starts any response), then stream its outputs as the returned iterator is read.
         prompt: a string, a list of token ids, or {"prompt": ..., "prompt_token_ids": ...}.
+        PoolingParams (a pooling model): one PoolingRequestOutput at the end.
         Closing the iterator early aborts the request (a caller that never reads it calls abort)."""
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
