@@ -333,6 +333,64 @@ def minilm_dir(tmp_path_factory) -> str:
     return str(target)
 
 
+def _save_pooling(path, model_cls, config, tokenizer_dir: str) -> str:
+    torch.manual_seed(0)
+    model = model_cls(config).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name.lower():
+                p.normal_(0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.exists(os.path.join(tokenizer_dir, f)):
+            shutil.copy(os.path.join(tokenizer_dir, f), path)
+    return str(path)
+
+
+_ENCODER = dict(vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=512)
+
+
+def _bert_classifier(path, minilm, num_labels: int):
+    from transformers import BertConfig, BertForSequenceClassification
+    return _save_pooling(path, BertForSequenceClassification, BertConfig(**_ENCODER, num_labels=num_labels), minilm)
+
+
+def _xlmr_reranker(path, minilm):
+    """RoBERTa's positions after its padding id (1), one token type, as the BGE rerankers."""
+    from transformers import XLMRobertaConfig, XLMRobertaForSequenceClassification
+    config = XLMRobertaConfig(**{**_ENCODER, "max_position_embeddings": 514}, type_vocab_size=1, num_labels=1,
+                              pad_token_id=1)
+    return _save_pooling(path, XLMRobertaForSequenceClassification, config, minilm)
+
+
+def _qwen3_reranker(path, minilm):
+    """A decoder cross-encoder (a `score` matrix over the last token), SmolLM2's tokenizer."""
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+    config = Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         num_labels=1, pad_token_id=0, architectures=["Qwen3ForSequenceClassification"])
+    return _save_pooling(path, Qwen3ForSequenceClassification, config, _tokenizer_dir())
+
+
+POOLING_MODELS = {"bert-cross-encoder": lambda path, tok: _bert_classifier(path, tok, 1),
+                  "bert-classifier": lambda path, tok: _bert_classifier(path, tok, 3),
+                  "xlmr-reranker": _xlmr_reranker, "qwen3-reranker": _qwen3_reranker}
+
+
+@pytest.fixture(scope="session")
+def pooling_model_dir(tmp_path_factory, minilm_dir):
+    """pooling_model_dir(name): a tiny random pooling model of POOLING_MODELS (the encoders with
+    all-MiniLM's BERT tokenizer), built once per session."""
+    cache = {}
+
+    def get(name: str) -> str:
+        if name not in cache:
+            cache[name] = POOLING_MODELS[name](tmp_path_factory.mktemp(name), minilm_dir)
+        return cache[name]
+    return get
+
+
 @pytest.fixture(scope="session")
 def hf():
     return hf_reference

@@ -5,9 +5,6 @@ refused with what to do."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import numpy as np
 import pytest
 import torch
@@ -19,58 +16,29 @@ SENTENCES = ["The cat sits on the mat.", "A man is playing a guitar in the park.
 QUERY = "Where does the cat sit?"
 
 
-def _save(path, model_cls, config, tokenizer_dir: str) -> str:
-    torch.manual_seed(0)
-    model = model_cls(config).to(torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name.lower():
-                p.normal_(0, 0.1)
-    model.save_pretrained(path, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if os.path.exists(os.path.join(tokenizer_dir, f)):
-            shutil.copy(os.path.join(tokenizer_dir, f), path)
-    return str(path)
-
-
-ENCODER = dict(vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               max_position_embeddings=128)
-
-
-@pytest.fixture(scope="module")
-def bert_cross_encoder(tmp_path_factory, minilm_dir):
-    from transformers import BertConfig, BertForSequenceClassification
-    return _save(tmp_path_factory.mktemp("bert-ce"), BertForSequenceClassification,
-                 BertConfig(**ENCODER, num_labels=1), minilm_dir)
-
-
-@pytest.fixture(scope="module")
-def bert_classifier(tmp_path_factory, minilm_dir):
-    from transformers import BertConfig, BertForSequenceClassification
-    return _save(tmp_path_factory.mktemp("bert-cls"), BertForSequenceClassification,
-                 BertConfig(**ENCODER, num_labels=3), minilm_dir)
-
-
-@pytest.fixture(scope="module")
-def xlmr_reranker(tmp_path_factory, minilm_dir):
-    from transformers import XLMRobertaConfig, XLMRobertaForSequenceClassification
-    config = XLMRobertaConfig(**{**ENCODER, "max_position_embeddings": 130}, type_vocab_size=1, num_labels=1,
-                              pad_token_id=1)
-    return _save(tmp_path_factory.mktemp("xlmr"), XLMRobertaForSequenceClassification, config, minilm_dir)
-
-
-@pytest.fixture(scope="module")
-def decoder_reranker(tmp_path_factory, default_model_dir):
-    from transformers import Qwen3Config, Qwen3ForSequenceClassification
-    config = Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                         num_labels=1, pad_token_id=0, architectures=["Qwen3ForSequenceClassification"])
-    return _save(tmp_path_factory.mktemp("qwen3-reranker"), Qwen3ForSequenceClassification, config, default_model_dir)
-
-
 def _cosines(a, b) -> list[float]:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return list((a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1))
+
+
+@pytest.fixture(scope="module")
+def bert_cross_encoder(pooling_model_dir):
+    return pooling_model_dir("bert-cross-encoder")
+
+
+@pytest.fixture(scope="module")
+def bert_classifier(pooling_model_dir):
+    return pooling_model_dir("bert-classifier")
+
+
+@pytest.fixture(scope="module")
+def xlmr_reranker(pooling_model_dir):
+    return pooling_model_dir("xlmr-reranker")
+
+
+@pytest.fixture(scope="module")
+def decoder_reranker(pooling_model_dir):
+    return pooling_model_dir("qwen3-reranker")
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, Completio
 from shardlm.entrypoints.openai.tool_parsers import get_parser
 from shardlm.lora.request import LoRARequest
 from shardlm.outputs import Logprob, RequestOutput
+from shardlm.pooling.params import PoolingParams
 from shardlm.reasoning import get_reasoning_parser
 from shardlm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from shardlm.structured_output.grammar import BACKENDS
@@ -150,7 +151,7 @@ class OpenAIServing:
                 allowed_token_ids=req.allowed_token_ids, structured_outputs=constrained or tool_constraint,
                 output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY, **values, **extra)
         except ValueError as e:
-            raise _invalid(e, None) from e
+            raise invalid(e, None) from e
 
     async def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         """Text to token ids, once; AsyncLLM's input processor checks them (length, vocabulary)."""
@@ -164,8 +165,8 @@ class OpenAIServing:
         the GIL), so other clients' streams go on meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
-    def _generate(self, requests: list[tuple[list[int], str | None, SamplingParams, str]],
-                  lora: LoRARequest | None = None) -> list[AsyncIterator[RequestOutput]]:
+    def submit(self, requests: list[tuple[dict, SamplingParams | PoolingParams, str]],
+               lora: LoRARequest | None = None) -> list[AsyncIterator[RequestOutput]]:
         """Add every request to the engine now, checked before any response starts (so a stream
         never breaks on bad input): all of them, or none (those added are aborted). Admission is
         decided here, with no await between the check and the adds."""
@@ -175,14 +176,13 @@ class OpenAIServing:
                               "Retry later.", 429, type_="RateLimitError", headers={"Retry-After": "1"})
         streams = []
         try:
-            for prompt_ids, text, params, rid in requests:
-                streams.append(self.llm.generate({"prompt": text, "prompt_token_ids": prompt_ids}, params, rid,
-                                                 lora_request=lora))
+            for prompt, params, rid in requests:
+                streams.append(self.llm.generate(prompt, params, rid, lora_request=lora))
         except BaseException as e:
-            for _, _, _, rid in requests[:len(streams)]:
+            for _, _, rid in requests[:len(streams)]:
                 self.llm.abort(rid)
             if isinstance(e, ValueError):
-                raise _invalid(e, "prompt") from e
+                raise invalid(e, "prompt") from e
             raise
         return streams
 
@@ -201,11 +201,12 @@ class OpenAIServing:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         texts = [p if isinstance(p, str) else None for p in prompts]
         rids = [f"{rid}-{k}" for k in range(len(ids))]
-        streams = self._generate(list(zip(ids, texts, params, rids)), lora)
+        streams = self.submit([({"prompt": text, "prompt_token_ids": i}, p, r)
+                               for i, text, p, r in zip(ids, texts, params, rids)], lora)
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         if req.stream:
             return EventStream(self._stream_completions(req, head, streams, ids), rids, self.llm)
-        finals = await _last_outputs(streams)
+        finals = await last_outputs(streams)
         choices = []
         for k, out in enumerate(finals):
             for c in out.outputs:
@@ -265,11 +266,11 @@ class OpenAIServing:
                                       tool_constraint=tools.constraint(req, mode, function))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model}
-        (stream,) = self._generate([(ids, text, params, rid)], lora)
+        (stream,) = self.submit([({"prompt": text, "prompt_token_ids": ids}, params, rid)], lora)
         if req.stream:
             return EventStream(self._stream_chat(req, {**head, "object": "chat.completion.chunk"}, stream,
                                                  (mode, function)), [rid], self.llm)
-        (final,) = await _last_outputs([stream])   # FINAL_ONLY: one output
+        (final,) = await last_outputs([stream])   # FINAL_ONLY: one output
         choices = []
         for c in final.outputs:
             message = tools.split_choice(c.text, mode, function, self.tool_parser, self.reasoning)
@@ -314,7 +315,7 @@ def _tool_finish(finish_reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
-def _invalid(e: ValueError, default_param: str | None) -> OpenAIError:
+def invalid(e: ValueError, default_param: str | None) -> OpenAIError:
     """A ValueError from SamplingParams or the input processor as a 400 naming the parameter."""
     m = re.search(r"SamplingParams\.(\w+)", str(e))
     if str(e).startswith("structured_outputs."):       # a constraint the grammar backend refused
@@ -388,7 +389,7 @@ async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
             await s.aclose()
 
 
-async def _last_outputs(streams) -> list[RequestOutput]:
+async def last_outputs(streams) -> list[RequestOutput]:
     finals: dict[int, RequestOutput] = {}
     async for k, out in _merge(streams):
         finals[k] = out

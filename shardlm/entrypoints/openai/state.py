@@ -11,12 +11,14 @@ from fastapi import Request
 from shardlm.engine.async_llm import AsyncLLM
 from shardlm.entrypoints.openai.metrics import ServerMetrics
 from shardlm.entrypoints.openai.serving import OpenAIServing
+from shardlm.entrypoints.openai.serving_pooling import PoolingServing
 
 
 @dataclass
 class ServerState:
     llm: AsyncLLM | None = None              # None until the engine has started
     serving: OpenAIServing | None = None
+    pooling: PoolingServing | None = None    # the pooling routes (embeddings, classify, score, rerank)
     metrics: ServerMetrics | None = None
     draining: bool = False                   # SIGTERM came: finishing what runs, admitting nothing (drain.py)
     in_flight: int = 0                       # requests being answered (but the open routes)

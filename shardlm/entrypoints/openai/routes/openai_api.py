@@ -25,8 +25,14 @@ async def models(state: ServerState = Depends(server_state)):
     serving = state.serving
     return {"object": "list", "data": [
         *({"id": n, "object": "model", "created": 0, "owned_by": "shardlm", "root": n, "parent": None,
-           "max_model_len": serving.max_model_len} for n in serving.model_names),
+           "max_model_len": serving.max_model_len, "tasks": _tasks(state)} for n in serving.model_names),
         *serving.loras.cards(serving.max_model_len)]}
+
+
+def _tasks(state: ServerState) -> list[str]:
+    """What the model serves: generate, or its pooling tasks (embed, classify, score, ...)."""
+    pooler = state.llm.config.model.pooler
+    return list(pooler.tasks) if pooler is not None else ["generate"]
 
 
 @router.post("/v1/completions")

@@ -1,0 +1,59 @@
+"""Request schemas of the pooling routes (vLLM's): /v1/embeddings (OpenAI's), /pooling, /classify,
+/score and /rerank (Jina's and Cohere's shapes). Unknown fields are refused with a 400."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shardlm.entrypoints.openai.protocol import checked
+
+# one input, or a batch: texts or token ids
+PoolingInput = str | list[str] | list[int] | list[list[int]]
+
+
+def _input():
+    return Field(json_schema_extra={"minLength": 1, "minItems": 1})
+
+
+class _PoolingFields(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = checked(None, minimum=-1)
+
+
+class EmbeddingRequest(_PoolingFields):
+    input: PoolingInput = _input()
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = checked(None, minimum=1)
+    normalize: bool | None = None
+
+
+class PoolingRequest(EmbeddingRequest):
+    task: Literal["embed", "classify", "token_embed", "token_classify"] | None = None
+    use_activation: bool | None = None
+
+
+class ClassificationRequest(_PoolingFields):
+    input: str | list[str] | list[int] | list[list[int]] = _input()
+    use_activation: bool | None = None
+
+
+class ScoreRequest(_PoolingFields):
+    """text_1 scored against each of text_2 (1 -> N), or the two lists pairwise (N -> N)."""
+    text_1: str | list[str] = _input()
+    text_2: str | list[str] = _input()
+
+
+class RerankDocument(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: str
+
+
+class RerankRequest(_PoolingFields):
+    query: str = Field(min_length=1)
+    documents: list[str | RerankDocument] = Field(min_length=1)
+    top_n: int | None = checked(None, minimum=1)
+    return_documents: bool = True
