@@ -95,8 +95,10 @@ def test_leaves_and_layers():
     graph = _graph()
     assert graph["shardlm.config"] == {"shardlm.kv_cache_groups"}
     assert graph["shardlm.kv_cache_groups"] == set()
-    assert graph["shardlm.messages"] <= {"shardlm.sampling_params", "shardlm.lora.request", "shardlm.outputs"}
+    assert graph["shardlm.messages"] <= {"shardlm.sampling_params", "shardlm.lora.request", "shardlm.outputs",
+                                         "shardlm.pooling.params"}
     assert graph["shardlm.lora.request"] == set()         # leaves: they travel inside messages
+    assert graph["shardlm.pooling.params"] == set()
     assert graph["shardlm.outputs"] == set()
     for name, imports in graph.items():             # a lower floor never imports a higher one
         if name.startswith("shardlm.model_loader"):
