@@ -170,6 +170,37 @@ def test_decoder_reranker_and_embedder_match_transformers(decoder_reranker, tiny
     assert mean.shape == (len(tok(SENTENCES[0]).input_ids), 64)
 
 
+def test_matryoshka_dimensions_and_step_pooling(tiny_model_dir, minilm, minilm_dir, tmp_path):
+    import json
+    import shutil
+    path = shutil.copytree(tiny_model_dir("qwen3"), tmp_path / "matryoshka")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [16, 32, 64]}))
+    llm = LLM(str(path), runner="pooling")
+    try:
+        full = llm.embed(SENTENCES[:1], pooling_params=PoolingParams(normalize=False), use_tqdm=False)[0]
+        cut = llm.embed(SENTENCES[:1], pooling_params=PoolingParams(dimensions=16), use_tqdm=False)[0]
+        with pytest.raises(ValueError, match="more than the model's 64"):
+            llm.embed("x", pooling_params=PoolingParams(dimensions=65), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    first = torch.tensor(full.outputs.embedding[:16])      # the first 16 dims, then normalized
+    torch.testing.assert_close(torch.tensor(cut.outputs.embedding), first / first.norm(), atol=1e-5, rtol=0)
+    # STEP: the token vectors at the step tag's positions ("." here), as ALL gives them
+    tok = minilm.get_tokenizer()
+    tag = tok.convert_tokens_to_ids(".")
+    text = "One step. Two steps. Three."
+    every = minilm.encode(text, pooling_task="token_embed", use_tqdm=False)[0]
+    llm = LLM(minilm_dir, pooler_config={"pooling_type": "STEP", "step_tag_id": tag})
+    try:
+        steps = llm.encode(text, use_tqdm=False)[0].outputs.data
+    finally:
+        llm.shutdown()
+    at_tag = torch.tensor(every.prompt_token_ids) == tag
+    assert steps.shape == (3, 384)
+    torch.testing.assert_close(steps, every.outputs.data[at_tag], atol=1e-5, rtol=0)
+
+
 def test_runner_and_pooler_flags_are_checked(minilm_dir, tiny_model_dir):
     with pytest.raises(ValueError, match="is a pooling model.*--runner pooling"):
         LLM(minilm_dir, runner="generate")
@@ -187,6 +218,19 @@ def test_runner_and_pooler_flags_are_checked(minilm_dir, tiny_model_dir):
             llm.embed("x", use_tqdm=False)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_decoder_embedder_tensor_parallel_equals_one_rank(tiny_model_dir):
+    path = tiny_model_dir("qwen3")
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(path, runner="pooling", tensor_parallel_size=tp)
+        try:
+            outs.append(torch.tensor([o.outputs.embedding for o in llm.embed(SENTENCES, use_tqdm=False)]))
+        finally:
+            llm.shutdown()
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow

@@ -31,6 +31,14 @@ def register(sub) -> None:
         b.add_argument("--reps", type=int, default=3)
         b.add_argument("--json", action="store_true", help="print JSON")
         b.set_defaults(func=run)
+    b = bsub.add_parser("embed", help="a pooling model: sentences per second at batch 1 and larger batches")
+    add_engine_args(b)
+    b.add_argument("--batch-sizes", default="1,64", help="sentences per call, comma-separated (default 1,64)")
+    b.add_argument("--num-sentences", type=int, default=256, help="sentences per measurement (default 256)")
+    b.add_argument("--compare", action="store_true", help="sentence-transformers on the same sentences, side by side")
+    b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b.set_defaults(func=run)
     b = bsub.add_parser("make-lora", help="write a random LoRA adapter (PEFT format) for a model")
     b.add_argument("model", help="the base model's directory")
     b.add_argument("out_dir")
@@ -179,6 +187,15 @@ def run(ns) -> None:
         from shardlm.bench.serve import run_serve_bench
         report_serve(run_serve_bench(ns.base_url, ns.model, ns.api_key, ns.concurrency, ns.num_prompts, ns.workload,
                                      ns.output_len), ns.json)
+        return
+    if ns.bench_kind == "embed":
+        from shardlm.bench.embed import report as report_embed
+        from shardlm.bench.embed import run_embed_bench
+        args = engine_args_from(ns)
+        if args.runner == "auto":
+            args.runner = "pooling"
+        report_embed(run_embed_bench(args, [int(b) for b in ns.batch_sizes.split(",")], ns.num_sentences, ns.reps,
+                                     ns.compare), ns.json)
         return
     from shardlm.bench.offline import report, run_latency, run_throughput
     args = engine_args_from(ns)
