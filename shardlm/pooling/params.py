@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+INT64_MAX = 2**63 - 1      # what a message carries (msgspec): larger ints are refused here, not there
+
 # task -> what the result is
 POOLING_TASKS = {
     "embed": "one vector per prompt",
@@ -32,11 +34,12 @@ class PoolingParams:
         if self.task is not None and self.task not in POOLING_TASKS:
             raise ValueError(f"Unknown pooling task {self.task!r}: use one of {', '.join(POOLING_TASKS)}.")
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
-                                            or self.dimensions < 1):
-            raise ValueError(f"dimensions={self.dimensions!r} must be a positive integer.")
+                                            or not 1 <= self.dimensions <= INT64_MAX):
+            raise ValueError(f"dimensions={self.dimensions!r} must be a positive integer (at most 2^63 - 1).")
         t = self.truncate_prompt_tokens
-        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1)):
-            raise ValueError(f"truncate_prompt_tokens={t!r} must be a positive integer or -1 (max_model_len).")
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1) or t > INT64_MAX):
+            raise ValueError(f"truncate_prompt_tokens={t!r} must be a positive integer (at most 2^63 - 1) or -1 "
+                             "(max_model_len).")
 
     def clone(self, **changes) -> PoolingParams:
         return replace(self, **changes)

@@ -51,3 +51,27 @@ def test_no_request_gets_a_server_error(case):
     response = case.call(timeout=60)
     CALLS[case.operation.label] = CALLS.get(case.operation.label, 0) + 1
     case.validate_response(response, checks=[not_a_server_error])
+
+
+@pytest.fixture(scope="module")
+def pooling_schema(minilm_dir):
+    """A pooling server (all-MiniLM-L6-v2), for its own routes: they run the model here."""
+    proc, url = start_server(minilm_dir, "--max-model-len", "64")
+    yield schemathesis.openapi.from_url(url + "/openapi.json")
+    pooled = {k: v for k, v in CALLS.items() if k.startswith("pooling ")}
+    print(f"\nschema fuzz of a pooling server: {sum(pooled.values())} requests, no 5xx: {pooled}")
+    stop_server(proc)
+    assert proc.returncode == 0
+
+
+pooling = schemathesis.pytest.from_fixture("pooling_schema").include(
+    path_regex="embeddings|pooling|classify|score|rerank")
+
+
+@pytest.mark.slow
+@pooling.parametrize()
+@settings(max_examples=EXAMPLES, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+def test_no_pooling_request_gets_a_server_error(case):
+    response = case.call(timeout=60)
+    CALLS[f"pooling {case.operation.label}"] = CALLS.get(f"pooling {case.operation.label}", 0) + 1
+    case.validate_response(response, checks=[not_a_server_error])

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardlm.entrypoints.openai.protocol import checked
+from shardlm.sampling_params import INT64_MAX
 
 # one input, or a batch: texts or token ids
 PoolingInput = str | list[str] | list[int] | list[list[int]]
@@ -21,13 +22,13 @@ class _PoolingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     user: str | None = None
-    truncate_prompt_tokens: int | None = checked(None, minimum=-1)
+    truncate_prompt_tokens: int | None = checked(None, minimum=-1, maximum=INT64_MAX)
 
 
 class EmbeddingRequest(_PoolingFields):
     input: PoolingInput = _input()
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = checked(None, minimum=1)
+    dimensions: int | None = checked(None, minimum=1, maximum=INT64_MAX)
     normalize: bool | None = None
 
 
@@ -55,5 +56,5 @@ class RerankDocument(BaseModel):
 class RerankRequest(_PoolingFields):
     query: str = Field(min_length=1)
     documents: list[str | RerankDocument] = Field(min_length=1)
-    top_n: int | None = checked(None, minimum=1)
+    top_n: int | None = checked(None, minimum=1, maximum=INT64_MAX)
     return_documents: bool = True
