@@ -26,6 +26,8 @@ def pool_step(model, config: PoolerConfig, hidden: torch.Tensor, chunks: list[Sc
     for c in chunks:
         starts.append(at)
         at += len(c.token_ids)
+    # (a request without params: the CUDA memory profile's, pooled as the model's own task)
+    params = {c.req_id: params.get(c.req_id) or PoolingParams(task=config.task) for c in chunks}
     vectors, vector_ids, results = [], [], {}
     for c, start in zip(chunks, starts):
         rows = hidden[start:start + len(c.token_ids)]

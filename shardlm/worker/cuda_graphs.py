@@ -42,6 +42,8 @@ def graphs_unavailable_reason(runner) -> str | None:
     """Why this runner's decode steps cannot be captured, or None when they can."""
     if not isinstance(runner.attn_backend, CudaAttention):
         return "not a CUDA device"
+    if runner.config.model.pooler is not None:
+        return "a pooling model (its steps are whole prompts, never decodes)"
     if runner.tp.world_size > 1 or runner.pp.world_size > 1:
         return "tensor or pipeline parallel (collectives inside the step)"
     if runner.dp_lockstep:

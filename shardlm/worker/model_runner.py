@@ -237,6 +237,8 @@ class ModelRunner:
             input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
             positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         if self.config.model.pooler is not None:      # pooling requests end with their result
+            if self.tp.rank_in_group != 0:             # (the rank that answers: its hidden states are everyone's)
+                return None
             return ModelRunnerOutput({}, pooled=pool_step(self.model, self.config.model.pooler, hidden, chunks, {
                 c.req_id: self.requests[c.req_id].pooling_params for c in chunks}))
         out = self._sample(so, chunks, hidden)
