@@ -16,66 +16,49 @@ import torch
 from torch import nn
 
 
-def _on_this_stage(model, name: str, base) -> bool:
-    """Without an LM head the final norm still belongs to the last stage (the base class ties
-    the two)."""
-    if name.startswith("model.norm."):
-        return model.model.norm is not None
-    return base(name)
+def _pooling_decoder(cls: type, task: str, name: str, make_score: bool) -> type:
+    """cls without its LM head, pooling its final hidden states (the last token's by default);
+    make_score: a `score` matrix [num_labels, hidden] read from the checkpoint as the head."""
 
-
-def as_embedding_model(cls: type) -> type:
-    class EmbeddingModel(cls):
+    class PoolingDecoder(cls):
         is_encoder = False
-        pooling_task = "embed"
+        pooling_task = task
         default_pooling_type = "LAST"
 
         def __init__(self, config, max_position, dtype, layer_range=None):
             super().__init__(config, max_position, dtype, layer_range)
             self.lm_head = None
+            self.score = nn.Linear(config.hidden_size, getattr(config, "num_labels", 1), bias=False) \
+                if make_score else None
 
         def pool_head(self, pooled: torch.Tensor) -> torch.Tensor:
-            return pooled
+            return pooled if self.score is None else self.score(pooled.to(self.score.weight.dtype))
 
         def _on_this_stage(self, name: str) -> bool:
-            return _on_this_stage(self, name, super()._on_this_stage)
-
-        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-            return super().load_weights((n, t) for n, t in weights if not n.startswith(("lm_head.", "score.")))
-
-    EmbeddingModel.__name__ = EmbeddingModel.__qualname__ = f"{cls.__name__.removesuffix('ForCausalLM')}EmbeddingModel"
-    return EmbeddingModel
-
-
-def as_classification_model(cls: type) -> type:
-    class ClassificationModel(cls):
-        is_encoder = False
-        pooling_task = "classify"
-        default_pooling_type = "LAST"
-
-        def __init__(self, config, max_position, dtype, layer_range=None):
-            super().__init__(config, max_position, dtype, layer_range)
-            self.lm_head = None
-            self.score = nn.Linear(config.hidden_size, getattr(config, "num_labels", 1), bias=False)
-
-        def pool_head(self, pooled: torch.Tensor) -> torch.Tensor:
-            return self.score(pooled.to(self.score.weight.dtype))
-
-        def _on_this_stage(self, name: str) -> bool:
-            return _on_this_stage(self, name, super()._on_this_stage)
+            # without an LM head the final norm still belongs to the last stage (the base ties the two)
+            if name.startswith("model.norm."):
+                return self.model.norm is not None
+            return super()._on_this_stage(name)
 
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
             loaded = set()
 
             def decoder_tensors():
-                for name, tensor in weights:
-                    if name.startswith("score."):
-                        self.score.weight.data.copy_(tensor[:] if not isinstance(tensor, torch.Tensor) else tensor)
+                for tensor_name, tensor in weights:
+                    if tensor_name.startswith("score.") and self.score is not None:
+                        self.score.weight.data.copy_(tensor if isinstance(tensor, torch.Tensor) else tensor[:])
                         loaded.add("score.weight")
-                    elif not name.startswith("lm_head."):
-                        yield name, tensor
+                    elif not tensor_name.startswith(("lm_head.", "score.")):
+                        yield tensor_name, tensor
             return super().load_weights(decoder_tensors()) | loaded
 
-    ClassificationModel.__name__ = ClassificationModel.__qualname__ = \
-        f"{cls.__name__.removesuffix('ForCausalLM')}ForSequenceClassification"
-    return ClassificationModel
+    PoolingDecoder.__name__ = PoolingDecoder.__qualname__ = f"{cls.__name__.removesuffix('ForCausalLM')}{name}"
+    return PoolingDecoder
+
+
+def as_embedding_model(cls: type) -> type:
+    return _pooling_decoder(cls, "embed", "EmbeddingModel", make_score=False)
+
+
+def as_classification_model(cls: type) -> type:
+    return _pooling_decoder(cls, "classify", "ForSequenceClassification", make_score=True)

@@ -22,26 +22,6 @@ def _cosines(a, b) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def bert_cross_encoder(pooling_model_dir):
-    return pooling_model_dir("bert-cross-encoder")
-
-
-@pytest.fixture(scope="module")
-def bert_classifier(pooling_model_dir):
-    return pooling_model_dir("bert-classifier")
-
-
-@pytest.fixture(scope="module")
-def xlmr_reranker(pooling_model_dir):
-    return pooling_model_dir("xlmr-reranker")
-
-
-@pytest.fixture(scope="module")
-def decoder_reranker(pooling_model_dir):
-    return pooling_model_dir("qwen3-reranker")
-
-
-@pytest.fixture(scope="module")
 def minilm_reference(minilm_dir):
     from sentence_transformers import SentenceTransformer
     return SentenceTransformer(minilm_dir, device="cpu").encode(SENTENCES, convert_to_numpy=True)
@@ -111,7 +91,9 @@ def _hf_logits(path, cls, texts, pairs_with=None, **kwargs):
     return torch.stack(out)
 
 
-def test_bert_cross_encoder_scores_match_transformers(bert_cross_encoder, bert_classifier):
+def test_bert_cross_encoder_scores_match_transformers(pooling_model_dir):
+    bert_cross_encoder = pooling_model_dir("bert-cross-encoder")
+    bert_classifier = pooling_model_dir("bert-classifier")
     from transformers import BertForSequenceClassification
     ref = torch.sigmoid(_hf_logits(bert_cross_encoder, BertForSequenceClassification, SENTENCES, QUERY))[:, 0]
     llm = LLM(bert_cross_encoder)
@@ -132,7 +114,8 @@ def test_bert_cross_encoder_scores_match_transformers(bert_cross_encoder, bert_c
     torch.testing.assert_close(torch.tensor(raw.outputs.probs).softmax(-1), ref[0], atol=1e-4, rtol=0)
 
 
-def test_xlm_roberta_reranker_matches_transformers(xlmr_reranker):
+def test_xlm_roberta_reranker_matches_transformers(pooling_model_dir):
+    xlmr_reranker = pooling_model_dir("xlmr-reranker")
     from transformers import XLMRobertaForSequenceClassification
     ref = torch.sigmoid(_hf_logits(xlmr_reranker, XLMRobertaForSequenceClassification, SENTENCES, QUERY,
                                    inputs=("input_ids", "attention_mask")))[:, 0]
@@ -144,7 +127,8 @@ def test_xlm_roberta_reranker_matches_transformers(xlmr_reranker):
     assert got == pytest.approx(ref.tolist(), abs=1e-4)
 
 
-def test_decoder_reranker_and_embedder_match_transformers(decoder_reranker, tiny_model_dir):
+def test_decoder_reranker_and_embedder_match_transformers(tiny_model_dir, pooling_model_dir):
+    decoder_reranker = pooling_model_dir("qwen3-reranker")
     from transformers import AutoModel, AutoTokenizer, Qwen3ForSequenceClassification
     ref = torch.sigmoid(_hf_logits(decoder_reranker, Qwen3ForSequenceClassification, SENTENCES, QUERY))[:, 0]
     llm = LLM(decoder_reranker)
@@ -235,7 +219,8 @@ def test_decoder_embedder_tensor_parallel_equals_one_rank(tiny_model_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"data_parallel_size": 2}])
-def test_parallel_layouts_equal_one_rank(minilm_dir, minilm_reference, bert_cross_encoder, layout):
+def test_parallel_layouts_equal_one_rank(minilm_dir, minilm_reference, layout, pooling_model_dir):
+    bert_cross_encoder = pooling_model_dir("bert-cross-encoder")
     llm = LLM(minilm_dir, **layout)
     try:
         outs = llm.embed(SENTENCES, use_tqdm=False)
