@@ -42,7 +42,7 @@ from shardlm.models.registry import (
     resolve_architecture,
 )
 from shardlm.planner.startup import check_fits, check_parallel_layout
-from shardlm.pooling.config import resolve_pooler_config, resolve_runner
+from shardlm.pooling.config import classifier_from_token, resolve_pooler_config, resolve_runner
 from shardlm.worker.cpu_binding import validate_binding
 
 logger = init_logger(__name__)
@@ -189,6 +189,11 @@ class EngineArgs:
         "in steps with N or more running requests (default 16; 0: never); {\"model\": DIR, ...} a "
         "draft model of the same tokenizer; {\"method\": \"eagle\" or \"eagle3\", \"model\": DIR, ...} "
         "an EAGLE head; {\"method\": \"mtp\"} DeepSeek-V3's own multi-token-prediction layer")
+    hf_overrides: dict | str | None = knob(
+        None, "model",
+        "JSON set over the checkpoint's config.json before anything reads it, as vLLM's: e.g. "
+        "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", "
+        "\"yes\"]}' serves Qwen3-Reranker (a causal LM) as a cross-encoder scoring yes against no")
     runner: str = knob(
         "auto", "model",
         "generate, or pooling (embeddings, classes, scores and rerank: /v1/embeddings, /classify, /score, "
@@ -232,6 +237,10 @@ class EngineArgs:
         source = locate_model(self.model, self.revision, self.download_dir)
         path = source.path
         checkpoint_config = load_hf_config(path)
+        if self.hf_overrides:
+            for key, value in json_object_flag(self.hf_overrides, "--hf-overrides",
+                                               '{"architectures": ["Qwen3ForSequenceClassification"]}').items():
+                setattr(checkpoint_config, key, value)
         architecture = resolve_architecture(checkpoint_config)
         hf_config = language_model_config(checkpoint_config, architecture)    # a multimodal one's text model
         dtype = resolve_dtype(self.dtype, _config_dtype(checkpoint_config), device, _mlp_shape(hf_config))
@@ -239,6 +248,8 @@ class EngineArgs:
                                          is_pooling_architecture(architecture))
         pooler = None
         if runner == "pooling":
+            if getattr(hf_config, "classifier_from_token", None):
+                classifier_from_token(hf_config, self.tokenizer or path)
             pooler = resolve_pooler_config(path, hf_config, get_model_class(architecture, convert),
                                            self.pooler_config)
             max_model_len = _pooling_max_model_len(hf_config, pooler, self.max_model_len)

@@ -103,6 +103,27 @@ def resolve_pooler_config(path: str, hf_config, model_class: type, flag: dict | 
                         matryoshka, values.get("step_tag_id"), max_seq_length)
 
 
+def classifier_from_token(hf_config, tokenizer_path: str) -> None:
+    """A causal LM as a classifier over some of its next-token logits (vLLM's classifier_from_token,
+    Qwen3-Reranker's ["no", "yes"]): their LM head rows become the `score` matrix, one label per
+    token; two tokens make one label, the second's logit less the first's, whose sigmoid is the
+    softmax probability of the second (yes against no). Sets the token ids and num_labels."""
+    from transformers import AutoTokenizer
+    tokens = list(hf_config.classifier_from_token)
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    ids = []
+    for t in tokens:
+        encoded = tok.convert_tokens_to_ids(t)
+        if encoded is None or encoded == tok.unk_token_id:
+            pieces = tok(t, add_special_tokens=False).input_ids
+            if len(pieces) != 1:
+                raise ValueError(f"classifier_from_token: {t!r} is not one token of this tokenizer ({pieces}).")
+            encoded = pieces[0]
+        ids.append(encoded)
+    hf_config.classifier_from_token_ids = ids
+    hf_config.num_labels = 1 if len(ids) == 2 else len(ids)
+
+
 def _sentence_transformers(path: str) -> dict:
     """What a checkpoint's sentence-transformers files say: pooling_type, normalize,
     max_seq_length (absent keys: nothing said)."""

@@ -41,16 +41,24 @@ def _pooling_decoder(cls: type, task: str, name: str, make_score: bool) -> type:
             return super()._on_this_stage(name)
 
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-            loaded = set()
+            loaded, vocab_rows = set(), {}
+            from_tokens = getattr(self.config, "classifier_from_token_ids", None) if self.score is not None else None
 
             def decoder_tensors():
                 for tensor_name, tensor in weights:
+                    if from_tokens and tensor_name in ("lm_head.weight", "model.embed_tokens.weight"):
+                        vocab_rows[tensor_name] = _whole(tensor)[from_tokens]
                     if tensor_name.startswith("score.") and self.score is not None:
-                        self.score.weight.data.copy_(tensor if isinstance(tensor, torch.Tensor) else tensor[:])
+                        self.score.weight.data.copy_(_whole(tensor))
                         loaded.add("score.weight")
                     elif not tensor_name.startswith(("lm_head.", "score.")):
                         yield tensor_name, tensor
-            return super().load_weights(decoder_tensors()) | loaded
+            loaded |= super().load_weights(decoder_tensors())
+            if from_tokens:     # the LM head's rows of those tokens (a tied head: the embedding's)
+                rows = vocab_rows.get("lm_head.weight", vocab_rows.get("model.embed_tokens.weight"))
+                self.score.weight.data.copy_(rows[1:] - rows[:1] if len(from_tokens) == 2 else rows)
+                loaded.add("score.weight")
+            return loaded
 
     PoolingDecoder.__name__ = PoolingDecoder.__qualname__ = f"{cls.__name__.removesuffix('ForCausalLM')}{name}"
     return PoolingDecoder
@@ -62,3 +70,8 @@ def as_embedding_model(cls: type) -> type:
 
 def as_classification_model(cls: type) -> type:
     return _pooling_decoder(cls, "classify", "ForSequenceClassification", make_score=True)
+
+
+def _whole(tensor) -> torch.Tensor:
+    """A checkpoint tensor read whole (safetensors slices are read on indexing)."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]

@@ -154,6 +154,25 @@ def test_decoder_reranker_and_embedder_match_transformers(tiny_model_dir, poolin
     assert mean.shape == (len(tok(SENTENCES[0]).input_ids), 64)
 
 
+def test_causal_lm_as_a_reranker_from_its_yes_and_no_logits(tiny_model_dir):
+    """Qwen3-Reranker's recipe (vLLM's --hf-overrides): a causal LM whose score is the softmax
+    probability of "yes" against "no" as the next token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = tiny_model_dir("qwen3")
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
+    no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
+    with torch.no_grad():
+        logits = torch.stack([model(**tok(QUERY, d, return_tensors="pt")).logits[0, -1] for d in SENTENCES])
+    ref = torch.softmax(logits[:, [no, yes]], dim=-1)[:, 1]
+    llm = LLM(path, hf_overrides={"architectures": ["Qwen3ForSequenceClassification"],
+                                  "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True})
+    try:
+        got = [s.outputs.score for s in llm.score(QUERY, SENTENCES, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert got == pytest.approx(ref.tolist(), abs=1e-4)
+
+
 def test_matryoshka_dimensions_and_step_pooling(tiny_model_dir, minilm, minilm_dir, tmp_path):
     import json
     import shutil
