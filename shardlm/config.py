@@ -177,8 +177,13 @@ class SchedulerConfig:
         8192, "most tokens in one step (long prompts are prefilled in chunks); default: 8192, or max_num_seqs "
         "where larger")
     max_model_len: int = 8192
+    scheduling_policy: str = knob(
+        "fcfs", "fcfs (first come, first served) or priority: waiting requests by their `priority` (lower "
+        "first, as vLLM), then arrival; the lowest-priority running request is preempted first")
 
     def __post_init__(self):
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r}: use fcfs or priority.")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be positive.")
         if self.max_num_batched_tokens <= 0:

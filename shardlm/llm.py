@@ -48,9 +48,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Prompts: a string, a list of token ids, {"prompt": ...} / {"prompt_token_ids": ...}, or a list of these.
-        lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
+        lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base model).
+        priority: one per prompt, with scheduling_policy="priority" (lower runs first)."""
         items = _normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -61,14 +63,15 @@ class LLM:
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(items)
         if len(loras) != len(items):
             raise ValueError(f"Got {len(items)} prompts but {len(loras)} LoRA requests: give one, or one per prompt.")
+        priorities = _priorities(priority, len(items))
         ids = []
         try:
-            for prompt, sp, lora in zip(items, params, loras):
+            for prompt, sp, lora, prio in zip(items, params, loras, priorities):
                 rid = str(next(self._counter))
                 # generate() returns whole outputs
                 if isinstance(sp, SamplingParams) and sp.output_kind != RequestOutputKind.FINAL_ONLY:
                     sp = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                self.engine.add_request(rid, prompt, sp, lora_request=lora)
+                self.engine.add_request(rid, prompt, sp, lora_request=lora, priority=prio)
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)
@@ -91,7 +94,7 @@ class LLM:
     # ---- pooling models (runner pooling): embeddings, classes, scores ----
     def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | Sequence[PoolingParams]
                | None = None, *, pooling_task: str | None = None, truncate_prompt_tokens: int | None = None,
-               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+               use_tqdm: bool = True, priority: list[int] | None = None) -> list[PoolingRequestOutput]:
         """The pooled output of each prompt as a tensor (outputs.data): pooling_task embed, classify,
         token_embed or token_classify (None: the model's own task)."""
         items = _normalize_prompts(prompts)
@@ -108,9 +111,9 @@ class LLM:
             params.append(p.clone(**changes) if changes else p)
         ids = []
         try:
-            for prompt, p in zip(items, params):
+            for prompt, p, prio in zip(items, params, _priorities(priority, len(items))):
                 rid = str(next(self._counter))
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, priority=prio)
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)
@@ -118,20 +121,22 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def embed(self, prompts: Prompt | Sequence[Prompt], *, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None
+              use_tqdm: bool = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              priority: list[int] | None = None
               ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (outputs.embedding)."""
         outs = self.encode(prompts, pooling_params, pooling_task="embed", truncate_prompt_tokens=truncate_prompt_tokens,
-                           use_tqdm=use_tqdm)
+                           use_tqdm=use_tqdm, priority=priority)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids)
                 for o in outs]
 
     def classify(self, prompts: Prompt | Sequence[Prompt], *, truncate_prompt_tokens: int | None = None,
-                 use_tqdm: bool = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None
+                 use_tqdm: bool = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+                 priority: list[int] | None = None
                  ) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt (outputs.probs) from a classification model."""
         outs = self.encode(prompts, pooling_params, pooling_task="classify",
-                           truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+                           truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm, priority=priority)
         return [ClassificationRequestOutput(o.request_id, ClassificationOutput(o.outputs.data.tolist()),
                                             o.prompt_token_ids) for o in outs]
 
@@ -228,3 +233,12 @@ def _normalize_prompts(prompts) -> list:
 def _key(prompt) -> str:
     """A prompt as a dict key (a text is embedded once however often it is scored)."""
     return prompt if isinstance(prompt, str) else repr(prompt)
+
+
+def _priorities(priority: list[int] | None, n: int) -> list[int]:
+    if priority is None:
+        return [0] * n
+    priority = list(priority)
+    if len(priority) != n:
+        raise ValueError(f"Got {n} prompts but {len(priority)} priorities: give one per prompt.")
+    return priority

@@ -99,6 +99,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None
+    priority: int = 0              # --scheduling-policy priority: lower runs first
 
 
 class EngineCoreOutput(msgspec.Struct):

@@ -43,8 +43,10 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: list[int], max_model_len: int, block_size: int,
                  arrival_time: float | None = None, lora_request: LoRARequest | None = None,
-                 pooling_params=None, token_type_ids: list[int] | None = None):
+                 pooling_params=None, token_type_ids: list[int] | None = None, priority: int = 0):
         self.request_id = request_id
+        self.priority = priority                  # --scheduling-policy priority: lower runs first
+        self.seq = 0                              # the order the scheduler received it in
         self.pooling_params = pooling_params      # a pooling request: one step, its result instead of tokens
         self.token_type_ids = token_type_ids
         self.prompt_token_ids = list(prompt_token_ids)

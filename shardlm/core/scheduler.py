@@ -2,10 +2,11 @@
 
 Every step has a token budget (max_num_batched_tokens). Running requests go first, oldest
 first: a decode takes one token, an unfinished prompt the next chunk of it (chunked
-prefill). Waiting requests then fill what is left, first come first served, each starting
-after its longest cached prefix. When the KV cache runs out, the newest running request
-is preempted: its blocks are freed and it is recomputed later from its tokens so far,
-which changes no output.
+prefill). Waiting requests then fill what is left, first come first served (or, with
+--scheduling-policy priority, by their priority, a lower value first, then arrival), each
+starting after its longest cached prefix. When the KV cache runs out, the newest running
+request (priority: the lowest-priority one, the newest among equals) is preempted: its blocks
+are freed and it is recomputed later from its tokens so far, which changes no output.
 
 With pipeline parallel the engine core keeps several batches in flight. A request is in at
 most one of them: until its batch's tokens come back (update), the scheduler leaves it out,
@@ -63,13 +64,16 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_aborted = 0
         self.failed_outputs: list[EngineCoreOutput] = []     # requests ended by the core itself, to report
+        self._next_seq = 0
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
         if self.speculative is not None:
             request.spec_lookahead = self.speculative.num_speculative_tokens
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        request.seq = self._next_seq        # ties of arrival time keep the order requests came in
+        self._next_seq += 1
+        self._enqueue(request)
 
     def finish_requests(self, req_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         for req_id in req_ids:
@@ -124,10 +128,10 @@ class Scheduler:
                 if drafts:                  # proposals go first
                     drafts = []
                     continue
-                victim = self._newest_preemptable()
-                # everything else is in flight, or everything newer: wait for it (preempting itself
-                # for a newer request in flight, an older one would give way to it over and over)
-                if victim is None or (victim is request and self.running[-1] is not request):
+                victim = self._preemptable()
+                # everything else is in flight, or everything that ranks below it: wait for it
+                # (preempting itself for a lower one in flight, it would give way to it over and over)
+                if victim is None or (victim is request and self._last_to_run() is not request):
                     i += 1
                     break
                 self.running.remove(victim)
@@ -218,11 +222,34 @@ class Scheduler:
         self._free(request)
         self.failed_outputs.append(EngineCoreOutput(request.request_id, [], finish_reason=request.status.value))
 
-    def _newest_preemptable(self) -> Request | None:
-        for request in reversed(self.running):
-            if request.request_id not in self.in_flight:
-                return request
-        return None
+    def _rank(self, request: Request) -> tuple:
+        """Where a request stands: lower runs first (fcfs: arrival; priority: its priority, then arrival)."""
+        arrival = (request.arrival_time, request.seq)
+        return (request.priority, *arrival) if self.config.scheduling_policy == "priority" else arrival
+
+    def _last_to_run(self) -> Request:
+        """The running request preempted first when nothing is in flight (fcfs: the newest)."""
+        return self.running[-1] if self.config.scheduling_policy == "fcfs" else max(self.running, key=self._rank)
+
+    def _preemptable(self) -> Request | None:
+        """The running request to preempt: the last to run of those not in flight."""
+        candidates = [r for r in self.running if r.request_id not in self.in_flight]
+        if not candidates:
+            return None
+        return candidates[-1] if self.config.scheduling_policy == "fcfs" else max(candidates, key=self._rank)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        """Into the waiting queue: fcfs at the back (a preempted request at the front); priority in
+        rank order, a preempted request by its own rank (its arrival is older than the new ones')."""
+        if self.config.scheduling_policy == "fcfs":
+            if front:
+                self.waiting.appendleft(request)
+            else:
+                self.waiting.append(request)
+            return
+        rank = self._rank(request)
+        at = next((i for i, r in enumerate(self.waiting) if self._rank(r) > rank), len(self.waiting))
+        self.waiting.insert(at, request)
 
     def _speculating(self) -> bool:
         """Proposals are made and verified while the running batch is below disable_by_batch_size."""
@@ -265,7 +292,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
         if self.num_preemptions == 1 or self.num_preemptions % 100 == 0:
             logger.warning("Request %s was preempted (recomputed later) because the KV cache is full; "
                            "total preemptions: %d. Give the KV cache more memory or lower max_num_seqs "

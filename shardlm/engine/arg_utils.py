@@ -123,6 +123,7 @@ class EngineArgs:
     disable_hybrid_kv_cache_manager: bool = knob_of(CacheConfig, "disable_hybrid_kv_cache_manager")
     max_num_seqs: int = knob_of(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: int | None = knob_of(SchedulerConfig, "max_num_batched_tokens", default=None)
+    scheduling_policy: str = knob_of(SchedulerConfig, "scheduling_policy")
     tensor_parallel_size: int = knob_of(ParallelConfig, "tensor_parallel_size")
     pipeline_parallel_size: int = knob_of(ParallelConfig, "pipeline_parallel_size")
     data_parallel_size: int = knob_of(ParallelConfig, "data_parallel_size")

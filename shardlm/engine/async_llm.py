@@ -131,7 +131,8 @@ class AsyncLLM:
 
     # ---- requests ----
     def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams | PoolingParams,
-                 request_id: str, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                 request_id: str, lora_request: LoRARequest | None = None,
+                 priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Check the request and send it to the engine core now (bad input raises here, before a
         caller starts any response), then stream its outputs as the returned iterator is read.
         prompt: a string, a list of token ids, or {"prompt": ..., "prompt_token_ids": ...}.
@@ -141,7 +142,8 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_reason)
         if request_id in self._collectors:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        parent, requests = self.processor.process(request_id, prompt, sampling_params, lora_request=lora_request)
+        parent, requests = self.processor.process(request_id, prompt, sampling_params, lora_request=lora_request,
+                                                  priority=priority)
         parent.collector = collector = RequestOutputCollector(parent.params.output_kind)
         self._collectors[request_id] = collector
         self.output_processor.add_request(parent, [r.request_id for r in requests], [r.params for r in requests])

@@ -15,6 +15,7 @@ from shardlm.engine.processor import InputProcessor, load_tokenizer
 from shardlm.logger import init_logger
 from shardlm.lora.request import LoRARequest
 from shardlm.outputs import RequestOutput
+from shardlm.pooling.params import PoolingParams
 from shardlm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -44,10 +45,12 @@ class LLMEngine:
     def default_sampling_params(self) -> SamplingParams:
         return self.processor.default_sampling_params()
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams, arrival_time: float | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
-        """prompt: a string, a list of token ids, or {"prompt": ..., "prompt_token_ids": ...}."""
-        parent, requests = self.processor.process(request_id, prompt, params, arrival_time, lora_request)
+    def add_request(self, request_id: str, prompt, params: SamplingParams | PoolingParams,
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                    priority: int = 0) -> None:
+        """prompt: a string, a list of token ids, or {"prompt": ..., "prompt_token_ids": ...};
+        priority: with --scheduling-policy priority, lower runs first."""
+        parent, requests = self.processor.process(request_id, prompt, params, arrival_time, lora_request, priority)
         self.output_processor.add_request(parent, [r.request_id for r in requests], [r.params for r in requests])
         for r in requests:
             self.engine_core.add_request(r)

@@ -69,9 +69,26 @@ class InputProcessor:
         return SamplingParams(**values)
 
     def process(self, request_id: str, prompt, params: SamplingParams, arrival_time: float | None = None,
-                lora_request: LoRARequest | None = None) -> tuple[ParentRequest, list[EngineCoreRequest]]:
+                lora_request: LoRARequest | None = None,
+                priority: int = 0) -> tuple[ParentRequest, list[EngineCoreRequest]]:
         """-> the request as the output processor tracks it, and its n engine-core requests.
         params: SamplingParams, or PoolingParams for a pooling model (one request, no tokens out)."""
+        self.check_priority(priority)
+        parent, requests = self._process(request_id, prompt, params, arrival_time, lora_request)
+        for r in requests:
+            r.priority = priority
+        return parent, requests
+
+    def check_priority(self, priority) -> None:
+        """A request's priority is an integer, and not 0 only where the policy is priority."""
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -2**63 <= priority < 2**63:
+            raise ValueError(f"priority={priority!r} must be an integer (lower runs first).")
+        if priority and self.config.scheduler.scheduling_policy != "priority":
+            raise ValueError(f"The request has priority {priority}, but priority scheduling is off: start the engine "
+                             "with --scheduling-policy priority (scheduling_policy=\"priority\").")
+
+    def _process(self, request_id: str, prompt, params, arrival_time: float | None,
+                 lora_request: LoRARequest | None) -> tuple[ParentRequest, list[EngineCoreRequest]]:
         if isinstance(params, PoolingParams):
             return self._process_pooling(request_id, prompt, params, arrival_time, lora_request)
         if self.config.model.runner == "pooling":

@@ -95,6 +95,7 @@ def test_echo_with_logprobs(client):
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400,
      "top_p"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "priority": 1}, 400, "priority"),   # fcfs here
     ("/v1/nothing", {}, 404, None),
 ])
 def test_bad_input_gets_openai_errors(server, path, body, status, param):

@@ -162,3 +162,47 @@ def test_finished_ids_wait_for_a_batch_that_carries_them():
     assert not s.schedule().chunks                # b is still in flight: nothing to send
     s.update(second, ModelRunnerOutput({c.req_id: [7] for c in second.chunks}))
     assert s.schedule().finished_req_ids == [done]
+
+
+def make_priority_scheduler(num_blocks=64, max_num_seqs=8, max_tokens=64):
+    return Scheduler(SchedulerConfig(max_num_seqs, max_tokens, 1000, scheduling_policy="priority"),
+                     CacheConfig(block_size=BS, enable_prefix_caching=False), num_blocks)
+
+
+def preq(rid, n_prompt, priority, arrival, max_tokens=4, first=0):
+    return Request(rid, list(range(first, first + n_prompt)), SamplingParams(max_tokens=max_tokens),
+                   eos_token_ids=[99], max_model_len=1000, block_size=BS, arrival_time=arrival, priority=priority)
+
+
+def test_priority_admits_by_priority_then_arrival():
+    s = make_priority_scheduler(max_num_seqs=1)
+    s.add_request(preq("running", 3, 5, 0.0, max_tokens=2))
+    step(s)                                       # the only seat is taken
+    for rid, prio, t in (("low", 9, 1.0), ("mid", 5, 2.0), ("mid-later", 5, 3.0), ("high", -1, 4.0)):
+        s.add_request(preq(rid, 3, prio, t, first=10 * len(rid)))
+    order = []
+    while s.has_unfinished():
+        out, _ = step(s)
+        order += [c.req_id for c in out.chunks if c.start_pos == 0]
+    assert order == ["high", "mid", "mid-later", "low"]
+
+
+def test_priority_preempts_the_lowest_priority_running_request():
+    # 3 requests of 8 prompt tokens fill 6 of 7 usable blocks; their first decode needs a new block each
+    s = make_priority_scheduler(num_blocks=8)
+    for rid, prio, t in (("urgent", 0, 0.0), ("bulk", 7, 1.0), ("normal", 3, 2.0)):
+        s.add_request(preq(rid, 8, prio, t, max_tokens=8, first=10 * len(rid)))
+    step(s)
+    out, _ = step(s)
+    assert s.num_preemptions == 1
+    assert [r.request_id for r in s.waiting] == ["bulk"]          # not the newest ("normal"): the lowest priority
+    assert sorted(c.req_id for c in out.chunks) == ["normal", "urgent"]
+
+
+def test_fcfs_preempts_the_newest():
+    s = make_scheduler(num_blocks=8, caching=False)
+    for rid in ("urgent", "bulk", "normal"):
+        s.add_request(req(rid, 8, max_tokens=8, first=10 * len(rid)))
+    step(s)
+    step(s)
+    assert [r.request_id for r in s.waiting] == ["normal"]

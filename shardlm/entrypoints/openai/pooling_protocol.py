@@ -23,6 +23,7 @@ class _PoolingFields(BaseModel):
     model: str | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = checked(None, minimum=-1, maximum=INT64_MAX)
+    priority: int = checked(0, minimum=-INT64_MAX - 1, maximum=INT64_MAX)   # --scheduling-policy priority
 
 
 class EmbeddingRequest(_PoolingFields):

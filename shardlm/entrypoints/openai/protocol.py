@@ -116,6 +116,7 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
+    priority: int = checked(0, minimum=-INT64_MAX - 1, maximum=INT64_MAX)   # --scheduling-policy priority
 
 
 class CompletionRequest(_SamplingFields):

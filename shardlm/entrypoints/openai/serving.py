@@ -166,10 +166,14 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     def submit(self, requests: list[tuple[dict, SamplingParams | PoolingParams, str]],
-               lora: LoRARequest | None = None) -> list[AsyncIterator[RequestOutput]]:
+               lora: LoRARequest | None = None, priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
         """Add every request to the engine now, checked before any response starts (so a stream
         never breaks on bad input): all of them, or none (those added are aborted). Admission is
         decided here, with no await between the check and the adds."""
+        try:
+            self.llm.processor.check_priority(priority)
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, "priority") from e
         waiting, limit = self.llm.num_waiting, self.limits.max_num_waiting
         if waiting >= limit:
             raise OpenAIError(f"The server is busy: {waiting} requests are waiting (--max-num-waiting {limit}). "
@@ -177,7 +181,7 @@ class OpenAIServing:
         streams = []
         try:
             for prompt, params, rid in requests:
-                streams.append(self.llm.generate(prompt, params, rid, lora_request=lora))
+                streams.append(self.llm.generate(prompt, params, rid, lora_request=lora, priority=priority))
         except BaseException as e:
             for _, _, rid in requests[:len(streams)]:
                 self.llm.abort(rid)
@@ -202,7 +206,7 @@ class OpenAIServing:
         texts = [p if isinstance(p, str) else None for p in prompts]
         rids = [f"{rid}-{k}" for k in range(len(ids))]
         streams = self.submit([({"prompt": text, "prompt_token_ids": i}, p, r)
-                               for i, text, p, r in zip(ids, texts, params, rids)], lora)
+                               for i, text, p, r in zip(ids, texts, params, rids)], lora, req.priority)
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         if req.stream:
             return EventStream(self._stream_completions(req, head, streams, ids), rids, self.llm)
@@ -266,7 +270,7 @@ class OpenAIServing:
                                       tool_constraint=tools.constraint(req, mode, function))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model}
-        (stream,) = self.submit([({"prompt": text, "prompt_token_ids": ids}, params, rid)], lora)
+        (stream,) = self.submit([({"prompt": text, "prompt_token_ids": ids}, params, rid)], lora, req.priority)
         if req.stream:
             return EventStream(self._stream_chat(req, {**head, "object": "chat.completion.chunk"}, stream,
                                                  (mode, function)), [rid], self.llm)

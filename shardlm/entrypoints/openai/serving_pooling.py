@@ -41,7 +41,7 @@ class PoolingServing:
         task = getattr(req, "task", None) or "embed"
         params = self._params(req, task=task, dimensions=req.dimensions, normalize=req.normalize,
                               use_activation=getattr(req, "use_activation", None))
-        outs = await self._run(self._inputs(req.input), params, kind)
+        outs = await self._run(self._inputs(req.input), params, kind, req.priority)
         data = [{"index": i, "object": kind, kind if kind == "embedding" else "data":
                  _encoded(o.outputs.data, req.encoding_format)} for i, o in enumerate(outs)]
         return self._answer(model, kind, data, outs)
@@ -52,7 +52,8 @@ class PoolingServing:
     async def classify(self, req: ClassificationRequest):
         model = self.serving.check_model(req.model)
         outs = await self._run(self._inputs(req.input), self._params(req, task="classify",
-                                                                     use_activation=req.use_activation), "classify")
+                                                                     use_activation=req.use_activation), "classify",
+                               req.priority)
         data = []
         for i, o in enumerate(outs):
             probs = o.outputs.data.tolist()
@@ -107,14 +108,15 @@ class PoolingServing:
         return prompts
 
     async def _run(self, prompts: list[dict], params: PoolingParams | list[PoolingParams],
-                   kind: str) -> list[PoolingRequestOutput]:
+                   kind: str, priority: int = 0) -> list[PoolingRequestOutput]:
         if self.pooler is None:
             raise OpenAIError(f"{self.serving.model_names[0]} is a generative model: /{kind} needs a pooling model "
                               "(start the server with --runner pooling, and --convert embed for a generative "
                               "checkpoint).", 400, "model")
         rid = f"{kind}-{uuid.uuid4().hex}"
         all_params = params if isinstance(params, list) else [params] * len(prompts)
-        streams = self.serving.submit([(p, q, f"{rid}-{k}") for k, (p, q) in enumerate(zip(prompts, all_params))])
+        streams = self.serving.submit([(p, q, f"{rid}-{k}") for k, (p, q) in enumerate(zip(prompts, all_params))],
+                                      priority=priority)
         return await last_outputs(streams)
 
     async def _scores(self, first, second, req) -> tuple[list[float], list[PoolingRequestOutput]]:
@@ -130,10 +132,10 @@ class PoolingServing:
             keep = self.serving.max_model_len if keep == -1 else keep
             prompts = [cross_encoder_prompt(self.llm.tokenizer, a, b, keep) for a, b in pairs]
             outs = await self._run(prompts, self._params(req, task="score").clone(truncate_prompt_tokens=None),
-                                   "score")
+                                   "score", req.priority)
             return [float(o.outputs.data.flatten()[-1]) for o in outs], outs
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        outs = await self._run(self._inputs(texts), self._params(req, task="embed"), "score")
+        outs = await self._run(self._inputs(texts), self._params(req, task="embed"), "score", req.priority)
         vectors = dict(zip(texts, (o.outputs.data for o in outs)))
         return [cosine(vectors[a], vectors[b]) for a, b in pairs], outs
 
