@@ -114,6 +114,7 @@ class EngineCoreOutput(msgspec.Struct):
     error: str | None = None       # the request failed: why
     error_kind: str = "engine"     # "engine": its engine core or replica died; "request": its own fault
     pooled: PooledData | None = None    # a pooling request's result (it ends with it)
+    scheduled_time: float | None = None     # its first output: when it was first scheduled (wall clock)
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True):
@@ -121,6 +122,7 @@ class EngineCoreOutputs(msgspec.Struct, tag=True):
     outputs: list[EngineCoreOutput]
     num_waiting: int = 0
     num_running: int = 0
+    engine_index: int = 0          # the data parallel replica (its rank) that ran them
 
 
 class AbortRequests(msgspec.Struct, tag=True):

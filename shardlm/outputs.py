@@ -36,6 +36,9 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0
+    engine: int = 0                         # the data parallel replica that ran it
+    max_tokens_param: int | None = None     # what it asked for (the server's vLLM histograms)
+    n_param: int = 1
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -164,7 +164,8 @@ class EngineCore:
     def _outputs(self, outputs) -> EngineCoreOutputs:
         if self.scheduler.failed_outputs:
             outputs, self.scheduler.failed_outputs = [*self.scheduler.failed_outputs, *outputs], []
-        return EngineCoreOutputs(outputs, self.scheduler.num_waiting, self.scheduler.num_running)
+        return EngineCoreOutputs(outputs, self.scheduler.num_waiting, self.scheduler.num_running,
+                                 self.config.parallel.data_parallel_rank)
 
     def _fill_pipeline(self) -> None:
         """Submit batches until max_in_flight are pending or nothing more can be scheduled."""
@@ -206,6 +207,7 @@ class EngineCore:
                 "prefix_cache_hits": self.scheduler.kv.prefix_hits,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_aborted": self.scheduler.num_aborted,
+                **self.stat_logger.totals(),
                 **self.scheduler.lora_stats(),
                 **(self.scheduler.spec_stats.as_dict() if self.config.speculative is not None else {}),
                 **({"expert_load": self.expert_load()} if self.config.model.num_experts else {}),

@@ -47,6 +47,8 @@ class Request:
         self.request_id = request_id
         self.priority = priority                  # --scheduling-policy priority: lower runs first
         self.seq = 0                              # the order the scheduler received it in
+        self.scheduled_time: float | None = None  # when first scheduled (reported with its first output)
+        self.scheduled_time_sent = False
         self.pooling_params = pooling_params      # a pooling request: one step, its result instead of tokens
         self.token_type_ids = token_type_ids
         self.prompt_token_ids = list(prompt_token_ids)

@@ -26,6 +26,7 @@ disable_by_batch_size).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from shardlm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
@@ -65,6 +66,7 @@ class Scheduler:
         self.num_aborted = 0
         self.failed_outputs: list[EngineCoreOutput] = []     # requests ended by the core itself, to report
         self._next_seq = 0
+        self._just_finished: dict[str, Request] = {}     # freed during the update in progress
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -91,6 +93,7 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self.kv.free(request)
         del self.requests[request.request_id]
+        self._just_finished[request.request_id] = request      # for update's last word on it
         if request.request_id in self._known_to_workers:
             self._known_to_workers.discard(request.request_id)
             self._finished_since_last_step.append(request.request_id)
@@ -168,6 +171,8 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             request.status = RequestStatus.RUNNING
+            if request.scheduled_time is None:
+                request.scheduled_time = time.time()
             self.running.append(request)
             if request.lora_int_id:
                 adapters.add(request.lora_int_id)
@@ -324,6 +329,15 @@ class Scheduler:
             request.grammar_done = True
 
     def update(self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs = self._update(scheduler_output, result)
+        for out in outputs:         # a request's first output says when it was first scheduled
+            request = self.requests.get(out.req_id) or self._just_finished.get(out.req_id)
+            if request is not None and not request.scheduled_time_sent:
+                out.scheduled_time, request.scheduled_time_sent = request.scheduled_time, True
+        self._just_finished.clear()
+        return outputs
+
+    def _update(self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
         for chunk in scheduler_output.chunks:
             self.in_flight.discard(chunk.req_id)

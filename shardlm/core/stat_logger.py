@@ -12,6 +12,10 @@ from shardlm.spec_decode.stats import SpecDecodingStats
 logger = init_logger(__name__)
 
 
+# tokens per step, the bounds of vLLM's vllm:iteration_tokens_total histogram
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 class StatLogger:
     INTERVAL_S = 10.0
 
@@ -20,16 +24,33 @@ class StatLogger:
         self._since = time.monotonic()
         self._prompt_tokens = self._generation_tokens = 0
         self._spec_before = SpecDecodingStats()
+        # since start (the server's vLLM counters): prompt and generated tokens, steps by their tokens
+        self.prompt_tokens_total = self.generation_tokens_total = 0
+        self.iteration_buckets = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)      # the last: above every bound
+        self.iteration_tokens_sum = 0
 
     def observe(self, so: SchedulerOutput, outputs: list[EngineCoreOutput]) -> None:
         # a chunk of the last known token (and its proposals) is a decode; the rest is prompt work
-        self._prompt_tokens += sum(len(c.token_ids) for c in so.chunks
-                                   if not (c.sample and len(c.token_ids) == 1 + c.num_draft_tokens))
-        self._generation_tokens += sum(len(o.new_token_ids) for o in outputs)
+        prompt = sum(len(c.token_ids) for c in so.chunks
+                     if not (c.sample and len(c.token_ids) == 1 + c.num_draft_tokens))
+        generated = sum(len(o.new_token_ids) for o in outputs)
+        self._prompt_tokens += prompt
+        self._generation_tokens += generated
+        self.prompt_tokens_total += prompt
+        self.generation_tokens_total += generated
+        step = prompt + generated
+        self.iteration_buckets[next((i for i, b in enumerate(ITERATION_TOKEN_BUCKETS) if step <= b),
+                                    len(ITERATION_TOKEN_BUCKETS))] += 1
+        self.iteration_tokens_sum += step
         now = time.monotonic()
         if now - self._since >= self.INTERVAL_S:
             self._log(now - self._since)
             self._since, self._prompt_tokens, self._generation_tokens = now, 0, 0
+
+    def totals(self) -> dict:
+        """The counters since start, for stats(): tokens, and steps per bucket of their tokens."""
+        return {"prompt_tokens": self.prompt_tokens_total, "generation_tokens": self.generation_tokens_total,
+                "iteration_buckets": list(self.iteration_buckets), "iteration_tokens_sum": self.iteration_tokens_sum}
 
     def _log(self, seconds: float) -> None:
         s, kv = self.scheduler, self.scheduler.kv

@@ -185,7 +185,7 @@ class AsyncLLM:
         try:
             while True:
                 core_outputs = await self.engine_core.get_output_async()
-                processed = self.output_processor.process(core_outputs.outputs)
+                processed = self.output_processor.process(core_outputs.outputs, core_outputs.engine_index)
                 if processed.reqs_to_abort:
                     self.engine_core.abort_requests(processed.reqs_to_abort)
                 for parent, error in processed.failed:    # its replica died under it, or its own part failed

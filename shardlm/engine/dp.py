@@ -168,7 +168,9 @@ def combine_stats(per_engine: list[dict]) -> dict:
     """The totals over replicas, with each replica's own stats under "engines"."""
     total = {key: sum(s[key] for s in per_engine)
              for key in ("num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits",
-                         "num_preemptions", "num_aborted")}
+                         "num_preemptions", "num_aborted", "prompt_tokens", "generation_tokens",
+                         "iteration_tokens_sum")}
+    total["iteration_buckets"] = [sum(c) for c in zip(*(s["iteration_buckets"] for s in per_engine))]
     total["kv_cache_usage"] = sum(s["kv_cache_usage"] for s in per_engine) / len(per_engine)
     queries = total["prefix_cache_queries"]
     total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else 0.0

@@ -65,7 +65,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step: the outputs of the requests it changed (as each request's output_kind says).
         Requests that hit a stop string are aborted in the core."""
-        processed = self.output_processor.process(self.engine_core.get_output().outputs)
+        core_outputs = self.engine_core.get_output()
+        processed = self.output_processor.process(core_outputs.outputs, core_outputs.engine_index)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         if processed.failed:              # its replica died under it (EngineDeadError), or its own part failed

@@ -47,6 +47,7 @@ class SampleState:
     sent_chars: int = 0
     sent_tokens: int = 0
     sent_logprobs: int = 0
+    last_token_time: float | None = None    # when its latest tokens came
 
     @property
     def finished(self) -> bool:
@@ -87,6 +88,9 @@ class OutputProcessor:
         self.parents: dict[str, ParentRequest] = {}
         self.samples: dict[str, SampleState] = {}   # engine-core request id -> sample
         self.on_finished: Callable[[RequestOutput], None] | None = None   # whole output, e.g. for metrics
+        # each step that brings a sample new tokens: (its request's metrics, its new tokens, seconds
+        # since its previous ones, None at its first); for the server's live token and latency series
+        self.on_tokens: Callable[[RequestMetrics, int, float | None], None] | None = None
 
     def add_request(self, parent: ParentRequest, child_ids: list[str], child_params: list[SamplingParams]) -> None:
         self.parents[parent.request_id] = parent
@@ -104,7 +108,8 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.parents)
 
-    def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+    def process(self, outputs: list[EngineCoreOutput], engine_index: int = 0) -> ProcessedOutputs:
+        """engine_index: the data parallel replica these outputs come from."""
         now = time.time()
         changed: dict[str, ParentRequest] = {}
         touched: set[int] = set()       # id() of the samples this step changed (what a delta holds)
@@ -124,6 +129,8 @@ class OutputProcessor:
                 continue
             if out.prompt_logprobs and parent.prompt_logprobs is not None and sample.index == 0:
                 parent.prompt_logprobs.extend(self._convert_logprobs(lp) for lp in out.prompt_logprobs)
+            if out.scheduled_time is not None and parent.metrics.first_scheduled_time is None:
+                parent.metrics.first_scheduled_time, parent.metrics.engine = out.scheduled_time, engine_index
             if out.pooled is not None:
                 parent.pooled, sample.finish_reason = out.pooled, out.finish_reason
                 parent.metrics.first_token_time = parent.metrics.last_token_time = now
@@ -151,6 +158,10 @@ class OutputProcessor:
     def _append(self, sample: SampleState, out: EngineCoreOutput, now: float, to_abort: list[str]) -> None:
         parent = sample.parent
         m = parent.metrics
+        if self.on_tokens is not None:
+            gap = None if sample.last_token_time is None else now - sample.last_token_time
+            self.on_tokens(m, len(out.new_token_ids), gap)
+        sample.last_token_time = now
         if m.first_token_time is None:
             m.first_token_time = now
             parent.num_cached_tokens = m.num_cached_tokens = out.num_cached_tokens

@@ -112,7 +112,8 @@ class InputProcessor:
             self._grammars.matcher(params.structured_outputs)
         check_max_tokens(len(prompt_token_ids), params.max_tokens, self.config.model.max_model_len)
         arrival_time = arrival_time or time.time()
-        parent = ParentRequest(request_id, text, prompt_token_ids, params, RequestMetrics(arrival_time))
+        parent = ParentRequest(request_id, text, prompt_token_ids, params,
+                               RequestMetrics(arrival_time, max_tokens_param=params.max_tokens, n_param=params.n))
         if params.n == 1:
             return parent, [EngineCoreRequest(request_id, prompt_token_ids, params, arrival_time, lora_request)]
         return parent, [

@@ -1,19 +1,25 @@
-"""GET /metrics: Prometheus text with vLLM's metric names under the `shardlm:` prefix, so
-existing dashboards map over by renaming the prefix."""
+"""GET /metrics: Prometheus text. vLLM's series under vLLM's own names (vllm_metrics.py: its
+dashboards, router and autoscaling rules read them unchanged), and shardlm's under `shardlm:`:
+vLLM's names with that prefix (the dashboards built on them), and what vLLM has no name for
+(restarts, aborts, routing to replicas, expert load)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from shardlm.outputs import RequestOutput
+from shardlm.entrypoints.openai.vllm_metrics import EngineSeries, RequestSeries
+from shardlm.outputs import RequestMetrics, RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                     40.0, 80.0, 160.0)
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, max_model_len: int = 8192, cache_info: dict[str, str] | None = None):
+        """cache_info: the KV cache's settings, vllm:cache_config_info's labels."""
         self.registry = r = CollectorRegistry()
+        self.vllm_requests = RequestSeries(model_name, max_model_len, r)
+        self.vllm_engines = EngineSeries(model_name, cache_info or {}, r)
         labels = ["model_name"]
         self.labels = {"model_name": model_name}
         # engine-core gauges: one series per data parallel replica (engine="0", "1", ...) and their
@@ -72,7 +78,12 @@ class ServerMetrics:
         self.e2e = Histogram("shardlm:e2e_request_latency_seconds", "End-to-end request latency", labels,
                              buckets=_LATENCY_BUCKETS, registry=r)
 
+    def observe_tokens(self, m: RequestMetrics, num_new: int, gap: float | None) -> None:
+        self.vllm_requests.observe_tokens(m, num_new, gap)
+
     def observe_finished(self, out: RequestOutput) -> None:
+        if out.metrics is not None:
+            self.vllm_requests.observe_finished(out)
         m, lab = out.metrics, self.labels
         self.prompt_tokens.labels(**lab).inc(len(out.prompt_token_ids))
         generated = sum(len(c.token_ids) for c in out.outputs)
@@ -93,6 +104,7 @@ class ServerMetrics:
         for engine, n in (restarts or {}).items():
             self.restarts.labels(engine="all" if engine == "engine" else engine, **self.labels).set(n)
         if stats:
+            self.vllm_engines.stats = stats
             for engine, values in [("all", stats), *((str(e["engine"]), e) for e in stats.get("engines", []))]:
                 for key, gauge in self.engine_gauges.items():
                     gauge.labels(engine=engine, **self.labels).set(values[key])

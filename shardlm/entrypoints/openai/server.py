@@ -58,8 +58,13 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
             lora = state.serving.loras.new(module.lora_name, module.lora_path, module.base_model_name)
             await llm.add_lora(lora)
             state.serving.loras.add(lora)
-        state.metrics = ServerMetrics(names[0])
+        cache = llm.config.cache
+        state.metrics = ServerMetrics(names[0], llm.config.model.max_model_len, {
+            "block_size": str(cache.block_size), "cache_dtype": cache.kv_cache_dtype,
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "gpu_memory_utilization": str(cache.gpu_memory_utilization), "num_gpu_blocks": str(llm.num_blocks)})
         llm.on_finished = state.metrics.observe_finished
+        llm.output_processor.on_tokens = state.metrics.observe_tokens
         logger.info("Serving %s (dtype %s) after %.1f s", names[0], str(llm.config.model.dtype).replace("torch.", ""),
                     time.perf_counter() - t0)
         try:
