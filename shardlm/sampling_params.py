@@ -10,6 +10,7 @@ _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 INT64_MAX = 2**63 - 1
 MAX_LOGIT_BIAS = 100.0     # OpenAI's range for logit_bias values
+BOUNDED_JSON_WHITESPACE = "[ ]?"     # the default JSON whitespace between items: '{"a": 1, "b": 2}' or compact
 
 
 class RequestOutputKind(IntEnum):
@@ -29,9 +30,13 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    disable_any_whitespace: bool = False         # JSON without whitespace between items
+    # JSON whitespace between items: by default at most one space (BOUNDED_JSON_WHITESPACE), so that no
+    # model can pad an object with whitespace until max_tokens; disable_any_whitespace: none at all;
+    # whitespace_pattern: this regex; any_whitespace: any amount (vLLM's xgrammar default)
+    disable_any_whitespace: bool = False
     disable_additional_properties: bool = False  # JSON objects hold only the schema's properties
     whitespace_pattern: str | None = None        # JSON: the whitespace allowed between items (a regex)
+    any_whitespace: bool = False
 
     def __post_init__(self):
         kinds = self.kinds()
@@ -50,6 +55,10 @@ class StructuredOutputsParams:
             raise ValueError("StructuredOutputsParams.json must be a JSON schema: a dict or its JSON text.")
         if self.choice is not None:
             self.choice = list(self.choice)
+        options = [k for k in ("disable_any_whitespace", "any_whitespace") if getattr(self, k)]
+        if len(options) + (self.whitespace_pattern is not None) > 1:
+            raise ValueError("StructuredOutputsParams takes at most one of disable_any_whitespace, any_whitespace and "
+                             "whitespace_pattern.")
 
     def kinds(self) -> list[str]:
         return [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None] + \

@@ -13,7 +13,7 @@ import json
 import threading
 from functools import lru_cache
 
-from shardlm.sampling_params import StructuredOutputsParams
+from shardlm.sampling_params import BOUNDED_JSON_WHITESPACE, StructuredOutputsParams
 
 BACKENDS = ("auto", "guidance")
 MAX_CONSTRAINT_BYTES = 256 << 10
@@ -39,9 +39,12 @@ def to_grammar(params: StructuredOutputsParams) -> str:
                 raise ValueError(f"The JSON schema is not valid JSON: {e}.") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError("The JSON schema must be a JSON object.")
-        overrides = {"whitespace_flexible": not params.disable_any_whitespace}
-        if params.whitespace_pattern is not None and not params.disable_any_whitespace:
-            overrides = {"whitespace_pattern": params.whitespace_pattern}
+        if params.disable_any_whitespace:
+            overrides = {"whitespace_flexible": False}
+        elif params.any_whitespace:
+            overrides = {"whitespace_flexible": True}
+        else:       # bounded: a model at any temperature ends the object (OpenAI's strict outputs are compact)
+            overrides = {"whitespace_pattern": params.whitespace_pattern or BOUNDED_JSON_WHITESPACE}
         if params.disable_additional_properties and isinstance(schema, dict):
             schema = {**schema, "additionalProperties": False}
         return matcher.grammar_from_json_schema(schema, overrides=overrides)

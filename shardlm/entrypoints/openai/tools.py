@@ -20,9 +20,6 @@ from shardlm.reasoning import ReasoningParser, ReasoningStream
 from shardlm.sampling_params import StructuredOutputsParams
 
 ARGUMENT_PIECE = 16       # characters of arguments per streamed delta where they are sent at the end
-# JSON whitespace in enforced tool calls: at most one space (as in '", "'), so that no model can
-# pad arguments with whitespace until max_tokens
-TOOL_WHITESPACE = "[ ]?"
 
 
 def tool_mode(req: ChatCompletionRequest, parser: ToolParser | None) -> tuple[str, str | None]:
@@ -52,8 +49,7 @@ def constraint(req: ChatCompletionRequest, mode: str, name: str | None) -> Struc
     """The structured output that enforces a required or named tool choice."""
     if mode == "named":
         tool = next(t for t in req.tools if t.function.name == name)
-        return StructuredOutputsParams(json=tool.function.parameters or {"type": "object"},
-                                       whitespace_pattern=TOOL_WHITESPACE)
+        return StructuredOutputsParams(json=tool.function.parameters or {"type": "object"})
     if mode == "required":
         one_call = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                                  "parameters": t.function.parameters or
@@ -61,8 +57,7 @@ def constraint(req: ChatCompletionRequest, mode: str, name: str | None) -> Struc
                                "required": ["name", "parameters"], "additionalProperties": False}
                               for t in req.tools]}
         return StructuredOutputsParams(json={"type": "array", "items": one_call, "minItems": 1,
-                                             **({"maxItems": 1} if req.parallel_tool_calls is False else {})},
-                                       whitespace_pattern=TOOL_WHITESPACE)
+                                             **({"maxItems": 1} if req.parallel_tool_calls is False else {})})
     return None
 
 
