@@ -1,16 +1,16 @@
 """The `shardlm` command: one module per subcommand (serve, generate, chat, bench, plan, env,
-cluster), each with register(subparsers) and run(namespace)."""
+cluster, run-batch), each with register(subparsers) and run(namespace)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from shardlm.entrypoints.cli import bench, chat, cluster, env, generate, plan, serve
+from shardlm.entrypoints.cli import bench, chat, cluster, env, generate, plan, run_batch, serve
 from shardlm.entrypoints.cli.engine_flags import add_engine_args, engine_args_from
 
 __all__ = ["main", "build_parser", "add_engine_args", "engine_args_from"]
-SUBCOMMANDS = (serve, generate, chat, plan, cluster, env, bench)
+SUBCOMMANDS = (serve, run_batch, generate, chat, plan, cluster, env, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
