@@ -46,6 +46,10 @@ def register(sub) -> None:
     p.add_argument("--max-replica-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
                    help="data parallel: start a dead replica again, while the others serve, at most this many "
                         "times an hour each; past it the replica stays dead (default: %(default)s)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send one OpenTelemetry span per request (vLLM's gen_ai.* attributes; W3C traceparent "
+                        "continued) to this OTLP/HTTP endpoint, e.g. http://localhost:4318/v1/traces (needs "
+                        "pip install 'shardlm[otel]')")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     from shardlm.entrypoints.openai.protocol import RequestLimits
@@ -101,4 +105,5 @@ def server_options(ns) -> dict:
                 metrics_require_key=ns.metrics_require_key,
                 tool_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None, lora_modules=lora_modules,
                 shutdown_timeout=ns.shutdown_timeout,
-                restarts=RestartPolicy(ns.max_engine_restarts, ns.max_replica_restarts))
+                restarts=RestartPolicy(ns.max_engine_restarts, ns.max_replica_restarts),
+                otlp_traces_endpoint=ns.otlp_traces_endpoint)

@@ -28,6 +28,7 @@ from shardlm.entrypoints.openai.routes import health, lora_admin, openai_api, po
 from shardlm.entrypoints.openai.serving import OpenAIServing
 from shardlm.entrypoints.openai.serving_pooling import PoolingServing
 from shardlm.entrypoints.openai.state import ServerState
+from shardlm.entrypoints.openai.tracing import RequestTracer, TraceHeaders
 from shardlm.entrypoints.openai.transport import TransportGuard, guarded_protocol
 from shardlm.logger import init_logger
 from shardlm.lora.peft import read_lora_request
@@ -41,11 +42,13 @@ _UNHEALTHY_GRACE_S = 2.0   # how long /health reports 503 after the engine died,
 def build_app(config: EngineConfig, api_key: str | None = None, chat_template: str | None = None,
               limits: RequestLimits | None = None, metrics_require_key: bool = False,
               tool_parser: str | None = None, lora_modules: list[LoRARequest] | None = None,
-              restarts: RestartPolicy | None = None) -> FastAPI:
+              restarts: RestartPolicy | None = None, otlp_traces_endpoint: str | None = None) -> FastAPI:
     """lora_modules: --lora-modules, as LoRARequests (their ids are given out here); restarts: when
-    to start a dead engine again (None: never; the server then exits)."""
+    to start a dead engine again (None: never; the server then exits); otlp_traces_endpoint: where
+    each request's span goes (None: no tracing)."""
     limits = limits or RequestLimits()
     state = ServerState()
+    tracer = RequestTracer(otlp_traces_endpoint, config.model.served_model_name) if otlp_traces_endpoint else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -64,6 +67,9 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
             "enable_prefix_caching": str(cache.enable_prefix_caching),
             "gpu_memory_utilization": str(cache.gpu_memory_utilization), "num_gpu_blocks": str(llm.num_blocks)})
         llm.on_finished = state.metrics.observe_finished
+        if tracer is not None:
+            state.serving.tracer = tracer
+            llm.on_finished = lambda out: (state.metrics.observe_finished(out), tracer.finish(out))
         llm.output_processor.on_tokens = state.metrics.observe_tokens
         logger.info("Serving %s (dtype %s) after %.1f s", names[0], str(llm.config.model.dtype).replace("torch.", ""),
                     time.perf_counter() - t0)
@@ -71,6 +77,8 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
             yield
         finally:
             llm.shutdown()
+            if tracer is not None:
+                tracer.shutdown()
 
     app = FastAPI(title="shardlm", version=shardlm.__version__, lifespan=lifespan)
     app.state.shardlm = state
@@ -87,6 +95,8 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
         app.include_router(lora_admin.router)
     add_error_handlers(app)
     app.add_middleware(TransportGuard, limits=limits)
+    if tracer is not None:
+        app.add_middleware(TraceHeaders)
     app.add_middleware(DrainGate, state=state, open_routes=health.OPEN_ROUTES)
     if api_key:       # added last, so it runs first
         open_routes = tuple(r for r in health.OPEN_ROUTES if not (metrics_require_key and r == "/metrics"))
@@ -99,7 +109,7 @@ def make_server(engine_args: EngineArgs, host: str, port: int, api_key: str | No
                 metrics_require_key: bool = False, tool_parser: str | None = None,
                 lora_modules: list[LoRARequest] | None = None,
                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-                restarts: RestartPolicy | None = None) -> DrainingServer:
+                restarts: RestartPolicy | None = None, otlp_traces_endpoint: str | None = None) -> DrainingServer:
     """The server `shardlm serve` runs, checked and ready to serve (the engine starts with it)."""
     start_fork_server_early()     # the engine core comes from it: its imports overlap ours
     config = engine_args.create_engine_config()   # bad settings fail here, plainly, before the engine starts
@@ -108,7 +118,7 @@ def make_server(engine_args: EngineArgs, host: str, port: int, api_key: str | No
     for module in lora_modules or []:      # a bad adapter fails here too, before any process starts
         read_lora_request(module, config.model.hf_config, config.lora.max_lora_rank, config.model.download_dir)
     app = build_app(config, api_key, chat_template, limits, metrics_require_key, tool_parser, lora_modules,
-                    restarts)
+                    restarts, otlp_traces_endpoint)
     limits = limits or RequestLimits()
     # uvicorn answers 503 once a request finds limit_concurrency connections open, itself counted
     http = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,

@@ -98,6 +98,7 @@ class OpenAIServing:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-tokenize")
         self.max_model_len = llm.config.model.max_model_len
         self.defaults = llm.default_sampling_params()
+        self.tracer = None            # --otlp-traces-endpoint: a RequestTracer (tracing.py)
 
     # ---- shared ----
     def check_model(self, name: str | None) -> str:
@@ -182,6 +183,8 @@ class OpenAIServing:
         try:
             for prompt, params, rid in requests:
                 streams.append(self.llm.generate(prompt, params, rid, lora_request=lora, priority=priority))
+                if self.tracer is not None:
+                    self.tracer.begin(rid, params)
         except BaseException as e:
             for _, _, rid in requests[:len(streams)]:
                 self.llm.abort(rid)
