@@ -77,5 +77,13 @@ def test_the_server_returns_reasoning_content_streamed_and_not(tiny_model_dir):
         chunks = [c.choices[0].delta for c in client.chat.completions.create(**kw, stream=True) if c.choices]
         assert "".join(getattr(d, "reasoning_content", None) or "" for d in chunks) == whole.reasoning_content
         assert not any(d.content for d in chunks)
+        # the Responses API: the thinking as a reasoning item, whole and streamed
+        response = client.responses.create(model="tiny", input="Think.", max_output_tokens=20, temperature=0)
+        (item,) = response.output
+        assert item.type == "reasoning" and item.content[0].text
+        with client.responses.stream(model="tiny", input="Think.", max_output_tokens=20, temperature=0) as stream:
+            deltas = [e.delta for e in stream if e.type == "response.reasoning_text.delta"]
+            final = stream.get_final_response()
+        assert "".join(deltas) == item.content[0].text == final.output[0].content[0].text
     finally:
         stop_server(proc)

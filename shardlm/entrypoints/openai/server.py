@@ -24,9 +24,10 @@ from shardlm.entrypoints.openai.errors import add_error_handlers
 from shardlm.entrypoints.openai.metrics import ServerMetrics
 from shardlm.entrypoints.openai.middleware import ApiKeyCheck
 from shardlm.entrypoints.openai.protocol import RequestLimits, publish_vocabulary
-from shardlm.entrypoints.openai.routes import health, lora_admin, openai_api, pooling, tokenizer
+from shardlm.entrypoints.openai.routes import health, lora_admin, openai_api, pooling, responses, tokenizer
 from shardlm.entrypoints.openai.serving import OpenAIServing
 from shardlm.entrypoints.openai.serving_pooling import PoolingServing
+from shardlm.entrypoints.openai.serving_responses import ResponsesServing
 from shardlm.entrypoints.openai.state import ServerState
 from shardlm.entrypoints.openai.tracing import RequestTracer, TraceHeaders
 from shardlm.entrypoints.openai.transport import TransportGuard, guarded_protocol
@@ -57,6 +58,7 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
         names = [llm.config.model.served_model_name]
         state.llm, state.serving = llm, OpenAIServing(llm, names, chat_template, limits, tool_parser)
         state.pooling = PoolingServing(state.serving)
+        state.responses = ResponsesServing(state.serving)
         for module in lora_modules or []:       # each checked and read now: a bad one stops the start
             lora = state.serving.loras.new(module.lora_name, module.lora_path, module.base_model_name)
             await llm.add_lora(lora)
@@ -89,7 +91,7 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
             app.openapi_schema = publish_vocabulary(default_openapi(), config.model.vocab_size)
         return app.openapi_schema
     app.openapi = openapi
-    for router in (health.router, openai_api.router, pooling.router, tokenizer.router):
+    for router in (health.router, openai_api.router, responses.router, pooling.router, tokenizer.router):
         app.include_router(router)
     if envs.SHARDLM_ALLOW_RUNTIME_LORA_UPDATING:
         app.include_router(lora_admin.router)
