@@ -111,6 +111,7 @@ class ModelConfig:
     runner: str = "generate"                 # generate, or pooling (embeddings, classes, scores: pooling/)
     convert: str | None = None               # a generative architecture run as a pooling model: embed, classify
     pooler: object | None = None             # the pooling runner's PoolerConfig (pooling/config.py)
+    collect_detailed_traces: bool = False    # steps timed, each request's share reported (tracing)
 
     @property
     def num_layers(self) -> int:

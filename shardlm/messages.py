@@ -87,6 +87,7 @@ class ModelRunnerOutput(msgspec.Struct):
     # rows ran (so every rank ran the same step); their tokens are dropped and they end.
     failed: dict[str, str] = msgspec.field(default_factory=dict)
     pooled: dict[str, PooledData] = msgspec.field(default_factory=dict)    # pooling requests: their results
+    forward_seconds: float = 0.0     # --collect-detailed-traces: this rank's forward pass and sampling
 
 
 # ---- front end <-> engine core ----
@@ -115,6 +116,10 @@ class EngineCoreOutput(msgspec.Struct):
     error_kind: str = "engine"     # "engine": its engine core or replica died; "request": its own fault
     pooled: PooledData | None = None    # a pooling request's result (it ends with it)
     scheduled_time: float | None = None     # its first output: when it was first scheduled (wall clock)
+    # --collect-detailed-traces, with its last output: the steps it was in, timed on the engine core
+    # (executing them) and on the answering worker (its forward passes)
+    execute_seconds: float = 0.0
+    forward_seconds: float = 0.0
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True):

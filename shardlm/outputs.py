@@ -39,6 +39,8 @@ class RequestMetrics:
     engine: int = 0                         # the data parallel replica that ran it
     max_tokens_param: int | None = None     # what it asked for (the server's vLLM histograms)
     n_param: int = 1
+    model_execute_time: float | None = None  # --collect-detailed-traces: its steps, on the engine core
+    model_forward_time: float | None = None  # ... and in the answering worker's forward passes
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -54,7 +54,7 @@ class EngineCore:
                                    config.lora.max_loras if config.lora is not None else 0, config.speculative,
                                    config.kv_groups)
         self.stat_logger = StatLogger(self.scheduler)
-        self.batch_queue: deque = deque()      # (scheduler output, wait for its result), oldest first
+        self.batch_queue: deque = deque()      # (scheduler output, wait for its result, when sent), oldest first
         self.wave = Wave() if config.dp_lockstep else None     # DP + EP: replicas step together
         self.structured_outputs: StructuredOutputManager | None = None     # made at the first constrained request
         par = config.parallel
@@ -137,12 +137,14 @@ class EngineCore:
             if self.wave is not None and self.wave.running:
                 self._dummy_step()
             return self._outputs([])
-        scheduler_output, wait = self.batch_queue.popleft()
+        scheduler_output, wait, started = self.batch_queue.popleft()
         try:
             result = wait()
         except Exception as e:
             self._log_failed_step(scheduler_output, e)
             raise
+        if self.config.model.collect_detailed_traces:
+            self.scheduler.add_step_times(scheduler_output, time.perf_counter() - started, result.forward_seconds)
         outputs = self.scheduler.update(scheduler_output, result)
         self.stat_logger.observe(scheduler_output, outputs)
         if self.executor.runs_async:
@@ -174,12 +176,13 @@ class EngineCore:
             if not scheduler_output.chunks:
                 return
             self._attach_grammar_bitmask(scheduler_output)
+            started = time.perf_counter()
             try:
                 wait = self.executor.execute_model_async(scheduler_output)
             except Exception as e:       # the in-process executor runs the step right here
                 self._log_failed_step(scheduler_output, e)
                 raise
-            self.batch_queue.append((scheduler_output, wait))
+            self.batch_queue.append((scheduler_output, wait, started))
 
     def _attach_grammar_bitmask(self, so: SchedulerOutput) -> None:
         """The allowed tokens of each constrained request this step samples for."""

@@ -49,6 +49,7 @@ class Request:
         self.seq = 0                              # the order the scheduler received it in
         self.scheduled_time: float | None = None  # when first scheduled (reported with its first output)
         self.scheduled_time_sent = False
+        self.execute_seconds = self.forward_seconds = 0.0     # --collect-detailed-traces: its steps' times
         self.pooling_params = pooling_params      # a pooling request: one step, its result instead of tokens
         self.token_type_ids = token_type_ids
         self.prompt_token_ids = list(prompt_token_ids)

@@ -334,8 +334,18 @@ class Scheduler:
             request = self.requests.get(out.req_id) or self._just_finished.get(out.req_id)
             if request is not None and not request.scheduled_time_sent:
                 out.scheduled_time, request.scheduled_time_sent = request.scheduled_time, True
+            if request is not None and out.finish_reason is not None:     # and its last, its step times
+                out.execute_seconds, out.forward_seconds = request.execute_seconds, request.forward_seconds
         self._just_finished.clear()
         return outputs
+
+    def add_step_times(self, so: SchedulerOutput, execute: float, forward: float) -> None:
+        """--collect-detailed-traces: a step's times, added to each of its requests'."""
+        for chunk in so.chunks:
+            request = self.requests.get(chunk.req_id)
+            if request is not None:
+                request.execute_seconds += execute
+                request.forward_seconds += forward
 
     def _update(self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []

@@ -190,6 +190,11 @@ class EngineArgs:
         "in steps with N or more running requests (default 16; 0: never); {\"model\": DIR, ...} a "
         "draft model of the same tokenizer; {\"method\": \"eagle\" or \"eagle3\", \"model\": DIR, ...} "
         "an EAGLE head; {\"method\": \"mtp\"} DeepSeek-V3's own multi-token-prediction layer")
+    collect_detailed_traces: str | None = knob(
+        None, "model",
+        "with the server's --otlp-traces-endpoint: time each step on the engine core and the workers and add "
+        "each request's share to its span (gen_ai.latency.time_in_model_execute / time_in_model_forward); "
+        "model, worker or all (vLLM's names; each records both here)")
     hf_overrides: dict | str | None = knob(
         None, "model",
         "JSON set over the checkpoint's config.json before anything reads it, as vLLM's: e.g. "
@@ -274,7 +279,8 @@ class EngineArgs:
             hub_source=source.hub,
             download_dir=self.download_dir,
             reasoning_parser=_reasoning_parser(self.structured_outputs_config, self.reasoning_parser),
-            runner=runner, convert=convert, pooler=pooler)
+            runner=runner, convert=convert, pooler=pooler, collect_detailed_traces=_detailed_traces(
+                self.collect_detailed_traces))
         cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
         batched_tokens = self.max_num_batched_tokens or max(SchedulerConfig.max_num_batched_tokens, self.max_num_seqs)
         if pooler is not None:
@@ -538,6 +544,14 @@ def _eos_ids(hf_config, gen_defaults: dict) -> list[int]:
     if eos is None:
         return []
     return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def _detailed_traces(value: str | None) -> bool:
+    if value is None:
+        return False
+    if value not in ("model", "worker", "all"):
+        raise ValueError(f"--collect-detailed-traces {value!r}: use model, worker or all.")
+    return True
 
 
 def _pooling_max_model_len(hf_config, pooler, requested: int | None) -> int:

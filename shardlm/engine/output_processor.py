@@ -131,6 +131,10 @@ class OutputProcessor:
                 parent.prompt_logprobs.extend(self._convert_logprobs(lp) for lp in out.prompt_logprobs)
             if out.scheduled_time is not None and parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time, parent.metrics.engine = out.scheduled_time, engine_index
+            if out.execute_seconds:
+                m = parent.metrics
+                m.model_execute_time = (m.model_execute_time or 0.0) + out.execute_seconds
+                m.model_forward_time = (m.model_forward_time or 0.0) + out.forward_seconds
             if out.pooled is not None:
                 parent.pooled, sample.finish_reason = out.pooled, out.finish_reason
                 parent.metrics.first_token_time = parent.metrics.last_token_time = now

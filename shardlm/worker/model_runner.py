@@ -12,6 +12,8 @@ the runner builds its metadata once per step.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -218,6 +220,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """The sampled tokens on the rank that samples; None on the others."""
+        if not self.config.model.collect_detailed_traces:
+            return self._execute(so)
+        t0 = time.perf_counter()
+        out = self._execute(so)
+        if out is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            out.forward_seconds = time.perf_counter() - t0
+        return out
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         self._update_requests(so)
         if not so.chunks:
             return ModelRunnerOutput({})

@@ -48,7 +48,8 @@ def collector():
 
 def test_each_request_is_a_span_in_the_callers_trace(tiny_model_dir, collector):
     env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}        # export within 0.1 s
-    with server_in_this_process(tiny_model_dir("llama-gqa"), "--otlp-traces-endpoint", collector, env=env) as (_, url):
+    with server_in_this_process(tiny_model_dir("llama-gqa"), "--otlp-traces-endpoint", collector,
+                                "--collect-detailed-traces", "all", env=env) as (_, url):
         r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 6, "temperature": 0.5,
                                                       "ignore_eos": True},
                        headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}, timeout=60)
@@ -75,5 +76,8 @@ def test_each_request_is_a_span_in_the_callers_trace(tiny_model_dir, collector):
     assert 0 < attrs["gen_ai.latency.time_to_first_token"].double_value <= e2e
     assert 0 <= attrs["gen_ai.latency.time_in_queue"].double_value <= e2e
     assert (span.end_time_unix_nano - span.start_time_unix_nano) / 1e9 == pytest.approx(e2e, abs=1e-3)
+    # --collect-detailed-traces: the steps it was in, on the engine core and in the worker's forward passes
+    execute, forward = (attrs[f"gen_ai.latency.time_in_model_{k}"].double_value for k in ("execute", "forward"))
+    assert 0 < forward <= execute <= e2e
     other = next(s for t, s in spans.items() if t != TRACE_ID)
     assert other.parent_span_id == b""           # no traceparent: a trace of its own

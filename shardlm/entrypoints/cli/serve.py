@@ -92,6 +92,9 @@ def server_options(ns) -> dict:
         if getattr(ns, flag) < 0:
             sys.exit(f"shardlm: error: --{flag.replace('_', '-')} {getattr(ns, flag)}: give a count >= 0 "
                      "(0 never restarts).")
+    if ns.collect_detailed_traces and not ns.otlp_traces_endpoint:
+        sys.exit("shardlm: error: --collect-detailed-traces adds to the spans of --otlp-traces-endpoint: give "
+                 "--otlp-traces-endpoint URL too.")
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
         sys.exit("shardlm: error: --enable-auto-tool-choice needs --tool-call-parser NAME (hermes, llama3_json, "
                  "mistral or pythonic: the format this model writes tool calls in).")

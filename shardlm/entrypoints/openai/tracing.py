@@ -93,6 +93,8 @@ class RequestTracer:
             "gen_ai.latency.time_in_model_decode": m.finished_time - first if first is not None else None,
             "gen_ai.latency.time_in_model_inference":
                 m.finished_time - scheduled if scheduled is not None else None,
+            "gen_ai.latency.time_in_model_execute": m.model_execute_time,     # --collect-detailed-traces
+            "gen_ai.latency.time_in_model_forward": m.model_forward_time,
         }
 
     def shutdown(self) -> None:
