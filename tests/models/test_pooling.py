@@ -91,16 +91,21 @@ def _hf_logits(path, cls, texts, pairs_with=None, **kwargs):
     return torch.stack(out)
 
 
+def _offline_scores(path: str, **engine) -> list[float]:
+    """Scores of QUERY against SENTENCES by an engine started for them."""
+    llm = LLM(path, **engine)
+    try:
+        return [s.outputs.score for s in llm.score(QUERY, SENTENCES, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
 def test_bert_cross_encoder_scores_match_transformers(pooling_model_dir):
     bert_cross_encoder = pooling_model_dir("bert-cross-encoder")
     bert_classifier = pooling_model_dir("bert-classifier")
     from transformers import BertForSequenceClassification
     ref = torch.sigmoid(_hf_logits(bert_cross_encoder, BertForSequenceClassification, SENTENCES, QUERY))[:, 0]
-    llm = LLM(bert_cross_encoder)
-    try:
-        got = [s.outputs.score for s in llm.score(QUERY, SENTENCES, use_tqdm=False)]
-    finally:
-        llm.shutdown()
+    got = _offline_scores(bert_cross_encoder)
     assert got == pytest.approx(ref.tolist(), abs=1e-4)
     assert len(set(np.round(got, 3))) > 1          # the documents' segments matter: not one score for all
     ref = torch.softmax(_hf_logits(bert_classifier, BertForSequenceClassification, SENTENCES), dim=-1)
@@ -119,11 +124,7 @@ def test_xlm_roberta_reranker_matches_transformers(pooling_model_dir):
     from transformers import XLMRobertaForSequenceClassification
     ref = torch.sigmoid(_hf_logits(xlmr_reranker, XLMRobertaForSequenceClassification, SENTENCES, QUERY,
                                    inputs=("input_ids", "attention_mask")))[:, 0]
-    llm = LLM(xlmr_reranker)
-    try:
-        got = [s.outputs.score for s in llm.score(QUERY, SENTENCES, use_tqdm=False)]
-    finally:
-        llm.shutdown()
+    got = _offline_scores(xlmr_reranker)
     assert got == pytest.approx(ref.tolist(), abs=1e-4)
 
 
@@ -131,11 +132,7 @@ def test_decoder_reranker_and_embedder_match_transformers(tiny_model_dir, poolin
     decoder_reranker = pooling_model_dir("qwen3-reranker")
     from transformers import AutoModel, AutoTokenizer, Qwen3ForSequenceClassification
     ref = torch.sigmoid(_hf_logits(decoder_reranker, Qwen3ForSequenceClassification, SENTENCES, QUERY))[:, 0]
-    llm = LLM(decoder_reranker)
-    try:
-        got = [s.outputs.score for s in llm.score(QUERY, SENTENCES, use_tqdm=False)]
-    finally:
-        llm.shutdown()
+    got = _offline_scores(decoder_reranker)
     assert got == pytest.approx(ref.tolist(), abs=1e-4)
     # a generative checkpoint as an embedder: its last token's final hidden state, normalized
     path = tiny_model_dir("qwen3")
@@ -164,12 +161,9 @@ def test_causal_lm_as_a_reranker_from_its_yes_and_no_logits(tiny_model_dir):
     with torch.no_grad():
         logits = torch.stack([model(**tok(QUERY, d, return_tensors="pt")).logits[0, -1] for d in SENTENCES])
     ref = torch.softmax(logits[:, [no, yes]], dim=-1)[:, 1]
-    llm = LLM(path, hf_overrides={"architectures": ["Qwen3ForSequenceClassification"],
-                                  "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True})
-    try:
-        got = [s.outputs.score for s in llm.score(QUERY, SENTENCES, use_tqdm=False)]
-    finally:
-        llm.shutdown()
+    got = _offline_scores(path, hf_overrides={"architectures": ["Qwen3ForSequenceClassification"],
+                                              "classifier_from_token": ["no", "yes"],
+                                              "is_original_qwen3_reranker": True})
     assert got == pytest.approx(ref.tolist(), abs=1e-4)
 
 
@@ -246,14 +240,6 @@ def test_parallel_layouts_equal_one_rank(minilm_dir, minilm_reference, layout, p
     finally:
         llm.shutdown()
     assert min(_cosines([o.outputs.embedding for o in outs], minilm_reference)) >= 0.9999
-    one = LLM(bert_cross_encoder)
-    try:
-        expected = [s.outputs.score for s in one.score(QUERY, SENTENCES, use_tqdm=False)]
-    finally:
-        one.shutdown()
-    llm = LLM(bert_cross_encoder, **layout)
-    try:
-        got = [s.outputs.score for s in llm.score(QUERY, SENTENCES, use_tqdm=False)]
-    finally:
-        llm.shutdown()
+    expected = _offline_scores(bert_cross_encoder)
+    got = _offline_scores(bert_cross_encoder, **layout)
     assert got == pytest.approx(expected, abs=1e-5)
