@@ -1,6 +1,6 @@
 """Schema fuzzing, as vLLM's test_openai_schema.py does: schemathesis generates requests for every
 operation of the live server's /openapi.json (valid ones and near misses) and none may get a 5xx.
-Bounded here (a fixed seed, SHARDLM_FUZZ_EXAMPLES per operation, 8 by default); at length on
+Bounded here (a fixed seed, SHARDLM_FUZZ_EXAMPLES per operation, 5 by default); at length on
 demand: SHARDLM_FUZZ_EXAMPLES=1000 python -m pytest tests/server/test_schema_fuzz.py.
 
 The server fuzzed generates little (generation_config.json's max_new_tokens 4, --max-model-len 64,
@@ -18,7 +18,7 @@ from schemathesis.checks import not_a_server_error
 
 from tests.helpers import start_server, stop_server
 
-EXAMPLES = int(os.environ.get("SHARDLM_FUZZ_EXAMPLES", "8"))
+EXAMPLES = int(os.environ.get("SHARDLM_FUZZ_EXAMPLES", "5"))
 CALLS: dict[str, int] = {}      # requests sent, per operation (printed at the end: run with -s)
 
 
