@@ -58,7 +58,8 @@ def test_a_request_model_picks_its_adapter(lora_server):
     assert chat.model == "two"
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="three", prompt="Hi", max_tokens=2)
-    assert 'shardlm:lora_requests_info{max_lora="2"' in httpx.get(url + "/metrics").text
+    metrics = httpx.get(url + "/metrics").text
+    assert 'shardlm:lora_requests_info{max_lora="2"' in metrics and 'vllm:lora_requests_info{max_lora="2"' in metrics
 
 
 def test_adapters_load_and_unload_at_run_time(lora_server, tmp_path):

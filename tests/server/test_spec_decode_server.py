@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from shardlm import LLM, SamplingParams
-from tests.helpers import server_in_this_process
+from tests.helpers import labelled_metric, server_in_this_process
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 # token ids that repeat themselves: the random model's continuations repeat too, so lookups find proposals
@@ -44,6 +44,10 @@ def test_completions_equal_plain_decoding_and_metrics_count_proposals(spec_serve
     assert values["shardlm:spec_decode_num_drafts"] > 0
     assert 0 < values["shardlm:spec_decode_num_accepted_tokens"] <= values["shardlm:spec_decode_num_draft_tokens"]
     assert 'shardlm:spec_decode_num_accepted_tokens_per_pos{engine="all",model_name="tiny",position="0"}' in metrics
+    # and under vLLM's names, per replica
+    drafts = labelled_metric(metrics, "vllm:spec_decode_num_drafts_total", "0")
+    assert drafts == values["shardlm:spec_decode_num_drafts"]
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"}' in metrics
 
 
 @pytest.mark.slow

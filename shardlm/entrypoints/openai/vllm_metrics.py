@@ -12,6 +12,8 @@ its tokens arrive and when it finishes (RequestSeries)."""
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
@@ -154,6 +156,37 @@ class EngineSeries:
         for engine, _ in engines or [("0", None)]:
             info.add_metric([*self.cache_info.values(), engine], 1)
         yield info
+        yield from self._speculative(engines)
+        yield from self._lora()
+
+    def _speculative(self, engines: list[tuple[str, dict]]):
+        """Speculative decoding's counters, where it runs."""
+        running = [(e, s) for e, s in engines if "spec_num_drafts" in s]
+        if not running:
+            return
+        for name, key, doc in (("num_drafts", "spec_num_drafts", "Number of spec decoding drafts."),
+                               ("num_draft_tokens", "spec_num_draft_tokens", "Number of draft tokens."),
+                               ("num_accepted_tokens", "spec_num_accepted_tokens", "Number of accepted tokens.")):
+            family = CounterMetricFamily(f"vllm:spec_decode_{name}", doc, labels=LABELS)
+            for engine, s in running:
+                family.add_metric([self.model_name, engine], s[key])
+            yield family
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft position.", labels=[*LABELS, "position"])
+        for engine, s in running:
+            for position, n in enumerate(s["spec_accepted_per_position"]):
+                family.add_metric([self.model_name, engine, str(position)], n)
+        yield family
+
+    def _lora(self):
+        """vLLM's lora_requests_info: the adapters of running and waiting requests, its value the time."""
+        if not self.stats or "max_lora" not in self.stats:
+            return
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        family.add_metric([str(self.stats["max_lora"]), ",".join(self.stats["waiting_lora_adapters"]),
+                           ",".join(self.stats["running_lora_adapters"])], time.time())
+        yield family
 
     def _per_engine(self) -> list[tuple[str, dict]]:
         if not self.stats:
