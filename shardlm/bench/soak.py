@@ -30,7 +30,7 @@ def parse_duration(text: str) -> float:
 
 @dataclass
 class Window:
-    """One interval of the soak: what finished in it, and the server as it ended."""
+    """One interval of the soak: what finished in it, the most clients it had, and the server as it ended."""
     start_s: float
     clients: int = 0
     results: list[RequestResult] = field(default_factory=list)
@@ -95,6 +95,7 @@ async def _soak(base_url, model, api_key, concurrency, duration_s, ramp_s, inter
         async def client_loop(k: int):
             await asyncio.sleep(ramp_s * k / concurrency)          # the ramp: clients join one by one
             active[0] += 1
+            windows[-1].clients = max(windows[-1].clients, active[0])
             try:
                 while time.perf_counter() < deadline:
                     prompt = prompts[sent[0] % len(prompts)]
@@ -110,12 +111,13 @@ async def _soak(base_url, model, api_key, concurrency, duration_s, ramp_s, inter
             while True:
                 await asyncio.sleep(min(interval_s, max(0.0, deadline - time.perf_counter())))
                 w = windows[-1]
-                w.clients = active[0]
+                # the most clients it had (at the deadline the first to finish have left already)
+                w.clients = max(w.clients, active[0])
                 w.rss_mib = await asyncio.to_thread(_rss, base_url, server_pid)
                 w.preemptions = await _preemptions(client, base_url, headers)
                 if time.perf_counter() >= deadline:
                     return
-                windows.append(Window(time.perf_counter() - t0))
+                windows.append(Window(time.perf_counter() - t0, clients=active[0]))
 
         watch = asyncio.ensure_future(sampler())
         await asyncio.gather(*(client_loop(k) for k in range(concurrency)))
