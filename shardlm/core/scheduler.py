@@ -66,7 +66,6 @@ class Scheduler:
         self.num_aborted = 0
         self.failed_outputs: list[EngineCoreOutput] = []     # requests ended by the core itself, to report
         self._next_seq = 0
-        self._just_finished: dict[str, Request] = {}     # freed during the update in progress
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -93,7 +92,6 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self.kv.free(request)
         del self.requests[request.request_id]
-        self._just_finished[request.request_id] = request      # for update's last word on it
         if request.request_id in self._known_to_workers:
             self._known_to_workers.discard(request.request_id)
             self._finished_since_last_step.append(request.request_id)
@@ -329,14 +327,15 @@ class Scheduler:
             request.grammar_done = True
 
     def update(self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        # the step's requests, looked up before the update frees those that finish
+        stepped = {c.req_id: self.requests.get(c.req_id) for c in scheduler_output.chunks}
         outputs = self._update(scheduler_output, result)
         for out in outputs:         # a request's first output says when it was first scheduled
-            request = self.requests.get(out.req_id) or self._just_finished.get(out.req_id)
+            request = stepped.get(out.req_id)
             if request is not None and not request.scheduled_time_sent:
                 out.scheduled_time, request.scheduled_time_sent = request.scheduled_time, True
             if request is not None and out.finish_reason is not None:     # and its last, its step times
                 out.execute_seconds, out.forward_seconds = request.execute_seconds, request.forward_seconds
-        self._just_finished.clear()
         return outputs
 
     def add_step_times(self, so: SchedulerOutput, execute: float, forward: float) -> None:
