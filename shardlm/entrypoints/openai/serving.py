@@ -38,7 +38,7 @@ class EventStream:
     """A streamed response: its server-sent events, and the engine requests behind them. The
     server calls close() once the response ends however it ends: a client that left before the
     first event was read never started `events`, so its own cleanup would not run."""
-    events: AsyncIterator[str]
+    events: AsyncIterator[dict | str]     # a dict: one chunk's JSON; a string: an event as written
     request_ids: list[str]
     llm: AsyncLLM
 
@@ -287,17 +287,18 @@ class OpenAIServing:
                             "logprobs": _chat_logprobs(c.logprobs, req.top_logprobs or 0) if req.logprobs else None})
         return {**head, "choices": choices, "usage": _usage([final])}
 
-    async def _stream_chat(self, req, head, stream, tool_choice) -> AsyncIterator[str]:
+    async def _stream_chat(self, req, head, stream, tool_choice) -> AsyncIterator[dict | str]:
         """Each output is a delta: its text goes out as it is, or as reasoning_content and
-        tool-call deltas (tools.ChatChoiceStream)."""
+        tool-call deltas (tools.ChatChoiceStream). Chunks as dicts (the route writes them as
+        server-sent events; /v1/responses reads them), then the [DONE] event."""
         started: dict[int, tools.ChatChoiceStream] = {}
         prompt_tokens = completion_tokens = 0
         async for _, out in _merge([stream]):
             for c in out.outputs:
                 if c.index not in started:
                     started[c.index] = tools.ChatChoiceStream(*tool_choice, self.tool_parser, self.reasoning)
-                    yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                    "logprobs": None, "finish_reason": None}]})
+                    yield {**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]}
                 completion_tokens += len(c.token_ids)
                 calls = started[c.index]
                 deltas = calls.feed(c.text, final=c.finish_reason is not None)
@@ -305,15 +306,15 @@ class OpenAIServing:
                 if not deltas and not c.finish_reason and not c.logprobs:
                     continue
                 for delta in deltas[:-1]:
-                    yield sse({**head, "choices": [{"index": c.index, "delta": delta, "logprobs": None,
-                                                    "finish_reason": None}]})
-                yield sse({**head, "choices": [{
+                    yield {**head, "choices": [{"index": c.index, "delta": delta, "logprobs": None,
+                                                "finish_reason": None}]}
+                yield {**head, "choices": [{
                     "index": c.index, "delta": deltas[-1] if deltas else {}, "logprobs": logprobs,
-                    "finish_reason": _tool_finish(c.finish_reason, calls.called), "stop_reason": c.stop_reason}]})
+                    "finish_reason": _tool_finish(c.finish_reason, calls.called), "stop_reason": c.stop_reason}]}
             if out.finished:
                 prompt_tokens = len(out.prompt_token_ids)
         if req.stream_options and req.stream_options.include_usage:
-            yield sse({**head, "choices": [], "usage": _usage_counts(prompt_tokens, completion_tokens)})
+            yield {**head, "choices": [], "usage": _usage_counts(prompt_tokens, completion_tokens)}
         yield sse("[DONE]")
 
 

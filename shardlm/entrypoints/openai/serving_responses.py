@@ -144,21 +144,15 @@ class ResponsesServing:
             self.tasks.pop(head["id"], None)
 
     # ---- streaming ----
-    async def _events(self, head: dict, chunks: AsyncIterator[str], conversation: list[dict],
+    async def _events(self, head: dict, chunks: AsyncIterator[dict | str], conversation: list[dict],
                       store: bool) -> AsyncIterator[str]:
         events = StreamEvents(head)
         yield events.send("response.created", response=head)
         yield events.send("response.in_progress", response=head)
         usage, finish_reason = None, None
-        async for chunk in chunks:
-            data = chunk.removeprefix("data: ").strip()
-            if data == "[DONE]":
+        async for body in chunks:
+            if isinstance(body, str):          # chat's closing [DONE] event
                 break
-            body = json.loads(data)
-            if "error" in body:
-                yield events.send("response.failed", response={**head, "status": "failed", "error": {
-                    "code": str(body["error"].get("code")), "message": body["error"].get("message")}})
-                return
             usage = body.get("usage") or usage
             for choice in body.get("choices", []):
                 for event in events.feed(choice.get("delta") or {}):

@@ -86,10 +86,11 @@ def event_stream_response(stream: EventStream) -> StreamingResponse:
 
 
 async def sse_errors(stream):
-    """A failure after a stream has started: an SSE error event, then [DONE] (never a cut stream)."""
+    """The events as server-sent events (a dict: its JSON; a string: an event as written); a failure
+    after a stream has started: an SSE error event, then [DONE] (never a cut stream)."""
     try:
         async for chunk in stream:
-            yield chunk
+            yield chunk if isinstance(chunk, str) else sse(chunk)
     except Exception as e:   # noqa: BLE001 - reported to the client, logged here
         if isinstance(e, OpenAIError):
             err = e
