@@ -39,10 +39,11 @@ def run_embed_bench(engine_args, batch_sizes: list[int], num_sentences: int, rep
     config = llm.engine.config
     result = {"model": config.model.model, "dtype": str(config.model.dtype).removeprefix("torch."),
               "num_sentences": num_sentences, "shardlm": {}}
+    def measured(b: int) -> list[str]:       # batch 1: a quarter of them (one call each)
+        return texts[:max(b, num_sentences // 4)] if b == 1 else texts
     try:
         for b in batch_sizes:
-            result["shardlm"][b] = _rate(lambda t: llm.embed(t, use_tqdm=False), texts[:max(b, num_sentences // 4)]
-                                         if b == 1 else texts, b, reps)
+            result["shardlm"][b] = _rate(lambda t: llm.embed(t, use_tqdm=False), measured(b), b, reps)
     finally:
         llm.shutdown()
     if compare:
@@ -52,8 +53,7 @@ def run_embed_bench(engine_args, batch_sizes: list[int], num_sentences: int, rep
         if config.model.dtype != torch.float32:
             st = st.to(config.model.dtype)
         result["sentence_transformers"] = {
-            b: _rate(lambda t: st.encode(t, batch_size=b), texts[:max(b, num_sentences // 4)] if b == 1 else texts,
-                     b, reps) for b in batch_sizes}
+            b: _rate(lambda t: st.encode(t, batch_size=b), measured(b), b, reps) for b in batch_sizes}
     return result
 
 
