@@ -107,6 +107,14 @@ class TokenBitmask:
     words: np.ndarray           # [R, W] int32
     first_token: int = 0        # the logits' column 0 is this token (a vocabulary shard's start)
 
+    def rows_between(self, start: int, end: int) -> TokenBitmask | None:
+        """The mask of rows start..end-1 alone, numbered from 0 (None when none is constrained)."""
+        keep = ((self.rows >= start) & (self.rows < end)).cpu().numpy()
+        if not keep.any():
+            return None
+        return TokenBitmask(self.rows[torch.from_numpy(keep).to(self.rows.device)] - start, self.words[keep],
+                            self.first_token)
+
 
 class MaskDisallowed(CustomOp):
     """x[rows, v] = -inf for every token the bitmask does not allow, in place (x float32 [B, V])."""

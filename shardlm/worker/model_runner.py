@@ -256,7 +256,7 @@ class ModelRunner:
                 c.req_id: self.requests[c.req_id].pooling_params for c in chunks}))
         out = self._sample(so, chunks, hidden)
         if out is not None and self.lora is not None and self.lora.unreadable:
-            out.failed = self.lora.failed_requests({c.req_id: self.requests[c.req_id].lora_int_id for c in chunks})
+            out.failed |= self.lora.failed_requests({c.req_id: self.requests[c.req_id].lora_int_id for c in chunks})
         if self.proposer is not None:       # the rank that samples: out is its result
             self.proposer.follow(TargetStep(input_ids, positions, meta, hidden, chunks, out.sampled, self.requests,
                                             getattr(self.model.model, "aux_hidden", None)))
@@ -292,12 +292,41 @@ class ModelRunner:
         out = ModelRunnerOutput({})
         if sample_chunks:
             row_states = self.step_builder.sampling_states(sample_chunks)
-            batch = self._sampling_batch(row_states)
-            if allowed is not None:
-                batch.allowed = allowed(0)
-            tokens, logprobs = self.sampler(logits[:len(row_states)], batch)
-            out = self._record(sample_chunks, states, tokens, logprobs)
+            mask = allowed(0) if allowed is not None else None
+            try:
+                tokens, logprobs = self._sample_rows(logits[:len(row_states)], row_states, mask)
+                out = self._record(sample_chunks, states, tokens, logprobs)
+            except Exception as fault:      # noqa: BLE001 - whose fault it is decides what ends
+                out = self._sample_each(logits, sample_chunks, states, row_states, mask, fault)
         self._prompt_logprobs(logits, prompt_rows, out)
+        return out
+
+    def _sample_rows(self, logits: torch.Tensor, row_states: list[RequestState], mask: TokenBitmask | None):
+        batch = self._sampling_batch(row_states)
+        batch.allowed = mask
+        return self.sampler(logits, batch)
+
+    def _sample_each(self, logits, sample_chunks, states, row_states, mask, fault: Exception) -> ModelRunnerOutput:
+        """The step's sampling raised: each request sampled alone. One that raises alone ends with
+        its error (its own parameters, bias or grammar caused it) and the others keep their tokens,
+        as they would have had them without it. When every request of several fails alone, the
+        fault is the step's, not a request's: raised (the engine restarts)."""
+        logger.exception("Sampling a step of %d request(s) failed; sampling each alone", len(sample_chunks))
+        out, row = ModelRunnerOutput({}), 0
+        for c, state in zip(sample_chunks, states):
+            end = row + 1 + c.num_draft_tokens
+            try:
+                own_mask = mask.rows_between(row, end) if mask is not None else None
+                tokens, logprobs = self._sample_rows(logits[row:end], row_states[row:end], own_mask)
+            except Exception as e:      # noqa: BLE001
+                out.failed[c.req_id] = f"sampling failed ({type(e).__name__}: {e})"
+            else:
+                own = self._record([c], [state], tokens, logprobs)
+                out.sampled.update(own.sampled)
+                out.logprobs.update(own.logprobs)
+            row = end
+        if len(sample_chunks) > 1 and len(out.failed) == len(sample_chunks):
+            raise fault
         return out
 
     def _allowed_tokens(self, so: SchedulerOutput, sample_chunks: list[ScheduledChunk]):

@@ -228,3 +228,45 @@ def test_a_failing_step_fails_its_request_alone_and_the_engine_starts_again(tiny
     finally:
         stop_server(proc)
     assert "A step failed (RuntimeError: injected fault)" in proc.stderr.read()
+
+
+# Loaded by every Python process of the server below (sitecustomize): sampling a row that biases
+# token 31337 raises, as a request's own broken sampling parameters would.
+_FAULTY_SAMPLING = """
+import shardlm.layers.sampler as sampler
+_apply_biases = sampler.apply_biases
+def _faulty(logits, biases):
+    if any(bias and 31337 in bias for _, bias, _ in biases):
+        raise RuntimeError("injected sampling fault")
+    return _apply_biases(logits, biases)
+sampler.apply_biases = _faulty
+"""
+
+
+@pytest.mark.slow
+def test_a_fault_in_one_requests_sampling_fails_that_request_alone(tiny_model_dir, tmp_path):
+    """The batched sampler raises for a step holding a stream and a request whose logit_bias is
+    poisoned: each request is sampled alone, the poisoned one ends with a 500 naming the fault, the
+    stream goes on to the end with exactly the tokens it has alone, and the engine never restarts."""
+    (tmp_path / "sitecustomize.py").write_text(_FAULTY_SAMPLING)
+    pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    proc, url = start_server(tiny_model_dir("llama-gqa"), env={"PYTHONPATH": pythonpath})
+    try:
+        stream = Stream(url, "A long story")
+        assert stream.begun.wait(60)
+        bad = httpx.post(url + "/v1/completions", json={**SHORT, "prompt": "One two", "logit_bias": {"31337": 1}},
+                         timeout=60)
+        assert metric(url, "shardlm:num_requests_running") == 1      # the stream was still running beside it
+        stream.join(60)
+        assert bad.status_code == 500, bad.text
+        assert ("The request failed: sampling failed (RuntimeError: injected sampling fault)"
+                in bad.json()["error"]["message"]), bad.text
+        assert stream.error is None and stream.lines[-1] == "data: [DONE]"
+        streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in stream.lines[:-1])
+        alone = httpx.post(url + "/v1/completions", json={**LONG, "prompt": "A long story"}, timeout=60).json()
+        assert streamed == alone["choices"][0]["text"]
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+        assert metric(url, "shardlm:engine_restarts") == 0
+    finally:
+        stop_server(proc)
+    assert "Sampling a step of 2 request(s) failed; sampling each alone" in proc.stderr.read()

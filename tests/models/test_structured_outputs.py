@@ -192,6 +192,15 @@ def test_the_sampler_applies_the_mask_to_constrained_rows_only():
     assert all(Sampler()(logits, hot)[0][1] in (3, 17) for _ in range(50))
 
 
+def test_the_mask_of_some_rows_is_numbered_from_zero():
+    """What a request sampled alone (after its step's sampling failed) is constrained by."""
+    words = np.arange(12, dtype=np.int32).reshape(3, 4)
+    mask = TokenBitmask(torch.tensor([0, 2, 3]), words, first_token=7)
+    one = mask.rows_between(2, 4)
+    assert one.rows.tolist() == [0, 1] and np.array_equal(one.words, words[1:]) and one.first_token == 7
+    assert mask.rows_between(1, 2) is None
+
+
 def test_chunked_prefill_stop_strings_and_abort_while_compiling(tiny_model_dir):
     """A prompt prefilled over several steps (budget 32 tokens) is masked only where it samples;
     a stop string ends a constrained output like any other; a request aborted while its
