@@ -188,6 +188,7 @@ class JoinRequest(msgspec.Struct):
 class JoinAccepted(msgspec.Struct, tag=True):
     store_host: str                  # the rendezvous store every rank joins
     store_port: int
+    own_world: bool = False          # a replica joining again: its ranks form a world of their own
 
 
 class JoinRefused(msgspec.Struct, tag=True):

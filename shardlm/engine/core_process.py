@@ -35,14 +35,17 @@ from shardlm.utils import die_with_parent, set_process_name
 
 logger = init_logger(__name__)
 
+ENDED, FAULT, NOT_STARTED = "ended", "fault", "not started"     # how run_engine_core ended
+
 # what a client may call on the engine core (UtilityCall.method)
 UTILITY_METHODS = ("stats", "reset_prefix_cache", "collective_rpc")
 
 
 def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connection,
-                    node_address: str | None = None) -> None:
+                    node_address: str | None = None) -> str:
     """Entry point of the engine core process. node_address: this node's address when the data
-    parallel groups cross nodes (gloo/NCCL of this process and its workers bind to it)."""
+    parallel groups cross nodes (gloo/NCCL of this process and its workers bind to it).
+    -> ENDED (Shutdown, or its client went away), FAULT (a step or a rank failed) or NOT_STARTED."""
     from shardlm.core.engine_core import EngineCore
 
     if multiprocessing.parent_process() is not None:
@@ -58,7 +61,7 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
         core = EngineCore(config)
     except BaseException as e:   # report why, then exit: the parent raises it
         outputs.send_bytes(encode(StartupFailed(f"{type(e).__name__}: {e}")))
-        return
+        return NOT_STARTED
     outputs.send_bytes(encode(Ready(num_blocks=core.num_blocks)))
     worker_sentinels = core.executor.sentinels()
     try:
@@ -70,7 +73,7 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
             while requests.poll(0):
                 msg = decode(requests.recv_bytes())
                 if isinstance(msg, Shutdown):
-                    return
+                    return ENDED
                 if isinstance(msg, EngineCoreRequest):
                     if (wave := core.add_request(msg)) is not None:
                         outputs.send_bytes(encode(WaveStarted(wave)))
@@ -84,8 +87,8 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
                 step_outputs = core.step()
                 if step_outputs.outputs:
                     outputs.send_bytes(encode(step_outputs))
-    except (EOFError, BrokenPipeError):   # the parent is gone
-        return
+    except (EOFError, ConnectionError):   # the parent (or the head of a headless replica) is gone
+        return ENDED
     except Exception as e:
         # the traceback is for a bug report; the failed step's requests were logged just before
         logger.error("The engine core stopped: %s: %s", type(e).__name__, e, exc_info=True)
@@ -93,6 +96,7 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
             outputs.send_bytes(encode(Failed(f"{type(e).__name__}: {e}", sorted(core.scheduler.in_flight))))
         except (BrokenPipeError, OSError):
             pass
+        return FAULT
     finally:
         core.shutdown()
 

@@ -27,9 +27,9 @@ class EngineCoreActor:
         from shardlm.engine.dp_remote import node_name
         return node_name()
 
-    def run(self, config: EngineConfig) -> None:
-        from shardlm.engine.dp_remote import run_remote_engine_core
-        run_remote_engine_core(config)
+    def run(self, config: EngineConfig) -> int:
+        from shardlm.engine.headless import run_remote_engine_core
+        return run_remote_engine_core(config)
 
 
 class RayReplicas:
@@ -39,7 +39,7 @@ class RayReplicas:
         self._owns_ray_connection = not ray.is_initialized()
         if self._owns_ray_connection:
             ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level="warning")
-        self.pg, self.actors = None, []
+        self.pg, self.actors, self.replicas = None, [], []
         try:
             self._start(config, head)
         except BaseException:
@@ -48,7 +48,6 @@ class RayReplicas:
 
     def _start(self, config: EngineConfig, head: tuple[str, int]) -> None:
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         par = config.parallel
         ranks, on_gpu = par.world_size, config.device.type == "cuda"
         bundle = {"CPU": float(ranks), **({"GPU": float(ranks)} if on_gpu else {})}
@@ -61,26 +60,36 @@ class RayReplicas:
                     f"replica's ranks on one node) within {par.distributed_init_timeout:.0f} s. Nodes: "
                     f"{describe_nodes([n for n in ray.nodes() if n['Alive']])}. Lower -dp or -tp/-pp, or add nodes.")
             logger.info("Waiting for Ray to place %d replicas of %s ...", par.data_parallel_size, bundle)
-        env = forwarded_env()
         host, port = head
-        replicas = []
+        # seen from inside, a replica that joins the client over TCP like a headless node's,
+        # alone on its share of the node (its ranks split the bundle's CPUs between them)
+        self.replicas = [dataclasses.replace(config, parallel=dataclasses.replace(
+            par, data_parallel_backend="mp", data_parallel_rank=rank, data_parallel_start_rank=rank,
+            data_parallel_size_local=1, data_parallel_address=host, data_parallel_rpc_port=port))
+            for rank in range(par.data_parallel_size)]
         for rank in range(par.data_parallel_size):
-            # seen from inside, a replica that joins the client over TCP like a headless node's,
-            # alone on its share of the node (its ranks split the bundle's CPUs between them)
-            replica = dataclasses.replace(config, parallel=dataclasses.replace(
-                par, data_parallel_backend="mp", data_parallel_rank=rank, data_parallel_start_rank=rank,
-                data_parallel_size_local=1, data_parallel_address=host, data_parallel_rpc_port=port))
-            actor = EngineCoreActor.options(
-                num_cpus=ranks, num_gpus=ranks if on_gpu else 0,
-                runtime_env={"env_vars": {**env, "OMP_NUM_THREADS": str(ranks)}},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
-            ).remote()
-            self.actors.append(actor)
-            replicas.append(replica)
+            self.actors.append(self._actor(rank))
         nodes = ray.get([a.node.remote() for a in self.actors], timeout=par.distributed_init_timeout)
-        for actor, replica in zip(self.actors, replicas):
+        for actor, replica in zip(self.actors, self.replicas):
             actor.run.remote(replica)        # runs until the engine core ends (one call at a time per actor)
         logger.info("Data parallel replicas on Ray: %s", "; ".join(f"{r}: node {n}" for r, n in enumerate(nodes)))
+
+    def _actor(self, rank: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        ranks = self.replicas[rank].parallel.world_size
+        on_gpu = self.replicas[rank].device.type == "cuda"
+        return EngineCoreActor.options(
+            num_cpus=ranks, num_gpus=ranks if on_gpu else 0,
+            runtime_env={"env_vars": {**forwarded_env(), "OMP_NUM_THREADS": str(ranks)}},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+        ).remote()
+
+    def restart(self, rank: int) -> None:
+        """Replica `rank`'s actor (dead, or alive with its engine core ended) replaced by a new one
+        in the same bundle; it joins the client again as a headless node's replica does."""
+        ray.kill(self.actors[rank], no_restart=True)
+        self.actors[rank] = self._actor(rank)
+        self.actors[rank].run.remote(self.replicas[rank])
 
     def shutdown(self) -> None:
         for actor in self.actors:

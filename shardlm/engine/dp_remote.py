@@ -15,8 +15,8 @@ requests in, outputs out. The socket closing is the other side's death.
 
 from __future__ import annotations
 
-import signal
 import socket
+import threading
 import time
 from multiprocessing.connection import Connection
 
@@ -25,7 +25,6 @@ import msgspec
 from shardlm.config import EngineConfig
 from shardlm.logger import init_logger
 from shardlm.messages import JoinAccepted, JoinRefused, JoinRequest
-from shardlm.processes import InParentEnvironment, clean_process_context
 
 logger = init_logger(__name__)
 
@@ -87,26 +86,13 @@ class JoinListener:
                     f"--data-parallel-address {store[0]} --data-parallel-rpc-port {self.sock.getsockname()[1]}, "
                     "their --data-parallel-start-rank and --data-parallel-size-local), check that those nodes "
                     "reach this address, or raise --distributed-init-timeout.")
-            self.sock.settimeout(min(left, 1.0))
-            try:
-                client, peer = self.sock.accept()
-            except TimeoutError:
+            arrived = self.next_join(min(left, 1.0))
+            if arrived is None:
                 continue
-            client.settimeout(None)
-            conn = Connection(client.detach())
-            try:
-                if not conn.poll(min(max(left, 1.0), 30.0)):
-                    raise ValueError("it sent nothing")
-                join = _join_decoder.decode(conn.recv_bytes(1 << 16))
-            except (ValueError, EOFError, OSError, msgspec.DecodeError) as e:
-                logger.warning("A connection from %s to the data parallel port is not a replica (%s); closed.",
-                               peer[0], e)
-                conn.close()
-                continue
+            conn, join = arrived
             problem = _join_problem(join, expected, joined, ours)
             if problem:
-                conn.send_bytes(_encode(JoinRefused(problem)))
-                conn.close()
+                refuse(conn, problem)
                 raise RuntimeError(f"Data parallel replica {join.dp_rank} from node {join.node} cannot join: "
                                    f"{problem}")
             conn.send_bytes(_encode(JoinAccepted(*store)))
@@ -114,8 +100,99 @@ class JoinListener:
             logger.info("Data parallel replica %d joined from node %s", join.dp_rank, join.node)
         return joined
 
+    def next_join(self, timeout_s: float) -> tuple[Connection, JoinRequest] | None:
+        """The next replica that connects and says who it is, within timeout_s (None: none did).
+        A connection that is not a replica is logged and closed."""
+        self.sock.settimeout(timeout_s)
+        try:
+            client, peer = self.sock.accept()
+        except (TimeoutError, OSError):
+            return None
+        client.settimeout(None)
+        conn = Connection(client.detach())
+        try:
+            if not conn.poll(30.0):
+                raise ValueError("it sent nothing")
+            return conn, _join_decoder.decode(conn.recv_bytes(1 << 16))
+        except (ValueError, EOFError, OSError, msgspec.DecodeError) as e:
+            logger.warning("A connection from %s to the data parallel port is not a replica (%s); closed.",
+                           peer[0], e)
+            conn.close()
+            return None
+
     def close(self) -> None:
         self.sock.close()
+
+
+def refuse(conn: Connection, why: str) -> None:
+    try:
+        conn.send_bytes(_encode(JoinRefused(why)))
+    except OSError:
+        pass
+    conn.close()
+
+
+class RejoinDoor:
+    """After start-up the head's port stays open for replicas of other nodes that start again (a
+    headless node's `shardlm serve --headless` restarts its dead engine cores; the head recreates
+    a Ray actor). One thread accepts them and parks each until the head's restart of that replica
+    takes it (wait), at most PARK_S seconds. A replica joining again runs in a world of its own:
+    the others' DP groups still count its old ranks, which no collective of independent replicas uses."""
+
+    PARK_S = 60.0
+
+    def __init__(self, listener: JoinListener, ranks: list[int], ours: dict[str, str]):
+        self.listener, self.ranks, self.ours = listener, ranks, ours
+        self._parked: dict[int, tuple[Connection, str, float]] = {}    # rank -> (conn, node, arrival)
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="shardlm-dp-rejoin", daemon=True)
+        self._thread.start()
+
+    def wait(self, rank: int, timeout_s: float) -> Connection:
+        """Replica `rank`'s new connection, welcomed into a world of its own; TimeoutError when it
+        did not join again within timeout_s."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: rank in self._parked or self._closed, timeout_s) or self._closed:
+                raise TimeoutError(f"it did not join the head again within {timeout_s:.0f} s (its node restarts it: "
+                                   "`shardlm serve ... --headless` there supervises its replicas; if that node is "
+                                   "gone, start it again with the same flags)")
+            conn, node, _ = self._parked.pop(rank)
+        conn.send_bytes(_encode(JoinAccepted("", 0, own_world=True)))
+        logger.info("Data parallel replica %d joined again from node %s", rank, node)
+        return conn
+
+    def _accept(self) -> None:
+        while not self._closed:
+            arrived = self.listener.next_join(1.0)
+            with self._cond:
+                now = time.monotonic()
+                for rank, (conn, _, t) in list(self._parked.items()):
+                    if now - t > self.PARK_S:
+                        del self._parked[rank]
+                        refuse(conn, f"the head does not wait for replica {rank} (it serves, or its restarts "
+                                     "ran out: --max-replica-restarts)")
+                if arrived is None:
+                    continue
+                conn, join = arrived
+                problem = _join_problem(join, self.ranks, {}, self.ours)
+                if problem:
+                    refuse(conn, problem)
+                    continue
+                if join.dp_rank in self._parked:          # an older try of the same replica
+                    refuse(self._parked[join.dp_rank][0], "a newer connection of this replica came")
+                self._parked[join.dp_rank] = (conn, join.node, now)
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for conn, _, _ in self._parked.values():
+                refuse(conn, "the head is stopping")
+            self._parked.clear()
+            self._cond.notify_all()
+        self._thread.join(2.0)
+        self.listener.close()
 
 
 def _join_problem(join: JoinRequest, expected: list[int], joined: dict, ours: dict[str, str]) -> str | None:
@@ -132,9 +209,9 @@ def _join_problem(join: JoinRequest, expected: list[int], joined: dict, ours: di
 
 
 # ---- headless node side ----
-def join_head(config: EngineConfig, timeout_s: float) -> tuple[Connection, tuple[str, int]]:
+def join_head(config: EngineConfig, timeout_s: float) -> tuple[Connection, tuple[str, int] | None]:
     """Connect to the head (retrying until it listens), say who we are; returns the connection
-    and the rendezvous store's address."""
+    and the rendezvous store's address (None: a replica joining again, in a world of its own)."""
     par = config.parallel
     address = (par.data_parallel_address, par.data_parallel_rpc_port)
     deadline = time.monotonic() + timeout_s
@@ -153,47 +230,10 @@ def join_head(config: EngineConfig, timeout_s: float) -> tuple[Connection, tuple
     conn.send_bytes(_encode(JoinRequest(par.data_parallel_rank, node_name(), fingerprint(config))))
     if not conn.poll(timeout_s):
         raise TimeoutError(f"The head at {address[0]}:{address[1]} did not answer within {timeout_s:.0f} s.")
-    reply = _reply_decoder.decode(conn.recv_bytes())
+    try:
+        reply = _reply_decoder.decode(conn.recv_bytes())
+    except (EOFError, OSError):
+        raise RuntimeError(f"The head at {address[0]}:{address[1]} closed the connection before answering.") from None
     if isinstance(reply, JoinRefused):
         raise RuntimeError(f"The head refused data parallel replica {par.data_parallel_rank}: {reply.reason}")
-    return conn, (reply.store_host, reply.store_port)
-
-
-def run_remote_engine_core(config: EngineConfig) -> None:
-    """A headless node's engine-core process: join the head, then serve it over the socket."""
-    import dataclasses
-
-    from shardlm.distributed.network import host_ip
-    from shardlm.engine.core_process import run_engine_core
-    conn, store = join_head(config, config.parallel.distributed_init_timeout)
-    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, data_parallel_master=store))
-    run_engine_core(config, conn, conn, node_address=host_ip())     # the DP groups cross nodes
-
-
-def run_headless(config: EngineConfig) -> int:
-    """`shardlm serve ... --headless`: this node's replicas, each an engine-core process joined to
-    the head; returns when they have all ended (the head shut them down, or they failed)."""
-    from shardlm.engine.dp import replica_configs
-    par = config.parallel
-    ctx = clean_process_context()
-    replicas = replica_configs(config, None)
-    procs = [ctx.Process(target=InParentEnvironment(run_remote_engine_core), args=(c,), name=f"shardlm-engine-core-{k}")
-             for k, c in enumerate(replicas)]
-    logger.info("Headless: starting data parallel replica(s) %s, joining the head at %s:%d",
-                ", ".join(str(c.parallel.data_parallel_rank) for c in replicas),
-                par.data_parallel_address, par.data_parallel_rpc_port)
-    for p in procs:
-        p.start()
-
-    def stop(*_):
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    failed = 0
-    for p in procs:
-        p.join()
-        failed |= p.exitcode != 0
-    stop()
-    return 1 if failed else 0
+    return conn, None if reply.own_world else (reply.store_host, reply.store_port)

@@ -12,7 +12,7 @@ from shardlm.distributed.network import host_ip
 from shardlm.distributed.parallel_state import host_store
 from shardlm.engine.core_channel import CoreChannel, CoreProcess, RemoteCore
 from shardlm.engine.dp import replica_configs
-from shardlm.engine.dp_remote import JoinListener, fingerprint
+from shardlm.engine.dp_remote import JoinListener, RejoinDoor, fingerprint
 
 
 class LaunchedCores:
@@ -21,7 +21,7 @@ class LaunchedCores:
 
     def __init__(self, config: EngineConfig):
         par = config.parallel
-        self._store, self._ray_replicas = None, None
+        self._store, self._ray_replicas, self._door = None, None, None
         master, listener, node_address = None, None, None
         if par.data_parallel_size > 1:
             # the Ray actors may be on other nodes: they reach this node by its address
@@ -42,24 +42,37 @@ class LaunchedCores:
                 self.cores += _accept_remote(config, listener, master, local)
             self.num_blocks = [core.wait_ready() for core in self.cores]
         except BaseException:
-            self.stop(b"", timeout=5)
-            raise
-        finally:
             if listener is not None:
                 listener.close()
+            self.stop(b"", timeout=5)
+            raise
+        if listener is not None:      # open for the other nodes' replicas that start again
+            remote = [c.config.parallel.data_parallel_rank for c in self.cores if isinstance(c, RemoteCore)]
+            self._door = RejoinDoor(listener, remote, fingerprint(config))
 
     @property
     def restartable(self) -> bool:
-        """Whether every core is a process of this node (what this node can start again)."""
-        return all(isinstance(core, CoreProcess) for core in self.cores)
+        """Whether dead cores can start again: this node's processes, together or one by one, and
+        other nodes' replicas one by one (a headless node restarts its own, a Ray actor is made
+        anew), not replicas of other nodes that step together (DP + EP lock-step: the whole
+        engine would have to start again across nodes)."""
+        return all(isinstance(core, CoreProcess) for core in self.cores) or not self.cores[0].config.dp_lockstep
 
     def restart_replica(self, k: int) -> CoreChannel:
-        """Start data parallel replica k (a process of this node that died) again, ready. The
-        others' DP groups still count its old ranks, so its ranks form a world of their own: for
-        replicas that never step together (not DP + EP lock-step)."""
+        """Data parallel replica k, which died, started again and ready: a process of this node, a
+        new Ray actor, or a headless node's replica its node started again (it joins the head's
+        door). The others' DP groups still count its old ranks, so its ranks form a world of their
+        own: for replicas that never step together (not DP + EP lock-step)."""
         old = self.cores[k]
-        par = dataclasses.replace(old.config.parallel, data_parallel_master=None, data_parallel_own_world=True)
-        core = CoreProcess(dataclasses.replace(old.config, parallel=par), k)
+        if isinstance(old, RemoteCore):
+            rank = old.config.parallel.data_parallel_rank
+            if self._ray_replicas is not None:
+                self._ray_replicas.restart(rank)
+            conn = self._door.wait(rank, old.config.parallel.distributed_init_timeout)
+            core = RemoteCore(old.config, k, conn)
+        else:
+            par = dataclasses.replace(old.config.parallel, data_parallel_master=None, data_parallel_own_world=True)
+            core = CoreProcess(dataclasses.replace(old.config, parallel=par), k)
         try:
             self.num_blocks[k] = core.wait_ready()
         except BaseException:
@@ -75,6 +88,9 @@ class LaunchedCores:
             core.closing = True
         for core in self.cores:
             core.shutdown(shutdown_msg, timeout)
+        if self._door is not None:
+            self._door.close()
+            self._door = None
         if self._ray_replicas is not None:
             self._ray_replicas.shutdown()
             self._ray_replicas = None

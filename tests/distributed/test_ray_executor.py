@@ -201,3 +201,40 @@ def test_default_backend_is_ray_inside_a_placement_group(cluster):
     finally:
         remove_placement_group(pg)
     assert_nothing_left()
+
+
+@pytest.mark.slow
+def test_a_killed_ray_replica_is_made_anew_and_serves_again(cluster, tiny_model_dir):
+    """--data-parallel-backend ray, -dp 2 on the two nodes: one replica's actor is killed; the
+    head makes a new actor in its bundle, which joins again, and /health goes degraded -> ok."""
+    import time
+
+    import httpx
+    import psutil
+
+    from tests.helpers import labelled_metric, start_server, stop_server
+    proc, url = start_server(tiny_model_dir("llama-gqa"), "--data-parallel-backend", "ray", "-dp", "2",
+                             env={"RAY_ADDRESS": cluster.address})
+    try:
+        actors = [p for p in psutil.process_iter(["cmdline"])
+                  if " ".join(p.info["cmdline"] or []).startswith("ray::EngineCoreActor")]
+        assert len(actors) == 2
+        actors[0].kill()
+        seen = []
+        deadline = time.monotonic() + 90
+        while not (seen and seen[-1] == "ok" and "degraded" in seen):
+            assert time.monotonic() < deadline, f"/health said {seen[-5:]}"
+            try:
+                seen.append(httpx.get(url + "/health", timeout=2).json()["status"])
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.1)
+        for i in range(4):
+            r = httpx.post(url + "/v1/completions", json={"prompt": f"Story {i}", "max_tokens": 4}, timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        text = httpx.get(url + "/metrics").text
+        assert sum(labelled_metric(text, "shardlm:engine_restarts", r) for r in ("0", "1")) == 1
+        assert all(labelled_metric(text, "shardlm:num_requests_routed", r) >= 1 for r in ("0", "1"))
+    finally:
+        stop_server(proc)
+    assert_nothing_left()

@@ -270,3 +270,52 @@ def test_a_fault_in_one_requests_sampling_fails_that_request_alone(tiny_model_di
     finally:
         stop_server(proc)
     assert "Sampling a step of 2 request(s) failed; sampling each alone" in proc.stderr.read()
+
+
+@pytest.mark.slow
+def test_a_headless_nodes_replica_starts_again_and_joins_the_head(tiny_model_dir, tmp_path):
+    """Two "nodes" on this machine: the head (API server, replica 0) and a headless node
+    (replica 1). Replica 1's engine core is killed: its node starts it again, it joins the head
+    again, /health goes degraded -> ok, and it serves; stopping the head ends the node with 0."""
+    import subprocess
+    import sys
+
+    from tests.helpers import free_port
+    path = tiny_model_dir("llama-gqa")
+    common = ["-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+              "--data-parallel-rpc-port", str(free_port())]
+    node_log = tmp_path / "node.log"
+    with open(node_log, "w") as log:
+        node = subprocess.Popen([sys.executable, "-m", "shardlm.entrypoints.cli", "serve", path, "--dtype", "float32",
+                                 "--kv-cache-memory", "64MiB", "--max-model-len", "256", *common,
+                                 "--data-parallel-start-rank", "1", "--headless"],
+                                stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        proc, url = start_server(path, *common)
+        try:
+            core1 = engine_core_processes(node)
+            assert len(core1) == 1
+            t0 = time.monotonic()
+            core1[0].kill()
+            _wait_health(url, "degraded", 10)
+            back = _wait_health(url, "ok", SERVED_AGAIN_WITHIN_S)
+            print(f"kill -9 of a headless node's engine core -> /health ok again {time.monotonic() - t0:.1f} s later")
+            routed_before = labelled_metric(httpx.get(url + "/metrics").text, "shardlm:num_requests_routed", "1")
+            answers = [Post(url, f"Story {i}") for i in range(4)]
+            for post in answers:
+                post.join(60)
+                assert post.response.status_code == 200 and post.response.json()["usage"]["completion_tokens"] == 8
+            text = httpx.get(url + "/metrics").text
+            assert labelled_metric(text, "shardlm:num_requests_routed", "1") > routed_before, "replica 1 serves"
+            assert labelled_metric(text, "shardlm:engine_restarts", "1") == 1
+            assert back < SERVED_AGAIN_WITHIN_S
+            node_children = psutil.Process(node.pid).children(recursive=True)
+        finally:
+            stop_server(proc)
+        assert node.wait(timeout=30) == 0, node_log.read_text()[-3000:]
+    finally:
+        if node.poll() is None:
+            node.kill()
+    assert "Data parallel replica 1 was killed by SIGKILL. Starting it again in 0 s" in node_log.read_text()
+    alive = wait_gone(node_children, 10)
+    assert not alive, f"processes left on the headless node: {[p.pid for p in alive]}"

@@ -62,14 +62,17 @@ def register(sub) -> None:
 
 def run(ns) -> None:
     if ns.headless:
-        from shardlm.engine.dp_remote import run_headless
+        from shardlm.engine.headless import run_headless
         config = engine_args_from(ns).create_engine_config()
         par = config.parallel
         if par.data_parallel_size_local == par.data_parallel_size or par.data_parallel_start_rank == 0:
             raise ValueError("--headless runs replicas that join a head on another node: give "
                              "--data-parallel-start-rank (its first replica, above the head's) and "
                              "--data-parallel-size-local, with --data-parallel-address/--data-parallel-rpc-port.")
-        sys.exit(run_headless(config))
+        if ns.max_replica_restarts < 0:
+            sys.exit(f"shardlm: error: --max-replica-restarts {ns.max_replica_restarts}: give a count >= 0 "
+                     "(0 never restarts).")
+        sys.exit(run_headless(config, ns.max_replica_restarts))
     from shardlm.entrypoints.openai.server import run_server
     run_server(**server_options(ns))
 
