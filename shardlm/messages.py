@@ -159,7 +159,7 @@ class WaveStarted(msgspec.Struct, tag=True):
 
 
 class Shutdown(msgspec.Struct, tag=True):
-    pass
+    restart: bool = False        # the engine starts again as a whole: a headless node starts this core again
 
 
 class Ready(msgspec.Struct, tag=True):

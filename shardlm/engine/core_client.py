@@ -181,7 +181,7 @@ class MPClient(EngineCoreClient):
     def _on_core_death(self, index: int, reason: str) -> None:
         if self._closing:
             return
-        if self.restarter is not None and self.launched.restartable:
+        if self.restarter is not None:
             self.restarter.on_death(index, reason)
             return
         live = [c.index for c in self.cores if c.dead_reason is None]

@@ -35,7 +35,9 @@ from shardlm.utils import die_with_parent, set_process_name
 
 logger = init_logger(__name__)
 
-ENDED, FAULT, NOT_STARTED = "ended", "fault", "not started"     # how run_engine_core ended
+# how run_engine_core ended: shut down (or its client went away), shut down for the engine to start
+# again, a fault in a step or a rank, a start that failed
+ENDED, RESTART, FAULT, NOT_STARTED = "ended", "restart", "fault", "not started"
 
 # what a client may call on the engine core (UtilityCall.method)
 UTILITY_METHODS = ("stats", "reset_prefix_cache", "collective_rpc")
@@ -45,7 +47,7 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
                     node_address: str | None = None) -> str:
     """Entry point of the engine core process. node_address: this node's address when the data
     parallel groups cross nodes (gloo/NCCL of this process and its workers bind to it).
-    -> ENDED (Shutdown, or its client went away), FAULT (a step or a rank failed) or NOT_STARTED."""
+    -> how it ended: ENDED, RESTART, FAULT or NOT_STARTED."""
     from shardlm.core.engine_core import EngineCore
 
     if multiprocessing.parent_process() is not None:
@@ -73,7 +75,7 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
             while requests.poll(0):
                 msg = decode(requests.recv_bytes())
                 if isinstance(msg, Shutdown):
-                    return ENDED
+                    return RESTART if msg.restart else ENDED
                 if isinstance(msg, EngineCoreRequest):
                     if (wave := core.add_request(msg)) is not None:
                         outputs.send_bytes(encode(WaveStarted(wave)))

@@ -188,7 +188,7 @@ class RejoinDoor:
         with self._cond:
             self._closed = True
             for conn, _, _ in self._parked.values():
-                refuse(conn, "the head is stopping")
+                conn.close()            # no answer: a replica tries again (the engine may be starting again)
             self._parked.clear()
             self._cond.notify_all()
         self._thread.join(2.0)
@@ -218,22 +218,24 @@ def join_head(config: EngineConfig, timeout_s: float) -> tuple[Connection, tuple
     while True:
         try:
             sock = socket.create_connection(address, timeout=5)
+            sock.settimeout(None)
+            conn = Connection(sock.detach())
+            conn.send_bytes(_encode(JoinRequest(par.data_parallel_rank, node_name(), fingerprint(config))))
+            if not conn.poll(max(1.0, deadline - time.monotonic())):
+                reply = None
+                break
+            reply = _reply_decoder.decode(conn.recv_bytes())
             break
-        except OSError as e:
+        except (OSError, EOFError) as e:    # not listening yet, or closed before answering (restarting)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"Cannot reach the head at {address[0]}:{address[1]} (--data-parallel-address/"
-                                   f"--data-parallel-rpc-port) within {timeout_s:.0f} s: {e.strerror or e}. Start "
-                                   "the head first, and check the address from this node.") from None
+                                   f"--data-parallel-rpc-port) within {timeout_s:.0f} s: "
+                                   f"{getattr(e, 'strerror', None) or e or 'it closed the connection'}. Start the "
+                                   "head first, and check the address from this node.") from None
             time.sleep(0.5)
-    sock.settimeout(None)
-    conn = Connection(sock.detach())
-    conn.send_bytes(_encode(JoinRequest(par.data_parallel_rank, node_name(), fingerprint(config))))
-    if not conn.poll(timeout_s):
+    if reply is None:
+        conn.close()
         raise TimeoutError(f"The head at {address[0]}:{address[1]} did not answer within {timeout_s:.0f} s.")
-    try:
-        reply = _reply_decoder.decode(conn.recv_bytes())
-    except (EOFError, OSError):
-        raise RuntimeError(f"The head at {address[0]}:{address[1]} closed the connection before answering.") from None
     if isinstance(reply, JoinRefused):
         raise RuntimeError(f"The head refused data parallel replica {par.data_parallel_rank}: {reply.reason}")
     return conn, None if reply.own_world else (reply.store_host, reply.store_port)

@@ -29,13 +29,14 @@ EXIT_ENDED = 0          # shut down by the head, or the head went away
 EXIT_FAILED = 1         # a fault while serving: started again
 EXIT_NOT_JOINED = 3     # the head could not be reached or refused it: not started again
 EXIT_NOT_STARTED = 4    # it could not start (the head has the error): not started again
+EXIT_RESTART = 5        # the head starts the whole engine again: started again at once
 
 
 def run_remote_engine_core(config: EngineConfig) -> int:
     """A replica on another node than the head's (a headless node's process, a Ray actor): join
     the head, then serve it over the socket. -> one of the EXIT_ codes."""
     from shardlm.distributed.network import host_ip
-    from shardlm.engine.core_process import ENDED, NOT_STARTED, run_engine_core
+    from shardlm.engine.core_process import ENDED, NOT_STARTED, RESTART, run_engine_core
     try:
         conn, store = join_head(config, config.parallel.distributed_init_timeout)
     except (TimeoutError, RuntimeError) as e:
@@ -44,7 +45,7 @@ def run_remote_engine_core(config: EngineConfig) -> int:
     par = dataclasses.replace(config.parallel, data_parallel_master=store, data_parallel_own_world=store is None)
     # the DP groups cross nodes: the collectives bind to this node's address
     how = run_engine_core(dataclasses.replace(config, parallel=par), conn, conn, node_address=host_ip())
-    return {ENDED: EXIT_ENDED, NOT_STARTED: EXIT_NOT_STARTED}.get(how, EXIT_FAILED)
+    return {ENDED: EXIT_ENDED, RESTART: EXIT_RESTART, NOT_STARTED: EXIT_NOT_STARTED}.get(how, EXIT_FAILED)
 
 
 def _engine_core_process(config: EngineConfig) -> None:
@@ -88,7 +89,6 @@ class HeadlessNode:
             for k, when in list(self.due.items()):
                 if when <= time.monotonic() and not self.stopping:
                     del self.due[k]
-                    self.budgets[k].spend()
                     self.procs[k] = self._start(k)
         self.stop()
         return 1 if self.failed else 0
@@ -100,6 +100,11 @@ class HeadlessNode:
         if exitcode in (EXIT_NOT_JOINED, EXIT_NOT_STARTED):     # why was logged by the replica
             self.failed = True
             return
+        if exitcode == EXIT_RESTART:          # the head counts the engine's restarts
+            logger.info("Data parallel replica %d: the head starts the engine again; so does this node.",
+                        self.rank(k))
+            self.due[k] = time.monotonic()
+            return
         how = (f"was killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else
                f"stopped on a fault (exit code {exitcode})")
         delay = self.budgets[k].next_delay()
@@ -110,6 +115,7 @@ class HeadlessNode:
             return
         logger.warning("Data parallel replica %d %s. Starting it again in %.0f s; it joins the head again.",
                        self.rank(k), how, delay)
+        self.budgets[k].spend()
         self.due[k] = time.monotonic() + delay
 
     def stop(self, *_) -> None:

@@ -50,14 +50,6 @@ class LaunchedCores:
             remote = [c.config.parallel.data_parallel_rank for c in self.cores if isinstance(c, RemoteCore)]
             self._door = RejoinDoor(listener, remote, fingerprint(config))
 
-    @property
-    def restartable(self) -> bool:
-        """Whether dead cores can start again: this node's processes, together or one by one, and
-        other nodes' replicas one by one (a headless node restarts its own, a Ray actor is made
-        anew), not replicas of other nodes that step together (DP + EP lock-step: the whole
-        engine would have to start again across nodes)."""
-        return all(isinstance(core, CoreProcess) for core in self.cores) or not self.cores[0].config.dp_lockstep
-
     def restart_replica(self, k: int) -> CoreChannel:
         """Data parallel replica k, which died, started again and ready: a process of this node, a
         new Ray actor, or a headless node's replica its node started again (it joins the head's

@@ -105,7 +105,7 @@ class Restarter:
     def _relaunch(self, delay: float, reason: str) -> None:
         from shardlm.engine.launcher import LaunchedCores
         client, t0, old = self.client, time.monotonic(), self.client.launched
-        shutdown = msgspec.msgpack.encode(Shutdown())
+        shutdown = msgspec.msgpack.encode(Shutdown(restart=True))     # (a headless node starts its cores again)
         while True:
             time.sleep(delay)
             old.stop(shutdown, timeout=1.0)

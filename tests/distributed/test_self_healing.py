@@ -319,3 +319,63 @@ def test_a_headless_nodes_replica_starts_again_and_joins_the_head(tiny_model_dir
     assert "Data parallel replica 1 was killed by SIGKILL. Starting it again in 0 s" in node_log.read_text()
     alive = wait_gone(node_children, 10)
     assert not alive, f"processes left on the headless node: {[p.pid for p in alive]}"
+
+
+def _health_until_ok_after(url: str, status: str, timeout: float) -> list[str]:
+    """/health's statuses until it says ok after having said `status`."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while not (status in seen and seen[-1] == "ok"):
+        assert time.monotonic() < deadline, f"/health said {seen[-5:]}"
+        try:
+            seen.append(httpx.get(url + "/health", timeout=2).json()["status"])
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where,killed", [("local", "replica 1"), ("headless", "the node's"),
+                                          ("headless", "the head's")])
+def test_expert_parallel_replicas_start_again_together(where, killed, tiny_model_dir, tmp_path):
+    """-dp 2 --enable-expert-parallel: the replicas run their MoE layers together, so when one
+    dies the whole engine starts again, here or across a headless node (whose live replica the
+    head shuts down for it to start again), and serves exactly again."""
+    import subprocess
+    import sys
+
+    from tests.helpers import free_port
+    path = tiny_model_dir("mixtral")
+    ep = ["-dp", "2", "--enable-expert-parallel"]
+    node, node_log = None, tmp_path / "node.log"
+    if where == "headless":
+        ep += ["--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+               "--data-parallel-rpc-port", str(free_port())]
+        with open(node_log, "w") as log:
+            node = subprocess.Popen([sys.executable, "-m", "shardlm.entrypoints.cli", "serve", path, "--dtype",
+                                     "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "256", *ep,
+                                     "--data-parallel-start-rank", "1", "--headless"],
+                                    stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        proc, url = start_server(path, *ep)
+        try:
+            before = httpx.post(url + "/v1/completions", json={**SHORT, "prompt": "One two"}, timeout=60).json()
+            victim = engine_core_processes(node if killed == "the node's" else proc)[-1]
+            t0 = time.monotonic()
+            victim.kill()
+            _health_until_ok_after(url, "restarting", SERVED_AGAIN_WITHIN_S)
+            print(f"kill -9 of an expert parallel replica ({where}, {killed}) -> /health ok again "
+                  f"{time.monotonic() - t0:.1f} s later")
+            after = httpx.post(url + "/v1/completions", json={**SHORT, "prompt": "One two"}, timeout=60).json()
+            assert after["choices"][0]["text"] == before["choices"][0]["text"]
+            assert labelled_metric(httpx.get(url + "/metrics").text, "shardlm:engine_restarts", "all") == 1
+        finally:
+            stop_server(proc)
+        if node is not None:
+            assert node.wait(timeout=30) == 0, node_log.read_text()[-3000:]
+            if killed == "the head's":
+                assert "the head starts the engine again; so does this node" in node_log.read_text()
+    finally:
+        if node is not None and node.poll() is None:
+            node.kill()
