@@ -560,10 +560,13 @@ static inline __attribute__((always_inline)) void int8_tile_dot(const uint16_t *
 #endif
 #endif
 
+// 1: bfloat16 products use the dot-product tiles, and bfloat16 prompt attention its pairs (set by
+// blocked_set_bf16_dot, once per process, before the first product: every product then sums in
+// the same order)
+int shardlm_bf16_dot = 0;
+
 #if defined(HAVE_SIMD16)
-// 1: bfloat16 products use the dot-product tiles (set by blocked_set_bf16_dot, once per
-// process, before the first product: every product then sums in the same order)
-static int bf16_dot = 0;
+#define bf16_dot shardlm_bf16_dot
 
 // An 8-bit panel widened as the 8-bit tiles widen it: float32 q * scale ([K][NR]; FP8: value *
 // 2^-8, the scales applied by fp8_tile) or the dot tile's bfloat16 integer pairs ([K / 2][NR])

@@ -166,6 +166,9 @@ static inline void rotary_heads(void *x, const void *cos, const void *signed_sin
     }
 }
 
+// 1: bfloat16 products with the CPU's bfloat16 dot product (blocked_matmul.c: blocked_set_bf16_dot)
+extern int shardlm_bf16_dot;
+
 #if defined(__AMX_BF16__)
 // Whether the OS lets this process use the AMX tiles' state (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XTILEDATA; asked once per kernel file, and granted for the whole process)

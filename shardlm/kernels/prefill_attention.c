@@ -7,11 +7,14 @@
 // nothing proportional to chunk x context is ever made. Per sequence, each KV head's keys and
 // values are first packed once from the paged cache (any cache dtype; FP8 widened and scaled)
 // into the layout the tiles read: float32 panels for the vector tiles (AVX2, AVX-512, plain C),
-// or bfloat16 in the AMX tiles' layouts. Then tasks of (KV head, a block of query positions) run
+// or, for a bfloat16 cache, bfloat16 pairs in the AMX tiles' layouts, which the AMX tiles and the
+// AVX512-BF16 dot product (vdpbf16ps: twice the multiply-adds of float32 FMAs on AMD Zen 4, where
+// the blocked products use it too) both read. Then tasks of (KV head, a block of query positions) run
 // in parallel, the longest first. A task's rows are (query position, query head) pairs: the G
 // query heads of a KV head share its keys (GQA, and latent attention's single KV head).
 //
-// A row's arithmetic depends on its own position alone (its key blocks start at key 0, BK apart,
+// The weights go into the value products in bfloat16 on the bfloat16 paths, as GPU flash attention
+// does. A row's arithmetic depends on its own position alone (its key blocks start at key 0, BK apart,
 // masked past its position), so its output does not depend on how the prompt was chunked, on the
 // other sequences of the step or on the thread count.
 //
@@ -55,9 +58,11 @@ typedef struct {
 } seq_t;
 
 // The work buffers of one thread, for tasks of up to `rows` rows
+enum { FLOAT_TILES, BF16_DOT_TILES, AMX_TILES };     // what a call's tiles compute with
+
 typedef struct {
-    float *q, *o, *s, *m, *l;             // q: rows x D (AMX: bfloat16); o: rows x Dv; s: rows x BK scores
-    uint16_t *p;                          // AMX: rows x BK weights in bfloat16
+    float *q, *o, *s, *m, *l;             // q: rows x D (bfloat16 tiles: bfloat16); o: rows x Dv; s: rows x BK scores
+    uint16_t *p;                          // bfloat16 tiles: rows x BK weights in bfloat16
     int64_t *pos;                          // each row's position
 } scratch_t;
 
@@ -87,10 +92,10 @@ static void pack_float_block(const seq_t *a, int h, int64_t kb, float *keys, flo
     }
 }
 
-#if defined(__AMX_BF16__)
+#if defined(__AVX512BF16__)
 // Keys kb * BK.. of KV head h of a bfloat16 cache in AMX's B layouts: keys [BK / 16][D / 2][16][2]
 // (per 16 keys, a d pair per 32-bit word), values [BK / 2][Dv][2] (a key pair per word)
-static void pack_amx_block(const seq_t *a, int h, int64_t kb, uint16_t *keys, uint16_t *values) {
+static void pack_pairs_block(const seq_t *a, int h, int64_t kb, uint16_t *keys, uint16_t *values) {
     const int D = a->D, Dv = a->Dv;
     for (int j = 0; j < BK; j++) {
         const int64_t t = kb * BK + j;
@@ -240,6 +245,69 @@ static void float_tile(const seq_t *a, const float *keys, const float *values, i
         }
 }
 
+#if defined(__AVX512BF16__)
+// s[r][..] = rows q[r] (bfloat16) . the keys of the block's 16-key panels c0..c0 + KV (bfloat16
+// pairs), PR rows: a d pair per multiply-add
+static inline __attribute__((always_inline)) void pair_score_pass(const uint16_t *q, int D, const uint16_t *keys,
+                                                                 int c0, float *s) {
+    __m512 acc[PR][KV];
+    for (int r = 0; r < PR; r++)
+        for (int c = 0; c < KV; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 2) {
+        __m512bh k[KV];
+        for (int c = 0; c < KV; c++)
+            k[c] = (__m512bh)_mm512_loadu_si512(keys + (int64_t)(c0 + c) * D * 16 + d * 16);
+        for (int r = 0; r < PR; r++) {
+            int32_t pair;
+            memcpy(&pair, q + (int64_t)r * D + d, sizeof(pair));
+            const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+            for (int c = 0; c < KV; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x, k[c]);
+        }
+    }
+    for (int r = 0; r < PR; r++)
+        for (int c = 0; c < KV; c++) _mm512_storeu_ps(s + r * BK + 16 * (c0 + c), acc[r][c]);
+}
+
+// o[r][d0..d0 + 16 NV) = o[r] * alpha[r] + the block's weights p[r] (bfloat16) . its values
+// (bfloat16 pairs of keys), PR rows: a key pair per multiply-add
+static inline __attribute__((always_inline)) void pair_value_pass(const int NV, const uint16_t *p, const float *alpha,
+                                                                 const uint16_t *values, int Dv, int d0, float *o) {
+    __m512 acc[PR][VV];
+    for (int r = 0; r < PR; r++)
+        for (int c = 0; c < NV; c++)
+            acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + (int64_t)r * Dv + d0 + 16 * c), _mm512_set1_ps(alpha[r]));
+    for (int j = 0; j < BK; j += 2) {
+        __m512bh v[VV];
+        for (int c = 0; c < NV; c++)
+            v[c] = (__m512bh)_mm512_loadu_si512(values + (int64_t)(j / 2) * Dv * 2 + (d0 + 16 * c) * 2);
+        for (int r = 0; r < PR; r++) {
+            int32_t pair;
+            memcpy(&pair, p + r * BK + j, sizeof(pair));
+            const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+            for (int c = 0; c < NV; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, v[c]);
+        }
+    }
+    for (int r = 0; r < PR; r++)
+        for (int c = 0; c < NV; c++) _mm512_storeu_ps(o + (int64_t)r * Dv + d0 + 16 * c, acc[r][c]);
+}
+
+// PR rows (q in bfloat16) against key block kb with the bfloat16 dot product (Dv a multiple of 16)
+static void pair_tile(const seq_t *a, const uint16_t *keys, const uint16_t *values, int64_t kb, const int64_t *pos,
+                      const uint16_t *q, float *o, float *m, float *l, float *s, uint16_t *p) {
+    const int D = a->D, Dv = a->Dv;
+    float alpha[16];
+    for (int c0 = 0; c0 < BK / 16; c0 += KV) pair_score_pass(q, D, keys, c0, s);
+    block_weights(s, PR, pos, kb * BK, a->scale2, m, l, alpha);
+    for (int r = 0; r < PR; r++)
+        for (int j = 0; j < BK; j += 32)
+            _mm512_storeu_si512(p + r * BK + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + r * BK + j + 16),
+                                                                             _mm512_loadu_ps(s + r * BK + j)));
+    int d0 = 0;
+    for (; d0 + 16 * VV <= Dv; d0 += 16 * VV) pair_value_pass(VV, p, alpha, values, Dv, d0, o);
+    for (; d0 < Dv; d0 += 16) pair_value_pass(1, p, alpha, values, Dv, d0, o);
+}
+#endif
+
 #if defined(__AMX_BF16__)
 static void amx_configure_prefill(void) {
     tile_config_t c;
@@ -338,9 +406,9 @@ static void amx_values(const uint16_t *p, const uint16_t *values, int Dv, float 
 // Query positions i0..i0 + n of KV head h: rows (position, head of the group), padded to a whole
 // number of tiles of `tile` rows by repeating the last; each tile against the key blocks up to its
 // last position, block-major so a block's keys are read from cache by every tile in turn
-static void attend_task(const seq_t *a, int h, int64_t i0, int n, const void *keys, const void *values, int amx,
+static void attend_task(const seq_t *a, int h, int64_t i0, int n, const void *keys, const void *values, int tiles,
                         scratch_t *w) {
-    const int G = a->G, D = a->D, Dv = a->Dv, tile = amx ? 16 : PR;
+    const int G = a->G, D = a->D, Dv = a->Dv, tile = tiles == AMX_TILES ? 16 : PR;
     const int rows = n * G, padded = (rows + tile - 1) / tile * tile;
     for (int r = 0; r < padded; r++) {
         const int rr = r < rows ? r : rows - 1;
@@ -348,7 +416,7 @@ static void attend_task(const seq_t *a, int h, int64_t i0, int n, const void *ke
         const char *src = (const char *)a->q + (a->token_index[(int64_t)a->b * a->width + i] * a->q_stride + head * D)
                                                * (a->dtype ? 2 : 4);
         w->pos[r] = a->start + i;
-        if (amx) memcpy((uint16_t *)w->q + (int64_t)r * D, src, sizeof(uint16_t) * D);
+        if (tiles != FLOAT_TILES) memcpy((uint16_t *)w->q + (int64_t)r * D, src, sizeof(uint16_t) * D);
         else load_row(src, 0, D, a->dtype, w->q + (int64_t)r * D);
         w->m[r] = -INFINITY;
         w->l[r] = 0.f;
@@ -360,13 +428,22 @@ static void attend_task(const seq_t *a, int h, int64_t i0, int n, const void *ke
         int first = 0;
         while (kb * BK > w->pos[first + tile - 1]) first += tile;
 #if defined(__AMX_BF16__)
-        if (amx) {      // each phase over every tile, so that a tile's stores are done before it is read
+        if (tiles == AMX_TILES) {   // each phase over every tile, so that a tile's stores are done before it is read
             const uint16_t *kp = (const uint16_t *)keys + kb * BK * D, *vp = (const uint16_t *)values + kb * BK * Dv;
             for (int t = first; t < padded; t += 16)
                 amx_scores((const uint16_t *)w->q + (int64_t)t * D, kp, D, w->s + t * BK);
             for (int t = first; t < padded; t += 16)
                 amx_weights(a, w->s + t * BK, kb, w->pos + t, w->m + t, w->l + t, w->p + t * BK, w->o + (int64_t)t * Dv);
             for (int t = first; t < padded; t += 16) amx_values(w->p + t * BK, vp, Dv, w->o + (int64_t)t * Dv);
+            continue;
+        }
+#endif
+#if defined(__AVX512BF16__)
+        if (tiles == BF16_DOT_TILES) {
+            const uint16_t *kp = (const uint16_t *)keys + kb * BK * D, *vp = (const uint16_t *)values + kb * BK * Dv;
+            for (int t = first; t < padded; t += tile)
+                pair_tile(a, kp, vp, kb, w->pos + t, (const uint16_t *)w->q + (int64_t)t * D, w->o + (int64_t)t * Dv,
+                          w->m + t, w->l + t, w->s, w->p);
             continue;
         }
 #endif
@@ -405,11 +482,14 @@ KERNEL_API int paged_prefill_attention(void *out, const void *q, int64_t q_strid
                                        int block_size, float scale, int dtype, int kv_format, float k_scale,
                                        float v_scale, float *lse) {
     const int G = H / Hkv, cdt = cache_type(kv_format, dtype), positions = TASK_ROWS / G > 0 ? TASK_ROWS / G : 1;
-    int amx = 0;
-#if defined(__AMX_BF16__)
-    amx = dtype == 1 && cdt == 1 && D % 32 == 0 && Dv % 16 == 0 && amx_permitted();
+    int tiles = FLOAT_TILES;
+#if defined(__AVX512BF16__)
+    if (dtype == 1 && cdt == 1 && D % 2 == 0 && Dv % 16 == 0 && shardlm_bf16_dot) tiles = BF16_DOT_TILES;
 #endif
-    const size_t esize = amx ? sizeof(uint16_t) : sizeof(float);
+#if defined(__AMX_BF16__)
+    if (dtype == 1 && cdt == 1 && D % 32 == 0 && Dv % 16 == 0 && amx_permitted()) tiles = AMX_TILES;
+#endif
+    const size_t esize = tiles == FLOAT_TILES ? sizeof(float) : sizeof(uint16_t);
     int64_t max_ctx = 0;
     for (int b = 0; b < B; b++) if (contexts[b] > max_ctx) max_ctx = contexts[b];
     const int64_t max_blocks_of_keys = (max_ctx + BK - 1) / BK;
@@ -430,9 +510,9 @@ KERNEL_API int paged_prefill_attention(void *out, const void *q, int64_t q_strid
             const int h = (int)(job / key_blocks);
             const int64_t kb = job % key_blocks;
             char *keys = packed + h * head_bytes, *values = keys + esize * head_keys;
-#if defined(__AMX_BF16__)
-            if (amx) {
-                pack_amx_block(&a, h, kb, (uint16_t *)keys + kb * BK * D, (uint16_t *)values + kb * BK * Dv);
+#if defined(__AVX512BF16__)
+            if (tiles != FLOAT_TILES) {
+                pack_pairs_block(&a, h, kb, (uint16_t *)keys + kb * BK * D, (uint16_t *)values + kb * BK * Dv);
                 continue;
             }
 #endif
@@ -448,7 +528,7 @@ KERNEL_API int paged_prefill_attention(void *out, const void *q, int64_t q_strid
                 failed = 1;
             }
 #if defined(__AMX_BF16__)
-            if (amx) amx_configure_prefill();
+            if (tiles == AMX_TILES) amx_configure_prefill();
 #endif
             // the latest positions (the most keys) first
             #pragma omp for schedule(dynamic, 1)
@@ -458,10 +538,10 @@ KERNEL_API int paged_prefill_attention(void *out, const void *q, int64_t q_strid
                 const int64_t i0 = (query_blocks - 1 - task / Hkv) * positions;
                 const int n = a.queries - i0 < positions ? (int)(a.queries - i0) : positions;
                 const char *keys = packed + h * head_bytes;
-                attend_task(&a, h, i0, n, keys, keys + esize * head_keys, amx, &w);
+                attend_task(&a, h, i0, n, keys, keys + esize * head_keys, tiles, &w);
             }
 #if defined(__AMX_BF16__)
-            if (amx) _tile_release();
+            if (tiles == AMX_TILES) _tile_release();
 #endif
             free_scratch(&w);
         }

@@ -1,7 +1,8 @@
 """The tiled causal attention for prompt chunks (kernels/prefill_attention.c): equal to attention in
 float64 over the keys each query may see, for chunks after a cached prefix, GQA, head sizes 64,
 80 and 128, latent attention's values inside the keys and FP8 caches, with each query's
-log-sum-exp; in every ISA variant this CPU runs (native: the AMX tiles where the CPU has them);
+log-sum-exp; in every ISA variant this CPU runs (native: the AMX tiles where the CPU has them),
+bfloat16 with and without the CPU's bfloat16 dot product;
 and a query's output the same bits however the prompt is chunked and whatever the thread count."""
 
 import pytest
@@ -87,10 +88,10 @@ class PagedCase:
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"H{x[0]}-Hkv{x[1]}-D{x[2]}-Dv{x[3]}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_tiled_attention_equals_float64_attention(cpu_isa, dtype, layout):
+def test_tiled_attention_equals_float64_attention(cpu_isa, dtype, layout, bf16_products):
     case = PagedCase(dtype, layout, SEQUENCES)
     out, lse = case.run()
-    # bfloat16: the output's own rounding (2^-8 relative), and AMX's weights in bfloat16
+    # bfloat16: the output's own rounding (2^-8 relative), and the weights in bfloat16 (AMX, dot product)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for b in range(len(SEQUENCES)):
         ref, ref_lse = case.reference(b)
@@ -109,7 +110,7 @@ def test_fp8_caches_are_widened_and_scaled(cpu_isa, cache_dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_query_has_the_same_bits_however_the_prompt_is_chunked(cpu_isa, dtype):
+def test_a_query_has_the_same_bits_however_the_prompt_is_chunked(cpu_isa, dtype, bf16_products):
     """A 300-token prompt at once, or as chunks of 70, 100 and 130 after their prefixes; and with
     one thread or all."""
     whole = PagedCase(dtype, LAYOUTS[0], [(0, 300)])
