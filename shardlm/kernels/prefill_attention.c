@@ -185,7 +185,7 @@ static inline __attribute__((always_inline)) void score_pass(const float *q, int
         for (int c = 0; c < KV; c++) acc[r][c] = vf_zero();
     for (int d = 0; d < D; d++) {
         vf16 k[KV];
-        for (int c = 0; c < KV; c++) k[c] = vf_load(keys + (int64_t)(c0 + c) * D * 16 + d * 16);
+        for (int c = 0; c < KV; c++) k[c] = vf_load_kept(keys + (int64_t)(c0 + c) * D * 16 + d * 16);
         for (int r = 0; r < PR; r++) {
             const vf16 x = vf_set1(q[(int64_t)r * D + d]);
             for (int c = 0; c < KV; c++) acc[r][c] = vf_fmadd(x, k[c], acc[r][c]);
@@ -205,7 +205,7 @@ static inline __attribute__((always_inline)) void value_pass(const int NV, const
         for (int c = 0; c < NV; c++) acc[r][c] = vf_mul(vf_load(o + (int64_t)r * Dv + d0 + 16 * c), vf_set1(alpha[r]));
     for (int j = 0; j < BK; j++) {
         vf16 v[VV];
-        for (int c = 0; c < NV; c++) v[c] = vf_load(values + (int64_t)j * Dv + d0 + 16 * c);
+        for (int c = 0; c < NV; c++) v[c] = vf_load_kept(values + (int64_t)j * Dv + d0 + 16 * c);
         for (int r = 0; r < PR; r++) {
             const vf16 w = vf_set1(s[r * BK + j]);
             for (int c = 0; c < NV; c++) acc[r][c] = vf_fmadd(w, v[c], acc[r][c]);

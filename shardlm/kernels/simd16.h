@@ -17,6 +17,10 @@ typedef __m512i vi16;
 INL vf16 vf_zero(void) { return _mm512_setzero_ps(); }
 INL vf16 vf_set1(float x) { return _mm512_set1_ps(x); }
 INL vf16 vf_load(const float *p) { return _mm512_loadu_ps(p); }
+// A load kept in its register: GCC would otherwise fold it into each FMA that reads it, loading
+// it again for every row (a 512-bit load a multiply-add: what AMD Zen 4's one 512-bit load a
+// cycle cannot feed)
+INL vf16 vf_load_kept(const float *p) { vf16 v = _mm512_loadu_ps(p); __asm__("" : "+v"(v)); return v; }
 INL void vf_store(float *p, vf16 v) { _mm512_storeu_ps(p, v); }
 INL vf16 vf_add(vf16 a, vf16 b) { return _mm512_add_ps(a, b); }
 INL vf16 vf_mul(vf16 a, vf16 b) { return _mm512_mul_ps(a, b); }
@@ -85,6 +89,11 @@ typedef struct { __m256i lo, hi; } vi16;
 INL vf16 vf_zero(void) { return (vf16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 INL vf16 vf_set1(float x) { const __m256 b = _mm256_set1_ps(x); return (vf16){b, b}; }
 INL vf16 vf_load(const float *p) { return (vf16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+INL vf16 vf_load_kept(const float *p) {
+    vf16 v = vf_load(p);
+    __asm__("" : "+x"(v.lo), "+x"(v.hi));
+    return v;
+}
 INL void vf_store(float *p, vf16 v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
 INL vf16 vf_add(vf16 a, vf16 b) { return (vf16){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 INL vf16 vf_mul(vf16 a, vf16 b) { return (vf16){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
