@@ -103,7 +103,6 @@ class Restarter:
                          daemon=True).start()
 
     def _relaunch(self, delay: float, reason: str) -> None:
-        from shardlm.engine.launcher import LaunchedCores
         client, t0, old = self.client, time.monotonic(), self.client.launched
         shutdown = msgspec.msgpack.encode(Shutdown(restart=True))     # (a headless node starts its cores again)
         while True:
@@ -113,7 +112,7 @@ class Restarter:
                 return
             self.engine_budget.spend()
             try:
-                launched = LaunchedCores(client.config)
+                launched = type(old)(client.config)      # a new LaunchedCores, as the client began with
                 break
             except Exception as e:           # it failed to start: counts as a restart
                 reason = f"{reason} Starting it again failed: {e}"
