@@ -170,6 +170,9 @@ def report(result: dict, as_json: bool) -> None:
               f"  time to first token: {result['time_to_first_token_s'] * 1000:.0f} ms\n"
               f"  start-up to first token: {result['startup_to_first_token_s']:.1f} s "
               f"(engine start-up {result['startup_s']:.1f} s)\n  peak memory (RSS): {gib:.2f} GiB")
+        for p in result.get("per_prompt", []):       # --each-prompt: the medians above are over these
+            print(f"  {p['prompt_tokens']} prompt tokens: time to first token "
+                  f"{p['time_to_first_token_s'] * 1000:.0f} ms, decode step {p['decode_step_ms']:.2f} ms")
     if "expert_imbalance_max" in result:
         print(f"  expert load: busiest expert / mean, worst layer: {result['expert_imbalance_max']:.2f} "
               "(per-layer counts in --json)")

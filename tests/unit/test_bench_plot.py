@@ -67,3 +67,16 @@ def test_throughput_report_prints(capsys):
             "dtype": "float32", "reps": 1, "output_tok_s": 12.5, "total_tok_s": 15.0, "startup_s": 1.0,
             "peak_rss_bytes": 1 << 30}, as_json=False)
     assert "output tokens/s: 12.5" in capsys.readouterr().out
+
+
+def test_latency_over_each_prompt_reports_every_prompt(capsys):
+    """`bench latency --each-prompt` (the long prompts' time to first token, one line each)."""
+    per_prompt = [{"prompt_tokens": n, "time_to_first_token_s": t, "decode_step_ms": 16.0}
+                  for n, t in ((2048, 2.14), (4096, 5.07), (8000, 15.56))]
+    report({"benchmark": "latency", "batch_size": 1, "prompt_tokens": 4096, "output_tokens": 128, "dtype": "bfloat16",
+            "reps": 2, "decode_step_ms": 16.0, "decode_tok_s": 62.5, "time_to_first_token_s": 5.07,
+            "startup_to_first_token_s": 7.5, "startup_s": 4.6, "peak_rss_bytes": 1 << 30, "per_prompt": per_prompt},
+           as_json=False)
+    out = capsys.readouterr().out
+    assert "2048 prompt tokens: time to first token 2140 ms" in out
+    assert "8000 prompt tokens: time to first token 15560 ms" in out
