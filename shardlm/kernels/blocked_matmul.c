@@ -566,7 +566,6 @@ static inline __attribute__((always_inline)) void int8_tile_dot(const uint16_t *
 int shardlm_bf16_dot = 0;
 
 #if defined(HAVE_SIMD16)
-#define bf16_dot shardlm_bf16_dot
 
 // An 8-bit panel widened as the 8-bit tiles widen it: float32 q * scale ([K][NR]; FP8: value *
 // 2^-8, the scales applied by fp8_tile) or the dot tile's bfloat16 integer pairs ([K / 2][NR])
@@ -759,7 +758,7 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
     const int64_t panel_bytes = bits == 4 ? blocked_int4_size(NR, K, group, tb)
                               : bits == 8 ? blocked_int8_size(NR, K, group, tb)
                                                                             : (int64_t)Kp * NR * (dtype == 0 ? 4 : 2);
-    const int dot = dtype == 1 && bf16_dot;
+    const int dot = dtype == 1 && shardlm_bf16_dot;
     const int kind = bits == 4 ? TILE_INT4_Q16
                    : bits == 8 ? (fp8 ? (dot ? TILE_FP8_DOT : TILE_FP8) : (dot ? TILE_INT8_DOT : TILE_INT8))
                    : dot ? TILE_DOT : dtype == 0 ? TILE_F32 : TILE_BF16;
@@ -872,7 +871,7 @@ KERNEL_API int blocked_set_amx(int min_rows) {
 // 1 if set, 0 in a build without AVX512_BF16 (widened, whatever on says).
 KERNEL_API int blocked_set_bf16_dot(int on) {
 #if defined(__AVX512BF16__)
-    bf16_dot = on != 0;
+    shardlm_bf16_dot = on != 0;
     return 1;
 #else
     (void)on;

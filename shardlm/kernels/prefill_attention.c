@@ -246,6 +246,14 @@ static void float_tile(const seq_t *a, const float *keys, const float *values, i
 }
 
 #if defined(__AVX512BF16__)
+// Row r's BK weights s[r] -> p[r] in bfloat16 (round to nearest even), for n rows
+static inline void weights_to_bf16(const float *s, int n, uint16_t *p) {
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < BK; j += 32)
+            _mm512_storeu_si512(p + r * BK + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + r * BK + j + 16),
+                                                                             _mm512_loadu_ps(s + r * BK + j)));
+}
+
 // s[r][..] = rows q[r] (bfloat16) . the keys of the block's 16-key panels c0..c0 + KV (bfloat16
 // pairs), PR rows: a d pair per multiply-add
 static inline __attribute__((always_inline)) void pair_score_pass(const uint16_t *q, int D, const uint16_t *keys,
@@ -298,10 +306,7 @@ static void pair_tile(const seq_t *a, const uint16_t *keys, const uint16_t *valu
     float alpha[16];
     for (int c0 = 0; c0 < BK / 16; c0 += KV) pair_score_pass(q, D, keys, c0, s);
     block_weights(s, PR, pos, kb * BK, a->scale2, m, l, alpha);
-    for (int r = 0; r < PR; r++)
-        for (int j = 0; j < BK; j += 32)
-            _mm512_storeu_si512(p + r * BK + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + r * BK + j + 16),
-                                                                             _mm512_loadu_ps(s + r * BK + j)));
+    weights_to_bf16(s, PR, p);
     int d0 = 0;
     for (; d0 + 16 * VV <= Dv; d0 += 16 * VV) pair_value_pass(VV, p, alpha, values, Dv, d0, o);
     for (; d0 < Dv; d0 += 16) pair_value_pass(1, p, alpha, values, Dv, d0, o);
@@ -348,10 +353,8 @@ static void amx_weights(const seq_t *a, float *s, int64_t kb, const int64_t *pos
     const int Dv = a->Dv;
     float alpha[16];
     block_weights(s, 16, pos, kb * BK, a->scale2, m, l, alpha);
+    weights_to_bf16(s, 16, p);
     for (int r = 0; r < 16; r++) {
-        for (int j = 0; j < BK; j += 32)
-            _mm512_storeu_si512(p + r * BK + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + r * BK + j + 16),
-                                                                             _mm512_loadu_ps(s + r * BK + j)));
         if (alpha[r] != 1.f)
             for (int d = 0; d < Dv; d += 16)
                 _mm512_storeu_ps(o + (int64_t)r * Dv + d, _mm512_mul_ps(_mm512_loadu_ps(o + (int64_t)r * Dv + d),

@@ -69,12 +69,18 @@ def run(ns) -> None:
             raise ValueError("--headless runs replicas that join a head on another node: give "
                              "--data-parallel-start-rank (its first replica, above the head's) and "
                              "--data-parallel-size-local, with --data-parallel-address/--data-parallel-rpc-port.")
-        if ns.max_replica_restarts < 0:
-            sys.exit(f"shardlm: error: --max-replica-restarts {ns.max_replica_restarts}: give a count >= 0 "
-                     "(0 never restarts).")
+        check_restart_counts(ns)
         sys.exit(run_headless(config, ns.max_replica_restarts))
     from shardlm.entrypoints.openai.server import run_server
     run_server(**server_options(ns))
+
+
+def check_restart_counts(ns) -> None:
+    """--max-engine-restarts and --max-replica-restarts: counts >= 0, else exit saying so."""
+    for flag in ("max_engine_restarts", "max_replica_restarts"):
+        if getattr(ns, flag) < 0:
+            sys.exit(f"shardlm: error: --{flag.replace('_', '-')} {getattr(ns, flag)}: give a count >= 0 "
+                     "(0 never restarts).")
 
 
 def server_options(ns) -> dict:
@@ -91,10 +97,7 @@ def server_options(ns) -> dict:
         sys.exit("shardlm: error: the API key is empty: give a key, or leave --api-key out to serve without one.")
     if ns.shutdown_timeout < 0:
         sys.exit(f"shardlm: error: --shutdown-timeout {ns.shutdown_timeout:g}: give seconds >= 0 (0 stops at once).")
-    for flag in ("max_engine_restarts", "max_replica_restarts"):
-        if getattr(ns, flag) < 0:
-            sys.exit(f"shardlm: error: --{flag.replace('_', '-')} {getattr(ns, flag)}: give a count >= 0 "
-                     "(0 never restarts).")
+    check_restart_counts(ns)
     if ns.collect_detailed_traces and not ns.otlp_traces_endpoint:
         sys.exit("shardlm: error: --collect-detailed-traces adds to the spans of --otlp-traces-endpoint: give "
                  "--otlp-traces-endpoint URL too.")
