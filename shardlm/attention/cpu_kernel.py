@@ -1,7 +1,8 @@
 """The CPU attention backend: decode sequences through shardlm's C kernel
 (kernels/paged_attention.c), which reads K and V straight from the paged cache (in the model's
 dtype or FP8) with no gathered copy; prompt chunks through the tiled causal attention of
-kernels/prefill_attention.c, which reads the cache too. A step of decodes only is one C call
+kernels/prefill_attention.c, which reads the cache too; latent attention's decode (every head
+against one shared row per token) through kernels/latent_attention.c. A step of decodes only is one C call
 per layer from the qkv projection: rotary embedding, cache write and attention (at one row
 those are a dozen torch operators whose dispatch costs more than their work)."""
 
@@ -23,6 +24,7 @@ class CpuKernelAttention(TorchPagedAttention):
         self.kernel = kernel
         self.kernel_qkv = kernels.paged_decode_attention_qkv()
         self.prefill_kernel = kernels.paged_prefill_attention()
+        self.latent_kernel = kernels.latent_decode_attention()
 
     def rotary_and_attend(self, layer, qkv: torch.Tensor, cos_sin, meta) -> torch.Tensor | None:
         cos, signed_sin = cos_sin if cos_sin is not None else (None, None)     # None: no rotary embedding
@@ -44,9 +46,12 @@ class CpuKernelAttention(TorchPagedAttention):
         return out
 
     def decode(self, layer, q: torch.Tensor, b: AttentionBucket, lse: torch.Tensor | None = None) -> torch.Tensor:
-        """q [B, H, D] -> [B, H, D]; lse: a float32 [B, H] that receives each head's log-sum-exp
-        (decode_partial). A sliding window or soft-capped logits: the torch path."""
+        """q [B, H, D] -> [B, H, Dv]; lse: a float32 [B, H] that receives each head's log-sum-exp
+        (decode_partial). Latent attention: its own kernel. A sliding window or soft-capped logits:
+        the torch path."""
         cache = kv_format(layer.k_cache.dtype, q.dtype)
+        if self._latent_applies(layer, q, cache):
+            return self._latent_decode(layer, q, b, cache, lse)
         if not layer.plain or cache is None:
             return super().decode(layer, q, b)
         B, H, D = q.shape
@@ -61,8 +66,29 @@ class CpuKernelAttention(TorchPagedAttention):
             raise MemoryError("paged attention kernel could not allocate its work buffers")
         return out
 
+    def _latent_applies(self, layer, q: torch.Tensor, cache: int | None) -> bool:
+        """Latent attention's values inside its one KV head's keys, and nothing else unusual."""
+        return (layer.values_in_keys and self.latent_kernel is not None and cache is not None
+                and layer.num_kv_heads == 1 and layer.sliding_window is None and layer.logit_softcap is None
+                and layer.sinks is None and q.stride(2) == 1 and q.stride(1) == layer.head_dim)
+
+    def _latent_decode(self, layer, q: torch.Tensor, b: AttentionBucket, cache: int,
+                       lse: torch.Tensor | None) -> torch.Tensor:
+        """Latent attention's decode (kernels/latent_attention.c): every head against the shared rows."""
+        B, H, D = q.shape
+        out = torch.empty(B, H, layer.v_head_dim, dtype=q.dtype)
+        table, contexts = b.block_table, b.context_lens
+        rc = self.latent_kernel(out.data_ptr(), q.data_ptr(), q.stride(0), layer.k_cache.data_ptr(), table.data_ptr(),
+                                table.shape[1], contexts.data_ptr(), B, H, D, layer.v_head_dim, layer.k_cache.shape[2],
+                                layer.scale, DTYPE_CODES[q.dtype], cache, layer.k_scale,
+                                lse.data_ptr() if lse is not None else None)
+        if rc != 0:
+            raise MemoryError("latent attention kernel could not allocate its work buffers")
+        return out
+
     def decode_partial(self, layer, q: torch.Tensor, b: AttentionBucket) -> tuple[torch.Tensor, torch.Tensor]:
-        if not layer.plain or kv_format(layer.k_cache.dtype, q.dtype) is None:
+        cache = kv_format(layer.k_cache.dtype, q.dtype)
+        if cache is None or not (layer.plain or self._latent_applies(layer, q, cache)):
             return super().decode_partial(layer, q, b)
         lse = torch.empty(q.shape[:2], dtype=torch.float32)
         return self.decode(layer, q, b, lse).float(), lse

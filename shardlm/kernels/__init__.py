@@ -214,6 +214,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
                                     _I, _F, _F], _I),
     "paged_prefill_attention": ([_P, _P, _I64, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F, _I,
                                  _I, _F, _F, _P], _I),
+    "latent_decode_attention": ([_P, _P, _I64, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _I, _F, _P], _I),
     "rotary_cache_write": ([_P, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F], None),
     "merge_attention_partials": ([_P, _I, _I, _I, _I, _I, _I, _P, _I], None),
     "skinny_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I),
@@ -259,6 +260,11 @@ def paged_decode_attention():
 def paged_prefill_attention():
     """Tiled causal attention for prompt chunks over the paged cache (prefill_attention.c), or None."""
     return _function("paged_prefill_attention")
+
+
+def latent_decode_attention():
+    """Decode attention for latent attention's one shared cache row per token (latent_attention.c), or None."""
+    return _function("latent_decode_attention")
 
 
 def paged_decode_attention_qkv():

@@ -125,6 +125,23 @@ static inline __m512 round16(__m512 v, int dtype) {
     return dtype == 0 ? v : _mm512_castsi512_ps(round16_bits(v));
 }
 
+// lane i = the sum of v[i]'s 16 lanes, for 16 vectors at once (a transposing tree of adds)
+static inline __m512 reduce16(const __m512 v[16]) {
+    __m512 s[8], t[4], u[2];
+    for (int i = 0; i < 8; i++)
+        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        u[i] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
+    const __m512 w = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]))),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]))));
+    // lane 4j + k holds v[4k + j]
+    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), w);
+}
+
 // store() for the 16 values in mask m, at element i
 static inline void store16(void *p, int64_t i, __m512 v, __mmask16 m, int dtype) {
     if (dtype == 0) _mm512_mask_storeu_ps((float *)p + i, m, v);

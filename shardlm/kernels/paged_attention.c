@@ -98,23 +98,6 @@ static inline __attribute__((always_inline)) void weigh_values(const int NC, int
 #endif
 
 #if defined(__AVX512F__)
-// lane i = the sum of v[i]'s 16 lanes, for 16 vectors at once (a transposing tree of adds)
-static inline __m512 reduce16(const __m512 v[16]) {
-    __m512 s[8], t[4], u[2];
-    for (int i = 0; i < 8; i++)
-        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++)
-        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++)
-        u[i] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
-    const __m512 w = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]))),
-                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]))));
-    // lane 4j + k holds v[4k + j]
-    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), w);
-}
-
 // One (sequence, KV head) of decode attention for head sizes of NC * 16: the G query heads qf
 // (float32, G x D) against the context's keys and values, 16 cache rows at a time.
 static inline __attribute__((always_inline)) void attend_simd(const int NC, const float *qf, int G, const void *k_cache,

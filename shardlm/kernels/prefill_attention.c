@@ -109,24 +109,6 @@ static void pack_pairs_block(const seq_t *a, int h, int64_t kb, uint16_t *keys, 
 }
 #endif
 
-#if defined(HAVE_SIMD16)
-// 2^x for x <= 0 (below -126: 2^-126, which the callers zero where it stands for a masked key):
-// x = n + f, |f| <= 1/2, 2^f by its Taylor polynomial of degree 6 (relative error ~1e-7), 2^n by
-// scaling. Half vf_exp's operations: the softmax's exponentials are most of this kernel's work.
-static inline __attribute__((always_inline)) vf16 exp2_nonpositive(vf16 x) {
-    x = vf_max(x, vf_set1(-126.f));
-    const vf16 n = vf_round(x), f = vf_sub(x, n);
-    vf16 p = vf_set1(1.5403530e-4f);
-    p = vf_fmadd(p, f, vf_set1(1.3333558e-3f));
-    p = vf_fmadd(p, f, vf_set1(9.6181291e-3f));
-    p = vf_fmadd(p, f, vf_set1(5.5504109e-2f));
-    p = vf_fmadd(p, f, vf_set1(2.4022651e-1f));
-    p = vf_fmadd(p, f, vf_set1(6.9314718e-1f));
-    p = vf_fmadd(p, f, vf_set1(1.f));
-    return vf_scale2(p, n);
-}
-#endif
-
 // n rows (at most 16) of a block of scores, row r at s + r * BK, the keys from key0 on, each row
 // seeing the keys up to its position pos[r] -> their softmax weights 2^(score * scale2 - m) (0
 // for a key past the row's position), each row's running maximum m and sum l updated (in base 2:

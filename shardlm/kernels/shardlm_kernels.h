@@ -48,6 +48,13 @@ KERNEL_API int paged_prefill_attention(void *out, const void *q, int64_t q_strid
                                        int block_size, float scale, int dtype, int kv_format, float k_scale,
                                        float v_scale, float *lse);
 
+// latent_attention.c: decode attention of every query head against one shared cache row per
+// token whose first Dv values are its value (multi-head latent attention)
+KERNEL_API int latent_decode_attention(void *out, const void *q, int64_t q_stride, const void *cache,
+                                       const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
+                                       int B, int H, int D, int Dv, int block_size, float scale, int dtype,
+                                       int kv_format, float k_scale, float *lse);
+
 // skinny_matmul.c
 KERNEL_API int skinny_matmul(const void *x, int64_t x_stride, const void *w, const void *bias, void *y, int M, int N,
                              int K, int dtype);

@@ -209,6 +209,21 @@ static inline __attribute__((always_inline)) vf16 vf_exp(vf16 x) {
     return vf_inf_above(vf_scale2(p, n), x, 88.7f);
 }
 
+// 2^x for x <= 0 (below -126: 2^-126, which the callers zero where it stands for a masked key):
+// x = n + f, |f| <= 1/2, 2^f by its Taylor polynomial of degree 6 (relative error ~1e-7), 2^n by
+// scaling. Half vf_exp's operations: the attention kernels' softmax exponentials are most of their work.
+static inline __attribute__((always_inline)) vf16 exp2_nonpositive(vf16 x) {
+    x = vf_max(x, vf_set1(-126.f));
+    const vf16 n = vf_round(x), f = vf_sub(x, n);
+    vf16 p = vf_set1(1.5403530e-4f);
+    p = vf_fmadd(p, f, vf_set1(1.3333558e-3f));
+    p = vf_fmadd(p, f, vf_set1(9.6181291e-3f));
+    p = vf_fmadd(p, f, vf_set1(5.5504109e-2f));
+    p = vf_fmadd(p, f, vf_set1(2.4022651e-1f));
+    p = vf_fmadd(p, f, vf_set1(6.9314718e-1f));
+    p = vf_fmadd(p, f, vf_set1(1.f));
+    return vf_scale2(p, n);
+}
 // 16 values of a float32 (dtype 0) or bfloat16 (1) array from element i, as float32
 static inline __attribute__((always_inline)) vf16 vf_load_as(const void *p, int64_t i, int dtype) {
     return dtype == 0 ? vf_load((const float *)p + i) : vf_bf16((const uint16_t *)p + i);
