@@ -26,6 +26,9 @@ to one copy of its expert, chosen by its index, and `rebalance` moves experts be
 Experts read from an FP8 checkpoint stay FP8 on CPU: the loaders note each rank's scales as they
 place the rows (as the linears do), and after loading each expert's w13 and w2 go into FP8 panels
 (layers/fp8.py), stacked as one uint8 tensor per matrix so that EPLB moves them as it moves floats.
+Float experts on CPU go, where the linears' weights do, into the blocked kernel's panels
+(layers/cpu_matmul.py), stacked the same way: at a decode step's few rows torch's product reads
+an expert's weight several times slower than the panels stream it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.distributed.parallel_state import expert_parallel_enabled, get_dp_group, get_ep_group, get_tp_group
+from shardlm.layers.activation import silu_and_mul
+from shardlm.layers.cpu_matmul import blocked, goes_into_panels, pack_blocked
 from shardlm.layers.expert_placement import balancedness, default_placement, place_experts_hierarchical
 from shardlm.layers.fp8 import Fp8LinearWeight, from_scales, note_scales, packed_bytes, packs
 from shardlm.layers.linear import load_slice
@@ -138,6 +143,7 @@ class FusedMoE(nn.Module):
         # not from FP8), then each expert's FP8 weights (their panels rows of w13 / w2, uint8)
         self.fp8_scales: dict[str, torch.Tensor | None] = {"w13": None, "w2": None}
         self.fp8: dict[str, list[Fp8LinearWeight]] | None = None
+        self.panels: dict[str, int] | None = None    # float experts in blocked panels: each matrix's rows
 
     # ---- EPLB: physical slots ----
     def _place_redundant(self, num_redundant: int | None) -> None:
@@ -203,6 +209,7 @@ class FusedMoE(nn.Module):
         scales = self.fp8_scales
         self.fp8_scales = {"w13": None, "w2": None}
         if any(s is None or s.isnan().any() for s in scales.values()):
+            self._pack_panels()
             return
         weights = {"w13": self.w13.data, "w2": self.w2.data}
         if not all(packs(w[0], scales[k][0], self.dtype) for k, w in weights.items()):
@@ -215,10 +222,23 @@ class FusedMoE(nn.Module):
                                                into=stack[e]) for e in range(self.num_local)]
             setattr(self, which, nn.Parameter(stack, requires_grad=False))
 
+    def _pack_panels(self) -> None:
+        """Float experts on CPU into the blocked kernel's panels, one flat row per expert."""
+        if self.num_local == 0 or not goes_into_panels(self.w13.data[0]):
+            return
+        self.panels = {}
+        for which in ("w13", "w2"):
+            w = getattr(self, which).data
+            self.panels[which] = w.shape[1]
+            setattr(self, which, nn.Parameter(torch.stack([pack_blocked(w[e]) for e in range(self.num_local)]),
+                                              requires_grad=False))
+
     def _product(self, which: str, expert: int, x: torch.Tensor) -> torch.Tensor:
         """x . this rank's `which` (w13 or w2) of local expert `expert`, transposed."""
         if self.fp8 is not None:
             return self.fp8[which][expert].matmul(x)
+        if self.panels is not None:
+            return blocked(x, getattr(self, which)[expert], None, self.panels[which])
         return x @ getattr(self, which)[expert].t()
 
     # ---- loading all experts from one stacked tensor (GPT-OSS: gate and up interleaved by column) ----
@@ -264,16 +284,22 @@ class FusedMoE(nn.Module):
         out = self.reduce_group.all_reduce(self._run_local_experts(x, weights, ids))
         return out[own] if counts is not None else out
 
+    def local_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each (token, choice)'s expert ids [T, k] -> the local expert (slot) on this rank that serves
+        it, or -1 where another rank does (with EPLB: the copy its token index picks)."""
+        if self.slot_expert is None:
+            local = ids - self.first_expert
+        else:
+            token = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(ids)
+            copies, slots = self.copy_count.to(ids.device), self.copy_slots.to(ids.device)
+            local = slots[ids, token % copies[ids]] - self.first_expert
+        return local.masked_fill((local < 0) | (local >= self.num_local), -1)
+
     def _run_local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's part of the output: its experts (its slice of them under TP) for the
         tokens routed to them; zero rows for tokens that none of its experts serves."""
-        if self.slot_expert is None:
-            local = ids.flatten() - self.first_expert
-        else:                                            # EPLB: the copy of its expert a token goes to
-            token = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(ids)
-            copies, slots = self.copy_count.to(ids.device), self.copy_slots.to(ids.device)
-            local = (slots[ids, token % copies[ids]] - self.first_expert).flatten()
-        pairs = ((local >= 0) & (local < self.num_local)).nonzero().squeeze(1)    # (token, expert) pairs here
+        local = self.local_slots(ids).flatten()
+        pairs = (local >= 0).nonzero().squeeze(1)        # (token, expert) pairs here
         local = local[pairs]
         order = local.argsort(stable=True)               # grouped by expert
         pairs, local = pairs[order], local[order]
@@ -288,13 +314,20 @@ class FusedMoE(nn.Module):
             gate_up = self._product("w13", expert, xs[start:start + n])
             if self.w13_bias is not None:
                 gate_up = gate_up + self.w13_bias[expert]
-            out = self._product("w2", expert, self.activation(gate_up[:, :self.inter], gate_up[:, self.inter:]))
+            out = self._product("w2", expert, self._activate(gate_up))
             if self.w2_bias is not None and self.slice_rank == 0:   # added once, not by every TP slice
                 out = out + self.w2_bias[expert]
             results[start:start + n] = out
             start += n
         pair_weights = weights.flatten()[pairs].to(x.dtype).unsqueeze(1)
         return torch.zeros_like(x).index_add_(0, tokens, results * pair_weights)
+
+    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The activation of [gate | up] rows: with the experts in panels (CPU), SiLU-and-mul in C
+        (kernels/fused_ops.c, as the one-call decode step's experts run it)."""
+        if self.panels is not None and self.activation.limit is None and gate_up.is_contiguous():
+            return silu_and_mul(gate_up)
+        return self.activation(gate_up[:, :self.inter], gate_up[:, self.inter:])
 
     def _gather_replicas(self, x: torch.Tensor, router_logits: torch.Tensor, counts: list[int]):
         """Every replica's tokens and router logits, replica by replica (one all-gather over the

@@ -12,9 +12,11 @@ import time
 import httpx
 import psutil
 import pytest
+import torch
 
-from shardlm import LLM, SamplingParams
+from shardlm import LLM, SamplingParams, kernels
 from shardlm.engine.core_client import EngineDeadError
+from shardlm.layers.cpu_matmul import goes_into_panels
 from shardlm.layers.moe import local_experts
 from tests.distributed.test_parallel_server import assert_server_answers_like_llm
 from tests.helpers import start_server, stop_server
@@ -67,7 +69,8 @@ def test_expert_parallel_equals_one_rank_and_hf(name, dp, tp, tiny_model_dir, re
 @pytest.mark.slow
 def test_each_rank_holds_only_its_experts(tiny_model_dir):
     """Qwen3-MoE, 6 experts on 4 ranks (2, 2, 1, 1): the weights per rank differ from tensor
-    parallel's (a quarter of every expert) by exactly the experts it holds beyond 6/4."""
+    parallel's (a quarter of every expert) by exactly the experts it holds beyond those quarters
+    (counted as stored: in the blocked kernel's panels where float experts go there)."""
     path = tiny_model_dir("qwen3-moe")
     sliced = LLM(path, **ENGINE, tensor_parallel_size=4)
     try:
@@ -80,11 +83,20 @@ def test_each_rank_holds_only_its_experts(tiny_model_dir):
         ep_bytes = whole.collective_rpc("weight_bytes")
     finally:
         whole.shutdown()
-    expert_bytes = 3 * config.hidden_size * config.moe_intermediate_size * 4       # float32
+    H, inter = config.hidden_size, config.moe_intermediate_size
+    expert_bytes, quarter_bytes = _stored_expert_bytes(H, inter), _stored_expert_bytes(H, inter // 4)
     moe_layers = config.num_hidden_layers - len(config.mlp_only_layers)
     for rank in range(4):
         held = local_experts(6, 4, rank)[1]
-        assert ep_bytes[rank] - tp_bytes[rank] == (held - 6 / 4) * expert_bytes * moe_layers
+        assert ep_bytes[rank] - tp_bytes[rank] == (held * expert_bytes - 6 * quarter_bytes) * moe_layers
+
+
+def _stored_expert_bytes(hidden: int, inter: int) -> int:
+    """A float32 expert's w13 [2 inter, hidden] and w2 [hidden, inter] as the CPU stores them."""
+    if not goes_into_panels(torch.empty(1, 1)):
+        return 3 * hidden * inter * 4
+    size = kernels.blocked_pack()[0]
+    return (size(2 * inter, hidden, 0) + size(hidden, inter, 0)) * 4
 
 
 def _busy_seconds(procs) -> float:

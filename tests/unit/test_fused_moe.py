@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from shardlm.distributed import parallel_state as ps
+from shardlm.layers.cpu_matmul import goes_into_panels
 from shardlm.layers.moe import FusedMoE, dp_token_counts, local_experts
 from tests.distributed.ranks import run_ranks
 
@@ -52,6 +53,25 @@ def test_fused_moe_equals_the_per_token_computation(one_rank):
     x, logits = _tokens(0, 37)
     torch.testing.assert_close(moe(x, logits), _reference(x, logits, *_weights(), K), rtol=1e-5, atol=1e-5)
     assert moe.expert_load.sum().item() == 37 * K and moe.expert_load[5].item() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_experts_in_the_blocked_panels_give_the_same_outputs(one_rank, dtype):
+    """After loading, float experts go into the blocked kernel's panels where the linears' weights
+    do (here on CPUs with AVX-512, or AVX2 for bfloat16): each expert's product then reads them,
+    and one token's output does not depend on the other tokens of the step."""
+    moe = _loaded_moe().to(dtype)
+    x, logits = _tokens(0, 37)
+    x = x.to(dtype)
+    plain = moe(x, logits)
+    moe.process_weights_after_loading()
+    if not goes_into_panels(torch.empty(2, 2, dtype=dtype)):
+        assert moe.panels is None
+        pytest.skip(f"{dtype} weights stay plain on this CPU")
+    assert moe.panels == {"w13": 2 * INTER, "w2": H} and moe.w13.dim() == 2
+    packed = moe(x, logits)
+    torch.testing.assert_close(packed, plain, rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
+    assert torch.equal(moe(x[:1], logits[:1]), packed[:1])
 
 
 @pytest.mark.parametrize("ep,expected", [(4, [(0, 2), (2, 2), (4, 1), (5, 1)]), (2, [(0, 3), (3, 3)]),
