@@ -234,6 +234,10 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "blocked_int4_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I),
     "blocked_int8_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I),
     "blocked_fp8_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I], _I),
+    "blocked_matmul_heads": ([_P, _I64, _I64, _P, _I64, _P, _I, _I, _I, _I, _I], _I),
+    "latent_decode_scratch_elements": ([_to(abi.LatentDecodeModel), _I32], _I64),
+    "latent_decode_layers": ([_to(abi.LatentDecodeModel), _to(abi.LatentDecodeLayer), _to(abi.LatentDecodeStep)],
+                             _I32),
     "llama_decode_scratch_elements": ([_to(abi.LlamaDecodeModel), _I32, _I32], _I64),
     "llama_decode_layers": ([_to(abi.LlamaDecodeModel), _to(abi.LlamaDecodeLayer), _to(abi.LlamaDecodeStep),
                              _to(abi.LlamaDecodeLora), _to(abi.LlamaDecodeContextParallel)], _I32),
@@ -439,6 +443,20 @@ def llama_decode_layers():
     blocked_vector_bits()          # the bfloat16 product choice is made before the first step
     step = _function("llama_decode_layers")
     return None if step is None else (_function("llama_decode_scratch_elements"), step)
+
+
+def latent_decode_layers():
+    """(latent_decode_scratch_elements, latent_decode_layers): a stage's DeepSeek decoder layers for
+    one decode step in one call (kernels/latent_decode.c), or None."""
+    blocked_vector_bits()
+    step = _function("latent_decode_layers")
+    return None if step is None else (_function("latent_decode_scratch_elements"), step)
+
+
+def blocked_matmul_heads():
+    """blocked_matmul_heads(x, x_stride, x_head_stride, packed, w_head_stride, y, heads, M, N, K, dtype):
+    a blocked product per head into y [heads, M, N] (latent attention's up-projections), or None."""
+    return _function("blocked_matmul_heads") if blocked_vector_bits() else None
 
 
 _fused: list = []

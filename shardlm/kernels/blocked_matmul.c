@@ -891,6 +891,21 @@ KERNEL_API int blocked_matmul(const void *x, int64_t x_stride, const void *packe
 #endif
 }
 
+// A product per head: y[h] [M, N] = x's head h (its rows at x + h * x_head_stride, row stride
+// x_stride) . w[h]^T, each w[h] packed by blocked_pack, w_head_stride elements apart (latent
+// attention's absorbed up-projections). Returns as blocked_matmul does.
+KERNEL_API int blocked_matmul_heads(const void *x, int64_t x_stride, int64_t x_head_stride, const void *packed,
+                                    int64_t w_head_stride, void *y, int heads, int M, int N, int K, int dtype) {
+    const int esize = dtype == 0 ? 4 : 2;
+    for (int h = 0; h < heads; h++) {
+        const int rc = blocked_matmul((const char *)x + h * x_head_stride * esize, x_stride,
+                                      (const char *)packed + h * w_head_stride * esize, NULL,
+                                      (char *)y + (int64_t)h * M * N * esize, M, N, K, dtype);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 // The same with a 4-bit weight packed by blocked_int4_pack (group: input columns per scale, tb:
 // bytes per scale and min).
 KERNEL_API int blocked_int4_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y,

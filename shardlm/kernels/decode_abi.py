@@ -52,6 +52,33 @@ class LlamaDecodeContextParallel(ctypes.Structure):
                 ("lse", _P), ("send", _P), ("every", _P)]
 
 
+# latent_decode_layers (kernels/latent_decode.c): DeepSeek's decoder layers
+
+LATENT_REDUCE_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int32, _P, _I64, ctypes.c_int32)   # latent_reduce_fn
+LATENT_ROUTE_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32)             # latent_route_fn
+
+
+class LatentDecodeModel(ctypes.Structure):
+    _fields_ = [(name, _I32) for name in ("layers", "hidden_size", "heads", "q_lora_rank", "nope_dim", "rope_dim",
+                                          "latent_dim", "v_dim", "intermediate", "num_experts", "top_k",
+                                          "expert_intermediate", "shared_intermediate", "block_size")] + [
+        ("scale", _F), ("eps", _F), ("dtype", _I32), ("tp_size", _I32), ("expert_group_size", _I32)]
+
+
+class LatentDecodeLayer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("input_norm", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "w_uk", "w_uv",
+                                        "o", "post_norm", "gate_up", "down", "router", "w13", "w2")] + [
+        (name, _I64) for name in ("head_stride_uk", "head_stride_uv", "expert_stride_w13", "expert_stride_w2")] + [
+        ("cache", _P), ("k_scale", _F)]
+
+
+class LatentDecodeStep(ctypes.Structure):
+    _fields_ = [("hidden", _P), ("residual", _P), ("tokens", _I32), ("has_residual", _I32), ("cos", _P),
+                ("signed_sin", _P), ("slot_mapping", _P), ("block_tables", _P), ("context_lens", _P),
+                ("max_blocks", _I64), ("scratch", _P), ("router_input", _P), ("logits", _P), ("slots", _P),
+                ("weights", _P), ("all_reduce", LATENT_REDUCE_CALLBACK), ("route", LATENT_ROUTE_CALLBACK)]
+
+
 STRUCTS = (LlamaDecodeModel, LlamaDecodeLayer, LlamaDecodeStep, LlamaDecodeLoraLayer, LlamaDecodeLora,
-           LlamaDecodeContextParallel)
+           LlamaDecodeContextParallel, LatentDecodeModel, LatentDecodeLayer, LatentDecodeStep)
 

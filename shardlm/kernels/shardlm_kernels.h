@@ -64,6 +64,8 @@ KERNEL_API int blocked_vector_bits(void);
 KERNEL_API int blocked_panel_width(void);
 KERNEL_API int64_t blocked_packed_size(int N, int K, int dtype);
 KERNEL_API void blocked_pack(const void *w, int N, int K, int dtype, void *out);
+KERNEL_API int blocked_matmul_heads(const void *x, int64_t x_stride, int64_t x_head_stride, const void *packed,
+                                    int64_t w_head_stride, void *y, int heads, int M, int N, int K, int dtype);
 KERNEL_API int64_t blocked_int4_size(int N, int K, int group, int tb);
 KERNEL_API void blocked_int4_pack(const int8_t *q, const void *scales, const void *mins, int N, int K, int group,
                                   int tb, uint8_t *out);
@@ -168,3 +170,57 @@ KERNEL_API int64_t llama_decode_scratch_elements(const LlamaDecodeModel *model, 
 KERNEL_API int32_t llama_decode_layers(const LlamaDecodeModel *model, const LlamaDecodeLayer *layers,
                                        const LlamaDecodeStep *step, const LlamaDecodeLora *lora,
                                        const LlamaDecodeContextParallel *dcp);
+
+// latent_decode.c: a stage's DeepSeek decoder layers (latent attention; a dense MLP or routed
+// and shared experts) in one call, every linear in blocked float panels. Mirrored in decode_abi.py.
+typedef struct {
+    int32_t layers, hidden_size;
+    int32_t heads;                      // this rank's H
+    int32_t q_lora_rank;                // 0: a plain q_proj (V2-Lite)
+    int32_t nope_dim, rope_dim, latent_dim, v_dim;
+    int32_t intermediate;               // the dense MLP's inner size on this rank
+    int32_t num_experts, top_k;         // the router's experts (all of them), chosen per token
+    int32_t expert_intermediate;        // a routed expert's inner size on this rank
+    int32_t shared_intermediate;        // the shared experts' (0: none)
+    int32_t block_size;
+    float scale, eps;
+    int32_t dtype;
+    int32_t tp_size, expert_group_size; // the all-reduces run only over groups of more than one rank
+} LatentDecodeModel;
+
+// One layer. router NULL: a dense MLP in gate_up / down; else routed experts w13 / w2 (this
+// rank's, each in panels, expert_stride elements apart) and the shared experts in gate_up / down
+// (NULL: none). w_uk, w_uv: each head's absorbed up-projection in panels, head_stride apart.
+typedef struct {
+    const void *input_norm, *q_a, *q_a_norm, *q_b, *kv_a, *kv_a_norm, *w_uk, *w_uv, *o, *post_norm;
+    const void *gate_up, *down, *router, *w13, *w2;
+    int64_t head_stride_uk, head_stride_uv, expert_stride_w13, expert_stride_w2;
+    void *cache;                        // [num_blocks, block_size, latent_dim + rope_dim]
+    float k_scale;
+} LatentDecodeLayer;
+
+// All-reduce `elements` values at `buffer` in place over the tensor parallel group (group 0) or
+// the experts' group (1); route: layer l's routing from the router logits (float32 [T, E]) into
+// slots ([T, top_k] int32: this rank's expert, -1 none) and weights ([T, top_k] float32).
+// Nonzero if it failed.
+typedef int32_t (*latent_reduce_fn)(void *buffer, int64_t elements, int32_t group);
+typedef int32_t (*latent_route_fn)(int32_t layer);
+
+typedef struct {
+    void *hidden, *residual;            // [T, E]; has_residual as LlamaDecodeStep's
+    int32_t tokens, has_residual;
+    const void *cos, *signed_sin;       // [T, rope_dim]
+    const int64_t *slot_mapping, *block_tables, *context_lens;
+    int64_t max_blocks;
+    void *scratch;                      // latent_decode_scratch_elements(model, tokens) of dtype
+    float *router_input, *logits;       // [T, E] and [T, num_experts] float32
+    int32_t *slots;
+    float *weights;
+    latent_reduce_fn all_reduce;
+    latent_route_fn route;
+} LatentDecodeStep;
+
+KERNEL_API int64_t latent_decode_scratch_elements(const LatentDecodeModel *model, int32_t tokens);
+// Returns -1 if a work buffer could not be allocated, -2 if an all-reduce or the routing failed.
+KERNEL_API int32_t latent_decode_layers(const LatentDecodeModel *model, const LatentDecodeLayer *layers,
+                                        const LatentDecodeStep *step);

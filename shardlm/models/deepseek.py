@@ -31,12 +31,16 @@ import re
 import torch
 from torch import nn
 
+from shardlm import kernels
 from shardlm.distributed.parallel_state import get_tp_group
+from shardlm.kernels import DTYPE_CODES
 from shardlm.layers.attention import Attention
+from shardlm.layers.cpu_matmul import blocked, goes_into_panels, pack_blocked
 from shardlm.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, load_slice
 from shardlm.layers.moe import FusedMoE, GroupedTopK, expert_checkpoint_name
 from shardlm.layers.norm import RMSNorm
 from shardlm.layers.rotary import ApplyRotary
+from shardlm.models.deepseek_cpu_decode import FusedLatentLayers
 from shardlm.models.llama import LlamaForCausalLM, LlamaMLP
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -53,26 +57,57 @@ def yarn_softmax_mscale(config) -> float:
 
 class LatentUpProjection(nn.Module):
     """kv_b_proj, never run as a linear: this rank's heads' W_UK [H, nope, r] and W_UV [H, r, v],
-    taken apart once loaded, for the absorbed attention."""
+    taken apart once loaded, for the absorbed attention. On CPU, where the linears' weights go into
+    the blocked kernel's panels, each head's W_UK^T and W_UV^T go there too (stacked [H, ...]) and
+    both products run as one C call over the heads (kernels: blocked_matmul_heads)."""
 
     def __init__(self, kv_lora_rank: int, num_heads: int, nope_dim: int, v_dim: int):
         super().__init__()
         tp = get_tp_group()
-        self.heads, self.nope, self.v = num_heads // tp.world_size, nope_dim, v_dim
+        self.heads, self.nope, self.v, self.rank = num_heads // tp.world_size, nope_dim, v_dim, kv_lora_rank
         rows = self.heads * (nope_dim + v_dim)
         self.weight = nn.Parameter(torch.empty(rows, kv_lora_rank), requires_grad=False)
         self.weight.weight_loader = lambda param, loaded, shard_id=None: load_slice(
             param.data, loaded, 0, tp.rank_in_group * rows, rows)
         self.w_uk: torch.Tensor | None = None
         self.w_uv: torch.Tensor | None = None
+        self.uk_panels: torch.Tensor | None = None     # [H, packed W_UK[h]^T] (CPU panels)
+        self.uv_panels: torch.Tensor | None = None     # [H, packed W_UV[h]^T]
 
     def process_weights_after_loading(self) -> None:
         per_head = self.weight.data.view(self.heads, self.nope + self.v, -1)
         self.w_uk = per_head[:, :self.nope].contiguous()                      # [H, nope, r]
         self.w_uv = per_head[:, self.nope:].transpose(1, 2).contiguous()      # [H, r, v]
+        if goes_into_panels(self.weight.data) and kernels.blocked_matmul_heads() is not None:
+            self.uk_panels = torch.stack([pack_blocked(self.w_uk[h].t()) for h in range(self.heads)])
+            self.uv_panels = torch.stack([pack_blocked(self.w_uv[h].t()) for h in range(self.heads)])
+            self.w_uk = self.w_uv = None
+
+    def keys(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [T, H, nope] (a view of q) -> each head's latent query [H, T, r]."""
+        if self.uk_panels is None:
+            return torch.bmm(q_nope.transpose(0, 1), self.w_uk)
+        return self._per_head(q_nope, self.uk_panels, self.rank)
+
+    def values(self, out: torch.Tensor) -> torch.Tensor:
+        """Each head's mix of latents [T, H, r] -> its values [H, T, v]."""
+        if self.uv_panels is None:
+            return torch.bmm(out.transpose(0, 1), self.w_uv)
+        return self._per_head(out, self.uv_panels, self.v)
+
+    def _per_head(self, x: torch.Tensor, panels: torch.Tensor, N: int) -> torch.Tensor:
+        T, H, K = x.shape
+        y = torch.empty(H, T, N, dtype=x.dtype)
+        if x.stride(2) != 1 or kernels.blocked_matmul_heads()(
+                x.data_ptr(), x.stride(0), x.stride(1), panels.data_ptr(), panels.stride(0), y.data_ptr(), H, T, N, K,
+                DTYPE_CODES[x.dtype]):
+            raise MemoryError(f"the per-head products could not allocate their {T} x {K} work buffer")
+        return y
 
 
 class MultiHeadLatentAttention(nn.Module):
+    fused_decode_layers = FusedLatentLayers      # the one-call CPU decode step of a stage of these layers
+
     def __init__(self, config):
         super().__init__()
         heads, tp = config.num_attention_heads, get_tp_group().world_size
@@ -104,25 +139,35 @@ class MultiHeadLatentAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())
         pe = self.rotary(torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1), cos_sin)     # [T, H + 1, rope]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.kv_b_proj.w_uk)          # [H, T, r]
+        q_latent = self.kv_b_proj.keys(q_nope)                                      # [H, T, r]
         q = torch.cat([q_latent.transpose(0, 1), pe[:, :H]], dim=-1)                 # [T, H, r + rope]
         k = torch.cat([latent, pe[:, H]], dim=-1).unsqueeze(1)                       # [T, 1, r + rope]
         out = self.attn(q, k, None, meta).view(T, H, self.rank)                      # mixed latents
-        out = torch.bmm(out.transpose(0, 1), self.kv_b_proj.w_uv)                    # [H, T, v]
+        out = self.kv_b_proj.values(out)                                             # [H, T, v]
         return self.o_proj(out.transpose(0, 1).reshape(T, H * self.v))
 
 
 class DeepseekRouter(nn.Module):
     """mlp.gate: the router's weight and (V3) e_score_correction_bias, in float32 as DeepSeek keeps
-    them; the logits in float32."""
+    them; the logits in float32 (on CPU from the blocked kernel's float32 panels where float32
+    weights go there)."""
 
     def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
                                                      requires_grad=False) if correction_bias else None)
+        self.num_experts, self.in_panels = num_experts, False
+
+    def process_weights_after_loading(self) -> None:
+        """The weight into panels in its place (as the linears' are), where float32 weights go there."""
+        if goes_into_panels(self.weight.data):
+            self.weight = nn.Parameter(pack_blocked(self.weight.data), requires_grad=False)
+            self.in_panels = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_panels:
+            return blocked(x.float(), self.weight, None, self.num_experts)
         return nn.functional.linear(x.float(), self.weight)
 
 

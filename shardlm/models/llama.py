@@ -178,7 +178,10 @@ class LlamaModel(nn.Module):
             return "layer by layer (--enforce-eager)"
         if self.aux_layers:
             return "layer by layer (an EAGLE-3 head reads the layers' inputs)"
-        self.fused_decode, why = FusedDecodeLayers.build(self, LlamaMLP)
+        layers = self.layers[self.start:self.end]
+        own_step = getattr(layers[0].self_attn, "fused_decode_layers", None) if len(layers) else None
+        self.fused_decode, why = (own_step.build(self) if own_step is not None
+                                  else FusedDecodeLayers.build(self, LlamaMLP))
         return "in one C call" if self.fused_decode is not None else f"layer by layer ({why})"
 
 
