@@ -100,7 +100,8 @@ def library() -> ctypes.CDLL | None:
     return _loaded[0]
 
 
-KERNEL_FILES = ("fused_ops", "paged_attention", "prefill_attention", "skinny_matmul", "blocked_matmul", "llama_decode")
+KERNEL_FILES = ("fused_ops", "paged_attention", "prefill_attention", "latent_attention", "skinny_matmul",
+                "blocked_matmul", "llama_decode", "latent_decode")
 
 
 def describe() -> dict:

@@ -4,8 +4,10 @@ the MTP layer drafts. (Outputs against transformers on every layout: test_tiny_m
 tests/distributed.)"""
 
 import pytest
+import torch
 
 from shardlm import LLM
+from shardlm.layers.cpu_matmul import goes_into_panels
 from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts
 
 # the tiny V3: 3 layers, 4 heads; latent 16 + rotary 8 dims; k_nope 16, v 16 per head
@@ -25,7 +27,7 @@ def test_the_cache_holds_the_latent_not_each_heads_keys_and_values(tiny_model_di
 
 def test_chunks_cached_prefixes_and_preemption_give_transformers_tokens(tiny_model_dir, references, hf):
     """Chunks of 16 tokens, a second pass from the prefix cache, then a cache of 20 blocks (one
-    256-token request, not six)."""
+    256-token request, not six); decode steps in one C call where the CPU's panels take float32."""
     path = tiny_model_dir("deepseek-v3")
     llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=16)
     for _ in range(2):
@@ -37,6 +39,8 @@ def test_chunks_cached_prefixes_and_preemption_give_transformers_tokens(tiny_mod
     outs = small.generate(_prompts(), PARAMS, use_tqdm=False)
     assert small.stats()["num_preemptions"] > 0
     assert hf.assert_close(references("deepseek-v3"), outs, "deepseek-v3 preempted") >= 4
+    if goes_into_panels(torch.empty(2, 2)):          # decode steps in one C call (deepseek_cpu_decode.py)
+        assert sum(small.collective_rpc("fused_decode_steps")) > 0
     small.shutdown()
 
 
