@@ -96,9 +96,10 @@ class LatentUpProjection(nn.Module):
         return self._per_head(out, self.uv_panels, self.v)
 
     def _per_head(self, x: torch.Tensor, panels: torch.Tensor, N: int) -> torch.Tensor:
+        x = x if x.stride(2) == 1 else x.contiguous()
         T, H, K = x.shape
         y = torch.empty(H, T, N, dtype=x.dtype)
-        if x.stride(2) != 1 or kernels.blocked_matmul_heads()(
+        if kernels.blocked_matmul_heads()(
                 x.data_ptr(), x.stride(0), x.stride(1), panels.data_ptr(), panels.stride(0), y.data_ptr(), H, T, N, K,
                 DTYPE_CODES[x.dtype]):
             raise MemoryError(f"the per-head products could not allocate their {T} x {K} work buffer")

@@ -26,6 +26,7 @@ from shardlm.distributed.parallel_state import get_tp_group
 from shardlm.kernels import DTYPE_CODES, kv_format
 from shardlm.kernels import decode_abi as abi
 from shardlm.layers import moe as moe_layer
+from shardlm.models.llama_cpu_decode import all_reduce_in_place, c_callback
 
 
 def _address(t: torch.Tensor | None) -> int:
@@ -89,7 +90,7 @@ class FusedLatentLayers:
         self._table = None
         self._cache_address = None
         self.steps = 0
-        self._error: BaseException | None = None
+        self.callback_error: BaseException | None = None
         self._routing: tuple[torch.Tensor, ...] = ()     # the step's logits, slots, weights
         # kept as attributes: C holds only their addresses
         self._reduce = abi.LATENT_REDUCE_CALLBACK(self._reduce_in_place)
@@ -109,34 +110,24 @@ class FusedLatentLayers:
         kernel = kernels.latent_decode_layers()
         return (None, "the kernel library is not built") if kernel is None else (cls(layers, kernel), "")
 
-    def _reduce_in_place(self, address: int, elements: int, group: int) -> int:
+    @c_callback
+    def _reduce_in_place(self, address: int, elements: int, group: int) -> None:
         """The C loop's all-reduce of `elements` values at `address` over the tensor parallel group (0)
-        or the experts' (1); an error is kept for __call__ to raise (it cannot cross the C frames)."""
-        try:
-            esize = self.dtype.itemsize
-            x = torch.frombuffer((ctypes.c_byte * (elements * esize)).from_address(address), dtype=self.dtype)
-            out = (self.tp if group == 0 else self.moe_group).all_reduce(x)
-            if out is not x:
-                x.copy_(out)
-            return 0
-        except BaseException as e:      # noqa: BLE001 (raised again by __call__)
-            self._error = e
-            return 1
+        or the experts' (1)."""
+        x = torch.frombuffer((ctypes.c_byte * (elements * self.dtype.itemsize)).from_address(address),
+                             dtype=self.dtype)
+        all_reduce_in_place(self.tp if group == 0 else self.moe_group, x)
 
-    def _route_in_place(self, layer: int) -> int:
+    @c_callback
+    def _route_in_place(self, layer: int) -> None:
         """Layer `layer`'s routing from the C loop: the layer path's (FusedMoE.route, its load counts
         and choice of copies) on the step's router logits, into the slots and weights C reads."""
-        try:
-            moe = self.moes[layer]
-            logits, slots, weights = self._routing
-            chosen, ids = moe.route(logits)
-            moe.expert_load += torch.bincount(ids.flatten(), minlength=moe.num_experts).cpu()
-            slots.copy_(moe.local_slots(ids))
-            weights.copy_(chosen)
-            return 0
-        except BaseException as e:      # noqa: BLE001 (raised again by __call__)
-            self._error = e
-            return 1
+        moe = self.moes[layer]
+        logits, slots, weights = self._routing
+        chosen, ids = moe.route(logits)
+        moe.expert_load += torch.bincount(ids.flatten(), minlength=moe.num_experts).cpu()
+        slots.copy_(moe.local_slots(ids))
+        weights.copy_(chosen)
 
     def _layer_table(self):
         """The weights and caches of every layer (rebuilt if the caches were reallocated)."""
@@ -189,11 +180,11 @@ class FusedLatentLayers:
             max_blocks=b.block_table.shape[1], scratch=scratch.data_ptr(), router_input=router_input.data_ptr(),
             logits=self._routing[0].data_ptr(), slots=self._routing[1].data_ptr(),
             weights=self._routing[2].data_ptr(), all_reduce=self._reduce, route=self._route)
-        self._error = None
+        self.callback_error = None
         rc = self.kernel(self.shape, layers, step)
         self._routing = ()
         if rc == -2:
-            raise self._error
+            raise self.callback_error
         if rc != 0:
             raise MemoryError("the fused decode kernels could not allocate their work buffers")
         self.steps += 1

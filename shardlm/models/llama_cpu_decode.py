@@ -26,6 +26,8 @@ layer-by-layer path.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from shardlm import kernels
@@ -39,6 +41,27 @@ from shardlm.lora.layers import PANEL_MAX_ROWS, LoRASlots
 
 def _address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def c_callback(method):
+    """A method the C loop calls back: 0 when it returns, 1 when it raises, the exception (a dead
+    or hung peer) kept in self.callback_error for __call__ to raise, since an exception cannot
+    cross the C frames."""
+    @functools.wraps(method)
+    def call(self, *args) -> int:
+        try:
+            method(self, *args)
+            return 0
+        except BaseException as e:      # noqa: BLE001 (raised again by __call__)
+            self.callback_error = e
+            return 1
+    return call
+
+
+def all_reduce_in_place(group, x: torch.Tensor) -> None:
+    out = group.all_reduce(x)
+    if out is not x:
+        x.copy_(out)
 
 
 _QUANTIZED = {"blocked4": BLOCKED_INT4, "blocked8": BLOCKED_INT8, "fp8": BLOCKED_FP8}
@@ -121,7 +144,7 @@ class FusedDecodeLayers:
         self.steps = 0          # decode steps taken here (Worker.fused_decode_steps)
         self.tp = get_tp_group()
         self._reduced: torch.Tensor | None = None      # the step's hidden, which the all-reduce sums in place
-        self._reduce_error: BaseException | None = None
+        self.callback_error: BaseException | None = None
         # kept as an attribute: C holds only its address
         self._all_reduce = (abi.ALL_REDUCE_CALLBACK(self._reduce_in_place) if self.tp.world_size > 1
                             else abi.ALL_REDUCE_CALLBACK())
@@ -151,33 +174,21 @@ class FusedDecodeLayers:
         kernel = kernels.llama_decode_layers()
         return (None, "the kernel library is not built") if kernel is None else (cls(layers, kernel), "")
 
-    def _reduce_in_place(self) -> int:
-        """The C loop's all-reduce of the step's hidden rows; an error (a dead or hung peer) is kept
-        for __call__ to raise, since an exception cannot cross the C frames."""
-        try:
-            x = self._reduced
-            out = self.tp.all_reduce(x)
-            if out is not x:
-                x.copy_(out)
-            return 0
-        except BaseException as e:      # noqa: BLE001 (raised again by __call__)
-            self._reduce_error = e
-            return 1
+    @c_callback
+    def _reduce_in_place(self) -> None:
+        """The C loop's all-reduce of the step's hidden rows."""
+        all_reduce_in_place(self.tp, self._reduced)
 
-    def _exchange_in_place(self, phase: int) -> int:
+    @c_callback
+    def _exchange_in_place(self, phase: int) -> None:
         """Decode context parallel, from the C loop: phase 0 gathers the group's q rows into q_all,
         phase 1 every rank's partial outputs and log-sum-exps into every (the all-gathers of the
-        layer path, layers/attention.py). An error is kept for __call__ to raise."""
-        try:
-            q_rows, q_all, send, every = self._exchanged
-            if phase == 0:
-                q_all.copy_(self.dcp.all_gather(q_rows, dim=1))
-            else:
-                every.copy_(self.dcp.all_gather(send.unsqueeze(0), dim=0))
-            return 0
-        except BaseException as e:      # noqa: BLE001 (raised again by __call__)
-            self._reduce_error = e
-            return 1
+        layer path, layers/attention.py)."""
+        q_rows, q_all, send, every = self._exchanged
+        if phase == 0:
+            q_all.copy_(self.dcp.all_gather(q_rows, dim=1))
+        else:
+            every.copy_(self.dcp.all_gather(send.unsqueeze(0), dim=0))
 
     def _dcp_hooks(self, scratch: torch.Tensor, T: int) -> abi.LlamaDecodeContextParallel:
         """The C loop's decode context parallel exchange and buffers for a step of T rows."""
@@ -264,12 +275,12 @@ class FusedDecodeLayers:
             cos=cos.data_ptr(), signed_sin=signed_sin.data_ptr(), slot_mapping=meta.slot_mapping.data_ptr(),
             block_tables=b.block_table.data_ptr(), context_lens=b.context_lens.data_ptr(),
             max_blocks=b.block_table.shape[1], scratch=scratch.data_ptr(), all_reduce=self._all_reduce)
-        self._reduced, self._reduce_error = hidden, None
+        self._reduced, self.callback_error = hidden, None
         dcp = self._dcp_hooks(scratch, T) if self._exchange is not None else None
         rc = self.kernel(self.shape, layers, step, adapters, dcp)
         self._reduced, self._exchanged, self._dcp_buffers, self._lora_segments = None, (), (), None
         if rc == -2:
-            raise self._reduce_error
+            raise self.callback_error
         if rc != 0:
             raise MemoryError("the fused decode kernels could not allocate their work buffers")
         self.steps += 1
