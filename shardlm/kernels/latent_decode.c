@@ -9,6 +9,7 @@
 // the routing of each MoE layer (its GroupedTopK, expert load counts and EPLB copies run there,
 // as in the layer path); the router's product and the experts run here.
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_common.h"
@@ -104,10 +105,11 @@ static int mlp(const LatentDecodeModel *m, const LatentDecodeStep *st, const buf
     return 0;
 }
 
-// Layer l's routed experts (and shared ones) over hidden, into hidden. As layers/moe.py: each
-// token's pairs on this rank by expert, each expert's output times its weight (both in dtype)
-// summed in that order in float32 and rounded once (as torch's index_add_ sums bfloat16 rows),
-// the sum all-reduced over the experts' group; then the shared experts' output added.
+// Layer l's routed experts (and shared ones) over hidden, into hidden. As layers/moe.py: the
+// pairs on this rank by expert (an expert's rows in one product), each output row times its
+// weight (both in dtype), summed per token in expert order in float32 and rounded once (as
+// torch's index_add_ sums bfloat16 rows), the sums all-reduced over the experts' group; then the
+// shared experts' output added.
 static int experts(const LatentDecodeModel *m, const LatentDecodeLayer *w, const LatentDecodeStep *st,
                    const buffers_t *b, int l) {
     const int T = st->tokens, E = m->hidden_size, K = m->top_k, I = m->expert_intermediate, dt = m->dtype;
@@ -115,42 +117,57 @@ static int experts(const LatentDecodeModel *m, const LatentDecodeLayer *w, const
     for (int64_t i = 0; i < (int64_t)T * E; i++) st->router_input[i] = load(st->hidden, i, dt);
     if (blocked_matmul(st->router_input, E, w->router, NULL, st->logits, T, m->num_experts, E, 0)) return -1;
     if (st->route(l)) return -2;
+    // the (token, choice) pairs on this rank grouped by slot, in token order within a slot (the
+    // layer path's stable sort), so each expert multiplies all its rows at once
+    const int pairs = T * K;
+    int slots_here = 0;
+    for (int i = 0; i < pairs; i++) if (st->slots[i] + 1 > slots_here) slots_here = st->slots[i] + 1;
+    int *first = (int *)calloc((size_t)slots_here + 1, sizeof(int)), *order = (int *)malloc(sizeof(int) * (pairs + 1));
+    if (!first || !order) { free(first), free(order); return -1; }
+    for (int i = 0; i < pairs; i++) if (st->slots[i] >= 0) first[st->slots[i] + 1]++;
+    for (int e = 0; e < slots_here; e++) first[e + 1] += first[e];
+    {
+        int fill[slots_here + 1];
+        memcpy(fill, first, sizeof(int) * (slots_here + 1));
+        for (int i = 0; i < pairs; i++) if (st->slots[i] >= 0) order[fill[st->slots[i]]++] = i;
+    }
     float *sums = st->router_input;            // read by the router's product, free now
     memset(sums, 0, sizeof(float) * T * E);
-    for (int t = 0; t < T; t++) {
-        const int32_t *slots = st->slots + (int64_t)t * K;
-        int order[K], n = 0;
-        for (int k = 0; k < K; k++) {           // insertion by slot: the pairs' order in the layer path
-            if (slots[k] < 0) continue;
-            int i = n++;
-            for (; i > 0 && slots[order[i - 1]] > slots[k]; i--) order[i] = order[i - 1];
-            order[i] = k;
+    char *xs = b->shared;                      // an expert's rows (the shared experts' output comes after)
+    int rc = 0;
+    for (int e = 0; e < slots_here; e++) {
+        const int n = first[e + 1] - first[e];
+        if (n == 0) continue;
+        const int *pair = order + first[e];
+        for (int r = 0; r < n; r++)
+            memcpy(xs + (int64_t)r * E * es, (const char *)st->hidden + (int64_t)(pair[r] / K) * E * es, (size_t)E * es);
+        rc = blocked_matmul(xs, E, (const char *)w->w13 + e * w->expert_stride_w13 * es, NULL, b->gate_up, n, 2 * I,
+                            E, dt);
+        if (rc) break;
+        silu_and_mul(b->gate_up, b->act, n, I, dt);
+        rc = blocked_matmul(b->act, I, (const char *)w->w2 + e * w->expert_stride_w2 * es, NULL, b->eout, n, E, I, dt);
+        if (rc) break;
+        // each row times its weight, stored before it is summed: two roundings, as torch's two
+        // operators (in one loop -ffast-math would fuse them into one multiply-add)
+        for (int r = 0; r < n; r++) {
+            const float weight = round_to(st->weights[pair[r]], dt);
+            char *row = b->eout + (int64_t)r * E * es;
+            for (int d = 0; d < E; d++) store(row, d, load(row, d, dt) * weight, dt);
         }
-        const char *x = (const char *)st->hidden + (int64_t)t * E * es;
-        for (int i = 0; i < n; i++) {
-            const int k = order[i];
-            const int64_t e = slots[k];
-            if (blocked_matmul(x, E, (const char *)w->w13 + e * w->expert_stride_w13 * es, NULL, b->gate_up, 1, 2 * I,
-                               E, dt))
-                return -1;
-            silu_and_mul(b->gate_up, b->act, 1, I, dt);
-            if (blocked_matmul(b->act, I, (const char *)w->w2 + e * w->expert_stride_w2 * es, NULL, b->eout, 1, E, I,
-                               dt))
-                return -1;
-            // the products stored before they are summed: two roundings, as torch's two operators
-            // (in one loop -ffast-math would fuse them into one multiply-add)
-            const float weight = round_to(st->weights[(int64_t)t * K + k], dt);
-            for (int d = 0; d < E; d++) store(b->eout, d, load(b->eout, d, dt) * weight, dt);
-            for (int d = 0; d < E; d++) sums[(int64_t)t * E + d] += load(b->eout, d, dt);
+        for (int r = 0; r < n; r++) {
+            float *sum = sums + (int64_t)(pair[r] / K) * E;
+            for (int d = 0; d < E; d++) sum[d] += load(b->eout, (int64_t)r * E + d, dt);
         }
     }
+    free(first), free(order);
+    if (rc) return rc;
     for (int64_t i = 0; i < (int64_t)T * E; i++) store(b->moe, i, sums[i], dt);
     if (m->expert_group_size > 1 && st->all_reduce(b->moe, (int64_t)T * E, 1)) return -2;
     if (!w->gate_up) {
         memcpy(st->hidden, b->moe, (size_t)T * E * es);
         return 0;
     }
-    const int rc = mlp(m, st, b, w->gate_up, w->down, m->shared_intermediate, st->hidden, b->shared);
+    rc = mlp(m, st, b, w->gate_up, w->down, m->shared_intermediate, st->hidden, b->shared);
     if (rc) return rc;
     for (int64_t i = 0; i < (int64_t)T * E; i++) store(st->hidden, i, load(b->moe, i, dt) + load(b->shared, i, dt), dt);
     return 0;
