@@ -3,7 +3,8 @@
 // Every query head of a sequence attends to the same cache rows: one row of D values per token
 // (the latent, then the rotary key), whose first Dv values are also its value. So the work is a
 // product of all H query rows with each cache row, not a KV head per query group: a sequence's
-// context is cut into splits of SPLIT keys, each split one task (all heads against its keys, CHUNK
+// context is cut into at most MAX_SPLITS splits of at least MIN_SPLIT keys (so the partial sums'
+// memory stays bounded), each split one task (all heads against its keys, CHUNK
 // keys at a time with an online softmax), and the splits' partial sums merged in order. The splits
 // depend on the context length alone, so a row's output does not depend on the thread count or on
 // the other sequences of the step.
@@ -28,7 +29,8 @@
 #include "paged_cache.h"
 
 #define CHUNK 64      // keys per online-softmax step
-#define SPLIT 256     // keys per task (a multiple of CHUNK)
+#define MIN_SPLIT 256 // keys per task, at least (a multiple of CHUNK)
+#define MAX_SPLITS 8  // tasks per sequence, at most
 #define HP 8          // heads are padded to a multiple of HP
 
 typedef struct {
@@ -225,6 +227,12 @@ static void float_split(const latent_t *a, const float *qf, int64_t from, int64_
     }
 }
 
+// The keys of each of a context's splits: a function of its length alone
+static inline int64_t split_keys(int64_t ctx) {
+    const int64_t even = (ctx + MAX_SPLITS - 1) / MAX_SPLITS;
+    return even <= MIN_SPLIT ? MIN_SPLIT : (even + CHUNK - 1) / CHUNK * CHUNK;
+}
+
 KERNEL_API int latent_decode_attention(void *out, const void *q, int64_t q_stride, const void *cache,
                                        const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
                                        int B, int H, int D, int Dv, int block_size, float scale,
@@ -237,7 +245,8 @@ KERNEL_API int latent_decode_attention(void *out, const void *q, int64_t q_strid
     int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (B + 1));   // each sequence's first task
     if (!first) return -1;
     first[0] = 0;
-    for (int b = 0; b < B; b++) first[b + 1] = first[b] + (context_lens[b] + SPLIT - 1) / SPLIT;
+    for (int b = 0; b < B; b++) first[b + 1] = first[b] + (context_lens[b] + split_keys(context_lens[b]) - 1)
+                                                          / split_keys(context_lens[b]);
     const int64_t tasks = first[B], part = (int64_t)Hp * (Dv + 2);     // a task's o [Hp][Dv], m [Hp], l [Hp]
     float *parts = (float *)malloc(sizeof(float) * (size_t)(tasks > 0 ? tasks : 1) * part);
     if (!parts) { free(first); return -1; }
@@ -263,8 +272,8 @@ KERNEL_API int latent_decode_attention(void *out, const void *q, int64_t q_strid
             while (first[b + 1] <= task) b++;
             const latent_t a = {cache, block_tables + (int64_t)b * max_blocks, block_size, D, Dv, H, cdt,
                                 scale * (float)M_LOG2E, cache_multiplier(cdt, k_scale)};
-            const int64_t from = (task - first[b]) * SPLIT, ctx = context_lens[b];
-            const int64_t to = from + SPLIT < ctx ? from + SPLIT : ctx;
+            const int64_t ctx = context_lens[b], split = split_keys(ctx), from = (task - first[b]) * split;
+            const int64_t to = from + split < ctx ? from + split : ctx;
             float *o = parts + task * part, *m = o + (int64_t)Hp * Dv, *l = m + Hp;
             memset(o, 0, sizeof(float) * Hp * Dv);
             for (int h = 0; h < Hp; h++) m[h] = -INFINITY, l[h] = 0.f;

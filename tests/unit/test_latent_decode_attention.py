@@ -15,7 +15,7 @@ from tests.unit.test_prefill_attention import BS, PagedCase
 
 # (query heads, KV heads, head size, value size, values inside the keys)
 LAYOUTS = [(16, 1, 576, 512, True), (4, 1, 24, 16, True), (6, 1, 80, 48, True), (2, 1, 40, 32, True)]
-CONTEXTS = [1, 5, 64, 300, 700, 1025]
+CONTEXTS = [1, 5, 64, 300, 700, 1025, 2600]     # 2600: splits of more than 256 keys
 
 
 def decode_case(dtype, layout, contexts, cache_dtype=None, seed=0) -> PagedCase:
