@@ -67,6 +67,11 @@ def redundant_experts(n: int | None):
         _num_redundant[0] = None
 
 
+def replicas_in_lock_step() -> bool:
+    """Whether this step's MoE layers gather the data parallel replicas' tokens (dp_token_counts)."""
+    return _dp_token_counts is not None
+
+
 @contextmanager
 def dp_token_counts(counts: list[int] | None):
     """Within this block the MoE layers gather the replicas' tokens (counts[r] rows from replica r)."""
@@ -279,10 +284,16 @@ class FusedMoE(nn.Module):
             x, router_logits = self._gather_replicas(x, router_logits, counts)
         if x.shape[0] == 0:                    # no replica has a token this step
             return x
-        weights, ids = self.route(router_logits)
-        self.expert_load += torch.bincount(ids[own].flatten(), minlength=self.num_experts).cpu()
+        weights, ids = self.route_and_count(router_logits, own)
         out = self.reduce_group.all_reduce(self._run_local_experts(x, weights, ids))
         return out[own] if counts is not None else out
+
+    def route_and_count(self, router_logits: torch.Tensor, own: slice = slice(None)
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """route(), with this replica's tokens (rows `own`) counted into expert_load."""
+        weights, ids = self.route(router_logits)
+        self.expert_load += torch.bincount(ids[own].flatten(), minlength=self.num_experts).cpu()
+        return weights, ids
 
     def local_slots(self, ids: torch.Tensor) -> torch.Tensor:
         """Each (token, choice)'s expert ids [T, k] -> the local expert (slot) on this rank that serves

@@ -120,12 +120,11 @@ class FusedLatentLayers:
 
     @c_callback
     def _route_in_place(self, layer: int) -> None:
-        """Layer `layer`'s routing from the C loop: the layer path's (FusedMoE.route, its load counts
-        and choice of copies) on the step's router logits, into the slots and weights C reads."""
+        """Layer `layer`'s routing from the C loop: the layer path's (FusedMoE.route_and_count, and its
+        choice of copies) on the step's router logits, into the slots and weights C reads."""
         moe = self.moes[layer]
         logits, slots, weights = self._routing
-        chosen, ids = moe.route(logits)
-        moe.expert_load += torch.bincount(ids.flatten(), minlength=moe.num_experts).cpu()
+        chosen, ids = moe.route_and_count(logits)
         slots.copy_(moe.local_slots(ids))
         weights.copy_(chosen)
 
@@ -159,7 +158,7 @@ class FusedLatentLayers:
         T = hidden.shape[0]
         cache = self.layers[0].self_attn.attn.k_cache
         if (lora is not None or len(meta.buckets) != 1 or not meta.buckets[0].in_order
-                or moe_layer._dp_token_counts is not None or hidden.dtype != self.dtype or cos.dtype != self.dtype
+                or moe_layer.replicas_in_lock_step() or hidden.dtype != self.dtype or cos.dtype != self.dtype
                 or kv_format(cache.dtype, self.dtype) != 0 or not hidden.is_contiguous()
                 or (residual is not None and not residual.is_contiguous())):
             return None
