@@ -34,6 +34,7 @@
 // widening and one FMA. A build without AVX2 or AVX-512 runs plain C loops (plain_fp8_panels).
 //
 // dtype 0 = float32, 1 = bfloat16 (x, w, bias and y all in it). x rows have stride x_stride.
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -59,6 +60,9 @@
 #define MR4_Q 4          // 12 integer sums and 16 broadcast x pairs: within 32 registers (6 rows spilled)
 #endif
 #define NV (NR / 16)
+#ifndef X_BLOCK_BYTES
+#define X_BLOCK_BYTES (384 * 1024)   // rows of x run against every panel in turn: within any L2 here
+#endif
 #ifndef PF_BYTES
 #define PF_BYTES 8192    // the first pass over a panel fetches this far ahead in the weight stream
 #endif
@@ -241,19 +245,30 @@ static inline __attribute__((always_inline)) vf16 load_table(const uint8_t *tabl
 typedef struct { const char *at, *end; int lines; } ahead_t;
 #define AHEAD_SEGMENT 16
 
+// A segment's asks: the next `lines` lines of the next panel, at most up to its end
+static inline __attribute__((always_inline)) void ask_ahead(const char **at, const ahead_t *ahead) {
+    if (*at >= ahead->end) return;
+    for (int i = 0; i < ahead->lines; i++) _mm_prefetch(*at + 64 * i, _MM_HINT_T1);
+    *at += 64 * ahead->lines;
+}
+
 // acc[m][v] = x rows m (NM of them, a constant: the accumulators stay in registers) . the panel's
-// vector v of output features, over Kp (even for bfloat16) values of k
+// vector v of output features, over Kp (even for bfloat16) values of k. ahead (float32; NULL or
+// not is a constant where it is called): asks for the next panel meanwhile, as panel_tile_dot.
 static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t x_stride, const void *panel, int Kp,
-                                                       const int NM, int dtype, vf16 acc[MR][NV], int prefetch) {
+                                                       const int NM, int dtype, vf16 acc[MR][NV], int prefetch,
+                                                       const ahead_t *ahead) {
     for (int m = 0; m < NM; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = vf_zero();
     if (dtype == 0) {
         const float *w = (const float *)panel;
+        const char *at = ahead ? ahead->at : NULL;
         for (int k = 0; k < Kp; k++) {
+            if (ahead && k % AHEAD_SEGMENT == 0) ask_ahead(&at, ahead);
             vf16 wv[NV];
             if (prefetch)
                 for (int v = 0; v < NV; v++) _mm_prefetch((const char *)(w + (int64_t)k * NR + 16 * v) + PF_BYTES, _MM_HINT_T0);
-            for (int v = 0; v < NV; v++) wv[v] = vf_load(w + (int64_t)k * NR + 16 * v);
+            for (int v = 0; v < NV; v++) wv[v] = vf_load_kept(w + (int64_t)k * NR + 16 * v);   // once for NM rows
             for (int m = 0; m < NM; m++) {
                 const vf16 xb = vf_set1(x[m * x_stride + k]);
                 for (int v = 0; v < NV; v++) acc[m][v] = vf_fmadd(xb, wv[v], acc[m][v]);
@@ -320,10 +335,7 @@ static inline __attribute__((always_inline)) void panel_tile_dot(const uint16_t 
     }
     const char *at = ahead->at;
     for (int k0 = 0; k0 < Kp; k0 += AHEAD_SEGMENT) {
-        if (at < ahead->end) {
-            for (int i = 0; i < ahead->lines; i++) _mm_prefetch(at + 64 * i, _MM_HINT_T1);
-            at += 64 * ahead->lines;
-        }
+        ask_ahead(&at, ahead);
         const int k1 = k0 + AHEAD_SEGMENT < Kp ? k0 + AHEAD_SEGMENT : Kp;
         for (int k = k0; k < k1; k += 2) panel_dot_pair(x, x_stride, w, k, NM, acc, prefetch);
     }
@@ -588,6 +600,7 @@ static void widen_int8_panel(const uint8_t *panel, int K, int group, int tb, int
 // The register tiles, by the panel they read and the x they take
 enum {
     TILE_F32,       // float32 panel, float32 x
+    TILE_F32_AHEAD, // the same, asking for the next panel meanwhile (ahead_t)
     TILE_BF16,      // bfloat16 panel widened to float32, float32 x
     TILE_DOT,       // bfloat16 panel, bfloat16 x, dot product
     TILE_DOT_AHEAD, // the same, asking for the next panel meanwhile (ahead_t)
@@ -612,8 +625,9 @@ static inline __attribute__((always_inline)) void panel_product(int kind, const 
 #define ROWS(CALL) switch (rows) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
     case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(MR); }
 #endif
-#define F32(n) panel_tile((const float *)x, xs, panel, Kp, n, 0, acc, prefetch)
-#define BF16(n) panel_tile((const float *)x, xs, panel, Kp, n, 1, acc, prefetch)
+#define F32(n) panel_tile((const float *)x, xs, panel, Kp, n, 0, acc, prefetch, NULL)
+#define F32_AHEAD(n) panel_tile((const float *)x, xs, panel, Kp, n, 0, acc, prefetch, ahead)
+#define BF16(n) panel_tile((const float *)x, xs, panel, Kp, n, 1, acc, prefetch, NULL)
 #define DOT(n) panel_tile_dot((const uint16_t *)x, xs, (const uint32_t *)panel, Kp, n, acc, prefetch, 0, NULL)
 #define DOT_AHEAD(n) panel_tile_dot((const uint16_t *)x, xs, (const uint32_t *)panel, Kp, n, acc, prefetch, 1, ahead)
 #define INT4_Q16(n) int4_tile_q16(xq, m0, (const uint8_t *)panel, Kp, group, tb, n < MR4_Q ? n : MR4_Q, acc, prefetch)
@@ -628,6 +642,7 @@ static inline __attribute__((always_inline)) void panel_product(int kind, const 
                                  group, tb, n < MR4_DOT ? n : MR4_DOT, acc, prefetch, 1)
     switch (kind) {
         case TILE_F32: ROWS(F32) break;
+        case TILE_F32_AHEAD: ROWS(F32_AHEAD) break;
         case TILE_BF16: ROWS(BF16) break;
         case TILE_INT8: ROWS(INT8) break;
         case TILE_FP8: ROWS(FP8) break;
@@ -642,6 +657,7 @@ static inline __attribute__((always_inline)) void panel_product(int kind, const 
     }
 #undef ROWS
 #undef F32
+#undef F32_AHEAD
 #undef BF16
 #undef DOT
 #undef DOT_AHEAD
@@ -804,7 +820,16 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
     // with 3 row tiles or more, the tiles after the first share asking for the next panel: a slice
     // each, ahead_lines every AHEAD_SEGMENT k (with 2, one tile's asks come in bursts that cost
     // more than they save; ahead_lines 0: none)
-    const int tiles = (M + step - 1) / step, segments = (Kp + AHEAD_SEGMENT - 1) / AHEAD_SEGMENT;
+    // float panels against many rows: the rows in blocks whose x stays in L2 (X_BLOCK_BYTES), every
+    // panel run over one block before the next (else each panel streams all of x from memory again;
+    // quantized tiles keep one block: their widened panel or quantized x is made once). The order
+    // of a row's sums is unchanged.
+    int block = M;
+    if (!bits) {
+        block = (int)(X_BLOCK_BYTES / ((int64_t)Kp * (int64_t)x_size)) / step * step;
+        block = block < step ? step : block > M ? M : block;
+    }
+    const int tiles = (block + step - 1) / step, segments = (Kp + AHEAD_SEGMENT - 1) / AHEAD_SEGMENT;
     const int64_t ahead_slice = tiles >= 3 ? (panel_bytes / (tiles - 1) + 63) / 64 * 64 : 0;
     const int ahead_lines = (int)((ahead_slice / 64 + segments - 1) / segments);
     int failed = 0;
@@ -815,34 +840,42 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
         #pragma omp atomic write
         failed = 1;
     }
-    #pragma omp for schedule(static)
-    for (int p = 0; p < panels; p++) {
+    // each thread its own run of panels over every block in turn (no barrier between blocks)
+    const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
+    const int first = (int)((int64_t)panels * thread / threads), last = (int)((int64_t)panels * (thread + 1) / threads);
+    for (int b0 = 0; b0 < M; b0 += block) {
+    const int b1 = M - b0 < block ? M : b0 + block;
+    for (int p = first; p < last; p++) {
         if (widen_once && !wide_panel) continue;
         const char *panel = (const char *)packed + p * panel_bytes;
         const int n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
         if (widen_once) widen_int8_panel((const uint8_t *)panel, K, group, tb, dot, fp8, wide_panel);
         const int pairs_only = widen_once && (dot || fp8);    // these tiles read the tables from the panel
-        for (int m0 = 0; m0 < M; m0 += step) {
-            const int rows = M - m0 < step ? M - m0 : step, tile = m0 / step;
+        // the panel this thread runs next: the next one, or its first again for the next block
+        const int next_p = p + 1 < last ? p + 1 : b1 < M ? first : -1;
+        for (int m0 = b0; m0 < b1; m0 += step) {
+            const int rows = b1 - m0 < step ? b1 - m0 : step, tile = (m0 - b0) / step;
             ahead_t ahead = {NULL, NULL, 0};
             int tile_kind = widen_once ? wide_kind : kind;
-            if (ahead_lines && tile_kind == TILE_DOT && tile >= 1 && p + 1 < panels) {
-                const char *next = panel + panel_bytes;
+            if (ahead_lines && !widen_once && (tile_kind == TILE_DOT || tile_kind == TILE_F32) && tile >= 1 &&
+                next_p >= 0 && next_p != p) {
+                const char *next = (const char *)packed + next_p * panel_bytes;
                 ahead.at = next + (tile - 1) * ahead_slice;
                 ahead.end = ahead.at + ahead_slice < next + panel_bytes ? ahead.at + ahead_slice : next + panel_bytes;
                 ahead.lines = ahead_lines;
-                tile_kind = TILE_DOT_AHEAD;
+                tile_kind = tile_kind == TILE_DOT ? TILE_DOT_AHEAD : TILE_F32_AHEAD;
             }
             vf16 acc[MR][NV];
             panel_product(tile_kind, (const char *)xt + m0 * xs * (int64_t)x_size, xs,
                           widen_once && !pairs_only ? wide_panel : panel, pairs_only ? wide_panel : NULL,
-                          &xq, m0, Kp, group, tb, rows, acc, m0 == 0 && !widen_once,
+                          &xq, m0, Kp, group, tb, rows, acc, m0 == b0 && !widen_once,
                           &ahead);
             for (int m = 0; m < rows; m++)
                 for (int v = 0; v < NV && 16 * v < width; v++)
                     store_outputs(y, (int64_t)(m0 + m) * N + n0 + 16 * v, acc[m][v], bias, n0 + 16 * v,
                                   width - 16 * v < 16 ? width - 16 * v : 16, dtype);
         }
+    }
     }
     free(wide_panel);
     }

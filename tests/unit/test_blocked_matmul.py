@@ -51,6 +51,23 @@ def test_a_rows_result_does_not_depend_on_the_batch(dtype, bf16_products):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_run_in_blocks_with_the_same_sums(dtype, bf16_products):
+    """Rows whose x outgrows L2 (K = 2000: blocks of 48 or 96 rows) go through every panel a
+    block at a time, the tiles after a block's first asking for the next panel: the product is
+    still exact, and each row's bits are those it has alone."""
+    gen = torch.Generator().manual_seed(11)
+    x, w = torch.randn(150, 2000, generator=gen).to(dtype), torch.randn(245, 2000, generator=gen).to(dtype)
+    whole = _product(x, w, None)
+    exact = (x.double() @ w.double().t()).to(dtype)
+    if dtype == torch.bfloat16:
+        assert ((whole.float() - exact.float()).abs() <= exact.float().abs() / 128 + 5e-2).all()
+    else:
+        torch.testing.assert_close(whole, exact, rtol=1e-4, atol=1e-3)
+    for start, rows in ((0, 1), (17, 1), (39, 2), (100, 50)):
+        assert torch.equal(_product(x[start:start + rows], w, None), whole[start:start + rows]), (start, rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prepared_linear_multiplies_through_the_blocked_kernel(dtype):
     if kernels.blocked_vector_bits() != 512 and dtype == torch.float32:
         pytest.skip("float32 weights go into panels with AVX-512 only (AVX2: skinny kernel and oneDNN)")
