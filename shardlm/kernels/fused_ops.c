@@ -10,9 +10,11 @@
 #include "cpu_common.h"
 
 // summed = x + residual (if residual), out = weight * dtype(summed / rms(summed)); rows of H.
-// x_stride / out_stride: elements between rows (x may be a view).
+// x_stride / out_stride: elements between rows (x may be a view). Rows in parallel where there
+// are many (a prompt chunk).
 KERNEL_API void add_rmsnorm(const void *x, int64_t x_stride, const void *residual, void *summed, void *out,
                  const void *weight, int T, int H, float eps, int dtype) {
+    #pragma omp parallel for schedule(static) if ((int64_t)T * H >= 32768)
     for (int t = 0; t < T; t++) {
         float row[H];
         float squares = 0.f;

@@ -27,7 +27,7 @@ def _close(got, expected, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("rows", [1, 7, 100])                       # 100 rows: in parallel
 def test_add_rmsnorm_equals_the_operators(dtype, rows):
     gen = torch.Generator().manual_seed(rows)
     norm = RMSNorm(576, 1e-5)
