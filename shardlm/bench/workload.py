@@ -5,7 +5,8 @@ File format: {"output_len": 128, "latency_prompt_index": 0,
 The name "grounded" instead of a path: input-grounded prompts (bench/grounded.py), which end
 at their answer's end (EOS) within 256 tokens: decoding past it would measure whatever the
 model makes up after its answer, not the answer. The name "long": prompts of 4k, 8k and 16k
-random tokens, 128 new tokens each (long-context runs, e.g. decode context parallel).
+random tokens, 128 new tokens each (long-context runs, e.g. decode context parallel); for a
+model with fewer positions, 2k, 4k and the longest that fits (long_lengths).
 """
 
 from __future__ import annotations

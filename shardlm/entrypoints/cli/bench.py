@@ -15,7 +15,8 @@ def register(sub) -> None:
         add_engine_args(b)
         b.add_argument("--workload", default=None, help="workload JSON (shared format), or 'grounded' (prompts "
                        "whose answers are mostly in the prompt: edit, quote, rewrite code), or 'long' (4k, 8k and "
-                       "16k-token prompts); default: a synthetic 64-prompt chat workload")
+                       "16k-token prompts, or for a shorter model 2k, 4k and the longest that fits: 2,048, 4,096 and "
+                       "8,000 for the default model); default: a synthetic 64-prompt chat workload")
         if kind == "throughput":
             b.add_argument("--num-prompts", type=int, default=None, help="repeat/cut the workload to this many")
             b.add_argument("--structured-outputs", default=None, help="constrain every request: a "
