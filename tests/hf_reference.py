@@ -8,22 +8,30 @@ import torch
 
 
 def greedy(model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: torch.dtype = torch.float32,
-           device: str = "cpu") -> list[tuple[list[int], list[set[int]]]]:
-    """Per prompt (no padding): generated ids and the top-5 ids at every step. Attention is
-    transformers' eager implementation, the one every model has whole (its SDPA path dropped
-    Gemma 2's soft-capping in some versions)."""
+           device: str = "cpu", batched: bool = False) -> list[tuple[list[int], list[set[int]]]]:
+    """Per prompt: generated ids and the top-5 ids at every step. Attention is transformers'
+    eager implementation, the one every model has whole (its SDPA path dropped Gemma 2's
+    soft-capping in some versions). One prompt at a time (no padding), or with batched all in one
+    left-padded batch (the attention mask gives transformers the positions): 4x faster for the
+    default model's 8 prompts, whose tokens and top-5 sets it leaves as they were; a batch's
+    products may round otherwise, so a near-tie of a random tiny model could go the other way."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").to(device).eval()
+    groups = [prompts] if batched else [[ids] for ids in prompts]
     results = []
     with torch.inference_mode():
-        for ids in prompts:
-            out = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens,
+        for group in groups:
+            width = max(map(len, group))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in group], device=device)
+            padded = {"attention_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group],
+                                                     device=device)} if batched else {}
+            out = model.generate(ids, **padded, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                                  do_sample=False, output_scores=True, return_dict_in_generate=True,
                                  eos_token_id=None, pad_token_id=0)
-            gen = out.sequences[0, len(ids):].tolist()
-            top5 = [set(s[0].topk(5).indices.tolist()) for s in out.scores]
-            results.append((gen, top5))
+            for i in range(len(group)):
+                gen = out.sequences[i, width:].tolist()
+                top5 = [set(s[i].topk(5).indices.tolist()) for s in out.scores]
+                results.append((gen, top5))
     return results
 
 
