@@ -67,3 +67,21 @@ def test_a_run_writes_its_plan_and_the_next_follows_it_exactly(tiny_model_dir, t
     followed = cpu_plan.current()
     assert followed.choices == written.choices and again == first
     assert all(how == f"from {path}" for kind in followed.evidence.values() for how in kind.values())
+
+
+@pytest.mark.parametrize("rounds, pays", [([(1.0, 1.0), (2.0, 1.0)], True), ([(1.0, 1.0)] * 3, False)])
+def test_the_bf16_dot_product_is_timed_again_when_a_round_shows_no_gain(monkeypatch, rounds, pays):
+    """A slow spell of a noisy machine once made one round's medians equal on an AMD Zen 4, where the
+    dot product takes half the time: up to three rounds, the first showing the gain deciding."""
+    from shardlm import utils
+    if kernels.blocked_matmul() is None:
+        pytest.skip("no blocked kernel in this variant")
+    given = iter(rounds)
+    calls = []
+
+    def side_by_side(a, b, reps):
+        calls.append(reps)
+        return next(given)
+    monkeypatch.setattr(utils, "median_seconds_side_by_side", side_by_side)
+    chosen, how = kernels._time_bf16_dot(lambda on: None, lambda *args: None)
+    assert chosen is pays and len(calls) == len(rounds)
