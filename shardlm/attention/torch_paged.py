@@ -39,7 +39,8 @@ class AttentionBucket:
     context_lens: torch.Tensor  # [B] int64: tokens of context after this step (this rank's, under context parallel)
     is_decode: bool
     out_rows: torch.Tensor | None = None   # valid entries of token_index.flatten() (None: all)
-    in_order: bool = False                 # the bucket's outputs are the step's rows 0..T-1, in order
+    in_order: bool = False                 # a decode bucket whose outputs are the step's rows 0..T-1, in order
+    whole_step: bool = False               # token_index.flatten() is the step's rows 0..T-1 (no padding)
     # what the masks are made of, on first use (the CPU decode kernel needs none)
     query_pos: torch.Tensor | None = None  # [B, Q] position of each query (CPU)
     context: torch.Tensor | None = None    # [B] context_lens on CPU
@@ -182,8 +183,10 @@ def _bucket(rows, query_lens, starts, tables, offsets, block_size, device, shard
     out_rows = None
     if max_q > 1 and bool((qlens != max_q).any()):
         out_rows = (qi[None, :] < qlens[:, None]).flatten().nonzero().squeeze(1).to(device)
-    in_order = query_rows is None and len(rows) == len(query_lens) and max_q == 1
+    whole_step = query_rows is None and len(rows) == len(query_lens) and out_rows is None
+    in_order = whole_step and max_q == 1
     return AttentionBucket(token_index.to(device), table.to(device), ctx.to(device), max_q == 1, out_rows, in_order,
+                           whole_step,
                            query_pos=start[:, None] + qi[None, :], context=ctx, block_size=block_size, shard=shard,
                            key_offset=key_offset)
 
@@ -207,6 +210,8 @@ class TorchPagedAttention(AttentionBackend):
         self.write_kv(layer, k, v, meta.slot_mapping)
         if len(meta.buckets) == 1 and meta.buckets[0].in_order:   # a pure decode step
             return self.decode(layer, q, meta.buckets[0]).view(T, -1)
+        if len(meta.buckets) == 1 and meta.buckets[0].whole_step:   # prompts alike in length: no scatter
+            return self.prefill(layer, q, meta.buckets[0]).reshape(T, -1)
         out = q.new_empty(T, layer.num_heads, layer.v_head_dim)
         for b in meta.buckets:
             if b.is_decode:
