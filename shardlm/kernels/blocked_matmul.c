@@ -817,9 +817,6 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
     const int rows_q = bits == 4 ? MR4_Q : dot ? MR4_DOT : fp8 ? MR4_FP8 : MR4;
     const int widen_once = bits == 8 && M > rows_q, step = bits && (dot || !widen_once) ? rows_q : MR;
     const int wide_kind = dot ? kind : fp8 ? TILE_FP8_WIDE : TILE_F32;
-    // with 3 row tiles or more, the tiles after the first share asking for the next panel: a slice
-    // each, ahead_lines every AHEAD_SEGMENT k (with 2, one tile's asks come in bursts that cost
-    // more than they save; ahead_lines 0: none)
     // float panels against many rows: the rows in blocks whose x stays in L2 (X_BLOCK_BYTES), every
     // panel run over one block before the next (else each panel streams all of x from memory again;
     // quantized tiles keep one block: their widened panel or quantized x is made once). The order
@@ -829,6 +826,9 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
         block = (int)(X_BLOCK_BYTES / ((int64_t)Kp * (int64_t)x_size)) / step * step;
         block = block < step ? step : block > M ? M : block;
     }
+    // with 3 row tiles or more in a block, the tiles after the first share asking for the next
+    // panel: a slice each, ahead_lines every AHEAD_SEGMENT k (with 2, one tile's asks come in bursts
+    // that cost more than they save; ahead_lines 0: none)
     const int tiles = (block + step - 1) / step, segments = (Kp + AHEAD_SEGMENT - 1) / AHEAD_SEGMENT;
     const int64_t ahead_slice = tiles >= 3 ? (panel_bytes / (tiles - 1) + 63) / 64 * 64 : 0;
     const int ahead_lines = (int)((ahead_slice / 64 + segments - 1) / segments);
