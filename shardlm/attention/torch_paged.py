@@ -39,7 +39,6 @@ class AttentionBucket:
     context_lens: torch.Tensor  # [B] int64: tokens of context after this step (this rank's, under context parallel)
     is_decode: bool
     out_rows: torch.Tensor | None = None   # valid entries of token_index.flatten() (None: all)
-    in_order: bool = False                 # a decode bucket whose outputs are the step's rows 0..T-1, in order
     whole_step: bool = False               # token_index.flatten() is the step's rows 0..T-1 (no padding)
     # what the masks are made of, on first use (the CPU decode kernel needs none)
     query_pos: torch.Tensor | None = None  # [B, Q] position of each query (CPU)
@@ -50,6 +49,11 @@ class AttentionBucket:
     _additive: dict = field(default_factory=dict, repr=False)
 
     _windowed: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def in_order(self) -> bool:
+        """A decode bucket whose outputs are the step's rows 0..T-1, in order (a pure decode step)."""
+        return self.is_decode and self.whole_step
 
     @cached_property
     def mask(self) -> torch.Tensor:
@@ -184,9 +188,7 @@ def _bucket(rows, query_lens, starts, tables, offsets, block_size, device, shard
     if max_q > 1 and bool((qlens != max_q).any()):
         out_rows = (qi[None, :] < qlens[:, None]).flatten().nonzero().squeeze(1).to(device)
     whole_step = query_rows is None and len(rows) == len(query_lens) and out_rows is None
-    in_order = whole_step and max_q == 1
-    return AttentionBucket(token_index.to(device), table.to(device), ctx.to(device), max_q == 1, out_rows, in_order,
-                           whole_step,
+    return AttentionBucket(token_index.to(device), table.to(device), ctx.to(device), max_q == 1, out_rows, whole_step,
                            query_pos=start[:, None] + qi[None, :], context=ctx, block_size=block_size, shard=shard,
                            key_offset=key_offset)
 
