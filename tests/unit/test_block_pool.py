@@ -18,12 +18,30 @@ def test_null_block_is_never_handed_out():
         pool.allocate(1)
 
 
-def test_free_returns_blocks_and_lru_order():
+def test_cached_blocks_are_reused_least_recently_freed_first():
     pool = BlockPool(5, enable_caching=True)
     a, b, c, d = pool.allocate(4)
+    pool.cache(a, 1)
+    pool.cache(c, 3)
     pool.free([c, a])           # c freed first, then a
     assert pool.num_free_blocks == 2
     assert [x.block_id for x in pool.allocate(2)] == [c.block_id, a.block_id]
+
+
+@pytest.mark.parametrize("enable_caching", [True, False])
+def test_blocks_that_cache_nothing_are_reused_before_fresh_and_cached_ones(enable_caching):
+    """A freed block holding no prefix is taken again before a never-used block (whose memory is
+    still to be faulted in) and before any cached block; never-used blocks go in id order."""
+    pool = BlockPool(8, enable_caching=enable_caching)
+    a, b, c = pool.allocate(3)
+    if enable_caching:
+        pool.cache(a, 1)
+    pool.free([c, b, a])
+    first = [x.block_id for x in pool.allocate(2 if enable_caching else 3)]
+    assert sorted(first) == sorted([b.block_id, c.block_id] + ([] if enable_caching else [a.block_id]))
+    assert [x.block_id for x in pool.allocate(4)] == [4, 5, 6, 7]
+    if enable_caching:
+        assert pool.allocate(1) == [a] and a.block_hash is None
 
 
 def test_sharing_keeps_block_until_last_reference():
