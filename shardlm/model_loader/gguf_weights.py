@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from shardlm import envs
+from shardlm.model_loader.gguf_file import GGUFFile
 
 GROUP = 32
 _CACHE_VERSION = 3        # bump when decoding changes
@@ -41,6 +42,8 @@ _TABLES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "l
 _HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
              "ffn_down": "mlp.down_proj"}
+_NORMS = {"output_norm.weight": "model.norm.weight"}
+_LAYER_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 
 
 def decode_blocks(raw: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -107,8 +110,8 @@ def read_linears(path: str, hf_config) -> dict[str, tuple[torch.Tensor, torch.Te
     """Every quantized attention/MLP weight of a llama-architecture GGUF file, and its embedding
     and LM head where Q8_0, by Hugging Face name
     (`model.layers.I.self_attn.q_proj.weight`, `model.embed_tokens.weight`, ...). Decoded once per file and kept in the
-    cache directory as safetensors: gguf's reader alone takes seconds (it parses the whole
-    vocabulary), reading the decoded copy a fraction of one."""
+    cache directory as safetensors: decoding runs in numpy (0.3 s for the default model, far longer
+    for a large file of K-quants), reading the decoded copy takes a fraction of that."""
     from safetensors.torch import load_file, save_file
     stat = os.stat(path)
     cached = os.path.join(envs.SHARDLM_CACHE_DIR, "gguf",
@@ -127,22 +130,46 @@ def read_linears(path: str, hf_config) -> dict[str, tuple[torch.Tensor, torch.Te
     return out
 
 
-def _decode_file(path: str, hf_config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
-    import gguf
+def llama_state_dict(file: GGUFFile, hf_config) -> dict[str, torch.Tensor] | None:
+    """The float32 weights of a llama-architecture GGUF file by Hugging Face name, dequantized by
+    gguf's decoders and q/k rows put back in Hugging Face order: the tensors transformers' GGUF
+    loader gives, from one read of the file. None for another architecture, or a tensor this
+    mapping does not name (transformers' loader takes those)."""
+    if file.architecture != "llama":
+        return None
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     out = {}
-    for tensor in gguf.GGUFReader(path).tensors:
-        type_name = tensor.tensor_type.name
+    for name, tensor in file.tensors.items():
+        hf_name = _TABLES.get(name) or _NORMS.get(name)
+        parts = name.split(".")
+        if hf_name is None and len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight":
+            module = _HF_NAMES.get(parts[2]) or _LAYER_NORMS.get(parts[2])
+            hf_name = module and f"model.layers.{parts[1]}.{module}.weight"
+        if hf_name is None:
+            return None
+        values = torch.from_numpy(tensor.to_float32().copy())
+        if parts[-2] in ("attn_q", "attn_k"):
+            values = values[unpermute_rows(values.shape[0], heads if parts[-2] == "attn_q" else kv_heads)]
+        out[hf_name] = values
+    return out
+
+
+def _decode_file(path: str, hf_config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    out = {}
+    for tensor in GGUFFile(path).tensors.values():
+        type_name = tensor.type_name
         if tensor.name in _TABLES and type_name == "Q8_0":
-            out[_TABLES[tensor.name]] = decode_blocks(np.asarray(tensor.data), type_name)
+            out[_TABLES[tensor.name]] = decode_blocks(tensor.raw, type_name)
         parts = tensor.name.split(".")
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _HF_NAMES:
             continue
         if type_name not in _TYPES:
             raise ValueError(f"{path}: {tensor.name} is {type_name}; --quantization gguf reads {', '.join(_TYPES)} "
                              "tensors. Leave out --quantization to run it in float.")
-        q, scales, mins, bits = decode_blocks(np.asarray(tensor.data), type_name)
+        q, scales, mins, bits = decode_blocks(tensor.raw, type_name)
         if parts[2] in ("attn_q", "attn_k"):
             order = unpermute_rows(q.shape[0], heads if parts[2] == "attn_q" else kv_heads)
             q, scales, mins = q[order], scales[order], mins[order]
