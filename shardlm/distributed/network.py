@@ -8,8 +8,10 @@ table reports, and binds gloo and NCCL to the interface that owns it.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
+import time
 
 import psutil
 
@@ -31,6 +33,25 @@ def host_ip(ray=None) -> str:
             return s.getsockname()[0]
     except OSError:
         return "127.0.0.1"
+
+
+def cannot_reach(host: str, port: int, tries: int = 3, pause_s: float = 0.5) -> str | None:
+    """Why this node cannot open a TCP connection to a rendezvous that is already listening at
+    host:port, when waiting would not help: every try refused, or no route to the host. None if
+    a try connects, or one times out (a slow or filtered network: the rendezvous's own timeout
+    decides)."""
+    why = None
+    for attempt in range(tries):
+        try:
+            with socket.create_connection((host, port), timeout=3):
+                return None
+        except OSError as e:
+            if not isinstance(e, ConnectionRefusedError) and e.errno not in (errno.ENETUNREACH, errno.EHOSTUNREACH):
+                return None
+            why = f"{type(e).__name__}: {e.strerror or e}"
+        if attempt + 1 < tries:
+            time.sleep(pause_s)
+    return why
 
 
 def interface_of(ip: str) -> str | None:

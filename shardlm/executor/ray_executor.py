@@ -23,7 +23,7 @@ import time
 import msgspec
 
 from shardlm.config import EngineConfig
-from shardlm.distributed.network import bind_collectives_to, host_ip
+from shardlm.distributed.network import bind_collectives_to, cannot_reach, host_ip
 from shardlm.distributed.parallel_state import host_store, missing_ranks
 from shardlm.executor.base import Executor, WorkerDiedError
 from shardlm.executor.ray_placement import (
@@ -74,6 +74,13 @@ class RayWorker:
         if visible_gpus is not None:        # before CUDA starts in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpus
         set_log_prefix(f"({config.parallel.describe_rank(rank)}) ")
+        # the driver's store listens before any rank starts: a refusal or a missing route is the
+        # classic wrong address, named now instead of after --distributed-init-timeout
+        why = cannot_reach(*rendezvous)
+        if why is not None:
+            raise RuntimeError(f"this node ({ip}) cannot reach the rendezvous at {rendezvous[0]}:{rendezvous[1]} "
+                               f"({why}). Set SHARDLM_HOST_IP on the driver's node to an address every node "
+                               "reaches; `shardlm env check --address HEAD:PORT` tests it.")
         backend = "nccl" if config.device.type == "cuda" else "gloo"
         chosen = bind_collectives_to(ip, backend)
         if chosen:

@@ -39,3 +39,19 @@ def test_env_check_names_an_unusable_address():
     run = _check(env={"SHARDLM_HOST_IP": "203.0.113.7"})     # not an address of this machine
     assert run.returncode == 1
     assert "Cannot open a rendezvous port on 203.0.113.7" in run.stdout and "SHARDLM_HOST_IP" in run.stdout
+
+
+def test_a_rendezvous_that_refuses_is_named_and_one_that_listens_is_not():
+    """What a Ray rank checks before joining the driver's store: a port that refuses every try is
+    named at once (the wrong address); a listening one is not."""
+    import socket
+
+    from shardlm.distributed.network import cannot_reach
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        assert cannot_reach("127.0.0.1", listening.getsockname()[1]) is None
+    with socket.socket() as closed:            # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        why = cannot_reach("127.0.0.1", closed.getsockname()[1], pause_s=0.01)
+    assert why is not None and why.startswith("ConnectionRefusedError"), why
