@@ -1,7 +1,8 @@
 """Schema fuzzing, as vLLM's test_openai_schema.py does: schemathesis generates requests for every
 operation of the live server's /openapi.json (valid ones and near misses) and none may get a 5xx.
-Bounded here (a fixed seed, SHARDLM_FUZZ_EXAMPLES per operation, 5 by default); at length on
-demand: SHARDLM_FUZZ_EXAMPLES=1000 python -m pytest tests/server/test_schema_fuzz.py.
+Bounded here (a fixed seed, SHARDLM_FUZZ_EXAMPLES generated examples per operation, 5 by default,
+beside the boundary cases of schemathesis' coverage phase: about 2,500 requests in all); at length
+on demand: SHARDLM_FUZZ_EXAMPLES=1000 python -m pytest tests/server/test_schema_fuzz.py.
 
 The server fuzzed generates little (generation_config.json's max_new_tokens 4, --max-model-len 64,
 --max-n 4) so that the cases probe validation, not generation speed; each limit is a 400 to
