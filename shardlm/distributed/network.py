@@ -42,16 +42,23 @@ def cannot_reach(host: str, port: int, tries: int = 3, pause_s: float = 0.5) -> 
     decides)."""
     why = None
     for attempt in range(tries):
-        try:
-            with socket.create_connection((host, port), timeout=3):
-                return None
-        except OSError as e:
-            if not isinstance(e, ConnectionRefusedError) and e.errno not in (errno.ENETUNREACH, errno.EHOSTUNREACH):
-                return None
-            why = f"{type(e).__name__}: {e.strerror or e}"
+        e = connect_error(host, port)
+        if e is None or (not isinstance(e, ConnectionRefusedError)
+                         and e.errno not in (errno.ENETUNREACH, errno.EHOSTUNREACH)):
+            return None
+        why = f"{type(e).__name__}: {e.strerror or e}"
         if attempt + 1 < tries:
             time.sleep(pause_s)
     return why
+
+
+def connect_error(host: str, port: int, timeout_s: float = 3) -> OSError | None:
+    """The error of one TCP connection from here to host:port (opened and closed), or None."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as e:
+        return e
 
 
 def interface_of(ip: str) -> str | None:

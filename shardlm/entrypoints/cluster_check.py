@@ -31,11 +31,9 @@ class NodeProbe:
 
     def reach(self, host: str, port: int) -> str | None:
         """None if this node can open a connection to host:port, else why not."""
-        try:
-            with socket.create_connection((host, port), timeout=3):
-                return None
-        except OSError as e:
-            return f"{type(e).__name__}: {e}"
+        from shardlm.distributed.network import connect_error
+        e = connect_error(host, port)
+        return None if e is None else f"{type(e).__name__}: {e}"
 
     def measure(self, rank: int, world: int, host: str, port: int, device: str, ip: str, timeout_s: float) -> dict:
         from shardlm.distributed.network import bind_collectives_to

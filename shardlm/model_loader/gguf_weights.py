@@ -106,6 +106,16 @@ def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(n_rows).view(n_head, n_rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
 
 
+def _qk_order(module: str, rows: int, hf_config) -> torch.Tensor | None:
+    """unpermute_rows for a q or k projection (`attn_q`, `attn_k`) of `rows` rows; None for others."""
+    if module not in ("attn_q", "attn_k"):
+        return None
+    heads = hf_config.num_attention_heads
+    if module == "attn_k":
+        heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    return unpermute_rows(rows, heads)
+
+
 def read_linears(path: str, hf_config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
     """Every quantized attention/MLP weight of a llama-architecture GGUF file, and its embedding
     and LM head where Q8_0, by Hugging Face name
@@ -137,8 +147,6 @@ def llama_state_dict(file: GGUFFile, hf_config) -> dict[str, torch.Tensor] | Non
     mapping does not name (transformers' loader takes those)."""
     if file.architecture != "llama":
         return None
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     out = {}
     for name, tensor in file.tensors.items():
         hf_name = _TABLES.get(name) or _NORMS.get(name)
@@ -149,15 +157,12 @@ def llama_state_dict(file: GGUFFile, hf_config) -> dict[str, torch.Tensor] | Non
         if hf_name is None:
             return None
         values = torch.from_numpy(tensor.to_float32().copy())
-        if parts[-2] in ("attn_q", "attn_k"):
-            values = values[unpermute_rows(values.shape[0], heads if parts[-2] == "attn_q" else kv_heads)]
-        out[hf_name] = values
+        order = _qk_order(parts[-2], values.shape[0], hf_config)
+        out[hf_name] = values if order is None else values[order]
     return out
 
 
 def _decode_file(path: str, hf_config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     out = {}
     for tensor in GGUFFile(path).tensors.values():
         type_name = tensor.type_name
@@ -170,8 +175,8 @@ def _decode_file(path: str, hf_config) -> dict[str, tuple[torch.Tensor, torch.Te
             raise ValueError(f"{path}: {tensor.name} is {type_name}; --quantization gguf reads {', '.join(_TYPES)} "
                              "tensors. Leave out --quantization to run it in float.")
         q, scales, mins, bits = decode_blocks(tensor.raw, type_name)
-        if parts[2] in ("attn_q", "attn_k"):
-            order = unpermute_rows(q.shape[0], heads if parts[2] == "attn_q" else kv_heads)
+        order = _qk_order(parts[2], q.shape[0], hf_config)
+        if order is not None:
             q, scales, mins = q[order], scales[order], mins[order]
         out[f"model.layers.{parts[1]}.{_HF_NAMES[parts[2]]}.weight"] = (q, scales, mins, bits)
     return out
