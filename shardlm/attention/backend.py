@@ -56,6 +56,20 @@ class AttentionBackend(ABC):
         its context in the blocks block_tables[i]. pcp: under prefill context parallel, the
         ContextParallelStep (torch_paged.py) of this rank."""
 
+    def build_rows_metadata(self, start_positions: list[int], block_tables: list[list[int]],
+                            prompt: list[bool]) -> Any | None:
+        """The metadata of some of a step's rows attended on their own (the model's last layer
+        finishing only the rows whose logits are needed: LastLayerRows): one query each, at
+        start_positions[i]; a row that ends a prompt chunk (prompt[i]) attended by the kernel
+        that attends prompt chunks, the others as decodes, so each row's numbers are those it
+        has among the whole step's. None: this backend cannot (the last layer finishes every row)."""
+        return None
+
+    def write_kv(self, layer: nn.Module, k: torch.Tensor, v: torch.Tensor, meta: Any) -> None:
+        """Writes k, v [T, Hkv, D] of the step's tokens into the layer's cache, attending nothing
+        (backends whose build_rows_metadata gives metadata)."""
+        raise NotImplementedError(f"the {self.name} attention backend cannot write K/V alone")
+
     @abstractmethod
     def forward(self, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
         """layer: the calling layers.attention.Attention (its heads, scale and KV cache).
@@ -77,6 +91,16 @@ class AttentionBackend(ABC):
 
     def prepare_graph_capture(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         """Allocate what a captured decode step reads (backends with supports_graph_capture)."""
+
+
+class LastLayerRows:
+    """The rows the model's last layer finishes when no one reads the others' final hidden states
+    (model_runner: _last_layer_rows): every row's K/V goes into the cache, and only these rows
+    attend (meta: build_rows_metadata's) and go on through the rest of the layer."""
+    __slots__ = ("rows", "meta")
+
+    def __init__(self, rows: torch.Tensor, meta: Any):
+        self.rows, self.meta = rows, meta
 
 
 class KVGroupsMetadata:

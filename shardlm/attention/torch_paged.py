@@ -28,7 +28,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from shardlm.attention.backend import AttentionBackend
+from shardlm.attention.backend import AttentionBackend, LastLayerRows
 from shardlm.attention.context_parallel import ContextShard
 
 
@@ -111,6 +111,7 @@ class AttentionMetadata:
     buckets: list[AttentionBucket]
     pcp_counts: list[int] | None = None   # prefill context parallel: each PCP group's tokens this step
     pcp_own: slice | None = None          # ... and this group's among the gathered queries
+    last_layer: LastLayerRows | None = None   # the rows the model's last layer finishes (None: all)
 
 
 @dataclass
@@ -132,10 +133,12 @@ class ContextParallelStep:
 
 def build_attention_metadata(query_lens: list[int], start_positions: list[int], block_tables: list[list[int]],
                              block_size: int, device: torch.device, shard: ContextShard | None = None,
-                             sink_slot: int = 0, pcp: ContextParallelStep | None = None) -> AttentionMetadata:
+                             sink_slot: int = 0, pcp: ContextParallelStep | None = None,
+                             prompt: list[bool] | None = None) -> AttentionMetadata:
     """shard: this rank's positions under context parallel (None: all); the positions of other
     ranks map to sink_slot. pcp: under prefill context parallel, where the queries are and which
-    tokens' K/V this rank computed (None: the step's tokens, in order, are its queries and K/V)."""
+    tokens' K/V this rank computed (None: the step's tokens, in order, are its queries and K/V).
+    prompt: which sequences are attended as prompt chunks (None: those of several queries)."""
     offsets, t = [], 0
     for qlen in query_lens:
         offsets.append(t)
@@ -151,15 +154,17 @@ def build_attention_metadata(query_lens: list[int], start_positions: list[int], 
             else:
                 slot_mapping.extend(shard.slot(table, pos, sink_slot) for pos in range(start, start + qlen))
     query_rows = pcp.query_rows if pcp is not None else None
-    decodes = [i for i, q in enumerate(query_lens) if q == 1]
-    prefills = [i for i, q in enumerate(query_lens) if q > 1]
-    buckets = [_bucket(rows, query_lens, start_positions, block_tables, offsets, block_size, device, shard,
-                       query_rows) for rows in (decodes, prefills) if rows]
+    if prompt is None:
+        prompt = [q > 1 for q in query_lens]
+    decodes = [i for i, chunk in enumerate(prompt) if not chunk]
+    prefills = [i for i, chunk in enumerate(prompt) if chunk]
+    buckets = [_bucket(rows, query_lens, start_positions, block_tables, offsets, block_size, device, is_decode,
+                       shard, query_rows) for rows, is_decode in ((decodes, True), (prefills, False)) if rows]
     return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=device), buckets,
                              *((pcp.pcp_counts, pcp.own) if pcp is not None else ()))
 
 
-def _bucket(rows, query_lens, starts, tables, offsets, block_size, device, shard=None,
+def _bucket(rows, query_lens, starts, tables, offsets, block_size, device, is_decode: bool, shard=None,
             query_rows: list[list[int]] | None = None) -> AttentionBucket:
     """query_rows: each sequence's rows in q (None: offsets[i] on, in order)."""
     qlens = torch.tensor([query_lens[i] for i in rows])
@@ -188,7 +193,7 @@ def _bucket(rows, query_lens, starts, tables, offsets, block_size, device, shard
     if max_q > 1 and bool((qlens != max_q).any()):
         out_rows = (qi[None, :] < qlens[:, None]).flatten().nonzero().squeeze(1).to(device)
     whole_step = query_rows is None and len(rows) == len(query_lens) and out_rows is None
-    return AttentionBucket(token_index.to(device), table.to(device), ctx.to(device), max_q == 1, out_rows, whole_step,
+    return AttentionBucket(token_index.to(device), table.to(device), ctx.to(device), is_decode, out_rows, whole_step,
                            query_pos=start[:, None] + qi[None, :], context=ctx, block_size=block_size, shard=shard,
                            key_offset=key_offset)
 
@@ -207,9 +212,15 @@ class TorchPagedAttention(AttentionBackend):
         return build_attention_metadata(query_lens, start_positions, block_tables, self.block_size, self.device,
                                         self.shard, self.sink_slot, pcp)
 
+    def build_rows_metadata(self, start_positions, block_tables, prompt) -> AttentionMetadata | None:
+        if self.shard is not None:
+            return None
+        return build_attention_metadata([1] * len(start_positions), start_positions, block_tables, self.block_size,
+                                        self.device, prompt=prompt)
+
     def forward(self, layer, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         T = q.shape[0]
-        self.write_kv(layer, k, v, meta.slot_mapping)
+        self.write_kv(layer, k, v, meta)
         if len(meta.buckets) == 1 and meta.buckets[0].in_order:   # a pure decode step
             return self.decode(layer, q, meta.buckets[0]).view(T, -1)
         if len(meta.buckets) == 1 and meta.buckets[0].whole_step:   # prompts alike in length: no scatter
@@ -226,11 +237,10 @@ class TorchPagedAttention(AttentionBackend):
             out[rows] = ob
         return out.view(T, -1)
 
-    @staticmethod
-    def write_kv(layer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        write_slots(layer.k_cache, slot_mapping, k, layer.k_scale)
+    def write_kv(self, layer, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        write_slots(layer.k_cache, meta.slot_mapping, k, layer.k_scale)
         if not layer.values_in_keys:
-            write_slots(layer.v_cache, slot_mapping, v, layer.v_scale)
+            write_slots(layer.v_cache, meta.slot_mapping, v, layer.v_scale)
 
     def forward_partial(self, layer, q, k, v, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Context parallel: k, v of this step written where this rank owns them; q [T, Hq, D]

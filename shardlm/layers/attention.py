@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardlm.attention.backend import AttentionBackend, metadata_of
+from shardlm.attention.backend import AttentionBackend, LastLayerRows, metadata_of
 from shardlm.attention.context_parallel import gather_queries, merge_partials
 from shardlm.distributed.parallel_state import get_cp_group, get_dcp_group
 from shardlm.layers.linear import load_slice
@@ -78,15 +78,33 @@ class Attention(nn.Module):
         on q and k (after qk_norm, a transform of [T, H + Hkv, D], where the model has one), K/V
         into the cache, attention. One fused call where the backend has it for this step.
         cos_sin None: a layer without a rotary embedding (NoPE)."""
-        T, H, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         meta = metadata_of(self, meta)
-        if qk_norm is not None:
-            qk, v = qkv.split([(H + Hkv) * D, Hkv * D], dim=-1)
-            qkv = torch.cat([qk_norm(qk.reshape(T, H + Hkv, D)).reshape(T, -1), v], dim=-1)
+        qkv = self._qk_normed(qkv, qk_norm)
         out = self.backend.rotary_and_attend(self, qkv, cos_sin, meta)
         if out is not None:
             return out
+        return self.forward(*self._rotated(qkv, cos_sin), meta)
+
+    def forward_qkv_rows(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None, meta,
+                         last: LastLayerRows, qk_norm=None) -> torch.Tensor | None:
+        """forward_qkv for the rows last.rows alone -> [R, H * D]: every row's K/V into the cache
+        (later steps read them), those rows' queries attended. None: no row (K/V cached only)."""
+        q, k, v = self._rotated(self._qk_normed(qkv, qk_norm), cos_sin)
+        self.backend.write_kv(self, k, v, metadata_of(self, meta))
+        rows = last.rows
+        return self.forward(q[rows], k[rows], v[rows], last.meta) if rows.numel() else None
+
+    def _qk_normed(self, qkv: torch.Tensor, qk_norm) -> torch.Tensor:
+        if qk_norm is None:
+            return qkv
+        T, H, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qk, v = qkv.split([(H + Hkv) * D, Hkv * D], dim=-1)
+        return torch.cat([qk_norm(qk.reshape(T, H + Hkv, D)).reshape(T, -1), v], dim=-1)
+
+    def _rotated(self, qkv: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [T, (H + 2 Hkv) * D] -> q [T, H, D], k and v [T, Hkv, D], the rotary embedding on q and k."""
+        T, H, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qk, v = qkv.split([(H + Hkv) * D, Hkv * D], dim=-1)
         qk = qk.view(T, H + Hkv, D)
         q, k = (qk if cos_sin is None else self.rotary(qk, cos_sin)).split([H, Hkv], dim=1)
-        return self.forward(q, k, v.view(T, Hkv, D), meta)
+        return q, k, v.view(T, Hkv, D)

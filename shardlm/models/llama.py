@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardlm.attention.backend import LastLayerRows
 from shardlm.distributed.parallel_state import get_pp_group
 from shardlm.kv_cache_groups import sliding_window
 from shardlm.layers.activation import SiluAndMul
@@ -67,6 +68,13 @@ class LlamaAttention(nn.Module):
         qk_norm = self._qk_norm if self.q_norm is not None else None
         return self.o_proj(self.attn.forward_qkv(self.qkv_proj(x), cos_sin, meta, qk_norm))
 
+    def forward_rows(self, cos_sin, x, meta, last: LastLayerRows):
+        """forward for the rows last.rows alone (every row's K/V still cached) -> [R, hidden];
+        None: no row."""
+        qk_norm = self._qk_norm if self.q_norm is not None else None
+        out = self.attn.forward_qkv_rows(self.qkv_proj(x), cos_sin, meta, last, qk_norm)
+        return self.o_proj(out) if out is not None else None
+
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
         """[T, H + Hkv, D]: an RMSNorm over each q head and each k head, as rows of D (one C call
         each on CPU, the one the one-call decode step makes)."""
@@ -111,6 +119,19 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self._scaled(self.mlp(hidden)), residual
 
+    def forward_rows(self, cos_sin, hidden, residual, meta, last: LastLayerRows):
+        """forward, finishing the rows last.rows alone: their attention, residual and MLP (the
+        model's last layer, where only those rows' logits are read)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        attended = self.self_attn.forward_rows(cos_sin if self.use_rope else None, hidden, meta, last)
+        if attended is None:        # no row is sampled: the layer has cached the step's K/V, nothing goes on
+            return residual[:0], residual[:0]
+        hidden, residual = self.post_attention_layernorm(self._scaled(attended), residual[last.rows])
+        return self._scaled(self.mlp(hidden)), residual
+
     def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
         """A branch's output as the residual add takes it (the next norm adds it)."""
         return branch if self.residual_multiplier == 1.0 else branch * self.residual_multiplier
@@ -153,7 +174,8 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual, *aux = intermediate
         cos_sin = self.rotary.lookup(positions)
-        fused = self.fused_decode
+        last = getattr(meta, "last_layer", None) if self.norm is not None else None
+        fused = self.fused_decode if last is None else None
         done = fused(hidden, residual, cos_sin, meta, lora_batch.current()) if fused is not None else None
         if done is not None:
             hidden, residual = done
@@ -161,7 +183,10 @@ class LlamaModel(nn.Module):
             for i in range(self.start, self.end):
                 if i in self.aux_layers:        # (in layer order, as often as listed)
                     aux += [hidden if residual is None else hidden + residual] * self.aux_layers.count(i)
-                hidden, residual = self.layers[i](cos_sin, hidden, residual, meta)
+                if last is not None and i == self.end - 1:
+                    hidden, residual = self.layers[i].forward_rows(cos_sin, hidden, residual, meta, last)
+                else:
+                    hidden, residual = self.layers[i](cos_sin, hidden, residual, meta)
         if self.norm is None:
             return [hidden, residual, *aux]
         if self.aux_layers:
@@ -169,6 +194,14 @@ class LlamaModel(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
+
+    @property
+    def finishes_rows(self) -> bool:
+        """Whether this stage's last layer can finish only some rows (LastLayerRows): the model's
+        last layer is here, with Llama's attention."""
+        last = self.layers[-1]
+        return (self.norm is not None and self.end == len(self.layers) and isinstance(last, LlamaDecoderLayer)
+                and hasattr(last.self_attn, "forward_rows"))
 
     def prepare_fused_decode(self, on: bool) -> str:
         """Builds (on) or drops the one-call decode step of this stage; called once its weights are

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from shardlm import cpu_plan, kernels
-from shardlm.attention.backend import KVGroupsMetadata
+from shardlm.attention.backend import KVGroupsMetadata, LastLayerRows
 from shardlm.attention.context_parallel import ContextShard
 from shardlm.attention.selector import get_attention_backend
 from shardlm.config import EngineConfig
@@ -118,6 +118,12 @@ class ModelRunner:
             elif not self.config.model.enforce_eager:
                 logger.info("CUDA graphs off (%s): every step runs eagerly", reason)
         self.set_enforce_eager(self.config.model.enforce_eager)
+        # whether the last layer may finish only the sampled rows (_last_layer_rows): not where
+        # another reader wants every row's final hidden state (a draft model, pooling), nor where
+        # a layer's rows are laid out across ranks (context parallel) or replicas (DP + EP)
+        self._finishes_rows = (getattr(getattr(self.model, "model", None), "finishes_rows", False) and spec is None
+                               and self.config.model.pooler is None and cp.world_size == 1
+                               and self.pcp.world_size == 1 and len(self.attn_backends) == 1 and not self.dp_lockstep)
 
     def set_enforce_eager(self, on: bool) -> None:
         """--enforce-eager: every step layer by layer (on); off: decode steps replayed from CUDA
@@ -254,7 +260,7 @@ class ModelRunner:
                 return None
             return ModelRunnerOutput({}, pooled=pool_step(self.model, self.config.model.pooler, hidden, chunks, {
                 c.req_id: self.requests[c.req_id].pooling_params for c in chunks}))
-        out = self._sample(so, chunks, hidden)
+        out = self._sample(so, chunks, hidden, getattr(meta, "last_layer", None) is not None)
         if out is not None and self.lora is not None and self.lora.unreadable:
             out.failed |= self.lora.failed_requests({c.req_id: self.requests[c.req_id].lora_int_id for c in chunks})
         if self.proposer is not None:       # the rank that samples: out is its result
@@ -269,9 +275,11 @@ class ModelRunner:
                     for s in [self.requests[c.req_id]]])
         return out
 
-    def _sample(self, so: SchedulerOutput, chunks: list[ScheduledChunk], hidden: torch.Tensor):
+    def _sample(self, so: SchedulerOutput, chunks: list[ScheduledChunk], hidden: torch.Tensor,
+                rows_only: bool = False):
         """The logits of the rows that need them, sampled (and proposed tokens verified), and prompt
-        logprobs. -> the step's result on the rank that samples, None on the other TP ranks."""
+        logprobs. rows_only: hidden holds those rows alone (the last layer finished no others).
+        -> the step's result on the rank that samples, None on the other TP ranks."""
         needed = self.step_builder.logits_rows(chunks)
         rows, sample_chunks, prompt_rows = needed.rows, needed.sample_chunks, needed.prompt_rows
         if not rows:
@@ -279,7 +287,8 @@ class ModelRunner:
             # prefilled over several steps): no logits needed, nothing to sample. Every TP rank
             # of the stage sees the same chunks, so they all skip the LM head's collectives.
             return ModelRunnerOutput({})
-        hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        if not rows_only:
+            hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
         states = [self.requests[c.req_id] for c in sample_chunks]
         allowed = self._allowed_tokens(so, sample_chunks)
         if sample_chunks and not prompt_rows and self._greedy_on_vocab_shards(states):
@@ -394,8 +403,29 @@ class ModelRunner:
         metas = [backend.build_metadata(layout.query_lens, layout.starts, layout.tables_of(g), pcp)
                  for g, backend in enumerate(self.attn_backends)]
         meta = metas[0] if len(metas) == 1 else KVGroupsMetadata(metas)
+        last = self._last_layer_rows(batch) if self._finishes_rows else None
+        if last is not None:
+            meta.last_layer = last
         return (torch.tensor(batch.computed_ids, dtype=torch.long, device=self.device),
                 torch.tensor(batch.computed_positions, dtype=torch.long, device=self.device), meta)
+
+    def _last_layer_rows(self, batch: StepBatch) -> LastLayerRows | None:
+        """The rows the model's last layer finishes where the step reads fewer final hidden states
+        than it has rows (a prompt chunk's last token alone): that layer still writes every row's
+        K/V, but attends, projects and runs its MLP for those rows only (about 1/layers of a long
+        prompt's time). The rows are attended by the kernels that attend them in the whole step,
+        so their numbers are unchanged. None: every row (a request wants prompt logprobs, or an
+        adapter's tokens are laid out over all the rows)."""
+        if batch.lora is not None or any(self.requests[c.req_id].sampling_params.prompt_logprobs is not None
+                                         for c in batch.chunks):
+            return None
+        sampled = self.step_builder.sampled_rows(batch.chunks)
+        if len(sampled.rows) == len(batch.input_ids):
+            return None
+        meta = self.attn_backend.build_rows_metadata(sampled.attention.starts, sampled.attention.tables_of(0),
+                                                     sampled.prompt)
+        return LastLayerRows(torch.tensor(sampled.rows, dtype=torch.long, device=self.device), meta) \
+            if meta is not None else None
 
     def _encoder_batch(self, chunks: list[ScheduledChunk]) -> EncoderBatch:
         types = []
@@ -422,7 +452,7 @@ class ModelRunner:
     def _run_model(self, input_ids, positions, meta):
         """This rank's layers; between pipeline stages, the hidden states come in and go out.
         -> the final hidden states on the last stage, None on the others."""
-        if self.use_cuda_graphs:
+        if self.use_cuda_graphs and getattr(meta, "last_layer", None) is None:     # graphs finish every row
             hidden = self.cuda_graphs.run(input_ids, positions, meta)
             if hidden is not None:
                 return hidden

@@ -67,6 +67,17 @@ class LogitsRows:
 
 
 @dataclass
+class SampledRows:
+    """The rows the sampler reads (each sampling chunk's last token and its proposed tokens), in
+    step order, and their attention layout: one query each at its position. prompt[i]: query i
+    ends a prompt chunk (attended as the chunk's queries are; else as a decode), so that a row
+    attended alone has the numbers it has among the whole step's."""
+    rows: list[int]
+    attention: AttentionLayout
+    prompt: list[bool]
+
+
+@dataclass
 class StepBatch:
     chunks: list[ScheduledChunk]            # in the order their tokens run
     lora: LoRABatch | None                  # which tokens run on which adapter slot (None: none)
@@ -181,6 +192,25 @@ class StepBuilder:
                     state.prompt_logprobs_done = last
             offset += len(c.token_ids)
         return LogitsRows(rows, sample_chunks, prompt_rows)
+
+    @staticmethod
+    def sampled_rows(chunks: list[ScheduledChunk]) -> SampledRows:
+        """The rows logits_rows gives for sampling (without prompt logprobs), each as a query of its
+        own: the model's last layer can finish these alone (model_runner: _last_layer_rows)."""
+        sampled = SampledRows([], AttentionLayout([], [], []), [])
+        end = 0
+        for c in chunks:
+            n = len(c.token_ids)
+            end += n
+            if not c.sample:
+                continue
+            for row in range(end - 1 - c.num_draft_tokens, end):
+                sampled.rows.append(row)
+                sampled.attention.query_lens.append(1)
+                sampled.attention.starts.append(c.start_pos + row - (end - n))
+                sampled.attention.tables.append(c.block_tables)
+                sampled.prompt.append(n > 1 and not c.num_draft_tokens)
+        return sampled
 
     def sampling_states(self, sample_chunks: list[ScheduledChunk]) -> list[RequestState]:
         """One state per sampled row: a request's position j after its last known token has its

@@ -59,6 +59,19 @@ def test_logits_rows_cover_sampled_positions_and_each_prompt_position_once():
     assert requests["p"].prompt_logprobs_done == 9
 
 
+def test_sampled_rows_are_one_query_each_a_prompt_chunks_last_attended_as_a_prompt():
+    decode = ScheduledChunk("d", [9], 7, [[1]], True)
+    unfinished = ScheduledChunk("u", list(range(5)), 0, [[2]], False)
+    prompt_end = ScheduledChunk("p", list(range(4)), 16, [[3, 4]], True)
+    verify = ScheduledChunk("v", [8, 9, 10], 12, [[5]], True, num_draft_tokens=2)
+    sampled = StepBuilder.sampled_rows([decode, unfinished, prompt_end, verify])
+    assert sampled.rows == [0, 9, 10, 11, 12]
+    assert sampled.attention.query_lens == [1] * 5 and sampled.attention.starts == [7, 19, 12, 13, 14]
+    assert sampled.attention.tables_of(0) == [[1], [3, 4], [5], [5], [5]]
+    assert sampled.prompt == [False, True, False, False, False]
+    assert StepBuilder.sampled_rows([unfinished]).rows == []
+
+
 def test_each_verified_row_samples_with_the_history_it_follows():
     requests = {"pen": _state(presence_penalty=0.5), "plain": _state()}
     builder = StepBuilder(requests)
