@@ -246,7 +246,7 @@ class TorchPagedAttention(AttentionBackend):
         """Context parallel: k, v of this step written where this rank owns them; q [T, Hq, D]
         (the cp group's gathered queries) attended over this rank's positions.
         -> (partial output [T, Hq, D] float32, log-sum-exp [T, Hq] float32)"""
-        self.write_kv(layer, k, v, meta.slot_mapping)
+        self.write_kv(layer, k, v, meta)
         T, Hq = q.shape[:2]
         out = q.new_empty(T, Hq, layer.v_head_dim, dtype=torch.float32)
         lse = q.new_empty(T, Hq, dtype=torch.float32)
