@@ -1,6 +1,6 @@
 """Graceful drain: SIGTERM lets the requests in flight finish (up to --shutdown-timeout), refuses
 new ones with 503 meanwhile, and the server exits 0; those still running at the deadline end
-with a 503 that says why."""
+with a 503 that says why. SIGINT (Ctrl-C) stops at once."""
 
 import asyncio
 import json
@@ -9,11 +9,12 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 
 from shardlm.entrypoints.openai.drain import DrainGate
 from shardlm.entrypoints.openai.state import ServerState
-from tests.helpers import start_server
+from tests.helpers import start_server, wait_gone
 
 
 def test_the_gate_counts_requests_and_refuses_new_ones_while_draining():
@@ -116,3 +117,15 @@ def test_a_zero_timeout_stops_at_once_as_before(tiny_model_dir):
     proc, url = start_server(tiny_model_dir("llama-gqa"), "--shutdown-timeout", "0")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == -signal.SIGTERM, "not drained: the signal ends the process, as uvicorn does"
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_at_once_and_quietly_with_exit_status_130(tiny_model_dir):
+    """SIGINT, as Ctrl-C sends it to the server (its engine processes ignore it, and go with it):
+    no traceback, the shell's status for an interrupted command, no process left."""
+    proc, url = start_server(tiny_model_dir("llama-gqa"))
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 130
+    assert "Traceback" not in proc.stderr.read()
+    assert not wait_gone(children, 10)

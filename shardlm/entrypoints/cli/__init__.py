@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, NotImplementedError, RuntimeError) as e:
         print(f"shardlm: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:       # Ctrl-C: whatever ran has stopped (a server, its engine with it)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ and stops when the engine dies."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -153,7 +154,12 @@ def run_server(*args, **kwargs) -> None:
         finally:
             watcher.cancel()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        # the server is down: what is left is freed with the process, so the interpreter's exit
+        # need not scan it for cycles first (more than a second of a stop's two)
+        gc.freeze()
     if failed:
         print(f"shardlm: error: {failed['reason']} The server stopped.", file=sys.stderr)
         sys.exit(1)
