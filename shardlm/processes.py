@@ -23,9 +23,11 @@ from multiprocessing.context import BaseContext
 from shardlm import envs
 from shardlm.utils import os_thread_count
 
-# what the fork server imports before its first fork
-FORK_SERVER_PRELOAD = ["torch", "transformers", "shardlm.core.engine_core", "shardlm.worker.worker",
-                       "shardlm.fork_server_exit"]
+# what the fork server imports before its first fork; type_validators is what every model config
+# of transformers 5 imports, ~1.5 s of it (torch.distributed.tensor), which each child unpickling
+# its config would pay again (a name that does not import is skipped)
+FORK_SERVER_PRELOAD = ["torch", "transformers", "transformers.utils.type_validators", "shardlm.core.engine_core",
+                       "shardlm.worker.worker", "shardlm.fork_server_exit"]
 METHODS = ("fork", "forkserver", "spawn")
 
 
