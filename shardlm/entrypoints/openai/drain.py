@@ -54,6 +54,7 @@ class DrainingServer(uvicorn.Server):
         self.state, self.shutdown_timeout = state, shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task | None = None      # held: the loop keeps only a weak reference to a task
+        self.interrupted = False        # stopped by SIGINT (Ctrl-C), whatever this process inherited for it
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -61,6 +62,7 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         first = not self.state.draining and not self.should_exit
+        self.interrupted |= first and sig == signal.SIGINT
         if sig == signal.SIGTERM and first and self.shutdown_timeout > 0 and self._loop is not None:
             self.state.draining = True     # a drained stop is a clean exit: uvicorn does not re-raise it
             self._loop.call_soon_threadsafe(self._start_drain)

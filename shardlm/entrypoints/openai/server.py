@@ -160,6 +160,8 @@ def run_server(*args, **kwargs) -> None:
         # the server is down: what is left is freed with the process, so the interpreter's exit
         # need not scan it for cycles first (more than a second of a stop's two)
         gc.freeze()
+    if server.interrupted:      # Ctrl-C, also where SIGINT was inherited ignored (uvicorn's re-raise is then lost)
+        raise KeyboardInterrupt
     if failed:
         print(f"shardlm: error: {failed['reason']} The server stopped.", file=sys.stderr)
         sys.exit(1)
