@@ -64,14 +64,12 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
 
-    def forward(self, cos_sin, x, meta):
+    def forward(self, cos_sin, x, meta, last: LastLayerRows | None = None):
+        """last: only the rows last.rows go on (every row's K/V still cached) -> [R, hidden], None
+        where there is no row."""
         qk_norm = self._qk_norm if self.q_norm is not None else None
-        return self.o_proj(self.attn.forward_qkv(self.qkv_proj(x), cos_sin, meta, qk_norm))
-
-    def forward_rows(self, cos_sin, x, meta, last: LastLayerRows):
-        """forward for the rows last.rows alone (every row's K/V still cached) -> [R, hidden];
-        None: no row."""
-        qk_norm = self._qk_norm if self.q_norm is not None else None
+        if last is None:
+            return self.o_proj(self.attn.forward_qkv(self.qkv_proj(x), cos_sin, meta, qk_norm))
         out = self.attn.forward_qkv_rows(self.qkv_proj(x), cos_sin, meta, last, qk_norm)
         return self.o_proj(out) if out is not None else None
 
@@ -110,26 +108,21 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.residual_multiplier = variant.residual_multiplier
 
-    def forward(self, cos_sin, hidden, residual, meta):
+    def forward(self, cos_sin, hidden, residual, meta, last: LastLayerRows | None = None):
+        """last: finish the rows last.rows alone, their attention, residual and MLP (the model's
+        last layer, where only those rows' logits are read; finishes_rows)."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self._scaled(self.self_attn(cos_sin if self.use_rope else None, hidden, meta))
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self._scaled(self.mlp(hidden)), residual
-
-    def forward_rows(self, cos_sin, hidden, residual, meta, last: LastLayerRows):
-        """forward, finishing the rows last.rows alone: their attention, residual and MLP (the
-        model's last layer, where only those rows' logits are read)."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+        cos_sin = cos_sin if self.use_rope else None
+        if last is None:
+            hidden = self.self_attn(cos_sin, hidden, meta)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        attended = self.self_attn.forward_rows(cos_sin if self.use_rope else None, hidden, meta, last)
-        if attended is None:        # no row is sampled: the layer has cached the step's K/V, nothing goes on
-            return residual[:0], residual[:0]
-        hidden, residual = self.post_attention_layernorm(self._scaled(attended), residual[last.rows])
+            hidden, residual = self.self_attn(cos_sin, hidden, meta, last), residual[last.rows]
+            if hidden is None:      # no row is sampled: the layer has cached the step's K/V, nothing goes on
+                return residual, residual
+        hidden, residual = self.post_attention_layernorm(self._scaled(hidden), residual)
         return self._scaled(self.mlp(hidden)), residual
 
     def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
@@ -183,10 +176,8 @@ class LlamaModel(nn.Module):
             for i in range(self.start, self.end):
                 if i in self.aux_layers:        # (in layer order, as often as listed)
                     aux += [hidden if residual is None else hidden + residual] * self.aux_layers.count(i)
-                if last is not None and i == self.end - 1:
-                    hidden, residual = self.layers[i].forward_rows(cos_sin, hidden, residual, meta, last)
-                else:
-                    hidden, residual = self.layers[i](cos_sin, hidden, residual, meta)
+                finishing = {"last": last} if last is not None and i == self.end - 1 else {}
+                hidden, residual = self.layers[i](cos_sin, hidden, residual, meta, **finishing)
         if self.norm is None:
             return [hidden, residual, *aux]
         if self.aux_layers:
@@ -201,7 +192,7 @@ class LlamaModel(nn.Module):
         last layer is here, with Llama's attention."""
         last = self.layers[-1]
         return (self.norm is not None and self.end == len(self.layers) and isinstance(last, LlamaDecoderLayer)
-                and hasattr(last.self_attn, "forward_rows"))
+                and isinstance(last.self_attn, LlamaAttention))
 
     def prepare_fused_decode(self, on: bool) -> str:
         """Builds (on) or drops the one-call decode step of this stage; called once its weights are
