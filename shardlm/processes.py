@@ -27,7 +27,7 @@ from shardlm.utils import os_thread_count
 # of transformers 5 imports, ~1.5 s of it (torch.distributed.tensor), which each child unpickling
 # its config would pay again (a name that does not import is skipped)
 FORK_SERVER_PRELOAD = ["torch", "transformers", "transformers.utils.type_validators", "shardlm.core.engine_core",
-                       "shardlm.worker.worker", "shardlm.fork_server_exit"]
+                       "shardlm.worker.worker", "shardlm.fork_server_setup"]
 METHODS = ("fork", "forkserver", "spawn")
 
 

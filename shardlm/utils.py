@@ -3,6 +3,7 @@
 import ctypes
 import os
 import signal
+import threading
 
 
 def cdiv(a: int, b: int) -> int:
@@ -71,6 +72,16 @@ def die_with_parent() -> None:
         return
     if os.getppid() != parent:
         os._exit(1)
+
+
+def leave_stop_signals_to_the_parent() -> None:
+    """Ignore SIGINT and SIGTERM in this process (an engine core, a worker, the fork server they
+    come from). Ctrl-C, and a SIGTERM sent to the whole process group (systemd's stop, `kill --
+    -PGID`), reach every process at once; the server decides what they mean (a drain needs its
+    engine alive), and a parent that must end one of these processes kills it."""
+    if threading.current_thread() is threading.main_thread():     # (a Ray actor may run elsewhere)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def set_process_name(name: str) -> None:

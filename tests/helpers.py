@@ -30,14 +30,15 @@ SERVE_FLAGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-
                "--served-model-name", "tiny", "--uvicorn-log-level", "warning")
 
 
-def start_server(model_dir, *extra, env=None, stderr=subprocess.PIPE):
+def start_server(model_dir, *extra, env=None, stderr=subprocess.PIPE, new_session=False):
     """`shardlm serve model_dir` in its own process -> (process, url). stderr: a pipe the test reads
-    (proc.stderr), or a file for a server that logs much (a pipe nobody reads fills and blocks it)."""
+    (proc.stderr), or a file for a server that logs much (a pipe nobody reads fills and blocks it).
+    new_session: the server leads a process group of its own (for signals to the whole group)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "shardlm.entrypoints.cli", "serve", model_dir, "--port", str(port),
                              *SERVE_FLAGS, *extra],
                             stdout=subprocess.DEVNULL, stderr=stderr, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})}, start_new_session=new_session)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + START_HANG_GUARD_S
     while time.time() < deadline:

@@ -131,10 +131,7 @@ class CoreProcess(CoreChannel):
             super().shutdown(shutdown_msg, timeout)
             self.process.join(timeout)
         self.closing = True
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(5)
-        if self.process.is_alive():
+        if self.process.is_alive():       # it ignores SIGTERM (leave_stop_signals_to_the_parent)
             self.process.kill()
             self.process.join()
         self._close()

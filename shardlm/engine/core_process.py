@@ -9,8 +9,6 @@ waits on model work. It receives the EngineConfig already resolved by the front 
 from __future__ import annotations
 
 import multiprocessing
-import signal
-import threading
 from multiprocessing.connection import Connection, wait
 
 import msgspec
@@ -31,7 +29,7 @@ from shardlm.messages import (
     UtilityResult,
     WaveStarted,
 )
-from shardlm.utils import die_with_parent, set_process_name
+from shardlm.utils import die_with_parent, leave_stop_signals_to_the_parent, set_process_name
 
 logger = init_logger(__name__)
 
@@ -53,8 +51,7 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
     if multiprocessing.parent_process() is not None:
         die_with_parent()         # its client died (even during start-up): so does it, and its workers
         set_process_name(f"shardlm-core-{config.parallel.data_parallel_rank}")
-    if threading.current_thread() is threading.main_thread():      # (a Ray actor may run it elsewhere)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the parent decides
+    leave_stop_signals_to_the_parent()
     encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(ToEngineCore).decode
     try:
         if node_address is not None:

@@ -122,7 +122,7 @@ class HeadlessNode:
         self.stopping = True
         for proc in self.procs:
             if proc is not None and proc.is_alive():
-                proc.terminate()
+                proc.kill()           # it ignores SIGTERM (leave_stop_signals_to_the_parent)
         for proc in self.procs:
             if proc is not None:
                 proc.join()

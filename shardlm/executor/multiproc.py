@@ -18,7 +18,6 @@ engine core (PR_SET_PDEATHSIG) and are terminated on shutdown: no orphans.
 
 from __future__ import annotations
 
-import signal
 import sys
 import time
 from collections import deque
@@ -50,7 +49,7 @@ from shardlm.messages import (
     UtilityResult,
 )
 from shardlm.processes import InParentEnvironment, imports_the_main_script, process_context, start_method
-from shardlm.utils import die_with_parent, set_process_name
+from shardlm.utils import die_with_parent, leave_stop_signals_to_the_parent, set_process_name
 
 logger = init_logger(__name__)
 
@@ -219,17 +218,11 @@ class MultiprocExecutor(Executor):
         self._store = None
 
     def _stop_workers(self, grace_s: float) -> None:
-        """Let workers exit on their own for grace_s, then SIGTERM (SIGKILL at once for a stopped
-        one, which a SIGTERM would not wake), then SIGKILL."""
+        """Let workers exit on their own for grace_s, then SIGKILL them (they ignore SIGTERM)."""
         deadline = time.monotonic() + grace_s
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in self.procs:
-            if proc.is_alive():
-                proc.kill() if _process_state(proc.pid) in ("T", "t") else proc.terminate()
-        deadline = time.monotonic() + 2.0
-        for proc in self.procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -244,7 +237,7 @@ def run_worker(config: EngineConfig, rank: int, rendezvous: tuple[str, int], bro
 
     die_with_parent()             # the engine core, however it dies
     set_process_name(f"shardlm-rank-{config.parallel.rank_offset + rank}")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the engine decides
+    leave_stop_signals_to_the_parent()
     set_log_prefix(f"({config.parallel.describe_rank(rank)}) ")
     broadcast.attach_reader(rank)
     encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(ToWorker).decode

@@ -4,6 +4,7 @@ with a 503 that says why. SIGINT (Ctrl-C) stops at once."""
 
 import asyncio
 import json
+import os
 import signal
 import threading
 import time
@@ -87,6 +88,29 @@ def test_sigterm_finishes_the_stream_in_flight_refuses_new_requests_and_exits_0(
     text = "".join(json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in events[:-1])
     assert queued[0].status_code == 200 and queued[0].json()["choices"][0]["text"] == text, \
         "both requests ran to the end, and alike"
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_the_whole_process_group_drains_as_one_to_the_server(tiny_model_dir):
+    """systemd's stop (KillMode=control-group) and `kill -- -PGID` signal every process at once:
+    the engine core, its TP workers and the fork server leave it to the server, so the stream in
+    flight finishes, nothing dies or starts again, and no process is left."""
+    proc, url = start_server(tiny_model_dir("llama-gqa"), "--tensor-parallel-size", "2", new_session=True)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    events = []
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 100, "temperature": 0, "ignore_eos": True}
+    stream = threading.Thread(target=_stream, args=(url, body, events))
+    stream.start()
+    while not events:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGTERM)
+    stream.join(60)
+    assert proc.wait(timeout=30) == 0
+    log = proc.stderr.read()
+    assert "died" not in log and "Traceback" not in log, log[-3000:]
+    assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
+    assert len(events) == 101, "every token of the stream in flight came"
+    assert not wait_gone(children, 10)
 
 
 @pytest.mark.slow
