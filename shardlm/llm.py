@@ -6,6 +6,7 @@ import itertools
 import time
 from collections.abc import Sequence
 
+from shardlm import startup  # noqa: F401  (first of shardlm's: it counts the threads importing torch starts)
 from shardlm.engine.arg_utils import EngineArgs
 from shardlm.engine.llm_engine import LLMEngine
 from shardlm.engine.processor import split_prompt

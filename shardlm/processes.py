@@ -23,11 +23,12 @@ from multiprocessing.context import BaseContext
 from shardlm import envs
 from shardlm.utils import os_thread_count
 
-# what the fork server imports before its first fork; type_validators is what every model config
-# of transformers 5 imports, ~1.5 s of it (torch.distributed.tensor), which each child unpickling
-# its config would pay again (a name that does not import is skipped)
-FORK_SERVER_PRELOAD = ["torch", "transformers", "transformers.utils.type_validators", "shardlm.core.engine_core",
-                       "shardlm.worker.worker", "shardlm.fork_server_setup"]
+# what the fork server imports before its first fork: startup first (it imports torch, then counts
+# its threads, as fork-safety checks in the children need); type_validators is what every model
+# config of transformers 5 imports, ~1.5 s of it (torch.distributed.tensor), which each child
+# unpickling its config would pay again (a name that does not import is skipped)
+FORK_SERVER_PRELOAD = ["shardlm.startup", "transformers", "transformers.utils.type_validators",
+                       "shardlm.core.engine_core", "shardlm.worker.worker", "shardlm.fork_server_setup"]
 METHODS = ("fork", "forkserver", "spawn")
 
 

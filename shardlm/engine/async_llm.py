@@ -20,6 +20,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
+from shardlm import startup  # noqa: F401  (first of shardlm's: it counts the threads importing torch starts)
 from shardlm.config import EngineConfig
 from shardlm.engine.arg_utils import EngineArgs
 from shardlm.engine.core_client import AsyncMPClient, EngineDeadError

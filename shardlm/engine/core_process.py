@@ -13,6 +13,7 @@ from multiprocessing.connection import Connection, wait
 
 import msgspec
 
+from shardlm import startup  # noqa: F401  (first of shardlm's: it counts the threads importing torch starts)
 from shardlm.config import EngineConfig
 from shardlm.executor.base import WorkerDiedError
 from shardlm.logger import init_logger

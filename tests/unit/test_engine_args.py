@@ -6,7 +6,7 @@ import dataclasses
 
 from shardlm.config import CacheConfig, LoRAConfig, ParallelConfig, SchedulerConfig
 from shardlm.engine.arg_utils import EngineArgs
-from shardlm.entrypoints.cli import add_engine_args, engine_args_from
+from shardlm.entrypoints.cli.engine_flags import add_engine_args, engine_args_from
 
 CONFIGS = {"parallel": ParallelConfig, "cache": CacheConfig, "lora": LoRAConfig, "scheduler": SchedulerConfig}
 RESOLVED_BY_ENGINE_ARGS = {"max_num_batched_tokens"}      # None in EngineArgs: resolved from max_num_seqs

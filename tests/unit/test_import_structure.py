@@ -3,7 +3,10 @@ counted), config.py and messages.py are leaves, nothing below the entry points i
 package's face, and distributed/ is the runtime only (no CLI diagnostics in it)."""
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 import shardlm
 
@@ -117,3 +120,24 @@ def test_leaves_and_layers():
             assert "shardlm" not in imports, f"{name} imports the package's face (shardlm/__init__.py)"
     assert not (ROOT / "distributed" / "preflight.py").exists()
     assert not (ROOT / "distributed" / "cluster_check.py").exists()
+
+
+def test_the_package_and_its_cli_load_without_torch():
+    """Importing shardlm, its CLI and processes.py loads no torch (the public names do, `startup`
+    first), so that `shardlm serve` can start its fork server before it imports torch itself."""
+    code = ("import sys, shardlm, shardlm.entrypoints.cli, shardlm.processes\n"
+            "assert 'torch' not in sys.modules, 'torch loaded'\n"
+            "from shardlm import LLM, SamplingParams\n"
+            "assert 'torch' in sys.modules and sys.modules['shardlm.startup'].THREADS_AT_IMPORT > 0\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_serve_starts_the_fork_server_before_it_imports_torch():
+    code = ("import sys, multiprocessing.forkserver as forkserver\n"
+            "forkserver.ensure_running = lambda: print('torch' in sys.modules)\n"
+            "from shardlm.entrypoints.cli import main\n"
+            "main(['serve', '/no/such/model'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "SHARDLM_WORKER_MULTIPROC_METHOD"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 2, run.stderr[-2000:]           # the model does not exist: a plain error
+    assert run.stdout.split()[0] == "False", "the fork server started after torch was imported"

@@ -1,28 +1,32 @@
 """The `shardlm` command: one module per subcommand (serve, generate, chat, bench, plan, env,
-cluster, run-batch), each with register(subparsers) and run(namespace)."""
+cluster, run-batch), each with register(subparsers) and run(namespace). They load in
+build_parser, after `serve` has started its fork server: until then this process imports no torch."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from shardlm.entrypoints.cli import bench, chat, cluster, env, generate, plan, run_batch, serve
-from shardlm.entrypoints.cli.engine_flags import add_engine_args, engine_args_from
-
-__all__ = ["main", "build_parser", "add_engine_args", "engine_args_from"]
-SUBCOMMANDS = (serve, run_batch, generate, chat, plan, cluster, env, bench)
+__all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from shardlm import startup  # noqa: F401  (first: it counts the threads importing torch starts)
+    from shardlm.entrypoints.cli import bench, chat, cluster, env, generate, plan, run_batch, serve
+
     parser = argparse.ArgumentParser(prog="shardlm", description="Serve large language models split across "
                                      "processes, devices and machines.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in SUBCOMMANDS:
+    for command in (serve, run_batch, generate, chat, plan, cluster, env, bench):
         command.register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"] and not {"-h", "--help"} & set(argv):
+        from shardlm.processes import start_fork_server_early
+        start_fork_server_early()     # the engine core comes from it: its imports overlap this process's
     ns = build_parser().parse_args(argv)
     try:
         ns.func(ns)
