@@ -1,6 +1,7 @@
 """The `shardlm` command: one module per subcommand (serve, generate, chat, bench, plan, env,
 cluster, run-batch), each with register(subparsers) and run(namespace). They load in
-build_parser, after `serve` has started its fork server: until then this process imports no torch."""
+build_parser, after `serve` or `run-batch` has started its fork server: until then this
+process imports no torch."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import argparse
 import sys
 
 __all__ = ["main", "build_parser"]
+# the commands whose engine core runs in a process of its own, which comes from the fork server
+ENGINE_PROCESS_COMMANDS = ("serve", "run-batch")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"] and not {"-h", "--help"} & set(argv):
+    if argv[:1] and argv[0] in ENGINE_PROCESS_COMMANDS and not {"-h", "--help"} & set(argv):
         from shardlm.processes import start_fork_server_early
         start_fork_server_early()     # the engine core comes from it: its imports overlap this process's
     ns = build_parser().parse_args(argv)
