@@ -62,9 +62,9 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
     except BaseException as e:   # report why, then exit: the parent raises it
         outputs.send_bytes(encode(StartupFailed(f"{type(e).__name__}: {e}")))
         return NOT_STARTED
-    outputs.send_bytes(encode(Ready(num_blocks=core.num_blocks)))
     worker_sentinels = core.executor.sentinels()
     try:
+        outputs.send_bytes(encode(Ready(num_blocks=core.num_blocks)))   # (its client may be gone already)
         while True:
             if not core.is_busy():
                 # idle: sleep until a request comes or a worker dies

@@ -103,3 +103,22 @@ def test_delta_stream_concatenates_to_the_offline_text(config):
     assert [t for c in pieces for t in c.token_ids] == ref.outputs[0].token_ids
     assert sum(len(c.logprobs) for c in pieces) == len(ref.outputs[0].logprobs)
     assert pieces[-1].stop_reason == ref.outputs[0].stop_reason
+
+
+def test_an_engine_core_whose_client_left_before_it_was_ready_ends_quietly(config):
+    """Its Ready finds no reader (the server stopped while a restart was starting it): it ends as
+    when its client goes away later (exit code 0), not with a BrokenPipeError's traceback (1)."""
+    from shardlm.engine.core_process import run_engine_core
+    from shardlm.processes import InParentEnvironment, clean_process_context
+
+    ctx = clean_process_context()
+    req_recv, req_send = ctx.Pipe(duplex=False)
+    out_recv, out_send = ctx.Pipe(duplex=False)
+    out_recv.close()                     # the client is gone before the core is ready
+    core = ctx.Process(target=InParentEnvironment(run_engine_core), args=(config, req_recv, out_send))
+    core.start()
+    req_recv.close()
+    out_send.close()
+    core.join(60)
+    req_send.close()
+    assert core.exitcode == 0
