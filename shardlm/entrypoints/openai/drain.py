@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 from types import FrameType
 
 import uvicorn
@@ -49,16 +50,18 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's server, with SIGTERM turned into a drain of up to `shutdown_timeout` seconds
     (0: stop at once, as vLLM's default)."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float):
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float,
+                 sockets: list[socket.socket] | None = None):
         super().__init__(config)
         self.state, self.shutdown_timeout = state, shutdown_timeout
+        self.sockets = sockets          # bound already (listen.py); None: uvicorn binds config's host and port
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task | None = None      # held: the loop keeps only a weak reference to a task
         self.interrupted = False        # stopped by SIGINT (Ctrl-C), whatever this process inherited for it
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        await super().serve(sockets or self.sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         first = not self.state.draining and not self.should_exit

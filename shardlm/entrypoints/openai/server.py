@@ -22,6 +22,7 @@ from shardlm.engine.async_llm import AsyncLLM
 from shardlm.engine.restarts import RestartPolicy
 from shardlm.entrypoints.openai.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, DrainGate, DrainingServer
 from shardlm.entrypoints.openai.errors import add_error_handlers
+from shardlm.entrypoints.openai.listen import bind_sockets
 from shardlm.entrypoints.openai.metrics import ServerMetrics
 from shardlm.entrypoints.openai.middleware import ApiKeyCheck
 from shardlm.entrypoints.openai.protocol import RequestLimits, publish_vocabulary
@@ -114,20 +115,26 @@ def make_server(engine_args: EngineArgs, host: str, port: int, api_key: str | No
                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
                 restarts: RestartPolicy | None = None, otlp_traces_endpoint: str | None = None) -> DrainingServer:
     """The server `shardlm serve` runs, checked and ready to serve (the engine starts with it)."""
-    start_fork_server_early()     # the engine core comes from it: its imports overlap ours
-    config = engine_args.create_engine_config()   # bad settings fail here, plainly, before the engine starts
-    if lora_modules and config.lora is None:
-        raise ValueError("--lora-modules needs --enable-lora.")
-    for module in lora_modules or []:      # a bad adapter fails here too, before any process starts
-        read_lora_request(module, config.model.hf_config, config.lora.max_lora_rank, config.model.download_dir)
-    app = build_app(config, api_key, chat_template, limits, metrics_require_key, tool_parser, lora_modules,
-                    restarts, otlp_traces_endpoint)
+    sockets = bind_sockets(host, port)      # a port in use fails now, not after the model loaded
+    try:
+        start_fork_server_early()     # the engine core comes from it: its imports overlap ours
+        config = engine_args.create_engine_config()   # bad settings fail here, plainly, before the engine starts
+        if lora_modules and config.lora is None:
+            raise ValueError("--lora-modules needs --enable-lora.")
+        for module in lora_modules or []:      # a bad adapter fails here too, before any process starts
+            read_lora_request(module, config.model.hf_config, config.lora.max_lora_rank, config.model.download_dir)
+        app = build_app(config, api_key, chat_template, limits, metrics_require_key, tool_parser, lora_modules,
+                        restarts, otlp_traces_endpoint)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
     limits = limits or RequestLimits()
     # uvicorn answers 503 once a request finds limit_concurrency connections open, itself counted
     http = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                           http=guarded_protocol(limits), h11_max_incomplete_event_size=limits.max_header_bytes,
                           limit_concurrency=limits.max_connections + 1)
-    return DrainingServer(http, app.state.shardlm, shutdown_timeout)
+    return DrainingServer(http, app.state.shardlm, shutdown_timeout, sockets)
 
 
 def run_server(*args, **kwargs) -> None:
