@@ -141,3 +141,4 @@ def test_serve_starts_the_fork_server_before_it_imports_torch():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 2, run.stderr[-2000:]           # the model does not exist: a plain error
     assert run.stdout.split()[0] == "False", "the fork server started after torch was imported"
+

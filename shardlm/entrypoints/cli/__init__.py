@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shardlm.version import __version__
+
 __all__ = ["main", "build_parser"]
 # the commands whose engine core runs in a process of its own, which comes from the fork server
 ENGINE_PROCESS_COMMANDS = ("serve", "run-batch")
@@ -19,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="shardlm", description="Serve large language models split across "
                                      "processes, devices and machines.")
+    parser.add_argument("--version", action="version", version=f"shardlm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in (serve, run_batch, generate, chat, plan, cluster, env, bench):
         command.register(sub)
