@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import os
 import sys
 
@@ -52,12 +54,52 @@ def register(sub) -> None:
                         "pip install 'shardlm[otel]')")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_http_args(p.add_argument_group("HTTP (TLS, CORS, a reverse proxy's prefix, logs, docs)"))
     from shardlm.entrypoints.openai.protocol import RequestLimits
     limits = p.add_argument_group("request limits")
     for f in dataclasses.fields(RequestLimits):
         limits.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default,
                             help=RequestLimits.HELP[f.name] + " (default: %(default)s)")
     p.set_defaults(func=run)
+
+
+def add_http_args(group) -> None:
+    group.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key (PEM), with --ssl-certfile")
+    group.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate chain (PEM)")
+    group.add_argument("--ssl-ca-certs", default=None, help="the CA certificates that sign clients' certificates")
+    group.add_argument("--ssl-cert-reqs", type=int, default=0,
+                       help="client certificates: 0 not asked, 1 optional, 2 required (default: %(default)s)")
+    group.add_argument("--root-path", default="", help="the path prefix a reverse proxy serves this server under")
+    for name, what in (("origins", "the web origins a browser may call this server from"),
+                       ("methods", "the HTTP methods they may use"), ("headers", "the request headers they may send")):
+        group.add_argument(f"--allowed-{name}", type=_json_list, default=["*"], metavar="JSON",
+                           help=f"CORS: {what}, a JSON list (default: [\"*\"]: any)")
+    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and authorization "
+                       "headers from the --allowed-origins (not with every origin)")
+    group.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per request")
+    group.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a JSON list of strings, e.g. '[\"https://example.com\"]'")
+    return value
+
+
+def http_options(ns):
+    from shardlm.entrypoints.openai.http_options import HttpOptions
+    try:
+        return HttpOptions(ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, ssl_ca_certs=ns.ssl_ca_certs,
+                           ssl_cert_reqs=ns.ssl_cert_reqs, root_path=ns.root_path, allowed_origins=ns.allowed_origins,
+                           allowed_methods=ns.allowed_methods, allowed_headers=ns.allowed_headers,
+                           allow_credentials=ns.allow_credentials, access_log=not ns.disable_uvicorn_access_log,
+                           docs=not ns.disable_fastapi_docs)
+    except ValueError as e:
+        sys.exit(f"shardlm: error: {e}")
 
 
 def run(ns) -> None:
@@ -115,4 +157,4 @@ def server_options(ns) -> dict:
                 tool_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None, lora_modules=lora_modules,
                 shutdown_timeout=ns.shutdown_timeout,
                 restarts=RestartPolicy(ns.max_engine_restarts, ns.max_replica_restarts),
-                otlp_traces_endpoint=ns.otlp_traces_endpoint)
+                otlp_traces_endpoint=ns.otlp_traces_endpoint, http=http_options(ns))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import ssl
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -22,6 +23,7 @@ from shardlm.engine.async_llm import AsyncLLM
 from shardlm.engine.restarts import RestartPolicy
 from shardlm.entrypoints.openai.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, DrainGate, DrainingServer
 from shardlm.entrypoints.openai.errors import add_error_handlers
+from shardlm.entrypoints.openai.http_options import HttpOptions
 from shardlm.entrypoints.openai.listen import bind_sockets
 from shardlm.entrypoints.openai.metrics import ServerMetrics
 from shardlm.entrypoints.openai.middleware import ApiKeyCheck
@@ -45,11 +47,12 @@ _UNHEALTHY_GRACE_S = 2.0   # how long /health reports 503 after the engine died,
 def build_app(config: EngineConfig, api_key: str | None = None, chat_template: str | None = None,
               limits: RequestLimits | None = None, metrics_require_key: bool = False,
               tool_parser: str | None = None, lora_modules: list[LoRARequest] | None = None,
-              restarts: RestartPolicy | None = None, otlp_traces_endpoint: str | None = None) -> FastAPI:
+              restarts: RestartPolicy | None = None, otlp_traces_endpoint: str | None = None,
+              http: HttpOptions | None = None) -> FastAPI:
     """lora_modules: --lora-modules, as LoRARequests (their ids are given out here); restarts: when
     to start a dead engine again (None: never; the server then exits); otlp_traces_endpoint: where
-    each request's span goes (None: no tracing)."""
-    limits = limits or RequestLimits()
+    each request's span goes (None: no tracing); http: CORS and the docs pages (http_options.py)."""
+    limits, http = limits or RequestLimits(), http or HttpOptions()
     state = ServerState()
     tracer = RequestTracer(otlp_traces_endpoint, config.model.served_model_name) if otlp_traces_endpoint else None
 
@@ -84,7 +87,7 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
             if tracer is not None:
                 tracer.shutdown()
 
-    app = FastAPI(title="shardlm", version=shardlm.__version__, lifespan=lifespan)
+    app = FastAPI(title="shardlm", version=shardlm.__version__, lifespan=lifespan, **http.fastapi_kwargs())
     app.state.shardlm = state
     default_openapi = app.openapi
 
@@ -105,6 +108,7 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
     if api_key:       # added last, so it runs first
         open_routes = tuple(r for r in health.OPEN_ROUTES if not (metrics_require_key and r == "/metrics"))
         app.add_middleware(ApiKeyCheck, api_key=api_key, open_routes=open_routes)
+    http.add_cors(app)
     return app
 
 
@@ -113,8 +117,10 @@ def make_server(engine_args: EngineArgs, host: str, port: int, api_key: str | No
                 metrics_require_key: bool = False, tool_parser: str | None = None,
                 lora_modules: list[LoRARequest] | None = None,
                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-                restarts: RestartPolicy | None = None, otlp_traces_endpoint: str | None = None) -> DrainingServer:
+                restarts: RestartPolicy | None = None, otlp_traces_endpoint: str | None = None,
+                http: HttpOptions | None = None) -> DrainingServer:
     """The server `shardlm serve` runs, checked and ready to serve (the engine starts with it)."""
+    http = http or HttpOptions()
     sockets = bind_sockets(host, port)      # a port in use fails now, not after the model loaded
     try:
         start_fork_server_early()     # the engine core comes from it: its imports overlap ours
@@ -124,17 +130,22 @@ def make_server(engine_args: EngineArgs, host: str, port: int, api_key: str | No
         for module in lora_modules or []:      # a bad adapter fails here too, before any process starts
             read_lora_request(module, config.model.hf_config, config.lora.max_lora_rank, config.model.download_dir)
         app = build_app(config, api_key, chat_template, limits, metrics_require_key, tool_parser, lora_modules,
-                        restarts, otlp_traces_endpoint)
+                        restarts, otlp_traces_endpoint, http)
+        limits = limits or RequestLimits()
+        # uvicorn answers 503 once a request finds limit_concurrency connections open, itself counted
+        server_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                                       http=guarded_protocol(limits),
+                                       h11_max_incomplete_event_size=limits.max_header_bytes,
+                                       limit_concurrency=limits.max_connections + 1, **http.uvicorn_kwargs())
+        try:
+            server_config.load()        # the TLS files are read here, before the engine starts
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"--ssl-keyfile/--ssl-certfile/--ssl-ca-certs: cannot use them: {e}.") from None
     except BaseException:
         for sock in sockets:
             sock.close()
         raise
-    limits = limits or RequestLimits()
-    # uvicorn answers 503 once a request finds limit_concurrency connections open, itself counted
-    http = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                          http=guarded_protocol(limits), h11_max_incomplete_event_size=limits.max_header_bytes,
-                          limit_concurrency=limits.max_connections + 1)
-    return DrainingServer(http, app.state.shardlm, shutdown_timeout, sockets)
+    return DrainingServer(server_config, app.state.shardlm, shutdown_timeout, sockets)
 
 
 def run_server(*args, **kwargs) -> None:
