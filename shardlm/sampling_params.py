@@ -65,6 +65,12 @@ class StructuredOutputsParams:
             (["json_object"] if self.json_object else [])
 
 
+# generation_config.json keys -> the SamplingParams fields they give defaults to (for requests that
+# leave them out; do_sample false means greedy)
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
 @dataclass
 class SamplingParams:
     n: int = 1

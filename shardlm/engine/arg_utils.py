@@ -43,6 +43,7 @@ from shardlm.models.registry import (
 )
 from shardlm.planner.startup import check_fits, check_parallel_layout
 from shardlm.pooling.config import classifier_from_token, resolve_pooler_config, resolve_runner
+from shardlm.sampling_params import GENERATION_CONFIG_FIELDS
 from shardlm.worker.cpu_binding import validate_binding
 
 logger = init_logger(__name__)
@@ -115,6 +116,14 @@ class EngineArgs:
     tokenizer_revision: str | None = knob(
         None, "model",
         "a hub tokenizer's branch, tag or commit (default: main)")
+    generation_config: str = knob(
+        "auto", "model",
+        "where requests that leave sampling out take their defaults (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens as max_tokens): auto, the model's generation_config.json; vllm, "
+        "SamplingParams' own (temperature 1, as vLLM's); or a folder holding a generation_config.json")
+    override_generation_config: str | dict | None = knob(
+        None, "model",
+        "sampling defaults laid over --generation-config's, as JSON, e.g. '{\"temperature\": 0.5}'")
     block_size: int = knob_of(CacheConfig, "block_size")
     kv_cache_memory: int | str = knob_of(CacheConfig, "kv_cache_memory")
     gpu_memory_utilization: float = knob_of(CacheConfig, "gpu_memory_utilization")
@@ -263,13 +272,15 @@ class EngineArgs:
             if self.pooler_config:
                 raise ValueError("--pooler-config applies to pooling models: add --runner pooling.")
             max_model_len = _resolve_max_model_len(hf_config, self.max_model_len)
-        gen_defaults = load_generation_defaults(path)
+        gen_defaults = load_generation_defaults(path)        # (its EOS ids count whatever the sampling defaults)
+        sampling_defaults = resolve_sampling_defaults(self.generation_config, self.override_generation_config,
+                                                      gen_defaults)
         model_cfg = ModelConfig(
             model=path, tokenizer=resolve_tokenizer_path(self.tokenizer, self.download_dir, self.tokenizer_revision)
             if self.tokenizer else path, hf_config=hf_config, dtype=dtype,
             max_model_len=max_model_len, seed=self.seed, architecture=architecture,
             served_model_name=self.served_model_name or (self.model or "SmolLM2-135M-Instruct"),
-            eos_token_ids=_eos_ids(checkpoint_config, gen_defaults), generation_defaults=gen_defaults,
+            eos_token_ids=_eos_ids(checkpoint_config, gen_defaults), generation_defaults=sampling_defaults,
             quantization=resolve_quantization(
                 self.quantization, self.quantization_group_size,
                 linear_inputs(hf_config, parallel.tensor_parallel_size) if self.quantization else None,
@@ -475,6 +486,34 @@ def load_generation_defaults(path: str) -> dict:
         return {}
     with open(gen_path) as f:
         return json.load(f)
+
+
+def resolve_sampling_defaults(choice: str, override: str | dict | None, model_file: dict) -> dict:
+    """vLLM's --generation-config (auto: the model's generation_config.json; vllm: none; else a
+    folder holding one) with --override-generation-config (JSON) laid over it."""
+    if choice == "auto":
+        defaults = dict(model_file)
+    elif choice == "vllm":
+        defaults = {}
+    elif os.path.isdir(choice):
+        defaults = load_generation_defaults(choice)
+        if not defaults:
+            raise ValueError(f"--generation-config {choice}: the folder has no generation_config.json.")
+    else:
+        raise ValueError(f"--generation-config {choice!r}: give auto (the model's generation_config.json), vllm "
+                         "(none) or a folder holding a generation_config.json.")
+    if isinstance(override, str):
+        try:
+            override = json.loads(override)
+        except json.JSONDecodeError:
+            override = None
+        if not isinstance(override, dict):
+            raise ValueError("--override-generation-config: give a JSON object, e.g. '{\"temperature\": 0.5}'.")
+    known = {*GENERATION_CONFIG_FIELDS, "do_sample"}
+    if unknown := sorted(set(override or {}) - known):
+        raise ValueError(f"--override-generation-config: {', '.join(unknown)} gives no sampling default; use "
+                         f"{', '.join(sorted(known))}.")
+    return {**defaults, **(override or {})}
 
 
 def _faster_cpu_dtype(mlp_shape: tuple[int, int] | None, measurement) -> torch.dtype:

@@ -17,12 +17,8 @@ from shardlm.lora.request import LoRARequest
 from shardlm.messages import EngineCoreRequest
 from shardlm.outputs import RequestMetrics
 from shardlm.pooling.params import PoolingParams
-from shardlm.sampling_params import RequestOutputKind, SamplingParams
+from shardlm.sampling_params import GENERATION_CONFIG_FIELDS, RequestOutputKind, SamplingParams
 from shardlm.structured_output.grammar import GrammarCompiler
-
-# generation_config.json keys -> SamplingParams fields (used when the caller gives no params)
-_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 def load_tokenizer(path: str):
@@ -63,7 +59,7 @@ class InputProcessor:
 
     def default_sampling_params(self) -> SamplingParams:
         gen = self.config.model.generation_defaults
-        values = {field: gen[key] for key, field in _GENERATION_DEFAULTS.items() if gen.get(key) is not None}
+        values = {field: gen[key] for key, field in GENERATION_CONFIG_FIELDS.items() if gen.get(key) is not None}
         if gen.get("do_sample") is False:
             values["temperature"] = 0.0
         return SamplingParams(**values)

@@ -155,6 +155,37 @@ def test_generation_config_defaults_apply(tiny_model_dir, tmp_path):
     assert len(llm.generate(PROMPTS[0], use_tqdm=False)[0].outputs[0].token_ids) <= 5
 
 
+def test_generation_config_and_its_override_as_vllms_flags(tiny_model_dir, tmp_path):
+    """--generation-config auto (the model's file), vllm (no defaults) or a folder, and
+    --override-generation-config laid over it; the model's EOS ids hold in each case."""
+    import shutil
+
+    from shardlm.engine.arg_utils import EngineArgs
+    dst, other = tmp_path / "m", tmp_path / "other"
+    shutil.copytree(tiny_model_dir("llama-gqa"), dst)
+    json.dump({"eos_token_id": [7, 8], "temperature": 0.6, "top_p": 0.9}, open(dst / "generation_config.json", "w"))
+    other.mkdir()
+    json.dump({"temperature": 0.2, "top_k": 5}, open(other / "generation_config.json", "w"))
+
+    def defaults(**kwargs):
+        model = EngineArgs(model=str(dst), dtype="float32", **kwargs).create_engine_config().model
+        assert model.eos_token_ids == [7, 8]
+        return model.generation_defaults
+
+    assert defaults() == {"eos_token_id": [7, 8], "temperature": 0.6, "top_p": 0.9}
+    assert defaults(generation_config="vllm") == {}
+    assert defaults(generation_config=str(other)) == {"temperature": 0.2, "top_k": 5}
+    assert defaults(override_generation_config='{"temperature": 0.1, "max_new_tokens": 9}') == \
+        {"eos_token_id": [7, 8], "temperature": 0.1, "top_p": 0.9, "max_new_tokens": 9}
+    assert defaults(generation_config="vllm", override_generation_config={"top_p": 0.5}) == {"top_p": 0.5}
+    for bad, why in [(dict(generation_config="hf"), "give auto .*, vllm .* or a folder"),
+                     (dict(generation_config=str(tmp_path)), "the folder has no generation_config.json"),
+                     (dict(override_generation_config="temperature=0.5"), "give a JSON object"),
+                     (dict(override_generation_config='{"temprature": 0.5}'), "temprature gives no sampling default")]:
+        with pytest.raises(ValueError, match=why):
+            defaults(**bad)
+
+
 def test_shutdown_releases_weights_and_kv_cache(tiny_model_dir):
     """A process may start a second engine after the first (CUDA: its memory profile must not
     count the first one's weights and KV cache, which stayed allocated before this)."""
