@@ -112,6 +112,9 @@ class ModelConfig:
     convert: str | None = None               # a generative architecture run as a pooling model: embed, classify
     pooler: object | None = None             # the pooling runner's PoolerConfig (pooling/config.py)
     collect_detailed_traces: bool = False    # steps timed, each request's share reported (tracing)
+    disable_log_stats: bool = False          # no periodic stats line (core/stat_logger.py)
+    enable_log_requests: bool = False        # AsyncLLM logs each request as it arrives
+    max_log_len: int | None = None           # ... with at most this much of its prompt
 
     @property
     def num_layers(self) -> int:

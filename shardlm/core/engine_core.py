@@ -53,7 +53,7 @@ class EngineCore:
                                    num_blocks, self.max_in_flight,
                                    config.lora.max_loras if config.lora is not None else 0, config.speculative,
                                    config.kv_groups)
-        self.stat_logger = StatLogger(self.scheduler)
+        self.stat_logger = StatLogger(self.scheduler, log=not config.model.disable_log_stats)
         self.batch_queue: deque = deque()      # (scheduler output, wait for its result, when sent), oldest first
         self.wave = Wave() if config.dp_lockstep else None     # DP + EP: replicas step together
         self.structured_outputs: StructuredOutputManager | None = None     # made at the first constrained request

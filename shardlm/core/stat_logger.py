@@ -19,8 +19,8 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 class StatLogger:
     INTERVAL_S = 10.0
 
-    def __init__(self, scheduler):
-        self.scheduler = scheduler
+    def __init__(self, scheduler, log: bool = True):
+        self.scheduler, self.log = scheduler, log      # log False (--disable-log-stats): counters only
         self._since = time.monotonic()
         self._prompt_tokens = self._generation_tokens = 0
         self._spec_before = SpecDecodingStats()
@@ -43,7 +43,7 @@ class StatLogger:
                                     len(ITERATION_TOKEN_BUCKETS))] += 1
         self.iteration_tokens_sum += step
         now = time.monotonic()
-        if now - self._since >= self.INTERVAL_S:
+        if self.log and now - self._since >= self.INTERVAL_S:
             self._log(now - self._since)
             self._since, self._prompt_tokens, self._generation_tokens = now, 0, 0
 

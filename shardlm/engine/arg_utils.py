@@ -204,6 +204,16 @@ class EngineArgs:
         "with the server's --otlp-traces-endpoint: time each step on the engine core and the workers and add "
         "each request's share to its span (gen_ai.latency.time_in_model_execute / time_in_model_forward); "
         "model, worker or all (vLLM's names; each records both here)")
+    disable_log_stats: bool = knob(
+        False, "model",
+        "no periodic log line of throughput, queue and KV cache use (the server's /metrics still count)")
+    enable_log_requests: bool = knob(
+        False, "model",
+        "log each request as it arrives: its id, prompt, sampling parameters and adapter (the server and "
+        "AsyncLLM; --max-log-len shortens the prompt)")
+    max_log_len: int | None = knob(
+        None, "model",
+        "with --enable-log-requests: at most this many characters and token ids of each prompt (default: all)")
     hf_overrides: dict | str | None = knob(
         None, "model",
         "JSON set over the checkpoint's config.json before anything reads it, as vLLM's: e.g. "
@@ -291,7 +301,8 @@ class EngineArgs:
             download_dir=self.download_dir,
             reasoning_parser=_reasoning_parser(self.structured_outputs_config, self.reasoning_parser),
             runner=runner, convert=convert, pooler=pooler, collect_detailed_traces=_detailed_traces(
-                self.collect_detailed_traces))
+                self.collect_detailed_traces), disable_log_stats=self.disable_log_stats,
+            enable_log_requests=self.enable_log_requests, max_log_len=self.max_log_len)
         cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
         batched_tokens = self.max_num_batched_tokens or max(SchedulerConfig.max_num_batched_tokens, self.max_num_seqs)
         if pooler is not None:

@@ -25,7 +25,7 @@ from shardlm.config import EngineConfig
 from shardlm.engine.arg_utils import EngineArgs
 from shardlm.engine.core_client import AsyncMPClient, EngineDeadError
 from shardlm.engine.output_processor import OutputProcessor
-from shardlm.engine.processor import InputProcessor, load_tokenizer
+from shardlm.engine.processor import InputProcessor, load_tokenizer, split_prompt
 from shardlm.engine.restarts import RestartPolicy
 from shardlm.logger import init_logger
 from shardlm.lora.request import LoRARequest
@@ -61,6 +61,17 @@ class RequestOutputCollector:
         if isinstance(output, BaseException):
             raise output
         return output
+
+
+def log_request(request_id: str, prompt, request, lora_request: LoRARequest | None, max_len: int | None) -> None:
+    """--enable-log-requests: the request as the engine takes it (vLLM's "Received request" line)."""
+    text, _ = split_prompt(prompt)
+    ids = request.prompt_token_ids
+    logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s (%d), lora_request: %s.",
+                request_id, text[:max_len] if text is not None and max_len is not None else text,
+                request.pooling_params or request.params,
+                ids[:max_len] if max_len is not None else ids, len(ids),
+                lora_request.lora_name if lora_request else None)
 
 
 class AsyncLLM:
@@ -145,6 +156,8 @@ class AsyncLLM:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         parent, requests = self.processor.process(request_id, prompt, sampling_params, lora_request=lora_request,
                                                   priority=priority)
+        if self.config.model.enable_log_requests:
+            log_request(request_id, prompt, requests[0], lora_request, self.config.model.max_log_len)
         parent.collector = collector = RequestOutputCollector(parent.params.output_kind)
         self._collectors[request_id] = collector
         self.output_processor.add_request(parent, [r.request_id for r in requests], [r.params for r in requests])

@@ -28,6 +28,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if kwargs["help"] and f.default is not None and not isinstance(f.default, bool):
             kwargs["help"] += " (default: %(default)s)"
         group.add_argument(*flags, **kwargs)
+    group.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                       help="as --no-enable-log-requests: vLLM's older flag, kept for its command lines")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
