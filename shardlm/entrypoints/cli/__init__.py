@@ -33,7 +33,13 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] and argv[0] in ENGINE_PROCESS_COMMANDS and not {"-h", "--help"} & set(argv):
         from shardlm.processes import start_fork_server_early
         start_fork_server_early()     # the engine core comes from it: its imports overlap this process's
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    from shardlm.entrypoints.cli.config_file import expand_config_file
+    try:
+        argv = expand_config_file(parser, argv)
+    except ValueError as e:
+        parser.error(str(e))
+    ns = parser.parse_args(argv)
     try:
         ns.func(ns)
     except (ValueError, NotImplementedError, RuntimeError) as e:

@@ -12,6 +12,8 @@ from shardlm.executor.selection import BACKENDS
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineArgs field, named as vLLM names them."""
+    parser.add_argument("--config", default=None, metavar="FILE.yaml",
+                        help="flags from a YAML file (flag: value; the command line's win), as vLLM's --config")
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineArgs):
         if f.name == "model":
