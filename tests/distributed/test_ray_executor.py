@@ -99,11 +99,12 @@ def test_environment_is_forwarded_to_every_node(cluster, tiny_model_dir, monkeyp
 @pytest.mark.slow
 def test_killed_actor_fails_the_engine_fast_naming_rank_and_node(cluster, tiny_model_dir):
     llm = LLM(tiny_model_dir("llama-gqa"), **ENGINE, pipeline_parallel_size=2, distributed_executor_backend="ray")
-    executor = llm.engine.engine_core.engine_core.executor
-    victim = executor.infos[1]
-    error = kill_during_generation(llm, victim.pid, r"Worker rank 1 on node .*Ray node .* died")
-    assert victim.node_id[:8] in error and victim.ip in error
-    llm.shutdown()
+    try:          # shut down whatever happens: actors left behind would hold the cluster's CPUs from later tests
+        victim = llm.engine.engine_core.engine_core.executor.infos[1]
+        error = kill_during_generation(llm, victim.pid, r"Worker rank 1 on node .*Ray node .* died")
+        assert victim.node_id[:8] in error and victim.ip in error
+    finally:
+        llm.shutdown()
     assert_nothing_left()
 
 
