@@ -115,6 +115,7 @@ class ModelConfig:
     disable_log_stats: bool = False          # no periodic stats line (core/stat_logger.py)
     enable_log_requests: bool = False        # AsyncLLM logs each request as it arrives
     max_log_len: int | None = None           # ... with at most this much of its prompt
+    load_format: str = "auto"                # auto: the checkpoint's weights; dummy: random ones (model_loader)
 
     @property
     def num_layers(self) -> int:

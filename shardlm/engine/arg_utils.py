@@ -116,6 +116,11 @@ class EngineArgs:
     tokenizer_revision: str | None = knob(
         None, "model",
         "a hub tokenizer's branch, tag or commit (default: main)")
+    load_format: str = knob(
+        "auto", "model",
+        "auto (or safetensors): the checkpoint's weights; dummy: random weights of the model's shapes, no "
+        "checkpoint read (config.json and the tokenizer suffice), to measure the speed and memory of a "
+        "model whose weights are not here, as vLLM's")
     generation_config: str = knob(
         "auto", "model",
         "where requests that leave sampling out take their defaults (temperature, top_p, top_k, min_p, "
@@ -302,7 +307,9 @@ class EngineArgs:
             reasoning_parser=_reasoning_parser(self.structured_outputs_config, self.reasoning_parser),
             runner=runner, convert=convert, pooler=pooler, collect_detailed_traces=_detailed_traces(
                 self.collect_detailed_traces), disable_log_stats=self.disable_log_stats,
-            enable_log_requests=self.enable_log_requests, max_log_len=self.max_log_len)
+            enable_log_requests=self.enable_log_requests, max_log_len=self.max_log_len,
+            load_format=_load_format(self.load_format, source.gguf_file,
+                                     checkpoint_method(getattr(hf_config, "quantization_config", None))))
         cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
         batched_tokens = self.max_num_batched_tokens or max(SchedulerConfig.max_num_batched_tokens, self.max_num_seqs)
         if pooler is not None:
@@ -497,6 +504,19 @@ def load_generation_defaults(path: str) -> dict:
         return {}
     with open(gen_path) as f:
         return json.load(f)
+
+
+def _load_format(choice: str, gguf_file: str | None, checkpoint: tuple[str, int] | None) -> str:
+    if choice == "safetensors":
+        choice = "auto"
+    if choice not in ("auto", "dummy"):
+        raise ValueError(f"--load-format {choice}: give auto (the checkpoint's weights) or dummy (random weights).")
+    # an FP8 checkpoint's weights are float once read (fp8.py), so random ones stand in for them too
+    packed = "GGUF" if gguf_file else checkpoint[0].upper() if checkpoint and checkpoint[0] != "fp8" else None
+    if choice == "dummy" and packed:
+        raise ValueError(f"--load-format dummy makes float weights, not {packed} blocks: give a float model "
+                         "(--quantization int8 or int4 quantizes its weights at load).")
+    return choice
 
 
 def resolve_sampling_defaults(choice: str, override: str | dict | None, model_file: dict) -> dict:

@@ -25,7 +25,8 @@ def safetensors_files(model_dir: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise ValueError(f"{model_dir} has no *.safetensors files; shardlm loads safetensors checkpoints "
-                         "(convert .bin weights with transformers' save_pretrained(safe_serialization=True)).")
+                         "(convert .bin weights with transformers' save_pretrained(safe_serialization=True)); "
+                         "--load-format dummy runs it on random weights.")
     return files
 
 
@@ -124,6 +125,16 @@ def _float_weights(weights: Iterator[tuple[str, object]], packed: PackedLinears,
             yield name, tensor
 
 
+def fill_with_random_weights(model: torch.nn.Module, seed: int) -> set[str]:
+    """--load-format dummy: every parameter uniform in [-1e-3, 1e-3] (vLLM's range), the same on every
+    run; -> their names, as load_weights returns those it loaded."""
+    generator = torch.Generator().manual_seed(seed)
+    for param in model.parameters():
+        values = torch.empty(param.shape, dtype=torch.float32).uniform_(-1e-3, 1e-3, generator=generator)
+        param.data.copy_(values)
+    return {name for name, _ in model.named_parameters()}
+
+
 def load_model(cls: type, model_config: ModelConfig, device: torch.device,
                layer_range: tuple[int, int] | None = None) -> torch.nn.Module:
     """The model of class `cls` (models/registry.py picks it: this package sits below the models,
@@ -141,10 +152,13 @@ def load_model(cls: type, model_config: ModelConfig, device: torch.device,
     if quant is not None and quant.method in ("gptq", "awq"):
         packed = PackedLinears(quant.method, quant.group_size,
                                is_v1(getattr(model_config.hf_config, "quantization_config", None)))
-    weights = iterate_weights(model_config.model)
-    if packed is not None:     # the packed linears are collected aside, the rest loads as usual
-        weights = _float_weights(weights, packed, _stage_filter(model))
-    loaded = model.load_weights(weights)
+    if model_config.load_format == "dummy":
+        loaded = fill_with_random_weights(model, model_config.seed)
+    else:
+        weights = iterate_weights(model_config.model)
+        if packed is not None:     # the packed linears are collected aside, the rest loads as usual
+            weights = _float_weights(weights, packed, _stage_filter(model))
+        loaded = model.load_weights(weights)
     if packed is not None:
         take_quantized_linears(model, packed.decoded())
     elif quant is not None and quant.method == "gguf":

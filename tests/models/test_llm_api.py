@@ -186,6 +186,31 @@ def test_generation_config_and_its_override_as_vllms_flags(tiny_model_dir, tmp_p
             defaults(**bad)
 
 
+def test_load_format_dummy_runs_a_model_without_its_weights(tiny_model_dir, tmp_path):
+    """config.json and the tokenizer suffice: random weights of the model's shapes, the same on each
+    run, quantized at load on request; a checkpoint's own weights are not read."""
+    import shutil
+    dst = tmp_path / "config-only"
+    shutil.copytree(tiny_model_dir("llama-gqa"), dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(str(dst), dtype="float32", kv_cache_memory="16MiB", max_model_len=64)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    runs = []
+    for quantization in (None, None, "int8"):
+        llm = LLM(str(dst), dtype="float32", kv_cache_memory="16MiB", max_model_len=64, load_format="dummy",
+                  quantization=quantization)
+        weights = dict(llm.engine.engine_core.engine_core.executor.worker.runner.model.named_parameters())
+        runs.append(llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].outputs[0].token_ids)
+        assert all(w.abs().max() <= 1e-3 for w in weights.values() if w.is_floating_point())
+        llm.shutdown()
+    assert len(runs[0]) == 6 and runs[0] == runs[1], "the same random weights each run"
+    with pytest.raises(ValueError, match="give auto .* or dummy"):
+        LLM(str(dst), load_format="pt")
+    from shardlm.engine.arg_utils import EngineArgs
+    with pytest.raises(ValueError, match="dummy makes float weights, not GGUF blocks"):
+        EngineArgs(load_format="dummy").create_engine_config()       # the embedded default model
+
+
 def test_shutdown_releases_weights_and_kv_cache(tiny_model_dir):
     """A process may start a second engine after the first (CUDA: its memory profile must not
     count the first one's weights and KV cache, which stayed allocated before this)."""
