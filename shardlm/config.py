@@ -116,6 +116,7 @@ class ModelConfig:
     enable_log_requests: bool = False        # AsyncLLM logs each request as it arrives
     max_log_len: int | None = None           # ... with at most this much of its prompt
     load_format: str = "auto"                # auto: the checkpoint's weights; dummy: random ones (model_loader)
+    trust_remote_code: bool = False          # transformers may run the model repository's config/tokenizer code
 
     @property
     def num_layers(self) -> int:

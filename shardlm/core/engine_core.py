@@ -105,7 +105,8 @@ class EngineCore:
                           req.token_type_ids, req.priority)
         if req.params.structured_outputs is not None:
             if self.structured_outputs is None:
-                self.structured_outputs = StructuredOutputManager(m.tokenizer, m.vocab_size, m.reasoning_parser)
+                self.structured_outputs = StructuredOutputManager(m.tokenizer, m.vocab_size, m.reasoning_parser,
+                                                                  m.trust_remote_code)
             request.grammar = self.structured_outputs.compile(request)
         self.scheduler.add_request(request)
         return self.wave.begin() if self.wave is not None else None

@@ -116,6 +116,11 @@ class EngineArgs:
     tokenizer_revision: str | None = knob(
         None, "model",
         "a hub tokenizer's branch, tag or commit (default: main)")
+    trust_remote_code: bool = knob(
+        False, "model",
+        "let transformers run the Python files of the model's repository that define its config and "
+        "tokenizer classes (config.json's auto_map), as vLLM's; the model itself always runs shardlm's own "
+        "implementation of its architecture")
     load_format: str = knob(
         "auto", "model",
         "auto (or safetensors): the checkpoint's weights; dummy: random weights of the model's shapes, no "
@@ -266,7 +271,7 @@ class EngineArgs:
         # found once (a hub id fetched, a GGUF file converted); what follows reads the local directory
         source = locate_model(self.model, self.revision, self.download_dir)
         path = source.path
-        checkpoint_config = load_hf_config(path)
+        checkpoint_config = load_hf_config(path, self.trust_remote_code)
         if self.hf_overrides:
             for key, value in json_object_flag(self.hf_overrides, "--hf-overrides",
                                                '{"architectures": ["Qwen3ForSequenceClassification"]}').items():
@@ -279,7 +284,7 @@ class EngineArgs:
         pooler = None
         if runner == "pooling":
             if getattr(hf_config, "classifier_from_token", None):
-                classifier_from_token(hf_config, self.tokenizer or path)
+                classifier_from_token(hf_config, self.tokenizer or path, self.trust_remote_code)
             pooler = resolve_pooler_config(path, hf_config, get_model_class(architecture, convert),
                                            self.pooler_config)
             max_model_len = _pooling_max_model_len(hf_config, pooler, self.max_model_len)
@@ -308,7 +313,7 @@ class EngineArgs:
             runner=runner, convert=convert, pooler=pooler, collect_detailed_traces=_detailed_traces(
                 self.collect_detailed_traces), disable_log_stats=self.disable_log_stats,
             enable_log_requests=self.enable_log_requests, max_log_len=self.max_log_len,
-            load_format=_load_format(self.load_format, source.gguf_file,
+            trust_remote_code=self.trust_remote_code, load_format=_load_format(self.load_format, source.gguf_file,
                                      checkpoint_method(getattr(hf_config, "quantization_config", None))))
         cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
         batched_tokens = self.max_num_batched_tokens or max(SchedulerConfig.max_num_batched_tokens, self.max_num_seqs)
@@ -338,7 +343,7 @@ class EngineArgs:
         draft = spec.model
         source = locate_model(draft, None, self.download_dir)
         path = source.path
-        hf_config = load_hf_config(path)
+        hf_config = load_hf_config(path, self.trust_remote_code)
         if spec.method in ("eagle", "eagle3") and hf_config.hidden_size != target.hf_config.hidden_size:
             raise ValueError(f"The EAGLE head {draft} has hidden size {hf_config.hidden_size}, the target "
                              f"{target.hf_config.hidden_size}: an EAGLE head must be made for this target model.")
@@ -489,13 +494,20 @@ def _parse_partition(text: str | list[int] | None) -> list[int] | None:
                          "e.g. 16,14.") from None
 
 
-def load_hf_config(path: str):
+def load_hf_config(path: str, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path} has no config.json: pass a Hugging Face model directory "
                          "(config.json, *.safetensors, tokenizer files).")
-    return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if trust_remote_code or "trust_remote_code" not in str(e):
+            raise
+        raise ValueError(f"{path}: its config class is defined by Python files of the model's own (config.json's "
+                         "auto_map): pass --trust-remote-code (LLM(..., trust_remote_code=True)) to let "
+                         "transformers run them.") from None
 
 
 def load_generation_defaults(path: str) -> dict:

@@ -81,7 +81,7 @@ class AsyncLLM:
         t0 = time.perf_counter()
         self.config = config
         self.loop = loop or asyncio.get_event_loop()
-        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        self.tokenizer = load_tokenizer(config.model.tokenizer, config.model.trust_remote_code)
         self.processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = AsyncMPClient(config, self.loop, restarts)

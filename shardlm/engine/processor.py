@@ -21,9 +21,9 @@ from shardlm.sampling_params import GENERATION_CONFIG_FIELDS, RequestOutputKind,
 from shardlm.structured_output.grammar import GrammarCompiler
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def split_prompt(prompt) -> tuple[str | None, list[int] | None]:

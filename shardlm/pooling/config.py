@@ -103,14 +103,14 @@ def resolve_pooler_config(path: str, hf_config, model_class: type, flag: dict | 
                         matryoshka, values.get("step_tag_id"), max_seq_length)
 
 
-def classifier_from_token(hf_config, tokenizer_path: str) -> None:
+def classifier_from_token(hf_config, tokenizer_path: str, trust_remote_code: bool = False) -> None:
     """A causal LM as a classifier over some of its next-token logits (vLLM's classifier_from_token,
     Qwen3-Reranker's ["no", "yes"]): their LM head rows become the `score` matrix, one label per
     token; two tokens make one label, the second's logit less the first's, whose sigmoid is the
     softmax probability of the second (yes against no). Sets the token ids and num_labels."""
     from transformers import AutoTokenizer
     tokens = list(hf_config.classifier_from_token)
-    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
     ids = []
     for t in tokens:
         encoded = tok.convert_tokens_to_ids(t)

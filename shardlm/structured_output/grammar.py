@@ -88,9 +88,9 @@ def _cached_grammar(spec: str) -> str:
 class GrammarCompiler:
     """Per-request matchers over one tokenizer (read into llguidance once, at the first use)."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, trust_remote_code: bool = False):
         """tokenizer: a Hugging Face tokenizer, or the path to load one from."""
-        self._hf, self.vocab_size = tokenizer, vocab_size
+        self._hf, self.vocab_size, self.trust_remote_code = tokenizer, vocab_size, trust_remote_code
         self._tokenizer = None
         self._lock = threading.Lock()
 
@@ -98,7 +98,7 @@ class GrammarCompiler:
         with self._lock:
             if isinstance(self._hf, str):
                 from transformers import AutoTokenizer
-                self._hf = AutoTokenizer.from_pretrained(self._hf)
+                self._hf = AutoTokenizer.from_pretrained(self._hf, trust_remote_code=self.trust_remote_code)
             return self._hf
 
     def _llg_tokenizer(self):
