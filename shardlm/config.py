@@ -117,6 +117,7 @@ class ModelConfig:
     max_log_len: int | None = None           # ... with at most this much of its prompt
     load_format: str = "auto"                # auto: the checkpoint's weights; dummy: random ones (model_loader)
     trust_remote_code: bool = False          # transformers may run the model repository's config/tokenizer code
+    max_logprobs: int = 20                   # --max-logprobs: per token, a request's most; -1: the vocabulary
 
     @property
     def num_layers(self) -> int:

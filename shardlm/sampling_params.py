@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from enum import IntEnum
 
 _GREEDY_EPS = 1e-5
-MAX_LOGPROBS = 20
+DEFAULT_MAX_LOGPROBS = 20          # --max-logprobs' default (vLLM's): the engine checks a request against its own
 INT64_MAX = 2**63 - 1
 MAX_LOGIT_BIAS = 100.0     # OpenAI's range for logit_bias values
 BOUNDED_JSON_WHITESPACE = "[ ]?"     # the default JSON whitespace between items: '{"a": 1, "b": 2}' or compact
@@ -144,8 +144,7 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", self.min_tokens, f"it must not exceed max_tokens={self.max_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
-            integer(name, 0, MAX_LOGPROBS, rule=f"it must be an integer in [0, {MAX_LOGPROBS}] or None",
-                    optional=True)
+            integer(name, 0, rule="it must be an integer >= 0 or None", optional=True)
         integer("seed", 0, rule=f"it must be an integer in [0, {INT64_MAX}] or None", optional=True)
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", self.stop, "it must be a non-empty string or a list of non-empty strings")

@@ -43,7 +43,7 @@ from shardlm.models.registry import (
 )
 from shardlm.planner.startup import check_fits, check_parallel_layout
 from shardlm.pooling.config import classifier_from_token, resolve_pooler_config, resolve_runner
-from shardlm.sampling_params import GENERATION_CONFIG_FIELDS
+from shardlm.sampling_params import DEFAULT_MAX_LOGPROBS, GENERATION_CONFIG_FIELDS
 from shardlm.worker.cpu_binding import validate_binding
 
 logger = init_logger(__name__)
@@ -116,6 +116,10 @@ class EngineArgs:
     tokenizer_revision: str | None = knob(
         None, "model",
         "a hub tokenizer's branch, tag or commit (default: main)")
+    max_logprobs: int = knob(
+        DEFAULT_MAX_LOGPROBS, "model",
+        "the most logprobs (top_logprobs, prompt_logprobs) a request may ask for per token, as vLLM's; -1: "
+        "the whole vocabulary")
     trust_remote_code: bool = knob(
         False, "model",
         "let transformers run the Python files of the model's repository that define its config and "
@@ -313,6 +317,7 @@ class EngineArgs:
             runner=runner, convert=convert, pooler=pooler, collect_detailed_traces=_detailed_traces(
                 self.collect_detailed_traces), disable_log_stats=self.disable_log_stats,
             enable_log_requests=self.enable_log_requests, max_log_len=self.max_log_len,
+            max_logprobs=_max_logprobs(self.max_logprobs),
             trust_remote_code=self.trust_remote_code, load_format=_load_format(self.load_format, source.gguf_file,
                                      checkpoint_method(getattr(hf_config, "quantization_config", None))))
         cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
@@ -516,6 +521,12 @@ def load_generation_defaults(path: str) -> dict:
         return {}
     with open(gen_path) as f:
         return json.load(f)
+
+
+def _max_logprobs(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ValueError(f"--max-logprobs {value}: give a count >= 0, or -1 for the whole vocabulary.")
+    return value
 
 
 def _load_format(choice: str, gguf_file: str | None, checkpoint: tuple[str, int] | None) -> str:

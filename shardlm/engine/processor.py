@@ -40,6 +40,15 @@ def split_prompt(prompt) -> tuple[str | None, list[int] | None]:
     raise TypeError(f"Cannot read prompt {prompt!r}: use a string, a list of token ids, or a dict.")
 
 
+def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
+    limit = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, name)
+        if asked is not None and asked > limit:
+            raise ValueError(f"SamplingParams.{name}={asked}: this engine gives at most {limit} per token "
+                             f"(--max-logprobs {max_logprobs}; -1 allows the whole vocabulary).")
+
+
 def check_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
     """The one max_tokens rule, offline and in the server (vLLM's server rule): the prompt and
     max_tokens must fit in max_model_len; None asks for the rest of the context."""
@@ -107,6 +116,7 @@ class InputProcessor:
                 self._grammars = GrammarCompiler(self.tokenizer, self.config.model.vocab_size)
             self._grammars.matcher(params.structured_outputs)
         check_max_tokens(len(prompt_token_ids), params.max_tokens, self.config.model.max_model_len)
+        check_logprobs(params, self.config.model.max_logprobs, self.config.model.vocab_size)
         arrival_time = arrival_time or time.time()
         parent = ParentRequest(request_id, text, prompt_token_ids, params,
                                RequestMetrics(arrival_time, max_tokens_param=params.max_tokens, n_param=params.n))

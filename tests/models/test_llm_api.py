@@ -211,6 +211,27 @@ def test_load_format_dummy_runs_a_model_without_its_weights(tiny_model_dir, tmp_
         EngineArgs(load_format="dummy").create_engine_config()       # the embedded default model
 
 
+def test_max_logprobs_bounds_what_a_request_may_ask(tiny_model_dir):
+    """--max-logprobs, as vLLM's: 20 by default, more on request, -1 the whole vocabulary."""
+    from shardlm.engine.arg_utils import EngineArgs
+    llm = LLM(tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory="16MiB", max_model_len=64,
+              max_logprobs=30)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=25, prompt_logprobs=30), use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs) == 2 and all(len(lp) in (25, 26) for lp in out.outputs[0].logprobs), \
+        "the top 25, and the sampled token where it is not among them"
+    assert all(len(lp) in (30, 31) for lp in out.prompt_logprobs[1:])
+    with pytest.raises(ValueError, match=r"logprobs=31: this engine gives at most 30 per token \(--max-logprobs 30"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=31), use_tqdm=False)
+    llm.shutdown()
+    assert EngineArgs(model=tiny_model_dir("llama-gqa")).max_logprobs == 20
+    with pytest.raises(ValueError, match="--max-logprobs -2: give a count >= 0, or -1"):
+        EngineArgs(model=tiny_model_dir("llama-gqa"), max_logprobs=-2).create_engine_config()
+    from shardlm.entrypoints.openai.server import build_app
+    schema = build_app(EngineArgs(model=tiny_model_dir("llama-gqa"), max_logprobs=7).create_engine_config()).openapi()
+    request = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["top_logprobs"]
+    assert {"type": "integer", "maximum": 7} in request["anyOf"], "the server's schema says its bound"
+
+
 def test_shutdown_releases_weights_and_kv_cache(tiny_model_dir):
     """A process may start a second engine after the first (CUDA: its memory profile must not
     count the first one's weights and KV cache, which stayed allocated before this)."""

@@ -6,7 +6,7 @@ from shardlm import SamplingParams
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-3), "top_k"),
     (dict(max_tokens=-1), "max_tokens"), (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
-    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=100), "logprobs"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=-1), "logprobs"),
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(presence_penalty=3), "presence_penalty"),
     (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(min_p=2), "min_p"),
 ])

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shardlm.sampling_params import INT64_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS
+from shardlm.sampling_params import INT64_MAX, MAX_LOGIT_BIAS
 
 
 @dataclass
@@ -122,7 +122,7 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(json_schema_extra={"minLength": 1, "minItems": 1})
     max_tokens: int | None = checked(16, minimum=1, maximum=INT64_MAX)
-    logprobs: int | None = checked(None, minimum=0, maximum=MAX_LOGPROBS)
+    logprobs: int | None = checked(None, minimum=0)          # at most --max-logprobs (the engine checks)
     echo: bool = False
 
 
@@ -204,7 +204,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = checked(None, minimum=1, maximum=INT64_MAX)
     max_completion_tokens: int | None = checked(None, minimum=1, maximum=INT64_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = checked(None, minimum=0, maximum=MAX_LOGPROBS)
+    top_logprobs: int | None = checked(None, minimum=0)      # at most --max-logprobs (the engine checks)
 
     # top_logprobs needs logprobs: true (OpenAI's rule), said in the schema too
     model_config = ConfigDict(extra="allow", json_schema_extra={
@@ -230,13 +230,19 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(json_schema_extra=_TOKEN_IDS)
 
 
-def publish_vocabulary(schema: dict, vocab_size: int) -> dict:
+def publish_vocabulary(schema: dict, vocab_size: int, max_logprobs: int) -> dict:
     """/openapi.json with this model's bound on every token id (prompt ids, stop_token_ids,
-    allowed_token_ids, detokenize's tokens): the server refuses ids at or past its vocabulary.
-    Also gives back the integer bounds FastAPI's schema model wrote as floats (2^63 - 1 became
-    2^63, past what the server takes)."""
+    allowed_token_ids, detokenize's tokens): the server refuses ids at or past its vocabulary; and
+    with its bound on logprobs and top_logprobs (--max-logprobs). Also gives back the integer
+    bounds FastAPI's schema model wrote as floats (2^63 - 1 became 2^63, past what the server takes)."""
+    most_logprobs = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+
     def bound(node):
         if isinstance(node, dict):
+            for name in ("logprobs", "top_logprobs"):
+                for branch in node.get("properties", {}).get(name, {}).get("anyOf", []):
+                    if branch.get("type") == "integer":
+                        branch["maximum"] = most_logprobs
             for key in ("minimum", "maximum", "exclusiveMinimum"):
                 if isinstance(node.get(key), float) and node[key].is_integer():
                     node[key] = min(int(node[key]), INT64_MAX)

@@ -93,7 +93,8 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
 
     def openapi() -> dict:        # the schema says this model's bound on token ids
         if app.openapi_schema is None:
-            app.openapi_schema = publish_vocabulary(default_openapi(), config.model.vocab_size)
+            app.openapi_schema = publish_vocabulary(default_openapi(), config.model.vocab_size,
+                                                  config.model.max_logprobs)
         return app.openapi_schema
     app.openapi = openapi
     for router in (health.router, openai_api.router, responses.router, pooling.router, tokenizer.router):
