@@ -51,15 +51,21 @@ def _stream(url, body, events):
                 events.append(line)
 
 
-@pytest.mark.slow
-def test_sigterm_finishes_the_stream_in_flight_refuses_new_requests_and_exits_0(tiny_model_dir):
-    proc, url = start_server(tiny_model_dir("llama-gqa"), "--max-num-seqs", "1")
+def _stream_begun(url, body) -> tuple[threading.Thread, list[str]]:
+    """A stream of `body` on a thread, once its first event came: (the thread, its events so far)."""
     events = []
-    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     stream = threading.Thread(target=_stream, args=(url, body, events))
     stream.start()
     while not events:
         time.sleep(0.01)
+    return stream, events
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_stream_in_flight_refuses_new_requests_and_exits_0(tiny_model_dir):
+    proc, url = start_server(tiny_model_dir("llama-gqa"), "--max-num-seqs", "1")
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    stream, events = _stream_begun(url, body)
     # behind it, one that waits for the only running slot: in flight too, so it is served
     queued = []
     waiting = threading.Thread(target=lambda: queued.append(httpx.post(url + "/v1/completions", json=body,
@@ -97,12 +103,8 @@ def test_a_sigterm_to_the_whole_process_group_drains_as_one_to_the_server(tiny_m
     flight finishes, nothing dies or starts again, and no process is left."""
     proc, url = start_server(tiny_model_dir("llama-gqa"), "--tensor-parallel-size", "2", new_session=True)
     children = psutil.Process(proc.pid).children(recursive=True)
-    events = []
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 100, "temperature": 0, "ignore_eos": True}
-    stream = threading.Thread(target=_stream, args=(url, body, events))
-    stream.start()
-    while not events:
-        time.sleep(0.01)
+    stream, events = _stream_begun(url, body)
     os.killpg(proc.pid, signal.SIGTERM)
     stream.join(60)
     assert proc.wait(timeout=30) == 0
