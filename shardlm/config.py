@@ -97,7 +97,7 @@ class ModelConfig:
     max_model_len: int
     seed: int
     architecture: str
-    served_model_name: str
+    served_model_name: str                   # the first of served_model_names: what the engine reports
     eos_token_ids: list[int] = field(default_factory=list)
     generation_defaults: dict = field(default_factory=dict)
     quantization: QuantizationConfig | None = None
@@ -118,6 +118,7 @@ class ModelConfig:
     load_format: str = "auto"                # auto: the checkpoint's weights; dummy: random ones (model_loader)
     trust_remote_code: bool = False          # transformers may run the model repository's config/tokenizer code
     max_logprobs: int = 20                   # --max-logprobs: per token, a request's most; -1: the vocabulary
+    served_model_names: list[str] = field(default_factory=list)   # every name a request may give the model
 
     @property
     def num_layers(self) -> int:

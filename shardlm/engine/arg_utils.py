@@ -103,9 +103,10 @@ class EngineArgs:
     device: str = knob(
         "auto", "engine",
         "auto, cpu or cuda")
-    served_model_name: str | None = knob(
+    served_model_name: str | list[str] | None = knob(
         None, "model",
-        "model name reported by the server; default: the model as given")
+        "the model's name in the server (--served-model-name a b: several, each of which a request may "
+        "give; responses repeat the one given, the first where none is); default: the model as given")
     download_dir: str | None = knob(
         None, "model",
         "directory to look for the model in, and the hub cache for hub ids (default: huggingface_hub's, "
@@ -296,6 +297,7 @@ class EngineArgs:
             if self.pooler_config:
                 raise ValueError("--pooler-config applies to pooling models: add --runner pooling.")
             max_model_len = _resolve_max_model_len(hf_config, self.max_model_len)
+        served_names = _served_names(self.served_model_name, self.model or "SmolLM2-135M-Instruct")
         gen_defaults = load_generation_defaults(path)        # (its EOS ids count whatever the sampling defaults)
         sampling_defaults = resolve_sampling_defaults(self.generation_config, self.override_generation_config,
                                                       gen_defaults)
@@ -303,7 +305,7 @@ class EngineArgs:
             model=path, tokenizer=resolve_tokenizer_path(self.tokenizer, self.download_dir, self.tokenizer_revision)
             if self.tokenizer else path, hf_config=hf_config, dtype=dtype,
             max_model_len=max_model_len, seed=self.seed, architecture=architecture,
-            served_model_name=self.served_model_name or (self.model or "SmolLM2-135M-Instruct"),
+            served_model_name=served_names[0], served_model_names=served_names,
             eos_token_ids=_eos_ids(checkpoint_config, gen_defaults), generation_defaults=sampling_defaults,
             quantization=resolve_quantization(
                 self.quantization, self.quantization_group_size,
@@ -521,6 +523,13 @@ def load_generation_defaults(path: str) -> dict:
         return {}
     with open(gen_path) as f:
         return json.load(f)
+
+
+def _served_names(given: str | list[str] | None, model: str) -> list[str]:
+    names = [given] if isinstance(given, str) else list(given or [model])
+    if not names or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ValueError(f"--served-model-name {given!r}: give one or more non-empty names.")
+    return names
 
 
 def _max_logprobs(value: int) -> int:

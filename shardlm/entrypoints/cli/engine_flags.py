@@ -27,6 +27,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kwargs["type"] = str if "str" in f.type else float if "float" in f.type else int
         if f.name == "distributed_executor_backend":
             kwargs["choices"] = list(BACKENDS)
+        if f.name == "served_model_name":
+            kwargs["nargs"] = "+"           # several names, as vLLM's
         if kwargs["help"] and f.default is not None and not isinstance(f.default, bool):
             kwargs["help"] += " (default: %(default)s)"
         group.add_argument(*flags, **kwargs)

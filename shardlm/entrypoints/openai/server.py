@@ -60,7 +60,7 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
     async def lifespan(app: FastAPI):
         t0 = time.perf_counter()
         llm = AsyncLLM(config, restarts=restarts)
-        names = [llm.config.model.served_model_name]
+        names = llm.config.model.served_model_names or [llm.config.model.served_model_name]
         state.llm, state.serving = llm, OpenAIServing(llm, names, chat_template, limits, tool_parser)
         state.pooling = PoolingServing(state.serving)
         state.responses = ResponsesServing(state.serving)

@@ -113,7 +113,7 @@ class OpenAIServing:
             served = [*self.model_names, *self.loras.adapters]
             raise OpenAIError(f"The model `{name}` does not exist. Served: {', '.join(served)}.", 404,
                               "model", "NotFoundError")
-        return self.model_names[0], None
+        return name if name is not None else self.model_names[0], None     # vLLM answers with the name asked for
 
     def check_request(self, req) -> None:
         """Fields this server does not implement, and what a request may ask for (RequestLimits)."""
