@@ -30,7 +30,7 @@ def json_object_flag(value: dict | str | None, flag: str, example: str) -> dict:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{flag} is not JSON ({e}): e.g. '{example}'.") from None
+            raise ValueError(f"{flag} is not JSON ({e}): give a JSON object, e.g. '{example}'.") from None
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -119,6 +119,14 @@ class ModelConfig:
     trust_remote_code: bool = False          # transformers may run the model repository's config/tokenizer code
     max_logprobs: int = 20                   # --max-logprobs: per token, a request's most; -1: the vocabulary
     served_model_names: list[str] = field(default_factory=list)   # every name a request may give the model
+
+    def __post_init__(self):
+        self.served_model_names = self.served_model_names or [self.served_model_name]
+
+    @property
+    def logprobs_limit(self) -> int:
+        """The most logprobs a request may ask for per token (--max-logprobs; -1: the vocabulary)."""
+        return self.vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, self.vocab_size)
 
     @property
     def num_layers(self) -> int:

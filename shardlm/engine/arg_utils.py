@@ -298,6 +298,7 @@ class EngineArgs:
                 raise ValueError("--pooler-config applies to pooling models: add --runner pooling.")
             max_model_len = _resolve_max_model_len(hf_config, self.max_model_len)
         served_names = _served_names(self.served_model_name, self.model or "SmolLM2-135M-Instruct")
+        checkpoint = checkpoint_method(getattr(hf_config, "quantization_config", None))
         gen_defaults = load_generation_defaults(path)        # (its EOS ids count whatever the sampling defaults)
         sampling_defaults = resolve_sampling_defaults(self.generation_config, self.override_generation_config,
                                                       gen_defaults)
@@ -311,7 +312,7 @@ class EngineArgs:
                 self.quantization, self.quantization_group_size,
                 linear_inputs(hf_config, parallel.tensor_parallel_size) if self.quantization else None,
                 gguf_source=source.gguf_file,
-                checkpoint=checkpoint_method(getattr(hf_config, "quantization_config", None))),
+                checkpoint=checkpoint),
             enforce_eager=self.enforce_eager, batch_invariant=self.batch_invariant, cpu_plan=self.cpu_plan,
             hub_source=source.hub,
             download_dir=self.download_dir,
@@ -320,8 +321,8 @@ class EngineArgs:
                 self.collect_detailed_traces), disable_log_stats=self.disable_log_stats,
             enable_log_requests=self.enable_log_requests, max_log_len=self.max_log_len,
             max_logprobs=_max_logprobs(self.max_logprobs),
-            trust_remote_code=self.trust_remote_code, load_format=_load_format(self.load_format, source.gguf_file,
-                                     checkpoint_method(getattr(hf_config, "quantization_config", None))))
+            trust_remote_code=self.trust_remote_code,
+            load_format=_load_format(self.load_format, source.gguf_file, checkpoint))
         cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
         batched_tokens = self.max_num_batched_tokens or max(SchedulerConfig.max_num_batched_tokens, self.max_num_seqs)
         if pooler is not None:
@@ -565,18 +566,12 @@ def resolve_sampling_defaults(choice: str, override: str | dict | None, model_fi
     else:
         raise ValueError(f"--generation-config {choice!r}: give auto (the model's generation_config.json), vllm "
                          "(none) or a folder holding a generation_config.json.")
-    if isinstance(override, str):
-        try:
-            override = json.loads(override)
-        except json.JSONDecodeError:
-            override = None
-        if not isinstance(override, dict):
-            raise ValueError("--override-generation-config: give a JSON object, e.g. '{\"temperature\": 0.5}'.")
+    override = json_object_flag(override, "--override-generation-config", '{"temperature": 0.5}')
     known = {*GENERATION_CONFIG_FIELDS, "do_sample"}
-    if unknown := sorted(set(override or {}) - known):
+    if unknown := sorted(set(override) - known):
         raise ValueError(f"--override-generation-config: {', '.join(unknown)} gives no sampling default; use "
                          f"{', '.join(sorted(known))}.")
-    return {**defaults, **(override or {})}
+    return {**defaults, **override}
 
 
 def _faster_cpu_dtype(mlp_shape: tuple[int, int] | None, measurement) -> torch.dtype:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from shardlm.config import EngineConfig
+from shardlm.config import EngineConfig, ModelConfig
 from shardlm.engine.output_processor import ParentRequest
 from shardlm.lora.peft import read_lora_request
 from shardlm.lora.request import LoRARequest
@@ -40,13 +40,12 @@ def split_prompt(prompt) -> tuple[str | None, list[int] | None]:
     raise TypeError(f"Cannot read prompt {prompt!r}: use a string, a list of token ids, or a dict.")
 
 
-def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
-    limit = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+def check_logprobs(params: SamplingParams, model: ModelConfig) -> None:
     for name in ("logprobs", "prompt_logprobs"):
         asked = getattr(params, name)
-        if asked is not None and asked > limit:
-            raise ValueError(f"SamplingParams.{name}={asked}: this engine gives at most {limit} per token "
-                             f"(--max-logprobs {max_logprobs}; -1 allows the whole vocabulary).")
+        if asked is not None and asked > model.logprobs_limit:
+            raise ValueError(f"SamplingParams.{name}={asked}: this engine gives at most {model.logprobs_limit} per "
+                             f"token (--max-logprobs {model.max_logprobs}; -1 allows the whole vocabulary).")
 
 
 def check_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
@@ -116,7 +115,7 @@ class InputProcessor:
                 self._grammars = GrammarCompiler(self.tokenizer, self.config.model.vocab_size)
             self._grammars.matcher(params.structured_outputs)
         check_max_tokens(len(prompt_token_ids), params.max_tokens, self.config.model.max_model_len)
-        check_logprobs(params, self.config.model.max_logprobs, self.config.model.vocab_size)
+        check_logprobs(params, self.config.model)
         arrival_time = arrival_time or time.time()
         parent = ParentRequest(request_id, text, prompt_token_ids, params,
                                RequestMetrics(arrival_time, max_tokens_param=params.max_tokens, n_param=params.n))

@@ -39,10 +39,6 @@ class HttpOptions:
             raise ValueError("--allow-credentials with every origin (*) lets any web page use a visitor's credentials "
                              "here (browsers refuse it too): name the origins in --allowed-origins.")
 
-    @property
-    def scheme(self) -> str:
-        return "https" if self.ssl_certfile else "http"
-
     def fastapi_kwargs(self) -> dict:
         return {} if self.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
 

@@ -230,13 +230,11 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(json_schema_extra=_TOKEN_IDS)
 
 
-def publish_vocabulary(schema: dict, vocab_size: int, max_logprobs: int) -> dict:
+def publish_vocabulary(schema: dict, vocab_size: int, most_logprobs: int) -> dict:
     """/openapi.json with this model's bound on every token id (prompt ids, stop_token_ids,
     allowed_token_ids, detokenize's tokens): the server refuses ids at or past its vocabulary; and
     with its bound on logprobs and top_logprobs (--max-logprobs). Also gives back the integer
     bounds FastAPI's schema model wrote as floats (2^63 - 1 became 2^63, past what the server takes)."""
-    most_logprobs = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
-
     def bound(node):
         if isinstance(node, dict):
             for name in ("logprobs", "top_logprobs"):

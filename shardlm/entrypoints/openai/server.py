@@ -60,7 +60,7 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
     async def lifespan(app: FastAPI):
         t0 = time.perf_counter()
         llm = AsyncLLM(config, restarts=restarts)
-        names = llm.config.model.served_model_names or [llm.config.model.served_model_name]
+        names = llm.config.model.served_model_names
         state.llm, state.serving = llm, OpenAIServing(llm, names, chat_template, limits, tool_parser)
         state.pooling = PoolingServing(state.serving)
         state.responses = ResponsesServing(state.serving)
@@ -94,7 +94,7 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
     def openapi() -> dict:        # the schema says this model's bound on token ids
         if app.openapi_schema is None:
             app.openapi_schema = publish_vocabulary(default_openapi(), config.model.vocab_size,
-                                                  config.model.max_logprobs)
+                                                  config.model.logprobs_limit)
         return app.openapi_schema
     app.openapi = openapi
     for router in (health.router, openai_api.router, responses.router, pooling.router, tokenizer.router):
