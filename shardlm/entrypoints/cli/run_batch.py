@@ -20,11 +20,14 @@ def register(sub) -> None:
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_args(p)
+    from shardlm.entrypoints.cli.serve import add_frontend_args
+    add_frontend_args(p.add_argument_group("answers (vLLM's frontend flags)"))
     p.set_defaults(func=run)
 
 
 def run(ns) -> None:
     from shardlm.entrypoints.batch import read_input, run_batch
+    from shardlm.entrypoints.cli.serve import frontend_options
     from shardlm.entrypoints.openai.protocol import RequestLimits
     from shardlm.entrypoints.openai.server import build_app
     if ns.max_concurrency < 1:
@@ -36,7 +39,7 @@ def run(ns) -> None:
         with open(chat_template) as f:
             chat_template = f.read()
     limits = RequestLimits(max_num_waiting=max(RequestLimits.max_num_waiting, ns.max_concurrency + 1))
-    app = build_app(config, chat_template=chat_template, limits=limits)
+    app = build_app(config, chat_template=chat_template, limits=limits, frontend=frontend_options(ns))
     counts = asyncio.run(run_batch(app, lines, ns.output_file, ns.max_concurrency, not ns.no_progress))
     print(f"{counts['lines']} lines: {counts['ok']} answered 200, {counts['failed']} failed"
           + (f", {counts['skipped']} answered by an earlier run" if counts["skipped"] else "")

@@ -55,6 +55,7 @@ def register(sub) -> None:
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_http_args(p.add_argument_group("HTTP (TLS, CORS, a reverse proxy's prefix, logs, docs)"))
+    add_frontend_args(p.add_argument_group("answers (vLLM's frontend flags)"))
     from shardlm.entrypoints.openai.protocol import RequestLimits
     limits = p.add_argument_group("request limits")
     for f in dataclasses.fields(RequestLimits):
@@ -78,6 +79,27 @@ def add_http_args(group) -> None:
                        "headers from the --allowed-origins (not with every origin)")
     group.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per request")
     group.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+
+
+def add_frontend_args(group) -> None:
+    """One flag per FrontendOptions field (how the OpenAI routes write their answers)."""
+    from shardlm.entrypoints.openai.frontend_options import CONTENT_FORMATS, FrontendOptions
+    for f in dataclasses.fields(FrontendOptions):
+        flag, text = f"--{f.name.replace('_', '-')}", FrontendOptions.HELP[f.name]
+        if f.default is False:
+            group.add_argument(flag, action="store_true", help=text)
+        else:
+            group.add_argument(flag, default=f.default, metavar="JSON" if f.default is None else None,
+                               choices=CONTENT_FORMATS if f.name == "chat_template_content_format" else None,
+                               help=text + (" (default: %(default)s)" if f.default is not None else ""))
+
+
+def frontend_options(ns):
+    from shardlm.entrypoints.openai.frontend_options import FrontendOptions
+    try:
+        return FrontendOptions(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(FrontendOptions)})
+    except ValueError as e:
+        sys.exit(f"shardlm: error: {e}")
 
 
 def _json_list(text: str) -> list[str]:
@@ -157,4 +179,4 @@ def server_options(ns) -> dict:
                 tool_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None, lora_modules=lora_modules,
                 shutdown_timeout=ns.shutdown_timeout,
                 restarts=RestartPolicy(ns.max_engine_restarts, ns.max_replica_restarts),
-                otlp_traces_endpoint=ns.otlp_traces_endpoint, http=http_options(ns))
+                otlp_traces_endpoint=ns.otlp_traces_endpoint, http=http_options(ns), frontend=frontend_options(ns))

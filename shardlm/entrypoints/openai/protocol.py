@@ -117,6 +117,7 @@ class _SamplingFields(BaseModel):
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
     priority: int = checked(0, minimum=-INT64_MAX - 1, maximum=INT64_MAX)   # --scheduling-policy priority
+    return_tokens_as_token_ids: bool | None = None     # logprobs' tokens as token_id:N (default: the server's)
 
 
 class CompletionRequest(_SamplingFields):
@@ -166,10 +167,14 @@ class ChatMessage(BaseModel):
                                      "a string.")
         return content
 
-    def text(self) -> str:
+    def parts(self) -> list[str]:
+        """The content's text parts (a string is one; none is none)."""
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
+            return [p.text for p in self.content]
+        return [self.content] if self.content else []
+
+    def text(self) -> str:
+        return "".join(self.parts())
 
 
 class FunctionDefinition(BaseModel):
@@ -222,6 +227,10 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
+    # messages render as a chat completion's would, with these
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
 
 
 class DetokenizeRequest(BaseModel):

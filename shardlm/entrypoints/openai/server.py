@@ -23,6 +23,7 @@ from shardlm.engine.async_llm import AsyncLLM
 from shardlm.engine.restarts import RestartPolicy
 from shardlm.entrypoints.openai.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, DrainGate, DrainingServer
 from shardlm.entrypoints.openai.errors import add_error_handlers
+from shardlm.entrypoints.openai.frontend_options import FrontendOptions
 from shardlm.entrypoints.openai.http_options import HttpOptions
 from shardlm.entrypoints.openai.listen import bind_sockets
 from shardlm.entrypoints.openai.metrics import ServerMetrics
@@ -48,10 +49,11 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
               limits: RequestLimits | None = None, metrics_require_key: bool = False,
               tool_parser: str | None = None, lora_modules: list[LoRARequest] | None = None,
               restarts: RestartPolicy | None = None, otlp_traces_endpoint: str | None = None,
-              http: HttpOptions | None = None) -> FastAPI:
+              http: HttpOptions | None = None, frontend: FrontendOptions | None = None) -> FastAPI:
     """lora_modules: --lora-modules, as LoRARequests (their ids are given out here); restarts: when
     to start a dead engine again (None: never; the server then exits); otlp_traces_endpoint: where
-    each request's span goes (None: no tracing); http: CORS and the docs pages (http_options.py)."""
+    each request's span goes (None: no tracing); http: CORS and the docs pages (http_options.py);
+    frontend: how answers are written (frontend_options.py)."""
     limits, http = limits or RequestLimits(), http or HttpOptions()
     state = ServerState()
     tracer = RequestTracer(otlp_traces_endpoint, config.model.served_model_name) if otlp_traces_endpoint else None
@@ -61,7 +63,7 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
         t0 = time.perf_counter()
         llm = AsyncLLM(config, restarts=restarts)
         names = llm.config.model.served_model_names
-        state.llm, state.serving = llm, OpenAIServing(llm, names, chat_template, limits, tool_parser)
+        state.llm, state.serving = llm, OpenAIServing(llm, names, chat_template, limits, tool_parser, frontend)
         state.pooling = PoolingServing(state.serving)
         state.responses = ResponsesServing(state.serving)
         for module in lora_modules or []:       # each checked and read now: a bad one stops the start
@@ -119,7 +121,7 @@ def make_server(engine_args: EngineArgs, host: str, port: int, api_key: str | No
                 lora_modules: list[LoRARequest] | None = None,
                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
                 restarts: RestartPolicy | None = None, otlp_traces_endpoint: str | None = None,
-                http: HttpOptions | None = None) -> DrainingServer:
+                http: HttpOptions | None = None, frontend: FrontendOptions | None = None) -> DrainingServer:
     """The server `shardlm serve` runs, checked and ready to serve (the engine starts with it)."""
     http = http or HttpOptions()
     sockets = bind_sockets(host, port)      # a port in use fails now, not after the model loaded
@@ -131,7 +133,7 @@ def make_server(engine_args: EngineArgs, host: str, port: int, api_key: str | No
         for module in lora_modules or []:      # a bad adapter fails here too, before any process starts
             read_lora_request(module, config.model.hf_config, config.lora.max_lora_rank, config.model.download_dir)
         app = build_app(config, api_key, chat_template, limits, metrics_require_key, tool_parser, lora_modules,
-                        restarts, otlp_traces_endpoint, http)
+                        restarts, otlp_traces_endpoint, http, frontend)
         limits = limits or RequestLimits()
         # uvicorn answers 503 once a request finds limit_concurrency connections open, itself counted
         server_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,

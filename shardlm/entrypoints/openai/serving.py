@@ -16,8 +16,15 @@ from concurrent.futures import ThreadPoolExecutor
 from shardlm.engine.async_llm import AsyncLLM
 from shardlm.engine.processor import check_max_tokens
 from shardlm.entrypoints.openai import tools
+from shardlm.entrypoints.openai.frontend_options import FrontendOptions
 from shardlm.entrypoints.openai.lora_modules import LoRAModules
-from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, RequestLimits
+from shardlm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    OpenAIError,
+    RequestLimits,
+)
 from shardlm.entrypoints.openai.tool_parsers import get_parser
 from shardlm.lora.request import LoRARequest
 from shardlm.outputs import Logprob, RequestOutput
@@ -85,8 +92,10 @@ def structured_outputs_params(req) -> StructuredOutputsParams | None:
 
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, served_model_names: list[str], chat_template: str | None = None,
-                 limits: RequestLimits | None = None, tool_parser: str | None = None):
-        """tool_parser: the --tool-call-parser that reads tool_choice "auto" outputs (None: auto is off)."""
+                 limits: RequestLimits | None = None, tool_parser: str | None = None,
+                 options: FrontendOptions | None = None):
+        """tool_parser: the --tool-call-parser that reads tool_choice "auto" outputs (None: auto is off);
+        options: how answers are written (frontend_options.py)."""
         self.llm = llm
         self.loras = LoRAModules(served_model_names[0])      # adapters a request's model may name
         self.tool_parser = get_parser(tool_parser) if tool_parser else None
@@ -99,6 +108,9 @@ class OpenAIServing:
         self.max_model_len = llm.config.model.max_model_len
         self.defaults = llm.default_sampling_params()
         self.tracer = None            # --otlp-traces-endpoint: a RequestTracer (tracing.py)
+        self.options = options or FrontendOptions()
+        template = chat_template or getattr(llm.tokenizer, "chat_template", None)
+        self.content_format = self.options.content_format_for(template if isinstance(template, str) else None)
 
     # ---- shared ----
     def check_model(self, name: str | None) -> str:
@@ -153,6 +165,37 @@ class OpenAIServing:
                 output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY, **values, **extra)
         except ValueError as e:
             raise invalid(e, None) from e
+
+    def render_chat(self, messages: list[ChatMessage], tool_specs: list[dict] | None = None,
+                    add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> str:
+        """The conversation through the chat template, as this server renders every chat: its
+        content format, and the default template variables under the request's."""
+        for m in messages:
+            check_encodable(m.text(), "messages")
+        return render_messages(self.llm.tokenizer, tools.template_messages(messages, self.content_format),
+                               self.chat_template, tools=tool_specs, add_generation_prompt=add_generation_prompt,
+                               **{**self.options.default_chat_template_kwargs, **(template_kwargs or {})})
+
+    def tokens_as_ids(self, req) -> bool:
+        """Whether logprobs name tokens as token_id:N (the request's say, else the server's)."""
+        given = req.return_tokens_as_token_ids
+        return self.options.return_tokens_as_token_ids if given is None else given
+
+    def usage(self, prompt: int, completion: int, cached: int) -> dict:
+        """OpenAI's usage; with --enable-prompt-tokens-details also the prompt tokens the prefix cache gave."""
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if self.options.enable_prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
+
+    def usage_of(self, finals: list[RequestOutput]) -> dict:
+        return self.usage(sum(len(o.prompt_token_ids) for o in finals),
+                          sum(len(c.token_ids) for o in finals for c in o.outputs),
+                          sum(o.num_cached_tokens for o in finals))
+
+    def stream_usage(self, req) -> bool:
+        """Whether a stream ends with a usage chunk: stream_options asks, or --enable-force-include-usage."""
+        return bool(req.stream_options and req.stream_options.include_usage) or self.options.enable_force_include_usage
 
     async def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         """Text to token ids, once; AsyncLLM's input processor checks them (length, vocabulary)."""
@@ -214,7 +257,7 @@ class OpenAIServing:
         if req.stream:
             return EventStream(self._stream_completions(req, head, streams, ids), rids, self.llm)
         finals = await last_outputs(streams)
-        choices = []
+        choices, as_ids = [], self.tokens_as_ids(req)
         for k, out in enumerate(finals):
             for c in out.outputs:
                 text, lps = c.text, c.logprobs
@@ -227,13 +270,14 @@ class OpenAIServing:
                         lps = _prompt_position_logprobs(out, self.llm.tokenizer) + lps
                 choices.append({"index": k * req.n + c.index, "text": text, "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason,
-                                "logprobs": _completion_logprobs(lps) if req.logprobs is not None else None})
-        return {**head, "choices": choices, "usage": _usage(finals)}
+                                "logprobs": _completion_logprobs(lps, as_ids) if req.logprobs is not None else None})
+        return {**head, "choices": choices, "usage": self.usage_of(finals)}
 
     async def _stream_completions(self, req, head, streams, prompt_ids) -> AsyncIterator[str]:
         """Each output is a delta: its text goes out as it is."""
         echoed: set[int] = set()
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached_tokens = 0
+        as_ids = self.tokens_as_ids(req)
         async for k, out in _merge(streams):
             for c in out.outputs:
                 idx = k * req.n + c.index
@@ -246,25 +290,24 @@ class OpenAIServing:
                     continue
                 yield sse({**head, "choices": [{
                     "index": idx, "text": text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                    "logprobs": _completion_logprobs(c.logprobs) if req.logprobs is not None else None}]})
+                    "logprobs": _completion_logprobs(c.logprobs, as_ids) if req.logprobs is not None else None}]})
             if out.finished:
                 prompt_tokens += len(out.prompt_token_ids)
-        if req.stream_options and req.stream_options.include_usage:
-            yield sse({**head, "choices": [], "usage": _usage_counts(prompt_tokens, completion_tokens)})
+                cached_tokens += out.num_cached_tokens
+        if self.stream_usage(req):
+            yield sse({**head, "choices": [], "usage": self.usage(prompt_tokens, completion_tokens, cached_tokens)})
         yield sse("[DONE]")
 
     # ---- /v1/chat/completions ----
     async def chat(self, req: ChatCompletionRequest):
         model, lora = self.resolve_model(req.model)
         self.check_request(req)
-        tok = self.llm.tokenizer
-        for m in req.messages:
-            check_encodable(m.text(), "messages")
         mode, function = tools.tool_mode(req, self.tool_parser)
-        text = await self._off_loop(
-            render_messages, tok, tools.template_messages(req), self.chat_template, tools=tools.template_tools(req),
-            add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {}))
-        ids = (await self._off_loop(tok, text, add_special_tokens=False)).input_ids
+        tool_specs = None if mode == "none" and self.options.exclude_tools_when_tool_choice_none else \
+            tools.template_tools(req)
+        text = await self._off_loop(self.render_chat, req.messages, tool_specs, req.add_generation_prompt,
+                                    req.chat_template_kwargs)
+        ids = (await self._off_loop(self.llm.tokenizer, text, add_special_tokens=False)).input_ids
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true.", 400, "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -278,31 +321,38 @@ class OpenAIServing:
             return EventStream(self._stream_chat(req, {**head, "object": "chat.completion.chunk"}, stream,
                                                  (mode, function)), [rid], self.llm)
         (final,) = await last_outputs([stream])   # FINAL_ONLY: one output
-        choices = []
+        choices, as_ids = [], self.tokens_as_ids(req)
         for c in final.outputs:
-            message = tools.split_choice(c.text, mode, function, self.tool_parser, self.reasoning)
+            message = tools.split_choice(c.text, mode, function, self.tool_parser, self.reasoning,
+                                         self.answer_role(req))
             choices.append({"index": c.index, "message": message,
                             "finish_reason": _tool_finish(c.finish_reason, "tool_calls" in message),
                             "stop_reason": c.stop_reason,
-                            "logprobs": _chat_logprobs(c.logprobs, req.top_logprobs or 0) if req.logprobs else None})
-        return {**head, "choices": choices, "usage": _usage([final])}
+                            "logprobs": _chat_logprobs(c.logprobs, req.top_logprobs or 0, as_ids)
+                            if req.logprobs else None})
+        return {**head, "choices": choices, "usage": self.usage_of([final])}
+
+    def answer_role(self, req: ChatCompletionRequest) -> str:
+        """--response-role where the prompt asks for an answer, else the last message's role (it goes on)."""
+        return self.options.response_role if req.add_generation_prompt else req.messages[-1].role
 
     async def _stream_chat(self, req, head, stream, tool_choice) -> AsyncIterator[dict | str]:
         """Each output is a delta: its text goes out as it is, or as reasoning_content and
         tool-call deltas (tools.ChatChoiceStream). Chunks as dicts (the route writes them as
         server-sent events; /v1/responses reads them), then the [DONE] event."""
         started: dict[int, tools.ChatChoiceStream] = {}
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached_tokens = 0
+        as_ids, role = self.tokens_as_ids(req), self.answer_role(req)
         async for _, out in _merge([stream]):
             for c in out.outputs:
                 if c.index not in started:
                     started[c.index] = tools.ChatChoiceStream(*tool_choice, self.tool_parser, self.reasoning)
-                    yield {**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                    yield {**head, "choices": [{"index": c.index, "delta": {"role": role, "content": ""},
                                                 "logprobs": None, "finish_reason": None}]}
                 completion_tokens += len(c.token_ids)
                 calls = started[c.index]
                 deltas = calls.feed(c.text, final=c.finish_reason is not None)
-                logprobs = _chat_logprobs(c.logprobs, req.top_logprobs or 0) if req.logprobs else None
+                logprobs = _chat_logprobs(c.logprobs, req.top_logprobs or 0, as_ids) if req.logprobs else None
                 if not deltas and not c.finish_reason and not c.logprobs:
                     continue
                 for delta in deltas[:-1]:
@@ -312,9 +362,9 @@ class OpenAIServing:
                     "index": c.index, "delta": deltas[-1] if deltas else {}, "logprobs": logprobs,
                     "finish_reason": _tool_finish(c.finish_reason, calls.called), "stop_reason": c.stop_reason}]}
             if out.finished:
-                prompt_tokens = len(out.prompt_token_ids)
-        if req.stream_options and req.stream_options.include_usage:
-            yield {**head, "choices": [], "usage": _usage_counts(prompt_tokens, completion_tokens)}
+                prompt_tokens, cached_tokens = len(out.prompt_token_ids), out.num_cached_tokens
+        if self.stream_usage(req):
+            yield {**head, "choices": [], "usage": self.usage(prompt_tokens, completion_tokens, cached_tokens)}
         yield sse("[DONE]")
 
 
@@ -404,48 +454,46 @@ async def last_outputs(streams) -> list[RequestOutput]:
     return [finals[k] for k in range(len(streams))]
 
 
-def _usage(finals: list[RequestOutput]) -> dict:
-    return _usage_counts(sum(len(o.prompt_token_ids) for o in finals),
-                         sum(len(c.token_ids) for o in finals for c in o.outputs))
-
-
-def _usage_counts(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
 def _prompt_position_logprobs(out: RequestOutput, tokenizer) -> list:
     """Prompt logprobs in the per-position form of generated tokens (the first position: no logprob)."""
     return [pos if pos is not None else {tid: Logprob(None, None, tokenizer.decode([tid]))}
             for tid, pos in zip(out.prompt_token_ids, out.prompt_logprobs)]
 
 
-def _chosen(position: dict) -> Logprob:
-    """The entry of the token a position is for: listed first (then come the top-k)."""
-    return next(iter(position.values()))
+def _chosen(position: dict) -> tuple[int, Logprob]:
+    """The token a position is for and its entry: listed first (then come the top-k)."""
+    return next(iter(position.items()))
 
 
-def _completion_logprobs(positions) -> dict | None:
+def _token_name(token_id: int, lp: Logprob, as_ids: bool) -> str:
+    """A token as logprobs name it: its text, or token_id:N (--return-tokens-as-token-ids)."""
+    return f"token_id:{token_id}" if as_ids else lp.decoded_token
+
+
+def _completion_logprobs(positions, as_ids: bool = False) -> dict | None:
     if positions is None:
         return None
     tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
     for pos in positions:
-        lp = _chosen(pos)
-        tokens.append(lp.decoded_token)
+        tid, lp = _chosen(pos)
+        tokens.append(_token_name(tid, lp, as_ids))
         token_lps.append(lp.logprob)
-        tops.append({v.decoded_token: v.logprob for v in pos.values()} if lp.logprob is not None else None)
+        tops.append({_token_name(t, v, as_ids): v.logprob for t, v in pos.items()} if lp.logprob is not None
+                    else None)
         offsets.append(offset)
         offset += len(lp.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _chat_logprobs(positions, k: int) -> dict | None:
+def _chat_logprobs(positions, k: int, as_ids: bool = False) -> dict | None:
     if positions is None:
         return None
     content = []
     for pos in positions:
-        lp = _chosen(pos)
-        top = sorted((v for v in pos.values() if v.rank is not None and v.rank <= k), key=lambda v: v.rank)
-        content.append({"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode()),
-                        "top_logprobs": [{"token": v.decoded_token, "logprob": v.logprob,
-                                          "bytes": list(v.decoded_token.encode())} for v in top]})
+        tid, lp = _chosen(pos)
+        top = sorted(((t, v) for t, v in pos.items() if v.rank is not None and v.rank <= k), key=lambda e: e[1].rank)
+        content.append({"token": _token_name(tid, lp, as_ids), "logprob": lp.logprob,
+                        "bytes": list(lp.decoded_token.encode()),
+                        "top_logprobs": [{"token": _token_name(t, v, as_ids), "logprob": v.logprob,
+                                          "bytes": list(v.decoded_token.encode())} for t, v in top]})
     return {"content": content}

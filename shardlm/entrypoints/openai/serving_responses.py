@@ -370,7 +370,8 @@ def finish(head: dict, choice: dict, usage: dict | None, items: list[dict] | Non
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                       "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
-                      "input_tokens_details": {"cached_tokens": 0},
+                      "input_tokens_details": {"cached_tokens": usage.get("prompt_tokens_details", {})
+                                               .get("cached_tokens", 0)},
                       "output_tokens_details": {"reasoning_tokens": 0}}}
 
 

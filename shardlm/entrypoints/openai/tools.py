@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import uuid
 
-from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice, OpenAIError
+from shardlm.entrypoints.openai.frontend_options import as_content_format
+from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, OpenAIError
 from shardlm.entrypoints.openai.tool_parsers import ToolCall, ToolParser
 from shardlm.reasoning import ReasoningParser, ReasoningStream
 from shardlm.sampling_params import StructuredOutputsParams
@@ -61,11 +62,12 @@ def constraint(req: ChatCompletionRequest, mode: str, name: str | None) -> Struc
     return None
 
 
-def template_messages(req: ChatCompletionRequest) -> list[dict]:
-    """The conversation as chat templates take it: arguments of earlier calls as objects."""
-    messages = []
-    for m in req.messages:
-        message = {"role": m.role, "content": m.text()}
+def template_messages(messages: list[ChatMessage], content_format: str = "string") -> list[dict]:
+    """The conversation as chat templates take it: content as a string or OpenAI's parts
+    (frontend_options.as_content_format), arguments of earlier calls as objects."""
+    rendered = []
+    for m in messages:
+        message = {"role": m.role, "content": as_content_format(m.parts(), content_format)}
         if m.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": _arguments_object(c.function.arguments)}}
@@ -74,8 +76,8 @@ def template_messages(req: ChatCompletionRequest) -> list[dict]:
             message["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             message["name"] = m.name
-        messages.append(message)
-    return messages
+        rendered.append(message)
+    return rendered
 
 
 def _arguments_object(text: str):
@@ -86,7 +88,8 @@ def _arguments_object(text: str):
                           "messages") from None
 
 
-def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
+def template_tools(req) -> list[dict] | None:
+    """A chat (or /tokenize) request's tools as the chat template takes them."""
     return [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
 
 
@@ -187,11 +190,11 @@ class ChatChoiceStream:
 
 
 def split_choice(text: str, mode: str, name: str | None, parser: ToolParser | None,
-                 reasoning: ReasoningParser | None) -> dict:
+                 reasoning: ReasoningParser | None, role: str = "assistant") -> dict:
     """A whole choice's message: content, tool_calls and reasoning_content."""
     thinking, answer = reasoning.split(text) if reasoning is not None else (None, text)
     content, calls = read_calls(mode, name, answer or "", parser)
-    message = {"role": "assistant", "content": content if content or reasoning is None else None}
+    message = {"role": role, "content": content if content or reasoning is None else None}
     if reasoning is not None:
         message["reasoning_content"] = thinking
     if calls:

@@ -1,4 +1,4 @@
-"""Health, Prometheus metrics and version: open to everyone, without an API key (OPEN_ROUTES)."""
+"""Health, Prometheus metrics, version and load: open to everyone, without an API key (OPEN_ROUTES)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import shardlm
 from shardlm.entrypoints.openai.state import ServerState, server_state
 
-OPEN_ROUTES = ("/health", "/metrics", "/version")
+OPEN_ROUTES = ("/health", "/metrics", "/version", "/load")
 router = APIRouter()
 
 
@@ -36,3 +36,9 @@ async def metrics(state: ServerState = Depends(server_state)):
 @router.get("/version")
 async def version():
     return {"version": shardlm.__version__}
+
+
+@router.get("/load")
+async def load(state: ServerState = Depends(server_state)):
+    """vLLM's server load: the requests being answered now (this route and the other open ones aside)."""
+    return {"server_load": state.in_flight}

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
+from shardlm.entrypoints.openai import tools
 from shardlm.entrypoints.openai.protocol import DetokenizeRequest, OpenAIError, TokenizeRequest
-from shardlm.entrypoints.openai.serving import check_encodable, render_messages
+from shardlm.entrypoints.openai.serving import check_encodable
 from shardlm.entrypoints.openai.state import ServerState, server_state
 
 router = APIRouter()
@@ -17,10 +18,8 @@ async def tokenize(req: TokenizeRequest, state: ServerState = Depends(server_sta
     serving.check_model(req.model)
     tok = state.llm.tokenizer
     if req.messages is not None:
-        for m in req.messages:
-            check_encodable(m.text(), "messages")
-        text = render_messages(tok, [{"role": m.role, "content": m.text()} for m in req.messages],
-                               serving.chat_template, add_generation_prompt=True)
+        text = serving.render_chat(req.messages, tools.template_tools(req), req.add_generation_prompt,
+                                   req.chat_template_kwargs)
         ids = tok(text, add_special_tokens=False).input_ids
     elif req.prompt is not None:
         check_encodable(req.prompt, "prompt")

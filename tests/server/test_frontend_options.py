@@ -1,0 +1,127 @@
+"""vLLM's frontend flags (frontend_options.py): the answer's role, logprob tokens as ids, cached
+prompt tokens in the usage, usage in every stream, the chat template's defaults, the content
+format and tools left out with tool_choice "none"; and GET /load."""
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from shardlm.entrypoints.openai.frontend_options import FrontendOptions, loops_over_content
+from tests.helpers import server_in_this_process
+
+# shows what the template was given: content as a string (S:) or as parts (P:), tools, a variable
+TEMPLATE = ("{% for m in messages %}{% if m['content'] is string %}S:{{ m['content'] }}{% else %}"
+            "{% for p in m['content'] %}P:{{ p['text'] }}{% endfor %}{% endif %};{% endfor %}"
+            "{% if tools %}TOOLS:{{ tools | length }};{% endif %}{{ greeting }}")
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+HI = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "t.jinja"
+    template.write_text(TEMPLATE)
+    with server_in_this_process(
+            tiny_model_dir("llama-gqa"), "--chat-template", str(template), "--enable-prefix-caching",
+            "--response-role", "bot", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
+            "--enable-force-include-usage", "--default-chat-template-kwargs", '{"greeting": "G1"}',
+            "--chat-template-content-format", "openai", "--exclude-tools-when-tool-choice-none") as (_, url):
+        yield url
+
+
+def rendered(url, **body) -> str:
+    ids = httpx.post(url + "/tokenize", json={"messages": HI, **body}).json()["tokens"]
+    return httpx.post(url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+
+
+def chat(url, **body) -> dict:
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": HI, "max_tokens": 3, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_the_template_gets_parts_and_the_default_variables_under_the_requests(server):
+    assert rendered(server) == "P:hello there;G1"
+    assert rendered(server, chat_template_kwargs={"greeting": "G2"}) == "P:hello there;G2"
+    assert rendered(server, tools=[TOOL]) == "P:hello there;TOOLS:1;G1"
+
+
+def test_tools_are_left_out_with_tool_choice_none(server):
+    plain = chat(server)["usage"]["prompt_tokens"]
+    assert chat(server, tools=[TOOL], tool_choice="none")["usage"]["prompt_tokens"] == plain
+
+
+def test_the_answer_takes_the_response_role_unless_it_continues_the_last_message(server):
+    assert chat(server)["choices"][0]["message"]["role"] == "bot"
+    going_on = chat(server, messages=[*HI, {"role": "assistant", "content": "Well"}], add_generation_prompt=False)
+    assert going_on["choices"][0]["message"]["role"] == "assistant"
+    with httpx.stream("POST", server + "/v1/chat/completions",
+                      json={"messages": HI, "max_tokens": 2, "stream": True}) as r:
+        first = json.loads(next(r.iter_lines()).removeprefix("data: "))
+    assert first["choices"][0]["delta"]["role"] == "bot"
+
+
+def test_logprob_tokens_are_ids_unless_the_request_says_otherwise(server):
+    content = chat(server, logprobs=True, top_logprobs=2)["choices"][0]["logprobs"]["content"]
+    for entry in content:
+        assert entry["token"].startswith("token_id:")
+        text = httpx.post(server + "/detokenize", json={"tokens": [int(entry["token"].split(":")[1])]}).json()
+        assert bytes(entry["bytes"]) == text["prompt"].encode()
+        assert [t["token"][:9] for t in entry["top_logprobs"]] == ["token_id:"] * 2
+    as_text = chat(server, logprobs=True, return_tokens_as_token_ids=False)["choices"][0]["logprobs"]["content"]
+    assert [bytes(e["bytes"]).decode() for e in as_text] == [e["token"] for e in as_text]
+    completion = httpx.post(server + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "logprobs": 1}).json()
+    assert all(t.startswith("token_id:") for t in completion["choices"][0]["logprobs"]["tokens"])
+
+
+def test_the_usage_counts_cached_prompt_tokens_and_every_stream_has_one(server):
+    long = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 6}]
+    first, second = chat(server, messages=long)["usage"], chat(server, messages=long)["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert 16 <= second["prompt_tokens_details"]["cached_tokens"] < second["prompt_tokens"]
+    with httpx.stream("POST", server + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": True}) as r:
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    usage = json.loads(events[-2])["usage"]
+    assert usage["completion_tokens"] == 2 and "prompt_tokens_details" in usage
+
+
+def test_load_counts_the_requests_being_answered(server):
+    assert httpx.get(server + "/load").json() == {"server_load": 0}
+    started, seen = threading.Event(), []
+
+    def stream():
+        with httpx.stream("POST", server + "/v1/completions",
+                          json={"prompt": "Hi", "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+            for _ in r.iter_lines():
+                if not started.is_set():
+                    seen.append(httpx.get(server + "/load").json()["server_load"])
+                    started.set()
+    t = threading.Thread(target=stream)
+    t.start()
+    t.join(120)
+    assert seen == [1]
+    assert httpx.get(server + "/load").json() == {"server_load": 0}
+
+
+@pytest.mark.parametrize("template, loops", [
+    (TEMPLATE, True),
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", False),
+    ("{% for m in messages %}{% for p in m.content | list %}{{ p.text }}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% if x %}", False),     # jinja cannot parse it
+])
+def test_auto_reads_whether_the_template_loops_over_the_content(template, loops):
+    assert loops_over_content(template) is loops
+    assert FrontendOptions().content_format_for(template) == ("openai" if loops else "string")
+    assert FrontendOptions(chat_template_content_format="string").content_format_for(template) == "string"
+
+
+def test_bad_options_are_named():
+    with pytest.raises(ValueError, match="--chat-template-content-format 'json'"):
+        FrontendOptions(chat_template_content_format="json")
+    with pytest.raises(ValueError, match="--default-chat-template-kwargs is not JSON"):
+        FrontendOptions(default_chat_template_kwargs="{enable_thinking: false}")
+    with pytest.raises(ValueError, match="--response-role is empty"):
+        FrontendOptions(response_role=" ")
