@@ -70,7 +70,10 @@ def add_http_args(group) -> None:
     group.add_argument("--ssl-ca-certs", default=None, help="the CA certificates that sign clients' certificates")
     group.add_argument("--ssl-cert-reqs", type=int, default=0,
                        help="client certificates: 0 not asked, 1 optional, 2 required (default: %(default)s)")
+    group.add_argument("--ssl-ciphers", default=None, help="the TLS ciphers, in OpenSSL's notation")
     group.add_argument("--root-path", default="", help="the path prefix a reverse proxy serves this server under")
+    group.add_argument("--uds", default=None, metavar="PATH", help="listen on this Unix socket instead of "
+                       "--host/--port (a socket file left by a stopped server is replaced)")
     for name, what in (("origins", "the web origins a browser may call this server from"),
                        ("methods", "the HTTP methods they may use"), ("headers", "the request headers they may send")):
         group.add_argument(f"--allowed-{name}", type=_json_list, default=["*"], metavar="JSON",
@@ -78,6 +81,15 @@ def add_http_args(group) -> None:
     group.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and authorization "
                        "headers from the --allowed-origins (not with every origin)")
     group.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per request")
+    group.add_argument("--disable-access-log-for-endpoints", default="", metavar="PATHS",
+                       help="no access log line for these paths, comma-separated, e.g. /health,/metrics,/load")
+    group.add_argument("--log-config-file", default=None, metavar="FILE",
+                       help="uvicorn's logging configuration (JSON, YAML or INI, as logging.config reads them)")
+    group.add_argument("--enable-request-id-headers", action="store_true",
+                       help="every answer carries X-Request-Id: the request's own, else a new one")
+    group.add_argument("--middleware", action="extend", nargs="+", default=[], metavar="MODULE.NAME",
+                       help="ASGI middleware to add, outermost (a class, or an async function (request, "
+                            "call_next)), importable from the Python path; repeatable")
     group.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
 
 
@@ -119,7 +131,10 @@ def http_options(ns):
                            ssl_cert_reqs=ns.ssl_cert_reqs, root_path=ns.root_path, allowed_origins=ns.allowed_origins,
                            allowed_methods=ns.allowed_methods, allowed_headers=ns.allowed_headers,
                            allow_credentials=ns.allow_credentials, access_log=not ns.disable_uvicorn_access_log,
-                           docs=not ns.disable_fastapi_docs)
+                           docs=not ns.disable_fastapi_docs, ssl_ciphers=ns.ssl_ciphers, uds=ns.uds,
+                           log_config_file=ns.log_config_file,
+                           quiet_paths=[p.strip() for p in ns.disable_access_log_for_endpoints.split(",") if p.strip()],
+                           request_id_headers=ns.enable_request_id_headers, middleware=ns.middleware)
     except ValueError as e:
         sys.exit(f"shardlm: error: {e}")
 

@@ -63,6 +63,11 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets or self.sockets)
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if sockets is not None:       # uvicorn says where it listens only on sockets it bound itself
+            self._log_started_message(sockets)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         first = not self.state.draining and not self.should_exit
         self.interrupted |= first and sig == signal.SIGINT

@@ -111,7 +111,7 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
     if api_key:       # added last, so it runs first
         open_routes = tuple(r for r in health.OPEN_ROUTES if not (metrics_require_key and r == "/metrics"))
         app.add_middleware(ApiKeyCheck, api_key=api_key, open_routes=open_routes)
-    http.add_cors(app)
+    http.add_outer_middleware(app)
     return app
 
 
@@ -124,7 +124,7 @@ def make_server(engine_args: EngineArgs, host: str, port: int, api_key: str | No
                 http: HttpOptions | None = None, frontend: FrontendOptions | None = None) -> DrainingServer:
     """The server `shardlm serve` runs, checked and ready to serve (the engine starts with it)."""
     http = http or HttpOptions()
-    sockets = bind_sockets(host, port)      # a port in use fails now, not after the model loaded
+    sockets = bind_sockets(host, port, http.uds)      # a port in use fails now, not after the model loaded
     try:
         start_fork_server_early()     # the engine core comes from it: its imports overlap ours
         config = engine_args.create_engine_config()   # bad settings fail here, plainly, before the engine starts
@@ -136,14 +136,20 @@ def make_server(engine_args: EngineArgs, host: str, port: int, api_key: str | No
                         restarts, otlp_traces_endpoint, http, frontend)
         limits = limits or RequestLimits()
         # uvicorn answers 503 once a request finds limit_concurrency connections open, itself counted
-        server_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                                       http=guarded_protocol(limits),
-                                       h11_max_incomplete_event_size=limits.max_header_bytes,
-                                       limit_concurrency=limits.max_connections + 1, **http.uvicorn_kwargs())
+        try:        # uvicorn applies --log-config-file here
+            server_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=5, http=guarded_protocol(limits),
+                                           h11_max_incomplete_event_size=limits.max_header_bytes,
+                                           limit_concurrency=limits.max_connections + 1, **http.uvicorn_kwargs())
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"--log-config-file {http.log_config_file}: not a logging configuration ({e}).") \
+                from None
+        http.quiet_access_log()
         try:
             server_config.load()        # the TLS files are read here, before the engine starts
         except (OSError, ssl.SSLError) as e:
-            raise ValueError(f"--ssl-keyfile/--ssl-certfile/--ssl-ca-certs: cannot use them: {e}.") from None
+            raise ValueError(f"--ssl-keyfile/--ssl-certfile/--ssl-ca-certs/--ssl-ciphers: cannot use them: {e}.") \
+                from None
     except BaseException:
         for sock in sockets:
             sock.close()
