@@ -196,6 +196,13 @@ class SchedulerConfig:
     scheduling_policy: str = knob(
         "fcfs", "fcfs (first come, first served) or priority: waiting requests by their `priority` (lower "
         "first, as vLLM), then arrival; the lowest-priority running request is preempted first")
+    enable_chunked_prefill: bool = knob(
+        True, "prefill a prompt longer than what is left of a step's budget in chunks, beside the running "
+        "decodes (as vLLM); --no-enable-chunked-prefill runs each prompt whole in one step, a prompt that "
+        "does not fit waiting for a later step (the budget then defaults to at least --max-model-len)")
+    long_prefill_token_threshold: int = knob(
+        0, "most tokens of one prompt in a step, so that a long prompt leaves room for shorter ones (0: no "
+        "bound but the step's)")
 
     def __post_init__(self):
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -204,6 +211,25 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be positive.")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be positive.")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}): without chunked prefill a prompt runs whole in one step, so longer ones "
+                "could never run. Raise --max-num-batched-tokens, lower --max-model-len, or leave chunked prefill on.")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold}: give a token "
+                             "count >= 0 (0: no bound).")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold cuts prompts into chunks: it needs chunked prefill "
+                             "(leave out --no-enable-chunked-prefill).")
+
+    def prompt_tokens_now(self, remaining: int, budget: int, whole: bool = False) -> int:
+        """Tokens of a prompt (or a recompute) with `remaining` to go that run in a step with `budget`
+        left: a chunk (at most long_prefill_token_threshold), or without chunking all or nothing
+        (0: it waits). whole: this request runs whole regardless (a pooled prompt)."""
+        if whole or not self.enable_chunked_prefill:
+            return remaining if remaining <= budget else 0
+        return min(remaining, budget, self.long_prefill_token_threshold or remaining)
 
 
 @dataclass

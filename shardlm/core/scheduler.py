@@ -2,7 +2,8 @@
 
 Every step has a token budget (max_num_batched_tokens). Running requests go first, oldest
 first: a decode takes one token, an unfinished prompt the next chunk of it (chunked
-prefill). Waiting requests then fill what is left, first come first served (or, with
+prefill; a chunk at most long_prefill_token_threshold; without chunked prefill a prompt runs
+whole or waits). Waiting requests then fill what is left, first come first served (or, with
 --scheduling-policy priority, by their priority, a lower value first, then arrival), each
 starting after its longest cached prefix. When the KV cache runs out, the newest running
 request (priority: the lowest-priority one, the newest among equals) is preempted: its blocks
@@ -123,7 +124,10 @@ class Scheduler:
             if request.request_id in self.in_flight:
                 i += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self.config.prompt_tokens_now(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:         # without chunked prefill, what is left of the budget is too little
+                i += 1
+                continue
             drafts = self._drafts(request, budget, speculate)
             while not self.kv.allocate_slots(request, num_new + len(drafts)):
                 if drafts:                  # proposals go first
@@ -159,9 +163,10 @@ class Scheduler:
                 self._fail_grammar(request)
                 continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, budget)
-            if request.pooling_params is not None and num_new < request.num_tokens - num_hit:
-                break                           # a pooling request runs whole, in one step
+            num_new = self.config.prompt_tokens_now(request.num_tokens - num_hit, budget,
+                                                     whole=request.pooling_params is not None)
+            if num_new == 0:        # a prompt that runs whole (pooled, or chunked prefill off) waits for room
+                break
             if not self.kv.allocate_slots(request, num_new, hit_blocks):
                 break
             del self.waiting[skipped]            # the head, but for requests still compiling

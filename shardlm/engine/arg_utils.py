@@ -148,6 +148,8 @@ class EngineArgs:
     max_num_seqs: int = knob_of(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: int | None = knob_of(SchedulerConfig, "max_num_batched_tokens", default=None)
     scheduling_policy: str = knob_of(SchedulerConfig, "scheduling_policy")
+    enable_chunked_prefill: bool = knob_of(SchedulerConfig, "enable_chunked_prefill")
+    long_prefill_token_threshold: int = knob_of(SchedulerConfig, "long_prefill_token_threshold")
     tensor_parallel_size: int = knob_of(ParallelConfig, "tensor_parallel_size")
     pipeline_parallel_size: int = knob_of(ParallelConfig, "pipeline_parallel_size")
     data_parallel_size: int = knob_of(ParallelConfig, "data_parallel_size")
@@ -325,6 +327,8 @@ class EngineArgs:
             load_format=_load_format(self.load_format, source.gguf_file, checkpoint))
         cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
         batched_tokens = self.max_num_batched_tokens or max(SchedulerConfig.max_num_batched_tokens, self.max_num_seqs)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens is None:
+            batched_tokens = max(batched_tokens, max_model_len)     # a whole prompt fits a step
         if pooler is not None:
             # a pooled prompt is computed whole in one step; its KV cache is not kept for later prompts
             cache.enable_prefix_caching = False

@@ -99,6 +99,20 @@ def test_long_prompts_on_one_rank(tiny_model_dir, hf_long, hf):
         assert [c.token_ids for c in out[name].outputs] == [c.token_ids for c in again[name].outputs], name
 
 
+def test_whole_prompts_and_bounded_chunks_give_transformers_tokens(tiny_model_dir, hf_long, hf):
+    """--no-enable-chunked-prefill (each prompt in one step) and --long-prefill-token-threshold
+    (chunks of at most 20 tokens, under a budget of 64)."""
+    engine = {k: v for k, v in ENGINE.items() if k != "max_num_batched_tokens"}
+    whole = LLM(tiny_model_dir("llama-gqa"), **engine, enable_chunked_prefill=False)
+    assert_long_prompts_match_hf(run_long_prompt_workload(whole), hf_long("llama-gqa"), hf, "whole prompts")
+    whole.shutdown()
+    bounded = LLM(tiny_model_dir("llama-gqa"), **engine, max_num_batched_tokens=64, long_prefill_token_threshold=20)
+    assert_long_prompts_match_hf(run_long_prompt_workload(bounded), hf_long("llama-gqa"), hf, "20-token chunks")
+    bounded.shutdown()
+    with pytest.raises(ValueError, match="is smaller than max_model_len"):
+        LLM(tiny_model_dir("llama-gqa"), **ENGINE, enable_chunked_prefill=False)
+
+
 def test_preempted_in_the_middle_of_its_prefill(tiny_model_dir, hf_long, hf):
     """A cache of 12 usable blocks (192 tokens): LONG (150 tokens) prefills 31 tokens a step beside
     another request's decodes until the cache runs out, is preempted part-way and recomputed; its

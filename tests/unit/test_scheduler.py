@@ -206,3 +206,41 @@ def test_fcfs_preempts_the_newest():
     step(s)
     step(s)
     assert [r.request_id for r in s.waiting] == ["normal"]
+
+
+def test_without_chunked_prefill_a_prompt_runs_whole_or_waits_in_its_turn():
+    s = Scheduler(SchedulerConfig(8, 24, 24, enable_chunked_prefill=False), CacheConfig(block_size=BS), 64)
+    s.add_request(req("a", 10, max_tokens=5))
+    step(s)
+    s.add_request(req("long", 24, first=100))
+    s.add_request(req("short", 2, first=200))
+    out, _ = step(s)        # 23 tokens left after a's decode: "long" waits, and "short" behind it too
+    assert [(c.req_id, len(c.token_ids)) for c in out.chunks] == [("a", 1)]
+    for _ in range(3):
+        step(s)
+    out, _ = step(s)        # a finished: the whole prompt, then the one behind it as the budget allows
+    assert [(c.req_id, len(c.token_ids)) for c in out.chunks] == [("long", 24)]
+    out, _ = step(s)
+    assert [(c.req_id, len(c.token_ids)) for c in out.chunks] == [("long", 1), ("short", 2)]
+
+
+def test_long_prefill_token_threshold_bounds_each_prompts_chunk():
+    s = Scheduler(SchedulerConfig(8, 64, 1000, long_prefill_token_threshold=10), CacheConfig(block_size=BS), 64)
+    s.add_request(req("a", 25))
+    s.add_request(req("b", 7, first=100))
+    out, _ = step(s)
+    assert [(c.req_id, len(c.token_ids)) for c in out.chunks] == [("a", 10), ("b", 7)]
+    out, _ = step(s)
+    assert [(c.req_id, len(c.token_ids)) for c in out.chunks] == [("a", 10), ("b", 1)]
+    out, _ = step(s)
+    assert [(c.req_id, len(c.token_ids), c.sample) for c in out.chunks] == [("a", 5, True), ("b", 1, True)]
+
+
+def test_chunking_settings_that_cannot_work_are_refused():
+    import pytest
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(16\) is smaller than max_model_len \(64\)"):
+        SchedulerConfig(8, 16, 64, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="it needs chunked prefill"):
+        SchedulerConfig(8, 64, 64, enable_chunked_prefill=False, long_prefill_token_threshold=8)
+    with pytest.raises(ValueError, match="give a token count >= 0"):
+        SchedulerConfig(8, 64, 64, long_prefill_token_threshold=-1)
