@@ -162,7 +162,7 @@ class CacheConfig:
     block_size: int = knob(
         16, "tokens per KV cache block")
     kv_cache_memory: int = knob(
-        4 << 30, "CPU: memory for the KV cache, bytes or e.g. 4GiB")
+        4 << 30, "CPU: memory for the KV cache, bytes or e.g. 4GiB (vLLM's name: --kv-cache-memory-bytes)")
     kv_cache_dtype: str = knob(
         "auto", "the KV cache's dtype: auto (the model's), fp8 / fp8_e4m3 or fp8_e5m2 (one byte a value, twice "
         "bfloat16's tokens; the checkpoint's k_scale / v_scale per layer, else 1.0)")
@@ -173,6 +173,9 @@ class CacheConfig:
     disable_hybrid_kv_cache_manager: bool = knob(
         False, "keep every position of sliding-window layers (by default the blocks a window has "
         "left behind are freed: kv_cache_groups.py)")
+    num_gpu_blocks_override: int | None = knob(
+        None, "KV cache blocks to allocate (the null block included), whatever --kv-cache-memory or "
+        "--gpu-memory-utilization would give, as vLLM's; to test preemption with a small cache")
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -183,6 +186,9 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: use {', '.join(KV_CACHE_DTYPES)}.")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be a positive number of bytes.")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(f"num_gpu_blocks_override={self.num_gpu_blocks_override}: give at least 2 blocks (block "
+                             "0 holds nothing).")
 
 
 @dataclass

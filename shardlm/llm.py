@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 
 from shardlm import startup  # noqa: F401  (first of shardlm's: it counts the threads importing torch starts)
-from shardlm.engine.arg_utils import EngineArgs
+from shardlm.engine.arg_utils import VLLM_ALIASES, EngineArgs
 from shardlm.engine.llm_engine import LLMEngine
 from shardlm.engine.processor import split_prompt
 from shardlm.lora.request import LoRARequest
@@ -34,6 +34,11 @@ class LLM:
     (dtype, max_model_len, kv_cache_memory, enable_prefix_caching, max_num_seqs, ...)."""
 
     def __init__(self, model: str | None = None, **kwargs):
+        for alias, name in VLLM_ALIASES.items():
+            if alias in kwargs:
+                if name in kwargs:
+                    raise TypeError(f"LLM() got both {alias} and {name}, two names of one setting: give one.")
+                kwargs[name] = kwargs.pop(alias)
         unknown = sorted(set(kwargs) - EngineArgs.field_names())
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {', '.join(unknown)}; valid arguments: "

@@ -44,7 +44,7 @@ class EngineCore:
         self.config = config
         t0 = time.perf_counter()
         self.executor = executor_class(config.parallel.distributed_executor_backend)(config)
-        self.num_blocks = num_blocks = self.executor.determine_num_blocks()
+        self.num_blocks = num_blocks = self._num_blocks()
         self._check_kv_capacity(num_blocks)
         self.executor.initialize_cache(num_blocks)
         self.max_in_flight = self.executor.max_concurrent_batches
@@ -72,6 +72,16 @@ class EngineCore:
                 f"stage {s}: weights {', '.join(format_bytes(w) for w in weights[s * per_stage:(s + 1) * per_stage])}"
                 for s in range(par.pipeline_parallel_size)), num_blocks, num_blocks * config.cache.block_size)
         logger.info("Engine core ready in %.2f s", time.perf_counter() - t0)
+
+    def _num_blocks(self) -> int:
+        """The KV cache blocks the memory gives (the same on every rank), or --num-gpu-blocks-override."""
+        measured = self.executor.determine_num_blocks()
+        override = self.config.cache.num_gpu_blocks_override
+        if override is None:
+            return measured
+        logger.info("KV cache: %d blocks (--num-gpu-blocks-override) instead of the %d the memory gives", override,
+                    measured)
+        return override
 
     def _check_kv_capacity(self, num_blocks: int) -> None:
         bs, max_len = self.config.kv_block_tokens, self.config.model.max_model_len

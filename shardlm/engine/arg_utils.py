@@ -55,6 +55,10 @@ _DTYPES = {
 }
 
 
+# vLLM's other names for knobs: `LLM(kv_cache_memory_bytes=...)` and `--kv-cache-memory-bytes`
+VLLM_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
+
+
 def knob(default, lands_in: str, help: str, short: str | None = None):
     """A knob that EngineArgs resolves into the model config ("model") or that switches a feature
     ("engine", "lora"): its default, where it lands, its help text and an optional short flag."""
@@ -145,6 +149,7 @@ class EngineArgs:
     enable_prefix_caching: bool = knob_of(CacheConfig, "enable_prefix_caching")
     kv_cache_dtype: str = knob_of(CacheConfig, "kv_cache_dtype")
     disable_hybrid_kv_cache_manager: bool = knob_of(CacheConfig, "disable_hybrid_kv_cache_manager")
+    num_gpu_blocks_override: int | None = knob_of(CacheConfig, "num_gpu_blocks_override")
     max_num_seqs: int = knob_of(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: int | None = knob_of(SchedulerConfig, "max_num_batched_tokens", default=None)
     scheduling_policy: str = knob_of(SchedulerConfig, "scheduling_policy")

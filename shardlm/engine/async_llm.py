@@ -136,10 +136,15 @@ class AsyncLLM:
         return self.processor.default_sampling_params()
 
     @property
+    def num_unfinished(self) -> int:
+        """Engine-core requests added and not finished (each of a request's n samples is one)."""
+        return len(self.output_processor.samples)
+
+    @property
     def num_waiting(self) -> int:
         """Engine-core requests not yet running: those added and unfinished, less the running
         ones the engine cores last reported (an estimate that errs towards more)."""
-        return max(0, len(self.output_processor.samples) - self.engine_core.num_running)
+        return max(0, self.num_unfinished - self.engine_core.num_running)
 
     # ---- requests ----
     def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams | PoolingParams,

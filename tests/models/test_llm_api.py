@@ -255,3 +255,20 @@ def test_one_max_tokens_rule_offline_as_in_the_server(tiny_model_dir):
     rest = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
     assert len(fits[0].outputs[0].token_ids) == len(rest[0].outputs[0].token_ids) == 14
     assert rest[0].outputs[0].finish_reason == "length"
+
+
+def test_the_kv_cache_sized_by_blocks_or_by_vllms_byte_knob(tiny_model_dir):
+    """--num-gpu-blocks-override sets the block count whatever the memory gives (a small cache
+    preempts and still finishes every request); LLM(kv_cache_memory_bytes=...) is vLLM's name."""
+    # llama-gqa float32: 2 layers x 2 kv heads x 16 dims x 4 bytes x 2 (K, V) x 16 tokens = 8 KiB a block
+    llm = LLM(tiny_model_dir("llama-gqa"), dtype="float32", max_model_len=64, num_gpu_blocks_override=9)
+    assert llm.stats()["kv_cache_tokens"] == 8 * 16
+    outs = llm.generate([[100 + i] * 20 for i in range(4)], SamplingParams(max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [40] * 4 and llm.stats()["num_preemptions"] > 0
+    llm.shutdown()
+    llm = LLM(tiny_model_dir("llama-gqa"), dtype="float32", max_model_len=64, kv_cache_memory_bytes=8192 * 13)
+    assert llm.stats()["kv_cache_tokens"] == 12 * 16
+    llm.shutdown()
+    with pytest.raises(TypeError, match="two names of one setting"):
+        LLM(tiny_model_dir("llama-gqa"), kv_cache_memory="1GiB", kv_cache_memory_bytes=1 << 30)

@@ -248,6 +248,28 @@ def test_a_full_queue_answers_429_with_retry_after_and_keeps_serving(tiny_model_
         stop_server(proc)
 
 
+def test_a_full_engine_answers_503_to_send_the_request_elsewhere(tiny_model_dir):
+    """--max-num-queued-reqs 2 (vLLM's): with two requests in the engine, running or waiting, a
+    third gets 503 with Retry-After; they finish, and the next one is served."""
+    import threading
+    with server_in_this_process(tiny_model_dir("llama-gqa"), "--max-num-queued-reqs", "2",
+                                "--max-num-seqs", "1") as (_, url):
+        answers = []
+        busy = [threading.Thread(target=lambda: answers.append(httpx.post(
+            url + CMPL, json=_c(max_tokens=250, ignore_eos=True), timeout=120).status_code)) for _ in range(2)]
+        for t in busy:
+            t.start()
+        deadline = time.time() + 60         # one runs, the other waits (--max-num-seqs 1)
+        while metric(url, "shardlm:num_requests_waiting") < 1 and time.time() < deadline:
+            time.sleep(0.01)
+        full = httpx.post(url + CMPL, json=_c())
+        for t in busy:
+            t.join(120)
+        assert full.status_code == 503 and full.headers["retry-after"] == "1", full.text
+        assert "--max-num-queued-reqs 2" in full.json()["error"]["message"]
+        assert answers == [200, 200] and httpx.post(url + CMPL, json=_c()).status_code == 200
+
+
 @pytest.mark.slow
 def test_a_stopped_worker_fails_the_engine_within_the_step_timeout(tiny_model_dir):
     proc, url = start_server(tiny_model_dir("llama-gqa"), "-tp", "2", "--execute-model-timeout", "3",

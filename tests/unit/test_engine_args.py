@@ -44,4 +44,6 @@ def test_the_cli_has_one_flag_per_knob_with_its_default():
             given.execute_model_timeout) == ("m", 2, False, "1GiB", 7.5)
     assert given.landing_in("cache") == {"block_size": 16, "kv_cache_memory": "1GiB", "gpu_memory_utilization": 0.9,
                                          "enable_prefix_caching": False, "disable_hybrid_kv_cache_manager": False,
-                                         "kv_cache_dtype": "auto"}
+                                         "kv_cache_dtype": "auto", "num_gpu_blocks_override": None}
+    # vLLM's other names: --kv-cache-memory-bytes and LLM(kv_cache_memory_bytes=...)
+    assert engine_args_from(parser.parse_args(["--kv-cache-memory-bytes", "123456"])).kv_cache_memory == "123456"

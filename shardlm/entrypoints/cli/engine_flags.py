@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from shardlm.engine.arg_utils import EngineArgs
+from shardlm.engine.arg_utils import VLLM_ALIASES, EngineArgs
 from shardlm.executor.selection import BACKENDS
 
 
@@ -34,6 +34,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(*flags, **kwargs)
     group.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                        help="as --no-enable-log-requests: vLLM's older flag, kept for its command lines")
+    for alias, name in VLLM_ALIASES.items():
+        group.add_argument(f"--{alias.replace('_', '-')}", dest=name, default=argparse.SUPPRESS,
+                           help=f"as --{name.replace('_', '-')}: vLLM's name")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

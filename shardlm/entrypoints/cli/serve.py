@@ -170,7 +170,10 @@ def server_options(ns) -> dict:
         with open(chat_template) as f:
             chat_template = f.read()
     from shardlm.entrypoints.openai.protocol import RequestLimits
-    limits = RequestLimits(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(RequestLimits)})
+    try:
+        limits = RequestLimits(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(RequestLimits)})
+    except ValueError as e:
+        sys.exit(f"shardlm: error: {e}")
     api_key = ns.api_key if ns.api_key is not None else envs.SHARDLM_API_KEY
     if api_key is not None and not api_key.strip():
         sys.exit("shardlm: error: the API key is empty: give a key, or leave --api-key out to serve without one.")

@@ -19,6 +19,7 @@ class RequestLimits:
     max_stop_string_chars: int = 256
     max_body_bytes: int = 16 << 20      # 413 beyond it
     max_num_waiting: int = 1024         # requests waiting to be scheduled; 429 beyond it
+    max_num_queued_reqs: int | None = None      # requests in the engine (waiting or running); 503 beyond it
     # the transport (transport.py): nginx's default header buffers hold 32 KiB; a client has a
     # minute to send a request (a 16 MiB body at 2 Mbit/s)
     max_header_bytes: int = 32 << 10    # 431 beyond it
@@ -32,10 +33,17 @@ class RequestLimits:
             "max_stop_string_chars": "longest stop string, in characters",
             "max_body_bytes": "largest request body in bytes (413 beyond it)",
             "max_num_waiting": "most requests waiting to be scheduled; beyond it new ones get 429 with Retry-After",
+            "max_num_queued_reqs": "most requests in the engine, waiting or running; beyond it new ones get 503 with "
+                                   "Retry-After, to go to another replica, as vLLM's (None: no bound)",
             "max_header_bytes": "largest request line and headers in bytes (431 beyond it)",
             "max_header_count": "most headers in one request (431 beyond it)",
             "max_connections": "most open connections; a request on one more gets 503",
             "client_timeout": "seconds a client has to send a request's headers and body (408 after)"}
+
+    def __post_init__(self):
+        if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 1:
+            raise ValueError(f"--max-num-queued-reqs {self.max_num_queued_reqs}: give at least 1 (leave it out for "
+                             "no bound).")
 
 
 class OpenAIError(Exception):

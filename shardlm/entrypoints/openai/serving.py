@@ -222,6 +222,11 @@ class OpenAIServing:
         if waiting >= limit:
             raise OpenAIError(f"The server is busy: {waiting} requests are waiting (--max-num-waiting {limit}). "
                               "Retry later.", 429, type_="RateLimitError", headers={"Retry-After": "1"})
+        queued, bound = self.llm.num_unfinished, self.limits.max_num_queued_reqs
+        if bound is not None and queued >= bound:
+            raise OpenAIError(f"The server is full: {queued} requests are in its engine (--max-num-queued-reqs "
+                              f"{bound}). Send this one to another replica, or retry.", 503,
+                              type_="ServiceUnavailableError", headers={"Retry-After": "1"})
         streams = []
         try:
             for prompt, params, rid in requests:
