@@ -115,6 +115,8 @@ class ModelConfig:
     disable_log_stats: bool = False          # no periodic stats line (core/stat_logger.py)
     enable_log_requests: bool = False        # AsyncLLM logs each request as it arrives
     max_log_len: int | None = None           # ... with at most this much of its prompt
+    enable_log_outputs: bool = False         # ... and each one's outputs as it finishes
+    stream_interval: int = 1                 # streamed outputs carry this many new tokens (but the first, last)
     load_format: str = "auto"                # auto: the checkpoint's weights; dummy: random ones (model_loader)
     trust_remote_code: bool = False          # transformers may run the model repository's config/tokenizer code
     max_logprobs: int = 20                   # --max-logprobs: per token, a request's most; -1: the vocabulary
@@ -122,6 +124,10 @@ class ModelConfig:
 
     def __post_init__(self):
         self.served_model_names = self.served_model_names or [self.served_model_name]
+        if self.enable_log_outputs and not self.enable_log_requests:
+            raise ValueError("--enable-log-outputs logs beside each logged request: add --enable-log-requests.")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval={self.stream_interval}: give a token count >= 1 (1: every token).")
 
     @property
     def logprobs_limit(self) -> int:

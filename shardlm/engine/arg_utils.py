@@ -236,6 +236,13 @@ class EngineArgs:
     max_log_len: int | None = knob(
         None, "model",
         "with --enable-log-requests: at most this many characters and token ids of each prompt (default: all)")
+    enable_log_outputs: bool = knob(
+        False, "model",
+        "with --enable-log-requests: log each request's outputs as it finishes (text, token ids, finish reason)")
+    stream_interval: int = knob(
+        1, "model",
+        "streams send new tokens once this many have come (the first and the last at once), as vLLM's: fewer, "
+        "larger chunks for less overhead at high throughput")
     hf_overrides: dict | str | None = knob(
         None, "model",
         "JSON set over the checkpoint's config.json before anything reads it, as vLLM's: e.g. "
@@ -327,6 +334,7 @@ class EngineArgs:
             runner=runner, convert=convert, pooler=pooler, collect_detailed_traces=_detailed_traces(
                 self.collect_detailed_traces), disable_log_stats=self.disable_log_stats,
             enable_log_requests=self.enable_log_requests, max_log_len=self.max_log_len,
+            enable_log_outputs=self.enable_log_outputs, stream_interval=self.stream_interval,
             max_logprobs=_max_logprobs(self.max_logprobs),
             trust_remote_code=self.trust_remote_code,
             load_format=_load_format(self.load_format, source.gguf_file, checkpoint))

@@ -83,7 +83,9 @@ class AsyncLLM:
         self.loop = loop or asyncio.get_event_loop()
         self.tokenizer = load_tokenizer(config.model.tokenizer, config.model.trust_remote_code)
         self.processor = InputProcessor(config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        model = config.model
+        self.output_processor = OutputProcessor(self.tokenizer, model.stream_interval, model.enable_log_outputs,
+                                                model.max_log_len)
         self.engine_core = AsyncMPClient(config, self.loop, restarts)
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._output_handler: asyncio.Task | None = None

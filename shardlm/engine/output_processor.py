@@ -18,6 +18,7 @@ import torch
 
 from shardlm.engine.detokenizer import IncrementalDetokenizer
 from shardlm.engine.errors import EngineDeadError, RequestFailedError
+from shardlm.logger import init_logger
 from shardlm.messages import EngineCoreOutput, PooledData, TokenLogprobs
 from shardlm.outputs import (
     CompletionOutput,
@@ -30,6 +31,8 @@ from shardlm.outputs import (
 )
 from shardlm.pooling.params import PoolingParams
 from shardlm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -83,8 +86,12 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stream_interval: int = 1, log_outputs: bool = False, max_log_len: int | None = None):
+        """stream_interval: a delta waits until it holds this many new tokens (but a sample's first
+        and last); log_outputs: log each request's outputs as it finishes (at most max_log_len of each)."""
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
+        self.log_outputs, self.max_log_len = log_outputs, max_log_len
         self.parents: dict[str, ParentRequest] = {}
         self.samples: dict[str, SampleState] = {}   # engine-core request id -> sample
         self.on_finished: Callable[[RequestOutput], None] | None = None   # whole output, e.g. for metrics
@@ -150,6 +157,8 @@ class OutputProcessor:
                 self._forget(parent)
                 if self.on_finished is not None:
                     self.on_finished(self._whole_output(parent, True))
+                if self.log_outputs:
+                    self._log_outputs(parent)
             out = self._output_for(parent, finished, touched)
             if out is None:
                 continue
@@ -214,6 +223,8 @@ class OutputProcessor:
         new_lps = s.logprobs[s.sent_logprobs:] if s.logprobs is not None else None
         if not new_text and not new_tokens and not s.finished:
             return None
+        if not s.finished and s.sent_tokens and len(new_tokens) < self.stream_interval:
+            return None         # --stream-interval: until enough have come
         s.sent_chars, s.sent_tokens = len(text), len(s.token_ids)
         s.sent_logprobs = len(s.logprobs) if s.logprobs is not None else 0
         return CompletionOutput(s.index, new_text, new_tokens, s.cumulative_logprob, new_lps, s.finish_reason,
@@ -227,6 +238,16 @@ class OutputProcessor:
             for s in parent.samples]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions, finished,
                              parent.prompt_logprobs, parent.metrics, parent.num_cached_tokens)
+
+    def _log_outputs(self, parent: ParentRequest) -> None:
+        """--enable-log-outputs: vLLM's "Generated response" line, one per sample."""
+        n = self.max_log_len
+        for s in parent.samples:
+            text, ids = s.detokenizer.visible_text(True), s.token_ids
+            logger.info("Generated response %s%s: output: %r, output_token_ids: %s (%d), finish_reason: %s",
+                        parent.request_id, f" (sample {s.index})" if len(parent.samples) > 1 else "",
+                        text[:n] if n is not None else text, ids[:n] if n is not None else ids, len(ids),
+                        s.finish_reason)
 
     def _forget(self, parent: ParentRequest) -> None:
         self.parents.pop(parent.request_id, None)
