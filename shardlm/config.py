@@ -117,6 +117,7 @@ class ModelConfig:
     max_log_len: int | None = None           # ... with at most this much of its prompt
     enable_log_outputs: bool = False         # ... and each one's outputs as it finishes
     stream_interval: int = 1                 # streamed outputs carry this many new tokens (but the first, last)
+    logprobs_mode: str = "raw_logprobs"      # what logprobs report (layers/sampler.py's LOGPROBS_MODES)
     load_format: str = "auto"                # auto: the checkpoint's weights; dummy: random ones (model_loader)
     trust_remote_code: bool = False          # transformers may run the model repository's config/tokenizer code
     max_logprobs: int = 20                   # --max-logprobs: per token, a request's most; -1: the vocabulary

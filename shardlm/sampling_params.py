@@ -8,6 +8,8 @@ from enum import IntEnum
 
 _GREEDY_EPS = 1e-5
 DEFAULT_MAX_LOGPROBS = 20          # --max-logprobs' default (vLLM's): the engine checks a request against its own
+# --logprobs-mode (vLLM's): what logprobs report, of the model's output or of what the token was drawn from
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 INT64_MAX = 2**63 - 1
 MAX_LOGIT_BIAS = 100.0     # OpenAI's range for logit_bias values
 BOUNDED_JSON_WHITESPACE = "[ ]?"     # the default JSON whitespace between items: '{"a": 1, "b": 2}' or compact

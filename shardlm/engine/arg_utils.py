@@ -43,7 +43,7 @@ from shardlm.models.registry import (
 )
 from shardlm.planner.startup import check_fits, check_parallel_layout
 from shardlm.pooling.config import classifier_from_token, resolve_pooler_config, resolve_runner
-from shardlm.sampling_params import DEFAULT_MAX_LOGPROBS, GENERATION_CONFIG_FIELDS
+from shardlm.sampling_params import DEFAULT_MAX_LOGPROBS, GENERATION_CONFIG_FIELDS, LOGPROBS_MODES
 from shardlm.worker.cpu_binding import validate_binding
 
 logger = init_logger(__name__)
@@ -239,6 +239,11 @@ class EngineArgs:
     enable_log_outputs: bool = knob(
         False, "model",
         "with --enable-log-requests: log each request's outputs as it finishes (text, token ids, finish reason)")
+    logprobs_mode: str = knob(
+        "raw_logprobs", "model",
+        "what logprobs and prompt_logprobs report, as vLLM's: raw_logprobs (the model's), raw_logits, or "
+        "processed_logprobs / processed_logits, after constraints, biases, penalties, temperature and "
+        "top-k/top-p/min-p (what the token was drawn from; prompt positions stay raw)")
     stream_interval: int = knob(
         1, "model",
         "streams send new tokens once this many have come (the first and the last at once), as vLLM's: fewer, "
@@ -335,6 +340,7 @@ class EngineArgs:
                 self.collect_detailed_traces), disable_log_stats=self.disable_log_stats,
             enable_log_requests=self.enable_log_requests, max_log_len=self.max_log_len,
             enable_log_outputs=self.enable_log_outputs, stream_interval=self.stream_interval,
+            logprobs_mode=_logprobs_mode(self.logprobs_mode),
             max_logprobs=_max_logprobs(self.max_logprobs),
             trust_remote_code=self.trust_remote_code,
             load_format=_load_format(self.load_format, source.gguf_file, checkpoint))
@@ -554,6 +560,12 @@ def _max_logprobs(value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < -1:
         raise ValueError(f"--max-logprobs {value}: give a count >= 0, or -1 for the whole vocabulary.")
     return value
+
+
+def _logprobs_mode(mode: str) -> str:
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"--logprobs-mode {mode!r}: give {', '.join(LOGPROBS_MODES)}.")
+    return mode
 
 
 def _load_format(choice: str, gguf_file: str | None, checkpoint: tuple[str, int] | None) -> str:

@@ -1,5 +1,7 @@
 """From logits to next tokens: penalties, temperature, top-k/top-p/min-p, seeded sampling,
-and logprobs of the raw model output.
+and logprobs: of the raw model output, or (--logprobs-mode, as vLLM's) the raw logits, or the
+logprobs or logits after every processor (constraints, biases, penalties, bans, temperature,
+top-k/top-p/min-p), what the token was drawn from.
 
 Random sampling uses the exponential race (argmax of p / Exp(1)), which draws exactly
 from p; a request with a seed draws its noise from its own generator, so its tokens do
@@ -41,14 +43,22 @@ class SamplingBatch:
 
 
 class Sampler:
-    def __init__(self):
+    def __init__(self, logprobs_mode: str = "raw_logprobs"):
         self.argmax_rows = ArgmaxRows()
+        self.logprobs_mode = logprobs_mode
+
+    def values(self, logits: torch.Tensor) -> torch.Tensor:
+        """What logprobs report of these logits (float32): the logits themselves in a *_logits
+        mode, else their log-softmax."""
+        logits = logits.float()
+        return logits if self.logprobs_mode.endswith("_logits") else torch.log_softmax(logits, dim=-1)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch):
         """logits [B, V] -> (token ids [B] list, {row: TokenLogprobs})."""
-        raw_logprobs = None
-        if batch.logprobs_k and any(k is not None for k in batch.logprobs_k):
-            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        reported = None
+        wanted = batch.logprobs_k and any(k is not None for k in batch.logprobs_k)
+        if wanted and self.logprobs_mode.startswith("raw"):
+            reported = self.values(logits)
         elif batch.plain_greedy:
             return self.argmax_rows(logits).tolist(), {}   # all greedy: no copy for penalties or bans needed
         logits = logits.float()
@@ -67,11 +77,13 @@ class Sampler:
             random = sample_random(logits, batch)
             sampled = torch.where(batch.greedy, sampled, random)
         tokens = sampled.tolist()
+        if wanted and reported is None:
+            reported = self.values(processed_logits(logits, batch))
         logprobs = {}
-        if raw_logprobs is not None:
+        if reported is not None:
             for row, k in enumerate(batch.logprobs_k):
                 if k is not None:
-                    logprobs[row] = token_logprobs(raw_logprobs[row], tokens[row], k)
+                    logprobs[row] = token_logprobs(reported[row], tokens[row], k)
         return tokens, logprobs
 
 
@@ -183,14 +195,33 @@ def apply_penalties(logits, presence, frequency, repetition, prompt_ids, output_
     return logits
 
 
-def sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def scaled_and_filtered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature (1 for greedy rows) and top-k/top-p applied: what random rows draw from."""
+    if batch.temperature is None:         # every row greedy
+        return logits
     temp = torch.where(batch.greedy, torch.ones_like(batch.temperature), batch.temperature)
     logits = logits / temp[:, None]
     if batch.top_k is not None or batch.top_p is not None:
         logits = _top_k_top_p(logits, batch.top_k, batch.top_p)
-    probs = torch.softmax(logits, dim=-1)
+    return logits
+
+
+def _below_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    return probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+
+
+def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The logits after every processor, min-p's cut as -inf (the processed logprobs modes)."""
+    logits = scaled_and_filtered(logits, batch)
+    if batch.temperature is not None and batch.min_p is not None:
+        logits = logits.masked_fill(_below_min_p(torch.softmax(logits, dim=-1), batch.min_p), float("-inf"))
+    return logits
+
+
+def sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    probs = torch.softmax(scaled_and_filtered(logits, batch), dim=-1)
     if batch.min_p is not None:
-        probs = torch.where(probs < batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
+        probs = torch.where(_below_min_p(probs, batch.min_p), 0.0, probs)
     noise = torch.empty_like(probs).exponential_()
     for row, gen in (batch.generators or {}).items():
         noise[row].exponential_(generator=gen)

@@ -63,7 +63,7 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self._attention_layers: list[Attention] | None = None
         self._moe_layers: dict[int, FusedMoE] | None = None
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.model.logprobs_mode)
         self.kv_groups = config.kv_groups
         # one backend per KV cache group (each builds its group's metadata; the first is the engine's)
         self.attn_backends = [get_attention_backend(config, device) for _ in range(self.kv_groups.num_groups)]
@@ -482,7 +482,7 @@ class ModelRunner:
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows, out: ModelRunnerOutput) -> None:
         for req_id, first_pos, first_row, n in prompt_rows:
             state = self.requests[req_id]
-            lps = torch.log_softmax(logits[first_row:first_row + n].float(), dim=-1)
+            lps = self.sampler.values(logits[first_row:first_row + n])    # nothing processes prompt positions
             k = state.sampling_params.prompt_logprobs
             targets = state.prompt_token_ids[first_pos + 1:first_pos + 1 + n]
             out.prompt_logprobs[req_id] = [token_logprobs(lps[i], t, k) for i, t in enumerate(targets)]

@@ -1,6 +1,7 @@
 """The offline API on a tiny model: request options, outputs, and clear errors for bad input."""
 
 import json
+import math
 import os
 import weakref
 
@@ -272,3 +273,31 @@ def test_the_kv_cache_sized_by_blocks_or_by_vllms_byte_knob(tiny_model_dir):
     llm.shutdown()
     with pytest.raises(TypeError, match="two names of one setting"):
         LLM(tiny_model_dir("llama-gqa"), kv_cache_memory="1GiB", kv_cache_memory_bytes=1 << 30)
+
+
+def test_logprobs_modes_offline(tiny_model_dir):
+    """--logprobs-mode raw_logits: each position's listed values are the logprobs plus one constant
+    (the log-sum-exp); processed_logprobs with top_k 3: three tokens share all the probability."""
+    prompts, greedy = [[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, logprobs=4, prompt_logprobs=2)
+    runs = {}
+    for mode in ("raw_logprobs", "raw_logits", "processed_logprobs"):
+        llm = LLM(tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory="16MiB", max_model_len=64,
+                  logprobs_mode=mode)
+        runs[mode] = llm.generate(prompts, greedy, use_tqdm=False)[0]
+        if mode == "processed_logprobs":
+            sampled = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.8, top_k=3, seed=1,
+                                                           logprobs=5), use_tqdm=False)[0].outputs[0]
+        llm.shutdown()
+    raw, logits = runs["raw_logprobs"], runs["raw_logits"]
+    assert raw.outputs[0].token_ids == logits.outputs[0].token_ids
+    positions = list(zip(raw.outputs[0].logprobs, logits.outputs[0].logprobs)) + \
+        list(zip(raw.prompt_logprobs[1:], logits.prompt_logprobs[1:]))
+    for lp, lg in positions:
+        assert list(lp) == list(lg), "the same tokens, in the same order"
+        shift = [lg[t].logprob - lp[t].logprob for t in lp]
+        assert max(shift) - min(shift) < 1e-3 and shift[0] > 0
+    assert [{t: v.logprob for t, v in p.items()} for p in runs["processed_logprobs"].outputs[0].logprobs] == \
+        [{t: v.logprob for t, v in p.items()} for p in raw.outputs[0].logprobs], "greedy: nothing processes them"
+    for position in sampled.logprobs:
+        finite = [v.logprob for v in position.values() if v.logprob != float("-inf")]
+        assert len(finite) == 3 and sum(math.exp(v) for v in finite) == pytest.approx(1, abs=1e-4)

@@ -1,8 +1,9 @@
 """vLLM's frontend flags (frontend_options.py): the answer's role, logprob tokens as ids, cached
 prompt tokens in the usage, usage in every stream, the chat template's defaults, the content
-format and tools left out with tool_choice "none"; and GET /load."""
+format and tools left out with tool_choice "none"; GET /load; and processed logprobs in JSON."""
 
 import json
+import math
 import threading
 
 import httpx
@@ -27,7 +28,8 @@ def server(tiny_model_dir, tmp_path_factory):
             tiny_model_dir("llama-gqa"), "--chat-template", str(template), "--enable-prefix-caching",
             "--response-role", "bot", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
             "--enable-force-include-usage", "--default-chat-template-kwargs", '{"greeting": "G1"}',
-            "--chat-template-content-format", "openai", "--exclude-tools-when-tool-choice-none") as (_, url):
+            "--chat-template-content-format", "openai", "--exclude-tools-when-tool-choice-none",
+            "--logprobs-mode", "processed_logprobs") as (_, url):
         yield url
 
 
@@ -74,6 +76,16 @@ def test_logprob_tokens_are_ids_unless_the_request_says_otherwise(server):
     assert [bytes(e["bytes"]).decode() for e in as_text] == [e["token"] for e in as_text]
     completion = httpx.post(server + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "logprobs": 1}).json()
     assert all(t.startswith("token_id:") for t in completion["choices"][0]["logprobs"]["tokens"])
+
+
+def test_processed_logprobs_of_tokens_ruled_out_are_minus_9999_in_json(server):
+    """--logprobs-mode processed_logprobs: top_k 2 leaves two tokens; the other three listed are
+    -inf, which JSON cannot carry: -9999.0, as vLLM's."""
+    content = chat(server, temperature=1.0, top_k=2, seed=3, logprobs=True, top_logprobs=5,
+                   return_tokens_as_token_ids=False)["choices"][0]["logprobs"]["content"]
+    for entry in content:
+        values = [t["logprob"] for t in entry["top_logprobs"]]
+        assert values[2:] == [-9999.0] * 3 and sum(math.exp(v) for v in values[:2]) == pytest.approx(1, abs=1e-4)
 
 
 def test_the_usage_counts_cached_prompt_tokens_and_every_stream_has_one(server):

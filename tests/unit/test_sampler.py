@@ -120,3 +120,25 @@ def test_argmax_rows_equals_torch_argmax(dtype):
     x[7, :] = 1.0                                           # all equal
     for rows in (x, x[:1], x[:, :49141], x[:, 5:]):        # one row; views with a row stride of their own
         assert torch.equal(argmax_rows(rows), rows.float().argmax(dim=-1))
+
+
+def test_each_logprobs_mode_reports_what_it_names():
+    """raw_*: the model's output; processed_*: what the token was drawn from (temperature 0.5,
+    top-k 3 here: the other tokens are -inf). Each entry's rank follows its value."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, V)
+    batch = batch_for(2, temperature=0.5, top_k=torch.full((2,), 3), logprobs_k=[4, None],
+                      generators={0: torch.Generator().manual_seed(1)})
+    expected = {"raw_logprobs": torch.log_softmax(logits, -1), "raw_logits": logits}
+    kept = logits / 0.5
+    kept = kept.masked_fill(kept < kept.topk(3, dim=-1).values[:, -1:], float("-inf"))
+    expected.update(processed_logits=kept, processed_logprobs=torch.log_softmax(kept, -1))
+    for mode, values in expected.items():
+        tokens, lps = Sampler(mode)(logits, batch)
+        assert list(lps) == [0], "only the row that asked"
+        lp = lps[0]
+        assert lp.token_id == tokens[0] and lp.logprob == pytest.approx(values[0, tokens[0]].item(), abs=1e-5), mode
+        assert lp.top_ids == values[0].topk(4).indices.tolist(), mode
+        assert lp.top_logprobs == pytest.approx(values[0].topk(4).values.tolist(), abs=1e-5), mode
+        assert lp.rank == int((values[0] > values[0, tokens[0]]).sum()) + 1
+    assert Sampler("processed_logprobs")(logits, batch)[1][0].top_logprobs[3] == float("-inf")

@@ -470,6 +470,11 @@ def _chosen(position: dict) -> tuple[int, Logprob]:
     return next(iter(position.items()))
 
 
+def _json_logprob(value: float | None) -> float | None:
+    """A logprob JSON can carry: a token a processor ruled out (-inf) as -9999.0, as vLLM's."""
+    return max(value, -9999.0) if value is not None else None
+
+
 def _token_name(token_id: int, lp: Logprob, as_ids: bool) -> str:
     """A token as logprobs name it: its text, or token_id:N (--return-tokens-as-token-ids)."""
     return f"token_id:{token_id}" if as_ids else lp.decoded_token
@@ -482,9 +487,9 @@ def _completion_logprobs(positions, as_ids: bool = False) -> dict | None:
     for pos in positions:
         tid, lp = _chosen(pos)
         tokens.append(_token_name(tid, lp, as_ids))
-        token_lps.append(lp.logprob)
-        tops.append({_token_name(t, v, as_ids): v.logprob for t, v in pos.items()} if lp.logprob is not None
-                    else None)
+        token_lps.append(_json_logprob(lp.logprob))
+        tops.append({_token_name(t, v, as_ids): _json_logprob(v.logprob) for t, v in pos.items()}
+                    if lp.logprob is not None else None)
         offsets.append(offset)
         offset += len(lp.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -497,8 +502,8 @@ def _chat_logprobs(positions, k: int, as_ids: bool = False) -> dict | None:
     for pos in positions:
         tid, lp = _chosen(pos)
         top = sorted(((t, v) for t, v in pos.items() if v.rank is not None and v.rank <= k), key=lambda e: e[1].rank)
-        content.append({"token": _token_name(tid, lp, as_ids), "logprob": lp.logprob,
+        content.append({"token": _token_name(tid, lp, as_ids), "logprob": _json_logprob(lp.logprob),
                         "bytes": list(lp.decoded_token.encode()),
-                        "top_logprobs": [{"token": _token_name(t, v, as_ids), "logprob": v.logprob,
+                        "top_logprobs": [{"token": _token_name(t, v, as_ids), "logprob": _json_logprob(v.logprob),
                                           "bytes": list(v.decoded_token.encode())} for t, v in top]})
     return {"content": content}
