@@ -143,12 +143,12 @@ def test_a_request_whose_proposals_miss_backs_off_then_tries_again():
         s.update(so, ModelRunnerOutput({"a": [9]}, draft_token_ids={"a": [1, 2]}))
         lookaheads.append(r.spec_lookahead)
     assert lookaheads == [1, 0, 0]
-    assert s.schedule().propose_drafts == {}                 # backing off: none asked for
-    r.spec_token_ids = []
+    so = s.schedule()
+    assert so.propose_drafts == {}                           # backing off: none asked for
+    s.update(so, ModelRunnerOutput({"a": [9]}))
     r.output_token_ids += [9] * SPEC_BACKOFF                 # (as if it decoded that long)
     r.all_token_ids += [9] * SPEC_BACKOFF
     r.num_computed_tokens += SPEC_BACKOFF
-    s.in_flight.clear()
     assert s.schedule().propose_drafts == {"a": 1}           # one proposal again
 
 
