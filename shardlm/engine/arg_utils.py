@@ -32,6 +32,7 @@ from shardlm.config import (
 )
 from shardlm.engine.feature_rules import check_combinations
 from shardlm.executor.selection import choose_backend
+from shardlm.kv_cache_groups import sliding_window
 from shardlm.logger import init_logger
 from shardlm.model_loader.default_model import locate_model, resolve_tokenizer_path
 from shardlm.model_loader.gptq_awq import checkpoint_method
@@ -101,6 +102,10 @@ class EngineArgs:
     max_model_len: int | None = knob(
         None, "model",
         "longest sequence (prompt + output) in tokens; default: the model's maximum")
+    disable_sliding_window: bool = knob(
+        False, "model",
+        "as vLLM's: sequences capped at the model's (smallest) attention window, within which every layer "
+        "attends to the whole sequence; a model without windows is unchanged")
     seed: int = knob(
         0, "model",
         "random seed for sampling without a per-request seed")
@@ -316,6 +321,8 @@ class EngineArgs:
             if self.pooler_config:
                 raise ValueError("--pooler-config applies to pooling models: add --runner pooling.")
             max_model_len = _resolve_max_model_len(hf_config, self.max_model_len)
+            if self.disable_sliding_window:
+                max_model_len = _within_the_window(hf_config, max_model_len, self.max_model_len)
         served_names = _served_names(self.served_model_name, self.model or "SmolLM2-135M-Instruct")
         checkpoint = checkpoint_method(getattr(hf_config, "quantization_config", None))
         gen_defaults = load_generation_defaults(path)        # (its EOS ids count whatever the sampling defaults)
@@ -689,6 +696,21 @@ def _pooling_max_model_len(hf_config, pooler, requested: int | None) -> int:
     if requested is None:
         return min(limit, pooler.max_seq_length or limit)
     return _resolve_max_model_len(SimpleNamespace(max_position_embeddings=limit), requested)
+
+
+def _within_the_window(hf_config, max_model_len: int, requested: int | None) -> int:
+    """--disable-sliding-window, as vLLM's: sequences no longer than the smallest window, where
+    windowed attention attends to everything before, as full attention does (unchanged for a
+    model without windows)."""
+    windows = {sliding_window(hf_config, i) for i in range(hf_config.num_hidden_layers)} - {None}
+    if not windows or max_model_len <= min(windows):
+        return max_model_len
+    if requested is not None:
+        raise ValueError(f"max_model_len={requested} is longer than the model's attention window ({min(windows)}), "
+                         "to which --disable-sliding-window caps sequences: give at most that, or leave out "
+                         "--disable-sliding-window.")
+    logger.info("max_model_len %d: the attention window (--disable-sliding-window)", min(windows))
+    return min(windows)
 
 
 def _resolve_max_model_len(hf_config, requested: int | None) -> int:

@@ -301,3 +301,24 @@ def test_logprobs_modes_offline(tiny_model_dir):
     for position in sampled.logprobs:
         finite = [v.logprob for v in position.values() if v.logprob != float("-inf")]
         assert len(finite) == 3 and sum(math.exp(v) for v in finite) == pytest.approx(1, abs=1e-4)
+
+
+def test_disable_sliding_window_caps_sequences_at_the_window(tiny_model_dir):
+    """As vLLM's: max_model_len becomes the model's window (8 keys here), within which the outputs
+    are the windowed model's; a longer max_model_len is refused; a model without windows is as it was."""
+    from shardlm.engine.arg_utils import EngineArgs
+    assert EngineArgs(model=tiny_model_dir("mistral-window"),
+                      disable_sliding_window=True).create_engine_config().model.max_model_len == 8
+    assert EngineArgs(model=tiny_model_dir("llama-gqa"),
+                      disable_sliding_window=True).create_engine_config().model.max_model_len == 512
+    with pytest.raises(ValueError, match="longer than the model's attention window \\(8\\)"):
+        EngineArgs(model=tiny_model_dir("mistral-window"), max_model_len=64,
+                   disable_sliding_window=True).create_engine_config()
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outputs = []
+    for disabled in (True, False):
+        llm = LLM(tiny_model_dir("mistral-window"), dtype="float32", kv_cache_memory="16MiB",
+                  disable_sliding_window=disabled)
+        outputs.append(llm.generate([[5, 6, 7, 8]], sp, use_tqdm=False)[0].outputs[0].token_ids)
+        llm.shutdown()
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 4
