@@ -137,3 +137,35 @@ def test_bad_options_are_named():
         FrontendOptions(default_chat_template_kwargs="{enable_thinking: false}")
     with pytest.raises(ValueError, match="--response-role is empty"):
         FrontendOptions(response_role=" ")
+
+
+def events(url, path, body) -> list[dict]:
+    with httpx.stream("POST", url + path, json={**body, "stream": True}) as r:
+        lines = [line.removeprefix("data: ") for line in r.iter_lines() if line]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1] if json.loads(line)["choices"]]
+
+
+def test_return_token_ids_gives_the_prompts_and_the_answers_ids(server):
+    """vLLM's return_token_ids: whole, the prompt's and the answer's ids; streamed, the prompt's in
+    the first chunk and each chunk's new ids, which add up to the whole answer's."""
+    body = {"prompt": "The capital of", "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    whole = httpx.post(server + "/v1/completions", json=body).json()["choices"][0]
+    assert whole["prompt_token_ids"] == httpx.post(server + "/tokenize", json={"prompt": "The capital of"}).json()[
+        "tokens"]
+    assert httpx.post(server + "/detokenize", json={"tokens": whole["token_ids"]}).json()["prompt"] == whole["text"]
+    chunks = [e["choices"][0] for e in events(server, "/v1/completions", body)]
+    assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert all(c["prompt_token_ids"] is None for c in chunks[1:])
+    assert sum((c["token_ids"] for c in chunks), []) == whole["token_ids"]
+
+    answer = chat(server, return_token_ids=True, max_tokens=6)
+    assert answer["prompt_token_ids"] == httpx.post(server + "/tokenize", json={"messages": HI}).json()["tokens"]
+    ids = answer["choices"][0]["token_ids"]
+    assert httpx.post(server + "/detokenize", json={"tokens": ids}).json()["prompt"] == \
+        answer["choices"][0]["message"]["content"]
+    streamed = events(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 6, "temperature": 0,
+                                                        "return_token_ids": True})
+    assert streamed[0]["prompt_token_ids"] == answer["prompt_token_ids"]
+    assert sum((e["choices"][0].get("token_ids", []) for e in streamed), []) == ids
+    assert "token_ids" not in chat(server)["choices"][0], "only when asked"

@@ -126,6 +126,7 @@ class _SamplingFields(BaseModel):
     guided_decoding_backend: str | None = None
     priority: int = checked(0, minimum=-INT64_MAX - 1, maximum=INT64_MAX)   # --scheduling-policy priority
     return_tokens_as_token_ids: bool | None = None     # logprobs' tokens as token_id:N (default: the server's)
+    return_token_ids: bool | None = None       # the answer's token ids beside its text, and the prompt's
 
 
 class CompletionRequest(_SamplingFields):

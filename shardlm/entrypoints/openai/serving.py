@@ -273,29 +273,35 @@ class OpenAIServing:
                     text = prompt_text + text
                     if lps is not None and out.prompt_logprobs is not None:
                         lps = _prompt_position_logprobs(out, self.llm.tokenizer) + lps
-                choices.append({"index": k * req.n + c.index, "text": text, "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason,
-                                "logprobs": _completion_logprobs(lps, as_ids) if req.logprobs is not None else None})
+                choice = {"index": k * req.n + c.index, "text": text, "finish_reason": c.finish_reason,
+                          "stop_reason": c.stop_reason,
+                          "logprobs": _completion_logprobs(lps, as_ids) if req.logprobs is not None else None}
+                if req.return_token_ids:
+                    choice.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
+                choices.append(choice)
         return {**head, "choices": choices, "usage": self.usage_of(finals)}
 
     async def _stream_completions(self, req, head, streams, prompt_ids) -> AsyncIterator[str]:
-        """Each output is a delta: its text goes out as it is."""
-        echoed: set[int] = set()
+        """Each output is a delta: its text goes out as it is (with return_token_ids its tokens too,
+        and the prompt's in a choice's first chunk)."""
+        started: set[int] = set()
         prompt_tokens = completion_tokens = cached_tokens = 0
         as_ids = self.tokens_as_ids(req)
         async for k, out in _merge(streams):
             for c in out.outputs:
                 idx = k * req.n + c.index
                 completion_tokens += len(c.token_ids)
-                text = c.text
-                if req.echo and idx not in echoed:
-                    echoed.add(idx)
+                text, first = c.text, idx not in started
+                if req.echo and first:
                     text = (out.prompt or self.llm.tokenizer.decode(out.prompt_token_ids)) + text
-                if not text and not c.finish_reason and not c.logprobs:
+                if not text and not c.finish_reason and not c.logprobs and not (req.return_token_ids and c.token_ids):
                     continue
-                yield sse({**head, "choices": [{
-                    "index": idx, "text": text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                    "logprobs": _completion_logprobs(c.logprobs, as_ids) if req.logprobs is not None else None}]})
+                started.add(idx)
+                choice = {"index": idx, "text": text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                          "logprobs": _completion_logprobs(c.logprobs, as_ids) if req.logprobs is not None else None}
+                if req.return_token_ids:
+                    choice.update(prompt_token_ids=out.prompt_token_ids if first else None, token_ids=c.token_ids)
+                yield sse({**head, "choices": [choice]})
             if out.finished:
                 prompt_tokens += len(out.prompt_token_ids)
                 cached_tokens += out.num_cached_tokens
@@ -334,8 +340,12 @@ class OpenAIServing:
                             "finish_reason": _tool_finish(c.finish_reason, "tool_calls" in message),
                             "stop_reason": c.stop_reason,
                             "logprobs": _chat_logprobs(c.logprobs, req.top_logprobs or 0, as_ids)
-                            if req.logprobs else None})
-        return {**head, "choices": choices, "usage": self.usage_of([final])}
+                            if req.logprobs else None,
+                            **({"token_ids": c.token_ids} if req.return_token_ids else {})})
+        answer = {**head, "choices": choices, "usage": self.usage_of([final])}
+        if req.return_token_ids:
+            answer["prompt_token_ids"] = final.prompt_token_ids
+        return answer
 
     def answer_role(self, req: ChatCompletionRequest) -> str:
         """--response-role where the prompt asks for an answer, else the last message's role (it goes on)."""
@@ -353,19 +363,21 @@ class OpenAIServing:
                 if c.index not in started:
                     started[c.index] = tools.ChatChoiceStream(*tool_choice, self.tool_parser, self.reasoning)
                     yield {**head, "choices": [{"index": c.index, "delta": {"role": role, "content": ""},
-                                                "logprobs": None, "finish_reason": None}]}
+                                                "logprobs": None, "finish_reason": None}],
+                           **({"prompt_token_ids": out.prompt_token_ids} if req.return_token_ids else {})}
                 completion_tokens += len(c.token_ids)
                 calls = started[c.index]
                 deltas = calls.feed(c.text, final=c.finish_reason is not None)
                 logprobs = _chat_logprobs(c.logprobs, req.top_logprobs or 0, as_ids) if req.logprobs else None
-                if not deltas and not c.finish_reason and not c.logprobs:
+                if not deltas and not c.finish_reason and not c.logprobs and not (req.return_token_ids and c.token_ids):
                     continue
                 for delta in deltas[:-1]:
                     yield {**head, "choices": [{"index": c.index, "delta": delta, "logprobs": None,
                                                 "finish_reason": None}]}
                 yield {**head, "choices": [{
                     "index": c.index, "delta": deltas[-1] if deltas else {}, "logprobs": logprobs,
-                    "finish_reason": _tool_finish(c.finish_reason, calls.called), "stop_reason": c.stop_reason}]}
+                    "finish_reason": _tool_finish(c.finish_reason, calls.called), "stop_reason": c.stop_reason,
+                    **({"token_ids": c.token_ids} if req.return_token_ids else {})}]}
             if out.finished:
                 prompt_tokens, cached_tokens = len(out.prompt_token_ids), out.num_cached_tokens
         if self.stream_usage(req):
