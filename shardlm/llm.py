@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from shardlm import startup  # noqa: F401  (first of shardlm's: it counts the threads importing torch starts)
 from shardlm.engine.arg_utils import VLLM_ALIASES, EngineArgs
 from shardlm.engine.llm_engine import LLMEngine
-from shardlm.engine.processor import split_prompt
+from shardlm.engine.processor import require_tokenizer, split_prompt
 from shardlm.lora.request import LoRARequest
 from shardlm.outputs import (
     ClassificationOutput,
@@ -90,6 +90,7 @@ class LLM:
         """One conversation (a list of {"role", "content"} messages) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
+        require_tokenizer(tok, "LLM.chat")
         prompts = []
         for conv in conversations:
             text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -156,6 +157,7 @@ class LLM:
         if pooler is not None and pooler.task == "classify":
             keep = self.engine.config.model.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
             tok = self.get_tokenizer()
+            require_tokenizer(tok, "LLM.score of text pairs")
             outs = self.encode([cross_encoder_prompt(tok, a, b, keep) for a, b in pairs],
                                params.clone(truncate_prompt_tokens=None), pooling_task="score", use_tqdm=use_tqdm)
             return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data.flatten()[-1])),

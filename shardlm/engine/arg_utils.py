@@ -244,6 +244,10 @@ class EngineArgs:
     enable_log_outputs: bool = knob(
         False, "model",
         "with --enable-log-requests: log each request's outputs as it finishes (text, token ids, finish reason)")
+    skip_tokenizer_init: bool = knob(
+        False, "model",
+        "load no tokenizer, as vLLM's: prompts as token ids, outputs as token ids (their text empty), no stop "
+        "strings, structured outputs or chat; the server's logprobs name tokens token_id:N")
     logprobs_mode: str = knob(
         "raw_logprobs", "model",
         "what logprobs and prompt_logprobs report, as vLLM's: raw_logprobs (the model's), raw_logits, or "
@@ -347,7 +351,7 @@ class EngineArgs:
                 self.collect_detailed_traces), disable_log_stats=self.disable_log_stats,
             enable_log_requests=self.enable_log_requests, max_log_len=self.max_log_len,
             enable_log_outputs=self.enable_log_outputs, stream_interval=self.stream_interval,
-            logprobs_mode=_logprobs_mode(self.logprobs_mode),
+            logprobs_mode=_logprobs_mode(self.logprobs_mode), skip_tokenizer_init=self.skip_tokenizer_init,
             max_logprobs=_max_logprobs(self.max_logprobs),
             trust_remote_code=self.trust_remote_code,
             load_format=_load_format(self.load_format, source.gguf_file, checkpoint))

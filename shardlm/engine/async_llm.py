@@ -81,7 +81,7 @@ class AsyncLLM:
         t0 = time.perf_counter()
         self.config = config
         self.loop = loop or asyncio.get_event_loop()
-        self.tokenizer = load_tokenizer(config.model.tokenizer, config.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(config.model)
         self.processor = InputProcessor(config, self.tokenizer)
         model = config.model
         self.output_processor = OutputProcessor(self.tokenizer, model.stream_interval, model.enable_log_outputs,

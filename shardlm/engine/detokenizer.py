@@ -27,7 +27,10 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def update(self, new_token_ids: list[int]) -> str | None:
-        """Add tokens; return the stop string if one now appears (the text is cut before it)."""
+        """Add tokens; return the stop string if one now appears (the text is cut before it).
+        Without a tokenizer (--skip-tokenizer-init) the text stays empty."""
+        if self.tokenizer is None:
+            return None
         checked = len(self.output_text)
         for token in new_token_ids:
             self._ids.append(token)

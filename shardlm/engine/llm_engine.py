@@ -27,7 +27,7 @@ class LLMEngine:
         in this one (InprocClient); always so with data parallel (one process per replica)."""
         t0 = time.perf_counter()
         self.config = config
-        self.tokenizer = load_tokenizer(config.model.tokenizer, config.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(config.model)
         self.processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core: EngineCoreClient = make_client(

@@ -192,11 +192,15 @@ class OutputProcessor:
             to_abort.append(out.req_id)
 
     def _convert_logprobs(self, lp: TokenLogprobs) -> PositionLogprobs:
-        entries = {lp.token_id: Logprob(lp.logprob, lp.rank, self.tokenizer.decode([lp.token_id]))}
+        entries = {lp.token_id: Logprob(lp.logprob, lp.rank, self._decoded(lp.token_id))}
         for rank, (tid, val) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
             if tid not in entries:
-                entries[tid] = Logprob(val, rank, self.tokenizer.decode([tid]))
+                entries[tid] = Logprob(val, rank, self._decoded(tid))
         return entries
+
+    def _decoded(self, token_id: int) -> str | None:
+        """A token's text; None without a tokenizer (--skip-tokenizer-init)."""
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
 
     # ---- what goes out ----
     def _output_for(self, parent: ParentRequest, finished: bool, touched: set[int]):

@@ -21,9 +21,19 @@ from shardlm.sampling_params import GENERATION_CONFIG_FIELDS, RequestOutputKind,
 from shardlm.structured_output.grammar import GrammarCompiler
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
+def load_tokenizer(model):
+    """The model's tokenizer, or None with --skip-tokenizer-init (token ids in and out only)."""
+    if model.skip_tokenizer_init:
+        return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return AutoTokenizer.from_pretrained(model.tokenizer, trust_remote_code=model.trust_remote_code)
+
+
+def require_tokenizer(tokenizer, what: str) -> None:
+    """ValueError where `what` needs text and the engine runs without a tokenizer."""
+    if tokenizer is None:
+        raise ValueError(f"{what} needs the tokenizer, and this engine runs without one (--skip-tokenizer-init): send "
+                         "prompts as token ids, without stop strings or structured outputs.")
 
 
 def split_prompt(prompt) -> tuple[str | None, list[int] | None]:
@@ -105,12 +115,16 @@ class InputProcessor:
         if prompt_token_ids is None:
             if not isinstance(text, str):
                 raise TypeError(f"A prompt must be a string or a list of token ids, not {type(text).__name__}.")
+            require_tokenizer(self.tokenizer, "A text prompt")
             prompt_token_ids = self.tokenizer(text).input_ids
         self._validate(prompt_token_ids)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, not {type(params).__name__}.")
         params.check_vocabulary(self.config.model.vocab_size)
+        if params.stop:
+            require_tokenizer(self.tokenizer, "SamplingParams.stop (stop strings)")
         if params.structured_outputs is not None:     # one that cannot compile: a clear error now
+            require_tokenizer(self.tokenizer, "SamplingParams.structured_outputs")
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, self.config.model.vocab_size)
             self._grammars.matcher(params.structured_outputs)
@@ -152,6 +166,7 @@ class InputProcessor:
         if ids is None:
             if not isinstance(text, str):
                 raise TypeError(f"A prompt must be a string or a list of token ids, not {type(text).__name__}.")
+            require_tokenizer(self.tokenizer, "A text prompt")
             encoded = self.tokenizer(text)
             ids, token_type_ids = encoded.input_ids, encoded.get("token_type_ids")
         ids, token_type_ids = self._truncated(ids, token_type_ids, params.truncate_prompt_tokens)

@@ -322,3 +322,28 @@ def test_disable_sliding_window_caps_sequences_at_the_window(tiny_model_dir):
         outputs.append(llm.generate([[5, 6, 7, 8]], sp, use_tqdm=False)[0].outputs[0].token_ids)
         llm.shutdown()
     assert outputs[0] == outputs[1] and len(outputs[0]) == 4
+
+
+def test_skip_tokenizer_init_takes_and_gives_token_ids(tiny_model_dir):
+    """As vLLM's: no tokenizer; token-id prompts give the same tokens as with one (their text
+    empty, logprobs without text); whatever needs text is refused, saying so."""
+    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2)
+    outputs = []
+    for skip in (False, True):
+        llm = LLM(tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory="16MiB", max_model_len=64,
+                  skip_tokenizer_init=skip)
+        outputs.append(llm.generate([[5, 6, 7, 8]], sp, use_tqdm=False)[0].outputs[0])
+        if skip:
+            assert llm.get_tokenizer() is None
+            for call, what in ((lambda: llm.generate("Hello", sp, use_tqdm=False), "A text prompt"),
+                               (lambda: llm.generate([[5, 6]], SamplingParams(stop=["x"]), use_tqdm=False),
+                                r"\(stop strings\)"),
+                               (lambda: llm.chat([{"role": "user", "content": "hi"}]), "LLM.chat")):
+                with pytest.raises(ValueError, match=f"{what} needs the tokenizer.*--skip-tokenizer-init"):
+                    call()
+        llm.shutdown()
+    with_text, ids_only = outputs
+    assert ids_only.token_ids == with_text.token_ids and with_text.text and ids_only.text == ""
+    assert [{t: v.logprob for t, v in p.items()} for p in ids_only.logprobs] == \
+        [{t: v.logprob for t, v in p.items()} for p in with_text.logprobs]
+    assert all(v.decoded_token is None for p in ids_only.logprobs for v in p.values())

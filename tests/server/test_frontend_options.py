@@ -169,3 +169,19 @@ def test_return_token_ids_gives_the_prompts_and_the_answers_ids(server):
     assert streamed[0]["prompt_token_ids"] == answer["prompt_token_ids"]
     assert sum((e["choices"][0].get("token_ids", []) for e in streamed), []) == ids
     assert "token_ids" not in chat(server)["choices"][0], "only when asked"
+
+
+def test_a_server_without_a_tokenizer_answers_token_ids_and_refuses_text(tiny_model_dir):
+    """--skip-tokenizer-init: token-id prompts are answered (return_token_ids gives the tokens;
+    logprobs name them token_id:N); chat, text prompts and /tokenize get a 400 that says why."""
+    with server_in_this_process(tiny_model_dir("llama-gqa"), "--skip-tokenizer-init") as (_, url):
+        r = httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0,
+                                                      "logprobs": 1, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == "" and len(choice["token_ids"]) == 3
+        assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+        for path, body in (("/v1/completions", {"prompt": "Hello"}), ("/v1/chat/completions", {"messages": HI}),
+                           ("/tokenize", {"prompt": "Hello"})):
+            refused = httpx.post(url + path, json=body)
+            assert refused.status_code == 400 and "--skip-tokenizer-init" in refused.json()["error"]["message"], path

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from shardlm.engine.async_llm import AsyncLLM
-from shardlm.engine.processor import check_max_tokens
+from shardlm.engine.processor import check_max_tokens, require_tokenizer
 from shardlm.entrypoints.openai import tools
 from shardlm.entrypoints.openai.frontend_options import FrontendOptions
 from shardlm.entrypoints.openai.lora_modules import LoRAModules
@@ -170,14 +170,25 @@ class OpenAIServing:
                     add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> str:
         """The conversation through the chat template, as this server renders every chat: its
         content format, and the default template variables under the request's."""
+        self.need_tokenizer("A chat", "messages")
         for m in messages:
             check_encodable(m.text(), "messages")
         return render_messages(self.llm.tokenizer, tools.template_messages(messages, self.content_format),
                                self.chat_template, tools=tool_specs, add_generation_prompt=add_generation_prompt,
                                **{**self.options.default_chat_template_kwargs, **(template_kwargs or {})})
 
+    def need_tokenizer(self, what: str, param: str) -> None:
+        """A 400 where `what` needs text and the server runs without a tokenizer (--skip-tokenizer-init)."""
+        try:
+            require_tokenizer(self.llm.tokenizer, what)
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, param) from None
+
     def tokens_as_ids(self, req) -> bool:
-        """Whether logprobs name tokens as token_id:N (the request's say, else the server's)."""
+        """Whether logprobs name tokens as token_id:N (the request's say, else the server's; always
+        without a tokenizer, which could not name them otherwise)."""
+        if self.llm.tokenizer is None:
+            return True
         given = req.return_tokens_as_token_ids
         return self.options.return_tokens_as_token_ids if given is None else given
 
@@ -201,6 +212,7 @@ class OpenAIServing:
         """Text to token ids, once; AsyncLLM's input processor checks them (length, vocabulary)."""
         if not isinstance(prompt, str):
             return list(prompt)
+        self.need_tokenizer("A text prompt", param)
         check_encodable(prompt, param)
         return (await self._off_loop(self.llm.tokenizer, prompt)).input_ids
 
@@ -245,6 +257,8 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest):
         model, lora = self.resolve_model(req.model)
         self.check_request(req)
+        if req.echo:
+            self.need_tokenizer("echo", "echo")
         prompts = _completion_prompts(req.prompt)
         if len(prompts) > self.limits.max_prompts:
             raise OpenAIError(f"{len(prompts)} prompts are more than this server allows in one request "
@@ -487,6 +501,10 @@ def _json_logprob(value: float | None) -> float | None:
     return max(value, -9999.0) if value is not None else None
 
 
+def _utf8(text: str | None) -> list[int] | None:
+    return list(text.encode()) if text is not None else None
+
+
 def _token_name(token_id: int, lp: Logprob, as_ids: bool) -> str:
     """A token as logprobs name it: its text, or token_id:N (--return-tokens-as-token-ids)."""
     return f"token_id:{token_id}" if as_ids else lp.decoded_token
@@ -515,7 +533,7 @@ def _chat_logprobs(positions, k: int, as_ids: bool = False) -> dict | None:
         tid, lp = _chosen(pos)
         top = sorted(((t, v) for t, v in pos.items() if v.rank is not None and v.rank <= k), key=lambda e: e[1].rank)
         content.append({"token": _token_name(tid, lp, as_ids), "logprob": _json_logprob(lp.logprob),
-                        "bytes": list(lp.decoded_token.encode()),
+                        "bytes": _utf8(lp.decoded_token),
                         "top_logprobs": [{"token": _token_name(t, v, as_ids), "logprob": _json_logprob(v.logprob),
-                                          "bytes": list(v.decoded_token.encode())} for t, v in top]})
+                                          "bytes": _utf8(v.decoded_token)} for t, v in top]})
     return {"content": content}

@@ -130,6 +130,7 @@ class PoolingServing:
         if self.pooler is not None and self.pooler.task == "classify":
             keep = req.truncate_prompt_tokens
             keep = self.serving.max_model_len if keep == -1 else keep
+            self.serving.need_tokenizer("Scoring text pairs", "text_1")
             prompts = [cross_encoder_prompt(self.llm.tokenizer, a, b, keep) for a, b in pairs]
             outs = await self._run(prompts, self._params(req, task="score").clone(truncate_prompt_tokens=None),
                                    "score", req.priority)

@@ -16,6 +16,7 @@ router = APIRouter()
 async def tokenize(req: TokenizeRequest, state: ServerState = Depends(server_state)):
     serving = state.serving
     serving.check_model(req.model)
+    serving.need_tokenizer("/tokenize", "prompt")
     tok = state.llm.tokenizer
     if req.messages is not None:
         text = serving.render_chat(req.messages, tools.template_tools(req), req.add_generation_prompt,
@@ -32,6 +33,7 @@ async def tokenize(req: TokenizeRequest, state: ServerState = Depends(server_sta
 @router.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, state: ServerState = Depends(server_state)):
     state.serving.check_model(req.model)
+    state.serving.need_tokenizer("/detokenize", "tokens")
     llm = state.llm
     bad = [t for t in req.tokens if not 0 <= t < llm.config.model.vocab_size]
     if bad:
