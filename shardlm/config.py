@@ -98,6 +98,7 @@ class ModelConfig:
     seed: int
     architecture: str
     served_model_name: str                   # the first of served_model_names: what the engine reports
+    model_impl: str = "shardlm"              # or "transformers": its modeling code (models/transformers_backend.py)
     eos_token_ids: list[int] = field(default_factory=list)
     generation_defaults: dict = field(default_factory=dict)
     quantization: QuantizationConfig | None = None

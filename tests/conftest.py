@@ -289,6 +289,26 @@ def _llama_draft(path):
     return _save_tiny(path, LlamaForCausalLM, config)
 
 
+# architectures shardlm has no model of its own for: the Transformers backend runs them
+def _starcoder2(path):
+    """LayerNorm with biases, a GELU MLP with biases, tied embeddings."""
+    from transformers import Starcoder2Config, Starcoder2ForCausalLM
+    return _save_tiny(path, Starcoder2ForCausalLM, Starcoder2Config(**TINY, sliding_window=None))
+
+
+def _cohere(path):
+    """Attention and MLP in parallel off one LayerNorm, logits scaled by logit_scale."""
+    from transformers import CohereConfig, CohereForCausalLM
+    return _save_tiny(path, CohereForCausalLM, CohereConfig(**TINY, logit_scale=0.5))
+
+
+def _gpt_neox(path):
+    """A partial rotary embedding (half of each head), parallel residual, the head stored as embed_out."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    config = GPTNeoXConfig(**{k: v for k, v in TINY.items() if k != "num_key_value_heads"}, rotary_pct=0.5)
+    return _save_tiny(path, GPTNeoXForCausalLM, config)
+
+
 TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers, "llama-draft": _llama_draft,
                "llama-tied-llama3rope": _llama_tied_llama3_rope,
                "qwen2-bias": _qwen2_bias, "mistral": _mistral, "mixtral": _mixtral,
@@ -299,7 +319,8 @@ TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers, "llam
                "phi3": _phi3, "olmo2": _olmo2, "gpt-oss": _gpt_oss, "gemma3-12-layers": _gemma3_12_layers,
                "gemma3-12-layers-full": lambda path: _gemma3_12_layers(path, ["full_attention"] * 12),
                "deepseek-v3": _deepseek_v3, "deepseek-v2": _deepseek_v2, "deepseek-v2-lite": _deepseek_v2_lite,
-               "deepseek-v3-mtp": _deepseek_v3_mtp, "gpt-oss-skewed": lambda path: _gpt_oss(path, skewed=True)}
+               "deepseek-v3-mtp": _deepseek_v3_mtp, "gpt-oss-skewed": lambda path: _gpt_oss(path, skewed=True),
+               "starcoder2": _starcoder2, "cohere": _cohere, "gpt-neox": _gpt_neox}
 
 
 @pytest.fixture(scope="session")

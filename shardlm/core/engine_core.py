@@ -96,7 +96,8 @@ class EngineCore:
                 f"or lower max_model_len to at most {groups.max_tokens(usable, bs, chunk)}.")
         cp = self.config.parallel.context_parallel_size
         spread = f" ({self.config.cache.block_size} on each of {cp} context parallel ranks)" if cp > 1 else ""
-        if getattr(get_model_class(self.config.model.architecture, self.config.model.convert), "is_encoder", False):
+        m = self.config.model
+        if getattr(get_model_class(m.architecture, m.convert, m.model_impl), "is_encoder", False):
             logger.info("No KV cache (an encoder computes whole prompts): at most %d prompts a step",
                         self.config.scheduler.max_num_seqs)
         elif groups.windows == (None,):

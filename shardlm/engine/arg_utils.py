@@ -102,6 +102,11 @@ class EngineArgs:
     max_model_len: int | None = knob(
         None, "model",
         "longest sequence (prompt + output) in tokens; default: the model's maximum")
+    model_impl: str = knob(
+        "auto", "model",
+        "which code runs the model, as vLLM's: auto (shardlm's own where it has the architecture, else "
+        "transformers'), shardlm (or vllm: its own only), transformers (Hugging Face's modeling code with "
+        "shardlm's paged KV cache and scheduler, one rank per replica)")
     disable_sliding_window: bool = knob(
         False, "model",
         "as vLLM's: sequences capped at the model's (smallest) attention window, within which every layer "
@@ -309,7 +314,7 @@ class EngineArgs:
             for key, value in json_object_flag(self.hf_overrides, "--hf-overrides",
                                                '{"architectures": ["Qwen3ForSequenceClassification"]}').items():
                 setattr(checkpoint_config, key, value)
-        architecture = resolve_architecture(checkpoint_config)
+        architecture, model_impl = resolve_architecture(checkpoint_config, self.model_impl)
         hf_config = language_model_config(checkpoint_config, architecture)    # a multimodal one's text model
         dtype = resolve_dtype(self.dtype, _config_dtype(checkpoint_config), device, _mlp_shape(hf_config))
         runner, convert = resolve_runner(architecture, self.runner, self.convert,
@@ -335,7 +340,7 @@ class EngineArgs:
         model_cfg = ModelConfig(
             model=path, tokenizer=resolve_tokenizer_path(self.tokenizer, self.download_dir, self.tokenizer_revision)
             if self.tokenizer else path, hf_config=hf_config, dtype=dtype,
-            max_model_len=max_model_len, seed=self.seed, architecture=architecture,
+            max_model_len=max_model_len, seed=self.seed, architecture=architecture, model_impl=model_impl,
             served_model_name=served_names[0], served_model_names=served_names,
             eos_token_ids=_eos_ids(checkpoint_config, gen_defaults), generation_defaults=sampling_defaults,
             quantization=resolve_quantization(
@@ -408,7 +413,7 @@ class EngineArgs:
             raise ValueError(f"The draft model {draft} covers {limit} positions, fewer than max_model_len="
                              f"{target.max_model_len}: lower --max-model-len to at most {limit}.")
         return dataclasses.replace(target, model=path, hf_config=hf_config,
-                                   architecture=resolve_architecture(hf_config), quantization=None,
+                                   architecture=resolve_architecture(hf_config, "shardlm")[0], quantization=None,
                                    hub_source=source.hub)
 
 

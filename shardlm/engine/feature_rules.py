@@ -37,7 +37,7 @@ def _drafts_on_one_rank(c: EngineConfig) -> bool:
 
 def _attention_sinks(c: EngineConfig) -> bool:
     from shardlm.models.registry import get_model_class
-    return getattr(get_model_class(c.model.architecture), "attention_sinks", False)
+    return getattr(get_model_class(c.model.architecture, model_impl=c.model.model_impl), "attention_sinks", False)
 
 
 RULES: tuple[Rule, ...] = (
@@ -75,6 +75,27 @@ RULES: tuple[Rule, ...] = (
          "each query's output is scaled by its sink after the softmax, which the merge of the ranks' partial "
          "outputs does not do yet",
          "leave out -dcp and -pcp (tensor, pipeline, data and expert parallel work)"),
+)
+
+
+def _transformers(c: EngineConfig) -> bool:
+    return c.model.model_impl == "transformers"
+
+
+RULES += (
+    Rule("--model-impl transformers with -tp, -pp, -dcp or -pcp",
+         lambda c: _transformers(c) and (c.parallel.world_size > 1 or c.parallel.prefill_context_parallel_size > 1),
+         "transformers' modeling code runs whole on one rank; splitting a model needs shardlm's own layers",
+         "-dp (a replica per rank), or an architecture shardlm has (--model-impl auto)"),
+    Rule("--model-impl transformers with --quantization, --enable-lora or a draft model or EAGLE head",
+         lambda c: _transformers(c) and (c.model.quantization is not None or c.lora is not None
+                                         or _drafts_on_one_rank(c)),
+         "those replace or read shardlm's own linear layers, which transformers' modeling code does not have",
+         "the model's float weights without adapters; speculative decoding with method 'ngram'"),
+    Rule("--model-impl transformers with --runner pooling",
+         lambda c: _transformers(c) and _pooling(c),
+         "the Transformers backend runs causal LMs for generation",
+         "an embedding or classification architecture shardlm has"),
 )
 
 

@@ -55,14 +55,31 @@ POOLING_REGISTRY = {
 }
 
 
-def resolve_architecture(hf_config) -> str:
+# --model-impl (vLLM's choices; vllm names shardlm's own models)
+MODEL_IMPLS = ("auto", "shardlm", "vllm", "transformers")
+
+
+def resolve_architecture(hf_config, model_impl: str = "auto") -> tuple[str, str]:
+    """-> (the architecture, the implementation that runs it: "shardlm" or "transformers").
+    auto: shardlm's own model where it has one, else transformers' (transformers_backend.py)."""
+    from shardlm.models.transformers_backend import can_run
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"--model-impl {model_impl!r}: give {', '.join(MODEL_IMPLS)}.")
     archs = getattr(hf_config, "architectures", None) or []
-    for arch in archs:
-        if arch in MODEL_REGISTRY or arch in POOLING_REGISTRY:
-            return arch
-    raise ValueError(f"Model architecture(s) {archs or '(none in config.json)'} are not supported. "
+    if model_impl != "transformers":
+        for arch in archs:
+            if arch in MODEL_REGISTRY or arch in POOLING_REGISTRY:
+                return arch, "shardlm"
+    if model_impl in ("auto", "transformers"):
+        for arch in archs:
+            if can_run(arch):
+                return arch, "transformers"
+    fallback = (" nor a causal LM transformers runs through its attention interface (--model-impl transformers)"
+                if model_impl != "shardlm" and model_impl != "vllm" else "")
+    raise ValueError(f"Model architecture(s) {archs or '(none in config.json)'} are not supported{fallback}. "
                      f"Supported architectures: {', '.join(sorted(MODEL_REGISTRY))}; pooling (embeddings, "
-                     f"classes, scores): {', '.join(sorted(POOLING_REGISTRY))}.")
+                     f"classes, scores): {', '.join(sorted(POOLING_REGISTRY))}; and, with the Transformers backend, "
+                     "the other causal LMs of transformers whose attention goes through its interface.")
 
 
 def is_pooling_architecture(architecture: str) -> bool:
@@ -86,8 +103,12 @@ def language_model_config(hf_config, architecture: str):
 _CONVERTED: dict[tuple[str, str], type] = {}
 
 
-def get_model_class(architecture: str, convert: str | None = None):
-    """convert: embed or classify, a generative architecture as a pooling model (--convert)."""
+def get_model_class(architecture: str, convert: str | None = None, model_impl: str = "shardlm"):
+    """convert: embed or classify, a generative architecture as a pooling model (--convert);
+    model_impl: "transformers" for transformers' own modeling code (ModelConfig.model_impl)."""
+    if model_impl == "transformers":
+        from shardlm.models.transformers_backend import TransformersForCausalLM
+        return TransformersForCausalLM
     if architecture in POOLING_REGISTRY:
         return POOLING_REGISTRY[architecture]
     if convert is None:

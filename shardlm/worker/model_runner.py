@@ -96,7 +96,7 @@ class ModelRunner:
                                                    self.block_size, get_dcp_group().world_size)
         eplb = par.eplb
         with redundant_experts(eplb.num_redundant_experts if eplb is not None else None):
-            self.model = load_model(get_model_class(m.architecture, m.convert), m, self.device,
+            self.model = load_model(get_model_class(m.architecture, m.convert, m.model_impl), m, self.device,
                                     stages[self.pp.rank_in_group])
         if eplb is not None and self.moe_layers():
             self.balancer = ExpertBalancer(self.moe_layers(), eplb)

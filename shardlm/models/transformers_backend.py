@@ -1,0 +1,136 @@
+"""The Transformers backend (--model-impl transformers, as vLLM's): a decoder architecture shardlm
+has no model of its own for runs on Hugging Face's own modeling code, with shardlm's paged KV
+cache, scheduler and sampler.
+
+Transformers lets a model's attention modules call an attention function registered by name
+(AttentionInterface). This one, "shardlm", hands each layer's queries, keys and values (after
+the model's own rotary embedding) to a shardlm Attention layer, which writes K/V into the paged
+cache and attends through the engine's backend, as the native models do. The whole step runs as
+one sequence of all its tokens with their positions; no mask is built (the mask function returns
+None), since the paged attention knows each token's sequence. So any architecture whose modeling
+code goes through the attention interface (`_supports_attention_backend`) runs, one rank each
+(tensor and pipeline parallel need shardlm's own layers: refused, feature_rules.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from shardlm.kv_cache_groups import sliding_window
+from shardlm.layers.attention import Attention
+from shardlm.layers.linear import default_weight_loader
+
+NAME = "shardlm"
+_step_meta = None          # the running step's attention metadata (one step at a time per process)
+
+
+def can_run(architecture: str) -> bool:
+    """Whether transformers has this architecture as a causal LM that uses the attention interface."""
+    import transformers
+    cls = getattr(transformers, architecture, None)
+    return (isinstance(cls, type) and architecture.endswith(("ForCausalLM", "LMHeadModel"))
+            and bool(getattr(cls, "_supports_attention_backend", False)))
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Transformers' attention interface: query [1, H, T, D], key/value [1, Hkv, T, D] ->
+    ([1, T, H, D], no weights), through the shardlm Attention layer the module holds."""
+    attn: Attention = module.shardlm_attn
+    if scaling is not None:
+        attn.scale = scaling
+    tokens = query.shape[2]
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
+    out = attn(q, k, v, _step_meta)
+    return out.view(1, tokens, attn.num_heads, attn.v_head_dim), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface.register(NAME, _attention)
+    AttentionMaskInterface.register(NAME, lambda *args, **kwargs: None)   # the paged attention masks itself
+
+
+class TransformersForCausalLM(nn.Module):
+    """shardlm's model interface (forward, compute_logits, load_weights) over a Hugging Face causal LM."""
+
+    def __init__(self, config, max_position: int, dtype: torch.dtype, layer_range: tuple[int, int] | None = None):
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+        from transformers.initialization import no_init_weights
+        _register()
+        self.config = config
+        with no_init_weights():         # the checkpoint's weights replace them
+            self.hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=NAME)
+        self.hf.tie_weights()           # (skipped with the initialization)
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.num_attention_layers = 0
+        for module in self.hf.modules():
+            if type(module).__name__.endswith("Attention") and isinstance(getattr(module, "layer_idx", None), int):
+                module.shardlm_attn = Attention(heads, kv_heads, head_dim, head_dim ** -0.5,
+                                                sliding_window(config, module.layer_idx))
+                self.num_attention_layers += 1
+        if self.num_attention_layers != config.num_hidden_layers:
+            raise ValueError(f"{type(self.hf).__name__}: found {self.num_attention_layers} attention modules for "
+                             f"{config.num_hidden_layers} layers, so the Transformers backend cannot place its KV "
+                             "cache.")
+
+    def forward(self, input_ids, positions, meta, intermediate=None):
+        global _step_meta
+        _step_meta = meta
+        try:
+            out = self.hf.base_model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        finally:
+            _step_meta = None
+        return out.last_hidden_state[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head and what the architectures' own heads do after it: a logit scale (Cohere),
+        a divisor (Granite), a soft cap (Gemma 2)."""
+        logits = self.hf.get_output_embeddings()(hidden)
+        scale = getattr(self.hf, "logit_scale", None)
+        if isinstance(scale, (int, float)) and scale != 1:
+            logits = logits * scale
+        divisor = getattr(self.config, "logits_scaling", None)
+        if divisor:
+            logits = logits / divisor
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.hf.named_parameters())        # a tied LM head is the embedding's, once
+        head = self.hf.get_output_embeddings()
+        tied = head is not None and head.weight is self.hf.get_input_embeddings().weight
+        renames = _renames(self.hf)
+        loaded = set()
+        for name, tensor in weights:
+            for rename in renames:
+                name = rename(name)
+            param = params.get(name)
+            if param is None:
+                if name.endswith("rotary_emb.inv_freq") or (tied and name.endswith("lm_head.weight")):
+                    continue
+                raise ValueError(f"The checkpoint has a tensor {name!r} that transformers' {type(self.hf).__name__} "
+                                 "does not have: is the config's architecture right for these weights?")
+            default_weight_loader(param, tensor)
+            loaded.add(f"hf.{name}")
+        return loaded
+
+
+def _renames(model) -> list:
+    """The checkpoint key renames transformers applies as it loads this model (e.g. GPT-NeoX's
+    embed_out -> lm_head), each as a function of a name."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+    except ImportError:         # an older transformers: checkpoints are named as the modules
+        return []
+    return [lambda name, t=t: t.rename_source_key(name)[0] for t in get_model_conversion_mapping(model)
+            if not isinstance(t, WeightConverter)]

@@ -1,0 +1,48 @@
+"""The Transformers backend (--model-impl, as vLLM's): architectures shardlm has no model of its
+own for run on transformers' modeling code with shardlm's paged KV cache, scheduler and sampler,
+and give transformers' tokens; what needs shardlm's own layers is refused, saying so."""
+
+import pytest
+
+from shardlm import LLM, SamplingParams
+from shardlm.engine.arg_utils import EngineArgs
+
+# two prompts in one step, a prompt over several steps (a budget of 16 tokens), and a prompt
+# that starts from the first one's cached blocks
+PROMPTS = [list(range(100, 140)), [5, 6, 7], list(range(100, 132)) + [7, 8, 9]]
+ENGINE = dict(dtype="float32", kv_cache_memory="16MiB", max_model_len=128, max_num_batched_tokens=16)
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
+
+
+@pytest.mark.parametrize("name", ["starcoder2", "cohere", "gpt-neox"])
+def test_architectures_shardlm_lacks_give_transformers_tokens(name, tiny_model_dir, hf):
+    llm = LLM(tiny_model_dir(name), **ENGINE)
+    assert llm.engine.config.model.model_impl == "transformers", "auto: the Transformers backend"
+    first = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], GREEDY, use_tqdm=False)
+    cached = llm.generate([{"prompt_token_ids": PROMPTS[2]}], GREEDY, use_tqdm=False)
+    llm.shutdown()
+    assert cached[0].num_cached_tokens == 32
+    ref = hf.greedy(tiny_model_dir(name), PROMPTS, 8)
+    assert hf.assert_close(ref, first + cached, name) == 3
+
+
+def test_a_model_shardlm_has_runs_on_either_with_the_same_tokens(tiny_model_dir):
+    outputs = {}
+    for impl in ("vllm", "transformers"):
+        llm = LLM(tiny_model_dir("llama-gqa"), **ENGINE, model_impl=impl)
+        assert llm.engine.config.model.model_impl == {"vllm": "shardlm"}.get(impl, impl)
+        outputs[impl] = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)]
+        llm.shutdown()
+    assert outputs["vllm"] == outputs["transformers"]
+
+
+def test_what_needs_shardlms_own_layers_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"\['Starcoder2ForCausalLM'\] are not supported"):
+        EngineArgs(model=tiny_model_dir("starcoder2"), model_impl="shardlm").create_engine_config()
+    with pytest.raises(ValueError, match="--model-impl transformers with -tp, -pp"):
+        EngineArgs(model=tiny_model_dir("starcoder2"), tensor_parallel_size=2).create_engine_config()
+    with pytest.raises(ValueError, match="--model-impl transformers with --quantization"):
+        EngineArgs(model=tiny_model_dir("cohere"), quantization="int8").create_engine_config()
+    with pytest.raises(ValueError, match="--model-impl 'hf': give auto, shardlm, vllm, transformers"):
+        EngineArgs(model=tiny_model_dir("cohere"), model_impl="hf").create_engine_config()
