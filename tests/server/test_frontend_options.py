@@ -185,3 +185,37 @@ def test_a_server_without_a_tokenizer_answers_token_ids_and_refuses_text(tiny_mo
                            ("/tokenize", {"prompt": "Hello"})):
             refused = httpx.post(url + path, json=body)
             assert refused.status_code == 400 and "--skip-tokenizer-init" in refused.json()["error"]["message"], path
+
+
+def test_vllms_request_extras(server):
+    """prompt_logprobs (not streamed), truncate_prompt_tokens, request_id, and a chat answer that
+    goes on in the last message (continue_final_message) with that message echoed before it."""
+    prompt = "The capital of France is"
+    ids = httpx.post(server + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2, "request_id": "mine-1"}
+    answer = httpx.post(server + "/v1/completions", json=body).json()
+    assert answer["id"] == "cmpl-mine-1"
+    positions = answer["choices"][0]["prompt_logprobs"]
+    assert positions[0] is None and len(positions) == len(ids)
+    for position, token in zip(positions[1:], ids[1:]):
+        assert str(token) in position and 2 <= len(position) <= 3
+        assert all(v["logprob"] <= 0 and v["rank"] >= 1 for v in position.values())
+    streamed = httpx.post(server + "/v1/completions", json={**body, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+    cut = httpx.post(server + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": 3})
+    assert cut.json()["usage"]["prompt_tokens"] == 3
+    assert httpx.post(server + "/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": 0}).status_code \
+        == 400
+
+    going_on = [*HI, {"role": "assistant", "content": "Well"}]
+    new_turn = chat(server, messages=going_on, add_generation_prompt=False)
+    continued = chat(server, messages=going_on, add_generation_prompt=False, continue_final_message=True, echo=True,
+                     prompt_logprobs=1, request_id="mine-2")
+    assert continued["id"] == "chatcmpl-mine-2" and len(continued["prompt_logprobs"]) == \
+        continued["usage"]["prompt_tokens"]
+    message = continued["choices"][0]["message"]
+    assert message["role"] == "assistant" and message["content"].startswith("Well")
+    # the rendered prompt stops right after "Well": the template's ";G1" after the message is cut
+    assert continued["usage"]["prompt_tokens"] < new_turn["usage"]["prompt_tokens"]
+    both = httpx.post(server + "/v1/chat/completions", json={"messages": going_on, "continue_final_message": True})
+    assert both.status_code == 400 and "set add_generation_prompt to false" in both.json()["error"]["message"]

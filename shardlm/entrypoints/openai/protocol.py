@@ -127,6 +127,10 @@ class _SamplingFields(BaseModel):
     priority: int = checked(0, minimum=-INT64_MAX - 1, maximum=INT64_MAX)   # --scheduling-policy priority
     return_tokens_as_token_ids: bool | None = None     # logprobs' tokens as token_id:N (default: the server's)
     return_token_ids: bool | None = None       # the answer's token ids beside its text, and the prompt's
+    # vLLM's: logprobs of the prompt's tokens (not streamed); keep the prompt's last k tokens (-1: as many as fit)
+    prompt_logprobs: int | None = checked(None, minimum=0)
+    truncate_prompt_tokens: int | None = checked(None, minimum=-1)
+    request_id: str | None = None              # the response's id (after its cmpl- / chatcmpl- prefix)
 
 
 class CompletionRequest(_SamplingFields):
@@ -134,6 +138,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = checked(16, minimum=1, maximum=INT64_MAX)
     logprobs: int | None = checked(None, minimum=0)          # at most --max-logprobs (the engine checks)
     echo: bool = False
+    add_special_tokens: bool = True            # the tokenizer's BOS (and others) around a text prompt
 
 
 class TextPart(BaseModel):
@@ -226,6 +231,13 @@ class ChatCompletionRequest(_SamplingFields):
         "dependentSchemas": {"top_logprobs": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}}})
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the answer goes on in the last message (no new turn); special tokens added to the
+    # rendered prompt (the template has its own); the last message's text before the answer where
+    # the answer continues it
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    echo: bool = False
+    documents: list[dict[str, Any]] | None = None     # for templates that take documents (RAG)
 
 
 class TokenizeRequest(BaseModel):

@@ -208,13 +208,34 @@ class OpenAIServing:
         """Whether a stream ends with a usage chunk: stream_options asks, or --enable-force-include-usage."""
         return bool(req.stream_options and req.stream_options.include_usage) or self.options.enable_force_include_usage
 
-    async def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    async def tokenize(self, prompt: str | list[int], param: str = "prompt",
+                       add_special_tokens: bool = True) -> list[int]:
         """Text to token ids, once; AsyncLLM's input processor checks them (length, vocabulary)."""
         if not isinstance(prompt, str):
             return list(prompt)
         self.need_tokenizer("A text prompt", param)
         check_encodable(prompt, param)
-        return (await self._off_loop(self.llm.tokenizer, prompt)).input_ids
+        return (await self._off_loop(self.llm.tokenizer, prompt, add_special_tokens=add_special_tokens)).input_ids
+
+    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len)."""
+        if keep is None:
+            return ids
+        if keep == 0:
+            raise OpenAIError("truncate_prompt_tokens=0 would leave no prompt: give at least 1, or -1 for as many as "
+                              "the model takes.", 400, "truncate_prompt_tokens")
+        keep = self.max_model_len if keep == -1 else keep
+        return ids[-keep:] if len(ids) > keep else ids
+
+    @staticmethod
+    def check_prompt_logprobs(req) -> None:
+        if req.prompt_logprobs is not None and req.stream:
+            raise OpenAIError("prompt_logprobs are not streamed: leave out stream, or prompt_logprobs.", 400,
+                              "prompt_logprobs")
+
+    def response_id(self, req, kind: str) -> str:
+        """The response's id: the request's request_id (vLLM's field) or a new one."""
+        return f"{kind}-{req.request_id if req.request_id else uuid.uuid4().hex}"
 
     async def _off_loop(self, fn, *args, **kwargs):
         """Tokenizing or rendering a large input runs on a worker thread (the tokenizer releases
@@ -259,17 +280,21 @@ class OpenAIServing:
         self.check_request(req)
         if req.echo:
             self.need_tokenizer("echo", "echo")
+        self.check_prompt_logprobs(req)
         prompts = _completion_prompts(req.prompt)
         if len(prompts) > self.limits.max_prompts:
             raise OpenAIError(f"{len(prompts)} prompts are more than this server allows in one request "
                               f"({self.limits.max_prompts}, --max-prompts).", 400, "prompt")
-        ids = [await self.tokenize(p) for p in prompts]
+        whole = [await self.tokenize(p, add_special_tokens=req.add_special_tokens) for p in prompts]
+        ids = [self.truncated(i, req.truncate_prompt_tokens) for i in whole]
+        echoed = req.logprobs if req.echo else None
+        asked = [n for n in (req.prompt_logprobs, echoed) if n is not None]
         params = [self.sampling_params(req, req.max_tokens, len(i), logprobs=req.logprobs,
-                                       prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
-                  for i in ids]
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        rids = [f"{rid}-{k}" for k in range(len(ids))]
+                                       prompt_logprobs=max(asked) if asked else None) for i in ids]
+        rid, created = self.response_id(req, "cmpl"), int(time.time())
+        # a prompt cut by truncate_prompt_tokens is its tokens alone (echo decodes them)
+        texts = [p if isinstance(p, str) and len(i) == len(w) else None for p, i, w in zip(prompts, ids, whole)]
+        rids = [f"{rid}-{k}-{uuid.uuid4().hex[:8]}" if req.request_id else f"{rid}-{k}" for k in range(len(ids))]
         streams = self.submit([({"prompt": text, "prompt_token_ids": i}, p, r)
                                for i, text, p, r in zip(ids, texts, params, rids)], lora, req.priority)
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
@@ -292,6 +317,8 @@ class OpenAIServing:
                           "logprobs": _completion_logprobs(lps, as_ids) if req.logprobs is not None else None}
                 if req.return_token_ids:
                     choice.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
                 choices.append(choice)
         return {**head, "choices": choices, "usage": self.usage_of(finals)}
 
@@ -328,19 +355,29 @@ class OpenAIServing:
         model, lora = self.resolve_model(req.model)
         self.check_request(req)
         mode, function = tools.tool_mode(req, self.tool_parser)
+        self.check_prompt_logprobs(req)
+        if req.continue_final_message and req.add_generation_prompt:
+            raise OpenAIError("continue_final_message goes on in the last message, add_generation_prompt starts a new "
+                              "one: set add_generation_prompt to false.", 400, "continue_final_message")
         tool_specs = None if mode == "none" and self.options.exclude_tools_when_tool_choice_none else \
             tools.template_tools(req)
+        extra = {k: v for k, v in (("continue_final_message", req.continue_final_message),
+                                   ("documents", req.documents)) if v}
         text = await self._off_loop(self.render_chat, req.messages, tool_specs, req.add_generation_prompt,
-                                    req.chat_template_kwargs)
-        ids = (await self._off_loop(self.llm.tokenizer, text, add_special_tokens=False)).input_ids
+                                    {**extra, **(req.chat_template_kwargs or {})})
+        ids = (await self._off_loop(self.llm.tokenizer, text, add_special_tokens=req.add_special_tokens)).input_ids
+        ids = self.truncated(ids, req.truncate_prompt_tokens)
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true.", 400, "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens, len(ids),
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                      prompt_logprobs=req.prompt_logprobs,
                                       tool_constraint=tools.constraint(req, mode, function))
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "object": "chat.completion", "created": created, "model": model}
+        created = int(time.time())
+        head = {"id": self.response_id(req, "chatcmpl"), "object": "chat.completion", "created": created,
+                "model": model}
+        rid = f"{head['id']}-{uuid.uuid4().hex[:8]}" if req.request_id else head["id"]    # unique in the engine
         (stream,) = self.submit([({"prompt": text, "prompt_token_ids": ids}, params, rid)], lora, req.priority)
         if req.stream:
             return EventStream(self._stream_chat(req, {**head, "object": "chat.completion.chunk"}, stream,
@@ -350,6 +387,8 @@ class OpenAIServing:
         for c in final.outputs:
             message = tools.split_choice(c.text, mode, function, self.tool_parser, self.reasoning,
                                          self.answer_role(req))
+            if echo := self.echoed(req):
+                message["content"] = echo + (message["content"] or "")
             choices.append({"index": c.index, "message": message,
                             "finish_reason": _tool_finish(c.finish_reason, "tool_calls" in message),
                             "stop_reason": c.stop_reason,
@@ -359,7 +398,14 @@ class OpenAIServing:
         answer = {**head, "choices": choices, "usage": self.usage_of([final])}
         if req.return_token_ids:
             answer["prompt_token_ids"] = final.prompt_token_ids
+        if req.prompt_logprobs is not None:
+            answer["prompt_logprobs"] = _prompt_logprobs_json(final.prompt_logprobs)
         return answer
+
+    def echoed(self, req: ChatCompletionRequest) -> str:
+        """vLLM's chat echo: the last message's text, where the answer is in its role (it goes on)."""
+        last = req.messages[-1]
+        return last.text() if req.echo and last.role == self.answer_role(req) else ""
 
     def answer_role(self, req: ChatCompletionRequest) -> str:
         """--response-role where the prompt asks for an answer, else the last message's role (it goes on)."""
@@ -376,7 +422,7 @@ class OpenAIServing:
             for c in out.outputs:
                 if c.index not in started:
                     started[c.index] = tools.ChatChoiceStream(*tool_choice, self.tool_parser, self.reasoning)
-                    yield {**head, "choices": [{"index": c.index, "delta": {"role": role, "content": ""},
+                    yield {**head, "choices": [{"index": c.index, "delta": {"role": role, "content": self.echoed(req)},
                                                 "logprobs": None, "finish_reason": None}],
                            **({"prompt_token_ids": out.prompt_token_ids} if req.return_token_ids else {})}
                 completion_tokens += len(c.token_ids)
@@ -494,6 +540,15 @@ def _prompt_position_logprobs(out: RequestOutput, tokenizer) -> list:
 def _chosen(position: dict) -> tuple[int, Logprob]:
     """The token a position is for and its entry: listed first (then come the top-k)."""
     return next(iter(position.items()))
+
+
+def _prompt_logprobs_json(positions) -> list | None:
+    """vLLM's prompt_logprobs: per prompt position (the first: null) {token id: {logprob, rank, decoded_token}}."""
+    if positions is None:
+        return None
+    return [None if pos is None else {str(t): {"logprob": _json_logprob(v.logprob), "rank": v.rank,
+                                               "decoded_token": v.decoded_token} for t, v in pos.items()}
+            for pos in positions]
 
 
 def _json_logprob(value: float | None) -> float | None:
