@@ -101,6 +101,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None
     priority: int = 0              # --scheduling-policy priority: lower runs first
+    cache_salt: str | None = None  # its prefix-cache keys' salt: reused only by requests with the same one
 
 
 class EngineCoreOutput(msgspec.Struct):

@@ -43,7 +43,10 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: list[int], max_model_len: int, block_size: int,
                  arrival_time: float | None = None, lora_request: LoRARequest | None = None,
-                 pooling_params=None, token_type_ids: list[int] | None = None, priority: int = 0):
+                 pooling_params=None, token_type_ids: list[int] | None = None, priority: int = 0,
+                 cache_salt: str | None = None):
+        """cache_salt: mixed into its prefix-cache keys (with its adapter's): only requests with the
+        same salt share its cached blocks (vLLM's, for tenants that must not share a cache)."""
         self.request_id = request_id
         self.priority = priority                  # --scheduling-policy priority: lower runs first
         self.seq = 0                              # the order the scheduler received it in
@@ -74,7 +77,9 @@ class Request:
         self.block_size = block_size
         self.lora_request = lora_request
         self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
-        self._cache_salt = lora_request.cache_salt if lora_request is not None else None
+        salts = [s for s in (lora_request.cache_salt if lora_request is not None else None,
+                             cache_salt.encode() if cache_salt else None) if s]
+        self._cache_salt = b"\0".join(salts) if salts else None
         self.block_hashes: list[int] = []
         self._update_block_hashes()
         self.grammar = None              # structured outputs: a Future of the request's matcher

@@ -36,6 +36,14 @@ def require_tokenizer(tokenizer, what: str) -> None:
                          "prompts as token ids, without stop strings or structured outputs.")
 
 
+def cache_salt_of(prompt) -> str | None:
+    """A prompt dict's "cache_salt" (vLLM's): a non-empty string, or None."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, not {salt!r}.")
+    return salt
+
+
 def split_prompt(prompt) -> tuple[str | None, list[int] | None]:
     """A prompt as (text, token ids): a string, a list of token ids, or a dict with either or both."""
     if isinstance(prompt, str):
@@ -112,6 +120,7 @@ class InputProcessor:
         if lora_request is not None:
             self.check_lora(lora_request)
         text, prompt_token_ids = split_prompt(prompt)
+        salt = cache_salt_of(prompt)
         if prompt_token_ids is None:
             if not isinstance(text, str):
                 raise TypeError(f"A prompt must be a string or a list of token ids, not {type(text).__name__}.")
@@ -134,11 +143,12 @@ class InputProcessor:
         parent = ParentRequest(request_id, text, prompt_token_ids, params,
                                RequestMetrics(arrival_time, max_tokens_param=params.max_tokens, n_param=params.n))
         if params.n == 1:
-            return parent, [EngineCoreRequest(request_id, prompt_token_ids, params, arrival_time, lora_request)]
+            return parent, [EngineCoreRequest(request_id, prompt_token_ids, params, arrival_time, lora_request,
+                                              cache_salt=salt)]
         return parent, [
             EngineCoreRequest(f"{i}_{request_id}", prompt_token_ids,
                               params.clone(n=1, seed=None if params.seed is None else params.seed + i), arrival_time,
-                              lora_request)
+                              lora_request, cache_salt=salt)
             for i in range(params.n)]
 
     def _process_pooling(self, request_id: str, prompt, params: PoolingParams, arrival_time: float | None,

@@ -347,3 +347,18 @@ def test_skip_tokenizer_init_takes_and_gives_token_ids(tiny_model_dir):
     assert [{t: v.logprob for t, v in p.items()} for p in ids_only.logprobs] == \
         [{t: v.logprob for t, v in p.items()} for p in with_text.logprobs]
     assert all(v.decoded_token is None for p in ids_only.logprobs for v in p.values())
+
+
+def test_cache_salt_shares_cached_prompts_only_within_one_salt(tiny_model_dir):
+    """vLLM's cache_salt: a prompt's cached blocks are reused by the same prompt with the same
+    salt, never by one with another salt or none (tenants that must not see each other's cache)."""
+    llm = LLM(tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory="16MiB", max_model_len=128)
+    prompt, sp = list(range(100, 150)), SamplingParams(max_tokens=1)
+
+    def cached(**salt) -> int:
+        return llm.generate([{"prompt_token_ids": prompt, **salt}], sp, use_tqdm=False)[0].num_cached_tokens
+    assert [cached(cache_salt="a"), cached(cache_salt="a"), cached(cache_salt="b"), cached(), cached()] == \
+        [0, 48, 0, 0, 48]
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        cached(cache_salt="")
+    llm.shutdown()

@@ -93,6 +93,9 @@ def test_the_usage_counts_cached_prompt_tokens_and_every_stream_has_one(server):
     first, second = chat(server, messages=long)["usage"], chat(server, messages=long)["usage"]
     assert first["prompt_tokens_details"] == {"cached_tokens": 0}
     assert 16 <= second["prompt_tokens_details"]["cached_tokens"] < second["prompt_tokens"]
+    salted = [chat(server, messages=long, cache_salt="tenant-a")["usage"]["prompt_tokens_details"]["cached_tokens"]
+              for _ in range(2)]
+    assert salted[0] == 0 and salted[1] >= 16, "a salt shares only with itself"
     with httpx.stream("POST", server + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": True}) as r:
         events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
     assert events[-1] == "[DONE]"

@@ -131,6 +131,7 @@ class _SamplingFields(BaseModel):
     prompt_logprobs: int | None = checked(None, minimum=0)
     truncate_prompt_tokens: int | None = checked(None, minimum=-1)
     request_id: str | None = None              # the response's id (after its cmpl- / chatcmpl- prefix)
+    cache_salt: str | None = Field(None, min_length=1)     # prefix-cache blocks shared only with the same salt
 
 
 class CompletionRequest(_SamplingFields):

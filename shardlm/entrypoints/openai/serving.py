@@ -295,7 +295,8 @@ class OpenAIServing:
         # a prompt cut by truncate_prompt_tokens is its tokens alone (echo decodes them)
         texts = [p if isinstance(p, str) and len(i) == len(w) else None for p, i, w in zip(prompts, ids, whole)]
         rids = [f"{rid}-{k}-{uuid.uuid4().hex[:8]}" if req.request_id else f"{rid}-{k}" for k in range(len(ids))]
-        streams = self.submit([({"prompt": text, "prompt_token_ids": i}, p, r)
+        salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}
+        streams = self.submit([({"prompt": text, "prompt_token_ids": i, **salt}, p, r)
                                for i, text, p, r in zip(ids, texts, params, rids)], lora, req.priority)
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         if req.stream:
@@ -378,7 +379,9 @@ class OpenAIServing:
         head = {"id": self.response_id(req, "chatcmpl"), "object": "chat.completion", "created": created,
                 "model": model}
         rid = f"{head['id']}-{uuid.uuid4().hex[:8]}" if req.request_id else head["id"]    # unique in the engine
-        (stream,) = self.submit([({"prompt": text, "prompt_token_ids": ids}, params, rid)], lora, req.priority)
+        salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}
+        (stream,) = self.submit([({"prompt": text, "prompt_token_ids": ids, **salt}, params, rid)], lora,
+                                req.priority)
         if req.stream:
             return EventStream(self._stream_chat(req, {**head, "object": "chat.completion.chunk"}, stream,
                                                  (mode, function)), [rid], self.llm)
