@@ -95,6 +95,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None     # token id -> added to its logit before sampling
     allowed_token_ids: list[int] | None = None     # sample only among these
+    bad_words: list[str] | None = None             # words never generated (vLLM's): with or without a leading space
+    bad_words_token_ids: list[list[int]] | None = None    # token sequences never generated (bad_words' go here too)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None    # constrain the output (shardlm/structured_output)
 
@@ -107,6 +109,10 @@ class SamplingParams:
             self.logit_bias = {_token_key(k): v for k, v in dict(self.logit_bias).items()}
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = [list(seq) for seq in self.bad_words_token_ids]
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -164,6 +170,12 @@ class SamplingParams:
                                                  or not 0 <= t <= INT64_MAX for t in self.allowed_token_ids):
                 bad("allowed_token_ids", self.allowed_token_ids, "it must be a non-empty list of token ids "
                     "(integers >= 0), or None")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            bad("bad_words", self.bad_words, "it must be a list of non-empty strings")
+        if self.bad_words_token_ids is not None and any(
+                not seq or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT64_MAX for t in seq)
+                for seq in self.bad_words_token_ids):
+            bad("bad_words_token_ids", self.bad_words_token_ids, "it must be a list of non-empty lists of token ids")
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Every token id and top_k within a model's vocabulary (the engine checks this per request)."""
@@ -171,7 +183,8 @@ class SamplingParams:
             return [t for t in ids if t >= vocab_size][:5]
 
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or ())),
-                          ("allowed_token_ids", self.allowed_token_ids or [])):
+                          ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("bad_words_token_ids", [t for seq in self.bad_words_token_ids or [] for t in seq])):
             if outside(ids):
                 raise ValueError(f"SamplingParams.{name} holds token id(s) {outside(ids)} outside the vocabulary "
                                  f"[0, {vocab_size}).")

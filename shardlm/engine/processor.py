@@ -36,6 +36,17 @@ def require_tokenizer(tokenizer, what: str) -> None:
                          "prompts as token ids, without stop strings or structured outputs.")
 
 
+def bad_word_sequences(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's bad_words as token sequences: each word as it starts a text and after a space."""
+    sequences: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
+
+
 def cache_salt_of(prompt) -> str | None:
     """A prompt dict's "cache_salt" (vLLM's): a non-empty string, or None."""
     salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
@@ -129,6 +140,13 @@ class InputProcessor:
         self._validate(prompt_token_ids)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, not {type(params).__name__}.")
+        if params.bad_words:
+            require_tokenizer(self.tokenizer, "SamplingParams.bad_words")
+            params = params.clone(bad_words=None, bad_words_token_ids=(params.bad_words_token_ids or [])
+                                  + bad_word_sequences(self.tokenizer, params.bad_words))
+        if self.config.speculative is not None and any(len(s) > 1 for s in params.bad_words_token_ids or []):
+            raise ValueError("Bad words of several tokens are not checked inside proposed tokens: leave out "
+                             "--speculative-config, or give bad words of one token each.")
         params.check_vocabulary(self.config.model.vocab_size)
         if params.stop:
             require_tokenizer(self.tokenizer, "SamplingParams.stop (stop strings)")

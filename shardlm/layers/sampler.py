@@ -103,6 +103,13 @@ class ArgmaxRows(CustomOp):
         return out
 
 
+def completing_bad_words(output: list[int], sequences: list[list[int]]) -> list[int]:
+    """The tokens that would complete a bad word now: each sequence's last token where the output
+    ends with the rest of it (a one-token word: always)."""
+    return [seq[-1] for seq in sequences
+            if len(seq) == 1 or (len(output) >= len(seq) - 1 and output[len(output) - len(seq) + 1:] == seq[:-1])]
+
+
 def token_logprobs(row_logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     lp = row_logprobs[token]
     rank = int((row_logprobs > lp).sum()) + 1

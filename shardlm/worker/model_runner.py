@@ -32,7 +32,7 @@ from shardlm.distributed.parallel_state import (
 )
 from shardlm.layers.attention import Attention
 from shardlm.layers.moe import FusedMoE, dp_token_counts, redundant_experts
-from shardlm.layers.sampler import Sampler, SamplingBatch, TokenBitmask, token_logprobs
+from shardlm.layers.sampler import Sampler, SamplingBatch, TokenBitmask, completing_bad_words, token_logprobs
 from shardlm.logger import init_logger
 from shardlm.lora import batch as lora_batch
 from shardlm.lora.manager import LoRAManager
@@ -353,7 +353,8 @@ class ModelRunner:
         parameters alone so that every rank agrees (only the sampling rank tracks output tokens)."""
         return self.tp.world_size > 1 and all(
             p.greedy and not p.uses_penalties and p.logprobs is None and not p.logit_bias
-            and p.allowed_token_ids is None and p.min_tokens == 0 for p in (s.sampling_params for s in states))
+            and p.allowed_token_ids is None and p.min_tokens == 0 and not p.bad_words_token_ids
+            for p in (s.sampling_params for s in states))
 
     @torch.inference_mode()
     def execute_dummy(self) -> int:
@@ -547,6 +548,8 @@ class ModelRunner:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.stop_ids_for_min_tokens)
                 if ids:
                     banned.append((i, ids))
+            if p.bad_words_token_ids:
+                banned.append((i, completing_bad_words(s.output_token_ids, p.bad_words_token_ids)))
         batch.banned = banned or None
         biases = [(i, p.logit_bias, p.allowed_token_ids) for i, p in enumerate(params)
                   if p.logit_bias or p.allowed_token_ids is not None]

@@ -362,3 +362,23 @@ def test_cache_salt_shares_cached_prompts_only_within_one_salt(tiny_model_dir):
     with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
         cached(cache_salt="")
     llm.shutdown()
+
+
+def test_bad_words_are_never_generated(tiny_model_dir):
+    """vLLM's bad_words (text, with and without a leading space) and bad_words_token_ids: a word's
+    last token is banned where the output ends with the rest of it."""
+    llm = LLM(tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory="16MiB", max_model_len=64)
+    greedy = dict(max_tokens=8, temperature=0, ignore_eos=True)
+
+    def run(**extra) -> list[int]:
+        return llm.generate([[5, 6, 7]], SamplingParams(**greedy, **extra), use_tqdm=False)[0].outputs[0].token_ids
+    plain = run()
+    two = plain[2:4]                       # a two-token word the plain output has
+    avoided = run(bad_words_token_ids=[two])
+    assert avoided[:3] == plain[:3] and avoided[3] != plain[3]
+    assert all(avoided[i:i + 2] != two for i in range(len(avoided) - 1))
+    word = llm.get_tokenizer().decode(plain[:1]).strip()
+    assert run(bad_words=[word])[0] != plain[0]
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[" "])
+    llm.shutdown()

@@ -205,6 +205,9 @@ def test_vllms_request_extras(server):
         assert all(v["logprob"] <= 0 and v["rank"] >= 1 for v in position.values())
     streamed = httpx.post(server + "/v1/completions", json={**body, "stream": True})
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+    first = answer["choices"][0]["text"].split()[0]
+    banned = httpx.post(server + "/v1/completions", json={**body, "prompt_logprobs": None, "bad_words": [first]})
+    assert banned.status_code == 200 and not banned.json()["choices"][0]["text"].split()[0] == first
     cut = httpx.post(server + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": 3})
     assert cut.json()["usage"]["prompt_tokens"] == 3
     assert httpx.post(server + "/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": 0}).status_code \

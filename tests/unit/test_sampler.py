@@ -142,3 +142,12 @@ def test_each_logprobs_mode_reports_what_it_names():
         assert lp.top_logprobs == pytest.approx(values[0].topk(4).values.tolist(), abs=1e-5), mode
         assert lp.rank == int((values[0] > values[0, tokens[0]]).sum()) + 1
     assert Sampler("processed_logprobs")(logits, batch)[1][0].top_logprobs[3] == float("-inf")
+
+
+def test_completing_bad_words():
+    from shardlm.layers.sampler import completing_bad_words
+    words = [[7], [1, 2, 3], [2, 9]]
+    assert completing_bad_words([], words) == [7]
+    assert completing_bad_words([5, 1, 2], words) == [7, 3, 9]
+    assert completing_bad_words([1, 2, 4], words) == [7]
+    assert completing_bad_words([2], words) == [7, 9]

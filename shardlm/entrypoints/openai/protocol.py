@@ -115,6 +115,7 @@ class _SamplingFields(BaseModel):
                                                   additionalProperties={"minimum": -MAX_LOGIT_BIAS,
                                                                         "maximum": MAX_LOGIT_BIAS})
     allowed_token_ids: list[int] | None = checked(None, minItems=1, **_TOKEN_IDS)
+    bad_words: list[str] | None = None          # vLLM's: words never generated
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs, and the older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None

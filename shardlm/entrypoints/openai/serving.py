@@ -161,7 +161,8 @@ class OpenAIServing:
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
                 max_tokens=max_tokens, skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=req.logit_bias,
-                allowed_token_ids=req.allowed_token_ids, structured_outputs=constrained or tool_constraint,
+                allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+                structured_outputs=constrained or tool_constraint,
                 output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY, **values, **extra)
         except ValueError as e:
             raise invalid(e, None) from e
