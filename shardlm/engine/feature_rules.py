@@ -83,15 +83,19 @@ def _transformers(c: EngineConfig) -> bool:
 
 
 RULES += (
-    Rule("--model-impl transformers with -tp, -pp, -dcp or -pcp",
-         lambda c: _transformers(c) and (c.parallel.world_size > 1 or c.parallel.prefill_context_parallel_size > 1),
-         "transformers' modeling code runs whole on one rank; splitting a model needs shardlm's own layers",
-         "-dp (a replica per rank), or an architecture shardlm has (--model-impl auto)"),
-    Rule("--model-impl transformers with --quantization, --enable-lora or a draft model or EAGLE head",
-         lambda c: _transformers(c) and (c.model.quantization is not None or c.lora is not None
-                                         or _drafts_on_one_rank(c)),
-         "those replace or read shardlm's own linear layers, which transformers' modeling code does not have",
-         "the model's float weights without adapters; speculative decoding with method 'ngram'"),
+    Rule("--model-impl transformers with -pp, -dcp, -pcp or --enable-expert-parallel",
+         lambda c: _transformers(c) and (c.parallel.pipeline_parallel_size > 1 or c.parallel.context_parallel_size > 1
+                                         or c.parallel.enable_expert_parallel),
+         "transformers' decoder runs whole on each rank: its layers cannot be split into stages, nor its "
+         "attention over ranks by position",
+         "-tp (its linears split as the model's tensor parallel plan says) and -dp"),
+    Rule("--model-impl transformers with --quantization gguf, gptq or awq, --enable-lora or a draft model or EAGLE "
+         "head",
+         lambda c: _transformers(c) and ((c.model.quantization is not None and not c.model.quantization.at_load)
+                                         or c.lora is not None or _drafts_on_one_rank(c)),
+         "those read their tensors into shardlm's own model layout, which transformers' modeling code does not have",
+         "the float checkpoint, with --quantization int8, int4 or fp8_* at load if you like; speculative decoding "
+         "with method 'ngram'"),
     Rule("--model-impl transformers with --runner pooling",
          lambda c: _transformers(c) and _pooling(c),
          "the Transformers backend runs causal LMs for generation",

@@ -8,20 +8,27 @@ the model's own rotary embedding) to a shardlm Attention layer, which writes K/V
 cache and attends through the engine's backend, as the native models do. The whole step runs as
 one sequence of all its tokens with their positions; no mask is built (the mask function returns
 None), since the paged attention knows each token's sequence. So any architecture whose modeling
-code goes through the attention interface (`_supports_attention_backend`) runs, one rank each
-(tensor and pipeline parallel need shardlm's own layers: refused, feature_rules.py).
+code goes through the attention interface (`_supports_attention_backend`) runs.
+
+Its linear layers become shardlm's (as vLLM's backend does): those the model's tensor parallel plan
+(`base_model_tp_plan`) marks colwise or rowwise are split across the tensor parallel ranks, the others
+stay whole on every rank; so the CPU kernels' weight panels and --quantization apply as in shardlm's
+own models. The embedding and LM head stay transformers' own, whole on every rank. Pipeline and
+context parallel need shardlm's own decoder: refused (feature_rules.py).
 """
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from shardlm.distributed.parallel_state import get_tp_group
 from shardlm.kv_cache_groups import sliding_window
 from shardlm.layers.attention import Attention
-from shardlm.layers.linear import default_weight_loader
+from shardlm.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, default_weight_loader
 
 NAME = "shardlm"
 _step_meta = None          # the running step's attention metadata (one step at a time per process)
@@ -66,19 +73,48 @@ class TransformersForCausalLM(nn.Module):
         with no_init_weights():         # the checkpoint's weights replace them
             self.hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=NAME)
         self.hf.tie_weights()           # (skipped with the initialization)
+        self.tp = get_tp_group()
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        if heads % self.tp.world_size or kv_heads % self.tp.world_size:
+            raise ValueError(f"Tensor parallel size {self.tp.world_size} must divide the attention heads ({heads}) "
+                             f"and the KV heads ({kv_heads}) under --model-impl transformers.")
+        self._use_shardlm_linears()
         self.num_attention_layers = 0
         for module in self.hf.modules():
             if type(module).__name__.endswith("Attention") and isinstance(getattr(module, "layer_idx", None), int):
-                module.shardlm_attn = Attention(heads, kv_heads, head_dim, head_dim ** -0.5,
-                                                sliding_window(config, module.layer_idx))
+                module.shardlm_attn = Attention(heads // self.tp.world_size, kv_heads // self.tp.world_size, head_dim,
+                                                head_dim ** -0.5, sliding_window(config, module.layer_idx))
                 self.num_attention_layers += 1
         if self.num_attention_layers != config.num_hidden_layers:
             raise ValueError(f"{type(self.hf).__name__}: found {self.num_attention_layers} attention modules for "
                              f"{config.num_hidden_layers} layers, so the Transformers backend cannot place its KV "
                              "cache.")
+
+    def _use_shardlm_linears(self) -> None:
+        """Every nn.Linear of the decoder (not the LM head) becomes shardlm's: column or row
+        parallel as the model's tensor parallel plan says, else whole on every rank."""
+        plan = getattr(self.config, "base_model_tp_plan", None) or {}
+        prefix = self.hf.base_model_prefix
+        head = self.hf.get_output_embeddings()
+        for name, module in list(self.hf.named_modules()):
+            if not isinstance(module, nn.Linear) or module is head:
+                continue
+            style = next((s for pattern, s in plan.items()
+                          if fnmatch.fnmatchcase(name.removeprefix(prefix + "."), pattern)), None)
+            bias = module.bias is not None
+            if style == "colwise":
+                new = ColumnParallelLinear(module.in_features, module.out_features, bias)
+            elif style == "rowwise":
+                new = RowParallelLinear(module.in_features, module.out_features, bias)
+            elif self.tp.world_size > 1 and style is not None:
+                raise ValueError(f"{name} is split '{style}' by the model's tensor parallel plan, which the "
+                                 "Transformers backend does not do: leave out -tp.")
+            else:
+                new = Linear(module.in_features, module.out_features, bias)
+            parent, _, leaf = name.rpartition(".")
+            setattr(self.hf.get_submodule(parent) if parent else self.hf, leaf, new)
 
     def forward(self, input_ids, positions, meta, intermediate=None):
         global _step_meta
@@ -89,9 +125,12 @@ class TransformersForCausalLM(nn.Module):
             _step_meta = None
         return out.last_hidden_state[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The LM head and what the architectures' own heads do after it: a logit scale (Cohere),
-        a divisor (Granite), a soft cap (Gemma 2)."""
+        a divisor (Granite), a soft cap (Gemma 2). On the tensor parallel group's first rank (it
+        samples); None on the others."""
+        if self.tp.rank_in_group != 0:
+            return None
         logits = self.hf.get_output_embeddings()(hidden)
         scale = getattr(self.hf, "logit_scale", None)
         if isinstance(scale, (int, float)) and scale != 1:
@@ -119,7 +158,7 @@ class TransformersForCausalLM(nn.Module):
                     continue
                 raise ValueError(f"The checkpoint has a tensor {name!r} that transformers' {type(self.hf).__name__} "
                                  "does not have: is the config's architecture right for these weights?")
-            default_weight_loader(param, tensor)
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(f"hf.{name}")
         return loaded
 

@@ -1,6 +1,7 @@
 """The Transformers backend (--model-impl, as vLLM's): architectures shardlm has no model of its
-own for run on transformers' modeling code with shardlm's paged KV cache, scheduler and sampler,
-and give transformers' tokens; what needs shardlm's own layers is refused, saying so."""
+own for run on transformers' modeling code with shardlm's paged KV cache, scheduler, sampler and
+linear layers, and give transformers' tokens, also split by tensor parallel and quantized at load;
+what needs shardlm's own decoder is refused, saying so."""
 
 import pytest
 
@@ -26,23 +27,33 @@ def test_architectures_shardlm_lacks_give_transformers_tokens(name, tiny_model_d
     assert hf.assert_close(ref, first + cached, name) == 3
 
 
-def test_a_model_shardlm_has_runs_on_either_with_the_same_tokens(tiny_model_dir):
-    outputs = {}
-    for impl in ("vllm", "transformers"):
-        llm = LLM(tiny_model_dir("llama-gqa"), **ENGINE, model_impl=impl)
-        assert llm.engine.config.model.model_impl == {"vllm": "shardlm"}.get(impl, impl)
-        outputs[impl] = [o.outputs[0].token_ids for o in llm.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)]
+def tokens(model_dir, **engine) -> list[list[int]]:
+    llm = LLM(model_dir, **{**ENGINE, **engine})
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                                                              use_tqdm=False)]
+    finally:
         llm.shutdown()
-    assert outputs["vllm"] == outputs["transformers"]
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_model_shardlm_has_runs_on_either_with_the_same_tokens(quantization, tiny_model_dir):
+    """Its linears are shardlm's: int8 at load quantizes them as in shardlm's own Llama."""
+    assert tokens(tiny_model_dir("llama-gqa"), model_impl="vllm", quantization=quantization) == \
+        tokens(tiny_model_dir("llama-gqa"), model_impl="transformers", quantization=quantization)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_splits_its_linears_as_the_models_plan_says(tiny_model_dir):
+    assert tokens(tiny_model_dir("cohere"), tensor_parallel_size=2) == tokens(tiny_model_dir("cohere"))
 
 
 def test_what_needs_shardlms_own_layers_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match=r"\['Starcoder2ForCausalLM'\] are not supported"):
         EngineArgs(model=tiny_model_dir("starcoder2"), model_impl="shardlm").create_engine_config()
-    with pytest.raises(ValueError, match="--model-impl transformers with -tp, -pp"):
-        EngineArgs(model=tiny_model_dir("starcoder2"), tensor_parallel_size=2).create_engine_config()
-    with pytest.raises(ValueError, match="--model-impl transformers with --quantization"):
-        EngineArgs(model=tiny_model_dir("cohere"), quantization="int8").create_engine_config()
+    with pytest.raises(ValueError, match="--model-impl transformers with -pp"):
+        EngineArgs(model=tiny_model_dir("starcoder2"), pipeline_parallel_size=2).create_engine_config()
+    with pytest.raises(ValueError, match="--model-impl transformers with --quantization gguf"):
+        EngineArgs(model=tiny_model_dir("cohere"), enable_lora=True).create_engine_config()
     with pytest.raises(ValueError, match="--model-impl 'hf': give auto, shardlm, vllm, transformers"):
         EngineArgs(model=tiny_model_dir("cohere"), model_impl="hf").create_engine_config()
