@@ -315,6 +315,9 @@ class EngineArgs:
                                                '{"architectures": ["Qwen3ForSequenceClassification"]}').items():
                 setattr(checkpoint_config, key, value)
         architecture, model_impl = resolve_architecture(checkpoint_config, self.model_impl)
+        if model_impl == "transformers":
+            logger.info("%s runs on the Transformers backend: transformers' modeling code with shardlm's KV cache, "
+                        "scheduler and linear layers (--model-impl)", architecture)
         hf_config = language_model_config(checkpoint_config, architecture)    # a multimodal one's text model
         dtype = resolve_dtype(self.dtype, _config_dtype(checkpoint_config), device, _mlp_shape(hf_config))
         runner, convert = resolve_runner(architecture, self.runner, self.convert,
