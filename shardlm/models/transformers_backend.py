@@ -13,7 +13,8 @@ code goes through the attention interface (`_supports_attention_backend`) runs.
 Its linear layers become shardlm's (as vLLM's backend does): those the model's tensor parallel plan
 (`base_model_tp_plan`) marks colwise or rowwise are split across the tensor parallel ranks, the others
 stay whole on every rank; so the CPU kernels' weight panels and --quantization apply as in shardlm's
-own models. The embedding and LM head stay transformers' own, whole on every rank. Pipeline and
+own models. The LM head becomes a whole shardlm linear on every rank (a tied one holds a copy of the
+embedding, which stays transformers' own, whole on every rank). Pipeline and
 context parallel need shardlm's own decoder: refused (feature_rules.py).
 """
 
@@ -93,14 +94,18 @@ class TransformersForCausalLM(nn.Module):
                              "cache.")
 
     def _use_shardlm_linears(self) -> None:
-        """Every nn.Linear of the decoder (not the LM head) becomes shardlm's: column or row
-        parallel as the model's tensor parallel plan says, else whole on every rank."""
+        """Every nn.Linear becomes shardlm's: column or row parallel as the model's tensor
+        parallel plan says, else whole on every rank (the LM head: its weight loaded apart from
+        the embedding's where they were tied)."""
         plan = getattr(self.config, "base_model_tp_plan", None) or {}
         prefix = self.hf.base_model_prefix
         head = self.hf.get_output_embeddings()
+        self.tied_head = head is not None and head.weight is self.hf.get_input_embeddings().weight
         for name, module in list(self.hf.named_modules()):
-            if not isinstance(module, nn.Linear) or module is head:
+            if not isinstance(module, nn.Linear):
                 continue
+            if module is head:
+                self.head_name = name + ".weight"
             style = next((s for pattern, s in plan.items()
                           if fnmatch.fnmatchcase(name.removeprefix(prefix + "."), pattern)), None)
             bias = module.bias is not None
@@ -144,22 +149,23 @@ class TransformersForCausalLM(nn.Module):
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.hf.named_parameters())        # a tied LM head is the embedding's, once
-        head = self.hf.get_output_embeddings()
-        tied = head is not None and head.weight is self.hf.get_input_embeddings().weight
+        params = dict(self.hf.named_parameters())
+        embedding = next(n for n, p in params.items() if p is self.hf.get_input_embeddings().weight)
         renames = _renames(self.hf)
         loaded = set()
         for name, tensor in weights:
             for rename in renames:
                 name = rename(name)
             param = params.get(name)
-            if param is None:
-                if name.endswith("rotary_emb.inv_freq") or (tied and name.endswith("lm_head.weight")):
+            if param is None or (self.tied_head and name == self.head_name):
+                if name.endswith("rotary_emb.inv_freq") or (self.tied_head and name == self.head_name):
                     continue
                 raise ValueError(f"The checkpoint has a tensor {name!r} that transformers' {type(self.hf).__name__} "
                                  "does not have: is the config's architecture right for these weights?")
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            loaded.add(f"hf.{name}")
+            names = [name, self.head_name] if self.tied_head and name == embedding else [name]
+            for target in names:         # a tied head: the embedding's table again
+                getattr(params[target], "weight_loader", default_weight_loader)(params[target], tensor)
+                loaded.add(f"hf.{target}")
         return loaded
 
 
