@@ -17,6 +17,12 @@ from shardlm.engine.async_llm import AsyncLLM
 from shardlm.engine.processor import check_max_tokens, require_tokenizer
 from shardlm.entrypoints.openai import tools
 from shardlm.entrypoints.openai.frontend_options import FrontendOptions
+from shardlm.entrypoints.openai.logprobs_json import (
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_json,
+    prompt_position_logprobs,
+)
 from shardlm.entrypoints.openai.lora_modules import LoRAModules
 from shardlm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -27,7 +33,7 @@ from shardlm.entrypoints.openai.protocol import (
 )
 from shardlm.entrypoints.openai.tool_parsers import get_parser
 from shardlm.lora.request import LoRARequest
-from shardlm.outputs import Logprob, RequestOutput
+from shardlm.outputs import RequestOutput
 from shardlm.pooling.params import PoolingParams
 from shardlm.reasoning import get_reasoning_parser
 from shardlm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -313,14 +319,14 @@ class OpenAIServing:
                         prompt_text = self.llm.tokenizer.decode(out.prompt_token_ids)
                     text = prompt_text + text
                     if lps is not None and out.prompt_logprobs is not None:
-                        lps = _prompt_position_logprobs(out, self.llm.tokenizer) + lps
+                        lps = prompt_position_logprobs(out, self.llm.tokenizer) + lps
                 choice = {"index": k * req.n + c.index, "text": text, "finish_reason": c.finish_reason,
                           "stop_reason": c.stop_reason,
-                          "logprobs": _completion_logprobs(lps, as_ids) if req.logprobs is not None else None}
+                          "logprobs": completion_logprobs(lps, as_ids) if req.logprobs is not None else None}
                 if req.return_token_ids:
                     choice.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
                 if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
+                    choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
                 choices.append(choice)
         return {**head, "choices": choices, "usage": self.usage_of(finals)}
 
@@ -341,7 +347,7 @@ class OpenAIServing:
                     continue
                 started.add(idx)
                 choice = {"index": idx, "text": text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                          "logprobs": _completion_logprobs(c.logprobs, as_ids) if req.logprobs is not None else None}
+                          "logprobs": completion_logprobs(c.logprobs, as_ids) if req.logprobs is not None else None}
                 if req.return_token_ids:
                     choice.update(prompt_token_ids=out.prompt_token_ids if first else None, token_ids=c.token_ids)
                 yield sse({**head, "choices": [choice]})
@@ -396,14 +402,14 @@ class OpenAIServing:
             choices.append({"index": c.index, "message": message,
                             "finish_reason": _tool_finish(c.finish_reason, "tool_calls" in message),
                             "stop_reason": c.stop_reason,
-                            "logprobs": _chat_logprobs(c.logprobs, req.top_logprobs or 0, as_ids)
+                            "logprobs": chat_logprobs(c.logprobs, req.top_logprobs or 0, as_ids)
                             if req.logprobs else None,
                             **({"token_ids": c.token_ids} if req.return_token_ids else {})})
         answer = {**head, "choices": choices, "usage": self.usage_of([final])}
         if req.return_token_ids:
             answer["prompt_token_ids"] = final.prompt_token_ids
         if req.prompt_logprobs is not None:
-            answer["prompt_logprobs"] = _prompt_logprobs_json(final.prompt_logprobs)
+            answer["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
         return answer
 
     def echoed(self, req: ChatCompletionRequest) -> str:
@@ -432,7 +438,7 @@ class OpenAIServing:
                 completion_tokens += len(c.token_ids)
                 calls = started[c.index]
                 deltas = calls.feed(c.text, final=c.finish_reason is not None)
-                logprobs = _chat_logprobs(c.logprobs, req.top_logprobs or 0, as_ids) if req.logprobs else None
+                logprobs = chat_logprobs(c.logprobs, req.top_logprobs or 0, as_ids) if req.logprobs else None
                 if not deltas and not c.finish_reason and not c.logprobs and not (req.return_token_ids and c.token_ids):
                     continue
                 for delta in deltas[:-1]:
@@ -533,66 +539,3 @@ async def last_outputs(streams) -> list[RequestOutput]:
     async for k, out in _merge(streams):
         finals[k] = out
     return [finals[k] for k in range(len(streams))]
-
-
-def _prompt_position_logprobs(out: RequestOutput, tokenizer) -> list:
-    """Prompt logprobs in the per-position form of generated tokens (the first position: no logprob)."""
-    return [pos if pos is not None else {tid: Logprob(None, None, tokenizer.decode([tid]))}
-            for tid, pos in zip(out.prompt_token_ids, out.prompt_logprobs)]
-
-
-def _chosen(position: dict) -> tuple[int, Logprob]:
-    """The token a position is for and its entry: listed first (then come the top-k)."""
-    return next(iter(position.items()))
-
-
-def _prompt_logprobs_json(positions) -> list | None:
-    """vLLM's prompt_logprobs: per prompt position (the first: null) {token id: {logprob, rank, decoded_token}}."""
-    if positions is None:
-        return None
-    return [None if pos is None else {str(t): {"logprob": _json_logprob(v.logprob), "rank": v.rank,
-                                               "decoded_token": v.decoded_token} for t, v in pos.items()}
-            for pos in positions]
-
-
-def _json_logprob(value: float | None) -> float | None:
-    """A logprob JSON can carry: a token a processor ruled out (-inf) as -9999.0, as vLLM's."""
-    return max(value, -9999.0) if value is not None else None
-
-
-def _utf8(text: str | None) -> list[int] | None:
-    return list(text.encode()) if text is not None else None
-
-
-def _token_name(token_id: int, lp: Logprob, as_ids: bool) -> str:
-    """A token as logprobs name it: its text, or token_id:N (--return-tokens-as-token-ids)."""
-    return f"token_id:{token_id}" if as_ids else lp.decoded_token
-
-
-def _completion_logprobs(positions, as_ids: bool = False) -> dict | None:
-    if positions is None:
-        return None
-    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
-    for pos in positions:
-        tid, lp = _chosen(pos)
-        tokens.append(_token_name(tid, lp, as_ids))
-        token_lps.append(_json_logprob(lp.logprob))
-        tops.append({_token_name(t, v, as_ids): _json_logprob(v.logprob) for t, v in pos.items()}
-                    if lp.logprob is not None else None)
-        offsets.append(offset)
-        offset += len(lp.decoded_token or "")
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _chat_logprobs(positions, k: int, as_ids: bool = False) -> dict | None:
-    if positions is None:
-        return None
-    content = []
-    for pos in positions:
-        tid, lp = _chosen(pos)
-        top = sorted(((t, v) for t, v in pos.items() if v.rank is not None and v.rank <= k), key=lambda e: e[1].rank)
-        content.append({"token": _token_name(tid, lp, as_ids), "logprob": _json_logprob(lp.logprob),
-                        "bytes": _utf8(lp.decoded_token),
-                        "top_logprobs": [{"token": _token_name(t, v, as_ids), "logprob": _json_logprob(v.logprob),
-                                          "bytes": _utf8(v.decoded_token)} for t, v in top]})
-    return {"content": content}
