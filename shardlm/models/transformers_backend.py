@@ -56,8 +56,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs
 
 
 def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:
+        raise ValueError(f"The Transformers backend needs transformers' attention and mask interfaces (4.53 or "
+                         f"later): {e}. Upgrade transformers.") from None
     AttentionInterface.register(NAME, _attention)
     AttentionMaskInterface.register(NAME, lambda *args, **kwargs: None)   # the paged attention masks itself
 
@@ -68,7 +72,10 @@ class TransformersForCausalLM(nn.Module):
     def __init__(self, config, max_position: int, dtype: torch.dtype, layer_range: tuple[int, int] | None = None):
         super().__init__()
         from transformers import AutoModelForCausalLM
-        from transformers.initialization import no_init_weights
+        try:
+            from transformers.initialization import no_init_weights
+        except ImportError:         # transformers 4.x
+            from transformers.modeling_utils import no_init_weights
         _register()
         self.config = config
         with no_init_weights():         # the checkpoint's weights replace them
