@@ -128,6 +128,15 @@ class EngineArgs:
     revision: str | None = knob(
         None, "model",
         "a hub model's branch, tag or commit (default: main)")
+    hf_token: str | bool | None = knob(
+        None, "engine",
+        "the Hugging Face token for gated and private hub repos, as vLLM's (set as HF_TOKEN for this process and "
+        "the engine's; --hf-token alone: the one `hf auth login` stored, huggingface_hub's default); Ray nodes "
+        "take HF_TOKEN from their own environment")
+    tokenizer_mode: str = knob(
+        "auto", "engine",
+        "auto or hf: the repository's Hugging Face tokenizer (vLLM's mistral and other modes need tokenizers "
+        "shardlm does not use, and are refused)")
     tokenizer_revision: str | None = knob(
         None, "model",
         "a hub tokenizer's branch, tag or commit (default: main)")
@@ -297,6 +306,11 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve every knob and check the layout and memory; raises ValueError with what to do."""
+        if isinstance(self.hf_token, str) and self.hf_token:
+            os.environ["HF_TOKEN"] = self.hf_token      # huggingface_hub's, here and in the processes started later
+        if self.tokenizer_mode not in ("auto", "hf"):
+            raise ValueError(f"--tokenizer-mode {self.tokenizer_mode!r}: shardlm uses the repository's Hugging Face "
+                             "tokenizer files; give auto or hf.")
         parallel = ParallelConfig(**{**self.landing_in("parallel"),
                                      "pp_layer_partition": _parse_partition(self.pp_layer_partition)})
         # on Ray a core list is per node (checked when the ranks are placed)

@@ -16,8 +16,9 @@ from shardlm.logger import init_logger
 
 logger = init_logger(__name__)
 
-# what a model directory needs: config, generation defaults, tokenizer, chat template, weights
-MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+# what a model directory needs: config, generation defaults, tokenizer, chat template, weights, and
+# the Python files of a config or tokenizer of the repository's own (--trust-remote-code)
+MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.py"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 

@@ -110,3 +110,25 @@ def test_the_engine_config_remembers_a_hub_source(hub_cache):
                        kv_cache_memory="64MiB").create_engine_config()
     assert by_id.model.hub_source == ("acme/tiny", "v1", str(cache))
     assert EngineArgs(model, kv_cache_memory="64MiB").create_engine_config().model.hub_source is None
+
+
+def test_hf_token_is_the_token_huggingface_hub_uses_and_tokenizer_modes(hub_cache, monkeypatch):
+    """--hf-token TOKEN (vLLM's) is huggingface_hub's token in this process and those it starts;
+    alone, the stored one. --tokenizer-mode: auto or hf; another is refused, saying why."""
+    import argparse
+
+    import huggingface_hub
+
+    from shardlm.engine.arg_utils import EngineArgs
+    from shardlm.entrypoints.cli.engine_flags import add_engine_args
+    cache, _, _, _ = hub_cache
+    monkeypatch.setenv("HF_TOKEN", "hf_before")          # restored after the test
+    EngineArgs(model="acme/tiny", download_dir=str(cache), hf_token="hf_given").create_engine_config()
+    assert huggingface_hub.get_token() == "hf_given"
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args(["--hf-token"]).hf_token is True
+    assert parser.parse_args(["--hf-token", "hf_x"]).hf_token == "hf_x"
+    assert EngineArgs(model="acme/tiny", download_dir=str(cache), tokenizer_mode="hf").create_engine_config()
+    with pytest.raises(ValueError, match="--tokenizer-mode 'mistral'"):
+        EngineArgs(model="acme/tiny", download_dir=str(cache), tokenizer_mode="mistral").create_engine_config()

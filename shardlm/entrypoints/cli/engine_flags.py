@@ -29,6 +29,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kwargs["choices"] = list(BACKENDS)
         if f.name == "served_model_name":
             kwargs["nargs"] = "+"           # several names, as vLLM's
+        if f.name == "hf_token":
+            kwargs.update(nargs="?", const=True)     # alone: huggingface_hub's stored token
         if kwargs["help"] and f.default is not None and not isinstance(f.default, bool):
             kwargs["help"] += " (default: %(default)s)"
         group.add_argument(*flags, **kwargs)
