@@ -120,6 +120,7 @@ class ModelConfig:
     stream_interval: int = 1                 # streamed outputs carry this many new tokens (but the first, last)
     logprobs_mode: str = "raw_logprobs"      # what logprobs report (layers/sampler.py's LOGPROBS_MODES)
     skip_tokenizer_init: bool = False        # no tokenizer: token ids in, token ids out (text stays empty)
+    enable_sleep_mode: bool = False          # LLM.sleep / wake_up, the server's /sleep and /wake_up
     load_format: str = "auto"                # auto: the checkpoint's weights; dummy: random ones (model_loader)
     trust_remote_code: bool = False          # transformers may run the model repository's config/tokenizer code
     max_logprobs: int = 20                   # --max-logprobs: per token, a request's most; -1: the vocabulary

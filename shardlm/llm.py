@@ -213,6 +213,19 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """With enable_sleep_mode, as vLLM's: give back the KV cache's memory (level 1) and the
+        weights' (level 2; read again from the checkpoint at wake_up), between bursts of work (an
+        RL trainer's turn); cached prefixes are forgotten. No request may be running."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """The memory sleep gave back, allocated again (and the weights read again after level 2)."""
+        self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.sleeping
+
     def stats(self) -> dict:
         """The engine's figures now, as the server's /metrics reports them: running and waiting
         requests, KV cache usage and size, prefix cache queries and hits, preemptions, aborts (and

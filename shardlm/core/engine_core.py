@@ -57,6 +57,7 @@ class EngineCore:
         self.batch_queue: deque = deque()      # (scheduler output, wait for its result, when sent), oldest first
         self.wave = Wave() if config.dp_lockstep else None     # DP + EP: replicas step together
         self.structured_outputs: StructuredOutputManager | None = None     # made at the first constrained request
+        self.sleeping = 0                   # sleep mode: the level it sleeps at (0: awake)
         par = config.parallel
         cp = "".join(f" {name}={n}" for name, n in (("DCP", par.decode_context_parallel_size),
                                                     ("PCP", par.prefill_context_parallel_size)) if n > 1)
@@ -241,6 +242,31 @@ class EngineCore:
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         return self.executor.collective_rpc(method, tuple(args))
+
+    # ---- sleep mode (--enable-sleep-mode, as vLLM's) ----
+    def sleep(self, level: int = 1) -> None:
+        """Give the KV cache's memory back (level 1), and the weights' too (level 2), while no
+        request runs; the cached prefixes are forgotten."""
+        if not self.config.model.enable_sleep_mode:
+            raise ValueError("Sleep mode is off: start the engine with --enable-sleep-mode (enable_sleep_mode=True).")
+        if level not in (1, 2):
+            raise ValueError(f"Sleep level {level!r}: give 1 (the KV cache) or 2 (the KV cache and the weights).")
+        if self.scheduler.has_unfinished():
+            raise ValueError("The engine has requests to finish: let them end (or abort them) before it sleeps.")
+        self.scheduler.kv.reset_prefix_cache()
+        self.executor.collective_rpc("sleep", (level,))
+        self.sleeping = max(self.sleeping, level)
+        logger.info("Sleeping (level %d): the KV cache%s freed", level, " and the weights" if level == 2 else "")
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            t0 = time.perf_counter()
+            self.executor.collective_rpc("wake_up")
+            logger.info("Awake in %.2f s", time.perf_counter() - t0)
+        self.sleeping = 0
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleeping)
 
     def shutdown(self) -> None:
         if self.structured_outputs is not None:

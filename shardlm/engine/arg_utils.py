@@ -258,6 +258,11 @@ class EngineArgs:
     enable_log_outputs: bool = knob(
         False, "model",
         "with --enable-log-requests: log each request's outputs as it finishes (text, token ids, finish reason)")
+    enable_sleep_mode: bool = knob(
+        False, "model",
+        "as vLLM's: LLM.sleep(level) / wake_up() and the server's POST /sleep?level=1|2, POST /wake_up and GET "
+        "/is_sleeping give back the KV cache's memory (level 1) and the weights' (level 2, read again from the "
+        "checkpoint at wake-up) while the engine idles, e.g. during an RL trainer's turn")
     skip_tokenizer_init: bool = knob(
         False, "model",
         "load no tokenizer, as vLLM's: prompts as token ids, outputs as token ids (their text empty), no stop "
@@ -374,6 +379,7 @@ class EngineArgs:
             enable_log_requests=self.enable_log_requests, max_log_len=self.max_log_len,
             enable_log_outputs=self.enable_log_outputs, stream_interval=self.stream_interval,
             logprobs_mode=_logprobs_mode(self.logprobs_mode), skip_tokenizer_init=self.skip_tokenizer_init,
+            enable_sleep_mode=self.enable_sleep_mode,
             max_logprobs=_max_logprobs(self.max_logprobs),
             trust_remote_code=self.trust_remote_code,
             load_format=_load_format(self.load_format, source.gguf_file, checkpoint))

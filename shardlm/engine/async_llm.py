@@ -25,7 +25,7 @@ from shardlm.config import EngineConfig
 from shardlm.engine.arg_utils import EngineArgs
 from shardlm.engine.core_client import AsyncMPClient, EngineDeadError
 from shardlm.engine.output_processor import OutputProcessor
-from shardlm.engine.processor import InputProcessor, load_tokenizer, split_prompt
+from shardlm.engine.processor import SLEEPING, InputProcessor, load_tokenizer, split_prompt
 from shardlm.engine.restarts import RestartPolicy
 from shardlm.logger import init_logger
 from shardlm.lora.request import LoRARequest
@@ -89,6 +89,7 @@ class AsyncLLM:
         self.engine_core = AsyncMPClient(config, self.loop, restarts)
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._output_handler: asyncio.Task | None = None
+        self.sleeping = False            # sleep mode: requests are refused until wake_up
         logger.info("Engine started in %.2f s (model %s)", time.perf_counter() - t0, config.model.model)
 
     @classmethod
@@ -159,6 +160,8 @@ class AsyncLLM:
         Closing the iterator early aborts the request (a caller that never reads it calls abort)."""
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
+        if self.sleeping:
+            raise ValueError(SLEEPING)
         if request_id in self._collectors:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         parent, requests = self.processor.process(request_id, prompt, sampling_params, lora_request=lora_request,
@@ -241,6 +244,14 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.call_utility_async("reset_prefix_cache")
+
+    async def sleep(self, level: int = 1) -> None:
+        await self.engine_core.call_utility_async("sleep", level)
+        self.sleeping = True
+
+    async def wake_up(self) -> None:
+        await self.engine_core.call_utility_async("wake_up")
+        self.sleeping = False
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Check the adapter and read it on every worker, ahead of its first request."""

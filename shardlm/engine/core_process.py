@@ -39,7 +39,7 @@ logger = init_logger(__name__)
 ENDED, RESTART, FAULT, NOT_STARTED = "ended", "restart", "fault", "not started"
 
 # what a client may call on the engine core (UtilityCall.method)
-UTILITY_METHODS = ("stats", "reset_prefix_cache", "collective_rpc")
+UTILITY_METHODS = ("stats", "reset_prefix_cache", "collective_rpc", "sleep", "wake_up", "is_sleeping")
 
 
 def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connection,

@@ -159,6 +159,10 @@ def combine_utility(method: str, results: dict[int, object]) -> object:
         return [r for _, per_engine in sorted(results.items()) for r in per_engine]
     if method == "reset_prefix_cache":
         return all(results.values())
+    if method in ("sleep", "wake_up"):
+        return None
+    if method == "is_sleeping":
+        return any(results.values())
     if method == "stats":
         return combine_stats([{**s, "engine": k} for k, s in sorted(results.items())])
     raise ValueError(f"no way to combine {method!r} across replicas")

@@ -11,7 +11,7 @@ from shardlm.config import EngineConfig
 from shardlm.engine.arg_utils import EngineArgs
 from shardlm.engine.core_client import EngineCoreClient, make_client
 from shardlm.engine.output_processor import OutputProcessor
-from shardlm.engine.processor import InputProcessor, load_tokenizer
+from shardlm.engine.processor import SLEEPING, InputProcessor, load_tokenizer
 from shardlm.logger import init_logger
 from shardlm.lora.request import LoRARequest
 from shardlm.outputs import RequestOutput
@@ -32,6 +32,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core: EngineCoreClient = make_client(
             config, multiprocess=multiprocess_mode or config.parallel.data_parallel_size > 1)
+        self.sleeping = False
         logger.info("Engine started in %.2f s (model %s)", time.perf_counter() - t0, config.model.model)
 
     @classmethod
@@ -50,6 +51,8 @@ class LLMEngine:
                     priority: int = 0) -> None:
         """prompt: a string, a list of token ids, or {"prompt": ..., "prompt_token_ids": ...};
         priority: with --scheduling-policy priority, lower runs first."""
+        if self.sleeping:
+            raise ValueError(SLEEPING)
         parent, requests = self.processor.process(request_id, prompt, params, arrival_time, lora_request, priority)
         self.output_processor.add_request(parent, [r.request_id for r in requests], [r.params for r in requests])
         for r in requests:
@@ -90,6 +93,14 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.call_utility("reset_prefix_cache")
+
+    def sleep(self, level: int = 1) -> None:
+        self.engine_core.call_utility("sleep", level)
+        self.sleeping = True
+
+    def wake_up(self) -> None:
+        self.engine_core.call_utility("wake_up")
+        self.sleeping = False
 
     def stats(self) -> dict:
         return self.engine_core.call_utility("stats")

@@ -20,6 +20,9 @@ from shardlm.pooling.params import PoolingParams
 from shardlm.sampling_params import GENERATION_CONFIG_FIELDS, RequestOutputKind, SamplingParams
 from shardlm.structured_output.grammar import GrammarCompiler
 
+# what a request to a sleeping engine gets (--enable-sleep-mode)
+SLEEPING = "The engine sleeps (--enable-sleep-mode): wake it up first (wake_up(); the server's POST /wake_up)."
+
 
 def load_tokenizer(model):
     """The model's tokenizer, or None with --skip-tokenizer-init (token ids in and out only)."""

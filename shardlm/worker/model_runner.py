@@ -209,6 +209,18 @@ class ModelRunner:
             attn.k_cache = attn.v_cache = None
         if self.proposer is not None:
             self.proposer.release_cache()
+        if self.device.type == "cpu":        # the one-call decode step holds the cache's addresses
+            prepare_fused_decode(self.model, False)
+        if self.cuda_graphs is not None:     # so do captured graphs: they are captured again as needed
+            self.cuda_graphs = CudaGraphs(self.model, self.attn_backend)
+
+    def release_model(self) -> None:
+        """Sleep level 2: the weights go (load_model reads them again)."""
+        self.model = self.cuda_graphs = None
+        self._attention_layers = self._moe_layers = None
+
+    def kv_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(self._kv_tensors)
 
     def _zeros(self, shape, dtype) -> torch.Tensor:
         if self.device.type == "cpu":

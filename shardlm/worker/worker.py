@@ -199,6 +199,27 @@ class Worker:
         if self.device.type == "cpu":
             self._settle_cpu_plan()
 
+    # ---- sleep mode (--enable-sleep-mode, as vLLM's: memory back while the engine idles) ----
+    def sleep(self, level: int) -> None:
+        """Level 1: the KV cache's memory is freed; level 2: the weights' too (read again at wake_up)."""
+        if self.runner.num_blocks is not None:        # (not asleep already)
+            self.slept_blocks = self.runner.num_blocks
+            self.runner.release_cache()
+        if level == 2 and self.runner.model is not None:
+            self.runner.release_model()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        if self.runner.model is None:
+            self.load_model()
+        self.runner.initialize_cache(self.slept_blocks)
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes this rank's KV cache holds now (0 while the engine sleeps)."""
+        return sum(t.numel() * t.element_size() for pair in self.runner.kv_tensors() for t in pair)
+
     def _settle_cpu_plan(self) -> None:
         """Every CPU choice is made once the KV cache is bound: log the plan as one block (the first
         rank; the others at debug level) and write it where --cpu-plan names a file not there yet."""

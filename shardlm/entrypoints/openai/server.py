@@ -29,7 +29,7 @@ from shardlm.entrypoints.openai.listen import bind_sockets
 from shardlm.entrypoints.openai.metrics import ServerMetrics
 from shardlm.entrypoints.openai.middleware import ApiKeyCheck
 from shardlm.entrypoints.openai.protocol import RequestLimits, publish_vocabulary
-from shardlm.entrypoints.openai.routes import health, lora_admin, openai_api, pooling, responses, tokenizer
+from shardlm.entrypoints.openai.routes import health, lora_admin, openai_api, pooling, responses, sleep, tokenizer
 from shardlm.entrypoints.openai.serving import OpenAIServing
 from shardlm.entrypoints.openai.serving_pooling import PoolingServing
 from shardlm.entrypoints.openai.serving_responses import ResponsesServing
@@ -103,6 +103,8 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
         app.include_router(router)
     if envs.SHARDLM_ALLOW_RUNTIME_LORA_UPDATING:
         app.include_router(lora_admin.router)
+    if config.model.enable_sleep_mode:
+        app.include_router(sleep.router)
     add_error_handlers(app)
     app.add_middleware(TransportGuard, limits=limits)
     if tracer is not None:

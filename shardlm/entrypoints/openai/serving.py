@@ -258,6 +258,9 @@ class OpenAIServing:
             self.llm.processor.check_priority(priority)
         except ValueError as e:
             raise OpenAIError(str(e), 400, "priority") from e
+        if self.llm.sleeping:
+            raise OpenAIError("The engine sleeps (--enable-sleep-mode): POST /wake_up first, or send the request to "
+                              "another replica.", 503, type_="ServiceUnavailableError", headers={"Retry-After": "5"})
         waiting, limit = self.llm.num_waiting, self.limits.max_num_waiting
         if waiting >= limit:
             raise OpenAIError(f"The server is busy: {waiting} requests are waiting (--max-num-waiting {limit}). "
