@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import os
@@ -23,6 +24,15 @@ from shardlm.worker.cpu_tuning import keep_freed_memory_in_heap
 from shardlm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
+
+
+def give_back_free_heap() -> None:
+    """glibc keeps freed heap memory for reuse (its mmap threshold grows past most tensors): hand
+    it back to the system, so that freed tensors lower the RSS."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):    # not glibc: its allocator decides
+        pass
 
 
 class Worker:
@@ -207,9 +217,12 @@ class Worker:
             self.runner.release_cache()
         if level == 2 and self.runner.model is not None:
             self.runner.release_model()
+            gc.unfreeze()       # load_model froze the module tree; its cycles are garbage now
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        else:
+            give_back_free_heap()
 
     def wake_up(self) -> None:
         if self.runner.model is None:
