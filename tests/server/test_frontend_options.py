@@ -225,3 +225,18 @@ def test_vllms_request_extras(server):
     assert continued["usage"]["prompt_tokens"] < new_turn["usage"]["prompt_tokens"]
     both = httpx.post(server + "/v1/chat/completions", json={"messages": going_on, "continue_final_message": True})
     assert both.status_code == 400 and "set add_generation_prompt to false" in both.json()["error"]["message"]
+
+
+def test_sagemakers_ping_and_invocations(server):
+    """GET/POST /ping is /health; /invocations answers what its body is (vLLM's SageMaker routes)."""
+    assert httpx.get(server + "/ping").json() == {"status": "ok"} and httpx.post(server + "/ping").status_code == 200
+    chat_answer = httpx.post(server + "/invocations", json={"messages": HI, "max_tokens": 2}).json()
+    assert chat_answer["object"] == "chat.completion" and chat_answer["choices"][0]["message"]["role"] == "bot"
+    completion = httpx.post(server + "/invocations", json={"prompt": "Hi", "max_tokens": 2}).json()
+    assert completion["object"] == "text_completion"
+    streamed = httpx.post(server + "/invocations", json={"prompt": "Hi", "max_tokens": 2, "stream": True})
+    assert streamed.headers["content-type"].startswith("text/event-stream") and "[DONE]" in streamed.text
+    for body, why in (({"input": "Hi"}, "generative model"), ({"hello": 1}, "/invocations takes a chat request"),
+                      ({"messages": 5}, "Invalid request: messages")):
+        refused = httpx.post(server + "/invocations", json=body)
+        assert refused.status_code == 400 and why in refused.json()["error"]["message"], refused.text

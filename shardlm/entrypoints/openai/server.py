@@ -29,7 +29,16 @@ from shardlm.entrypoints.openai.listen import bind_sockets
 from shardlm.entrypoints.openai.metrics import ServerMetrics
 from shardlm.entrypoints.openai.middleware import ApiKeyCheck
 from shardlm.entrypoints.openai.protocol import RequestLimits, publish_vocabulary
-from shardlm.entrypoints.openai.routes import health, lora_admin, openai_api, pooling, responses, sleep, tokenizer
+from shardlm.entrypoints.openai.routes import (
+    health,
+    lora_admin,
+    openai_api,
+    pooling,
+    responses,
+    sagemaker,
+    sleep,
+    tokenizer,
+)
 from shardlm.entrypoints.openai.serving import OpenAIServing
 from shardlm.entrypoints.openai.serving_pooling import PoolingServing
 from shardlm.entrypoints.openai.serving_responses import ResponsesServing
@@ -99,7 +108,8 @@ def build_app(config: EngineConfig, api_key: str | None = None, chat_template: s
                                                   config.model.logprobs_limit)
         return app.openapi_schema
     app.openapi = openapi
-    for router in (health.router, openai_api.router, responses.router, pooling.router, tokenizer.router):
+    for router in (health.router, openai_api.router, responses.router, pooling.router, tokenizer.router,
+                   sagemaker.router):
         app.include_router(router)
     if envs.SHARDLM_ALLOW_RUNTIME_LORA_UPDATING:
         app.include_router(lora_admin.router)

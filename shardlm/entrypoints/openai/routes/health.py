@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import shardlm
 from shardlm.entrypoints.openai.state import ServerState, server_state
 
-OPEN_ROUTES = ("/health", "/metrics", "/version", "/load")
+OPEN_ROUTES = ("/health", "/metrics", "/version", "/load", "/ping")
 router = APIRouter()
 
 
