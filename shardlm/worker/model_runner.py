@@ -277,7 +277,7 @@ class ModelRunner:
             out.failed |= self.lora.failed_requests({c.req_id: self.requests[c.req_id].lora_int_id for c in chunks})
         if self.proposer is not None:       # the rank that samples: out is its result
             self.proposer.follow(TargetStep(input_ids, positions, meta, hidden, chunks, out.sampled, self.requests,
-                                            getattr(self.model.model, "aux_hidden", None)))
+                                            getattr(getattr(self.model, "model", None), "aux_hidden", None)))
             wanted = so.propose_drafts
             if wanted and out.sampled:
                 out.draft_token_ids = self.proposer.propose([

@@ -57,3 +57,18 @@ def test_what_needs_shardlms_own_layers_is_refused(tiny_model_dir):
         EngineArgs(model=tiny_model_dir("cohere"), enable_lora=True).create_engine_config()
     with pytest.raises(ValueError, match="--model-impl 'hf': give auto, shardlm, vllm, transformers"):
         EngineArgs(model=tiny_model_dir("cohere"), model_impl="hf").create_engine_config()
+
+
+def test_ngram_speculative_decoding_keeps_its_tokens(tiny_model_dir):
+    """Proposed tokens are verified through transformers' modeling code as through shardlm's."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    repeated = [{"prompt_token_ids": [5, 6, 7, 8] * 3 + [5, 6, 7]}]
+    outputs = []
+    for spec in (None, ngram):
+        llm = LLM(tiny_model_dir("cohere"), **{**ENGINE, "max_num_batched_tokens": 64}, speculative_config=spec)
+        outputs.append(llm.generate(repeated, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+                                    use_tqdm=False)[0].outputs[0].token_ids)
+        if spec is not None:
+            assert llm.stats()["spec_num_drafts"] > 0
+        llm.shutdown()
+    assert outputs[0] == outputs[1]
