@@ -56,6 +56,8 @@ def graphs_unavailable_reason(runner) -> str | None:
         return "sliding-window layers keep their own block tables (--disable-hybrid-kv-cache-manager: captured)"
     if runner.lora is not None:
         return "LoRA adapters"
+    if runner.config.model.model_impl == "transformers":
+        return "the Transformers backend runs transformers' modeling code as it is"
     if getattr(runner.model.model, "aux_layers", ()):
         return "an EAGLE-3 head reads the hidden states of inner layers"
     return None

@@ -363,7 +363,7 @@ class ModelRunner:
     def _greedy_on_vocab_shards(self, states: list[RequestState]) -> bool:
         """TP: every row is a plain argmax (what Sampler does for them), decided from the requests'
         parameters alone so that every rank agrees (only the sampling rank tracks output tokens)."""
-        return self.tp.world_size > 1 and all(
+        return self.tp.world_size > 1 and hasattr(getattr(self.model, "lm_head", None), "greedy") and all(
             p.greedy and not p.uses_penalties and p.logprobs is None and not p.logit_bias
             and p.allowed_token_ids is None and p.min_tokens == 0 and not p.bad_words_token_ids
             for p in (s.sampling_params for s in states))

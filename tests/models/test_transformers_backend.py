@@ -45,7 +45,15 @@ def test_a_model_shardlm_has_runs_on_either_with_the_same_tokens(quantization, t
 
 @pytest.mark.slow
 def test_tensor_parallel_splits_its_linears_as_the_models_plan_says(tiny_model_dir):
+    """With logprobs and plain greedy (shardlm's own models take the vocabulary shards' argmax)."""
     assert tokens(tiny_model_dir("cohere"), tensor_parallel_size=2) == tokens(tiny_model_dir("cohere"))
+    plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm = LLM(tiny_model_dir("cohere"), **ENGINE, tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], plain,
+                                                             use_tqdm=False)] == tokens(tiny_model_dir("cohere"))
+    finally:
+        llm.shutdown()
 
 
 def test_what_needs_shardlms_own_layers_is_refused(tiny_model_dir):
