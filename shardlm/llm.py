@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 
 from shardlm import startup  # noqa: F401  (first of shardlm's: it counts the threads importing torch starts)
+from shardlm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from shardlm.engine.arg_utils import VLLM_ALIASES, EngineArgs
 from shardlm.engine.llm_engine import LLMEngine
 from shardlm.engine.processor import require_tokenizer, split_prompt
@@ -83,6 +84,27 @@ class LLM:
             self.engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
+        """As vLLM's: per prompt, its best params.beam_width continuations (beam_search.py), each
+        step of every prompt's beams run as one batch."""
+        m = self.engine.config.model
+        searches = []
+        for prompt in _normalize_prompts(prompts):
+            text, ids = split_prompt(prompt)
+            if ids is None:
+                require_tokenizer(self.get_tokenizer(), "A text prompt")
+                ids = self.get_tokenizer()(text).input_ids
+            searches.append(BeamSearch(ids, params, m.eos_token_ids, m.max_model_len))
+        step = params.step_params()
+        while live := [(search, search.live()) for search in searches if search.live()]:
+            outputs = iter(self.generate([{"prompt_token_ids": beam.tokens} for _, beams in live for beam in beams],
+                                         step, use_tqdm=False, lora_request=lora_request))
+            for search, beams in live:
+                search.advance([next(outputs).outputs[0].logprobs[0] for _ in beams])
+        decode = self.get_tokenizer().decode if self.get_tokenizer() is not None else None
+        return [search.result(decode) for search in searches]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,

@@ -116,6 +116,8 @@ class _SamplingFields(BaseModel):
                                                                         "maximum": MAX_LOGIT_BIAS})
     allowed_token_ids: list[int] | None = checked(None, minItems=1, **_TOKEN_IDS)
     bad_words: list[str] | None = None          # vLLM's: words never generated
+    use_beam_search: bool = False               # vLLM's: n beams searched (beam_search.py), not streamed
+    length_penalty: float = checked(1.0, minimum=-100, maximum=100)     # beam scores: logprob / length ** this
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs, and the older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None

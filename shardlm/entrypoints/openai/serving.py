@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
+from shardlm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from shardlm.engine.async_llm import AsyncLLM
 from shardlm.engine.processor import check_max_tokens, require_tokenizer
 from shardlm.entrypoints.openai import tools
@@ -284,6 +285,33 @@ class OpenAIServing:
             raise
         return streams
 
+    # ---- beam search (use_beam_search, as vLLM's) ----
+    def beam_params(self, req, max_tokens: int | None, prompt_len: int) -> BeamSearchParams:
+        if req.stream:
+            raise OpenAIError("Beam search answers whole: leave out stream, or use_beam_search.", 400, "stream")
+        try:
+            check_max_tokens(prompt_len, max_tokens, self.max_model_len)
+            return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens or self.max_model_len - prompt_len,
+                                    ignore_eos=req.ignore_eos, temperature=req.temperature or 0.0,
+                                    length_penalty=req.length_penalty,
+                                    include_stop_str_in_output=req.include_stop_str_in_output)
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, "max_tokens") from e
+
+    async def beam_search(self, prompt: dict, params: BeamSearchParams, lora: LoRARequest | None,
+                          priority: int) -> BeamSearchOutput:
+        """One prompt's search, each step's beams sent to the engine together."""
+        ids = prompt["prompt_token_ids"]
+        search = BeamSearch(ids, params, self.llm.config.model.eos_token_ids, self.max_model_len)
+        step = params.step_params()
+        extra = {k: v for k, v in prompt.items() if k == "cache_salt"}
+        while beams := search.live():
+            streams = self.submit([({"prompt_token_ids": b.tokens, **extra}, step, f"beam-{uuid.uuid4().hex}")
+                                   for b in beams], lora, priority)
+            search.advance([out.outputs[0].logprobs[0] for out in await last_outputs(streams)])
+        tok = self.llm.tokenizer
+        return search.result(tok.decode if tok is not None else None)
+
     # ---- /v1/completions ----
     async def completions(self, req: CompletionRequest):
         model, lora = self.resolve_model(req.model)
@@ -297,6 +325,8 @@ class OpenAIServing:
                               f"({self.limits.max_prompts}, --max-prompts).", 400, "prompt")
         whole = [await self.tokenize(p, add_special_tokens=req.add_special_tokens) for p in prompts]
         ids = [self.truncated(i, req.truncate_prompt_tokens) for i in whole]
+        if req.use_beam_search:
+            return await self._beam_completions(req, model, lora, ids)
         echoed = req.logprobs if req.echo else None
         asked = [n for n in (req.prompt_logprobs, echoed) if n is not None]
         params = [self.sampling_params(req, req.max_tokens, len(i), logprobs=req.logprobs,
@@ -332,6 +362,18 @@ class OpenAIServing:
                     choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
                 choices.append(choice)
         return {**head, "choices": choices, "usage": self.usage_of(finals)}
+
+    async def _beam_completions(self, req, model: str, lora, ids: list[list[int]]) -> dict:
+        salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}
+        results = await asyncio.gather(*(self.beam_search({"prompt_token_ids": i, **salt},
+                                                          self.beam_params(req, req.max_tokens, len(i)), lora,
+                                                          req.priority) for i in ids))
+        choices = [{"index": k * req.n + j, "text": beam.text, "finish_reason": beam.finish_reason,
+                    "stop_reason": None, "logprobs": None}
+                   for k, result in enumerate(results) for j, beam in enumerate(result.sequences)]
+        generated = sum(len(b.tokens) - len(i) for i, r in zip(ids, results) for b in r.sequences)
+        return {"id": self.response_id(req, "cmpl"), "object": "text_completion", "created": int(time.time()),
+                "model": model, "choices": choices, "usage": self.usage(sum(map(len, ids)), generated, 0)}
 
     async def _stream_completions(self, req, head, streams, prompt_ids) -> AsyncIterator[str]:
         """Each output is a delta: its text goes out as it is (with return_token_ids its tokens too,
@@ -381,6 +423,8 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true.", 400, "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if req.use_beam_search:
+            return await self._beam_chat(req, model, lora, ids, max_tokens, (mode, function))
         params = self.sampling_params(req, max_tokens, len(ids),
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                       prompt_logprobs=req.prompt_logprobs,
@@ -414,6 +458,18 @@ class OpenAIServing:
         if req.prompt_logprobs is not None:
             answer["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
         return answer
+
+    async def _beam_chat(self, req, model: str, lora, ids: list[int], max_tokens: int | None, tool_choice) -> dict:
+        salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}
+        result = await self.beam_search({"prompt_token_ids": ids, **salt}, self.beam_params(req, max_tokens, len(ids)),
+                                        lora, req.priority)
+        choices = [{"index": j, "message": tools.split_choice(beam.text, *tool_choice, self.tool_parser, self.reasoning,
+                                                              self.answer_role(req)),
+                    "finish_reason": beam.finish_reason, "stop_reason": None, "logprobs": None}
+                   for j, beam in enumerate(result.sequences)]
+        generated = sum(len(b.tokens) - len(ids) for b in result.sequences)
+        return {"id": self.response_id(req, "chatcmpl"), "object": "chat.completion", "created": int(time.time()),
+                "model": model, "choices": choices, "usage": self.usage(len(ids), generated, 0)}
 
     def echoed(self, req: ChatCompletionRequest) -> str:
         """vLLM's chat echo: the last message's text, where the answer is in its role (it goes on)."""
