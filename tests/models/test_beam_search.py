@@ -41,5 +41,7 @@ def test_the_server_answers_n_beams(tiny_model_dir):
         chat = httpx.post(url + "/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "n": 2, "use_beam_search": True}).json()
         assert [c["message"]["role"] for c in chat["choices"]] == ["assistant", "assistant"]
+        wide = httpx.post(url + "/v1/completions", json={**body, "n": 11})
+        assert wide.status_code == 400 and "give n <= 10" in wide.json()["error"]["message"]
         streamed = httpx.post(url + "/v1/completions", json={**body, "stream": True})
         assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"

@@ -289,6 +289,10 @@ class OpenAIServing:
     def beam_params(self, req, max_tokens: int | None, prompt_len: int) -> BeamSearchParams:
         if req.stream:
             raise OpenAIError("Beam search answers whole: leave out stream, or use_beam_search.", 400, "stream")
+        limit = self.llm.config.model.logprobs_limit
+        if 2 * req.n > limit:
+            raise OpenAIError(f"Beam search with n={req.n} reads {2 * req.n} logprobs a step, more than this server "
+                              f"gives ({limit}, --max-logprobs): give n <= {limit // 2}.", 400, "n")
         try:
             check_max_tokens(prompt_len, max_tokens, self.max_model_len)
             return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens or self.max_model_len - prompt_len,
