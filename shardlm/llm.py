@@ -107,18 +107,25 @@ class LLM:
         return [search.result(decode) for search in searches]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} messages) or a list of them."""
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} messages) or a list of them, through the
+        chat template as vLLM's LLM.chat: continue_final_message goes on in the last message (with
+        add_generation_prompt=False); tools and chat_template_kwargs reach the template."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message goes on in the last message, add_generation_prompt starts a new "
+                             "one: pass add_generation_prompt=False.")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
         require_tokenizer(tok, "LLM.chat")
+        extra = {**({"continue_final_message": True} if continue_final_message else {}), **(chat_template_kwargs or {})}
         prompts = []
         for conv in conversations:
             text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=chat_template)
+                                           chat_template=chat_template, tools=tools, **extra)
             prompts.append({"prompt": text, "prompt_token_ids": tok(text, add_special_tokens=False).input_ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     # ---- pooling models (runner pooling): embeddings, classes, scores ----
     def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | Sequence[PoolingParams]

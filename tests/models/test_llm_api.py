@@ -382,3 +382,22 @@ def test_bad_words_are_never_generated(tiny_model_dir):
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(bad_words=[" "])
     llm.shutdown()
+
+
+def test_chat_goes_on_in_the_last_message_and_passes_tools_and_template_variables(tiny_model_dir, tmp_path):
+    """vLLM's LLM.chat arguments: continue_final_message, tools, chat_template_kwargs."""
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+                "{% if tools %}[{{ tools | length }} tools]{% endif %}{{ suffix }}")
+    llm = LLM(tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory="16MiB", max_model_len=128)
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well"}]
+    sp = SamplingParams(max_tokens=1)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    whole = llm.chat(conversation, sp, use_tqdm=False, chat_template=template, add_generation_prompt=False,
+                     tools=[tool], chat_template_kwargs={"suffix": "!"})[0]
+    assert whole.prompt == "<user>hi</user><assistant>Well</assistant>[1 tools]!"
+    going_on = llm.chat(conversation, sp, use_tqdm=False, chat_template=template, add_generation_prompt=False,
+                        continue_final_message=True)[0]
+    assert going_on.prompt == "<user>hi</user><assistant>Well"
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        llm.chat(conversation, continue_final_message=True)
+    llm.shutdown()
