@@ -128,6 +128,14 @@ class EngineArgs:
     revision: str | None = knob(
         None, "model",
         "a hub model's branch, tag or commit (default: main)")
+    data_parallel_rank: int | None = knob(
+        None, "engine",
+        "external load balancing, as vLLM's: this server is replica RANK of --data-parallel-size, with its "
+        "own API server, and a load balancer in front spreads the requests (replicas of a dense model do "
+        "not meet; with --enable-expert-parallel, which runs replicas in lock-step, refused: use --headless)")
+    data_parallel_external_lb: bool = knob(
+        False, "engine",
+        "accepted for vLLM's command lines: --data-parallel-rank alone makes this server one replica")
     hf_token: str | bool | None = knob(
         None, "engine",
         "the Hugging Face token for gated and private hub repos, as vLLM's (set as HF_TOKEN for this process and "
@@ -318,6 +326,8 @@ class EngineArgs:
                              "tokenizer files; give auto or hf.")
         parallel = ParallelConfig(**{**self.landing_in("parallel"),
                                      "pp_layer_partition": _parse_partition(self.pp_layer_partition)})
+        if self.data_parallel_rank is not None:
+            parallel = _one_replica_of_many(parallel, self.data_parallel_rank)
         # on Ray a core list is per node (checked when the ranks are placed)
         validate_binding(parallel.cpu_threads_bind, None if parallel.distributed_executor_backend == "ray"
                          else parallel.data_parallel_size_local * parallel.world_size)
@@ -728,6 +738,20 @@ def _pooling_max_model_len(hf_config, pooler, requested: int | None) -> int:
     if requested is None:
         return min(limit, pooler.max_seq_length or limit)
     return _resolve_max_model_len(SimpleNamespace(max_position_embeddings=limit), requested)
+
+
+def _one_replica_of_many(parallel: ParallelConfig, rank: int) -> ParallelConfig:
+    """--data-parallel-rank: this server runs that one replica, on its own."""
+    size = parallel.data_parallel_size
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+        raise ValueError(f"--data-parallel-rank {rank!r}: give a replica in [0, {size}) (--data-parallel-size {size}).")
+    if parallel.enable_expert_parallel and size > 1:
+        raise ValueError("--data-parallel-rank with --enable-expert-parallel: expert parallel runs the replicas in "
+                         "lock-step through one front end here. Start one server with -dp and the other nodes with "
+                         "--headless --data-parallel-start-rank (docs/MULTI_NODE.md).")
+    logger.info("External load balancing: this server is replica %d of %d, on its own (--data-parallel-rank)", rank,
+                size)
+    return dataclasses.replace(parallel, data_parallel_size=1, data_parallel_size_local=1, data_parallel_start_rank=0)
 
 
 def _within_the_window(hf_config, max_model_len: int, requested: int | None) -> int:

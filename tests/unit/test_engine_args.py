@@ -47,3 +47,16 @@ def test_the_cli_has_one_flag_per_knob_with_its_default():
                                          "kv_cache_dtype": "auto", "num_gpu_blocks_override": None}
     # vLLM's other names: --kv-cache-memory-bytes and LLM(kv_cache_memory_bytes=...)
     assert engine_args_from(parser.parse_args(["--kv-cache-memory-bytes", "123456"])).kv_cache_memory == "123456"
+
+
+def test_external_load_balancing_runs_one_replica_of_many(tiny_model_dir):
+    """--data-parallel-rank (vLLM's external load balancing): this server is that replica alone."""
+    import pytest
+    config = EngineArgs(model=tiny_model_dir("llama-gqa"), data_parallel_size=4, data_parallel_rank=2,
+                        data_parallel_external_lb=True).create_engine_config()
+    assert (config.parallel.data_parallel_size, config.parallel.data_parallel_size_local) == (1, 1)
+    with pytest.raises(ValueError, match=r"give a replica in \[0, 4\)"):
+        EngineArgs(model=tiny_model_dir("llama-gqa"), data_parallel_size=4, data_parallel_rank=4).create_engine_config()
+    with pytest.raises(ValueError, match="--headless"):
+        EngineArgs(model=tiny_model_dir("mixtral"), data_parallel_size=2, data_parallel_rank=1,
+                   enable_expert_parallel=True).create_engine_config()
