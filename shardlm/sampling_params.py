@@ -97,6 +97,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None     # sample only among these
     bad_words: list[str] | None = None             # words never generated (vLLM's): with or without a leading space
     bad_words_token_ids: list[list[int]] | None = None    # token sequences never generated (bad_words' go here too)
+    detokenize: bool = True                         # False: token ids only (text stays empty), as vLLM's
+    truncate_prompt_tokens: int | None = None       # keep the prompt's last k tokens (-1: as many as fit)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None    # constrain the output (shardlm/structured_output)
 
@@ -170,6 +172,11 @@ class SamplingParams:
                                                  or not 0 <= t <= INT64_MAX for t in self.allowed_token_ids):
                 bad("allowed_token_ids", self.allowed_token_ids, "it must be a non-empty list of token ids "
                     "(integers >= 0), or None")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            integer("truncate_prompt_tokens", 1, rule="it must be an integer >= 1, -1 (as many as fit) or None",
+                    optional=True)
+        if self.stop and not self.detokenize:
+            bad("stop", self.stop, "stop strings are found in the text, which detokenize=False leaves out")
         if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             bad("bad_words", self.bad_words, "it must be a list of non-empty strings")
         if self.bad_words_token_ids is not None and any(

@@ -104,7 +104,8 @@ class OutputProcessor:
         if parent.params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         for i, (cid, sp) in enumerate(zip(child_ids, child_params)):
-            detok = IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, sp.skip_special_tokens,
+            detok = IncrementalDetokenizer(self.tokenizer if sp.detokenize else None, parent.prompt_token_ids,
+                                           sp.skip_special_tokens,
                                            sp.stop, sp.include_stop_str_in_output)
             sample = SampleState(parent, i, detok, logprobs=[] if sp.logprobs is not None else None,
                                  cumulative_logprob=0.0 if sp.logprobs is not None else None)
@@ -135,7 +136,8 @@ class OutputProcessor:
                     out.error)))
                 continue
             if out.prompt_logprobs and parent.prompt_logprobs is not None and sample.index == 0:
-                parent.prompt_logprobs.extend(self._convert_logprobs(lp) for lp in out.prompt_logprobs)
+                parent.prompt_logprobs.extend(self._convert_logprobs(lp, sample.detokenizer.tokenizer)
+                                              for lp in out.prompt_logprobs)
             if out.scheduled_time is not None and parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time, parent.metrics.engine = out.scheduled_time, engine_index
             if out.execute_seconds:
@@ -182,7 +184,7 @@ class OutputProcessor:
         sample.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and sample.logprobs is not None:
             for lp in out.new_logprobs:
-                sample.logprobs.append(self._convert_logprobs(lp))
+                sample.logprobs.append(self._convert_logprobs(lp, sample.detokenizer.tokenizer))
                 sample.cumulative_logprob += lp.logprob
         stop_str = sample.detokenizer.update(out.new_token_ids)
         if out.finish_reason is not None:
@@ -191,16 +193,16 @@ class OutputProcessor:
             sample.finish_reason, sample.stop_reason = "stop", stop_str
             to_abort.append(out.req_id)
 
-    def _convert_logprobs(self, lp: TokenLogprobs) -> PositionLogprobs:
-        entries = {lp.token_id: Logprob(lp.logprob, lp.rank, self._decoded(lp.token_id))}
+    @staticmethod
+    def _convert_logprobs(lp: TokenLogprobs, tokenizer) -> PositionLogprobs:
+        """tokenizer: the sample's (None: --skip-tokenizer-init or detokenize=False, no text)."""
+        def text(token_id: int) -> str | None:
+            return tokenizer.decode([token_id]) if tokenizer is not None else None
+        entries = {lp.token_id: Logprob(lp.logprob, lp.rank, text(lp.token_id))}
         for rank, (tid, val) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
             if tid not in entries:
-                entries[tid] = Logprob(val, rank, self._decoded(tid))
+                entries[tid] = Logprob(val, rank, text(tid))
         return entries
-
-    def _decoded(self, token_id: int) -> str | None:
-        """A token's text; None without a tokenizer (--skip-tokenizer-init)."""
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
 
     # ---- what goes out ----
     def _output_for(self, parent: ParentRequest, finished: bool, touched: set[int]):

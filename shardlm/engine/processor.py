@@ -140,6 +140,11 @@ class InputProcessor:
                 raise TypeError(f"A prompt must be a string or a list of token ids, not {type(text).__name__}.")
             require_tokenizer(self.tokenizer, "A text prompt")
             prompt_token_ids = self.tokenizer(text).input_ids
+        keep = getattr(params, "truncate_prompt_tokens", None)
+        if keep is not None:           # the prompt's last tokens (the text then no longer says it)
+            keep = self.config.model.max_model_len if keep == -1 else keep
+            if len(prompt_token_ids) > keep:
+                prompt_token_ids, text = prompt_token_ids[-keep:], None
         self._validate(prompt_token_ids)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, not {type(params).__name__}.")

@@ -401,3 +401,23 @@ def test_chat_goes_on_in_the_last_message_and_passes_tools_and_template_variable
     with pytest.raises(ValueError, match="add_generation_prompt=False"):
         llm.chat(conversation, continue_final_message=True)
     llm.shutdown()
+
+
+def test_detokenize_false_and_truncate_prompt_tokens(tiny_model_dir):
+    """vLLM's SamplingParams.detokenize (token ids alone) and truncate_prompt_tokens (the prompt's
+    last k tokens)."""
+    llm = LLM(tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory="16MiB", max_model_len=64)
+    greedy = dict(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1)
+    text, ids_only = llm.generate(["Hello there", "Hello there"], [SamplingParams(**greedy),
+                                  SamplingParams(**greedy, detokenize=False)], use_tqdm=False)
+    assert ids_only.outputs[0].token_ids == text.outputs[0].token_ids and text.outputs[0].text
+    assert ids_only.outputs[0].text == "" and all(v.decoded_token is None
+                                                   for p in ids_only.outputs[0].logprobs for v in p.values())
+    with pytest.raises(ValueError, match="detokenize=False"):
+        SamplingParams(stop=["x"], detokenize=False)
+    cut = llm.generate([list(range(100, 120))], SamplingParams(**greedy, truncate_prompt_tokens=3), use_tqdm=False)[0]
+    alone = llm.generate([[117, 118, 119]], SamplingParams(**greedy), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == [117, 118, 119] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+    llm.shutdown()
