@@ -22,6 +22,9 @@ def test_each_served_name_answers_and_is_repeated(tiny_model_dir):
         assert len(texts) == 1, "one model under two names"
         other = httpx.post(url + "/v1/completions", json={**BODY, "model": "gpt-4"})
         assert other.status_code == 404 and "Served: llama, tiny-chat" in other.json()["error"]["message"]
+        assert httpx.get(url + "/v1/models/tiny-chat").json()["id"] == "tiny-chat", "OpenAI's retrieve"
+        missing = httpx.get(url + "/v1/models/gpt-4")
+        assert missing.status_code == 404 and "Served: llama, tiny-chat" in missing.json()["error"]["message"]
 
 
 def test_offline_the_first_name_is_the_models(tiny_model_dir):

@@ -22,11 +22,23 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def models(state: ServerState = Depends(server_state)):
+    return {"object": "list", "data": _cards(state)}
+
+
+@router.get("/v1/models/{model:path}")
+async def model(model: str, state: ServerState = Depends(server_state)):
+    """OpenAI's retrieve: one model's card (a served name or an adapter; names may hold slashes)."""
+    card = next((c for c in _cards(state) if c["id"] == model), None)
+    if card is None:
+        state.serving.check_model(model)        # the 404 that lists what is served
+    return card
+
+
+def _cards(state: ServerState) -> list[dict]:
     serving = state.serving
-    return {"object": "list", "data": [
-        *({"id": n, "object": "model", "created": 0, "owned_by": "shardlm", "root": n, "parent": None,
-           "max_model_len": serving.max_model_len, "tasks": _tasks(state)} for n in serving.model_names),
-        *serving.loras.cards(serving.max_model_len)]}
+    return [*({"id": n, "object": "model", "created": 0, "owned_by": "shardlm", "root": n, "parent": None,
+               "max_model_len": serving.max_model_len, "tasks": _tasks(state)} for n in serving.model_names),
+            *serving.loras.cards(serving.max_model_len)]
 
 
 def _tasks(state: ServerState) -> list[str]:
