@@ -57,7 +57,7 @@ _DTYPES = {
 
 
 # vLLM's other names for knobs: `LLM(kv_cache_memory_bytes=...)` and `--kv-cache-memory-bytes`
-VLLM_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
+VLLM_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory", "distributed_timeout_seconds": "distributed_init_timeout"}
 
 
 def knob(default, lands_in: str, help: str, short: str | None = None):
@@ -136,6 +136,9 @@ class EngineArgs:
     data_parallel_external_lb: bool = knob(
         False, "engine",
         "accepted for vLLM's command lines: --data-parallel-rank alone makes this server one replica")
+    disable_custom_all_reduce: bool = knob(
+        False, "engine",
+        "accepted for vLLM's command lines: shardlm's CUDA all-reduce is NCCL's (gloo's on CPU) in any case")
     hf_token: str | bool | None = knob(
         None, "engine",
         "the Hugging Face token for gated and private hub repos, as vLLM's (set as HF_TOKEN for this process and "

@@ -47,6 +47,7 @@ def test_the_cli_has_one_flag_per_knob_with_its_default():
                                          "kv_cache_dtype": "auto", "num_gpu_blocks_override": None}
     # vLLM's other names: --kv-cache-memory-bytes and LLM(kv_cache_memory_bytes=...)
     assert engine_args_from(parser.parse_args(["--kv-cache-memory-bytes", "123456"])).kv_cache_memory == "123456"
+    assert engine_args_from(parser.parse_args(["--distributed-timeout-seconds", "60"])).distributed_init_timeout == 60.0
 
 
 def test_external_load_balancing_runs_one_replica_of_many(tiny_model_dir):

@@ -23,8 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         kwargs = {"dest": f.name, "default": f.default, "help": f.metadata["help"]}
         if isinstance(f.default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
-        else:   # from the annotation: "int | str" takes a string (e.g. 4GiB), "float", else int
-            kwargs["type"] = str if "str" in f.type else float if "float" in f.type else int
+        else:
+            kwargs["type"] = _flag_type(f)
         if f.name == "distributed_executor_backend":
             kwargs["choices"] = list(BACKENDS)
         if f.name == "served_model_name":
@@ -36,9 +36,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(*flags, **kwargs)
     group.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                        help="as --no-enable-log-requests: vLLM's older flag, kept for its command lines")
+    knobs = {f.name: f for f in dataclasses.fields(EngineArgs)}
     for alias, name in VLLM_ALIASES.items():
         group.add_argument(f"--{alias.replace('_', '-')}", dest=name, default=argparse.SUPPRESS,
-                           help=f"as --{name.replace('_', '-')}: vLLM's name")
+                           type=_flag_type(knobs[name]), help=f"as --{name.replace('_', '-')}: vLLM's name")
+
+
+def _flag_type(f: dataclasses.Field):
+    """From the annotation: "int | str" takes a string (e.g. 4GiB), "float", else int."""
+    return str if "str" in f.type else float if "float" in f.type else int
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
