@@ -51,6 +51,7 @@ def test_the_servers_sleep_routes(tiny_model_dir):
     with server_in_this_process(tiny_model_dir("llama-gqa"), "--enable-sleep-mode") as (_, url):
         body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
         first = httpx.post(url + "/v1/completions", json=body).json()["choices"][0]["text"]
+        assert httpx.get(url + "/tokenizer_info").status_code == 404, "off without its flag"
         assert httpx.post(url + "/sleep", params={"level": 2}).status_code == 200
         assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": True}
         refused = httpx.post(url + "/v1/completions", json=body)

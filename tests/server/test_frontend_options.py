@@ -29,7 +29,7 @@ def server(tiny_model_dir, tmp_path_factory):
             "--response-role", "bot", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
             "--enable-force-include-usage", "--default-chat-template-kwargs", '{"greeting": "G1"}',
             "--chat-template-content-format", "openai", "--exclude-tools-when-tool-choice-none",
-            "--logprobs-mode", "processed_logprobs") as (_, url):
+            "--logprobs-mode", "processed_logprobs", "--enable-tokenizer-info-endpoint") as (_, url):
         yield url
 
 
@@ -240,3 +240,10 @@ def test_sagemakers_ping_and_invocations(server):
                       ({"messages": 5}, "Invalid request: messages")):
         refused = httpx.post(server + "/invocations", json=body)
         assert refused.status_code == 400 and why in refused.json()["error"]["message"], refused.text
+
+
+def test_tokenizer_info(server):
+    info = httpx.get(server + "/tokenizer_info").json()
+    assert info["tokenizer_class"].endswith("Tokenizer") or "Tokenizer" in info["tokenizer_class"]
+    assert info["chat_template"] == TEMPLATE and "vocab_file" not in info
+    json.dumps(info)            # all of it JSON

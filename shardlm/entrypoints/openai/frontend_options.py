@@ -26,6 +26,7 @@ class FrontendOptions:
     chat_template_content_format: str = "auto"
     exclude_tools_when_tool_choice_none: bool = False
     enable_server_load_tracking: bool = False
+    enable_tokenizer_info_endpoint: bool = False
     HELP = {
         "response_role": "the role of chat answers to a conversation that asks for one (add_generation_prompt)",
         "return_tokens_as_token_ids": "logprobs name their tokens as token_id:N, so that tokens which are not "
@@ -42,6 +43,8 @@ class FrontendOptions:
         "exclude_tools_when_tool_choice_none": "with tool_choice \"none\", leave the tools out of the prompt",
         "enable_server_load_tracking": "accepted for vLLM's command lines: GET /load always answers "
                                        "{\"server_load\": requests being answered} here",
+        "enable_tokenizer_info_endpoint": "GET /tokenizer_info answers the tokenizer's configuration and chat "
+                                          "template (off by default: it shows the template)",
     }
 
     def __post_init__(self):

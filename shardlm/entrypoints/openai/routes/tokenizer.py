@@ -1,4 +1,4 @@
-"""/tokenize and /detokenize, as vLLM serves them."""
+"""/tokenize, /detokenize and (with --enable-tokenizer-info-endpoint) /tokenizer_info, as vLLM serves them."""
 
 from __future__ import annotations
 
@@ -39,3 +39,29 @@ async def detokenize(req: DetokenizeRequest, state: ServerState = Depends(server
     if bad:
         raise OpenAIError(f"Token ids {bad[:5]} are outside the vocabulary.", 400, "tokens")
     return {"prompt": llm.tokenizer.decode(req.tokens)}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(state: ServerState = Depends(server_state)):
+    """The tokenizer's configuration (its files' paths left out), class and chat template."""
+    serving = state.serving
+    if not serving.options.enable_tokenizer_info_endpoint:
+        raise OpenAIError("/tokenizer_info is off: start the server with --enable-tokenizer-info-endpoint.", 404,
+                          type_="NotFoundError")
+    serving.need_tokenizer("/tokenizer_info", "tokenizer")
+    tok = state.llm.tokenizer
+    info = {k: _json_safe(v) for k, v in (getattr(tok, "init_kwargs", None) or {}).items()
+            if k not in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")}
+    template = serving.chat_template or getattr(tok, "chat_template", None)
+    return {**info, "tokenizer_class": type(tok).__name__, **({"chat_template": template} if template else {})}
+
+
+def _json_safe(value):
+    """Added tokens as their text; containers through; anything else JSON cannot hold as its str()."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
