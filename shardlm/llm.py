@@ -98,7 +98,7 @@ class LLM:
                 ids = self.get_tokenizer()(text).input_ids
             searches.append(BeamSearch(ids, params, m.eos_token_ids, m.max_model_len))
         step = params.step_params()
-        while live := [(search, search.live()) for search in searches if search.live()]:
+        while live := [(search, beams) for search in searches if (beams := search.live())]:
             outputs = iter(self.generate([{"prompt_token_ids": beam.tokens} for _, beams in live for beam in beams],
                                          step, use_tqdm=False, lora_request=lora_request))
             for search, beams in live:

@@ -108,6 +108,7 @@ class TransformersForCausalLM(nn.Module):
         prefix = self.hf.base_model_prefix
         head = self.hf.get_output_embeddings()
         self.tied_head = head is not None and head.weight is self.hf.get_input_embeddings().weight
+        self.head_name: str | None = None
         for name, module in list(self.hf.named_modules()):
             if not isinstance(module, nn.Linear):
                 continue
@@ -163,10 +164,9 @@ class TransformersForCausalLM(nn.Module):
         for name, tensor in weights:
             for rename in renames:
                 name = rename(name)
-            param = params.get(name)
-            if param is None or (self.tied_head and name == self.head_name):
-                if name.endswith("rotary_emb.inv_freq") or (self.tied_head and name == self.head_name):
-                    continue
+            if name.endswith("rotary_emb.inv_freq") or (self.tied_head and name == self.head_name):
+                continue                 # a buffer made at init; a tied head: loaded with the embedding
+            if name not in params:
                 raise ValueError(f"The checkpoint has a tensor {name!r} that transformers' {type(self.hf).__name__} "
                                  "does not have: is the config's architecture right for these weights?")
             names = [name, self.head_name] if self.tied_head and name == embedding else [name]

@@ -55,6 +55,7 @@ class Worker:
             self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
         cpu_plan.follow(config.model.cpu_plan)       # a spawned worker reads the file itself
         self.runner = ModelRunner(config, self.device)
+        self.slept_blocks: int | None = None     # sleep mode: the KV blocks to allocate again at wake-up
 
     def init_device(self) -> None:
         par = self.config.parallel

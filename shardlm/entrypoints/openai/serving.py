@@ -302,16 +302,19 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIError(str(e), 400, "max_tokens") from e
 
-    async def beam_search(self, prompt: dict, params: BeamSearchParams, lora: LoRARequest | None,
-                          priority: int) -> BeamSearchOutput:
+    @staticmethod
+    def engine_prompt(req, ids: list[int], text: str | None = None) -> dict:
+        """A prompt as the engine takes it: its token ids (and text), with the request's cache_salt."""
+        return {"prompt": text, "prompt_token_ids": ids, **({"cache_salt": req.cache_salt} if req.cache_salt else {})}
+
+    async def beam_search(self, req, ids: list[int], params: BeamSearchParams,
+                          lora: LoRARequest | None) -> BeamSearchOutput:
         """One prompt's search, each step's beams sent to the engine together."""
-        ids = prompt["prompt_token_ids"]
         search = BeamSearch(ids, params, self.llm.config.model.eos_token_ids, self.max_model_len)
         step = params.step_params()
-        extra = {k: v for k, v in prompt.items() if k == "cache_salt"}
         while beams := search.live():
-            streams = self.submit([({"prompt_token_ids": b.tokens, **extra}, step, f"beam-{uuid.uuid4().hex}")
-                                   for b in beams], lora, priority)
+            streams = self.submit([(self.engine_prompt(req, b.tokens), step, f"beam-{uuid.uuid4().hex}")
+                                   for b in beams], lora, req.priority)
             search.advance([out.outputs[0].logprobs[0] for out in await last_outputs(streams)])
         tok = self.llm.tokenizer
         return search.result(tok.decode if tok is not None else None)
@@ -339,8 +342,7 @@ class OpenAIServing:
         # a prompt cut by truncate_prompt_tokens is its tokens alone (echo decodes them)
         texts = [p if isinstance(p, str) and len(i) == len(w) else None for p, i, w in zip(prompts, ids, whole)]
         rids = [f"{rid}-{k}-{uuid.uuid4().hex[:8]}" if req.request_id else f"{rid}-{k}" for k in range(len(ids))]
-        salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}
-        streams = self.submit([({"prompt": text, "prompt_token_ids": i, **salt}, p, r)
+        streams = self.submit([(self.engine_prompt(req, i, text), p, r)
                                for i, text, p, r in zip(ids, texts, params, rids)], lora, req.priority)
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         if req.stream:
@@ -368,10 +370,8 @@ class OpenAIServing:
         return {**head, "choices": choices, "usage": self.usage_of(finals)}
 
     async def _beam_completions(self, req, model: str, lora, ids: list[list[int]]) -> dict:
-        salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}
-        results = await asyncio.gather(*(self.beam_search({"prompt_token_ids": i, **salt},
-                                                          self.beam_params(req, req.max_tokens, len(i)), lora,
-                                                          req.priority) for i in ids))
+        results = await asyncio.gather(*(self.beam_search(req, i, self.beam_params(req, req.max_tokens, len(i)), lora)
+                                         for i in ids))
         choices = [{"index": k * req.n + j, "text": beam.text, "finish_reason": beam.finish_reason,
                     "stop_reason": None, "logprobs": None}
                    for k, result in enumerate(results) for j, beam in enumerate(result.sequences)]
@@ -437,9 +437,7 @@ class OpenAIServing:
         head = {"id": self.response_id(req, "chatcmpl"), "object": "chat.completion", "created": created,
                 "model": model}
         rid = f"{head['id']}-{uuid.uuid4().hex[:8]}" if req.request_id else head["id"]    # unique in the engine
-        salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}
-        (stream,) = self.submit([({"prompt": text, "prompt_token_ids": ids, **salt}, params, rid)], lora,
-                                req.priority)
+        (stream,) = self.submit([(self.engine_prompt(req, ids, text), params, rid)], lora, req.priority)
         if req.stream:
             return EventStream(self._stream_chat(req, {**head, "object": "chat.completion.chunk"}, stream,
                                                  (mode, function)), [rid], self.llm)
@@ -464,9 +462,7 @@ class OpenAIServing:
         return answer
 
     async def _beam_chat(self, req, model: str, lora, ids: list[int], max_tokens: int | None, tool_choice) -> dict:
-        salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}
-        result = await self.beam_search({"prompt_token_ids": ids, **salt}, self.beam_params(req, max_tokens, len(ids)),
-                                        lora, req.priority)
+        result = await self.beam_search(req, ids, self.beam_params(req, max_tokens, len(ids)), lora)
         choices = [{"index": j, "message": tools.split_choice(beam.text, *tool_choice, self.tool_parser, self.reasoning,
                                                               self.answer_role(req)),
                     "finish_reason": beam.finish_reason, "stop_reason": None, "logprobs": None}
