@@ -89,6 +89,23 @@ class QuantizationConfig:
 
 
 @dataclass
+class MultiModalConfig:
+    """A vision-language checkpoint (multimodal/): its text model runs as any other (ModelConfig's
+    architecture and hf_config are the text model's), its images through its vision encoder."""
+    architecture: str                  # the checkpoint's (LlavaForConditionalGeneration)
+    hf_config: object                  # the checkpoint's whole config: vision_config, projector, ...
+    image_token_id: int                # the placeholder token an image's embeddings take the place of
+    limit_per_prompt: dict[str, int] = field(default_factory=dict)     # --limit-mm-per-prompt
+    allowed_local_media_path: str | None = None     # --allowed-local-media-path: file:// images under it
+
+    def limit(self, modality: str) -> int:
+        return self.limit_per_prompt.get(modality, DEFAULT_ITEMS_PER_PROMPT)
+
+
+DEFAULT_ITEMS_PER_PROMPT = 999      # vLLM's default limit of images per prompt
+
+
+@dataclass
 class ModelConfig:
     model: str
     tokenizer: str
@@ -125,6 +142,7 @@ class ModelConfig:
     trust_remote_code: bool = False          # transformers may run the model repository's config/tokenizer code
     max_logprobs: int = 20                   # --max-logprobs: per token, a request's most; -1: the vocabulary
     served_model_names: list[str] = field(default_factory=list)   # every name a request may give the model
+    multimodal: MultiModalConfig | None = None      # a vision-language checkpoint: its images (multimodal/)
 
     def __post_init__(self):
         self.served_model_names = self.served_model_names or [self.served_model_name]

@@ -27,6 +27,25 @@ from shardlm.pooling.params import PoolingParams
 from shardlm.sampling_params import SamplingParams
 
 
+# ---- a prompt's images (multimodal/), front end -> engine core -> workers ----
+class TensorData(msgspec.Struct):
+    """A tensor as bytes: its shape, its torch dtype's name, its values (C order)."""
+    shape: list[int]
+    dtype: str
+    data: bytes
+
+
+class MultiModalItem(msgspec.Struct):
+    """One image of a prompt: its placeholder tokens (prompt positions offset .. offset + length - 1,
+    whose embeddings the vision encoder's output replaces), a hash of its content (the prefix
+    cache's key for those positions), and the model's inputs for it (pixel_values, ...)."""
+    modality: str
+    offset: int
+    length: int
+    hash: str
+    tensors: dict[str, TensorData]
+
+
 # ---- one step, engine core -> workers ----
 class NewRequestData(msgspec.Struct):
     """Sent the first time a request is scheduled; the worker keeps it until the request ends."""
@@ -36,6 +55,7 @@ class NewRequestData(msgspec.Struct):
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None    # a pooling request: its result instead of tokens
     token_type_ids: list[int] | None = None        # encoders: each token's segment (a pair's second text: 1)
+    mm_items: list[MultiModalItem] | None = None   # its images, in prompt order
 
 
 class PooledData(msgspec.Struct):
@@ -102,6 +122,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     token_type_ids: list[int] | None = None
     priority: int = 0              # --scheduling-policy priority: lower runs first
     cache_salt: str | None = None  # its prefix-cache keys' salt: reused only by requests with the same one
+    mm_items: list[MultiModalItem] | None = None   # its images, in prompt order (multimodal models)
 
 
 class EngineCoreOutput(msgspec.Struct):

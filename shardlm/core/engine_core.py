@@ -114,7 +114,7 @@ class EngineCore:
         m = self.config.model
         request = Request(req.request_id, req.prompt_token_ids, req.params, m.eos_token_ids, m.max_model_len,
                           self.config.kv_block_tokens, req.arrival_time, req.lora_request, req.pooling_params,
-                          req.token_type_ids, req.priority, req.cache_salt)
+                          req.token_type_ids, req.priority, req.cache_salt, req.mm_items)
         if req.params.structured_outputs is not None:
             if self.structured_outputs is None:
                 self.structured_outputs = StructuredOutputManager(m.tokenizer, m.vocab_size, m.reasoning_parser,

@@ -30,12 +30,15 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED)
 
 
-def hash_block_tokens(parent_hash: bytes | None, tokens: tuple[int, ...]) -> bytes:
+def hash_block_tokens(parent_hash: bytes | None, tokens: tuple[int, ...], extra: bytes = b"") -> bytes:
     """Prefix-cache key of one full block: depends on every token before it through the chain
-    (the first block's parent is the request's cache salt, e.g. its LoRA adapter's).
-    Keyed BLAKE2b (128 bits) over the parent's key and the tokens."""
+    (the first block's parent is the request's cache salt, e.g. its LoRA adapter's), and on
+    `extra`: the content hashes of the images whose placeholder tokens it holds (the tokens alone
+    are the same for every image). Keyed BLAKE2b (128 bits) over the parent's key and the tokens."""
     h = hashlib.blake2b(parent_hash or b"", key=_PREFIX_HASH_KEY, digest_size=16)
     h.update(array("q", tokens).tobytes())
+    if extra:
+        h.update(extra)
     return h.digest()
 
 
@@ -44,7 +47,7 @@ class Request:
                  eos_token_ids: list[int], max_model_len: int, block_size: int,
                  arrival_time: float | None = None, lora_request: LoRARequest | None = None,
                  pooling_params=None, token_type_ids: list[int] | None = None, priority: int = 0,
-                 cache_salt: str | None = None):
+                 cache_salt: str | None = None, mm_items: list | None = None):
         """cache_salt: mixed into its prefix-cache keys (with its adapter's): only requests with the
         same salt share its cached blocks (vLLM's, for tenants that must not share a cache)."""
         self.request_id = request_id
@@ -55,6 +58,7 @@ class Request:
         self.execute_seconds = self.forward_seconds = 0.0     # --collect-detailed-traces: its steps' times
         self.pooling_params = pooling_params      # a pooling request: one step, its result instead of tokens
         self.token_type_ids = token_type_ids
+        self.mm_items = mm_items                  # its images (messages.MultiModalItem), in prompt order
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = set(eos_token_ids)
@@ -112,7 +116,15 @@ class Request:
         while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if i else self._cache_salt
-            self.block_hashes.append(hash_block_tokens(parent, tuple(self.all_token_ids[i * bs:(i + 1) * bs])))
+            self.block_hashes.append(hash_block_tokens(parent, tuple(self.all_token_ids[i * bs:(i + 1) * bs]),
+                                                       self._images_in(i * bs, (i + 1) * bs)))
+
+    def _images_in(self, start: int, end: int) -> bytes:
+        """The content hashes of the images with placeholder tokens among positions start .. end - 1."""
+        if not self.mm_items:
+            return b""
+        return b"".join(item.hash.encode() for item in self.mm_items
+                        if item.offset < end and start < item.offset + item.length)
 
     def check_stop(self) -> bool:
         """After a token was appended: set a finished status if a stop condition holds."""

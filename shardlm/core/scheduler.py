@@ -183,7 +183,8 @@ class Scheduler:
                 self._known_to_workers.add(request.request_id)
                 new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
                                                    request.sampling_params, request.lora_request,
-                                                   request.pooling_params, request.token_type_ids))
+                                                   request.pooling_params, request.token_type_ids,
+                                                   request.mm_items))
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
 

@@ -37,11 +37,13 @@ from shardlm.logger import init_logger
 from shardlm.model_loader.default_model import locate_model, resolve_tokenizer_path
 from shardlm.model_loader.gptq_awq import checkpoint_method
 from shardlm.models.registry import (
+    MODEL_REGISTRY,
     get_model_class,
     is_pooling_architecture,
     language_model_config,
     resolve_architecture,
 )
+from shardlm.multimodal.config import multimodal_config, text_architecture, text_config_of
 from shardlm.planner.startup import check_fits, check_parallel_layout
 from shardlm.pooling.config import classifier_from_token, resolve_pooler_config, resolve_runner
 from shardlm.sampling_params import DEFAULT_MAX_LOGPROBS, GENERATION_CONFIG_FIELDS, LOGPROBS_MODES
@@ -278,6 +280,13 @@ class EngineArgs:
         False, "model",
         "load no tokenizer, as vLLM's: prompts as token ids, outputs as token ids (their text empty), no stop "
         "strings, structured outputs or chat; the server's logprobs name tokens token_id:N")
+    limit_mm_per_prompt: dict | str | None = knob(
+        None, "model",
+        "vision-language models: the most images a prompt may carry, as a JSON object, as vLLM's "
+        "(e.g. '{\"image\": 2}'; default 999)")
+    allowed_local_media_path: str | None = knob(
+        None, "model",
+        "vision-language models: file: image URLs are read from under this directory (else refused), as vLLM's")
     logprobs_mode: str = knob(
         "raw_logprobs", "model",
         "what logprobs and prompt_logprobs report, as vLLM's: raw_logprobs (the model's), raw_logits, or "
@@ -346,11 +355,16 @@ class EngineArgs:
             for key, value in json_object_flag(self.hf_overrides, "--hf-overrides",
                                                '{"architectures": ["Qwen3ForSequenceClassification"]}').items():
                 setattr(checkpoint_config, key, value)
-        architecture, model_impl = resolve_architecture(checkpoint_config, self.model_impl)
-        if model_impl == "transformers":
-            logger.info("%s runs on the Transformers backend: transformers' modeling code with shardlm's KV cache, "
-                        "scheduler and linear layers (--model-impl)", architecture)
-        hf_config = language_model_config(checkpoint_config, architecture)    # a multimodal one's text model
+        multimodal = multimodal_config(checkpoint_config, self.limit_mm_per_prompt, self.allowed_local_media_path)
+        if multimodal is not None:      # a vision-language checkpoint: its text model, its images beside
+            architecture, model_impl = _text_model_of(multimodal, self.model_impl)
+            hf_config = text_config_of(checkpoint_config, architecture)
+        else:
+            architecture, model_impl = resolve_architecture(checkpoint_config, self.model_impl)
+            if model_impl == "transformers":
+                logger.info("%s runs on the Transformers backend: transformers' modeling code with shardlm's KV "
+                            "cache, scheduler and linear layers (--model-impl)", architecture)
+            hf_config = language_model_config(checkpoint_config, architecture)    # a multimodal one's text model
         dtype = resolve_dtype(self.dtype, _config_dtype(checkpoint_config), device, _mlp_shape(hf_config))
         runner, convert = resolve_runner(architecture, self.runner, self.convert,
                                          is_pooling_architecture(architecture))
@@ -394,7 +408,7 @@ class EngineArgs:
             logprobs_mode=_logprobs_mode(self.logprobs_mode), skip_tokenizer_init=self.skip_tokenizer_init,
             enable_sleep_mode=self.enable_sleep_mode,
             max_logprobs=_max_logprobs(self.max_logprobs),
-            trust_remote_code=self.trust_remote_code,
+            trust_remote_code=self.trust_remote_code, multimodal=multimodal,
             load_format=_load_format(self.load_format, source.gguf_file, checkpoint))
         cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
         batched_tokens = self.max_num_batched_tokens or max(SchedulerConfig.max_num_batched_tokens, self.max_num_seqs)
@@ -565,6 +579,21 @@ def resolve_quantization(method: str | None, group_size: int | None, inputs: lis
         raise ValueError(f"quantization_group_size={group_size}: use -1 (one group per row) or an even number of "
                          "columns such as 32, 64 or 128.")
     return QuantizationConfig(method, group)
+
+
+def _text_model_of(multimodal, model_impl: str) -> tuple[str, str]:
+    """A vision-language checkpoint's text architecture, which must be shardlm's own model (it
+    takes the images' embeddings in place of their placeholders' token embeddings)."""
+    architecture = text_architecture(multimodal.hf_config)
+    if model_impl == "transformers":
+        raise ValueError(f"{multimodal.architecture} runs its text model on shardlm's own code: leave out "
+                         "--model-impl transformers.")
+    if not getattr(MODEL_REGISTRY.get(architecture), "reads_images", False):
+        raise ValueError(f"{multimodal.architecture}'s text model {architecture} cannot take images here: its text "
+                         "models run on shardlm's Llama-family code (Llama, Mistral, Qwen2, ...).")
+    logger.info("%s: its %s text model, and images through its vision tower (transformers' modules)",
+                multimodal.architecture, architecture)
+    return architecture, "shardlm"
 
 
 def _parse_partition(text: str | list[int] | None) -> list[int] | None:

@@ -111,6 +111,24 @@ def take_quantized_linears(model: torch.nn.Module, tensors: dict[str, tuple]) ->
                          "not embeddings, the LM head or MoE experts).")
 
 
+def text_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name as its text model's, or None for the vision side.
+    Both layouts are seen: language_model.model.layers... and model.language_model.layers..."""
+    for prefix, text in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                         ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
+        if name.startswith(prefix):
+            return text + name[len(prefix):]
+    return None
+
+
+def text_model_weights(weights: Iterator[tuple[str, object]]) -> Iterator[tuple[str, object]]:
+    """A multimodal checkpoint's text model tensors, named as the text model's."""
+    for name, tensor in weights:
+        text = text_model_name(name)
+        if text is not None:
+            yield text, tensor
+
+
 def _stage_filter(model: torch.nn.Module):
     """Whether a checkpoint tensor belongs to this pipeline stage's part of the model."""
     return getattr(model, "_on_this_stage", lambda name: True)
@@ -156,6 +174,8 @@ def load_model(cls: type, model_config: ModelConfig, device: torch.device,
         loaded = fill_with_random_weights(model, model_config.seed)
     else:
         weights = iterate_weights(model_config.model)
+        if model_config.multimodal is not None:     # its images' side: multimodal/vision_encoder.py
+            weights = text_model_weights(weights)
         if packed is not None:     # the packed linears are collected aside, the rest loads as usual
             weights = _float_weights(weights, packed, _stage_filter(model))
         loaded = model.load_weights(weights)

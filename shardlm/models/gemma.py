@@ -25,6 +25,7 @@ from shardlm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear,
 from shardlm.layers.norm import Float32RMSNorm
 from shardlm.layers.rotary import RotaryEmbedding
 from shardlm.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from shardlm.model_loader.weights import text_model_weights
 from shardlm.models.llama import LlamaForCausalLM, LlamaVariant, PPMissingLayer
 
 
@@ -156,16 +157,4 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     model's and the vision tower's left out."""
 
     def load_weights(self, weights) -> set[str]:
-        return super().load_weights((_text_name(name), t) for name, t in weights if _text_name(name) is not None)
-
-
-def _text_name(name: str) -> str | None:
-    """A multimodal checkpoint's tensor name as the text model's, or None for the vision side.
-    Both layouts are seen: language_model.model.layers... and model.language_model.layers..."""
-    for prefix, text in (("language_model.model.", "model."), ("model.language_model.", "model."),
-                         ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
-        if name.startswith(prefix):
-            return text + name[len(prefix):]
-    return None
-
-
+        return super().load_weights(text_model_weights(weights))

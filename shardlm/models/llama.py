@@ -31,6 +31,7 @@ from shardlm.layers.rotary import RotaryEmbedding, permute_partial_rotary, rotar
 from shardlm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from shardlm.lora import batch as lora_batch
 from shardlm.models.llama_cpu_decode import FusedDecodeLayers
+from shardlm.multimodal import embeddings as image_embeddings
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,7 @@ class LlamaModel(nn.Module):
             hidden, residual, aux = self.embed_tokens(input_ids), None, []
             if self.embedding_multiplier != 1.0:
                 hidden = hidden * self.embedding_multiplier
+            hidden = image_embeddings.merge(hidden)     # a vision-language model's images (multimodal/)
         else:
             hidden, residual, *aux = intermediate
         cos_sin = self.rotary.lookup(positions)
@@ -223,6 +225,7 @@ class LlamaForCausalLM(nn.Module):
                       (".gate_up_proj.", ".up_proj.", 1)]
     qkv_bias: bool | None = None   # None: from config.attention_bias
     qk_norm = False                # RMSNorm on each q and k head (Qwen3)
+    reads_images = True            # the text model of a vision-language checkpoint (multimodal/)
 
     def __init__(self, config, max_position: int, dtype: torch.dtype, layer_range: tuple[int, int] | None = None):
         super().__init__()

@@ -41,6 +41,8 @@ from shardlm.model_loader.weights import load_model
 from shardlm.models.eagle3 import aux_layers_of
 from shardlm.models.llama import prepare_fused_decode
 from shardlm.models.registry import get_model_class
+from shardlm.multimodal import embeddings as image_embeddings
+from shardlm.multimodal.vision_encoder import load_vision_encoder
 from shardlm.planner.layer_placement import stage_layers
 from shardlm.pooling.bert import EncoderBatch
 from shardlm.pooling.pooler import pool_step
@@ -79,6 +81,7 @@ class ModelRunner:
         self.num_blocks: int | None = None              # KV cache blocks, once the cache is bound
         self.balancer: ExpertBalancer | None = None      # --enable-eplb: places the experts anew now and then
         self._kv_tensors: list[tuple[torch.Tensor, torch.Tensor]] = []     # (K, V) per slot (attention_layers)
+        self.vision = None          # a vision-language model's vision encoder, on the first stage (multimodal/)
 
     def load_model(self) -> None:
         par = self.config.parallel
@@ -98,6 +101,8 @@ class ModelRunner:
         with redundant_experts(eplb.num_redundant_experts if eplb is not None else None):
             self.model = load_model(get_model_class(m.architecture, m.convert, m.model_impl), m, self.device,
                                     stages[self.pp.rank_in_group])
+        if m.multimodal is not None and self.pp.is_first_rank:
+            self.vision = load_vision_encoder(m, self.device)
         if eplb is not None and self.moe_layers():
             self.balancer = ExpertBalancer(self.moe_layers(), eplb)
         spec = self.config.speculative
@@ -216,7 +221,7 @@ class ModelRunner:
 
     def release_model(self) -> None:
         """Sleep level 2: the weights go (load_model reads them again)."""
-        self.model = self.cuda_graphs = None
+        self.model = self.cuda_graphs = self.vision = None
         self._attention_layers = self._moe_layers = None
 
     def kv_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -232,7 +237,8 @@ class ModelRunner:
         tables = {id(m.quant): m.quant for m in self.model.modules() if getattr(m, "quant", None) is not None}
         quantized = sum(q.weight_bytes() for q in tables.values())
         draft = self.proposer.weight_bytes() if self.proposer is not None else 0
-        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + quantized + draft
+        vision = sum(p.numel() * p.element_size() for p in self.vision.parameters()) if self.vision is not None else 0
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + quantized + draft + vision
 
     # ---- one step ----
     @torch.inference_mode()
@@ -255,7 +261,8 @@ class ModelRunner:
         batch = self.step_builder.build(so.chunks)
         chunks = batch.chunks
         input_ids, positions, meta = self._prepare_inputs(batch)
-        with dp_token_counts(self._tokens_per_replica(len(input_ids))), lora_batch.running(batch.lora):
+        with dp_token_counts(self._tokens_per_replica(len(input_ids))), lora_batch.running(batch.lora), \
+                image_embeddings.running(self._image_embeddings(batch)):
             hidden = self._run_model(input_ids, positions, meta)
         if self.balancer is not None:
             self.balancer.after_forward()
@@ -402,7 +409,7 @@ class ModelRunner:
                 self.lora.register(lora)
             self.requests[new.req_id] = RequestState(new.prompt_token_ids, sp, gen, lora.lora_int_id if lora else 0,
                                                      pooling_params=new.pooling_params,
-                                                     token_type_ids=new.token_type_ids)
+                                                     token_type_ids=new.token_type_ids, mm_items=new.mm_items)
 
     def _prepare_inputs(self, batch: StepBatch):
         """The tensors and attention metadata of the tokens this rank computes."""
@@ -421,6 +428,12 @@ class ModelRunner:
             meta.last_layer = last
         return (torch.tensor(batch.computed_ids, dtype=torch.long, device=self.device),
                 torch.tensor(batch.computed_positions, dtype=torch.long, device=self.device), meta)
+
+    def _image_embeddings(self, batch: StepBatch) -> image_embeddings.StepEmbeddings | None:
+        if self.vision is None:
+            return None
+        return image_embeddings.of_step(batch, self.requests, self.vision, self.config.model.multimodal.image_token_id,
+                                        self.device)
 
     def _last_layer_rows(self, batch: StepBatch) -> LastLayerRows | None:
         """The rows the model's last layer finishes where the step reads fewer final hidden states

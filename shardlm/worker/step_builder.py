@@ -32,6 +32,8 @@ class RequestState:
     prompt_logprobs_done: int = 0       # prompt positions answered (a recompute after preemption skips them)
     pooling_params: PoolingParams | None = None     # a pooling request (pooling/pooler.py)
     token_type_ids: list[int] | None = None
+    mm_items: list | None = None        # its images (messages.MultiModalItem)
+    image_features: dict[int, torch.Tensor] = field(default_factory=dict)   # item index -> its embeddings
 
 
 @dataclass

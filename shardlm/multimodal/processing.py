@@ -1,0 +1,88 @@
+"""A prompt's images through the checkpoint's Hugging Face processor: the token ids with each
+image's placeholder expanded to one token per embedding, and one MultiModalItem per image."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+from shardlm.config import ModelConfig
+from shardlm.messages import MultiModalItem, TensorData
+
+
+class ImagePrompts:
+    def __init__(self, model: ModelConfig):
+        from transformers import AutoProcessor
+        self.mm = model.multimodal
+        self.processor = AutoProcessor.from_pretrained(model.tokenizer, trust_remote_code=model.trust_remote_code)
+        self.placeholder: str = self.processor.image_token      # what a prompt's text marks an image with
+
+    def process(self, text: str, images: list,
+                add_special_tokens: bool = True) -> tuple[list[int], list[MultiModalItem]]:
+        """-> the prompt's token ids and its images' items. The text marks each image with the
+        model's placeholder (LLaVA's "<image>"), one per image, in order."""
+        limit = self.mm.limit("image")
+        if len(images) > limit:
+            raise ValueError(f"The prompt has {len(images)} images; at most {limit} are allowed "
+                             "(--limit-mm-per-prompt '{\"image\": N}').")
+        marks = text.count(self.placeholder)
+        if marks != len(images):
+            raise ValueError(f"The prompt marks {marks} image(s) with {self.placeholder!r} but has {len(images)} "
+                             f"image(s): put one {self.placeholder!r} where each image goes.")
+        out = self.processor(text=[text], images=images or None, return_tensors="pt",
+                             add_special_tokens=add_special_tokens)
+        ids = out["input_ids"][0].tolist()
+        if not images:
+            return ids, []
+        per_image = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "token_type_ids")
+                     and isinstance(v, torch.Tensor) and v.shape[0] == len(images)}
+        return ids, [MultiModalItem("image", start, end - start, _content_hash(tensors), tensors)
+                     for (start, end), tensors in zip(self._ranges(ids, images),
+                                                      ({k: as_tensor_data(v[i]) for k, v in per_image.items()}
+                                                       for i in range(len(images))))]
+
+    def _ranges(self, ids: list[int], images: list) -> list[tuple[int, int]]:
+        """Each image's placeholder positions, first to last (tokens between an image's rows, as
+        Pixtral's row breaks, lie inside its range and keep their own embeddings)."""
+        token = self.mm.image_token_id
+        positions = [p for p, t in enumerate(ids) if t == token]
+        counts = self._tokens_per_image(images, len(positions))
+        ranges, at = [], 0
+        for n in counts:
+            ranges.append((positions[at], positions[at + n - 1] + 1))
+            at += n
+        return ranges
+
+    def _tokens_per_image(self, images: list, total: int) -> list[int]:
+        count = getattr(self.processor, "_get_num_multimodal_tokens", None)
+        if count is not None:
+            counts = list(count([(im.height, im.width) for im in images]).num_image_tokens)
+            if sum(counts) == total:
+                return counts
+        if total % len(images):
+            raise ValueError(f"The processor gave {total} image tokens for {len(images)} images: cannot tell whose.")
+        return [total // len(images)] * len(images)
+
+
+def as_tensor_data(t: torch.Tensor) -> TensorData:
+    t = t.detach().contiguous().cpu()
+    if t.dtype == torch.bfloat16:           # numpy has no bfloat16: its bits as int16
+        return TensorData(list(t.shape), "bfloat16", t.view(torch.int16).numpy().tobytes())
+    return TensorData(list(t.shape), str(t.dtype).removeprefix("torch."), t.numpy().tobytes())
+
+
+def as_tensor(d: TensorData) -> torch.Tensor:
+    if d.dtype == "bfloat16":
+        return torch.from_numpy(np.frombuffer(d.data, dtype=np.int16).copy()).view(torch.bfloat16).reshape(d.shape)
+    return torch.from_numpy(np.frombuffer(d.data, dtype=np.dtype(d.dtype)).copy()).reshape(d.shape)
+
+
+def _content_hash(tensors: dict[str, TensorData]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        d = tensors[name]
+        h.update(f"{name}:{d.dtype}:{d.shape}".encode())
+        h.update(d.data)
+    return h.hexdigest()
