@@ -122,10 +122,30 @@ class LLM:
         extra = {**({"continue_final_message": True} if continue_final_message else {}), **(chat_template_kwargs or {})}
         prompts = []
         for conv in conversations:
+            conv, images = self._chat_images(conv, chat_template)
             text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            chat_template=chat_template, tools=tools, **extra)
-            prompts.append({"prompt": text, "prompt_token_ids": tok(text, add_special_tokens=False).input_ids})
+            if images:
+                ids, items = self.engine.processor.images.process(text, images, add_special_tokens=False)
+                prompts.append({"prompt": text, "prompt_token_ids": ids, "mm_items": items})
+            else:
+                prompts.append({"prompt": text, "prompt_token_ids": tok(text, add_special_tokens=False).input_ids})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def _chat_images(self, conversation: list[dict], chat_template: str | None) -> tuple[list[dict], list]:
+        """A conversation's image parts taken out (PIL images, read where given as URLs)."""
+        if not any(isinstance(m.get("content"), list) and any(p.get("type") in ("image_url", "image_pil")
+                                                               for p in m["content"]) for m in conversation):
+            return conversation, []
+        from shardlm.entrypoints.openai.frontend_options import loops_over_content
+        from shardlm.multimodal.chat import split_images
+        from shardlm.multimodal.media import load_image
+        images = self.engine.processor.images         # a text model: ValueError
+        template = chat_template or getattr(self.get_tokenizer(), "chat_template", None)
+        fmt = "openai" if isinstance(template, str) and loops_over_content(template) else "string"
+        conversation, found = split_images(conversation, fmt, images.placeholder)
+        allowed = self.engine.config.model.multimodal.allowed_local_media_path
+        return conversation, [load_image(im, allowed) if isinstance(im, str) else im for im in found]
 
     # ---- pooling models (runner pooling): embeddings, classes, scores ----
     def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | Sequence[PoolingParams]

@@ -177,6 +177,41 @@ def _gemma3_multimodal(path):
     return _save_tiny(path, Gemma3ForConditionalGeneration, config)
 
 
+# a LLaVA chat template: OpenAI parts, an image as <image>
+LLAVA_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                  "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+                  "{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}{% endif %}{% endfor %}"
+                  "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                  "{% endif %}")
+
+
+def _llava(path):
+    """A LLaVA-1.5-style checkpoint: a two-layer CLIP vision tower (56 x 56 images, 16 patches: 16
+    image tokens each), its projector, a tiny Llama; SmolLM2's tokenizer with <image> added, and
+    the processor (CLIP's image processor) saved beside it."""
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir())
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=56, patch_size=14, projection_dim=32)
+    text = LlamaConfig(**{**TINY, "vocab_size": 49216})
+    config = LlavaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                         image_token_index=tokenizer.convert_tokens_to_ids("<image>"))
+    _save_tiny(path, LlavaForConditionalGeneration, config)
+    images = CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default",
+                   chat_template=LLAVA_TEMPLATE, num_additional_image_tokens=1).save_pretrained(path)
+    return str(path)
+
+
 def _phi4_mini(path):
     """Phi-4-mini's shape: fused qkv / gate_up in the checkpoint, 0.75 of each head rotating
     (R = 12 of D = 16), LongRoPE past 128 positions (short and long factors of their own)."""
@@ -320,7 +355,8 @@ TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers, "llam
                "gemma3-12-layers-full": lambda path: _gemma3_12_layers(path, ["full_attention"] * 12),
                "deepseek-v3": _deepseek_v3, "deepseek-v2": _deepseek_v2, "deepseek-v2-lite": _deepseek_v2_lite,
                "deepseek-v3-mtp": _deepseek_v3_mtp, "gpt-oss-skewed": lambda path: _gpt_oss(path, skewed=True),
-               "starcoder2": _starcoder2, "cohere": _cohere, "gpt-neox": _gpt_neox}
+               "starcoder2": _starcoder2, "cohere": _cohere, "gpt-neox": _gpt_neox,
+               "llava": _llava}
 
 
 @pytest.fixture(scope="session")

@@ -139,3 +139,25 @@ def combinations_table() -> str:
     rows = ["| asked for together | why not | instead |", "|---|---|---|"]
     rows += [f"| {r.combination} | {r.reason} | {r.instead} |" for r in RULES]
     return "\n".join(rows)
+
+
+def _vision_language(c: EngineConfig) -> bool:
+    return c.model.multimodal is not None
+
+
+RULES += (
+    Rule("a vision-language model (LLaVA) with a draft model or EAGLE head (--speculative-config method "
+         "draft_model, eagle, eagle3, mtp)",
+         lambda c: _vision_language(c) and _drafts_on_one_rank(c),
+         "the draft would read an image's placeholder tokens as text: it is not given the images' embeddings",
+         "speculative decoding with method 'ngram'"),
+    Rule("a vision-language model (LLaVA) with --enable-lora or --runner pooling",
+         lambda c: _vision_language(c) and (c.lora is not None or _pooling(c)),
+         "its adapters name the text model's modules under language_model., which adapter loading does not map; "
+         "pooling reads text prompts",
+         "the text model alone (its own checkpoint), or generation without adapters"),
+    Rule("a vision-language model (LLaVA) with --quantization gguf, gptq or awq",
+         lambda c: _vision_language(c) and c.model.quantization is not None and not c.model.quantization.at_load,
+         "only float checkpoints of vision-language models are read",
+         "the float checkpoint, with --quantization int8, int4 or fp8_* at load (the text model's linears)"),
+)

@@ -83,8 +83,12 @@ def loops_over_content(template: str) -> bool:
     return False
 
 
-def as_content_format(texts: list[str], content_format: str) -> str | list[dict]:
-    """A message's text parts as the template takes them: one string, or OpenAI's list of parts."""
-    if content_format == "string":
-        return "".join(texts)
-    return [{"type": "text", "text": t} for t in texts]
+def as_content_format(parts: list[dict], content_format: str, image_placeholder: str | None = None) -> str | list[dict]:
+    """A message's parts (text, and {"type": "image"}) as the template takes them: OpenAI's list
+    of parts, or one string, in which each image is its placeholder on a line of its own before
+    the text, as vLLM writes them."""
+    if content_format != "string":
+        return parts
+    images = sum(1 for p in parts if p["type"] == "image")
+    text = "".join(p["text"] for p in parts if p["type"] == "text")
+    return "".join(f"{image_placeholder}\n" for _ in range(images)) + text

@@ -151,6 +151,19 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(BaseModel):
+    """An image for a vision-language model: a data:, http(s): or file: URL (multimodal/media.py)."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str
@@ -167,29 +180,40 @@ class MessageToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     tool_calls: list[MessageToolCall] | None = None     # an assistant's earlier calls
     tool_call_id: str | None = None                     # a tool's answer: to which call
     name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, content):
-        """An image or audio part gets a message that says why, not a schema error."""
+    def _text_and_image_parts_only(cls, content):
+        """An audio or video part gets a message that says why, not a schema error."""
         if isinstance(content, list):
             for part in content:
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text":
-                    raise ValueError(f"content parts of type {kind!r} are not supported: shardlm serves text models "
-                                     "(a Gemma 3 checkpoint as its text model); send the message as text parts or "
-                                     "a string.")
+                if kind not in ("text", "image_url"):
+                    raise ValueError(f"content parts of type {kind!r} are not supported: shardlm reads text parts, "
+                                     "and image_url parts for vision-language models.")
         return content
 
     def parts(self) -> list[str]:
         """The content's text parts (a string is one; none is none)."""
         if isinstance(self.content, list):
-            return [p.text for p in self.content]
+            return [p.text for p in self.content if isinstance(p, TextPart)]
         return [self.content] if self.content else []
+
+    def image_urls(self) -> list[str]:
+        return [p.image_url.url for p in self.content if isinstance(p, ImagePart)] if isinstance(self.content, list) \
+            else []
+
+    def template_parts(self) -> list[dict]:
+        """The content in order as OpenAI-format chat templates take it: text parts, and
+        {"type": "image"} where an image goes."""
+        if not isinstance(self.content, list):
+            return [{"type": "text", "text": t} for t in self.parts()]
+        return [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                for p in self.content]
 
     def text(self) -> str:
         return "".join(self.parts())

@@ -17,6 +17,7 @@ from shardlm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from shardlm.engine.async_llm import AsyncLLM
 from shardlm.engine.processor import check_max_tokens, require_tokenizer
 from shardlm.entrypoints.openai import tools
+from shardlm.entrypoints.openai.chat_images import image_placeholder, with_images
 from shardlm.entrypoints.openai.frontend_options import FrontendOptions
 from shardlm.entrypoints.openai.logprobs_json import (
     chat_logprobs,
@@ -118,6 +119,7 @@ class OpenAIServing:
         self.options = options or FrontendOptions()
         template = chat_template or getattr(llm.tokenizer, "chat_template", None)
         self.content_format = self.options.content_format_for(template if isinstance(template, str) else None)
+        self.image_placeholder = image_placeholder(llm)      # a vision-language model's (chat_images.py)
 
     # ---- shared ----
     def check_model(self, name: str | None) -> str:
@@ -181,7 +183,8 @@ class OpenAIServing:
         self.need_tokenizer("A chat", "messages")
         for m in messages:
             check_encodable(m.text(), "messages")
-        return render_messages(self.llm.tokenizer, tools.template_messages(messages, self.content_format),
+        return render_messages(self.llm.tokenizer, tools.template_messages(messages, self.content_format,
+                                                                            self.image_placeholder),
                                self.chat_template, tools=tool_specs, add_generation_prompt=add_generation_prompt,
                                **{**self.options.default_chat_template_kwargs, **(template_kwargs or {})})
 
@@ -225,10 +228,13 @@ class OpenAIServing:
         check_encodable(prompt, param)
         return (await self._off_loop(self.llm.tokenizer, prompt, add_special_tokens=add_special_tokens)).input_ids
 
-    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
+    def truncated(self, ids: list[int], keep: int | None, images=None) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len)."""
         if keep is None:
             return ids
+        if images:
+            raise OpenAIError("truncate_prompt_tokens would cut a prompt with images: leave it out.", 400,
+                              "truncate_prompt_tokens")
         if keep == 0:
             raise OpenAIError("truncate_prompt_tokens=0 would leave no prompt: give at least 1, or -1 for as many as "
                               "the model takes.", 400, "truncate_prompt_tokens")
@@ -422,8 +428,12 @@ class OpenAIServing:
                                    ("documents", req.documents)) if v}
         text = await self._off_loop(self.render_chat, req.messages, tool_specs, req.add_generation_prompt,
                                     {**extra, **(req.chat_template_kwargs or {})})
-        ids = (await self._off_loop(self.llm.tokenizer, text, add_special_tokens=req.add_special_tokens)).input_ids
-        ids = self.truncated(ids, req.truncate_prompt_tokens)
+        images = None
+        if any(m.image_urls() for m in req.messages):
+            ids, images = await with_images(self.llm, req, text, self._pool)
+        else:
+            ids = (await self._off_loop(self.llm.tokenizer, text, add_special_tokens=req.add_special_tokens)).input_ids
+        ids = self.truncated(ids, req.truncate_prompt_tokens, images)
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true.", 400, "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -437,7 +447,8 @@ class OpenAIServing:
         head = {"id": self.response_id(req, "chatcmpl"), "object": "chat.completion", "created": created,
                 "model": model}
         rid = f"{head['id']}-{uuid.uuid4().hex[:8]}" if req.request_id else head["id"]    # unique in the engine
-        (stream,) = self.submit([(self.engine_prompt(req, ids, text), params, rid)], lora, req.priority)
+        prompt = {**self.engine_prompt(req, ids, text), **({"mm_items": images} if images else {})}
+        (stream,) = self.submit([(prompt, params, rid)], lora, req.priority)
         if req.stream:
             return EventStream(self._stream_chat(req, {**head, "object": "chat.completion.chunk"}, stream,
                                                  (mode, function)), [rid], self.llm)

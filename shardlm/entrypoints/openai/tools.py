@@ -62,12 +62,13 @@ def constraint(req: ChatCompletionRequest, mode: str, name: str | None) -> Struc
     return None
 
 
-def template_messages(messages: list[ChatMessage], content_format: str = "string") -> list[dict]:
+def template_messages(messages: list[ChatMessage], content_format: str = "string",
+                      image_placeholder: str | None = None) -> list[dict]:
     """The conversation as chat templates take it: content as a string or OpenAI's parts
     (frontend_options.as_content_format), arguments of earlier calls as objects."""
     rendered = []
     for m in messages:
-        message = {"role": m.role, "content": as_content_format(m.parts(), content_format)}
+        message = {"role": m.role, "content": as_content_format(m.template_parts(), content_format, image_placeholder)}
         if m.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": _arguments_object(c.function.arguments)}}

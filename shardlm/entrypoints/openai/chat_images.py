@@ -1,0 +1,30 @@
+"""A chat's images (image_url parts) for a vision-language model: read, then through the model's
+processor with the rendered conversation (multimodal/). Every fault is the client's: a 400."""
+
+from __future__ import annotations
+
+import asyncio
+
+from shardlm.entrypoints.openai.protocol import OpenAIError
+from shardlm.multimodal.media import load_image
+
+
+def image_placeholder(llm) -> str | None:
+    """The text that marks an image for the model's chat template (None: a text model)."""
+    return llm.processor.images.placeholder if llm.config.model.multimodal is not None else None
+
+
+async def with_images(llm, req, text: str, pool) -> tuple[list[int], list]:
+    """-> the rendered chat's token ids, each image's placeholder expanded, and its images' items.
+    Images are fetched on threads of their own (a slow URL holds no one else's tokenizing)."""
+    urls = [url for m in req.messages for url in m.image_urls()]
+    try:
+        processor = llm.processor.images            # a text model: ValueError
+        if req.use_beam_search:
+            raise ValueError("Beam search is not run on prompts with images: leave out use_beam_search.")
+        allowed = llm.config.model.multimodal.allowed_local_media_path
+        images = await asyncio.gather(*(asyncio.to_thread(load_image, url, allowed) for url in urls))
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(pool, lambda: processor.process(text, list(images), req.add_special_tokens))
+    except ValueError as e:
+        raise OpenAIError(str(e), 400, "messages") from None

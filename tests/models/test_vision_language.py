@@ -1,0 +1,175 @@
+"""Images in prompts (multimodal/): a tiny LLaVA (CLIP vision tower, Llama text model) gives
+transformers' greedy tokens with 0, 1 and 2 images, whole and split over steps, at TP=2 and PP=2;
+offline chats read image_url and image_pil parts; the prefix cache tells images apart; bad
+images, counts and models are refused with what to do."""
+
+import base64
+import io
+
+import numpy as np
+import pytest
+
+from shardlm import LLM, SamplingParams
+from tests import hf_reference
+
+PROMPTS = ["Describe <image> please", "A <image> and <image> compared", "no image at all"]
+GREEDY = SamplingParams(max_tokens=8, temperature=0, logprobs=5)
+
+
+def image(seed: int, height: int = 40, width: int = 70):
+    from PIL import Image
+    return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8"))
+
+
+def data_url(img) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+IMAGES = [[image(0)], [image(1, 50), image(2, 60)], []]
+
+
+def transformers_greedy(path: str, prompts, images, add_special_tokens: bool = True) -> list:
+    """(tokens, top-5 sets) per prompt from transformers' LLaVA, as hf_reference.greedy gives them."""
+    import torch
+    from transformers import LlavaForConditionalGeneration, LlavaProcessor
+    processor = LlavaProcessor.from_pretrained(path)
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                          attn_implementation="eager").eval()
+    results = []
+    with torch.inference_mode():
+        for text, ims in zip(prompts, images):
+            inputs = processor(images=ims or None, text=text, return_tensors="pt",
+                               add_special_tokens=add_special_tokens)
+            out = model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+            results.append((out.sequences[0, inputs["input_ids"].shape[1]:].tolist(),
+                            [set(s[0].topk(5).indices.tolist()) for s in out.scores]))
+    return results
+
+
+def with_images(prompts, images):
+    return [{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t for t, ims in zip(prompts, images)]
+
+
+@pytest.fixture(scope="module")
+def llava(tiny_model_dir):
+    return tiny_model_dir("llava")
+
+
+@pytest.fixture(scope="module")
+def reference(llava):
+    return transformers_greedy(llava, PROMPTS, IMAGES)
+
+
+@pytest.fixture(scope="module")
+def llm(llava):
+    engine = LLM(llava, dtype="float32", enable_prefix_caching=True, limit_mm_per_prompt='{"image": 2}')
+    yield engine
+    engine.shutdown()
+
+
+def test_images_give_transformers_tokens(llm, reference):
+    outs = llm.generate(with_images(PROMPTS, IMAGES), GREEDY)
+    assert hf_reference.assert_close(reference, outs, "llava") == len(PROMPTS)
+    # each image's 16 placeholders are in the prompt the engine ran
+    assert outs[1].prompt_token_ids.count(llm.engine.config.model.multimodal.image_token_id) == 32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"max_num_batched_tokens": 8}, {"tensor_parallel_size": 2},
+                                    {"pipeline_parallel_size": 2}, {"prefill_context_parallel_size": 2},
+                                    {"data_parallel_size": 2}], ids=["8-token-steps", "tp2", "pp2", "pcp2", "dp2"])
+def test_images_give_the_same_tokens_split_over_steps_and_ranks(llava, reference, layout):
+    engine = LLM(llava, dtype="float32", **layout)
+    try:
+        outs = engine.generate(with_images(PROMPTS, IMAGES), GREEDY)
+    finally:
+        engine.shutdown()
+    assert hf_reference.assert_close(reference, outs, str(layout)) == len(PROMPTS)
+
+
+def test_a_chat_reads_image_url_and_image_pil_parts(llm, llava):
+    from transformers import LlavaProcessor
+    picture = image(5, 50, 60)
+    ask = [{"role": "user", "content": [{"type": "text", "text": "What is in "}, {"type": "image"},
+                                        {"type": "text", "text": " this?"}]}]
+    text = LlavaProcessor.from_pretrained(llava).apply_chat_template(ask, add_generation_prompt=True)
+    (ref,) = transformers_greedy(llava, [text], [[picture]], add_special_tokens=False)
+    for part in ({"type": "image_url", "image_url": {"url": data_url(picture)}},
+                 {"type": "image_pil", "image_pil": picture}):
+        messages = [{"role": "user", "content": [ask[0]["content"][0], part, ask[0]["content"][2]]}]
+        (out,) = llm.chat(messages, GREEDY)
+        assert hf_reference.assert_close([ref], [out], part["type"]) == 1
+
+
+def test_the_prefix_cache_tells_images_apart(llm):
+    text = "Look " * 40 + "at <image> now"      # 40 tokens of text before the image
+    first, other, again = (llm.generate([{"prompt": text, "multi_modal_data": {"image": im}}], GREEDY)[0]
+                           for im in (image(7), image(8), image(7)))
+    image_at = first.prompt_token_ids.index(llm.engine.config.model.multimodal.image_token_id)
+    # another image: only the blocks before it are reused; the same image: the whole prompt's full blocks
+    assert other.num_cached_tokens == image_at // 16 * 16
+    assert again.num_cached_tokens == len(first.prompt_token_ids) // 16 * 16
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert other.outputs[0].token_ids != first.outputs[0].token_ids
+
+
+def test_bad_image_prompts_are_refused_with_what_to_do(llm, tmp_path):
+    cases = [
+        ({"prompt": "two <image> <image>", "multi_modal_data": {"image": [image(0)]}}, "put one '<image>'"),
+        ({"prompt": "<image><image><image>", "multi_modal_data": {"image": [image(0)] * 3}}, "at most 2"),
+        ({"prompt": "a <image>", "multi_modal_data": {"audio": [b""]}}, "takes images"),
+        ({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": [image(0)]}}, "needs its text"),
+        ({"prompt": "a <image>", "multi_modal_data": {"image": "data:image/png;base64,!!"}}, "does not decode"),
+        ({"prompt": "a <image>", "multi_modal_data": {"image": "data:image/png;base64,aGVsbG8="}},
+         "could not be decoded"),
+        ({"prompt": "a <image>", "multi_modal_data": {"image": "file:///etc/passwd"}}, "--allowed-local-media-path"),
+    ]
+    for prompt, says in cases:
+        with pytest.raises(ValueError, match=says):
+            llm.generate([prompt], GREEDY)
+    with pytest.raises(ValueError, match="would cut a prompt with images"):
+        llm.generate([{"prompt": "a <image>", "multi_modal_data": {"image": image(0)}}],
+                     SamplingParams(max_tokens=2, truncate_prompt_tokens=4))
+    # the engine goes on
+    assert llm.generate(["still here"], GREEDY)[0].outputs[0].token_ids
+
+
+def test_file_urls_are_read_under_the_allowed_path_only(llava, tmp_path):
+    (tmp_path / "pic.png").write_bytes(base64.b64decode(data_url(image(3)).split(",")[1]))
+    engine = LLM(llava, dtype="float32", allowed_local_media_path=str(tmp_path))
+    try:
+        by_file, by_data = (engine.generate([{"prompt": "see <image>", "multi_modal_data": {"image": src}}],
+                                            GREEDY)[0].outputs[0].token_ids
+                            for src in (f"file://{tmp_path}/pic.png", data_url(image(3))))
+        assert by_file == by_data
+        with pytest.raises(ValueError, match="outside --allowed-local-media-path"):
+            engine.generate([{"prompt": "see <image>", "multi_modal_data": {"image": f"file://{tmp_path}/../x.png"}}])
+    finally:
+        engine.shutdown()
+
+
+def test_combinations_that_cannot_work_are_refused(llava):
+    from types import SimpleNamespace
+
+    from shardlm.engine.arg_utils import EngineArgs
+    from shardlm.engine.feature_rules import UnsupportedCombination, check_combinations
+    with pytest.raises(UnsupportedCombination, match="--enable-lora"):
+        LLM(llava, dtype="float32", enable_lora=True)
+    config = EngineArgs(model=llava, dtype="float32").create_engine_config()
+    config.speculative = SimpleNamespace(method="eagle")        # (a tiny EAGLE head for it is not built)
+    with pytest.raises(UnsupportedCombination, match="placeholder tokens as text"):
+        check_combinations(config)
+    with pytest.raises(ValueError, match="leave out --model-impl transformers"):
+        LLM(llava, model_impl="transformers")
+
+
+def test_a_text_model_refuses_images(tiny_model_dir):
+    engine = LLM(tiny_model_dir("llama-gqa"), dtype="float32")
+    try:
+        with pytest.raises(ValueError, match="is a text model: it takes no images"):
+            engine.generate([{"prompt": "a <image>", "multi_modal_data": {"image": image(0)}}])
+    finally:
+        engine.shutdown()

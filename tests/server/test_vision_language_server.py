@@ -1,0 +1,76 @@
+"""A vision-language model served: chats with image_url parts through the official openai client
+give transformers' tokens, streamed or not; a content format of strings puts each image's
+placeholder before the text; bad images are a 400 that says why, and the server goes on."""
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers import server_in_this_process
+from tests.models.test_vision_language import data_url, image, transformers_greedy
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with server_in_this_process(tiny_model_dir("llava"), "--dtype", "float32", "--enable-prefix-caching",
+                                "--limit-mm-per-prompt", '{"image": 2}') as (_, url):
+        yield url
+
+
+def ask(*parts):
+    return [{"role": "user", "content": list(parts)}]
+
+
+def text(t):
+    return {"type": "text", "text": t}
+
+
+def picture(img):
+    return {"type": "image_url", "image_url": {"url": data_url(img)}}
+
+
+def test_a_chat_with_images_gives_transformers_tokens(server, tiny_model_dir):
+    from transformers import LlavaProcessor
+    path = tiny_model_dir("llava")
+    images = [image(11, 50, 60), image(12)]
+    hf_messages = ask(text("Compare "), {"type": "image"}, text(" and "), {"type": "image"}, text("."))
+    rendered = LlavaProcessor.from_pretrained(path).apply_chat_template(hf_messages, add_generation_prompt=True)
+    ((ref, _),) = transformers_greedy(path, [rendered], [images], add_special_tokens=False)
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+    messages = ask(text("Compare "), picture(images[0]), text(" and "), picture(images[1]), text("."))
+    answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                            extra_body={"return_token_ids": True})
+    assert answer.choices[0].token_ids == ref
+    assert answer.usage.prompt_tokens > 32          # two images of 16 tokens each
+    streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
+        answer.choices[0].message.content
+
+
+@pytest.mark.parametrize("parts, says", [
+    ((text("a"), {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}), "does not decode"),
+    ((text("a"), {"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}), "scheme"),
+    ((text("a"), {"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}), "--allowed-local-media-path"),
+    ((picture(image(1)), picture(image(2)), picture(image(3))), "at most 2"),
+    ((text("a"), {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}), "input_audio"),
+])
+def test_bad_images_are_a_400_that_says_why(server, parts, says):
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": ask(*parts), "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert says in r.json()["error"]["message"]
+    ok = httpx.post(server + "/v1/chat/completions", json={"messages": ask(text("hi")), "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_beam_search_with_images_is_refused(server):
+    r = httpx.post(server + "/v1/chat/completions", json={
+        "messages": ask(picture(image(1)), text("hi")), "max_tokens": 2, "use_beam_search": True, "n": 2})
+    assert r.status_code == 400 and "use_beam_search" in r.json()["error"]["message"]
+
+
+def test_a_string_content_format_puts_placeholders_before_the_text(tiny_model_dir):
+    from shardlm.entrypoints.openai.frontend_options import as_content_format
+    parts = [{"type": "text", "text": "what is "}, {"type": "image"}, {"type": "text", "text": "this"}]
+    assert as_content_format(parts, "string", "<image>") == "<image>\nwhat is this"
+    assert as_content_format(parts, "openai", "<image>") == parts
