@@ -206,8 +206,12 @@ class InputProcessor:
         """The model's image processor (multimodal/processing.py): a ValueError for a text model."""
         mm = self.config.model.multimodal
         if mm is None:
-            raise ValueError(f"{self.config.model.served_model_name} is a text model: it takes no images. Serve a "
-                             "vision-language model (LLaVA's family) for prompts with images.")
+            from shardlm.models.registry import TEXT_MODEL_OF_MULTIMODAL
+            what = ("runs as its text model here (its images are not read)"
+                    if self.config.model.architecture in TEXT_MODEL_OF_MULTIMODAL else "is a text model")
+            raise ValueError(f"{self.config.model.served_model_name} {what}: it takes no images. Serve a "
+                             "vision-language model of LLaVA's family (LlavaForConditionalGeneration) for prompts "
+                             "with images.")
         if self._images is None:
             require_tokenizer(self.tokenizer, "A prompt with images")
             from shardlm.multimodal.processing import ImagePrompts

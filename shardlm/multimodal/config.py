@@ -8,7 +8,7 @@ import json
 from shardlm.config import MultiModalConfig
 
 # the vision-language architectures whose images are read (their text model is shardlm's own)
-VISION_LANGUAGE = ("LlavaForConditionalGeneration", "Mistral3ForConditionalGeneration")
+VISION_LANGUAGE = ("LlavaForConditionalGeneration",)
 
 
 def vision_language_architecture(checkpoint_config) -> str | None:

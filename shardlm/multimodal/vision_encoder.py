@@ -16,8 +16,6 @@ from shardlm.multimodal.processing import as_tensor
 _VISION_SIDES = {
     "LlavaForConditionalGeneration": ("transformers.models.llava.modeling_llava", "LlavaModel",
                                       "LlavaMultiModalProjector"),
-    "Mistral3ForConditionalGeneration": ("transformers.models.mistral3.modeling_mistral3", "Mistral3Model",
-                                         "Mistral3MultiModalProjector"),
 }
 # checkpoint tensor name prefixes of the vision side (the older layout, and transformers 4.52+'s)
 _PREFIXES = (("model.vision_tower.", "vision_tower."), ("vision_tower.", "vision_tower."),
