@@ -98,7 +98,8 @@ def test_background_response_is_polled(client):
 @pytest.mark.parametrize("body, status, words", [
     ({"input": "x", "colour": "red"}, 400, "colour"),
     ({"input": "x", "previous_response_id": "resp_nope"}, 404, "not found"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input_image"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "text model"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]}, 400, "input_file"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "only function tools"),
     ({"input": "x", "stream": True, "background": True}, 400, "background"),
     ({"input": []}, 400, "input"),

@@ -48,6 +48,16 @@ def test_a_chat_with_images_gives_transformers_tokens(server, tiny_model_dir):
         answer.choices[0].message.content
 
 
+def test_the_responses_api_reads_input_image_parts(server):
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+    image_part = {"type": "input_image", "image_url": data_url(image(11, 50, 60))}
+    response = client.responses.create(model="tiny", max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "What is "}, image_part]}])
+    chat = client.chat.completions.create(model="tiny", max_tokens=8, temperature=0, messages=ask(
+        text("What is "), {"type": "image_url", "image_url": {"url": image_part["image_url"]}}))
+    assert response.output_text == chat.choices[0].message.content and response.output_text
+
+
 @pytest.mark.parametrize("parts, says", [
     ((text("a"), {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}), "does not decode"),
     ((text("a"), {"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}), "scheme"),

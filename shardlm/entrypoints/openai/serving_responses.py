@@ -276,7 +276,7 @@ def input_messages(given) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise OpenAIError(f"An input message has role {role!r}: use user, system, developer or assistant.",
                                   400, "input")
-            messages.append({"role": role, "content": _text_of(item.get("content"))})
+            messages.append({"role": role, "content": _content_of(item.get("content"))})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
@@ -299,19 +299,26 @@ def input_messages(given) -> list[dict]:
     return messages
 
 
-def _text_of(content) -> str:
+def _content_of(content) -> str | list[dict]:
+    """A message's content as chat takes it: its text, or its parts where it has images
+    (input_image: an image_url, as chat's image_url parts take it)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise OpenAIError("A message's content must be a text or a list of text parts.", 400, "input")
-    texts = []
+        raise OpenAIError("A message's content must be a text or a list of text and image parts.", 400, "input")
+    parts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
-            raise OpenAIError(f"Content parts of type {kind!r} are not supported: shardlm serves text models; send "
-                              "input_text parts.", 400, "input")
-        texts.append(part.get("text", ""))
-    return "".join(texts)
+        if kind in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": part.get("text", "")})
+        elif kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            raise OpenAIError(f"Content parts of type {kind!r} are not supported: send input_text parts, and "
+                              "input_image parts with an image_url for a vision-language model.", 400, "input")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 def chat_tool(tool: dict) -> dict:
