@@ -190,7 +190,6 @@ def _llava(path):
     image tokens each), its projector, a tiny Llama; SmolLM2's tokenizer with <image> added, and
     the processor (CLIP's image processor) saved beside it."""
     from transformers import (
-        AutoTokenizer,
         CLIPImageProcessor,
         CLIPVisionConfig,
         LlamaConfig,
@@ -198,8 +197,7 @@ def _llava(path):
         LlavaForConditionalGeneration,
         LlavaProcessor,
     )
-    tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir())
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer = _tokenizer_with("<image>")
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                               image_size=56, patch_size=14, projection_dim=32)
     text = LlamaConfig(**{**TINY, "vocab_size": 49216})
@@ -209,6 +207,64 @@ def _llava(path):
     images = CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
     LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default",
                    chat_template=LLAVA_TEMPLATE, num_additional_image_tokens=1).save_pretrained(path)
+    return str(path)
+
+
+def _tokenizer_with(*tokens: str):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir())
+    tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
+    return tokenizer
+
+
+def _llava_next(path):
+    """A LLaVA-NeXT checkpoint: images tiled by size (28 x 28 tiles on grids up to 2 x 2, plus the
+    whole image), each tile's 4 patches packed with a newline embedding per row."""
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessorPil,
+        LlavaNextProcessor,
+    )
+    tokenizer = _tokenizer_with("<image>")
+    grid = [[28, 56], [56, 28], [56, 56]]
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=28, patch_size=14, projection_dim=32)
+    config = LlavaNextConfig(vision_config=vision.to_dict(), text_config=LlamaConfig(**{**TINY, "vocab_size": 49216})
+                             .to_dict(), image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+                             image_grid_pinpoints=grid)
+    _save_tiny(path, LlavaNextForConditionalGeneration, config,
+               tweak=lambda m: m.model.image_newline.data.normal_(0, 0.15))
+    images = LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                                        image_grid_pinpoints=grid)
+    LlavaNextProcessor(image_processor=images, tokenizer=tokenizer, patch_size=14,
+                       vision_feature_select_strategy="default", chat_template=LLAVA_TEMPLATE,
+                       num_additional_image_tokens=1).save_pretrained(path)
+    return str(path)
+
+
+def _idefics3(path):
+    """An Idefics3 (SmolVLM) checkpoint: a SigLIP-style vision tower, images split into 28 x 28 tiles
+    plus the whole image, one token per tile (pixel shuffle), tile names as text between them."""
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+        Idefics3VisionConfig,
+        LlamaConfig,
+    )
+    tokenizer = _tokenizer_with("<image>", "<fake_token_around_image>", "<global-img>")
+    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=28, patch_size=14)
+    config = Idefics3Config(vision_config=vision.to_dict(), text_config=LlamaConfig(**{**TINY, "vocab_size": 49216})
+                            .to_dict(), image_token_id=tokenizer.convert_tokens_to_ids("<image>"), scale_factor=2)
+    _save_tiny(path, Idefics3ForConditionalGeneration, config)
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 56}, max_image_size={"longest_edge": 28})
+    Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=1,
+                      chat_template=LLAVA_TEMPLATE).save_pretrained(path)
     return str(path)
 
 
@@ -356,7 +412,7 @@ TINY_MODELS = {"llama-gqa": _llama_gqa, "llama-5-layers": _llama_5_layers, "llam
                "deepseek-v3": _deepseek_v3, "deepseek-v2": _deepseek_v2, "deepseek-v2-lite": _deepseek_v2_lite,
                "deepseek-v3-mtp": _deepseek_v3_mtp, "gpt-oss-skewed": lambda path: _gpt_oss(path, skewed=True),
                "starcoder2": _starcoder2, "cohere": _cohere, "gpt-neox": _gpt_neox,
-               "llava": _llava}
+               "llava": _llava, "llava-next": _llava_next, "idefics3": _idefics3}
 
 
 @pytest.fixture(scope="session")

@@ -115,6 +115,7 @@ def text_model_name(name: str) -> str | None:
     """A multimodal checkpoint's tensor name as its text model's, or None for the vision side.
     Both layouts are seen: language_model.model.layers... and model.language_model.layers..."""
     for prefix, text in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                         ("model.text_model.", "model."),
                          ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
         if name.startswith(prefix):
             return text + name[len(prefix):]

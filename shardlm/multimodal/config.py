@@ -8,7 +8,8 @@ import json
 from shardlm.config import MultiModalConfig
 
 # the vision-language architectures whose images are read (their text model is shardlm's own)
-VISION_LANGUAGE = ("LlavaForConditionalGeneration",)
+VISION_LANGUAGE = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                   "Idefics3ForConditionalGeneration")
 
 
 def vision_language_architecture(checkpoint_config) -> str | None:

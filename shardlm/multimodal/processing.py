@@ -31,39 +31,34 @@ class ImagePrompts:
         if marks != len(images):
             raise ValueError(f"The prompt marks {marks} image(s) with {self.placeholder!r} but has {len(images)} "
                              f"image(s): put one {self.placeholder!r} where each image goes.")
-        out = self.processor(text=[text], images=images or None, return_tensors="pt",
-                             add_special_tokens=add_special_tokens)
-        ids = out["input_ids"][0].tolist()
-        if not images:
-            return ids, []
-        per_image = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "token_type_ids")
-                     and isinstance(v, torch.Tensor) and v.shape[0] == len(images)}
-        return ids, [MultiModalItem("image", start, end - start, _content_hash(tensors), tensors)
-                     for (start, end), tensors in zip(self._ranges(ids, images),
-                                                      ({k: as_tensor_data(v[i]) for k, v in per_image.items()}
-                                                       for i in range(len(images))))]
+        out = self.processor(text=[text], images=images or None, add_special_tokens=add_special_tokens)
+        ids = list(out["input_ids"][0])
+        alone = [self._alone(im) for im in images]       # each image's own tensors and token count
+        items = []
+        for (start, end), (tensors, _) in zip(self._ranges(ids, [n for _, n in alone]), alone):
+            items.append(MultiModalItem("image", start, end - start, _content_hash(tensors), tensors))
+        return ids, items
 
-    def _ranges(self, ids: list[int], images: list) -> list[tuple[int, int]]:
-        """Each image's placeholder positions, first to last (tokens between an image's rows, as
-        Pixtral's row breaks, lie inside its range and keep their own embeddings)."""
-        token = self.mm.image_token_id
-        positions = [p for p, t in enumerate(ids) if t == token]
-        counts = self._tokens_per_image(images, len(positions))
+    def _alone(self, image) -> tuple[dict[str, TensorData], int]:
+        """One image through the processor by itself: the model's inputs for it (a batch of one:
+        LLaVA-NeXT's tiles and size, Idefics3's tiles and their masks) and its placeholder count."""
+        out = self.processor(text=[self.placeholder], images=[image], return_tensors="pt")
+        tensors = {k: as_tensor_data(v) for k, v in out.items()
+                   if k not in ("input_ids", "attention_mask", "token_type_ids") and isinstance(v, torch.Tensor)}
+        return tensors, out["input_ids"][0].tolist().count(self.mm.image_token_id)
+
+    def _ranges(self, ids: list[int], counts: list[int]) -> list[tuple[int, int]]:
+        """Each image's placeholder positions, first to last: its counts[i] image tokens in turn
+        (tokens between an image's tiles or rows lie inside its range and keep their own embeddings)."""
+        positions = [p for p, t in enumerate(ids) if t == self.mm.image_token_id]
+        if len(positions) != sum(counts):
+            raise ValueError(f"The processor gave {len(positions)} image tokens for images of {sum(counts)}: the "
+                             "prompt's text holds image placeholder tokens of its own; remove them.")
         ranges, at = [], 0
         for n in counts:
             ranges.append((positions[at], positions[at + n - 1] + 1))
             at += n
         return ranges
-
-    def _tokens_per_image(self, images: list, total: int) -> list[int]:
-        count = getattr(self.processor, "_get_num_multimodal_tokens", None)
-        if count is not None:
-            counts = list(count([(im.height, im.width) for im in images]).num_image_tokens)
-            if sum(counts) == total:
-                return counts
-        if total % len(images):
-            raise ValueError(f"The processor gave {total} image tokens for {len(images)} images: cannot tell whose.")
-        return [total // len(images)] * len(images)
 
 
 def as_tensor_data(t: torch.Tensor) -> TensorData:

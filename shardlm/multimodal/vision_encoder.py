@@ -1,11 +1,13 @@
-"""A vision-language checkpoint's vision side on the workers of the first pipeline stage: its
-vision tower and projector, transformers' own modules, run by the model class's own
-get_image_features (the text model is shardlm's), their linears shardlm's (the CPU kernels'
-panels: a ViT-L/14-336 image took 8-11% less time than with torch's). Every TP rank of that
-stage holds them whole and computes the images of its steps (a vision tower is small beside the
-text model)."""
+"""A vision-language checkpoint's vision side on the workers of the first pipeline stage: the
+checkpoint's own transformers model (LlavaModel, LlavaNextModel, Idefics3Model) built without its
+text model, run by its own get_image_features (vision tower, projector or connector, LLaVA-NeXT's
+tile packing); the text model is shardlm's. Its linears are shardlm's (the CPU kernels' panels: a
+ViT-L/14-336 image took 8-11% less time than with torch's). Every TP rank of that stage holds it
+whole and computes the images of its steps (a vision tower is small beside the text model)."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch import nn
@@ -15,56 +17,51 @@ from shardlm.layers.linear import Linear
 from shardlm.messages import MultiModalItem
 from shardlm.multimodal.processing import as_tensor
 
-# architecture -> (transformers' module, its model class, its projector class)
-_VISION_SIDES = {
-    "LlavaForConditionalGeneration": ("transformers.models.llava.modeling_llava", "LlavaModel",
-                                      "LlavaMultiModalProjector"),
+# architecture -> transformers' model class (the conditional generation model's .model), and the
+# attribute its text model sits in
+VISION_SIDES = {
+    "LlavaForConditionalGeneration": ("LlavaModel", "language_model"),
+    "LlavaNextForConditionalGeneration": ("LlavaNextModel", "language_model"),
+    "Idefics3ForConditionalGeneration": ("Idefics3Model", "text_model"),
 }
-# checkpoint tensor name prefixes of the vision side (the older layout, and transformers 4.52+'s)
-_PREFIXES = (("model.vision_tower.", "vision_tower."), ("vision_tower.", "vision_tower."),
-             ("model.multi_modal_projector.", "multi_modal_projector."),
-             ("multi_modal_projector.", "multi_modal_projector."))
-
-
-def vision_name(name: str) -> str | None:
-    """A checkpoint tensor's name in the vision encoder, or None for the text model's."""
-    for prefix, ours in _PREFIXES:
-        if name.startswith(prefix):
-            return ours + name[len(prefix):]
-    return None
 
 
 class VisionEncoder(nn.Module):
     def __init__(self, mm: MultiModalConfig):
         super().__init__()
-        import importlib
-
-        from transformers import AutoModel
-        module, model_class, projector_class = _VISION_SIDES[mm.architecture]
-        module = importlib.import_module(module)
-        self.config = mm.hf_config
-        self._image_features = getattr(module, model_class).get_image_features
-        self.vision_tower = AutoModel.from_config(self.config.vision_config)
-        self.multi_modal_projector = getattr(module, projector_class)(self.config)
-        for name, linear in list(self.named_modules()):
+        import transformers
+        model_class, self.text_attribute = VISION_SIDES[mm.architecture]
+        config = copy.deepcopy(mm.hf_config)
+        _shrink_text_model(config.get_text_config())        # built, then dropped: the text model is shardlm's
+        self.inner = getattr(transformers, model_class)(config)
+        delattr(self.inner, self.text_attribute)
+        for name, linear in list(self.inner.named_modules()):
             if isinstance(linear, nn.Linear):
                 ours = Linear(linear.in_features, linear.out_features, linear.bias is not None)
                 ours.load_state_dict(linear.state_dict())       # (random: what --load-format dummy keeps)
                 parent, _, leaf = name.rpartition(".")
-                setattr(self.get_submodule(parent), leaf, ours)
+                setattr(self.inner.get_submodule(parent), leaf, ours)
+
+    def vision_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name here, or None for the text model's (both layouts are seen:
+        vision_tower.* and model.vision_tower.*)."""
+        for candidate in (name.removeprefix("model."), name):
+            top = candidate.split(".")[0]
+            if top != self.text_attribute and hasattr(self.inner, top):
+                return candidate
+        return None
 
     def load_weights(self, weights) -> None:
-        params = {**dict(self.named_parameters()), **dict(self.named_buffers())}
+        params = {**dict(self.inner.named_parameters()), **dict(self.inner.named_buffers())}
         loaded = set()
         for name, tensor in weights:
-            ours = vision_name(name)
+            ours = self.vision_name(name)
             if ours is None or ours not in params:
                 continue
-            target = params[ours]
             with torch.no_grad():
-                target.copy_(tensor[:] if not isinstance(tensor, torch.Tensor) else tensor)
+                params[ours].copy_(tensor if isinstance(tensor, torch.Tensor) else tensor[:])
             loaded.add(ours)
-        missing = {n for n, _ in self.named_parameters()} - loaded
+        missing = {n for n, _ in self.inner.named_parameters()} - loaded
         if missing:
             raise ValueError(f"The checkpoint lacks vision weights: {', '.join(sorted(missing)[:8])}")
 
@@ -79,13 +76,22 @@ class VisionEncoder(nn.Module):
 
     @torch.inference_mode()
     def encode(self, item: MultiModalItem) -> torch.Tensor:
-        """One image's embeddings, [its placeholder tokens' count, text hidden size]."""
-        inputs = {k: as_tensor(v).unsqueeze(0).to(self.device) for k, v in item.tensors.items()}
+        """One image's embeddings, [its placeholder tokens' count, text hidden size], in the order
+        its placeholders take them."""
+        inputs = {k: as_tensor(v).to(self.device) for k, v in item.tensors.items()}
         inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
-        out = self._image_features(self, **inputs)
-        features = getattr(out, "pooler_output", out)
-        features = features[0] if isinstance(features, (list, tuple)) else features
+        features = self.inner.get_image_features(**inputs).pooler_output
+        if isinstance(features, (list, tuple)):
+            features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
         return features.reshape(-1, features.shape[-1])
+
+
+def _shrink_text_model(text_config) -> None:
+    """A text config whose model costs nothing to build (no layers, a one-token vocabulary)."""
+    text_config.num_hidden_layers = 0
+    text_config.vocab_size = 1
+    if getattr(text_config, "layer_types", None) is not None:
+        text_config.layer_types = []
 
 
 def load_vision_encoder(model, device: torch.device) -> VisionEncoder:

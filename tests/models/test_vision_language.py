@@ -1,5 +1,6 @@
-"""Images in prompts (multimodal/): a tiny LLaVA (CLIP vision tower, Llama text model) gives
-transformers' greedy tokens with 0, 1 and 2 images, whole and split over steps, at TP=2 and PP=2;
+"""Images in prompts (multimodal/): tiny LLaVA, LLaVA-NeXT (tiles by image size) and Idefics3
+(SmolVLM: tiles with text between them) give transformers' greedy tokens with 0, 1 and 2 images of
+different sizes, whole and split over steps; LLaVA also at TP=2, PP=2, PCP=2 and DP=2;
 offline chats read image_url and image_pil parts; the prefix cache tells images apart; bad
 images, counts and models are refused with what to do."""
 
@@ -27,16 +28,18 @@ def data_url(img) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-IMAGES = [[image(0)], [image(1, 50), image(2, 60)], []]
+IMAGES = [[image(0)], [image(1, 50, 55), image(2, 60, 40)], []]
+FAMILIES = ["llava", "llava-next", "idefics3"]
 
 
 def transformers_greedy(path: str, prompts, images, add_special_tokens: bool = True) -> list:
     """(tokens, top-5 sets) per prompt from transformers' LLaVA, as hf_reference.greedy gives them."""
     import torch
-    from transformers import LlavaForConditionalGeneration, LlavaProcessor
-    processor = LlavaProcessor.from_pretrained(path)
-    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
-                                                          attn_implementation="eager").eval()
+    import transformers
+    from transformers import AutoConfig, AutoProcessor
+    processor = AutoProcessor.from_pretrained(path)
+    model_class = getattr(transformers, AutoConfig.from_pretrained(path).architectures[0])
+    model = model_class.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     results = []
     with torch.inference_mode():
         for text, ims in zip(prompts, images):
@@ -61,6 +64,18 @@ def llava(tiny_model_dir):
 @pytest.fixture(scope="module")
 def reference(llava):
     return transformers_greedy(llava, PROMPTS, IMAGES)
+
+
+@pytest.mark.parametrize("family", FAMILIES[1:])
+@pytest.mark.parametrize("steps", [{}, {"max_num_batched_tokens": 8}], ids=["whole", "8-token-steps"])
+def test_tiled_images_give_transformers_tokens(tiny_model_dir, family, steps):
+    path = tiny_model_dir(family)
+    engine = LLM(path, dtype="float32", **steps)
+    try:
+        outs = engine.generate(with_images(PROMPTS, IMAGES), GREEDY)
+    finally:
+        engine.shutdown()
+    assert hf_reference.assert_close(transformers_greedy(path, PROMPTS, IMAGES), outs, family) == len(PROMPTS)
 
 
 @pytest.fixture(scope="module")
@@ -91,11 +106,11 @@ def test_images_give_the_same_tokens_split_over_steps_and_ranks(llava, reference
 
 
 def test_a_chat_reads_image_url_and_image_pil_parts(llm, llava):
-    from transformers import LlavaProcessor
+    from transformers import AutoProcessor
     picture = image(5, 50, 60)
     ask = [{"role": "user", "content": [{"type": "text", "text": "What is in "}, {"type": "image"},
                                         {"type": "text", "text": " this?"}]}]
-    text = LlavaProcessor.from_pretrained(llava).apply_chat_template(ask, add_generation_prompt=True)
+    text = AutoProcessor.from_pretrained(llava).apply_chat_template(ask, add_generation_prompt=True)
     (ref,) = transformers_greedy(llava, [text], [[picture]], add_special_tokens=False)
     for part in ({"type": "image_url", "image_url": {"url": data_url(picture)}},
                  {"type": "image_pil", "image_pil": picture}):
