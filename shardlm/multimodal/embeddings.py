@@ -42,8 +42,9 @@ def merge(hidden: torch.Tensor) -> torch.Tensor:
 def of_step(batch, requests: dict, encoder, image_token: int, device: torch.device) -> StepEmbeddings | None:
     """The rows of this rank's tokens in `batch` (worker/step_builder.StepBatch) that are image
     placeholders, and their images' embeddings. An image is encoded the first time one of its
-    placeholders is scheduled and kept until its request ends (a prompt split across steps
-    reads it again). requests: the worker's RequestStates."""
+    placeholders is scheduled and kept until its last one is (a prompt split across steps reads
+    it again; a request preempted before then has it encoded again). requests: the worker's
+    RequestStates."""
     rows, values, offset = [], [], 0
     for c in batch.chunks:
         state = requests[c.req_id]
@@ -62,6 +63,8 @@ def of_step(batch, requests: dict, encoder, image_token: int, device: torch.devi
                     rows.append(offset + p - c.start_pos)
                     values.append(state.image_features[k][index])
                     index += 1
+            if last == item.offset + item.length:       # its last placeholder: no step reads it again
+                del state.image_features[k]
         offset += len(c.token_ids)
     if batch.pcp is not None:       # prefill context parallel: this group's share of the step's tokens
         mine = {row: i for i, row in enumerate(batch.pcp.mine)}
