@@ -143,6 +143,7 @@ class ModelConfig:
     max_logprobs: int = 20                   # --max-logprobs: per token, a request's most; -1: the vocabulary
     served_model_names: list[str] = field(default_factory=list)   # every name a request may give the model
     multimodal: MultiModalConfig | None = None      # a vision-language checkpoint: its images (multimodal/)
+    enable_prompt_embeds: bool = False       # prompts may be embeddings (multimodal/prompt_embeds.py)
 
     def __post_init__(self):
         self.served_model_names = self.served_model_names or [self.served_model_name]

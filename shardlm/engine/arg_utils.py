@@ -284,6 +284,10 @@ class EngineArgs:
         None, "model",
         "vision-language models: the most images a prompt may carry, as a JSON object, as vLLM's "
         "(e.g. '{\"image\": 2}'; default 999)")
+    enable_prompt_embeds: bool = knob(
+        False, "model",
+        "prompts may be given as embeddings, as vLLM's: LLM.generate({\"prompt_embeds\": tensor [tokens, "
+        "hidden]}) and /v1/completions' prompt_embeds (base64 of torch.save), for Llama-family models")
     allowed_local_media_path: str | None = knob(
         None, "model",
         "vision-language models: file: image URLs are read from under this directory (else refused), as vLLM's")
@@ -409,6 +413,7 @@ class EngineArgs:
             enable_sleep_mode=self.enable_sleep_mode,
             max_logprobs=_max_logprobs(self.max_logprobs),
             trust_remote_code=self.trust_remote_code, multimodal=multimodal,
+            enable_prompt_embeds=_prompt_embeds(self.enable_prompt_embeds, architecture),
             load_format=_load_format(self.load_format, source.gguf_file, checkpoint))
         cache = CacheConfig(**{**self.landing_in("cache"), "kv_cache_memory": parse_size(self.kv_cache_memory)})
         batched_tokens = self.max_num_batched_tokens or max(SchedulerConfig.max_num_batched_tokens, self.max_num_seqs)
@@ -581,6 +586,13 @@ def resolve_quantization(method: str | None, group_size: int | None, inputs: lis
     return QuantizationConfig(method, group)
 
 
+def _prompt_embeds(enabled: bool, architecture: str) -> bool:
+    if enabled and not getattr(MODEL_REGISTRY.get(architecture), "takes_embeddings", False):
+        raise ValueError(f"--enable-prompt-embeds: {architecture} does not take embeddings in place of tokens here "
+                         "(Llama-family models do: Llama, Mistral, Qwen2/3, Granite, SmolLM3, Phi-3, ...).")
+    return enabled
+
+
 def _text_model_of(multimodal, model_impl: str) -> tuple[str, str]:
     """A vision-language checkpoint's text architecture, which must be shardlm's own model (it
     takes the images' embeddings in place of their placeholders' token embeddings)."""
@@ -588,7 +600,7 @@ def _text_model_of(multimodal, model_impl: str) -> tuple[str, str]:
     if model_impl == "transformers":
         raise ValueError(f"{multimodal.architecture} runs its text model on shardlm's own code: leave out "
                          "--model-impl transformers.")
-    if not getattr(MODEL_REGISTRY.get(architecture), "reads_images", False):
+    if not getattr(MODEL_REGISTRY.get(architecture), "takes_embeddings", False):
         raise ValueError(f"{multimodal.architecture}'s text model {architecture} cannot take images here: its text "
                          "models run on shardlm's Llama-family code (Llama, Mistral, Qwen2, ...).")
     logger.info("%s: its %s text model, and images through its vision tower (transformers' modules)",

@@ -63,8 +63,9 @@ def split_prompt(prompt) -> tuple[str | None, list[int] | None]:
     if isinstance(prompt, str):
         return prompt, None
     if isinstance(prompt, dict):
-        if "prompt_token_ids" not in prompt and "prompt" not in prompt:
-            raise ValueError(f"A prompt dict needs 'prompt' or 'prompt_token_ids'; got keys {sorted(prompt)}.")
+        if "prompt_token_ids" not in prompt and "prompt" not in prompt and "prompt_embeds" not in prompt:
+            raise ValueError(f"A prompt dict needs 'prompt', 'prompt_token_ids' or 'prompt_embeds'; got keys "
+                             f"{sorted(prompt)}.")
         ids = prompt.get("prompt_token_ids")
         return prompt.get("prompt"), list(ids) if ids is not None else None
     if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
@@ -154,7 +155,9 @@ class InputProcessor:
         text, prompt_token_ids = split_prompt(prompt)
         salt = cache_salt_of(prompt)
         mm_items = None
-        if isinstance(prompt, dict) and ("multi_modal_data" in prompt or "mm_items" in prompt):
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:
+            prompt_token_ids, mm_items = self._with_prompt_embeds(prompt, params)
+        elif isinstance(prompt, dict) and ("multi_modal_data" in prompt or "mm_items" in prompt):
             prompt_token_ids, mm_items = self._with_images(prompt, text, prompt_token_ids)
         if prompt_token_ids is None:
             if not isinstance(text, str):
@@ -166,8 +169,8 @@ class InputProcessor:
             keep = self.config.model.max_model_len if keep == -1 else keep
             if len(prompt_token_ids) > keep:
                 if mm_items:
-                    raise ValueError("truncate_prompt_tokens would cut a prompt with images: leave it out, or shorten "
-                                     "the prompt's text.")
+                    raise ValueError("truncate_prompt_tokens would cut a prompt with images or embeddings: leave it "
+                                     "out, or shorten the prompt.")
                 prompt_token_ids, text = prompt_token_ids[-keep:], None
         self._validate(prompt_token_ids)
         if not isinstance(params, SamplingParams):
@@ -217,6 +220,21 @@ class InputProcessor:
             from shardlm.multimodal.processing import ImagePrompts
             self._images = ImagePrompts(self.config.model)
         return self._images
+
+    def _with_prompt_embeds(self, prompt: dict, params) -> tuple[list[int], list]:
+        """vLLM's {"prompt_embeds": tensor [tokens, hidden]} -> (placeholder ids, its one item)."""
+        m = self.config.model
+        if not m.enable_prompt_embeds:
+            raise ValueError("Prompts as embeddings (prompt_embeds) need --enable-prompt-embeds "
+                             "(LLM(..., enable_prompt_embeds=True)).")
+        if set(prompt) - {"prompt_embeds", "cache_salt"}:
+            raise ValueError(f"A prompt_embeds prompt takes no {sorted(set(prompt) - {'prompt_embeds', 'cache_salt'})}:"
+                             " its embeddings are the whole prompt.")
+        if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs need the prompt's tokens, which a prompt_embeds prompt does not have.")
+        from shardlm.multimodal.prompt_embeds import prompt_embeds_item
+        ids, item = prompt_embeds_item(prompt["prompt_embeds"], m.hf_config.hidden_size, m.dtype)
+        return ids, [item]
 
     def _with_images(self, prompt: dict, text: str | None, ids: list[int] | None):
         """A prompt dict's images: vLLM's "multi_modal_data" ({"image": a PIL image or a list}) with

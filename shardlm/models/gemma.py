@@ -128,6 +128,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     qk_norm = False
     rope_by_layer_type = False
     eagle3_target = False      # its layers are not LlamaModel's, whose inputs an EAGLE-3 head reads
+    takes_embeddings = False   # (Gemma 2 scales given embeddings, Gemma 3 does not: not taken here)
 
     def __init__(self, config, max_position: int, dtype: torch.dtype, layer_range: tuple[int, int] | None = None):
         nn.Module.__init__(self)

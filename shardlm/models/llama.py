@@ -225,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
                       (".gate_up_proj.", ".up_proj.", 1)]
     qkv_bias: bool | None = None   # None: from config.attention_bias
     qk_norm = False                # RMSNorm on each q and k head (Qwen3)
-    reads_images = True            # the text model of a vision-language checkpoint (multimodal/)
+    takes_embeddings = True        # images' and prompt embeddings in place of tokens' (multimodal/embeddings.py)
 
     def __init__(self, config, max_position: int, dtype: torch.dtype, layer_range: tuple[int, int] | None = None):
         super().__init__()

@@ -17,6 +17,7 @@ from shardlm.layers.norm import Float32RMSNorm, ShardedRMSNorm
 from shardlm.layers.rotary import RotaryEmbedding
 from shardlm.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from shardlm.models.llama import LlamaForCausalLM, LlamaMLP, LlamaVariant, PPMissingLayer
+from shardlm.multimodal import embeddings as image_embeddings
 
 
 class Olmo2Attention(nn.Module):
@@ -73,7 +74,7 @@ class Olmo2Model(nn.Module):
         self.norm = Float32RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last_rank else None
 
     def forward(self, input_ids, positions, meta, intermediate: list[torch.Tensor] | None = None):
-        hidden = self.embed_tokens(input_ids) if intermediate is None else intermediate[0]
+        hidden = image_embeddings.merge(self.embed_tokens(input_ids)) if intermediate is None else intermediate[0]
         cos_sin = self.rotary.lookup(positions)
         for i in range(self.start, self.end):
             hidden = self.layers[i](cos_sin, hidden, meta)

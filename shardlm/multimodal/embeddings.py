@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardlm.multimodal.processing import as_tensor
+
 
 @dataclass
 class StepEmbeddings:
@@ -39,13 +41,16 @@ def merge(hidden: torch.Tensor) -> torch.Tensor:
     return hidden
 
 
-def of_step(batch, requests: dict, encoder, image_token: int, device: torch.device) -> StepEmbeddings | None:
-    """The rows of this rank's tokens in `batch` (worker/step_builder.StepBatch) that are image
-    placeholders, and their images' embeddings. An image is encoded the first time one of its
-    placeholders is scheduled and kept until its last one is (a prompt split across steps reads
-    it again; a request preempted before then has it encoded again). requests: the worker's
-    RequestStates."""
-    rows, values, offset = [], [], 0
+def of_step(batch, requests: dict, encoder, image_token: int | None, device: torch.device) -> StepEmbeddings | None:
+    """The rows of this rank's tokens in `batch` (worker/step_builder.StepBatch) whose embeddings
+    are given: image placeholders (their image's embeddings, in order) and prompt embeddings. An
+    image is encoded the first time one of its placeholders is scheduled and kept until its last
+    one is (a prompt split across steps reads it again; a request preempted before then has it
+    encoded again). requests: the worker's RequestStates; encoder: the vision encoder (None for
+    a text model, whose prompts may be embeddings)."""
+    rows: list[int] = []
+    values: list[torch.Tensor] = []
+    offset = 0
     for c in batch.chunks:
         state = requests[c.req_id]
         end = c.start_pos + len(c.token_ids)
@@ -53,23 +58,31 @@ def of_step(batch, requests: dict, encoder, image_token: int, device: torch.devi
             first, last = max(c.start_pos, item.offset), min(end, item.offset + item.length)
             if first >= last:
                 continue
+            if item.modality == "embeds":       # every position of the range: its own row of the tensor
+                rows.extend(range(offset + first - c.start_pos, offset + last - c.start_pos))
+                values.append(as_tensor(item.tensors["embeds"])[first - item.offset:last - item.offset].to(device))
+                continue
             if k not in state.image_features:
                 state.image_features[k] = encoder.encode(item)
             ids = state.prompt_token_ids
-            # an image's n-th placeholder token takes its n-th embedding (tokens between its rows: their own)
-            index = sum(1 for p in range(item.offset, first) if ids[p] == image_token)
-            for p in range(first, last):
-                if ids[p] == image_token:
-                    rows.append(offset + p - c.start_pos)
-                    values.append(state.image_features[k][index])
-                    index += 1
+            # an image's n-th placeholder takes its n-th embedding (tokens between its tiles: their own)
+            done = sum(1 for p in range(item.offset, first) if ids[p] == image_token)
+            mine = [p for p in range(first, last) if ids[p] == image_token]
+            rows.extend(offset + p - c.start_pos for p in mine)
+            values.append(state.image_features[k][done:done + len(mine)])
             if last == item.offset + item.length:       # its last placeholder: no step reads it again
                 del state.image_features[k]
         offset += len(c.token_ids)
-    if batch.pcp is not None:       # prefill context parallel: this group's share of the step's tokens
-        mine = {row: i for i, row in enumerate(batch.pcp.mine)}
-        kept = [(mine[r], v) for r, v in zip(rows, values) if r in mine]
-        rows, values = [r for r, _ in kept], [v for _, v in kept]
     if not rows:
         return None
-    return StepEmbeddings(torch.tensor(rows, dtype=torch.long, device=device), torch.stack(values))
+    rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+    values_t = torch.cat(values) if len(values) > 1 else values[0]
+    if batch.pcp is not None:       # prefill context parallel: this group's share of the step's tokens
+        mine_of = torch.full((len(batch.input_ids),), -1, dtype=torch.long, device=device)
+        mine_of[torch.tensor(batch.pcp.mine, dtype=torch.long, device=device)] = torch.arange(
+            len(batch.pcp.mine), device=device)
+        kept = mine_of[rows_t] >= 0
+        if not bool(kept.any()):
+            return None
+        rows_t, values_t = mine_of[rows_t][kept], values_t[kept]
+    return StepEmbeddings(rows_t, values_t)

@@ -36,7 +36,7 @@ class ImagePrompts:
         alone = [self._alone(im) for im in images]       # each image's own tensors and token count
         items = []
         for (start, end), (tensors, _) in zip(self._ranges(ids, [n for _, n in alone]), alone):
-            items.append(MultiModalItem("image", start, end - start, _content_hash(tensors), tensors))
+            items.append(MultiModalItem("image", start, end - start, content_hash(tensors), tensors))
         return ids, items
 
     def _alone(self, image) -> tuple[dict[str, TensorData], int]:
@@ -74,7 +74,7 @@ def as_tensor(d: TensorData) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(d.data, dtype=np.dtype(d.dtype)).copy()).reshape(d.shape)
 
 
-def _content_hash(tensors: dict[str, TensorData]) -> str:
+def content_hash(tensors: dict[str, TensorData]) -> str:
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(tensors):
         d = tensors[name]

@@ -430,9 +430,11 @@ class ModelRunner:
                 torch.tensor(batch.computed_positions, dtype=torch.long, device=self.device), meta)
 
     def _image_embeddings(self, batch: StepBatch) -> image_embeddings.StepEmbeddings | None:
-        if self.vision is None:
+        """The step's given embeddings (images', prompts'), on the first stage (multimodal/)."""
+        if not self.pp.is_first_rank or not any(self.requests[c.req_id].mm_items for c in batch.chunks):
             return None
-        return image_embeddings.of_step(batch, self.requests, self.vision, self.config.model.multimodal.image_token_id,
+        mm = self.config.model.multimodal
+        return image_embeddings.of_step(batch, self.requests, self.vision, mm.image_token_id if mm else None,
                                         self.device)
 
     def _last_layer_rows(self, batch: StepBatch) -> LastLayerRows | None:

@@ -1,5 +1,6 @@
-"""A chat's images (image_url parts) for a vision-language model: read, then through the model's
-processor with the rendered conversation (multimodal/). Every fault is the client's: a 400."""
+"""Prompts with given embeddings, for the server: a chat's images (image_url parts) for a
+vision-language model, read, then through the model's processor with the rendered conversation;
+and /v1/completions' prompt_embeds (multimodal/). Every fault is the client's: a 400."""
 
 from __future__ import annotations
 
@@ -28,3 +29,21 @@ async def with_images(llm, req, text: str, pool) -> tuple[list[int], list]:
         return await loop.run_in_executor(pool, lambda: processor.process(text, list(images), req.add_special_tokens))
     except ValueError as e:
         raise OpenAIError(str(e), 400, "messages") from None
+
+
+def embeds_prompts(req, model) -> list[tuple[list[int], object]]:
+    """/v1/completions' prompt_embeds -> per prompt (its placeholder token ids, its tensor), checked."""
+    from shardlm.multimodal.prompt_embeds import decode_base64, prompt_embeds_item
+    values = [req.prompt_embeds] if isinstance(req.prompt_embeds, str) else list(req.prompt_embeds)
+    try:
+        if not model.enable_prompt_embeds:
+            raise ValueError("prompt_embeds need a server started with --enable-prompt-embeds.")
+        for field, given in (("echo", req.echo), ("use_beam_search", req.use_beam_search),
+                             ("prompt_logprobs", req.prompt_logprobs is not None),
+                             ("truncate_prompt_tokens", req.truncate_prompt_tokens is not None)):
+            if given:
+                raise ValueError(f"{field} needs the prompt's tokens, which prompt_embeds do not have: leave it out.")
+        tensors = [decode_base64(v) for v in values]
+        return [(prompt_embeds_item(t, model.hf_config.hidden_size, model.dtype)[0], t) for t in tensors]
+    except ValueError as e:
+        raise OpenAIError(str(e), 400, "prompt_embeds") from None

@@ -138,7 +138,10 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(json_schema_extra={"minLength": 1, "minItems": 1})
+    prompt: str | list[str] | list[int] | list[list[int]] | None = Field(
+        None, json_schema_extra={"minLength": 1, "minItems": 1})
+    # vLLM's (--enable-prompt-embeds): base64 of torch.save([tokens, hidden] tensor), one or a list
+    prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = checked(16, minimum=1, maximum=INT64_MAX)
     logprobs: int | None = checked(None, minimum=0)          # at most --max-logprobs (the engine checks)
     echo: bool = False

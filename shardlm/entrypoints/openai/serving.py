@@ -17,7 +17,7 @@ from shardlm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from shardlm.engine.async_llm import AsyncLLM
 from shardlm.engine.processor import check_max_tokens, require_tokenizer
 from shardlm.entrypoints.openai import tools
-from shardlm.entrypoints.openai.chat_images import image_placeholder, with_images
+from shardlm.entrypoints.openai.chat_images import embeds_prompts, image_placeholder, with_images
 from shardlm.entrypoints.openai.frontend_options import FrontendOptions
 from shardlm.entrypoints.openai.logprobs_json import (
     chat_logprobs,
@@ -332,12 +332,18 @@ class OpenAIServing:
         if req.echo:
             self.need_tokenizer("echo", "echo")
         self.check_prompt_logprobs(req)
-        prompts = _completion_prompts(req.prompt)
-        if len(prompts) > self.limits.max_prompts:
-            raise OpenAIError(f"{len(prompts)} prompts are more than this server allows in one request "
-                              f"({self.limits.max_prompts}, --max-prompts).", 400, "prompt")
+        if req.prompt is None and not req.prompt_embeds:
+            raise OpenAIError("Field required: give a prompt (or prompt_embeds).", 400, "prompt")
+        # with prompt_embeds, an empty prompt is none (vLLM's clients send prompt="": the openai client needs one)
+        given = req.prompt if not (req.prompt_embeds and req.prompt in ("", [])) else None
+        prompts = _completion_prompts(given) if given is not None else []
+        embedded = await self._off_loop(embeds_prompts, req, self.llm.config.model) if req.prompt_embeds else []
+        if len(prompts) + len(embedded) > self.limits.max_prompts:
+            raise OpenAIError(f"{len(prompts) + len(embedded)} prompts are more than this server allows in one "
+                              f"request ({self.limits.max_prompts}, --max-prompts).", 400, "prompt")
         whole = [await self.tokenize(p, add_special_tokens=req.add_special_tokens) for p in prompts]
-        ids = [self.truncated(i, req.truncate_prompt_tokens) for i in whole]
+        ids = [self.truncated(i, req.truncate_prompt_tokens) for i in whole] + [i for i, _ in embedded]
+        prompts, whole = prompts + [None] * len(embedded), whole + [i for i, _ in embedded]
         if req.use_beam_search:
             return await self._beam_completions(req, model, lora, ids)
         echoed = req.logprobs if req.echo else None
@@ -348,8 +354,11 @@ class OpenAIServing:
         # a prompt cut by truncate_prompt_tokens is its tokens alone (echo decodes them)
         texts = [p if isinstance(p, str) and len(i) == len(w) else None for p, i, w in zip(prompts, ids, whole)]
         rids = [f"{rid}-{k}-{uuid.uuid4().hex[:8]}" if req.request_id else f"{rid}-{k}" for k in range(len(ids))]
-        streams = self.submit([(self.engine_prompt(req, i, text), p, r)
-                               for i, text, p, r in zip(ids, texts, params, rids)], lora, req.priority)
+        engine_prompts = [self.engine_prompt(req, i, text) for i, text in zip(ids[:len(ids) - len(embedded)], texts)]
+        salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}
+        engine_prompts += [{"prompt_embeds": tensor, **salt} for _, tensor in embedded]
+        streams = self.submit([(prompt, p, r) for prompt, p, r in zip(engine_prompts, params, rids)], lora,
+                              req.priority)
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         if req.stream:
             return EventStream(self._stream_completions(req, head, streams, ids), rids, self.llm)
