@@ -126,7 +126,8 @@ class LLM:
             text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            chat_template=chat_template, tools=tools, **extra)
             if images:
-                ids, items = self.engine.processor.images.process(text, images, add_special_tokens=False)
+                processor = self.engine.processor.given_embeddings.images
+                ids, items = processor.process(text, images, add_special_tokens=False)
                 prompts.append({"prompt": text, "prompt_token_ids": ids, "mm_items": items})
             else:
                 prompts.append({"prompt": text, "prompt_token_ids": tok(text, add_special_tokens=False).input_ids})
@@ -140,7 +141,7 @@ class LLM:
         from shardlm.entrypoints.openai.frontend_options import loops_over_content
         from shardlm.multimodal.chat import split_images
         from shardlm.multimodal.media import load_image
-        images = self.engine.processor.images         # a text model: ValueError
+        images = self.engine.processor.given_embeddings.images         # a text model: ValueError
         template = chat_template or getattr(self.get_tokenizer(), "chat_template", None)
         fmt = "openai" if isinstance(template, str) and loops_over_content(template) else "string"
         conversation, found = split_images(conversation, fmt, images.placeholder)

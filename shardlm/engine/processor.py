@@ -15,6 +15,7 @@ from shardlm.engine.output_processor import ParentRequest
 from shardlm.lora.peft import read_lora_request
 from shardlm.lora.request import LoRARequest
 from shardlm.messages import EngineCoreRequest
+from shardlm.multimodal.inputs import GivenEmbeddings
 from shardlm.outputs import RequestMetrics
 from shardlm.pooling.params import PoolingParams
 from shardlm.sampling_params import GENERATION_CONFIG_FIELDS, RequestOutputKind, SamplingParams
@@ -73,23 +74,6 @@ def split_prompt(prompt) -> tuple[str | None, list[int] | None]:
     raise TypeError(f"Cannot read prompt {prompt!r}: use a string, a list of token ids, or a dict.")
 
 
-def check_items(items: list, ids: list[int] | None, mm) -> None:
-    """Prepared image items fit their token ids: in order, inside the prompt, each range starting
-    and ending on the image placeholder token, no more than --limit-mm-per-prompt allows."""
-    if ids is None:
-        raise ValueError("Image items come with the prompt's token ids (prompt_token_ids).")
-    if len(items) > mm.limit("image"):
-        raise ValueError(f"The prompt has {len(items)} images; at most {mm.limit('image')} are allowed "
-                         "(--limit-mm-per-prompt).")
-    end = 0
-    for item in items:
-        last = item.offset + item.length - 1
-        if item.offset < end or last >= len(ids) or ids[item.offset] != mm.image_token_id or \
-                ids[last] != mm.image_token_id:
-            raise ValueError(f"An image's placeholder range {item.offset}..{last} does not fit the prompt's tokens.")
-        end = item.offset + item.length
-
-
 def check_logprobs(params: SamplingParams, model: ModelConfig) -> None:
     for name in ("logprobs", "prompt_logprobs"):
         asked = getattr(params, name)
@@ -112,7 +96,7 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer):
         self.config = config
         self.tokenizer = tokenizer
-        self._images = None            # a vision-language model's processor (multimodal/), made at first use
+        self.given_embeddings = GivenEmbeddings(config, tokenizer)    # images, prompt embeds (multimodal/)
         self._grammars: GrammarCompiler | None = None     # checks constraints; made at the first one
         self._checked_loras: set[tuple[int, str]] = set()   # adapters read and found servable
 
@@ -155,10 +139,8 @@ class InputProcessor:
         text, prompt_token_ids = split_prompt(prompt)
         salt = cache_salt_of(prompt)
         mm_items = None
-        if isinstance(prompt, dict) and "prompt_embeds" in prompt:
-            prompt_token_ids, mm_items = self._with_prompt_embeds(prompt, params)
-        elif isinstance(prompt, dict) and ("multi_modal_data" in prompt or "mm_items" in prompt):
-            prompt_token_ids, mm_items = self._with_images(prompt, text, prompt_token_ids)
+        if self.given_embeddings.given(prompt):
+            prompt_token_ids, mm_items = self.given_embeddings.read(prompt, text, prompt_token_ids, params)
         if prompt_token_ids is None:
             if not isinstance(text, str):
                 raise TypeError(f"A prompt must be a string or a list of token ids, not {type(text).__name__}.")
@@ -203,61 +185,6 @@ class InputProcessor:
                               params.clone(n=1, seed=None if params.seed is None else params.seed + i), arrival_time,
                               lora_request, cache_salt=salt, mm_items=mm_items)
             for i in range(params.n)]
-
-    @property
-    def images(self):
-        """The model's image processor (multimodal/processing.py): a ValueError for a text model."""
-        mm = self.config.model.multimodal
-        if mm is None:
-            from shardlm.models.registry import TEXT_MODEL_OF_MULTIMODAL
-            what = ("runs as its text model here (its images are not read)"
-                    if self.config.model.architecture in TEXT_MODEL_OF_MULTIMODAL else "is a text model")
-            raise ValueError(f"{self.config.model.served_model_name} {what}: it takes no images. Serve a "
-                             "vision-language model of LLaVA's family (LlavaForConditionalGeneration) for prompts "
-                             "with images.")
-        if self._images is None:
-            require_tokenizer(self.tokenizer, "A prompt with images")
-            from shardlm.multimodal.processing import ImagePrompts
-            self._images = ImagePrompts(self.config.model)
-        return self._images
-
-    def _with_prompt_embeds(self, prompt: dict, params) -> tuple[list[int], list]:
-        """vLLM's {"prompt_embeds": tensor [tokens, hidden]} -> (placeholder ids, its one item)."""
-        m = self.config.model
-        if not m.enable_prompt_embeds:
-            raise ValueError("Prompts as embeddings (prompt_embeds) need --enable-prompt-embeds "
-                             "(LLM(..., enable_prompt_embeds=True)).")
-        if set(prompt) - {"prompt_embeds", "cache_salt"}:
-            raise ValueError(f"A prompt_embeds prompt takes no {sorted(set(prompt) - {'prompt_embeds', 'cache_salt'})}:"
-                             " its embeddings are the whole prompt.")
-        if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs need the prompt's tokens, which a prompt_embeds prompt does not have.")
-        from shardlm.multimodal.prompt_embeds import prompt_embeds_item
-        ids, item = prompt_embeds_item(prompt["prompt_embeds"], m.hf_config.hidden_size, m.dtype)
-        return ids, [item]
-
-    def _with_images(self, prompt: dict, text: str | None, ids: list[int] | None):
-        """A prompt dict's images: vLLM's "multi_modal_data" ({"image": a PIL image or a list}) with
-        its text, which marks each image with the model's placeholder; or, from this engine's own
-        chat paths, token ids already expanded with their "mm_items". -> (token ids, items)."""
-        if "mm_items" in prompt:
-            self.images    # (a text model refuses)
-            items = list(prompt["mm_items"])
-            check_items(items, ids, self.config.model.multimodal)
-            return ids, items
-        data = prompt["multi_modal_data"]
-        if not isinstance(data, dict) or set(data) - {"image"}:
-            raise ValueError(f"multi_modal_data takes images: {{\"image\": image or [images]}}, not "
-                             f"{sorted(data) if isinstance(data, dict) else type(data).__name__}.")
-        images = data.get("image")
-        images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
-        if not isinstance(text, str):
-            raise ValueError("A prompt with images needs its text (\"prompt\"), which marks where each image goes: "
-                             f"{self.images.placeholder!r} once per image.")
-        from shardlm.multimodal.media import load_image
-        mm = self.config.model.multimodal
-        images = [load_image(im, mm.allowed_local_media_path) if isinstance(im, str) else im for im in images]
-        return self.images.process(text, images)
 
     def _process_pooling(self, request_id: str, prompt, params: PoolingParams, arrival_time: float | None,
                          lora_request: LoRARequest | None) -> tuple[ParentRequest, list[EngineCoreRequest]]:

@@ -12,7 +12,7 @@ from shardlm.multimodal.media import load_image
 
 def image_placeholder(llm) -> str | None:
     """The text that marks an image for the model's chat template (None: a text model)."""
-    return llm.processor.images.placeholder if llm.config.model.multimodal is not None else None
+    return llm.processor.given_embeddings.images.placeholder if llm.config.model.multimodal is not None else None
 
 
 async def with_images(llm, req, text: str, pool) -> tuple[list[int], list]:
@@ -20,7 +20,7 @@ async def with_images(llm, req, text: str, pool) -> tuple[list[int], list]:
     Images are fetched on threads of their own (a slow URL holds no one else's tokenizing)."""
     urls = [url for m in req.messages for url in m.image_urls()]
     try:
-        processor = llm.processor.images            # a text model: ValueError
+        processor = llm.processor.given_embeddings.images            # a text model: ValueError
         if req.use_beam_search:
             raise ValueError("Beam search is not run on prompts with images: leave out use_beam_search.")
         allowed = llm.config.model.multimodal.allowed_local_media_path
