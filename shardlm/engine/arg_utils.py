@@ -288,6 +288,10 @@ class EngineArgs:
         False, "model",
         "prompts may be given as embeddings, as vLLM's: LLM.generate({\"prompt_embeds\": tensor [tokens, "
         "hidden]}) and /v1/completions' prompt_embeds (base64 of torch.save), for Llama-family models")
+    mm_processor_kwargs: dict | str | None = knob(
+        None, "model",
+        "vision-language models: options for the checkpoint's Hugging Face processor, as a JSON object, as vLLM's "
+        "(e.g. Idefics3's '{\"do_image_splitting\": false}'); a prompt dict's mm_processor_kwargs override them")
     allowed_local_media_path: str | None = knob(
         None, "model",
         "vision-language models: file: image URLs are read from under this directory (else refused), as vLLM's")
@@ -359,7 +363,8 @@ class EngineArgs:
             for key, value in json_object_flag(self.hf_overrides, "--hf-overrides",
                                                '{"architectures": ["Qwen3ForSequenceClassification"]}').items():
                 setattr(checkpoint_config, key, value)
-        multimodal = multimodal_config(checkpoint_config, self.limit_mm_per_prompt, self.allowed_local_media_path)
+        multimodal = multimodal_config(checkpoint_config, self.limit_mm_per_prompt, self.allowed_local_media_path,
+                                       self.mm_processor_kwargs)
         if multimodal is not None:      # a vision-language checkpoint: its text model, its images beside
             architecture, model_impl = _text_model_of(multimodal, self.model_impl)
             hf_config = text_config_of(checkpoint_config, architecture)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from shardlm.config import MultiModalConfig
+from shardlm.config import MultiModalConfig, json_object_flag
 
 # the vision-language architectures whose images are read (their text model is shardlm's own)
 VISION_LANGUAGE = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
@@ -47,14 +47,18 @@ def parse_limits(flag: str | dict | None) -> dict[str, int]:
     return limits
 
 
-def multimodal_config(checkpoint_config, limit_mm_per_prompt=None,
-                      allowed_local_media_path: str | None = None) -> MultiModalConfig | None:
+def multimodal_config(checkpoint_config, limit_mm_per_prompt=None, allowed_local_media_path: str | None = None,
+                      mm_processor_kwargs=None) -> MultiModalConfig | None:
     """A vision-language checkpoint's MultiModalConfig, None for a text model."""
     architecture = vision_language_architecture(checkpoint_config)
     if architecture is None:
+        if mm_processor_kwargs or limit_mm_per_prompt:
+            raise ValueError("--mm-processor-kwargs and --limit-mm-per-prompt apply to vision-language models; this "
+                             "one is a text model.")
         return None
     image_token = getattr(checkpoint_config, "image_token_index", None)
     if image_token is None:
         image_token = getattr(checkpoint_config, "image_token_id", None)
     return MultiModalConfig(architecture, checkpoint_config, int(image_token), parse_limits(limit_mm_per_prompt),
-                            allowed_local_media_path)
+                            allowed_local_media_path, json_object_flag(mm_processor_kwargs, "--mm-processor-kwargs",
+                                                                       '{"do_image_splitting": false}'))

@@ -82,7 +82,10 @@ class GivenEmbeddings:
         from shardlm.multimodal.media import load_image
         mm = self.config.model.multimodal
         images = [load_image(im, mm.allowed_local_media_path) if isinstance(im, str) else im for im in images]
-        return self.images.process(text, images)
+        options = prompt.get("mm_processor_kwargs")
+        if options is not None and not isinstance(options, dict):
+            raise ValueError(f"mm_processor_kwargs must be a dict of the processor's options, not {options!r}.")
+        return self.images.process(text, images, options=options)
 
 
 def check_items(items: list, ids: list[int] | None, mm) -> None:

@@ -19,10 +19,12 @@ class ImagePrompts:
         self.processor = AutoProcessor.from_pretrained(model.tokenizer, trust_remote_code=model.trust_remote_code)
         self.placeholder: str = self.processor.image_token      # what a prompt's text marks an image with
 
-    def process(self, text: str, images: list,
-                add_special_tokens: bool = True) -> tuple[list[int], list[MultiModalItem]]:
+    def process(self, text: str, images: list, add_special_tokens: bool = True,
+                options: dict | None = None) -> tuple[list[int], list[MultiModalItem]]:
         """-> the prompt's token ids and its images' items. The text marks each image with the
-        model's placeholder (LLaVA's "<image>"), one per image, in order."""
+        model's placeholder (LLaVA's "<image>"), one per image, in order. options: the processor's,
+        over --mm-processor-kwargs."""
+        options = {**self.mm.processor_kwargs, **(options or {})}
         limit = self.mm.limit("image")
         if len(images) > limit:
             raise ValueError(f"The prompt has {len(images)} images; at most {limit} are allowed "
@@ -31,18 +33,21 @@ class ImagePrompts:
         if marks != len(images):
             raise ValueError(f"The prompt marks {marks} image(s) with {self.placeholder!r} but has {len(images)} "
                              f"image(s): put one {self.placeholder!r} where each image goes.")
-        out = self.processor(text=[text], images=images or None, add_special_tokens=add_special_tokens)
+        try:
+            out = self.processor(text=[text], images=images or None, add_special_tokens=add_special_tokens, **options)
+            alone = [self._alone(im, options) for im in images]       # each image's own tensors and token count
+        except TypeError as e:          # an option the processor does not take
+            raise ValueError(f"The model's processor refused its options {options}: {e}") from None
         ids = list(out["input_ids"][0])
-        alone = [self._alone(im) for im in images]       # each image's own tensors and token count
         items = []
         for (start, end), (tensors, _) in zip(self._ranges(ids, [n for _, n in alone]), alone):
             items.append(MultiModalItem("image", start, end - start, content_hash(tensors), tensors))
         return ids, items
 
-    def _alone(self, image) -> tuple[dict[str, TensorData], int]:
+    def _alone(self, image, options: dict) -> tuple[dict[str, TensorData], int]:
         """One image through the processor by itself: the model's inputs for it (a batch of one:
         LLaVA-NeXT's tiles and size, Idefics3's tiles and their masks) and its placeholder count."""
-        out = self.processor(text=[self.placeholder], images=[image], return_tensors="pt")
+        out = self.processor(text=[self.placeholder], images=[image], return_tensors="pt", **options)
         tensors = {k: as_tensor_data(v) for k, v in out.items()
                    if k not in ("input_ids", "attention_mask", "token_type_ids") and isinstance(v, torch.Tensor)}
         return tensors, out["input_ids"][0].tolist().count(self.mm.image_token_id)

@@ -188,3 +188,20 @@ def test_a_text_model_refuses_images(tiny_model_dir):
             engine.generate([{"prompt": "a <image>", "multi_modal_data": {"image": image(0)}}])
     finally:
         engine.shutdown()
+
+
+def test_processor_options_come_from_the_flag_and_the_prompt(tiny_model_dir):
+    """Idefics3 without image splitting: one tile, as transformers' processor gives it with the same option."""
+    path = tiny_model_dir("idefics3")
+    engine = LLM(path, dtype="float32", mm_processor_kwargs='{"do_image_splitting": false}')
+    try:
+        whole, split = (engine.generate([{"prompt": "look <image> here", "multi_modal_data": {"image": image(0)},
+                                          **extra}], GREEDY)[0]
+                        for extra in ({}, {"mm_processor_kwargs": {"do_image_splitting": True}}))
+    finally:
+        engine.shutdown()
+    token = 49152
+    assert whole.prompt_token_ids.count(token) == 1 and split.prompt_token_ids.count(token) == 5
+    from transformers import AutoProcessor
+    text = AutoProcessor.from_pretrained(path)(text=["look <image> here"], images=[image(0)], do_image_splitting=False)
+    assert whole.prompt_token_ids == text["input_ids"][0]
