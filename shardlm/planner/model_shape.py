@@ -39,6 +39,29 @@ def load_config(model: str) -> tuple[str, dict]:
     return os.path.basename(os.path.dirname(os.path.abspath(path))) or model, cfg
 
 
+def vision_params(c: dict) -> int:
+    """A vision-language config's vision tower (a ViT: CLIP, SigLIP, Idefics3's) and projector or
+    connector, as transformers builds them (LLaVA, LLaVA-NeXT, Idefics3)."""
+    v, text_hidden = c.get("vision_config") or {}, c["text_config"]["hidden_size"]
+    if not v:
+        return 0
+    h, inter, layers = v.get("hidden_size", 1024), v.get("intermediate_size", 4096), v.get("num_hidden_layers", 24)
+    patch, size = v.get("patch_size", 14), v.get("image_size", 336)
+    clip = v.get("model_type", "clip_vision_model") == "clip_vision_model"
+    positions = (size // patch) ** 2 + (1 if clip else 0)
+    embeddings = 3 * patch * patch * h + h + positions * h      # the patch conv, its bias (CLIP: the CLS instead)
+    norms = 2 * h * (2 if clip else 1)                   # CLIP: pre and post layer norms; SigLIP: post
+    layer = 4 * (h * h + h) + 2 * h * inter + inter + h + 4 * h      # q, k, v, o; the MLP; two layer norms
+    arch = (c.get("architectures") or [""])[0]
+    if arch.startswith("Idefics3"):
+        projector = h * c.get("scale_factor", 2) ** 2 * text_hidden
+    else:       # LLaVA's two linears with biases (LLaVA-NeXT: and a newline embedding)
+        bias = c.get("multimodal_projector_bias", True)
+        projector = h * text_hidden + text_hidden * text_hidden + (2 * text_hidden if bias else 0)
+        projector += text_hidden if arch.startswith("LlavaNext") else 0
+    return embeddings + norms + layers * layer + projector
+
+
 @dataclass
 class ModelShape:
     name: str
@@ -69,10 +92,12 @@ class ModelShape:
     qk_rope_dim: int = 0
     v_head_dim: int = 0
     windows: tuple[int | None, ...] = ()     # per layer: its sliding window (None: full attention)
+    vision_params: int = 0            # a vision-language model's vision tower and projector (whole on stage 0)
 
     @classmethod
     def from_config(cls, name: str, c: dict) -> ModelShape:
         text = c.get("text_config")
+        vision = vision_params(c) if isinstance(text, dict) else 0
         if isinstance(text, dict):   # multimodal wrappers keep the language model here
             c = {**c, **text}
         heads = c["num_attention_heads"]
@@ -98,7 +123,8 @@ class ModelShape:
             q_lora_rank=c.get("q_lora_rank") or 0, kv_lora_rank=c.get("kv_lora_rank") or 0,
             qk_nope_dim=c.get("qk_nope_head_dim") or 0, qk_rope_dim=c.get("qk_rope_head_dim") or 0,
             v_head_dim=c.get("v_head_dim") or 0,
-            windows=tuple(sliding_window(SimpleNamespace(**c), i) for i in range(c["num_hidden_layers"])))
+            windows=tuple(sliding_window(SimpleNamespace(**c), i) for i in range(c["num_hidden_layers"])),
+            vision_params=vision)
 
     @property
     def is_moe(self) -> bool:
@@ -163,7 +189,7 @@ class ModelShape:
 
     def total_params(self) -> int:
         lm_head = 0 if self.tied else self.vocab * self.hidden
-        return (self.vocab * self.hidden + lm_head + self.hidden
+        return (self.vocab * self.hidden + lm_head + self.hidden + self.vision_params
                 + sum(self.layer_params(i) for i in range(self.layers)))
 
     def active_params(self) -> int:
@@ -199,7 +225,8 @@ class ModelShape:
     def linear_params_share(self) -> float:
         """Share of the parameters in linear layers (what weight quantization compresses)."""
         total = self.total_params()
-        other = self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden * (2 * self.layers + 1)
+        other = (self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden * (2 * self.layers + 1)
+                 + self.vision_params)          # (the vision tower is not quantized)
         return (total - other) / total
 
     def linear_inputs_per_rank(self, tp: int) -> dict[str, int]:

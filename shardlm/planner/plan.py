@@ -134,8 +134,8 @@ def evaluate(shape: ModelShape, tp: int, pp: int, hw: Hardware, w: Workload, ep:
         linear = params - 2 * shape.hidden * (end - start)
         extra = []
         if s == 0:
-            params += shape.embedding_params(tp)
-            extra.append("embed")
+            params += shape.embedding_params(tp) + shape.vision_params
+            extra.append("embed" + (" + vision" if shape.vision_params else ""))
         if s == pp - 1:
             params += shape.hidden                       # final norm
             lm_head = 0 if (shape.tied and pp == 1) else shape.embedding_params(tp)

@@ -19,10 +19,15 @@ logger = init_logger(__name__)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def shape_of(m, name: str) -> ModelShape:
+    """ModelConfig m's shape (a vision-language model's with its vision side)."""
+    return ModelShape.from_config(name, (m.multimodal.hf_config if m.multimodal is not None else m.hf_config).to_dict())
+
+
 def check_parallel_layout(config: EngineConfig) -> None:
     """Can this model be split this way on this machine? If not, say which splits work."""
     m, par = config.model, config.parallel
-    shape = ModelShape.from_config(os.path.basename(m.served_model_name.rstrip("/")), m.hf_config.to_dict())
+    shape = shape_of(m, os.path.basename(m.served_model_name.rstrip("/")))
     tp = par.tensor_parallel_size
     if par.enable_expert_parallel and not shape.is_moe:
         logger.warning("--enable-expert-parallel has no effect: %s has no mixture-of-experts layers.", shape.name)
@@ -87,7 +92,7 @@ def _check_quantization_groups(shape: ModelShape, tp: int, quant) -> None:
 
 def check_fits(config: EngineConfig) -> None:
     m, par = config.model, config.parallel
-    shape = ModelShape.from_config(m.served_model_name, m.hf_config.to_dict())
+    shape = shape_of(m, m.served_model_name)
     quant = m.quantization
     workload = Workload(dtype=_DTYPE_NAMES[m.dtype], max_model_len=m.max_model_len,
                         quantization_bits=quant.effective_bits(shape.hidden) if quant else None,

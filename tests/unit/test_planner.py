@@ -58,6 +58,24 @@ def test_parameter_count_is_exact_for_transformers_models(index):
     assert ModelShape.from_config("tiny", d).total_params() == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("family", ["llava", "llava-next", "idefics3"])
+def test_vision_language_counts_are_exact_and_the_vision_side_sits_on_the_first_stage(tiny_model_dir, family):
+    import torch
+    import transformers
+    path = tiny_model_dir(family)
+    _, cfg = load_config(path)
+    with torch.device("meta"):
+        model = getattr(transformers, cfg["architectures"][0])(transformers.AutoConfig.from_pretrained(path))
+    s = ModelShape.from_config(family, cfg)
+    # the checkpoint's whole model: the text model (its LM head untied) and the vision side
+    assert s.total_params() == sum(p.numel() for p in model.parameters())
+    assert s.vision_params > 40_000
+    w = Workload(max_model_len=256)
+    hw = Hardware("cpu", 2, 1, 1 * GiB)
+    plan = evaluate(s, 1, 2, hw, w)
+    assert "vision" in plan.stages[0]["holds"][0] and not any("vision" in h for h in plan.stages[1]["holds"])
+
+
 def test_kv_bytes_per_token_by_hand():
     s = shape("Llama-3.1-70B")
     assert s.kv_bytes_per_token(2) == 2 * 80 * 8 * 128 * 2              # 327,680 bytes
