@@ -58,6 +58,33 @@ def test_the_responses_api_reads_input_image_parts(server):
     assert response.output_text == chat.choices[0].message.content and response.output_text
 
 
+def test_images_are_fetched_from_http_urls(server):
+    """An http: image_url is fetched (here from a file server on this machine): the same answer as
+    the image sent inline; a URL that answers 404 is a 400 naming it."""
+    import base64
+    import functools
+    import http.server
+    import tempfile
+    import threading
+    folder = tempfile.mkdtemp()
+    inline = data_url(image(13))
+    with open(f"{folder}/pic.png", "wb") as f:
+        f.write(base64.b64decode(inline.split(",")[1]))
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(
+        http.server.SimpleHTTPRequestHandler, directory=folder))
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{files.server_address[1]}"
+        answers = [httpx.post(server + "/v1/chat/completions", json={
+            "messages": ask(text("see "), {"type": "image_url", "image_url": {"url": url}}), "max_tokens": 6,
+            "temperature": 0}) for url in (f"{base}/pic.png", inline, f"{base}/missing.png")]
+    finally:
+        files.shutdown()
+    assert answers[0].status_code == 200 and answers[0].json()["choices"][0]["message"] == \
+        answers[1].json()["choices"][0]["message"]
+    assert answers[2].status_code == 400 and "missing.png could not be fetched" in answers[2].json()["error"]["message"]
+
+
 @pytest.mark.parametrize("parts, says", [
     ((text("a"), {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}), "does not decode"),
     ((text("a"), {"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}), "scheme"),
