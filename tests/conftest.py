@@ -200,7 +200,7 @@ def _llava(path):
     tokenizer = _tokenizer_with("<image>")
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                               image_size=56, patch_size=14, projection_dim=32)
-    text = LlamaConfig(**{**TINY, "vocab_size": 49216})
+    text = LlamaConfig(**{**TINY, "vocab_size": 49216}, pad_token_id=49200)    # (LLaVA-1.5's text model has one)
     config = LlavaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(),
                          image_token_index=tokenizer.convert_tokens_to_ids("<image>"))
     _save_tiny(path, LlavaForConditionalGeneration, config)

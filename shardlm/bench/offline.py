@@ -88,7 +88,8 @@ def _timed_first_and_last(llm, prompts, n, loras=None, ignore_eos=True) -> tuple
     engine, first, tokens = llm.engine, None, 0
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"bench-{i}-{t0}", {"prompt_token_ids": prompt}, params,
+        engine.add_request(f"bench-{i}-{t0}", prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt},
+                           params,
                            lora_request=loras[i % len(loras)] if loras else None)
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -121,11 +122,25 @@ def run_throughput(engine_args, workload_path, num_prompts, output_len, reps, st
             "peak_rss_bytes": _peak_rss_bytes(llm), **_engine_facts(llm), **_expert_load(llm), **_speculation(llm)}
 
 
+def _with_images(llm, ids: list[int], images: int, size: tuple[int, int]) -> dict:
+    """A prompt of `images` random images of size (width, height) before the text of `ids`."""
+    import numpy as np
+    from PIL import Image
+    picture = Image.fromarray(np.random.default_rng(0).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+    placeholder = llm.engine.processor.given_embeddings.images.placeholder
+    return {"prompt": placeholder * images + llm.get_tokenizer().decode(ids),
+            "multi_modal_data": {"image": [picture] * images}}
+
+
 def run_latency(engine_args, workload_path, output_len, reps, batch_size: int = 1, loras=None,
-                each_prompt: bool = False) -> dict:
+                each_prompt: bool = False, images: int = 0, image_size: tuple[int, int] = (640, 480)) -> dict:
+    """images: that many random images of image_size (width, height) before each prompt (a
+    vision-language model): its time to first token includes encoding them."""
     t0 = time.perf_counter()
     llm, startup_s = _start(engine_args)
     w = load_workload(workload_path, llm.get_tokenizer(), None, output_len, llm.engine.config.model.max_model_len)
+    if images:
+        w.prompts = [_with_images(llm, ids, images, image_size) for ids in w.prompts]
     indices = range(len(w.prompts)) if each_prompt else [w.latency_prompt_index]
     first_prompt = [w.prompts[indices[0]]] * batch_size
     first = _timed(llm, first_prompt, 1, loras=loras)[0]
@@ -137,17 +152,26 @@ def run_latency(engine_args, workload_path, output_len, reps, batch_size: int = 
         runs = [_timed_first_and_last(llm, prompt, w.output_len, loras, w.ignore_eos) for _ in range(reps)]
         t1, tn, n = [r[0] for r in runs], [r[1] for r in runs], runs[0][2]   # greedy: every run the same tokens
         step_s = statistics.median((last - first) / max(1, n - 1) for first, last, _ in runs)
-        per_prompt.append({"prompt_tokens": len(prompt[0]), "output_tokens": n, "t_1tok_s": t1, "t_ntok_s": tn,
+        per_prompt.append({"prompt_tokens": _prompt_tokens(llm, prompt[0]), "output_tokens": n, "t_1tok_s": t1,
+                           "t_ntok_s": tn,
                            "time_to_first_token_s": statistics.median(t1), "decode_step_ms": step_s * 1000,
                            "decode_tok_s": batch_size / step_s})
     median = {key: statistics.median(p[key] for p in per_prompt)
               for key in ("prompt_tokens", "output_tokens", "time_to_first_token_s", "decode_step_ms", "decode_tok_s")}
     return {"benchmark": "latency", "workload": w.source, **per_prompt[0], **median,
             "batch_size": batch_size, "reps": reps, "lora_adapters": len(loras or []),
+            **({"images": images, "image_size": "x".join(map(str, image_size))} if images else {}),
             **({"per_prompt": per_prompt} if each_prompt else {}),
             "startup_s": startup_s, "startup_to_first_token_s": startup_to_first_token,
             "cold_first_request_s": first, "peak_rss_bytes": _peak_rss_bytes(llm), **_engine_facts(llm),
             **_expert_load(llm), **_speculation(llm)}
+
+
+def _prompt_tokens(llm, prompt) -> int:
+    """The tokens the engine runs for a prompt (with images: their placeholders too)."""
+    if not isinstance(prompt, dict):
+        return len(prompt)
+    return len(llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids)
 
 
 def report(result: dict, as_json: bool) -> None:
@@ -163,7 +187,8 @@ def report(result: dict, as_json: bool) -> None:
               f"  output tokens/s: {result['output_tok_s']:.1f}\n  total tokens/s:  {result['total_tok_s']:.1f}\n"
               f"  start-up: {result['startup_s']:.1f} s, peak memory (RSS): {gib:.2f} GiB")
     else:
-        print(f"Latency (batch {result['batch_size']}, {result['prompt_tokens']} prompt tokens, "
+        images = f", {result['images']} image(s) of {result['image_size']}" if result.get("images") else ""
+        print(f"Latency (batch {result['batch_size']}, {result['prompt_tokens']} prompt tokens{images}, "
               f"{result['output_tokens']} new tokens, dtype {result['dtype']}, median of {result['reps']}):\n"
               f"  decode step: {result['decode_step_ms']:.2f} ms\n"
               f"  decode tokens/s: {result['decode_tok_s']:.1f}\n"

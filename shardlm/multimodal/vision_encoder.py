@@ -90,6 +90,7 @@ def _shrink_text_model(text_config) -> None:
     """A text config whose model costs nothing to build (no layers, a one-token vocabulary)."""
     text_config.num_hidden_layers = 0
     text_config.vocab_size = 1
+    text_config.pad_token_id = None          # (inside a one-token vocabulary or none)
     if getattr(text_config, "layer_types", None) is not None:
         text_config.layer_types = []
 

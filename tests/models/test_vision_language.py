@@ -205,3 +205,14 @@ def test_processor_options_come_from_the_flag_and_the_prompt(tiny_model_dir):
     from transformers import AutoProcessor
     text = AutoProcessor.from_pretrained(path)(text=["look <image> here"], images=[image(0)], do_image_splitting=False)
     assert whole.prompt_token_ids == text["input_ids"][0]
+
+
+def test_bench_latency_puts_images_before_the_prompt(llava, capsys):
+    """`shardlm bench latency --images 2`: the prompt the engine ran holds both images' placeholders."""
+    from argparse import Namespace
+
+    from shardlm.bench.offline import report, run_latency
+    result = run_latency(Namespace(model=llava, dtype="float32"), None, 4, 1, images=2, image_size=(64, 48))
+    report(result, as_json=False)
+    assert result["images"] == 2 and result["prompt_tokens"] > 32 and result["output_tokens"] == 4
+    assert "2 image(s) of 64x48" in capsys.readouterr().out

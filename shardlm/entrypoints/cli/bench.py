@@ -23,6 +23,9 @@ def register(sub) -> None:
                            "StructuredOutputsParams as JSON, e.g. '{\"json\": SCHEMA}' or '{\"regex\": \"...\"}'")
         else:
             b.add_argument("--batch-size", type=int, default=1, help="copies of the prompt decoding together")
+            b.add_argument("--images", type=int, default=0, help="a vision-language model: this many random images "
+                           "before each prompt (its time to first token includes encoding them)")
+            b.add_argument("--image-size", default="640x480", help="with --images: WIDTHxHEIGHT (default 640x480)")
             b.add_argument("--each-prompt", action="store_true", help="every prompt of the workload in turn "
                            "(medians over them) instead of its latency prompt")
         b.add_argument("--lora-path", nargs="+", default=None, metavar="ADAPTER",
@@ -212,5 +215,7 @@ def run(ns) -> None:
         constraint = ns.structured_outputs and StructuredOutputsParams(**json.loads(ns.structured_outputs))
         result = run_throughput(args, ns.workload, ns.num_prompts, ns.output_len, ns.reps, constraint or None, loras)
     else:
-        result = run_latency(args, ns.workload, ns.output_len, ns.reps, ns.batch_size, loras, ns.each_prompt)
+        width, _, height = ns.image_size.partition("x")
+        result = run_latency(args, ns.workload, ns.output_len, ns.reps, ns.batch_size, loras, ns.each_prompt,
+                             ns.images, (int(width), int(height)))
     report(result, ns.json)
