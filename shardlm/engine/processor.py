@@ -30,7 +30,11 @@ def load_tokenizer(model):
     if model.skip_tokenizer_init:
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model.tokenizer, trust_remote_code=model.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(model.tokenizer, trust_remote_code=model.trust_remote_code)
+    if model.multimodal is not None:     # a vision-language checkpoint's chat template may be its processor's alone
+        from shardlm.multimodal.processing import processor_chat_template
+        tokenizer.chat_template = processor_chat_template(model) or tokenizer.chat_template
+    return tokenizer
 
 
 def require_tokenizer(tokenizer, what: str) -> None:

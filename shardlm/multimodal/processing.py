@@ -66,6 +66,14 @@ class ImagePrompts:
         return ranges
 
 
+def processor_chat_template(model: ModelConfig) -> str | None:
+    """The checkpoint's processor's chat template (llava-hf's keep it in chat_template.json, which
+    the tokenizer does not read), which places images as the model was trained to see them."""
+    from transformers import AutoProcessor
+    return getattr(AutoProcessor.from_pretrained(model.tokenizer, trust_remote_code=model.trust_remote_code),
+                   "chat_template", None)
+
+
 def as_tensor_data(t: torch.Tensor) -> TensorData:
     t = t.detach().contiguous().cpu()
     if t.dtype == torch.bfloat16:           # numpy has no bfloat16: its bits as int16

@@ -216,3 +216,27 @@ def test_bench_latency_puts_images_before_the_prompt(llava, capsys):
     report(result, as_json=False)
     assert result["images"] == 2 and result["prompt_tokens"] > 32 and result["output_tokens"] == 4
     assert "2 image(s) of 64x48" in capsys.readouterr().out
+
+
+def test_a_chat_template_kept_by_the_processor_alone_is_used(llava, tmp_path):
+    """llava-hf's checkpoints keep the chat template in chat_template.json, which only the
+    processor reads: chats render with it (the image where its part is) as with the template
+    beside the tokenizer."""
+    import json
+    import shutil
+    legacy = tmp_path / "legacy"
+    shutil.copytree(llava, legacy)
+    template = (legacy / "chat_template.jinja").read_text()
+    (legacy / "chat_template.jinja").unlink()
+    (legacy / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is "},
+                                             {"type": "image_pil", "image_pil": image(4)}]}]
+    outs = []
+    for path in (llava, legacy):
+        engine = LLM(str(path), dtype="float32")
+        try:
+            outs.append(engine.chat(messages, GREEDY)[0])
+        finally:
+            engine.shutdown()
+    assert outs[0].prompt_token_ids == outs[1].prompt_token_ids
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
