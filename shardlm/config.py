@@ -124,6 +124,7 @@ class ModelConfig:
     batch_invariant: bool = True     # False: bfloat16 products of many rows on AMX tiles (kernels.amx_rows)
     cpu_plan: str | None = None      # --cpu-plan: the CPU plan file to follow or write (cpu_plan.py)
     reasoning_parser: str | None = None      # structured outputs constrain what follows the thinking
+    reasoning_parser_plugin: str | None = None    # a file registering reasoning parsers (plugins.py)
     # (hub id, revision, download dir) of a model fetched from the hub: Ray nodes fetch it themselves
     hub_source: tuple[str, str | None, str | None] | None = None
     download_dir: str | None = None          # --download-dir: where hub models and adapters are fetched to

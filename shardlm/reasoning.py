@@ -40,9 +40,23 @@ REASONING_PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", unclosed_is_r
                      "qwen3": ReasoningParser("qwen3", unclosed_is_reasoning=False)}
 
 
-def get_reasoning_parser(name: str) -> ReasoningParser:
+def register_reasoning_parser(parser: ReasoningParser) -> ReasoningParser:
+    """For a --reasoning-parser-plugin file: `parser` answers to --reasoning-parser parser.name."""
+    if not isinstance(parser, ReasoningParser):
+        raise TypeError(f"{parser!r} is not a ReasoningParser (shardlm.reasoning).")
+    REASONING_PARSERS[parser.name] = parser
+    return parser
+
+
+def get_reasoning_parser(name: str, plugin: str | None = None) -> ReasoningParser:
+    """plugin: a --reasoning-parser-plugin file, imported first in this process (the server's and
+    the engine core's: both read the parser)."""
+    if plugin:
+        from shardlm.plugins import load_plugin
+        load_plugin(plugin, "--reasoning-parser-plugin")
     if name not in REASONING_PARSERS:
-        raise ValueError(f"--reasoning-parser {name!r} is not one of {', '.join(REASONING_PARSERS)}.")
+        raise ValueError(f"--reasoning-parser {name!r} is not one of {', '.join(REASONING_PARSERS)}"
+                         f"{'' if plugin else ' (a --reasoning-parser-plugin file may register more)'}.")
     return REASONING_PARSERS[name]
 
 

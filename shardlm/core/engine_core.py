@@ -116,10 +116,14 @@ class EngineCore:
                           self.config.kv_block_tokens, req.arrival_time, req.lora_request, req.pooling_params,
                           req.token_type_ids, req.priority, req.cache_salt, req.mm_items)
         if req.params.structured_outputs is not None:
-            if self.structured_outputs is None:
-                self.structured_outputs = StructuredOutputManager(m.tokenizer, m.vocab_size, m.reasoning_parser,
-                                                                  m.trust_remote_code)
-            request.grammar = self.structured_outputs.compile(request)
+            try:
+                if self.structured_outputs is None:
+                    self.structured_outputs = StructuredOutputManager(m.tokenizer, m.vocab_size, m.reasoning_parser,
+                                                                      m.trust_remote_code, m.reasoning_parser_plugin)
+                request.grammar = self.structured_outputs.compile(request)
+            except Exception as e:      # noqa: BLE001 - the constraints cannot be set up here: this request ends
+                request.grammar = futures.Future()
+                request.grammar.set_exception(e)
         self.scheduler.add_request(request)
         return self.wave.begin() if self.wave is not None else None
 

@@ -229,7 +229,9 @@ class Scheduler:
         self.waiting.remove(request)
         request.status = RequestStatus.FINISHED_ABORTED
         self._free(request)
-        self.failed_outputs.append(EngineCoreOutput(request.request_id, [], finish_reason=request.status.value))
+        self.failed_outputs.append(EngineCoreOutput(request.request_id, [], finish_reason=request.status.value,
+                                                    error=f"its structured-output constraint could not be set up here: "
+                                                          f"{request.grammar.exception()}", error_kind="request"))
 
     def _rank(self, request: Request) -> tuple:
         """Where a request stands: lower runs first (fcfs: arrival; priority: its priority, then arrival)."""

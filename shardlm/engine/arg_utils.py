@@ -328,6 +328,10 @@ class EngineArgs:
         None, "model",
         "how this reasoning model marks its thinking: deepseek_r1 or qwen3 (<think>...</think>); the "
         "server returns it as reasoning_content, and structured outputs constrain only the answer")
+    reasoning_parser_plugin: str | None = knob(
+        None, "model",
+        "a Python file that registers reasoning parsers (shardlm.reasoning.register_reasoning_parser), as "
+        "vLLM's: its names then work with --reasoning-parser")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -409,7 +413,9 @@ class EngineArgs:
             enforce_eager=self.enforce_eager, batch_invariant=self.batch_invariant, cpu_plan=self.cpu_plan,
             hub_source=source.hub,
             download_dir=self.download_dir,
-            reasoning_parser=_reasoning_parser(self.structured_outputs_config, self.reasoning_parser),
+            reasoning_parser=_reasoning_parser(self.structured_outputs_config, self.reasoning_parser,
+                                               self.reasoning_parser_plugin),
+            reasoning_parser_plugin=self.reasoning_parser_plugin,
             runner=runner, convert=convert, pooler=pooler, collect_detailed_traces=_detailed_traces(
                 self.collect_detailed_traces), disable_log_stats=self.disable_log_stats,
             enable_log_requests=self.enable_log_requests, max_log_len=self.max_log_len,
@@ -736,7 +742,7 @@ def _mlp_shape(hf_config) -> tuple[int, int] | None:
     return (hidden, inter) if hidden and inter else None
 
 
-def _reasoning_parser(config: dict | str | None, reasoning_parser: str | None) -> str | None:
+def _reasoning_parser(config: dict | str | None, reasoning_parser: str | None, plugin: str | None = None) -> str | None:
     """--structured-outputs-config (vLLM's: backend, reasoning_parser) and --reasoning-parser, checked
     -> the reasoning parser (the backend is llguidance whichever of its names is given)."""
     from shardlm.reasoning import get_reasoning_parser
@@ -752,7 +758,7 @@ def _reasoning_parser(config: dict | str | None, reasoning_parser: str | None) -
                          "(llguidance).")
     parser = reasoning_parser or config.get("reasoning_parser")
     if parser is not None:
-        get_reasoning_parser(parser)          # a ValueError naming the ones there are
+        get_reasoning_parser(parser, plugin)          # a ValueError naming the ones there are
     return parser
 
 

@@ -149,6 +149,8 @@ class OutputProcessor:
                 parent.metrics.first_token_time = parent.metrics.last_token_time = now
             if out.new_token_ids:
                 self._append(sample, out, now, to_abort)
+            elif out.finish_reason is not None and sample.finish_reason is None:   # ended by the core, no token
+                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
             touched.add(id(sample))
             changed[parent.request_id] = parent
         results = []

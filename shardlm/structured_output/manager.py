@@ -22,12 +22,12 @@ logger = init_logger(__name__)
 
 class StructuredOutputManager:
     def __init__(self, tokenizer_path: str, vocab_size: int, reasoning_parser: str | None = None,
-                 trust_remote_code: bool = False):
-        """reasoning_parser: a reasoning model's (shardlm/reasoning.py): constraints then apply
-        from the end of its thinking on."""
+                 trust_remote_code: bool = False, reasoning_parser_plugin: str | None = None):
+        """reasoning_parser: a reasoning model's (shardlm/reasoning.py; its plugin file, if any):
+        constraints then apply from the end of its thinking on."""
         self.words = cdiv(vocab_size, 32)        # int32 words per bitmask row
         self.compiler = GrammarCompiler(tokenizer_path, vocab_size, trust_remote_code)
-        self.reasoning = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        self.reasoning = get_reasoning_parser(reasoning_parser, reasoning_parser_plugin) if reasoning_parser else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-grammar")
 
     def compile(self, request) -> Future:

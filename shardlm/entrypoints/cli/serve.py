@@ -29,8 +29,12 @@ def register(sub) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice "auto": the model writes its own tool calls, read by --tool-call-parser')
     from shardlm.entrypoints.openai.tool_parsers import PARSERS
-    p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
-                   help="how this model writes tool calls (with --enable-auto-tool-choice)")
+    p.add_argument("--tool-call-parser", default=None, metavar="{" + ",".join(sorted(PARSERS)) + "}",
+                   help="how this model writes tool calls (with --enable-auto-tool-choice); a --tool-parser-plugin "
+                        "file may register more names")
+    p.add_argument("--tool-parser-plugin", default=None, metavar="FILE.py",
+                   help="a Python file that registers tool-call parsers (shardlm.entrypoints.openai.tool_parsers."
+                        "register_tool_parser), as vLLM's")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters to serve (with --enable-lora), each as name=path or as JSON "
                         "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request's model picks one")
@@ -186,6 +190,12 @@ def server_options(ns) -> dict:
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
         sys.exit("shardlm: error: --enable-auto-tool-choice needs --tool-call-parser NAME (hermes, llama3_json, "
                  "mistral or pythonic: the format this model writes tool calls in).")
+    if ns.tool_call_parser or ns.tool_parser_plugin:
+        from shardlm.entrypoints.openai.tool_parsers import get_parser
+        try:        # the plugin registers its parsers in this process, the API server's
+            get_parser(ns.tool_call_parser or "hermes", ns.tool_parser_plugin)
+        except ValueError as e:
+            sys.exit(f"shardlm: error: {e}")
     from shardlm.entrypoints.openai.lora_modules import parse_lora_module
     try:
         lora_modules = [parse_lora_module(m) for m in ns.lora_modules or []]

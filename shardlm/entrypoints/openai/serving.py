@@ -102,13 +102,15 @@ class OpenAIServing:
     def __init__(self, llm: AsyncLLM, served_model_names: list[str], chat_template: str | None = None,
                  limits: RequestLimits | None = None, tool_parser: str | None = None,
                  options: FrontendOptions | None = None):
-        """tool_parser: the --tool-call-parser that reads tool_choice "auto" outputs (None: auto is off);
+        """tool_parser: the --tool-call-parser that reads tool_choice "auto" outputs (None: auto is off;
+        serve imported a --tool-parser-plugin file first);
         options: how answers are written (frontend_options.py)."""
         self.llm = llm
         self.loras = LoRAModules(served_model_names[0])      # adapters a request's model may name
         self.tool_parser = get_parser(tool_parser) if tool_parser else None
-        reasoning = llm.config.model.reasoning_parser
-        self.reasoning = get_reasoning_parser(reasoning) if reasoning else None
+        m = llm.config.model
+        self.reasoning = get_reasoning_parser(m.reasoning_parser, m.reasoning_parser_plugin) if m.reasoning_parser \
+            else None
         self.model_names = served_model_names
         self.chat_template = chat_template
         self.limits = limits or RequestLimits()

@@ -153,7 +153,24 @@ PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": L
                                         "mistral": MistralParser, "pythonic": PythonicParser}
 
 
-def get_parser(name: str) -> ToolParser:
+def register_tool_parser(*names: str):
+    """A class decorator for a --tool-parser-plugin file: its ToolParser subclass answers to
+    --tool-call-parser NAME for each of names (vLLM's ToolParserManager.register_module)."""
+    def register(cls: type[ToolParser]) -> type[ToolParser]:
+        if not (isinstance(cls, type) and issubclass(cls, ToolParser)):
+            raise TypeError(f"{cls!r} is not a ToolParser subclass (shardlm.entrypoints.openai.tool_parsers).")
+        for name in names:
+            PARSERS[name] = cls
+        return cls
+    return register
+
+
+def get_parser(name: str, plugin: str | None = None) -> ToolParser:
+    """plugin: a --tool-parser-plugin file, imported first (it may register `name`)."""
+    if plugin:
+        from shardlm.plugins import load_plugin
+        load_plugin(plugin, "--tool-parser-plugin")
     if name not in PARSERS:
-        raise ValueError(f"--tool-call-parser {name!r} is not one of {', '.join(PARSERS)}.")
+        raise ValueError(f"--tool-call-parser {name!r} is not one of {', '.join(PARSERS)}"
+                         f"{'' if plugin else ' (a --tool-parser-plugin file may register more)'}.")
     return PARSERS[name]()
