@@ -1,5 +1,6 @@
 """Small helpers used across the package."""
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -99,3 +100,19 @@ def cut_marker_length(text: str, marker: str) -> int:
         if marker.startswith(text[-k:]):
             return k
     return 0
+
+
+class StepValue:
+    """A value set around one step's forward pass, which the layers inside read (LoRA's segments,
+    a step's given embeddings); None outside. Plain module state: a step runs on one thread."""
+
+    def __init__(self):
+        self.value = None
+
+    @contextlib.contextmanager
+    def running(self, value):
+        previous, self.value = self.value, value
+        try:
+            yield
+        finally:
+            self.value = previous

@@ -4,10 +4,11 @@ and sets it for the forward pass, and each LoRA layer reads it (model code passe
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from shardlm.utils import StepValue
 
 
 @dataclass
@@ -54,19 +55,9 @@ class LoRABatch:
         return batch
 
 
-_current: LoRABatch | None = None
-
-
-@contextmanager
-def running(batch: LoRABatch | None):
-    """The step's batch, for the LoRA layers of the forward pass inside."""
-    global _current
-    previous, _current = _current, batch
-    try:
-        yield
-    finally:
-        _current = previous
+_step = StepValue()
+running = _step.running      # running(batch): the step's batch, for the LoRA layers of the forward pass inside
 
 
 def current() -> LoRABatch | None:
-    return _current
+    return _step.value

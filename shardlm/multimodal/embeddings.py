@@ -5,12 +5,12 @@ tokens (models/llama.py: LlamaModel.forward)."""
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from shardlm.multimodal.processing import as_tensor
+from shardlm.utils import StepValue
 
 
 @dataclass
@@ -19,25 +19,17 @@ class StepEmbeddings:
     values: torch.Tensor     # [R, hidden]: their embeddings
 
 
-_current: StepEmbeddings | None = None
-
-
-@contextlib.contextmanager
-def running(step: StepEmbeddings | None):
-    global _current
-    _current, before = step, _current
-    try:
-        yield
-    finally:
-        _current = before
+_step = StepValue()
+running = _step.running      # running(step_embeddings): set around the step's forward pass
 
 
 def merge(hidden: torch.Tensor) -> torch.Tensor:
     """The token embeddings with this step's image embeddings in their rows."""
-    if _current is None:
+    given = _step.value
+    if given is None:
         return hidden
     hidden = hidden.clone()
-    hidden[_current.rows] = _current.values.to(hidden.dtype)
+    hidden[given.rows] = given.values.to(hidden.dtype)
     return hidden
 
 
