@@ -50,12 +50,15 @@ def of_step(batch, requests: dict, encoder, image_token: int | None, device: tor
             first, last = max(c.start_pos, item.offset), min(end, item.offset + item.length)
             if first >= last:
                 continue
+            if k not in state.image_features:     # (read or encoded once, until its last position is scheduled)
+                state.image_features[k] = (as_tensor(item.tensors["embeds"]).to(device) if item.modality == "embeds"
+                                           else encoder.encode(item))
             if item.modality == "embeds":       # every position of the range: its own row of the tensor
                 rows.extend(range(offset + first - c.start_pos, offset + last - c.start_pos))
-                values.append(as_tensor(item.tensors["embeds"])[first - item.offset:last - item.offset].to(device))
+                values.append(state.image_features[k][first - item.offset:last - item.offset])
+                if last == item.offset + item.length:
+                    del state.image_features[k]
                 continue
-            if k not in state.image_features:
-                state.image_features[k] = encoder.encode(item)
             ids = state.prompt_token_ids
             # an image's n-th placeholder takes its n-th embedding (tokens between its tiles: their own)
             done = sum(1 for p in range(item.offset, first) if ids[p] == image_token)

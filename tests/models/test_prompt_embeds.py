@@ -58,13 +58,17 @@ def test_embeddings_give_transformers_tokens_and_the_tokens_own(llm, reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
-                         ids=["tp2", "pp2"])
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
+                                    {"max_num_batched_tokens": 8, "max_num_seqs": 8}],
+                         ids=["tp2", "pp2", "8-token-steps"])
 def test_embeddings_on_parallel_layouts(llama, reference, layout):
     embeds, expected = reference
     engine = LLM(llama, dtype="float32", enable_prompt_embeds=True, **layout)
     try:
         assert tokens(engine.generate([{"prompt_embeds": e} for e in embeds], GREEDY)) == expected
+        long = torch.cat([embeds[0]] * 3)       # 21 rows: over three steps of 8
+        assert tokens(engine.generate([{"prompt_embeds": long}], GREEDY)) == tokens(
+            engine.generate([{"prompt_token_ids": IDS[0] * 3}], GREEDY))
     finally:
         engine.shutdown()
 
