@@ -23,6 +23,10 @@ _step = StepValue()
 running = _step.running      # running(step_embeddings): set around the step's forward pass
 
 
+def current() -> StepEmbeddings | None:
+    return _step.value
+
+
 def merge(hidden: torch.Tensor) -> torch.Tensor:
     """The token embeddings with this step's image embeddings in their rows."""
     given = _step.value

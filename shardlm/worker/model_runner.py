@@ -480,7 +480,8 @@ class ModelRunner:
     def _run_model(self, input_ids, positions, meta):
         """This rank's layers; between pipeline stages, the hidden states come in and go out.
         -> the final hidden states on the last stage, None on the others."""
-        if self.use_cuda_graphs and getattr(meta, "last_layer", None) is None:     # graphs finish every row
+        # graphs finish every row, and embed tokens inside: not for a step with given embeddings
+        if self.use_cuda_graphs and getattr(meta, "last_layer", None) is None and image_embeddings.current() is None:
             hidden = self.cuda_graphs.run(input_ids, positions, meta)
             if hidden is not None:
                 return hidden
