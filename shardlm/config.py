@@ -98,6 +98,7 @@ class MultiModalConfig:
     limit_per_prompt: dict[str, int] = field(default_factory=dict)     # --limit-mm-per-prompt
     allowed_local_media_path: str | None = None     # --allowed-local-media-path: file:// images under it
     processor_kwargs: dict = field(default_factory=dict)    # --mm-processor-kwargs: the HF processor's options
+    allowed_media_domains: list[str] | None = None  # --allowed-media-domains: http(s) images from these hosts only
 
     def limit(self, modality: str) -> int:
         return self.limit_per_prompt.get(modality, DEFAULT_ITEMS_PER_PROMPT)

@@ -145,8 +145,8 @@ class LLM:
         template = chat_template or getattr(self.get_tokenizer(), "chat_template", None)
         fmt = "openai" if isinstance(template, str) and loops_over_content(template) else "string"
         conversation, found = split_images(conversation, fmt, images.placeholder)
-        allowed = self.engine.config.model.multimodal.allowed_local_media_path
-        return conversation, [load_image(im, allowed) if isinstance(im, str) else im for im in found]
+        mm = self.engine.config.model.multimodal
+        return conversation, [load_image(im, mm) if isinstance(im, str) else im for im in found]
 
     # ---- pooling models (runner pooling): embeddings, classes, scores ----
     def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | Sequence[PoolingParams]

@@ -292,6 +292,9 @@ class EngineArgs:
         None, "model",
         "vision-language models: options for the checkpoint's Hugging Face processor, as a JSON object, as vLLM's "
         "(e.g. Idefics3's '{\"do_image_splitting\": false}'); a prompt dict's mm_processor_kwargs override them")
+    allowed_media_domains: list[str] | None = knob(
+        None, "model",
+        "vision-language models: http(s) image URLs are fetched only from these hosts, as vLLM's (default: any host)")
     allowed_local_media_path: str | None = knob(
         None, "model",
         "vision-language models: file: image URLs are read from under this directory (else refused), as vLLM's")
@@ -368,7 +371,7 @@ class EngineArgs:
                                                '{"architectures": ["Qwen3ForSequenceClassification"]}').items():
                 setattr(checkpoint_config, key, value)
         multimodal = multimodal_config(checkpoint_config, self.limit_mm_per_prompt, self.allowed_local_media_path,
-                                       self.mm_processor_kwargs)
+                                       self.mm_processor_kwargs, self.allowed_media_domains)
         if multimodal is not None:      # a vision-language checkpoint: its text model, its images beside
             architecture, model_impl = _text_model_of(multimodal, self.model_impl)
             hf_config = text_config_of(checkpoint_config, architecture)

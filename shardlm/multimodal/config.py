@@ -48,7 +48,7 @@ def parse_limits(flag: str | dict | None) -> dict[str, int]:
 
 
 def multimodal_config(checkpoint_config, limit_mm_per_prompt=None, allowed_local_media_path: str | None = None,
-                      mm_processor_kwargs=None) -> MultiModalConfig | None:
+                      mm_processor_kwargs=None, allowed_media_domains=None) -> MultiModalConfig | None:
     """A vision-language checkpoint's MultiModalConfig, None for a text model."""
     architecture = vision_language_architecture(checkpoint_config)
     if architecture is None:
@@ -61,4 +61,13 @@ def multimodal_config(checkpoint_config, limit_mm_per_prompt=None, allowed_local
         image_token = getattr(checkpoint_config, "image_token_id", None)
     return MultiModalConfig(architecture, checkpoint_config, int(image_token), parse_limits(limit_mm_per_prompt),
                             allowed_local_media_path, json_object_flag(mm_processor_kwargs, "--mm-processor-kwargs",
-                                                                       '{"do_image_splitting": false}'))
+                                                                       '{"do_image_splitting": false}'),
+                            _domains(allowed_media_domains))
+
+
+def _domains(given) -> list[str] | None:
+    """--allowed-media-domains a.com b.org (offline: a list, or one string) -> lower-case hosts."""
+    if given is None:
+        return None
+    domains = [given] if isinstance(given, str) else list(given)
+    return [d.strip().lower() for d in domains if d.strip()]

@@ -81,7 +81,7 @@ class GivenEmbeddings:
                              f"{self.images.placeholder!r} once per image.")
         from shardlm.multimodal.media import load_image
         mm = self.config.model.multimodal
-        images = [load_image(im, mm.allowed_local_media_path) if isinstance(im, str) else im for im in images]
+        images = [load_image(im, mm) if isinstance(im, str) else im for im in images]
         options = prompt.get("mm_processor_kwargs")
         if options is not None and not isinstance(options, dict):
             raise ValueError(f"mm_processor_kwargs must be a dict of the processor's options, not {options!r}.")

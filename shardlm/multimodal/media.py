@@ -17,17 +17,18 @@ class MediaError(ValueError):
     """An image that could not be read: the client's fault (a 400 in the server)."""
 
 
-def load_image(url: str, allowed_local_media_path: str | None = None):
-    """A PIL image, RGB, from an image_url's url."""
+def load_image(url: str, mm=None):
+    """A PIL image, RGB, from an image_url's url; mm: the MultiModalConfig whose
+    --allowed-local-media-path and --allowed-media-domains apply."""
     if not isinstance(url, str) or not url:
         raise MediaError("An image_url part needs a url: a data:image/...;base64, URL, an http(s) URL or a file URL.")
     scheme = urlparse(url).scheme
     if scheme == "data":
         data = _data_url_bytes(url)
     elif scheme in ("http", "https"):
-        data = _fetch(url)
+        data = _fetch(url, getattr(mm, "allowed_media_domains", None))
     elif scheme == "file":
-        data = _local_file(url, allowed_local_media_path)
+        data = _local_file(url, getattr(mm, "allowed_local_media_path", None))
     else:
         raise MediaError(f"Image URL scheme {scheme or '(none)'!r}: give a data:, http(s): or file: URL.")
     return decode_image(data)
@@ -53,10 +54,15 @@ def _data_url_bytes(url: str) -> bytes:
         raise MediaError("The data URL's base64 payload does not decode.") from None
 
 
-def _fetch(url: str) -> bytes:
+def _fetch(url: str, domains: list[str] | None) -> bytes:
+    """domains: the hosts images may come from (None: any); with them no redirect is followed."""
     import httpx
+    host = (urlparse(url).hostname or "").lower()
+    if domains is not None and host not in domains:
+        raise MediaError(f"Images are fetched from {', '.join(domains) or 'no host'} only (--allowed-media-domains), "
+                         f"not {host or url}.")
     try:
-        with httpx.stream("GET", url, timeout=FETCH_TIMEOUT_S, follow_redirects=True) as response:
+        with httpx.stream("GET", url, timeout=FETCH_TIMEOUT_S, follow_redirects=domains is None) as response:
             response.raise_for_status()
             data = bytearray()
             for piece in response.iter_bytes():

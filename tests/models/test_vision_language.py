@@ -153,8 +153,14 @@ def test_bad_image_prompts_are_refused_with_what_to_do(llm, tmp_path):
 
 
 def test_file_urls_are_read_under_the_allowed_path_only(llava, tmp_path):
+    """Also: http(s) images come only from --allowed-media-domains where it is given."""
+    from shardlm.entrypoints.cli import build_parser
+    from shardlm.entrypoints.cli.engine_flags import engine_args_from
+    given = build_parser().parse_args(["serve", llava, "--allowed-media-domains", "example.com", "Images.Example.org"])
+    assert engine_args_from(given).allowed_media_domains == ["example.com", "Images.Example.org"]
     (tmp_path / "pic.png").write_bytes(base64.b64decode(data_url(image(3)).split(",")[1]))
-    engine = LLM(llava, dtype="float32", allowed_local_media_path=str(tmp_path))
+    engine = LLM(llava, dtype="float32", allowed_local_media_path=str(tmp_path),
+                 allowed_media_domains=["example.com", "Images.Example.org"])
     try:
         by_file, by_data = (engine.generate([{"prompt": "see <image>", "multi_modal_data": {"image": src}}],
                                             GREEDY)[0].outputs[0].token_ids
@@ -162,6 +168,9 @@ def test_file_urls_are_read_under_the_allowed_path_only(llava, tmp_path):
         assert by_file == by_data
         with pytest.raises(ValueError, match="outside --allowed-local-media-path"):
             engine.generate([{"prompt": "see <image>", "multi_modal_data": {"image": f"file://{tmp_path}/../x.png"}}])
+        with pytest.raises(ValueError, match=r"from example.com, images.example.org only \(--allowed-media-domains\), "
+                                             "not 127.0.0.1"):
+            engine.generate([{"prompt": "see <image>", "multi_modal_data": {"image": "http://127.0.0.1:9/x.png"}}])
     finally:
         engine.shutdown()
 

@@ -27,8 +27,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kwargs["type"] = _flag_type(f)
         if f.name == "distributed_executor_backend":
             kwargs["choices"] = list(BACKENDS)
-        if f.name == "served_model_name":
-            kwargs["nargs"] = "+"           # several names, as vLLM's
+        if "list[str]" in f.type:
+            kwargs["nargs"] = "+"           # several values, as vLLM's (served names, media domains)
         if f.name == "hf_token":
             kwargs.update(nargs="?", const=True)     # alone: huggingface_hub's stored token
         if kwargs["help"] and f.default is not None and not isinstance(f.default, bool):

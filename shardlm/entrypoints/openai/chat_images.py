@@ -23,8 +23,8 @@ async def with_images(llm, req, text: str, pool) -> tuple[list[int], list]:
         processor = llm.processor.given_embeddings.images            # a text model: ValueError
         if req.use_beam_search:
             raise ValueError("Beam search is not run on prompts with images: leave out use_beam_search.")
-        allowed = llm.config.model.multimodal.allowed_local_media_path
-        images = await asyncio.gather(*(asyncio.to_thread(load_image, url, allowed) for url in urls))
+        mm = llm.config.model.multimodal
+        images = await asyncio.gather(*(asyncio.to_thread(load_image, url, mm) for url in urls))
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(pool, lambda: processor.process(text, list(images), req.add_special_tokens))
     except ValueError as e:
