@@ -54,23 +54,20 @@ def of_step(batch, requests: dict, encoder, image_token: int | None, device: tor
             first, last = max(c.start_pos, item.offset), min(end, item.offset + item.length)
             if first >= last:
                 continue
-            if k not in state.image_features:     # (read or encoded once, until its last position is scheduled)
-                state.image_features[k] = (as_tensor(item.tensors["embeds"]).to(device) if item.modality == "embeds"
-                                           else encoder.encode(item))
+            given = state.given_embeddings
+            if k not in given:        # read or encoded once, dropped once its last position is scheduled
+                given[k] = (as_tensor(item.tensors["embeds"]).to(device) if item.modality == "embeds"
+                            else encoder.encode(item))
             if item.modality == "embeds":       # every position of the range: its own row of the tensor
-                rows.extend(range(offset + first - c.start_pos, offset + last - c.start_pos))
-                values.append(state.image_features[k][first - item.offset:last - item.offset])
-                if last == item.offset + item.length:
-                    del state.image_features[k]
-                continue
-            ids = state.prompt_token_ids
-            # an image's n-th placeholder takes its n-th embedding (tokens between its tiles: their own)
-            done = sum(1 for p in range(item.offset, first) if ids[p] == image_token)
-            mine = [p for p in range(first, last) if ids[p] == image_token]
-            rows.extend(offset + p - c.start_pos for p in mine)
-            values.append(state.image_features[k][done:done + len(mine)])
-            if last == item.offset + item.length:       # its last placeholder: no step reads it again
-                del state.image_features[k]
+                positions, done = list(range(first, last)), first - item.offset
+            else:   # an image's n-th placeholder takes its n-th embedding (tokens between its tiles: their own)
+                ids = state.prompt_token_ids
+                positions = [p for p in range(first, last) if ids[p] == image_token]
+                done = sum(1 for p in range(item.offset, first) if ids[p] == image_token)
+            rows.extend(offset + p - c.start_pos for p in positions)
+            values.append(given[k][done:done + len(positions)])
+            if last == item.offset + item.length:
+                del given[k]
         offset += len(c.token_ids)
     if not rows:
         return None

@@ -33,7 +33,7 @@ class RequestState:
     pooling_params: PoolingParams | None = None     # a pooling request (pooling/pooler.py)
     token_type_ids: list[int] | None = None
     mm_items: list | None = None        # its images (messages.MultiModalItem)
-    image_features: dict[int, torch.Tensor] = field(default_factory=dict)   # item index -> its embeddings
+    given_embeddings: dict[int, torch.Tensor] = field(default_factory=dict)   # item index -> its embeddings
 
 
 @dataclass
