@@ -17,9 +17,9 @@ from shardlm.multimodal.processing import as_tensor_data, content_hash
 PLACEHOLDER_ID = 0       # what the engine sees in such a prompt's token ids
 
 
-def prompt_embeds_item(embeds, hidden_size: int, dtype: torch.dtype) -> tuple[list[int], MultiModalItem]:
-    """-> the prompt's placeholder token ids and its item. embeds: [tokens, hidden] (or [1, tokens,
-    hidden]) floating point, finite."""
+def checked(embeds, hidden_size: int) -> torch.Tensor:
+    """embeds as [tokens, hidden]: a ValueError unless it is [tokens, hidden] (or [1, tokens,
+    hidden]) of finite floating point values."""
     if not isinstance(embeds, torch.Tensor):
         raise ValueError(f"prompt_embeds must be a torch tensor, not {type(embeds).__name__}.")
     if embeds.dim() == 3 and embeds.shape[0] == 1:
@@ -29,6 +29,12 @@ def prompt_embeds_item(embeds, hidden_size: int, dtype: torch.dtype) -> tuple[li
                          "hidden size), at least one token.")
     if not embeds.is_floating_point() or not bool(torch.isfinite(embeds).all()):
         raise ValueError("prompt_embeds must be finite floating point values.")
+    return embeds
+
+
+def prompt_embeds_item(embeds, hidden_size: int, dtype: torch.dtype) -> tuple[list[int], MultiModalItem]:
+    """-> the prompt's placeholder token ids and its item (embeds: as checked() takes them)."""
+    embeds = checked(embeds, hidden_size)
     data = {"embeds": as_tensor_data(embeds.detach().to("cpu", dtype))}
     return [PLACEHOLDER_ID] * embeds.shape[0], MultiModalItem("embeds", 0, embeds.shape[0], content_hash(data), data)
 

@@ -32,8 +32,9 @@ async def with_images(llm, req, text: str, pool) -> tuple[list[int], list]:
 
 
 def embeds_prompts(req, model) -> list[tuple[list[int], object]]:
-    """/v1/completions' prompt_embeds -> per prompt (its placeholder token ids, its tensor), checked."""
-    from shardlm.multimodal.prompt_embeds import decode_base64, prompt_embeds_item
+    """/v1/completions' prompt_embeds -> per prompt (its placeholder token ids, its tensor), checked
+    (the input processor makes its item)."""
+    from shardlm.multimodal.prompt_embeds import PLACEHOLDER_ID, checked, decode_base64
     values = [req.prompt_embeds] if isinstance(req.prompt_embeds, str) else list(req.prompt_embeds)
     try:
         if not model.enable_prompt_embeds:
@@ -43,7 +44,7 @@ def embeds_prompts(req, model) -> list[tuple[list[int], object]]:
                              ("truncate_prompt_tokens", req.truncate_prompt_tokens is not None)):
             if given:
                 raise ValueError(f"{field} needs the prompt's tokens, which prompt_embeds do not have: leave it out.")
-        tensors = [decode_base64(v) for v in values]
-        return [(prompt_embeds_item(t, model.hf_config.hidden_size, model.dtype)[0], t) for t in tensors]
+        tensors = [checked(decode_base64(v), model.hf_config.hidden_size) for v in values]
+        return [([PLACEHOLDER_ID] * len(t), t) for t in tensors]
     except ValueError as e:
         raise OpenAIError(str(e), 400, "prompt_embeds") from None

@@ -344,8 +344,13 @@ class OpenAIServing:
             raise OpenAIError(f"{len(prompts) + len(embedded)} prompts are more than this server allows in one "
                               f"request ({self.limits.max_prompts}, --max-prompts).", 400, "prompt")
         whole = [await self.tokenize(p, add_special_tokens=req.add_special_tokens) for p in prompts]
-        ids = [self.truncated(i, req.truncate_prompt_tokens) for i in whole] + [i for i, _ in embedded]
-        prompts, whole = prompts + [None] * len(embedded), whole + [i for i, _ in embedded]
+        ids = [self.truncated(i, req.truncate_prompt_tokens) for i in whole]
+        # a prompt cut by truncate_prompt_tokens is its tokens alone (echo decodes them)
+        texts = [p if isinstance(p, str) and len(i) == len(w) else None for p, i, w in zip(prompts, ids, whole)]
+        salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}
+        engine_prompts = ([self.engine_prompt(req, i, text) for i, text in zip(ids, texts)]
+                          + [{"prompt_embeds": tensor, **salt} for _, tensor in embedded])
+        ids += [i for i, _ in embedded]
         if req.use_beam_search:
             return await self._beam_completions(req, model, lora, ids)
         echoed = req.logprobs if req.echo else None
@@ -353,12 +358,7 @@ class OpenAIServing:
         params = [self.sampling_params(req, req.max_tokens, len(i), logprobs=req.logprobs,
                                        prompt_logprobs=max(asked) if asked else None) for i in ids]
         rid, created = self.response_id(req, "cmpl"), int(time.time())
-        # a prompt cut by truncate_prompt_tokens is its tokens alone (echo decodes them)
-        texts = [p if isinstance(p, str) and len(i) == len(w) else None for p, i, w in zip(prompts, ids, whole)]
         rids = [f"{rid}-{k}-{uuid.uuid4().hex[:8]}" if req.request_id else f"{rid}-{k}" for k in range(len(ids))]
-        engine_prompts = [self.engine_prompt(req, i, text) for i, text in zip(ids[:len(ids) - len(embedded)], texts)]
-        salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}
-        engine_prompts += [{"prompt_embeds": tensor, **salt} for _, tensor in embedded]
         streams = self.submit([(prompt, p, r) for prompt, p, r in zip(engine_prompts, params, rids)], lora,
                               req.priority)
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
