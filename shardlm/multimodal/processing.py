@@ -3,6 +3,7 @@ image's placeholder expanded to one token per embedding, and one MultiModalItem 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import numpy as np
@@ -12,11 +13,18 @@ from shardlm.config import ModelConfig
 from shardlm.messages import MultiModalItem, TensorData
 
 
+@functools.lru_cache(maxsize=4)
+def load_processor(path: str, trust_remote_code: bool):
+    """The checkpoint's HF processor, read once per process (the tokenizer's chat template and the
+    image prompts both ask for it)."""
+    from transformers import AutoProcessor
+    return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
 class ImagePrompts:
     def __init__(self, model: ModelConfig):
-        from transformers import AutoProcessor
         self.mm = model.multimodal
-        self.processor = AutoProcessor.from_pretrained(model.tokenizer, trust_remote_code=model.trust_remote_code)
+        self.processor = load_processor(model.tokenizer, model.trust_remote_code)
         self.placeholder: str = self.processor.image_token      # what a prompt's text marks an image with
 
     def process(self, text: str, images: list, add_special_tokens: bool = True,
@@ -69,9 +77,7 @@ class ImagePrompts:
 def processor_chat_template(model: ModelConfig) -> str | None:
     """The checkpoint's processor's chat template (llava-hf's keep it in chat_template.json, which
     the tokenizer does not read), which places images as the model was trained to see them."""
-    from transformers import AutoProcessor
-    return getattr(AutoProcessor.from_pretrained(model.tokenizer, trust_remote_code=model.trust_remote_code),
-                   "chat_template", None)
+    return getattr(load_processor(model.tokenizer, model.trust_remote_code), "chat_template", None)
 
 
 def as_tensor_data(t: torch.Tensor) -> TensorData:
