@@ -140,13 +140,12 @@ class LLM:
             return conversation, []
         from shardlm.entrypoints.openai.frontend_options import loops_over_content
         from shardlm.multimodal.chat import split_images
-        from shardlm.multimodal.media import load_image
+        from shardlm.multimodal.media import as_images
         images = self.engine.processor.given_embeddings.images         # a text model: ValueError
         template = chat_template or getattr(self.get_tokenizer(), "chat_template", None)
         fmt = "openai" if isinstance(template, str) and loops_over_content(template) else "string"
         conversation, found = split_images(conversation, fmt, images.placeholder)
-        mm = self.engine.config.model.multimodal
-        return conversation, [load_image(im, mm) if isinstance(im, str) else im for im in found]
+        return conversation, as_images(found, self.engine.config.model.multimodal)
 
     # ---- pooling models (runner pooling): embeddings, classes, scores ----
     def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | Sequence[PoolingParams]

@@ -79,9 +79,8 @@ class GivenEmbeddings:
         if not isinstance(text, str):
             raise ValueError("A prompt with images needs its text (\"prompt\"), which marks where each image goes: "
                              f"{self.images.placeholder!r} once per image.")
-        from shardlm.multimodal.media import load_image
-        mm = self.config.model.multimodal
-        images = [load_image(im, mm) if isinstance(im, str) else im for im in images]
+        from shardlm.multimodal.media import as_images
+        images = as_images(images, self.config.model.multimodal)
         options = prompt.get("mm_processor_kwargs")
         if options is not None and not isinstance(options, dict):
             raise ValueError(f"mm_processor_kwargs must be a dict of the processor's options, not {options!r}.")

@@ -34,6 +34,11 @@ def load_image(url: str, mm=None):
     return decode_image(data)
 
 
+def as_images(given: list, mm=None) -> list:
+    """Images given as PIL images or URLs (read with load_image) -> the images."""
+    return [load_image(image, mm) if isinstance(image, str) else image for image in given]
+
+
 def decode_image(data: bytes):
     from PIL import Image, UnidentifiedImageError
     try:
