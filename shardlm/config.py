@@ -68,13 +68,16 @@ def knob(default, help: str, short: str | None = None):
 class QuantizationConfig:
     """Weight-only quantization of the linear layers at load (layers/quantization.py)."""
     # "int8", "int4", "fp8_per_channel", "fp8_per_tensor", "fp8_per_block" (quantized at load);
-    # "gguf", "gptq", "awq", "fp8" (an FP8 checkpoint's: read as stored)
+    # "gguf", "gptq", "awq", "fp8", "compressed-tensors" (a checkpoint's: read as stored)
     method: str
     group_size: int          # input columns per (scale, min); -1: one group per row
     source: str | None = None    # gguf: the GGUF file the linears are read from (gptq, awq: the checkpoint)
+    weight_bits: int | None = None   # where the method does not say (compressed-tensors: 4 or 8)
 
     @property
     def bits(self) -> int:
+        if self.weight_bits is not None:
+            return self.weight_bits
         return 8 if self.method == "int8" or self.method.startswith("fp8") else 4
 
     @property

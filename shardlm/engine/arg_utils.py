@@ -214,8 +214,8 @@ class EngineArgs:
         "fp8_per_channel (alias fp8), fp8_per_tensor or fp8_per_block (e4m3, blocks of 128 x 128); "
         "embeddings, LM head and experts stay in --dtype. Faster only with --dtype bfloat16. "
         "gguf: a .gguf model's own Q8_0/Q4_0/Q4_1 and Q4_K/Q5_K/Q6_K blocks; GPTQ and AWQ "
-        "checkpoints (4-bit) and FP8 ones (fp8, fbgemm_fp8, compressed-tensors) are detected from "
-        "config.json and run as stored")
+        "checkpoints (4-bit), compressed-tensors ones (integer W4A16, W8A16, W8A8, and FP8) and FP8 "
+        "ones (fp8, fbgemm_fp8) are detected from config.json and run as stored")
     quantization_group_size: int | None = knob(
         None, "model",
         "input columns per quantization scale (-1: one per row; default: int8 -1, int4 128)")
@@ -545,25 +545,26 @@ def linear_inputs(hf_config, tp: int) -> list[int]:
 
 def resolve_quantization(method: str | None, group_size: int | None, inputs: list[int] | None = None,
                          gguf_source: str | None = None,
-                         checkpoint: tuple[str, int] | None = None) -> QuantizationConfig | None:
+                         checkpoint: QuantizationConfig | None = None) -> QuantizationConfig | None:
     """int4's default group: 128 columns, or 64 or 32 where 128 does not divide every layer's inputs
     per rank (`inputs`; e.g. SmolLM2's 576). gguf: the linears as the GGUF file stores them.
-    checkpoint: a GPTQ/AWQ/FP8 checkpoint's (method, group size), which is what runs (as vLLM, it
-    needs no flag). fp8 on a float checkpoint: fp8_per_channel (vLLM's alias)."""
+    checkpoint: a GPTQ/AWQ/FP8/compressed-tensors checkpoint's (checkpoint_method), which is what
+    runs (as vLLM, it needs no flag). fp8 on a float checkpoint: fp8_per_channel (vLLM's alias)."""
     from shardlm.layers.fp8 import ALIASES, BLOCK, SCHEMES
     from shardlm.layers.quantization import DEFAULT_GROUP_SIZE
     from shardlm.model_loader.gguf_weights import GROUP
-    if checkpoint is not None and checkpoint[0] == "fp8" and method in SCHEMES:
+    if checkpoint is not None and checkpoint.method == "fp8" and method in SCHEMES:
         raise ValueError(f"This checkpoint is already FP8 and runs as it is stored: leave out --quantization {method} "
                          "(online FP8 quantizes a float checkpoint).")
     if checkpoint is not None:
-        stored, group = checkpoint
+        stored, group = checkpoint.method, checkpoint.group_size
         if method not in (None, stored) or group_size not in (None, group):
-            raise ValueError(f"This checkpoint is {stored.upper()}-quantized (groups of {group} columns) and runs as "
-                             f"it is stored: leave out --quantization (or pass --quantization {stored}) and "
+            groups = "one scale a row" if group == -1 else f"groups of {group} columns"
+            raise ValueError(f"This checkpoint is {stored.upper()}-quantized ({groups}) and runs as it is stored: "
+                             f"leave out --quantization (or pass --quantization {stored}) and "
                              "--quantization-group-size.")
-        return QuantizationConfig(stored, group)
-    if method in ("gptq", "awq"):
+        return checkpoint
+    if method in ("gptq", "awq", "compressed-tensors"):
         raise ValueError(f"--quantization {method} reads a {method.upper()} checkpoint, but this model's config.json "
                          "has no quantization_config for it. For a float checkpoint use --quantization int8 or int4.")
     if method == "gguf":
@@ -675,13 +676,13 @@ def _logprobs_mode(mode: str) -> str:
     return mode
 
 
-def _load_format(choice: str, gguf_file: str | None, checkpoint: tuple[str, int] | None) -> str:
+def _load_format(choice: str, gguf_file: str | None, checkpoint: QuantizationConfig | None) -> str:
     if choice == "safetensors":
         choice = "auto"
     if choice not in ("auto", "dummy"):
         raise ValueError(f"--load-format {choice}: give auto (the checkpoint's weights) or dummy (random weights).")
     # an FP8 checkpoint's weights are float once read (fp8.py), so random ones stand in for them too
-    packed = "GGUF" if gguf_file else checkpoint[0].upper() if checkpoint and checkpoint[0] != "fp8" else None
+    packed = "GGUF" if gguf_file else checkpoint.method.upper() if checkpoint and checkpoint.method != "fp8" else None
     if choice == "dummy" and packed:
         raise ValueError(f"--load-format dummy makes float weights, not {packed} blocks: give a float model "
                          "(--quantization int8 or int4 quantizes its weights at load).")

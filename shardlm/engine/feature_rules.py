@@ -89,8 +89,8 @@ RULES += (
          "transformers' decoder runs whole on each rank: its layers cannot be split into stages, nor its "
          "attention over ranks by position",
          "-tp (its linears split as the model's tensor parallel plan says) and -dp"),
-    Rule("--model-impl transformers with --quantization gguf, gptq or awq, --enable-lora or a draft model or EAGLE "
-         "head",
+    Rule("--model-impl transformers with a quantized checkpoint's stored weights (GGUF, GPTQ, AWQ, FP8, "
+         "compressed-tensors), --enable-lora or a draft model or EAGLE head",
          lambda c: _transformers(c) and ((c.model.quantization is not None and not c.model.quantization.at_load)
                                          or c.lora is not None or _drafts_on_one_rank(c)),
          "those read their tensors into shardlm's own model layout, which transformers' modeling code does not have",
@@ -156,7 +156,8 @@ RULES += (
          "its adapters name the text model's modules under language_model., which adapter loading does not map; "
          "pooling reads text prompts",
          "the text model alone (its own checkpoint), or generation without adapters"),
-    Rule("a vision-language model (LLaVA) with --quantization gguf, gptq or awq",
+    Rule("a vision-language model (LLaVA) with a quantized checkpoint's stored weights (GGUF, GPTQ, AWQ, FP8, "
+         "compressed-tensors)",
          lambda c: _vision_language(c) and c.model.quantization is not None and not c.model.quantization.at_load,
          "only float checkpoints of vision-language models are read",
          "the float checkpoint, with --quantization int8, int4 or fp8_* at load (the text model's linears)"),

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from shardlm.config import QuantizationConfig
+from shardlm.model_loader.compressed_tensors import integer_scheme, is_integer_checkpoint
 from shardlm.model_loader.fp8 import block_size, fp8_method
 
 PACKED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
@@ -31,21 +33,25 @@ def _as_dict(qc) -> dict:
     return qc if isinstance(qc, dict) else qc.to_dict()
 
 
-def checkpoint_method(quantization_config) -> tuple[str, int] | None:
-    """("gptq" | "awq" | "fp8", group size) of a checkpoint from its config.json's
-    quantization_config (None: a float checkpoint); a clear error for what is not read. An FP8
-    checkpoint's group: its blocks' columns, or -1 for scales per tensor or channel (fp8.py)."""
+def checkpoint_method(quantization_config) -> QuantizationConfig | None:
+    """What runs for a checkpoint, from its config.json's quantization_config (None: a float
+    checkpoint): "gptq" | "awq" | "fp8" | "compressed-tensors" (integer weights) and the group
+    size; a clear error for what is not read. An FP8 checkpoint's group: its blocks' columns, or
+    -1 for scales per tensor or channel (fp8.py)."""
     if not quantization_config:
         return None
     qc = _as_dict(quantization_config)
     if fp8_method(qc):
         block = block_size(qc)
-        return "fp8", block[1] if block else -1
+        return QuantizationConfig("fp8", block[1] if block else -1)
+    if is_integer_checkpoint(qc):
+        return integer_scheme(qc)
     method = str(qc.get("quant_method", "")).lower()
     if method not in ("gptq", "awq"):
         raise ValueError(f"This checkpoint is quantized with {method or 'an unnamed method'!r}; shardlm reads FP8 "
-                         "(fp8, fbgemm_fp8, compressed-tensors float), GPTQ and AWQ checkpoints (4-bit), GGUF files, "
-                         "or float checkpoints with --quantization int8|int4.")
+                         "(fp8, fbgemm_fp8, compressed-tensors float), compressed-tensors integer (W4A16, W8A16, "
+                         "W8A8), GPTQ and AWQ checkpoints (4-bit), GGUF files, or float checkpoints with "
+                         "--quantization int8|int4.")
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:
         raise ValueError(f"This {method.upper()} checkpoint has {bits}-bit weights; shardlm reads 4-bit ones.")
@@ -57,8 +63,7 @@ def checkpoint_method(quantization_config) -> tuple[str, int] | None:
         raise ValueError(f"This AWQ checkpoint is packed as {qc.get('version')!r}; shardlm reads the 'gemm' packing.")
     if method == "awq" and not qc.get("zero_point", True):
         raise ValueError("This AWQ checkpoint has no zero points; shardlm reads AWQ with zero points.")
-    group = qc.get("group_size", qc.get("q_group_size", 128))
-    return method, group
+    return QuantizationConfig(method, qc.get("group_size", qc.get("q_group_size", 128)))
 
 
 def is_v1(quantization_config) -> bool:
@@ -101,8 +106,12 @@ class PackedLinears:
         self.method, self.group, self.v1 = method, group, v1
         self.parts: dict[str, dict[str, torch.Tensor]] = {}
 
+    def claims(self, name: str, tensor) -> bool:
+        """Whether a checkpoint tensor is one of a packed linear's."""
+        return name.endswith(PACKED_SUFFIXES)
+
     def take(self, name: str, tensor) -> None:
-        """Keep one packed tensor (`name` ends with one of PACKED_SUFFIXES)."""
+        """Keep one packed tensor (one that claims() took)."""
         prefix, _, kind = name.rpartition(".")
         self.parts.setdefault(prefix, {})[kind] = tensor if isinstance(tensor, torch.Tensor) else tensor[:]
 

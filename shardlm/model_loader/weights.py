@@ -12,8 +12,9 @@ import torch
 from safetensors import safe_open
 
 from shardlm.config import ModelConfig
+from shardlm.model_loader.compressed_tensors import CompressedLinears
 from shardlm.model_loader.fp8 import dequantized, fp8_method
-from shardlm.model_loader.gptq_awq import PACKED_SUFFIXES, PackedLinears, is_v1
+from shardlm.model_loader.gptq_awq import PackedLinears, is_v1
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -135,9 +136,10 @@ def _stage_filter(model: torch.nn.Module):
     return getattr(model, "_on_this_stage", lambda name: True)
 
 
-def _float_weights(weights: Iterator[tuple[str, object]], packed: PackedLinears, on_stage) -> Iterator:
+def _float_weights(weights: Iterator[tuple[str, object]], packed: PackedLinears | CompressedLinears,
+                   on_stage) -> Iterator:
     for name, tensor in weights:
-        if name.endswith(PACKED_SUFFIXES):
+        if packed.claims(name, tensor):
             if on_stage(name):
                 packed.take(name, tensor)
         else:
@@ -162,15 +164,16 @@ def load_model(cls: type, model_config: ModelConfig, device: torch.device,
     with built_in(model_config.dtype, device):
         model = cls(model_config.hf_config, model_config.max_model_len, model_config.dtype, layer_range)
     quant = model_config.quantization
-    if quant is not None and quant.method in ("gguf", "gptq", "awq") and not getattr(
+    if quant is not None and quant.method in ("gguf", "gptq", "awq", "compressed-tensors") and not getattr(
             model, "reads_quantized_checkpoints", True):
         raise ValueError(f"{model_config.architecture} lays out or splits its checkpoint's q/k tensors at load, which "
                          f"{quant.method.upper()} weights taken as stored cannot follow: run the float checkpoint "
                          "(with --quantization int8 or int4 to quantize it at load).")
-    packed = None
+    packed, stored = None, getattr(model_config.hf_config, "quantization_config", None)
     if quant is not None and quant.method in ("gptq", "awq"):
-        packed = PackedLinears(quant.method, quant.group_size,
-                               is_v1(getattr(model_config.hf_config, "quantization_config", None)))
+        packed = PackedLinears(quant.method, quant.group_size, is_v1(stored))
+    elif quant is not None and quant.method == "compressed-tensors":
+        packed = CompressedLinears(quant, stored if isinstance(stored, dict) or stored is None else stored.to_dict())
     if model_config.load_format == "dummy":
         loaded = fill_with_random_weights(model, model_config.seed)
     else:

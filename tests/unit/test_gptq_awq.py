@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from shardlm.config import QuantizationConfig as QC
 from shardlm.layers.quantization import dequantize
 from shardlm.model_loader.gptq_awq import AWQ_ORDER, checkpoint_method, unpack_awq, unpack_gptq
 
@@ -112,16 +113,17 @@ def test_awq_unpacking_equals_the_reference(quantized):
 
 def test_checkpoint_configs_are_read_or_refused_clearly():
     assert checkpoint_method(None) is None
-    assert checkpoint_method({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}) == ("gptq", 128)
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
+    assert checkpoint_method(gptq) == QC("gptq", 128)
     assert checkpoint_method({"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
-                              "version": "gemm"}) == ("awq", 64)
+                              "version": "gemm"}) == QC("awq", 64)
     with pytest.raises(ValueError, match="desc_act"):
         checkpoint_method({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True})
     with pytest.raises(ValueError, match="8-bit weights; shardlm reads 4-bit"):
         checkpoint_method({"quant_method": "gptq", "bits": 8, "group_size": 128})
-    assert checkpoint_method({"quant_method": "fp8", "weight_block_size": [128, 128]}) == ("fp8", 128)   # FP8
-    assert checkpoint_method({"quant_method": "fbgemm_fp8"}) == ("fp8", -1)      # per channel: one group a row
-    with pytest.raises(ValueError, match="'bitsandbytes'.*FP8.*GPTQ and AWQ"):
+    assert checkpoint_method({"quant_method": "fp8", "weight_block_size": [128, 128]}) == QC("fp8", 128)   # FP8
+    assert checkpoint_method({"quant_method": "fbgemm_fp8"}) == QC("fp8", -1)      # per channel: one group a row
+    with pytest.raises(ValueError, match="'bitsandbytes'.*FP8.*compressed-tensors integer.*GPTQ and AWQ"):
         checkpoint_method({"quant_method": "bitsandbytes"})
     with pytest.raises(ValueError, match="'gemv'"):
         checkpoint_method({"quant_method": "awq", "bits": 4, "version": "gemv"})

@@ -16,7 +16,7 @@ def register(sub) -> None:
     p.add_argument("--quantization-bits", type=int, choices=[2, 3, 4, 8], default=None,
                    help="weight quantization width for linear layers")
     p.add_argument("--quantization", choices=["int8", "int4", "fp8", "fp8_per_channel", "fp8_per_tensor",
-                                              "fp8_per_block", "gptq", "awq"], default=None,
+                                              "fp8_per_block", "gptq", "awq", "compressed-tensors"], default=None,
                    help="as `serve --quantization`: the bits the engine loads, scales included")
     p.add_argument("--quantization-group-size", type=int, default=None, help="as `serve`")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's maximum, at most 8192")
