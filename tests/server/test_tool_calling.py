@@ -31,6 +31,27 @@ OUTPUTS = {   # each family's own tool-call text, with the calls it holds
     "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}, '
                 '{"name": "get_time", "arguments": {"zone": "CET"}}]', None),
     "pythonic": ('[get_weather(city="Oslo", days=2), get_time(zone="CET")]', None),
+    "deepseek_v3": ("Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+                    '```json\n{"city": "Oslo", "days": 2}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function'
+                    '<｜tool▁sep｜>get_time\n```json\n{"zone": "CET"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+                    "Let me check."),
+    "deepseek_v31": ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo", "days": 2}'
+                     '<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"zone": "CET"}<｜tool▁call▁end｜>'
+                     "<｜tool▁calls▁end｜>", None),
+    "kimi_k2": ('Checking. <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+                '<|tool_call_argument_begin|>{"city": "Oslo", "days": 2}<|tool_call_end|><|tool_call_begin|>'
+                'functions.get_time:1<|tool_call_argument_begin|>{"zone": "CET"}<|tool_call_end|>'
+                "<|tool_calls_section_end|>", "Checking. "),
+    "granite": ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}, '
+                '{"name": "get_time", "arguments": {"zone": "CET"}}]', None),
+    "phi4_mini_json": ('functools[{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}, '
+                       '{"name": "get_time", "arguments": {"zone": "CET"}}]', None),
+    "qwen3_coder": ("I will look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+                    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
+                    "<parameter=zone>\nCET\n</parameter>\n</function>\n</tool_call>", "I will look.\n"),
+    "glm45": ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n<arg_key>days</arg_key>\n"
+              "<arg_value>2</arg_value>\n</tool_call>\n<tool_call>get_time\n<arg_key>zone</arg_key>\n"
+              "<arg_value>CET</arg_value>\n</tool_call>", None),
 }
 CALLS = [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "CET"})]
 
@@ -51,7 +72,7 @@ def reassemble(deltas: list[dict]) -> tuple[str, list[tuple[str, dict]]]:
 @pytest.mark.parametrize("name", list(OUTPUTS))
 def test_each_parser_reads_its_format_whole_and_in_pieces(name):
     text, content = OUTPUTS[name]
-    parser = get_parser(name)
+    parser = get_parser(name).with_tools(TOOLS)       # the request's tools (typed argument values)
     got_content, calls = parser.extract(text)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
@@ -68,8 +89,32 @@ def test_each_parser_reads_its_format_whole_and_in_pieces(name):
 
 def test_text_that_looks_like_a_call_but_does_not_parse_stays_content():
     for name, text in [("hermes", "<tool_call>{not json</tool_call>"), ("pythonic", "[1, 2, 3]"),
-                       ("llama3_json", '{"no_name": 1}'), ("mistral", "[TOOL_CALLS] oops")]:
-        assert get_parser(name).extract(text) == (text, [])
+                       ("llama3_json", '{"no_name": 1}'), ("mistral", "[TOOL_CALLS] oops"),
+                       ("deepseek_v3", "<｜tool▁calls▁begin｜>no call"), ("granite", "[1, 2]"),
+                       ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{oops"),
+                       ("kimi_k2", "<|tool_calls_section_begin|>"), ("phi4_mini_json", "functools[oops]"),
+                       ("qwen3_coder", "<tool_call>\n<oops>"), ("glm45", "<tool_call></tool_call>")]:
+        assert get_parser(name).extract(text) == (text, []), name
+
+
+def test_text_valued_arguments_take_the_types_the_tool_schema_gives():
+    """qwen3_coder and glm45 write every value as text: a string parameter keeps it ("007"
+    stays text), the others are read as JSON; parameters the schema does not name stay text."""
+    schema = {"type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "integer"},
+                                               "ok": {"type": "boolean"}, "tags": {"type": "array"},
+                                               "level": {"enum": [1, 2]}, "note": {"type": ["string", "null"]}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    text = ("<tool_call>\n<function=f>\n<parameter=code>\n007\n</parameter>\n<parameter=n>\n12\n</parameter>\n"
+            "<parameter=ok>\ntrue\n</parameter>\n<parameter=tags>\n[\"a\", \"b\"]\n</parameter>\n<parameter=level>\n"
+            "2\n</parameter>\n<parameter=note>\nline one\nline two\n</parameter>\n<parameter=extra>\n5\n</parameter>\n"
+            "</function>\n</tool_call>")
+    _, (call,) = get_parser("qwen3_coder").with_tools(tools).extract(text)
+    assert json.loads(call.arguments) == {"code": "007", "n": 12, "ok": True, "tags": ["a", "b"], "level": 2,
+                                          "note": "line one\nline two", "extra": "5"}
+    _, (call,) = get_parser("qwen3_coder").extract(text)      # no tools given: every value is text
+    assert json.loads(call.arguments)["n"] == "12"
+    glm = "<tool_call>f\n<arg_key>n</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+    assert json.loads(get_parser("glm45").with_tools(tools).extract(glm)[1][0].arguments) == {"n": 3}
 
 
 @pytest.fixture(scope="module")

@@ -188,8 +188,9 @@ def server_options(ns) -> dict:
         sys.exit("shardlm: error: --collect-detailed-traces adds to the spans of --otlp-traces-endpoint: give "
                  "--otlp-traces-endpoint URL too.")
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
-        sys.exit("shardlm: error: --enable-auto-tool-choice needs --tool-call-parser NAME (hermes, llama3_json, "
-                 "mistral or pythonic: the format this model writes tool calls in).")
+        from shardlm.entrypoints.openai.tool_parsers import PARSERS
+        sys.exit(f"shardlm: error: --enable-auto-tool-choice needs --tool-call-parser NAME ({', '.join(PARSERS)}: "
+                 "the format this model writes tool calls in).")
     if ns.tool_call_parser or ns.tool_parser_plugin:
         from shardlm.entrypoints.openai.tool_parsers import get_parser
         try:        # the plugin registers its parsers in this process, the API server's

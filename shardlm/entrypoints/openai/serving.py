@@ -466,7 +466,7 @@ class OpenAIServing:
         (final,) = await last_outputs([stream])   # FINAL_ONLY: one output
         choices, as_ids = [], self.tokens_as_ids(req)
         for c in final.outputs:
-            message = tools.split_choice(c.text, mode, function, self.tool_parser, self.reasoning,
+            message = tools.split_choice(c.text, mode, function, self.parser_for(req), self.reasoning,
                                          self.answer_role(req))
             if echo := self.echoed(req):
                 message["content"] = echo + (message["content"] or "")
@@ -485,13 +485,19 @@ class OpenAIServing:
 
     async def _beam_chat(self, req, model: str, lora, ids: list[int], max_tokens: int | None, tool_choice) -> dict:
         result = await self.beam_search(req, ids, self.beam_params(req, max_tokens, len(ids)), lora)
-        choices = [{"index": j, "message": tools.split_choice(beam.text, *tool_choice, self.tool_parser, self.reasoning,
+        parser = self.parser_for(req)
+        choices = [{"index": j, "message": tools.split_choice(beam.text, *tool_choice, parser, self.reasoning,
                                                               self.answer_role(req)),
                     "finish_reason": beam.finish_reason, "stop_reason": None, "logprobs": None}
                    for j, beam in enumerate(result.sequences)]
         generated = sum(len(b.tokens) - len(ids) for b in result.sequences)
         return {"id": self.response_id(req, "chatcmpl"), "object": "chat.completion", "created": int(time.time()),
                 "model": model, "choices": choices, "usage": self.usage(len(ids), generated, 0)}
+
+    def parser_for(self, req: ChatCompletionRequest):
+        """The --tool-call-parser bound to this request's tools (the formats that type text values by
+        the tools' schemas read them), or None."""
+        return self.tool_parser.with_tools(req.tools) if self.tool_parser is not None else None
 
     def echoed(self, req: ChatCompletionRequest) -> str:
         """vLLM's chat echo: the last message's text, where the answer is in its role (it goes on)."""
@@ -512,7 +518,7 @@ class OpenAIServing:
         async for _, out in _merge([stream]):
             for c in out.outputs:
                 if c.index not in started:
-                    started[c.index] = tools.ChatChoiceStream(*tool_choice, self.tool_parser, self.reasoning)
+                    started[c.index] = tools.ChatChoiceStream(*tool_choice, self.parser_for(req), self.reasoning)
                     yield {**head, "choices": [{"index": c.index, "delta": {"role": role, "content": self.echoed(req)},
                                                 "logprobs": None, "finish_reason": None}],
                            **({"prompt_token_ids": out.prompt_token_ids} if req.return_token_ids else {})}

@@ -1,11 +1,22 @@
 """Tool-call parsers for `--tool-choice auto` (`--tool-call-parser NAME`, vLLM's names): each reads
 one model family's own tool-call text out of its output.
 
-- hermes (Hermes, Qwen2.5/3): <tool_call>{"name": ..., "arguments": {...}}</tool_call>, repeated;
+- hermes (Hermes, Qwen2.5/3, SmolLM3): <tool_call>{"name": ..., "arguments": {...}}</tool_call>, repeated;
 - llama3_json (Llama 3.1+): {"name": ..., "parameters": {...}}, several joined by ';', optionally
   after <|python_tag|>;
 - mistral: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...], or [TOOL_CALLS]name[ARGS]{...};
-- pythonic (Llama 3.2/4, ToolACE): [f(a=1, b="x"), g()].
+- pythonic (Llama 3.2/4, ToolACE): [f(a=1, b="x"), g()];
+- deepseek_v3 (DeepSeek-V3-0324, R1-0528): <｜tool▁calls▁begin｜>, then per call
+  <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME, a ```json block of the arguments, <｜tool▁call▁end｜>;
+- deepseek_v31 (DeepSeek-V3.1): per call <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>;
+- kimi_k2 (Kimi K2): <|tool_calls_section_begin|>, then per call
+  <|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>;
+- granite (Granite 3.x): <|tool_call|> or <tool_call>, then [{"name": ..., "arguments": {...}}, ...];
+- phi4_mini_json (Phi-4-mini): functools[{"name": ..., "arguments": {...}}, ...];
+- qwen3_coder (Qwen3-Coder): <tool_call><function=NAME><parameter=KEY>value</parameter>...</function>
+  </tool_call>, repeated; glm45 (GLM-4.5): <tool_call>NAME<arg_key>KEY</arg_key><arg_value>value
+  </arg_value>...</tool_call>, repeated. Their values are text, read as the request's tool schema
+  types each parameter (a string stays text; other types are parsed as JSON).
 
 Text before the tool calls is the message's content. Output that does not parse as tool calls is
 content, as vLLM treats it.
@@ -14,6 +25,7 @@ content, as vLLM treats it.
 from __future__ import annotations
 
 import ast
+import copy
 import json
 import re
 from dataclasses import dataclass
@@ -29,6 +41,19 @@ class ToolCall:
 
 class ToolParser:
     marker: str = ""      # where tool calls begin, anywhere in the output ("" : at its start only)
+    schemas: dict[str, dict] = {}     # the request's tools' parameter schemas by name (with_tools)
+
+    def with_tools(self, tools) -> ToolParser:
+        """This parser for one request, knowing its tools' parameter schemas (OpenAI tool objects
+        or dicts), for the formats whose argument values are text to be typed."""
+        bound = copy.copy(self)
+        bound.schemas = {}
+        for tool in tools or []:
+            function = tool["function"] if isinstance(tool, dict) else tool.function
+            name = function["name"] if isinstance(function, dict) else function.name
+            params = function.get("parameters") if isinstance(function, dict) else function.parameters
+            bound.schemas[name] = params or {}
+        return bound
 
     def start(self, text: str) -> int | None:
         """Where the tool calls begin in text, or None if they do not (yet)."""
@@ -145,12 +170,140 @@ class PythonicParser(ToolParser):
         return calls
 
 
+class DeepSeekV3Parser(ToolParser):
+    marker = "<｜tool▁calls▁begin｜>"
+    call = re.compile(r"<｜tool▁call▁begin｜>(?P<type>.*?)<｜tool▁sep｜>(?P<name>.*?)\n```json\n(?P<args>.*?)\n```"
+                      r"(?:<｜tool▁call▁end｜>|$)", re.DOTALL)
+
+    def calls(self, section: str) -> list[ToolCall]:
+        return [_named(m["name"], json.loads(m["args"])) for m in self.call.finditer(section)] or _none()
+
+
+class DeepSeekV31Parser(ToolParser):
+    marker = "<｜tool▁calls▁begin｜>"
+    call = re.compile(r"<｜tool▁call▁begin｜>(?P<name>.*?)<｜tool▁sep｜>(?P<args>.*?)(?:<｜tool▁call▁end｜>|$)",
+                      re.DOTALL)
+
+    def calls(self, section: str) -> list[ToolCall]:
+        return [_named(m["name"], json.loads(m["args"])) for m in self.call.finditer(section)] or _none()
+
+
+class KimiK2Parser(ToolParser):
+    marker = "<|tool_calls_section_begin|>"
+    call = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[^:<]+?)(?::\d+)?\s*"
+                      r"<\|tool_call_argument_begin\|>(?P<args>.*?)(?:<\|tool_call_end\|>|$)", re.DOTALL)
+
+    def calls(self, section: str) -> list[ToolCall]:
+        return [_named(m["name"], json.loads(m["args"])) for m in self.call.finditer(section)] or _none()
+
+
+class GraniteParser(ToolParser):
+    tags = ("<|tool_call|>", "<tool_call>")
+
+    def start(self, text: str) -> int | None:
+        stripped = text.lstrip()
+        if stripped.startswith(self.tags) or stripped.startswith("["):
+            return len(text) - len(stripped)
+        return None
+
+    def held_back(self, text: str) -> int:
+        stripped = text.lstrip()
+        if not stripped or any(tag.startswith(stripped) for tag in self.tags) or self.start(text) is not None:
+            return 0
+        return len(text)
+
+    def calls(self, section: str) -> list[ToolCall]:
+        section = section.lstrip()
+        for tag in self.tags:
+            section = section.removeprefix(tag)
+        values = _json_values(section)
+        items = values[0] if len(values) == 1 and isinstance(values[0], list) else values
+        return [_call(v) for v in items] or _none()
+
+
+class Phi4MiniJsonParser(ToolParser):
+    marker = "functools["
+
+    def calls(self, section: str) -> list[ToolCall]:
+        values = _json_values(section[len(self.marker) - 1:])
+        return [_call(v) for v in (values[0] if values and isinstance(values[0], list) else [])] or _none()
+
+
+class Qwen3CoderParser(ToolParser):
+    marker = "<tool_call>"
+    call = re.compile(r"<tool_call>\s*<function=(?P<name>[^>\n]+)>(?P<body>.*?)(?:</function>|$)", re.DOTALL)
+    parameter = re.compile(r"<parameter=(?P<key>[^>\n]+)>(?P<value>.*?)(?:</parameter>|(?=<parameter=)|$)",
+                           re.DOTALL)
+
+    def calls(self, section: str) -> list[ToolCall]:
+        calls = []
+        for m in self.call.finditer(section):
+            name = m["name"].strip()
+            values = {p["key"].strip(): _one_line_trimmed(p["value"]) for p in self.parameter.finditer(m["body"])}
+            calls.append(_named(name, self.typed(name, values)))
+        return calls or _none()
+
+    def typed(self, function: str, values: dict[str, str]) -> dict:
+        """Each parameter's text as the function's schema types it: text for strings (and for
+        parameters the schema does not know), else its JSON (a Python literal as a fallback)."""
+        properties = (self.schemas.get(function) or {}).get("properties") or {}
+        return {key: _typed_value(text, properties.get(key)) for key, text in values.items()}
+
+
+class Glm45Parser(Qwen3CoderParser):
+    call = re.compile(r"<tool_call>\s*(?P<name>[^<\n]+)(?P<body>.*?)(?:</tool_call>|$)", re.DOTALL)
+    pair = re.compile(r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)(?:</arg_value>|$)", re.DOTALL)
+
+    def calls(self, section: str) -> list[ToolCall]:
+        calls = []
+        for m in self.call.finditer(section):
+            name = m["name"].strip()
+            values = {p["key"].strip(): p["value"] for p in self.pair.finditer(m["body"])}
+            calls.append(_named(name, self.typed(name, values)))
+        return calls or _none()
+
+
+def _one_line_trimmed(text: str) -> str:
+    """A parameter's value as Qwen3-Coder writes it: on lines of its own (one newline each side)."""
+    return text.removeprefix("\n").removesuffix("\n")
+
+
+def _typed_value(text: str, schema: dict | None):
+    if schema is None:
+        return text
+    types = schema.get("type")
+    if types is None:        # an enum of strings is text; anything else is read as JSON
+        enum = schema.get("enum")
+        types = ["string"] if enum and all(isinstance(v, str) for v in enum) else []
+    types = types if isinstance(types, list) else [types]
+    if "string" in types:
+        return text
+    if "null" in types and text.strip().lower() in ("null", "none"):
+        return None
+    for parse in (json.loads, ast.literal_eval):
+        try:
+            return parse(text.strip())
+        except (ValueError, SyntaxError):
+            continue
+    return text
+
+
+def _named(name: str, arguments) -> ToolCall:
+    name = name.strip()
+    if not name:
+        raise ValueError("a tool call without a name")
+    return ToolCall(name, arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+
+
 def _none() -> list[ToolCall]:
     raise ValueError("no tool call")
 
 
-PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
-                                        "mistral": MistralParser, "pythonic": PythonicParser}
+PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser, "pythonic": PythonicParser,
+    "deepseek_v3": DeepSeekV3Parser, "deepseek_v31": DeepSeekV31Parser, "kimi_k2": KimiK2Parser,
+    "granite": GraniteParser, "phi4_mini_json": Phi4MiniJsonParser, "qwen3_coder": Qwen3CoderParser,
+    "glm45": Glm45Parser}
 
 
 def register_tool_parser(*names: str):
