@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from shardlm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from shardlm.engine.async_llm import AsyncLLM
 from shardlm.engine.processor import check_max_tokens, require_tokenizer
-from shardlm.entrypoints.openai import tools
+from shardlm.entrypoints.openai import harmony, tools
 from shardlm.entrypoints.openai.chat_images import embeds_prompts, image_placeholder, with_images
 from shardlm.entrypoints.openai.frontend_options import FrontendOptions
 from shardlm.entrypoints.openai.logprobs_json import (
@@ -122,6 +122,7 @@ class OpenAIServing:
         template = chat_template or getattr(llm.tokenizer, "chat_template", None)
         self.content_format = self.options.content_format_for(template if isinstance(template, str) else None)
         self.image_placeholder = image_placeholder(llm)      # a vision-language model's (chat_images.py)
+        self.harmony = harmony.is_harmony_model(m.hf_config)      # GPT-OSS: chats read as harmony (harmony.py)
 
     # ---- shared ----
     def check_model(self, name: str | None) -> str:
@@ -155,8 +156,10 @@ class OpenAIServing:
             raise OpenAIError(f"A stop string is longer than this server allows ({lim.max_stop_string_chars} "
                               "characters, --max-stop-string-chars).", 400, "stop")
 
-    def sampling_params(self, req, max_tokens: int | None, prompt_len: int, **extra) -> SamplingParams:
-        """Streams get deltas (only what is new each step); the others one final output."""
+    def sampling_params(self, req, max_tokens: int | None, prompt_len: int, keep_special_tokens: bool = False,
+                        **extra) -> SamplingParams:
+        """Streams get deltas (only what is new each step); the others one final output.
+        keep_special_tokens: the output's text keeps them whatever the request says (harmony)."""
         try:
             check_max_tokens(prompt_len, max_tokens, self.max_model_len)
         except ValueError as e:
@@ -170,7 +173,7 @@ class OpenAIServing:
             return SamplingParams(
                 n=req.n, seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-                max_tokens=max_tokens, skip_special_tokens=req.skip_special_tokens,
+                max_tokens=max_tokens, skip_special_tokens=req.skip_special_tokens and not keep_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=req.logit_bias,
                 allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
                 structured_outputs=constrained or tool_constraint,
@@ -453,7 +456,8 @@ class OpenAIServing:
         params = self.sampling_params(req, max_tokens, len(ids),
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                       prompt_logprobs=req.prompt_logprobs,
-                                      tool_constraint=tools.constraint(req, mode, function))
+                                      tool_constraint=tools.constraint(req, mode, function),
+                                      keep_special_tokens=self.reads_harmony(mode))
         created = int(time.time())
         head = {"id": self.response_id(req, "chatcmpl"), "object": "chat.completion", "created": created,
                 "model": model}
@@ -466,8 +470,7 @@ class OpenAIServing:
         (final,) = await last_outputs([stream])   # FINAL_ONLY: one output
         choices, as_ids = [], self.tokens_as_ids(req)
         for c in final.outputs:
-            message = tools.split_choice(c.text, mode, function, self.parser_for(req), self.reasoning,
-                                         self.answer_role(req))
+            message = self.choice_message(req, c.text, (mode, function))
             if echo := self.echoed(req):
                 message["content"] = echo + (message["content"] or "")
             choices.append({"index": c.index, "message": message,
@@ -485,9 +488,7 @@ class OpenAIServing:
 
     async def _beam_chat(self, req, model: str, lora, ids: list[int], max_tokens: int | None, tool_choice) -> dict:
         result = await self.beam_search(req, ids, self.beam_params(req, max_tokens, len(ids)), lora)
-        parser = self.parser_for(req)
-        choices = [{"index": j, "message": tools.split_choice(beam.text, *tool_choice, parser, self.reasoning,
-                                                              self.answer_role(req)),
+        choices = [{"index": j, "message": self.choice_message(req, beam.text, tool_choice),
                     "finish_reason": beam.finish_reason, "stop_reason": None, "logprobs": None}
                    for j, beam in enumerate(result.sequences)]
         generated = sum(len(b.tokens) - len(ids) for b in result.sequences)
@@ -498,6 +499,22 @@ class OpenAIServing:
         """The --tool-call-parser bound to this request's tools (the formats that type text values by
         the tools' schemas read them), or None."""
         return self.tool_parser.with_tools(req.tools) if self.tool_parser is not None else None
+
+    def reads_harmony(self, mode: str) -> bool:
+        """A GPT-OSS answer the model writes in harmony (a required or named tool choice is JSON)."""
+        return self.harmony and mode in ("auto", "none")
+
+    def choice_message(self, req: ChatCompletionRequest, text: str, tool_choice: tuple) -> dict:
+        """A whole choice's message: content, tool calls and reasoning."""
+        if self.reads_harmony(tool_choice[0]):
+            return harmony.chat_message(text, tool_choice[0] == "auto", self.answer_role(req))
+        return tools.split_choice(text, *tool_choice, self.parser_for(req), self.reasoning, self.answer_role(req))
+
+    def choice_stream(self, req: ChatCompletionRequest, tool_choice: tuple):
+        """What turns one streamed choice's text into deltas."""
+        if self.reads_harmony(tool_choice[0]):
+            return harmony.HarmonyChoiceStream(tool_choice[0] == "auto")
+        return tools.ChatChoiceStream(*tool_choice, self.parser_for(req), self.reasoning)
 
     def echoed(self, req: ChatCompletionRequest) -> str:
         """vLLM's chat echo: the last message's text, where the answer is in its role (it goes on)."""
@@ -518,7 +535,7 @@ class OpenAIServing:
         async for _, out in _merge([stream]):
             for c in out.outputs:
                 if c.index not in started:
-                    started[c.index] = tools.ChatChoiceStream(*tool_choice, self.parser_for(req), self.reasoning)
+                    started[c.index] = self.choice_stream(req, tool_choice)
                     yield {**head, "choices": [{"index": c.index, "delta": {"role": role, "content": self.echoed(req)},
                                                 "logprobs": None, "finish_reason": None}],
                            **({"prompt_token_ids": out.prompt_token_ids} if req.return_token_ids else {})}

@@ -327,3 +327,6 @@ def get_parser(name: str, plugin: str | None = None) -> ToolParser:
         raise ValueError(f"--tool-call-parser {name!r} is not one of {', '.join(PARSERS)}"
                          f"{'' if plugin else ' (a --tool-parser-plugin file may register more)'}.")
     return PARSERS[name]()
+
+
+from shardlm.entrypoints.openai import harmony  # noqa: E402,F401  (registers "openai", GPT-OSS's, defined there)

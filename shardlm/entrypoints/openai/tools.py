@@ -160,14 +160,21 @@ class ToolCallStream:
             deltas.append({"content": content[len(shown):]})
         elif not calls and len(self.text) > self.sent:      # no calls after all: the rest is content
             deltas.append({"content": self.text[self.sent:]})
-        for i, (call, item) in enumerate(zip(calls, message_calls(calls))):
-            self.called = True
-            deltas.append({"tool_calls": [{"index": i, "id": item["id"], "type": "function",
-                                           "function": {"name": call.name, "arguments": ""}}]})
-            for k in range(0, len(call.arguments), ARGUMENT_PIECE):
-                deltas.append({"tool_calls": [{"index": i, "function": {
-                    "arguments": call.arguments[k:k + ARGUMENT_PIECE]}}]})
-        return deltas
+        self.called = self.called or bool(calls)
+        return deltas + call_deltas(calls)
+
+
+def call_deltas(calls: list[ToolCall]) -> list[dict]:
+    """Whole tool calls as OpenAI streams them: per call its id and name, then its arguments in
+    pieces."""
+    deltas = []
+    for i, (call, item) in enumerate(zip(calls, message_calls(calls))):
+        deltas.append({"tool_calls": [{"index": i, "id": item["id"], "type": "function",
+                                       "function": {"name": call.name, "arguments": ""}}]})
+        for k in range(0, len(call.arguments), ARGUMENT_PIECE):
+            deltas.append({"tool_calls": [{"index": i, "function": {
+                "arguments": call.arguments[k:k + ARGUMENT_PIECE]}}]})
+    return deltas
 
 
 class ChatChoiceStream:
