@@ -127,20 +127,27 @@ class MistralParser(ToolParser):
         return [_call(v) for v in items] or _none()
 
 
-class Llama3JsonParser(ToolParser):
-    python_tag = "<|python_tag|>"
+class LeadingCallsParser(ToolParser):
+    """A format whose calls are the whole output: it starts with one of `tags` or with `opening`."""
+    tags: tuple[str, ...] = ()
+    opening = "["
 
     def start(self, text: str) -> int | None:
         stripped = text.lstrip()
-        if stripped.startswith(self.python_tag) or stripped.startswith("{"):
+        if stripped.startswith(self.tags + (self.opening,)):
             return len(text) - len(stripped)
         return None
 
     def held_back(self, text: str) -> int:
         stripped = text.lstrip()
-        if not stripped or self.python_tag.startswith(stripped) or self.start(text) is not None:
+        if not stripped or any(tag.startswith(stripped) for tag in self.tags) or self.start(text) is not None:
             return 0
         return len(text)
+
+
+class Llama3JsonParser(LeadingCallsParser):
+    python_tag = "<|python_tag|>"
+    tags, opening = (python_tag,), "{"
 
     def calls(self, section: str) -> list[ToolCall]:
         section = section.lstrip()
@@ -149,14 +156,7 @@ class Llama3JsonParser(ToolParser):
         return [_call(v, "parameters") for v in _json_values(section)] or _none()
 
 
-class PythonicParser(ToolParser):
-    def start(self, text: str) -> int | None:
-        stripped = text.lstrip()
-        return len(text) - len(stripped) if stripped.startswith("[") else None
-
-    def held_back(self, text: str) -> int:
-        return 0 if not text.strip() or self.start(text) is not None else len(text)
-
+class PythonicParser(LeadingCallsParser):
     def calls(self, section: str) -> list[ToolCall]:
         tree = ast.parse(section.strip(), mode="eval").body
         if not isinstance(tree, ast.List) or not tree.elts:
@@ -170,47 +170,34 @@ class PythonicParser(ToolParser):
         return calls
 
 
-class DeepSeekV3Parser(ToolParser):
+class RegexCallsParser(ToolParser):
+    """A format whose calls each match `call`, with groups name and args (JSON arguments)."""
+    call: re.Pattern
+
+    def calls(self, section: str) -> list[ToolCall]:
+        return [_named(m["name"], json.loads(m["args"])) for m in self.call.finditer(section)] or _none()
+
+
+class DeepSeekV3Parser(RegexCallsParser):
     marker = "<｜tool▁calls▁begin｜>"
     call = re.compile(r"<｜tool▁call▁begin｜>(?P<type>.*?)<｜tool▁sep｜>(?P<name>.*?)\n```json\n(?P<args>.*?)\n```"
                       r"(?:<｜tool▁call▁end｜>|$)", re.DOTALL)
 
-    def calls(self, section: str) -> list[ToolCall]:
-        return [_named(m["name"], json.loads(m["args"])) for m in self.call.finditer(section)] or _none()
 
-
-class DeepSeekV31Parser(ToolParser):
+class DeepSeekV31Parser(RegexCallsParser):
     marker = "<｜tool▁calls▁begin｜>"
     call = re.compile(r"<｜tool▁call▁begin｜>(?P<name>.*?)<｜tool▁sep｜>(?P<args>.*?)(?:<｜tool▁call▁end｜>|$)",
                       re.DOTALL)
 
-    def calls(self, section: str) -> list[ToolCall]:
-        return [_named(m["name"], json.loads(m["args"])) for m in self.call.finditer(section)] or _none()
 
-
-class KimiK2Parser(ToolParser):
+class KimiK2Parser(RegexCallsParser):
     marker = "<|tool_calls_section_begin|>"
     call = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[^:<]+?)(?::\d+)?\s*"
                       r"<\|tool_call_argument_begin\|>(?P<args>.*?)(?:<\|tool_call_end\|>|$)", re.DOTALL)
 
-    def calls(self, section: str) -> list[ToolCall]:
-        return [_named(m["name"], json.loads(m["args"])) for m in self.call.finditer(section)] or _none()
 
-
-class GraniteParser(ToolParser):
+class GraniteParser(LeadingCallsParser):
     tags = ("<|tool_call|>", "<tool_call>")
-
-    def start(self, text: str) -> int | None:
-        stripped = text.lstrip()
-        if stripped.startswith(self.tags) or stripped.startswith("["):
-            return len(text) - len(stripped)
-        return None
-
-    def held_back(self, text: str) -> int:
-        stripped = text.lstrip()
-        if not stripped or any(tag.startswith(stripped) for tag in self.tags) or self.start(text) is not None:
-            return 0
-        return len(text)
 
     def calls(self, section: str) -> list[ToolCall]:
         section = section.lstrip()
