@@ -6,6 +6,9 @@ and for the engine core (a structured-output constraint applies to the answer on
   </think>, then the answer. An output that never closes it is all thinking.
 - qwen3: the model writes <think>...</think> itself (or the template closes an empty one in the
   prompt when thinking is off); an output without </think> is all answer.
+- deepseek_v3 (DeepSeek-V3.1): as deepseek_r1 where thinking is on; off, the template closes it.
+A prompt that ends by closing the thinking (closed_by) is answered with no thinking, whatever the
+parser: the server reads such an answer as all content.
 """
 
 from __future__ import annotations
@@ -21,9 +24,17 @@ class ReasoningParser:
     unclosed_is_reasoning: bool       # an output with no end marker: all thinking (else all answer)
     start: str = "<think>"
     end: str = "</think>"
+    thinking: bool = True             # False: the prompt closed the thinking (closed_by), the output is answer
+
+    def closed_by(self, prompt: str) -> bool:
+        """Whether the prompt ends by closing the thinking: a chat template with thinking turned off
+        (DeepSeek-V3.1's `<｜Assistant｜></think>`, Qwen3's empty `<think>\n\n</think>`)."""
+        return prompt.rstrip().endswith(self.end)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning_content, content) of a whole output; None for an empty part."""
+        if not self.thinking:
+            return None, text or None
         stripped = text.lstrip()
         opened = stripped.startswith(self.start)
         body = stripped[len(self.start):] if opened else text
@@ -37,7 +48,10 @@ class ReasoningParser:
 
 
 REASONING_PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", unclosed_is_reasoning=True),
-                     "qwen3": ReasoningParser("qwen3", unclosed_is_reasoning=False)}
+                     "qwen3": ReasoningParser("qwen3", unclosed_is_reasoning=False),
+                     # DeepSeek-V3.1 (hybrid): as deepseek_r1; with thinking off its template closes it in the
+                     # prompt, which the server sees (closed_by), as vLLM's reads chat_template_kwargs.thinking
+                     "deepseek_v3": ReasoningParser("deepseek_v3", unclosed_is_reasoning=True)}
 
 
 def register_reasoning_parser(parser: ReasoningParser) -> ReasoningParser:
@@ -72,6 +86,8 @@ class ReasoningStream:
     def feed(self, piece: str, final: bool = False) -> list[tuple[str, str]]:
         self.text += piece
         p, out = self.parser, []
+        if self.in_reasoning is None and not p.thinking:
+            self.in_reasoning = False
         if self.in_reasoning is None:
             body = self.text.lstrip()
             if not final and (not body or (p.start.startswith(body) and body != p.start)):

@@ -329,8 +329,9 @@ class EngineArgs:
         "\"step_tag_id\": int (STEP: the token whose positions are returned)")
     reasoning_parser: str | None = knob(
         None, "model",
-        "how this reasoning model marks its thinking: deepseek_r1 or qwen3 (<think>...</think>); the "
-        "server returns it as reasoning_content, and structured outputs constrain only the answer")
+        "how this reasoning model marks its thinking: deepseek_r1, qwen3 or deepseek_v3 (DeepSeek-V3.1) "
+        "(<think>...</think>); the server returns it as reasoning_content, and structured outputs constrain "
+        "only the answer (at once where the prompt closes the thinking)")
     reasoning_parser_plugin: str | None = knob(
         None, "model",
         "a Python file that registers reasoning parsers (shardlm.reasoning.register_reasoning_parser), as "

@@ -66,14 +66,15 @@ class StructuredOutputManager:
 
 
 def thinking_closed(prompt: list[int], start: list[int], end: list[int]) -> bool:
-    """The prompt closes the thinking it opens (a template with thinking turned off)."""
+    """The prompt closes the thinking it opens, or ends by closing it (a template with thinking
+    turned off: Qwen3's empty <think></think>, DeepSeek-V3.1's bare </think>)."""
     def last(seq: list[int], before: int) -> int:
         for i in range(before - len(seq), -1, -1):
             if prompt[i:i + len(seq)] == seq:
                 return i
         return -1
     opened = last(start, len(prompt))
-    return opened >= 0 and last(end, len(prompt)) > opened
+    return prompt[len(prompt) - len(end):] == end or (opened >= 0 and last(end, len(prompt)) > opened)
 
 
 def accept(matcher, token: int) -> str | None:

@@ -38,8 +38,24 @@ def test_a_prompt_that_closes_the_thinking_lets_the_constraint_apply_at_once():
     start, end = [7, 8], [9]
     assert thinking_closed([1, 7, 8, 2, 9, 3], start, end)          # <think> ... </think> in the prompt
     assert not thinking_closed([1, 7, 8, 2], start, end)             # opened: the output thinks first
+    assert thinking_closed([1, 2, 9], start, end)                    # ends by closing it (DeepSeek-V3.1, off)
     assert not thinking_closed([9, 1, 7, 8], start, end)             # an earlier turn's end does not count
     assert not thinking_closed([1, 2], start, end)                   # no thinking in the prompt
+
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "deepseek_v3", "qwen3"])
+def test_a_prompt_that_closes_the_thinking_is_answered_with_content_alone(name):
+    """DeepSeek-V3.1's template with thinking off ends the prompt with </think>: its answer holds no
+    </think>, which deepseek_r1's rule would read as all thinking; the server reads it as content."""
+    import dataclasses
+    parser = get_reasoning_parser(name)
+    assert parser.closed_by("<｜User｜>Hi<｜Assistant｜></think>") and not parser.closed_by("<｜Assistant｜><think>")
+    assert parser.closed_by("<|im_start|>assistant\n<think>\n\n</think>\n\n")          # Qwen3, thinking off
+    answer_only = dataclasses.replace(parser, thinking=False)
+    assert answer_only.split("It is 4.") == (None, "It is 4.")
+    stream = ReasoningStream(answer_only)
+    assert stream.feed("It is", False) + stream.feed(" 4.", True) == [("content", "It is"), ("content", " 4.")]
+    assert get_reasoning_parser("deepseek_v3").split("Sum.</think>It is 4.") == ("Sum.", "It is 4.")
 
 
 def test_the_constraint_starts_after_the_end_of_the_thinking():
@@ -77,6 +93,15 @@ def test_the_server_returns_reasoning_content_streamed_and_not(tiny_model_dir):
         chunks = [c.choices[0].delta for c in client.chat.completions.create(**kw, stream=True) if c.choices]
         assert "".join(getattr(d, "reasoning_content", None) or "" for d in chunks) == whole.reasoning_content
         assert not any(d.content for d in chunks)
+        # a prompt that ends by closing the thinking (here the answer goes on after "</think>") is
+        # answered with content alone, streamed and not
+        closed = dict(kw, messages=kw["messages"] + [{"role": "assistant", "content": "</think>"}],
+                      extra_body={"continue_final_message": True, "add_generation_prompt": False})
+        answer = client.chat.completions.create(**closed).choices[0].message
+        assert answer.reasoning_content is None and answer.content
+        chunks = [c.choices[0].delta for c in client.chat.completions.create(**closed, stream=True) if c.choices]
+        assert "".join(d.content or "" for d in chunks) == answer.content
+        assert not any(getattr(d, "reasoning_content", None) for d in chunks)
         # the Responses API: the thinking as a reasoning item, whole and streamed
         response = client.responses.create(model="tiny", input="Think.", max_output_tokens=20, temperature=0)
         (item,) = response.output

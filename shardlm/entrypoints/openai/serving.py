@@ -442,6 +442,7 @@ class OpenAIServing:
                                    ("documents", req.documents)) if v}
         text = await self._off_loop(self.render_chat, req.messages, tool_specs, req.add_generation_prompt,
                                     {**extra, **(req.chat_template_kwargs or {})})
+        shape = tools.AnswerShape(mode, function, self.reasoning_for(text))
         images = None
         if any(m.image_urls() for m in req.messages):
             ids, images = await with_images(self.llm, req, text, self._pool)
@@ -452,7 +453,7 @@ class OpenAIServing:
             raise OpenAIError("top_logprobs needs logprobs=true.", 400, "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.use_beam_search:
-            return await self._beam_chat(req, model, lora, ids, max_tokens, (mode, function))
+            return await self._beam_chat(req, model, lora, ids, max_tokens, shape)
         params = self.sampling_params(req, max_tokens, len(ids),
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                       prompt_logprobs=req.prompt_logprobs,
@@ -466,11 +467,11 @@ class OpenAIServing:
         (stream,) = self.submit([(prompt, params, rid)], lora, req.priority)
         if req.stream:
             return EventStream(self._stream_chat(req, {**head, "object": "chat.completion.chunk"}, stream,
-                                                 (mode, function)), [rid], self.llm)
+                                                 shape), [rid], self.llm)
         (final,) = await last_outputs([stream])   # FINAL_ONLY: one output
         choices, as_ids = [], self.tokens_as_ids(req)
         for c in final.outputs:
-            message = self.choice_message(req, c.text, (mode, function))
+            message = self.choice_message(req, c.text, shape)
             if echo := self.echoed(req):
                 message["content"] = echo + (message["content"] or "")
             choices.append({"index": c.index, "message": message,
@@ -486,9 +487,10 @@ class OpenAIServing:
             answer["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
         return answer
 
-    async def _beam_chat(self, req, model: str, lora, ids: list[int], max_tokens: int | None, tool_choice) -> dict:
+    async def _beam_chat(self, req, model: str, lora, ids: list[int], max_tokens: int | None,
+                         shape: tools.AnswerShape) -> dict:
         result = await self.beam_search(req, ids, self.beam_params(req, max_tokens, len(ids)), lora)
-        choices = [{"index": j, "message": self.choice_message(req, beam.text, tool_choice),
+        choices = [{"index": j, "message": self.choice_message(req, beam.text, shape),
                     "finish_reason": beam.finish_reason, "stop_reason": None, "logprobs": None}
                    for j, beam in enumerate(result.sequences)]
         generated = sum(len(b.tokens) - len(ids) for b in result.sequences)
@@ -504,17 +506,26 @@ class OpenAIServing:
         """A GPT-OSS answer the model writes in harmony (a required or named tool choice is JSON)."""
         return self.harmony and mode in ("auto", "none")
 
-    def choice_message(self, req: ChatCompletionRequest, text: str, tool_choice: tuple) -> dict:
+    def choice_message(self, req: ChatCompletionRequest, text: str, shape: tools.AnswerShape) -> dict:
         """A whole choice's message: content, tool calls and reasoning."""
-        if self.reads_harmony(tool_choice[0]):
-            return harmony.chat_message(text, tool_choice[0] == "auto", self.answer_role(req))
-        return tools.split_choice(text, *tool_choice, self.parser_for(req), self.reasoning, self.answer_role(req))
+        if self.reads_harmony(shape.mode):
+            return harmony.chat_message(text, shape.mode == "auto", self.answer_role(req))
+        return tools.split_choice(text, shape.mode, shape.function, self.parser_for(req), shape.reasoning,
+                                  self.answer_role(req))
 
-    def choice_stream(self, req: ChatCompletionRequest, tool_choice: tuple):
+    def choice_stream(self, req: ChatCompletionRequest, shape: tools.AnswerShape):
         """What turns one streamed choice's text into deltas."""
-        if self.reads_harmony(tool_choice[0]):
-            return harmony.HarmonyChoiceStream(tool_choice[0] == "auto")
-        return tools.ChatChoiceStream(*tool_choice, self.parser_for(req), self.reasoning)
+        if self.reads_harmony(shape.mode):
+            return harmony.HarmonyChoiceStream(shape.mode == "auto")
+        return tools.ChatChoiceStream(shape.mode, shape.function, self.parser_for(req), shape.reasoning)
+
+    def reasoning_for(self, prompt: str):
+        """The reasoning parser for an answer to this prompt: none where the prompt closes the
+        thinking itself (a template with thinking off: DeepSeek-V3.1's `</think>`, Qwen3's empty
+        think), whose answer is all content; a reasoning_content field all the same."""
+        if self.reasoning is None or not self.reasoning.closed_by(prompt):
+            return self.reasoning
+        return dataclasses.replace(self.reasoning, thinking=False)
 
     def echoed(self, req: ChatCompletionRequest) -> str:
         """vLLM's chat echo: the last message's text, where the answer is in its role (it goes on)."""
@@ -525,7 +536,7 @@ class OpenAIServing:
         """--response-role where the prompt asks for an answer, else the last message's role (it goes on)."""
         return self.options.response_role if req.add_generation_prompt else req.messages[-1].role
 
-    async def _stream_chat(self, req, head, stream, tool_choice) -> AsyncIterator[dict | str]:
+    async def _stream_chat(self, req, head, stream, shape: tools.AnswerShape) -> AsyncIterator[dict | str]:
         """Each output is a delta: its text goes out as it is, or as reasoning_content and
         tool-call deltas (tools.ChatChoiceStream). Chunks as dicts (the route writes them as
         server-sent events; /v1/responses reads them), then the [DONE] event."""
@@ -535,7 +546,7 @@ class OpenAIServing:
         async for _, out in _merge([stream]):
             for c in out.outputs:
                 if c.index not in started:
-                    started[c.index] = self.choice_stream(req, tool_choice)
+                    started[c.index] = self.choice_stream(req, shape)
                     yield {**head, "choices": [{"index": c.index, "delta": {"role": role, "content": self.echoed(req)},
                                                 "logprobs": None, "finish_reason": None}],
                            **({"prompt_token_ids": out.prompt_token_ids} if req.return_token_ids else {})}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from typing import NamedTuple
 
 from shardlm.entrypoints.openai.frontend_options import as_content_format
 from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, OpenAIError
@@ -21,6 +22,14 @@ from shardlm.reasoning import ReasoningParser, ReasoningStream
 from shardlm.sampling_params import StructuredOutputsParams
 
 ARGUMENT_PIECE = 16       # characters of arguments per streamed delta where they are sent at the end
+
+
+class AnswerShape(NamedTuple):
+    """How a chat's answer is read: the tool mode (none, auto, required, named), the named
+    function, and the reasoning parser (None: no thinking to split off)."""
+    mode: str
+    function: str | None
+    reasoning: ReasoningParser | None
 
 
 def tool_mode(req: ChatCompletionRequest, parser: ToolParser | None) -> tuple[str, str | None]:
