@@ -26,6 +26,8 @@ to one copy of its expert, chosen by its index, and `rebalance` moves experts be
 Experts read from an FP8 checkpoint stay FP8 on CPU: the loaders note each rank's scales as they
 place the rows (as the linears do), and after loading each expert's w13 and w2 go into FP8 panels
 (layers/fp8.py), stacked as one uint8 tensor per matrix so that EPLB moves them as it moves floats.
+With `--quantization int8|int4` the experts are quantized at load as the linears are (quantize),
+into 8- or 4-bit panels stacked the same way.
 Float experts on CPU go, where the linears' weights do, into the blocked kernel's panels
 (layers/cpu_matmul.py), stacked the same way: at a decode step's few rows torch's product reads
 an expert's weight several times slower than the panels stream it.
@@ -47,6 +49,10 @@ from shardlm.layers.cpu_matmul import blocked, goes_into_panels, pack_blocked
 from shardlm.layers.expert_placement import balancedness, default_placement, place_experts_hierarchical
 from shardlm.layers.fp8 import Fp8LinearWeight, from_scales, note_scales, packed_bytes, packs
 from shardlm.layers.linear import load_slice
+from shardlm.layers.quantization import QuantizedWeight, check_group_size, quantize_rtn
+from shardlm.logger import init_logger
+
+logger = init_logger(__name__)
 
 # tokens of each DP replica in the current step, when the replicas run their MoE layers together
 _dp_token_counts: list[int] | None = None
@@ -145,9 +151,9 @@ class FusedMoE(nn.Module):
         self.routing = None       # the model's own routing (GroupedTopK), in place of route's softmax top-k
         self.dtype = self.w13.dtype
         # an FP8 checkpoint's scales of w13 / w2 as this rank loads them ([E_local, rows, groups], NaN:
-        # not from FP8), then each expert's FP8 weights (their panels rows of w13 / w2, uint8)
+        # not from FP8), then each expert's FP8 or 8/4-bit weights (their panels rows of w13 / w2, uint8)
         self.fp8_scales: dict[str, torch.Tensor | None] = {"w13": None, "w2": None}
-        self.fp8: dict[str, list[Fp8LinearWeight]] | None = None
+        self.quantized: dict[str, list[Fp8LinearWeight | QuantizedWeight]] | None = None
         self.panels: dict[str, int] | None = None    # float experts in blocked panels: each matrix's rows
 
     # ---- EPLB: physical slots ----
@@ -213,18 +219,53 @@ class FusedMoE(nn.Module):
         every expert's rows came from FP8 and this device has the kernel; else they stay float."""
         scales = self.fp8_scales
         self.fp8_scales = {"w13": None, "w2": None}
+        if self.quantized is not None:         # quantized at load (quantize)
+            return
         if any(s is None or s.isnan().any() for s in scales.values()):
             self._pack_panels()
             return
         weights = {"w13": self.w13.data, "w2": self.w2.data}
         if not all(packs(w[0], scales[k][0], self.dtype) for k, w in weights.items()):
             return
-        self.fp8 = {}
+        self.quantized = {}
         for which, w in weights.items():
             group = w.shape[2] // scales[which].shape[2]
             stack = torch.empty(self.num_local, packed_bytes(w.shape[1], w.shape[2], group), dtype=torch.uint8)
-            self.fp8[which] = [Fp8LinearWeight(from_scales(w[e], scales[which][e]), scales[which][e], self.dtype,
-                                               into=stack[e]) for e in range(self.num_local)]
+            self.quantized[which] = [Fp8LinearWeight(from_scales(w[e], scales[which][e]), scales[which][e],
+                                                     self.dtype, into=stack[e]) for e in range(self.num_local)]
+            setattr(self, which, nn.Parameter(stack, requires_grad=False))
+
+    def quantize(self, config) -> None:
+        """--quantization int8 | int4 at load, for the experts too (most of a MoE model's weights):
+        each local expert's w13 and w2 (this rank's slice of them) into the linears' 8- or 4-bit
+        panels, stacked as one uint8 tensor per matrix so that EPLB moves them as it moves floats.
+        Under tensor parallel, int8's per-row scales of w2 span every rank's columns (as
+        RowParallelLinear's). Where the panels do not apply (CUDA, a build without the kernels) or
+        for online FP8, the experts stay in the model's dtype."""
+        if config.method not in ("int8", "int4") or self.num_local == 0 or self.w13.device.type != "cpu":
+            logger.info("%s: the experts stay in %s (%s)", type(self).__name__, self.dtype,
+                        "online FP8 is for the linears" if config.method.startswith("fp8") else "no CPU panels here")
+            return
+        sliced = not expert_parallel_enabled() and self.reduce_group.world_size > 1
+        quantized, stacks = {}, {}
+        for which in ("w13", "w2"):
+            w = getattr(self, which).data
+            group = check_group_size(config.method, config.group_size, w.shape[2], f"{type(self).__name__}.{which}")
+            absmax = None
+            if which == "w2" and sliced and config.bits == 8 and config.group_size == -1:
+                absmax = self.reduce_group.all_gather(w.float().abs().amax(2, keepdim=True), dim=2).amax(2)
+            weights = [QuantizedWeight(*quantize_rtn(w[e], config.bits, group, None if absmax is None else absmax[e]),
+                                       config.bits, self.dtype, half_tables=False) for e in range(self.num_local)]
+            if not all(q.blocked for q in weights):
+                logger.info("%s: the experts stay in %s (no %d-bit panels in this build)", type(self).__name__,
+                            self.dtype, config.bits)
+                return
+            stacks[which] = torch.stack([q.packed for q in weights])
+            for e, q in enumerate(weights):
+                q.packed = stacks[which][e]         # EPLB's moves rewrite the stack's rows in place
+            quantized[which] = weights
+        self.quantized = quantized
+        for which, stack in stacks.items():
             setattr(self, which, nn.Parameter(stack, requires_grad=False))
 
     def _pack_panels(self) -> None:
@@ -240,8 +281,8 @@ class FusedMoE(nn.Module):
 
     def _product(self, which: str, expert: int, x: torch.Tensor) -> torch.Tensor:
         """x . this rank's `which` (w13 or w2) of local expert `expert`, transposed."""
-        if self.fp8 is not None:
-            return self.fp8[which][expert].matmul(x)
+        if self.quantized is not None:
+            return self.quantized[which][expert].matmul(x)
         if self.panels is not None:
             return blocked(x, getattr(self, which)[expert], None, self.panels[which])
         return x @ getattr(self, which)[expert].t()
@@ -336,7 +377,8 @@ class FusedMoE(nn.Module):
     def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The activation of [gate | up] rows: with the experts in panels (CPU), SiLU-and-mul in C
         (kernels/fused_ops.c, as the one-call decode step's experts run it)."""
-        if self.panels is not None and self.activation.limit is None and gate_up.is_contiguous():
+        on_panels = self.panels is not None or self.quantized is not None
+        if on_panels and self.activation.limit is None and gate_up.is_contiguous():
             return silu_and_mul(gate_up)
         return self.activation(gate_up[:, :self.inter], gate_up[:, self.inter:])
 

@@ -143,9 +143,12 @@ class QuantizedWeight:
     table_bytes = 4     # of a scale or min in blocked panels: 2 where all are float16 values (GGUF's)
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, dtype: torch.dtype,
-                 measure: bool = True):
+                 measure: bool = True, half_tables: bool = True):
+        """half_tables: scales and mins that are all float16 values are stored as float16 (False:
+        float32 always, so that every expert of a stack packs to the same size)."""
         self.out_features, self.in_features = q.shape
         self.bits, self.group = bits, self.in_features // scales.shape[1]
+        self.half_tables = half_tables
         self.dtype = dtype                                  # of activations and outputs
         self._scales, self._mins = scales.float().contiguous(), mins.float().contiguous()   # as the kernels read them
         self.kernel = self._kernel_format(q)
@@ -197,7 +200,7 @@ class QuantizedWeight:
             tables = [self._scales]
         else:
             return None
-        if all(_exact_in_float16(t) for t in tables):
+        if self.half_tables and all(_exact_in_float16(t) for t in tables):
             self.table_bytes, tables = 2, [t.half() for t in tables]     # held while C reads them
         self.packed = torch.empty(size(self.out_features, self.in_features, self.group, self.table_bytes),
                                   dtype=torch.uint8)

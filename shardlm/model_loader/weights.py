@@ -69,12 +69,13 @@ def built_in(dtype: torch.dtype, device: torch.device):
 
 
 def quantize_linears(model: torch.nn.Module, config) -> None:
-    """Quantize the tensor parallel linears (attention and MLP projections); embeddings, the LM
-    head, routers and experts keep the model's dtype. Every rank visits them in the same order
+    """Quantize the tensor parallel linears (attention and MLP projections) and the experts of MoE
+    layers; embeddings, the LM head and routers keep the model's dtype. Every rank visits them in the same order
     (a row-parallel int8 layer agrees on its rows' scales with its TP peers)."""
     from shardlm.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from shardlm.layers.moe import FusedMoE
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, FusedMoE)):
             module.quantize(config)
 
 

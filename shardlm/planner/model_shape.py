@@ -237,6 +237,8 @@ class ModelShape:
             inputs["down_proj"] = self.intermediate // tp
         if self.shared_expert_intermediate:
             inputs["shared expert down_proj"] = self.shared_expert_intermediate // tp
+        if self.is_moe:               # (sliced by tp unless expert parallel keeps them whole)
+            inputs["expert down projections"] = self.expert_intermediate // tp
         return inputs
 
     # ---- tensor parallel validity ----

@@ -135,6 +135,12 @@ class Worker:
                 counts[m.quant.kernel or "none"] = counts.get(m.quant.kernel or "none", 0) + 1
         return counts
 
+    def quantized_experts(self) -> list[str]:
+        """Per MoE layer of this rank, the kernel its experts run on ("float": not quantized)."""
+        from shardlm.layers.moe import FusedMoE
+        return [m.quantized["w13"][0].kernel if m.quantized else "float" for m in self.runner.model.modules()
+                if isinstance(m, FusedMoE)]
+
     # ---- LoRA adapters (LLM.add_lora / remove_lora / list_loras) ----
     def add_lora(self, request: LoRARequest | dict) -> bool:
         """request: a LoRARequest, or its fields (as a utility call carries it between processes)."""

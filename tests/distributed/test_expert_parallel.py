@@ -215,6 +215,26 @@ def test_eplb_evens_a_skewed_routing_and_keeps_the_tokens(dp, tp, redundant, tin
     assert _token_ids(outs) == one_rank_outputs("gpt-oss-skewed")
 
 
+@pytest.mark.slow
+def test_eplb_moves_quantized_experts_and_keeps_their_tokens(tiny_model_dir):
+    """int4 experts (one uint8 stack of panels per matrix) move between ranks as floats do: with
+    EPLB placing them anew, the tokens equal the same quantized model's without moves."""
+    path, engine = tiny_model_dir("gpt-oss-skewed"), dict(ENGINE, tensor_parallel_size=2, enable_expert_parallel=True,
+                                                         quantization="int4", quantization_group_size=32)
+    outs = {}
+    for eplb in (False, True):
+        llm = LLM(path, **engine, enable_eplb=eplb, **({"eplb_config": {"step_interval": 4, "window_size": 4}}
+                                                        if eplb else {}))
+        try:
+            outs[eplb] = _token_ids(llm.generate(_prompts(), PARAMS, use_tqdm=False))
+            assert set(k for rank in llm.collective_rpc("quantized_experts") for k in rank) == {"blocked4"}
+            if eplb:
+                assert llm.stats()["eplb"]["rebalances"] > 0
+        finally:
+            llm.shutdown()
+    assert outs[True] == outs[False]
+
+
 def test_eplb_needs_expert_parallel(tiny_model_dir):
     with pytest.raises(ValueError, match="--enable-eplb without --enable-expert-parallel"):
         LLM(tiny_model_dir("gpt-oss"), **ENGINE, tensor_parallel_size=2, enable_eplb=True)

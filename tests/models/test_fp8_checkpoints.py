@@ -233,7 +233,7 @@ def test_deepseek_keeps_its_fp8_experts_and_linears_in_fp8(fp8_checkpoints):
             _tokens(float_dir)
         model = llm.engine.engine_core.engine_core.executor.worker.runner.model
         experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
-        assert experts and all(m.fp8 is not None and m.w13.dtype == torch.uint8 for m in experts)
+        assert experts and all(m.quantized is not None and m.w13.dtype == torch.uint8 for m in experts)
         fp8, linears = _fp8_linears(llm)
         assert fp8 >= linears // 2
     finally:

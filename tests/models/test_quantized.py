@@ -23,12 +23,18 @@ def _round_trip_model(src: str, dst, bits: int, group: int) -> str:
 
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+
+    def round_trip(w: torch.Tensor) -> None:          # [out, in]: per row, in groups of its columns
+        q, scales, mins = quantize_rtn(w, bits, w.shape[1] if group == -1 else group)
+        w.copy_(dequantize(q, scales, mins, torch.float32))
     with torch.no_grad():
         for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1] in QUANTIZED:
-                w = module.weight
-                q, scales, mins = quantize_rtn(w, bits, w.shape[1] if group == -1 else group)
-                w.copy_(dequantize(q, scales, mins, torch.float32))
+                round_trip(module.weight)
+        for name, param in model.named_parameters():      # stacked experts: gate_up [E, 2I, H], down [E, H, I]
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                for expert in param.data:
+                    round_trip(expert)
     model.save_pretrained(dst, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if os.path.exists(f"{src}/{f}"):
@@ -68,6 +74,31 @@ def test_quantized_engine_equals_hf_on_the_round_tripped_weights(method, group, 
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+@pytest.mark.parametrize("model, method, group, layout", [
+    ("mixtral", "int4", 32, {}), ("mixtral", "int8", -1, {"tensor_parallel_size": 2}),
+    ("mixtral", "int4", 32, {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
+    ("qwen3-moe", "int4", 32, {"pipeline_parallel_size": 2})],
+    ids=["mixtral-int4", "mixtral-int8-tp2", "mixtral-int4-ep2", "qwen3-moe-int4-pp2"])
+def test_experts_are_quantized_with_the_linears(model, method, group, layout, tiny_model_dir, tmp_path, hf):
+    """--quantization also quantizes the experts (most of a MoE model): the engine equals transformers
+    with every linear's and every expert's weight round-tripped, whole experts (EP) or sliced (TP);
+    int8's per-row scales of a sliced down projection span the whole row, as at one rank."""
+    src = tiny_model_dir(model)
+    reference = hf.greedy(_round_trip_model(src, tmp_path / "rt", 8 if method == "int8" else 4, group), _prompts(),
+                          MAX_TOKENS)
+    llm = LLM(src, **ENGINE, quantization=method, quantization_group_size=group, **layout)
+    try:
+        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+        quantized = llm.collective_rpc("quantized_experts")
+    finally:
+        llm.shutdown()
+    layers = [kernel for rank in quantized for kernel in rank]     # each rank's MoE layers
+    assert layers and set(layers) == {"blocked8" if method == "int8" else "blocked4"}
+    exact = hf.assert_close(reference, outs, f"{model} {method} {layout}")
+    assert exact >= 4, f"only {exact}/6 sequences equal HF exactly"
+
+
 def test_quantized_weights_are_smaller(tiny_model_dir):
     path = tiny_model_dir("llama-gqa")
     sizes = {}
