@@ -235,6 +235,64 @@ class FusedMoE(nn.Module):
                                                      self.dtype, into=stack[e]) for e in range(self.num_local)]
             setattr(self, which, nn.Parameter(stack, requires_grad=False))
 
+    def take_quantized(self, which: str, shard_id, part: tuple) -> None:
+        """One expert matrix of a quantized checkpoint (GPTQ, AWQ, compressed-tensors): part = (q,
+        scales, mins, bits) of gate / up ([I, H]) or down ([H, I]); each slot holding the expert
+        keeps this rank's rows (gate, up) or columns (down: whole groups) until use_quantized."""
+        q, scales, mins, bits = part
+        expert = shard_id[0] if which == "w13" else shard_id
+        if which == "w13":
+            rows = slice(self.slice_rank * self.inter, (self.slice_rank + 1) * self.inter)
+            mine = tuple(t[rows] for t in (q, scales, mins))
+        else:
+            group = q.shape[1] // scales.shape[1]
+            start = self.slice_rank * self.inter
+            groups = slice(start // group, (start + self.inter) // group)
+            mine = (q[:, start:start + self.inter], scales[:, groups], mins[:, groups])
+        if not hasattr(self, "_taken"):
+            self._taken, self._taken_bits = {}, bits
+        for local in self._local(expert):
+            self._taken.setdefault((which, local), {})[shard_id[1] if which == "w13" else 0] = mine
+
+    def use_quantized(self) -> bool:
+        """After take_quantized: every local expert's w13 (gate rows, then up rows) and w2 from the
+        checkpoint's integers, in the panels as quantize() puts them; False where none were taken."""
+        taken = getattr(self, "_taken", None)
+        if not taken:
+            return False
+        del self._taken
+        missing = [f"{which} of slot {local}" for which, halves in (("w13", (0, 1)), ("w2", (0,)))
+                   for local in range(self.num_local) if set(halves) - set(taken.get((which, local), {}))]
+        if missing:
+            raise ValueError(f"{type(self).__name__}: the quantized checkpoint lacks {', '.join(missing[:4])} of "
+                             "this layer's experts: an incomplete checkpoint, or experts quantized only in part.")
+        self._stack({which: [[torch.cat([taken[which, local][h][i] for h in sorted(taken[which, local])])
+                              for i in range(3)] for local in range(self.num_local)] for which in ("w13", "w2")},
+                    self._taken_bits)
+        if self.quantized is None:
+            raise ValueError(f"{type(self).__name__}: this build has no {self._taken_bits}-bit panels for the "
+                             "checkpoint's quantized experts; run the float checkpoint.")
+        return True
+
+    def _stack(self, parts: dict[str, list], bits: int) -> None:
+        """Each matrix's per-expert (q, scales, mins) into panels, stacked as one uint8 tensor (rows
+        viewed by each expert's weight, so EPLB's moves rewrite them in place); nothing where a
+        weight does not go into panels here."""
+        quantized, stacks = {}, {}
+        for which, experts in parts.items():
+            weights = [QuantizedWeight(*qsm, bits, self.dtype, half_tables=False) for qsm in experts]
+            if not all(w.blocked for w in weights):
+                logger.info("%s: the experts stay in %s (no %d-bit panels in this build)", type(self).__name__,
+                            self.dtype, bits)
+                return
+            stacks[which] = torch.stack([w.packed for w in weights])
+            for e, w in enumerate(weights):
+                w.packed = stacks[which][e]
+            quantized[which] = weights
+        self.quantized = quantized
+        for which, stack in stacks.items():
+            setattr(self, which, nn.Parameter(stack, requires_grad=False))
+
     def quantize(self, config) -> None:
         """--quantization int8 | int4 at load, for the experts too (most of a MoE model's weights):
         each local expert's w13 and w2 (this rank's slice of them) into the linears' 8- or 4-bit
@@ -247,26 +305,16 @@ class FusedMoE(nn.Module):
                         "online FP8 is for the linears" if config.method.startswith("fp8") else "no CPU panels here")
             return
         sliced = not expert_parallel_enabled() and self.reduce_group.world_size > 1
-        quantized, stacks = {}, {}
+        parts = {}
         for which in ("w13", "w2"):
             w = getattr(self, which).data
             group = check_group_size(config.method, config.group_size, w.shape[2], f"{type(self).__name__}.{which}")
             absmax = None
             if which == "w2" and sliced and config.bits == 8 and config.group_size == -1:
                 absmax = self.reduce_group.all_gather(w.float().abs().amax(2, keepdim=True), dim=2).amax(2)
-            weights = [QuantizedWeight(*quantize_rtn(w[e], config.bits, group, None if absmax is None else absmax[e]),
-                                       config.bits, self.dtype, half_tables=False) for e in range(self.num_local)]
-            if not all(q.blocked for q in weights):
-                logger.info("%s: the experts stay in %s (no %d-bit panels in this build)", type(self).__name__,
-                            self.dtype, config.bits)
-                return
-            stacks[which] = torch.stack([q.packed for q in weights])
-            for e, q in enumerate(weights):
-                q.packed = stacks[which][e]         # EPLB's moves rewrite the stack's rows in place
-            quantized[which] = weights
-        self.quantized = quantized
-        for which, stack in stacks.items():
-            setattr(self, which, nn.Parameter(stack, requires_grad=False))
+            parts[which] = [quantize_rtn(w[e], config.bits, group, None if absmax is None else absmax[e])
+                            for e in range(self.num_local)]
+        self._stack(parts, config.bits)
 
     def _pack_panels(self) -> None:
         """Float experts on CPU into the blocked kernel's panels, one flat row per expert."""

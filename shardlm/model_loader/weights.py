@@ -79,15 +79,17 @@ def quantize_linears(model: torch.nn.Module, config) -> None:
             module.quantize(config)
 
 
-def take_quantized_linears(model: torch.nn.Module, tensors: dict[str, tuple]) -> None:
+def take_quantized_linears(model: torch.nn.Module, tensors: dict[str, tuple]) -> set[str]:
     """Each tensor parallel linear takes its rank's part of the already-quantized weights
     (`tensors`: (q, scales, mins, bits) by Hugging Face weight name, from a GGUF file or a
-    GPTQ/AWQ checkpoint); a float weight loaded before is dropped. A vocabulary table (embedding,
-    LM head; a tied head shares its embedding's) is offered its tensor and keeps it where it has a
-    kernel for it, else keeps the float table loaded before."""
+    GPTQ/AWQ/compressed-tensors checkpoint); a float weight loaded before is dropped. A vocabulary
+    table (embedding, LM head; a tied head shares its embedding's) is offered its tensor and keeps
+    it where it has a kernel for it, else keeps the float table loaded before. MoE experts take
+    theirs (FusedMoE.take_quantized). -> the parameters filled so (the experts' stacks)."""
     from shardlm.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from shardlm.layers.moe import FusedMoE
     from shardlm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-    taken = set()
+    taken = _take_quantized_experts(model, tensors)
     for name, module in model.named_modules():
         if isinstance(module, VocabParallelEmbedding):
             tied = isinstance(module, ParallelLMHead) and getattr(model, "tie_word_embeddings", False)
@@ -109,8 +111,27 @@ def take_quantized_linears(model: torch.nn.Module, tensors: dict[str, tuple]) ->
     left = sorted(n for n in set(tensors) - taken if _stage_filter(model)(n))
     if left:
         raise ValueError(f"The checkpoint has quantized weights shardlm runs in float only: {', '.join(left[:4])}"
-                         f"{' ...' if len(left) > 4 else ''} (quantized are the attention and dense MLP projections; "
-                         "not embeddings, the LM head or MoE experts).")
+                         f"{' ...' if len(left) > 4 else ''} (quantized are the attention, MLP and expert "
+                         "projections; not embeddings or the LM head).")
+    return {f"{name}.{which}" for name, module in model.named_modules() if isinstance(module, FusedMoE)
+            and module.use_quantized() for which in ("w13", "w2")}
+
+
+def _take_quantized_experts(model: torch.nn.Module, tensors: dict[str, tuple]) -> set[str]:
+    """Hands each expert matrix among `tensors` to its FusedMoE (by the model's map_checkpoint_name);
+    -> the names taken."""
+    from shardlm.layers.moe import FusedMoE
+    taken = set()
+    for name, part in tensors.items():
+        mapped, shard_id = model.map_checkpoint_name(name) if hasattr(model, "map_checkpoint_name") else (name, None)
+        owner, _, which = mapped.rpartition(".")
+        if which not in ("w13", "w2") or shard_id is None or not _stage_filter(model)(name):
+            continue
+        module = model.get_submodule(owner)
+        if isinstance(module, FusedMoE):
+            module.take_quantized(which, shard_id, part)
+            taken.add(name)
+    return taken
 
 
 def text_model_name(name: str) -> str | None:
@@ -185,10 +206,10 @@ def load_model(cls: type, model_config: ModelConfig, device: torch.device,
             weights = _float_weights(weights, packed, _stage_filter(model))
         loaded = model.load_weights(weights)
     if packed is not None:
-        take_quantized_linears(model, packed.decoded())
+        loaded |= take_quantized_linears(model, packed.decoded())
     elif quant is not None and quant.method == "gguf":
         from shardlm.model_loader.gguf_weights import read_linears
-        take_quantized_linears(model, read_linears(quant.source, model_config.hf_config))
+        loaded |= take_quantized_linears(model, read_linears(quant.source, model_config.hf_config))
     elif quant is not None and quant.at_load:
         quantize_linears(model, quant)
     missing = {n for n, _ in model.named_parameters()} - loaded

@@ -13,7 +13,8 @@ from shardlm.layers.quantization import dequantize, quantize_rtn
 from tests.models.test_tiny_models_vs_hf import MAX_TOKENS, PARAMS, _prompts
 
 ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
-QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+             "w1", "w2", "w3")      # (Mixtral's experts)
 
 
 def _round_trip_model(src: str, dst, bits: int, group: int) -> str:
@@ -299,6 +300,28 @@ def test_gptq_and_awq_checkpoints_run_as_stored(method, layout, packed_checkpoin
         llm.shutdown()
     assert sum(sum(k.values()) for k in kernels) == 8 * (2 if "tensor_parallel_size" in layout else 1)
     exact = hf.assert_close(reference, outs, f"{method} {layout}")
+    assert exact >= 4, f"only {exact}/6 sequences equal HF exactly"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, method, group, layout", [
+    ("mixtral", "gptq", 32, {}), ("mixtral", "awq", 32, {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
+    ("qwen3-moe", "gptq", 16, {"tensor_parallel_size": 2}), ("qwen3-moe", "awq", 16, {"pipeline_parallel_size": 2})],
+    ids=["mixtral-gptq", "mixtral-awq-ep2", "qwen3-moe-gptq-tp2", "qwen3-moe-awq-pp2"])
+def test_quantized_experts_of_a_checkpoint_run_as_stored(model, method, group, layout, tiny_model_dir,
+                                                         tmp_path, hf):
+    """A GPTQ/AWQ MoE checkpoint (Mixtral-GPTQ, Qwen3-MoE-AWQ: experts quantized too) runs with
+    its experts' integers in panels, sliced (TP) or whole (EP), and equals transformers on the
+    dequantized weights."""
+    dirs = _packed_checkpoints(tiny_model_dir(model), tmp_path, group)
+    llm = LLM(dirs[method], **ENGINE, **layout)
+    try:
+        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+        experts = [kernel for rank in llm.collective_rpc("quantized_experts") for kernel in rank]
+    finally:
+        llm.shutdown()
+    assert experts and set(experts) == {"blocked4"}
+    exact = hf.assert_close(hf.greedy(dirs["dequantized"], _prompts(), MAX_TOKENS), outs, f"{model} {method}")
     assert exact >= 4, f"only {exact}/6 sequences equal HF exactly"
 
 
