@@ -62,6 +62,16 @@ MIN_BALANCE_GAIN = 0.05
 _num_redundant: list[int | None] = [None]
 
 
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    """A message about every MoE layer alike, logged for the first."""
+    if message not in _logged:
+        _logged.add(message)
+        logger.info("FusedMoE: %s", message)
+
+
 @contextmanager
 def redundant_experts(n: int | None):
     """MoE layers built within this block have physical slots with n redundant ones under expert
@@ -155,6 +165,9 @@ class FusedMoE(nn.Module):
         self.fp8_scales: dict[str, torch.Tensor | None] = {"w13": None, "w2": None}
         self.quantized: dict[str, list[Fp8LinearWeight | QuantizedWeight]] | None = None
         self.panels: dict[str, int] | None = None    # float experts in blocked panels: each matrix's rows
+        # a quantized checkpoint's expert matrices as take_quantized keeps them, until use_quantized
+        self._taken: dict[tuple[str, int], dict[int, tuple]] = {}
+        self._taken_bits = 0
 
     # ---- EPLB: physical slots ----
     def _place_redundant(self, num_redundant: int | None) -> None:
@@ -249,18 +262,16 @@ class FusedMoE(nn.Module):
             start = self.slice_rank * self.inter
             groups = slice(start // group, (start + self.inter) // group)
             mine = (q[:, start:start + self.inter], scales[:, groups], mins[:, groups])
-        if not hasattr(self, "_taken"):
-            self._taken, self._taken_bits = {}, bits
+        self._taken_bits = bits
         for local in self._local(expert):
             self._taken.setdefault((which, local), {})[shard_id[1] if which == "w13" else 0] = mine
 
     def use_quantized(self) -> bool:
         """After take_quantized: every local expert's w13 (gate rows, then up rows) and w2 from the
         checkpoint's integers, in the panels as quantize() puts them; False where none were taken."""
-        taken = getattr(self, "_taken", None)
+        taken, self._taken = self._taken, {}
         if not taken:
             return False
-        del self._taken
         missing = [f"{which} of slot {local}" for which, halves in (("w13", (0, 1)), ("w2", (0,)))
                    for local in range(self.num_local) if set(halves) - set(taken.get((which, local), {}))]
         if missing:
@@ -282,8 +293,7 @@ class FusedMoE(nn.Module):
         for which, experts in parts.items():
             weights = [QuantizedWeight(*qsm, bits, self.dtype, half_tables=False) for qsm in experts]
             if not all(w.blocked for w in weights):
-                logger.info("%s: the experts stay in %s (no %d-bit panels in this build)", type(self).__name__,
-                            self.dtype, bits)
+                _log_once(f"the experts stay in {self.dtype} (no {bits}-bit panels in this build)")
                 return
             stacks[which] = torch.stack([w.packed for w in weights])
             for e, w in enumerate(weights):
@@ -301,8 +311,9 @@ class FusedMoE(nn.Module):
         RowParallelLinear's). Where the panels do not apply (CUDA, a build without the kernels) or
         for online FP8, the experts stay in the model's dtype."""
         if config.method not in ("int8", "int4") or self.num_local == 0 or self.w13.device.type != "cpu":
-            logger.info("%s: the experts stay in %s (%s)", type(self).__name__, self.dtype,
-                        "online FP8 is for the linears" if config.method.startswith("fp8") else "no CPU panels here")
+            _log_once(f"the experts stay in {self.dtype} (" + ("online FP8 quantizes the linears only)"
+                                                                 if config.method.startswith("fp8") else
+                                                                 "their panels are CPU kernels)"))
             return
         sliced = not expert_parallel_enabled() and self.reduce_group.world_size > 1
         parts = {}
