@@ -61,7 +61,7 @@ def test_what_needs_shardlms_own_layers_is_refused(tiny_model_dir):
         EngineArgs(model=tiny_model_dir("starcoder2"), model_impl="shardlm").create_engine_config()
     with pytest.raises(ValueError, match="--model-impl transformers with -pp"):
         EngineArgs(model=tiny_model_dir("starcoder2"), pipeline_parallel_size=2).create_engine_config()
-    with pytest.raises(ValueError, match="--model-impl transformers with --quantization gguf"):
+    with pytest.raises(ValueError, match="--model-impl transformers with a quantized checkpoint's stored weights"):
         EngineArgs(model=tiny_model_dir("cohere"), enable_lora=True).create_engine_config()
     with pytest.raises(ValueError, match="--model-impl 'hf': give auto, shardlm, vllm, transformers"):
         EngineArgs(model=tiny_model_dir("cohere"), model_impl="hf").create_engine_config()

@@ -8,8 +8,9 @@ import json
 import openai
 import pytest
 
-from shardlm.entrypoints.openai.harmony import HarmonyChoiceStream, chat_message
 from shardlm.entrypoints.openai.tool_parsers import get_parser
+from shardlm.entrypoints.openai.tools import HarmonyChoiceStream
+from shardlm.entrypoints.openai.tools import harmony_message as chat_message
 from tests.helpers import start_server, stop_server
 from tests.server.test_tool_calling import reassemble
 

@@ -1,5 +1,6 @@
-"""GPT-OSS's harmony format in the chat API, read as vLLM reads it for these models (no flag:
-reasoning always; tool calls with `--enable-auto-tool-choice --tool-call-parser openai`).
+"""GPT-OSS's harmony format, read out of an output's text as vLLM reads it for these models (the
+chat API reads such a model's answers with it, tools.harmony_message / HarmonyChoiceStream: no
+flag for reasoning; tool calls with `--enable-auto-tool-choice --tool-call-parser openai`).
 
 A GPT-OSS answer is a run of messages, each `[<|start|>assistant]HEADER<|message|>BODY` ended by
 <|end|>, <|call|> or <|return|> (the first message's <|start|>assistant is the prompt's last
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import re
 
-from shardlm.entrypoints.openai.tool_parsers import ToolCall, ToolParser, register_tool_parser
 from shardlm.utils import cut_marker_length
 
 MESSAGE = "<|message|>"
@@ -30,14 +30,15 @@ def is_harmony_model(hf_config) -> bool:
 
 class HarmonyStream:
     """One output's text in pieces -> [(kind, text)], kind "reasoning" or "content", as each
-    message's body comes (a marker cut between pieces held back); tool calls in .calls."""
+    message's body comes (a marker cut between pieces held back); tool calls in .calls, as
+    (function name, arguments JSON text)."""
 
     def __init__(self):
         self.pending, self.in_body = "", False
         self.channel: str | None = None
         self.recipient: str | None = None
         self.arguments = ""
-        self.calls: list[ToolCall] = []
+        self.calls: list[tuple[str, str]] = []
 
     def feed(self, piece: str, final: bool = False) -> list[tuple[str, str]]:
         self.pending += piece
@@ -87,56 +88,13 @@ class HarmonyStream:
     def _close(self) -> None:
         if self.in_body and self.recipient is not None:
             name = self.recipient.removeprefix("functions.")
-            self.calls.append(ToolCall(name, self.arguments.strip() or "{}"))
+            self.calls.append((name, self.arguments.strip() or "{}"))
         self.in_body, self.recipient = False, None
 
 
-def read(text: str) -> tuple[str | None, str | None, list[ToolCall]]:
+def read(text: str) -> tuple[str | None, str | None, list[tuple[str, str]]]:
     """(reasoning, content, tool calls) of a whole harmony output."""
     stream, parts = HarmonyStream(), {"reasoning": "", "content": ""}
     for kind, piece in stream.feed(text, final=True):
         parts[kind] += piece
     return parts["reasoning"] or None, parts["content"] or None, stream.calls
-
-
-def chat_message(text: str, tools_on: bool, role: str = "assistant") -> dict:
-    """A whole choice's message; a call's arguments are content where tools are off."""
-    reasoning, content, calls = read(text)
-    if calls and not tools_on:
-        content = (content or "") + "".join(c.arguments for c in calls)
-        calls = []
-    message = {"role": role, "content": content, "reasoning_content": reasoning}
-    if calls:
-        from shardlm.entrypoints.openai.tools import message_calls
-        message["tool_calls"] = message_calls(calls)
-    return message
-
-
-class HarmonyChoiceStream:
-    """One streamed choice's deltas (tools.ChatChoiceStream's interface): reasoning_content and
-    content as they come, tool calls when the output ends."""
-
-    def __init__(self, tools_on: bool):
-        self.stream, self.tools_on, self.called = HarmonyStream(), tools_on, False
-
-    def feed(self, piece: str, final: bool) -> list[dict]:
-        deltas = [{"reasoning_content" if kind == "reasoning" else "content": text}
-                  for kind, text in self.stream.feed(piece, final)]
-        if final and self.stream.calls:
-            from shardlm.entrypoints.openai.tools import call_deltas
-            if self.tools_on:
-                self.called = True
-                deltas += call_deltas(self.stream.calls)
-            else:
-                deltas += [{"content": c.arguments} for c in self.stream.calls]
-        return deltas
-
-
-@register_tool_parser("openai")
-class HarmonyToolParser(ToolParser):
-    """--tool-call-parser openai (GPT-OSS): the calls of a harmony output (the server reads a
-    GPT-OSS model's chats through harmony whatever the parser; this name turns tool calls on)."""
-
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        _, content, calls = read(text)
-        return content, calls

@@ -509,14 +509,14 @@ class OpenAIServing:
     def choice_message(self, req: ChatCompletionRequest, text: str, shape: tools.AnswerShape) -> dict:
         """A whole choice's message: content, tool calls and reasoning."""
         if self.reads_harmony(shape.mode):
-            return harmony.chat_message(text, shape.mode == "auto", self.answer_role(req))
+            return tools.harmony_message(text, shape.mode == "auto", self.answer_role(req))
         return tools.split_choice(text, shape.mode, shape.function, self.parser_for(req), shape.reasoning,
                                   self.answer_role(req))
 
     def choice_stream(self, req: ChatCompletionRequest, shape: tools.AnswerShape):
         """What turns one streamed choice's text into deltas."""
         if self.reads_harmony(shape.mode):
-            return harmony.HarmonyChoiceStream(shape.mode == "auto")
+            return tools.HarmonyChoiceStream(shape.mode == "auto")
         return tools.ChatChoiceStream(shape.mode, shape.function, self.parser_for(req), shape.reasoning)
 
     def reasoning_for(self, prompt: str):

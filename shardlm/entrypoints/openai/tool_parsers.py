@@ -16,7 +16,8 @@ one model family's own tool-call text out of its output.
 - qwen3_coder (Qwen3-Coder): <tool_call><function=NAME><parameter=KEY>value</parameter>...</function>
   </tool_call>, repeated; glm45 (GLM-4.5): <tool_call>NAME<arg_key>KEY</arg_key><arg_value>value
   </arg_value>...</tool_call>, repeated. Their values are text, read as the request's tool schema
-  types each parameter (a string stays text; other types are parsed as JSON).
+  types each parameter (a string stays text; other types are parsed as JSON);
+- openai (GPT-OSS): harmony's messages to functions.NAME (harmony.py).
 
 Text before the tool calls is the message's content. Output that does not parse as tool calls is
 content, as vLLM treats it.
@@ -30,6 +31,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from shardlm.entrypoints.openai import harmony
 from shardlm.utils import cut_marker_length
 
 
@@ -275,6 +277,15 @@ def _typed_value(text: str, schema: dict | None):
     return text
 
 
+class HarmonyToolParser(ToolParser):
+    """openai (GPT-OSS): the calls of a harmony output (harmony.py). The server reads a GPT-OSS
+    model's chats through harmony whatever the parser; naming this one turns tool calls on."""
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        _, content, calls = harmony.read(text)
+        return content, [ToolCall(name, arguments) for name, arguments in calls]
+
+
 def _named(name: str, arguments) -> ToolCall:
     name = name.strip()
     if not name:
@@ -290,7 +301,7 @@ PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser, "pythonic": PythonicParser,
     "deepseek_v3": DeepSeekV3Parser, "deepseek_v31": DeepSeekV31Parser, "kimi_k2": KimiK2Parser,
     "granite": GraniteParser, "phi4_mini_json": Phi4MiniJsonParser, "qwen3_coder": Qwen3CoderParser,
-    "glm45": Glm45Parser}
+    "glm45": Glm45Parser, "openai": HarmonyToolParser}
 
 
 def register_tool_parser(*names: str):
@@ -314,6 +325,3 @@ def get_parser(name: str, plugin: str | None = None) -> ToolParser:
         raise ValueError(f"--tool-call-parser {name!r} is not one of {', '.join(PARSERS)}"
                          f"{'' if plugin else ' (a --tool-parser-plugin file may register more)'}.")
     return PARSERS[name]()
-
-
-from shardlm.entrypoints.openai import harmony  # noqa: E402,F401  (registers "openai", GPT-OSS's, defined there)

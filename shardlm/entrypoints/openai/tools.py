@@ -15,6 +15,7 @@ import json
 import uuid
 from typing import NamedTuple
 
+from shardlm.entrypoints.openai import harmony
 from shardlm.entrypoints.openai.frontend_options import as_content_format
 from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, OpenAIError
 from shardlm.entrypoints.openai.tool_parsers import ToolCall, ToolParser
@@ -217,3 +218,34 @@ def split_choice(text: str, mode: str, name: str | None, parser: ToolParser | No
     if calls:
         message["tool_calls"] = message_calls(calls)
     return message
+
+
+def harmony_message(text: str, tools_on: bool, role: str = "assistant") -> dict:
+    """A GPT-OSS choice's whole message, read as harmony (harmony.py); a call's arguments are
+    content where tools are off."""
+    reasoning, content, calls = harmony.read(text)
+    if calls and not tools_on:
+        content, calls = (content or "") + "".join(arguments for _, arguments in calls), []
+    message = {"role": role, "content": content, "reasoning_content": reasoning}
+    if calls:
+        message["tool_calls"] = message_calls([ToolCall(*call) for call in calls])
+    return message
+
+
+class HarmonyChoiceStream:
+    """One streamed GPT-OSS choice's deltas (ChatChoiceStream's interface): reasoning_content and
+    content as they come, tool calls when the output ends."""
+
+    def __init__(self, tools_on: bool):
+        self.stream, self.tools_on, self.called = harmony.HarmonyStream(), tools_on, False
+
+    def feed(self, piece: str, final: bool) -> list[dict]:
+        deltas = [{"reasoning_content" if kind == "reasoning" else "content": text}
+                  for kind, text in self.stream.feed(piece, final)]
+        if final and self.stream.calls:
+            if self.tools_on:
+                self.called = True
+                deltas += call_deltas([ToolCall(*call) for call in self.stream.calls])
+            else:
+                deltas += [{"content": arguments} for _, arguments in self.stream.calls]
+        return deltas
