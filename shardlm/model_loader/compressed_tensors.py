@@ -22,13 +22,12 @@ dequantized weights. FP8 (`type: "float"`) checkpoints of this format are read b
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from shardlm.config import QuantizationConfig
+from shardlm.logger import init_logger
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 METHOD = "compressed-tensors"
 PACKED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_g_idx",
@@ -134,10 +133,12 @@ class CompressedLinears:
     """Collects a compressed-tensors checkpoint's integer linears while the float tensors load,
     then decodes them per linear, by the Hugging Face name of the weight they replace."""
 
-    def __init__(self, config: QuantizationConfig, quantization_config: dict | None):
+    def __init__(self, config: QuantizationConfig, quantization_config):
+        """quantization_config: the checkpoint's (a dict, or transformers' config object)."""
         self.bits = config.weight_bits
         self.parts: dict[str, dict[str, torch.Tensor]] = {}
-        schemes = (quantization_config or {}).get("config_groups") or {}
+        qc = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
+        schemes = qc.get("config_groups") or {}
         if any(g.get("input_activations") for g in schemes.values()):
             logger.info("compressed-tensors: the checkpoint's activation quantization is not applied: activations "
                         "stay in the model's dtype (its weights run as stored)")

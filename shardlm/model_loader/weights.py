@@ -195,7 +195,7 @@ def load_model(cls: type, model_config: ModelConfig, device: torch.device,
     if quant is not None and quant.method in ("gptq", "awq"):
         packed = PackedLinears(quant.method, quant.group_size, is_v1(stored))
     elif quant is not None and quant.method == "compressed-tensors":
-        packed = CompressedLinears(quant, stored if isinstance(stored, dict) or stored is None else stored.to_dict())
+        packed = CompressedLinears(quant, stored)
     if model_config.load_format == "dummy":
         loaded = fill_with_random_weights(model, model_config.seed)
     else:

@@ -123,6 +123,7 @@ class OpenAIServing:
         self.content_format = self.options.content_format_for(template if isinstance(template, str) else None)
         self.image_placeholder = image_placeholder(llm)      # a vision-language model's (chat_images.py)
         self.harmony = harmony.is_harmony_model(m.hf_config)      # GPT-OSS: chats read as harmony (harmony.py)
+        # (a required or named tool choice is JSON, not harmony: tools.AnswerShape)
 
     # ---- shared ----
     def check_model(self, name: str | None) -> str:
@@ -442,7 +443,8 @@ class OpenAIServing:
                                    ("documents", req.documents)) if v}
         text = await self._off_loop(self.render_chat, req.messages, tool_specs, req.add_generation_prompt,
                                     {**extra, **(req.chat_template_kwargs or {})})
-        shape = tools.AnswerShape(mode, function, self.reasoning_for(text))
+        shape = tools.AnswerShape(mode, function, self.tool_parser.with_tools(req.tools) if self.tool_parser else None,
+                                  self.reasoning_for(text), self.harmony and mode in ("auto", "none"))
         images = None
         if any(m.image_urls() for m in req.messages):
             ids, images = await with_images(self.llm, req, text, self._pool)
@@ -458,7 +460,7 @@ class OpenAIServing:
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                       prompt_logprobs=req.prompt_logprobs,
                                       tool_constraint=tools.constraint(req, mode, function),
-                                      keep_special_tokens=self.reads_harmony(mode))
+                                      keep_special_tokens=shape.harmony)
         created = int(time.time())
         head = {"id": self.response_id(req, "chatcmpl"), "object": "chat.completion", "created": created,
                 "model": model}
@@ -471,7 +473,7 @@ class OpenAIServing:
         (final,) = await last_outputs([stream])   # FINAL_ONLY: one output
         choices, as_ids = [], self.tokens_as_ids(req)
         for c in final.outputs:
-            message = self.choice_message(req, c.text, shape)
+            message = shape.message(c.text, self.answer_role(req))
             if echo := self.echoed(req):
                 message["content"] = echo + (message["content"] or "")
             choices.append({"index": c.index, "message": message,
@@ -490,34 +492,12 @@ class OpenAIServing:
     async def _beam_chat(self, req, model: str, lora, ids: list[int], max_tokens: int | None,
                          shape: tools.AnswerShape) -> dict:
         result = await self.beam_search(req, ids, self.beam_params(req, max_tokens, len(ids)), lora)
-        choices = [{"index": j, "message": self.choice_message(req, beam.text, shape),
+        choices = [{"index": j, "message": shape.message(beam.text, self.answer_role(req)),
                     "finish_reason": beam.finish_reason, "stop_reason": None, "logprobs": None}
                    for j, beam in enumerate(result.sequences)]
         generated = sum(len(b.tokens) - len(ids) for b in result.sequences)
         return {"id": self.response_id(req, "chatcmpl"), "object": "chat.completion", "created": int(time.time()),
                 "model": model, "choices": choices, "usage": self.usage(len(ids), generated, 0)}
-
-    def parser_for(self, req: ChatCompletionRequest):
-        """The --tool-call-parser bound to this request's tools (the formats that type text values by
-        the tools' schemas read them), or None."""
-        return self.tool_parser.with_tools(req.tools) if self.tool_parser is not None else None
-
-    def reads_harmony(self, mode: str) -> bool:
-        """A GPT-OSS answer the model writes in harmony (a required or named tool choice is JSON)."""
-        return self.harmony and mode in ("auto", "none")
-
-    def choice_message(self, req: ChatCompletionRequest, text: str, shape: tools.AnswerShape) -> dict:
-        """A whole choice's message: content, tool calls and reasoning."""
-        if self.reads_harmony(shape.mode):
-            return tools.harmony_message(text, shape.mode == "auto", self.answer_role(req))
-        return tools.split_choice(text, shape.mode, shape.function, self.parser_for(req), shape.reasoning,
-                                  self.answer_role(req))
-
-    def choice_stream(self, req: ChatCompletionRequest, shape: tools.AnswerShape):
-        """What turns one streamed choice's text into deltas."""
-        if self.reads_harmony(shape.mode):
-            return tools.HarmonyChoiceStream(shape.mode == "auto")
-        return tools.ChatChoiceStream(shape.mode, shape.function, self.parser_for(req), shape.reasoning)
 
     def reasoning_for(self, prompt: str):
         """The reasoning parser for an answer to this prompt: none where the prompt closes the
@@ -546,7 +526,7 @@ class OpenAIServing:
         async for _, out in _merge([stream]):
             for c in out.outputs:
                 if c.index not in started:
-                    started[c.index] = self.choice_stream(req, shape)
+                    started[c.index] = shape.stream()
                     yield {**head, "choices": [{"index": c.index, "delta": {"role": role, "content": self.echoed(req)},
                                                 "logprobs": None, "finish_reason": None}],
                            **({"prompt_token_ids": out.prompt_token_ids} if req.return_token_ids else {})}

@@ -26,11 +26,26 @@ ARGUMENT_PIECE = 16       # characters of arguments per streamed delta where the
 
 
 class AnswerShape(NamedTuple):
-    """How a chat's answer is read: the tool mode (none, auto, required, named), the named
-    function, and the reasoning parser (None: no thinking to split off)."""
+    """How a chat's answer is read, decided once per request: the tool mode (none, auto, required,
+    named), the named function, the tool-call parser bound to the request's tools, the reasoning
+    parser (None: no thinking to split off), and whether it is GPT-OSS's harmony."""
     mode: str
     function: str | None
+    parser: ToolParser | None
     reasoning: ReasoningParser | None
+    harmony: bool = False
+
+    def message(self, text: str, role: str) -> dict:
+        """A whole choice's message: content, tool calls and reasoning."""
+        if self.harmony:
+            return harmony_message(text, self.mode == "auto", role)
+        return split_choice(text, self.mode, self.function, self.parser, self.reasoning, role)
+
+    def stream(self):
+        """What turns one streamed choice's text into deltas."""
+        if self.harmony:
+            return HarmonyChoiceStream(self.mode == "auto")
+        return ChatChoiceStream(self.mode, self.function, self.parser, self.reasoning)
 
 
 def tool_mode(req: ChatCompletionRequest, parser: ToolParser | None) -> tuple[str, str | None]:
