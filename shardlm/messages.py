@@ -133,6 +133,7 @@ class EngineCoreOutput(msgspec.Struct):
     prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    stop_token: bool = False       # the last new token is the EOS or stop token id that ended it
     num_cached_tokens: int = 0
     error: str | None = None       # the request failed: why
     error_kind: str = "engine"     # "engine": its engine core or replica died; "request": its own fault

@@ -88,6 +88,7 @@ class Request:
         self._update_block_hashes()
         self.grammar = None              # structured outputs: a Future of the request's matcher
         self.grammar_done = False        # the constraint is complete: the request ends
+        self.ended_by_stop_token = False  # its last token is an EOS or one of stop_token_ids (no text shown)
         self.thinking_end_ids: list[int] | None = None    # reasoning models: the constraint waits for these
 
     @property
@@ -135,10 +136,11 @@ class Request:
             return True
         if self.num_output_tokens >= sp.min_tokens:
             if not sp.ignore_eos and token in self.eos_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
+                self.status, self.ended_by_stop_token = RequestStatus.FINISHED_STOPPED, True
                 return True
             if token in sp.stop_token_ids:
                 self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, token
+                self.ended_by_stop_token = True
                 return True
         if self.num_output_tokens >= self.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH

@@ -390,6 +390,7 @@ class Scheduler:
                     self._advance_grammar(request, token)
                 if request.check_stop():
                     out.finish_reason, out.stop_reason = request.status.value, request.stop_reason
+                    out.stop_token = request.ended_by_stop_token
                     self.running.remove(request)
                     self._free(request)
                     break

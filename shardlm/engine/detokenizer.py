@@ -26,11 +26,15 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def update(self, new_token_ids: list[int]) -> str | None:
+    def update(self, new_token_ids: list[int], ends_with_stop_token: bool = False) -> str | None:
         """Add tokens; return the stop string if one now appears (the text is cut before it).
+        ends_with_stop_token: the last one is the EOS or stop token id that ended the output, whose
+        text is not shown (a special token kept, "</s>") unless include_stop_str_in_output, as in vLLM.
         Without a tokenizer (--skip-tokenizer-init) the text stays empty."""
         if self.tokenizer is None:
             return None
+        if ends_with_stop_token and not self.include_stop:
+            new_token_ids = new_token_ids[:-1]
         checked = len(self.output_text)
         for token in new_token_ids:
             self._ids.append(token)

@@ -188,7 +188,7 @@ class OutputProcessor:
             for lp in out.new_logprobs:
                 sample.logprobs.append(self._convert_logprobs(lp, sample.detokenizer.tokenizer))
                 sample.cumulative_logprob += lp.logprob
-        stop_str = sample.detokenizer.update(out.new_token_ids)
+        stop_str = sample.detokenizer.update(out.new_token_ids, out.stop_token)
         if out.finish_reason is not None:
             sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
         elif stop_str is not None:

@@ -74,6 +74,8 @@ def test_stop_token_ids_and_min_tokens(llm):
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
                                                   stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == ids[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_id
+    # the stop token's own text is not shown (vLLM's rule; include_stop_str_in_output shows it)
+    assert out.text == llm.get_tokenizer().decode(ids[:first], skip_special_tokens=True)
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, min_tokens=first + 2,
                                                   stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
     assert stop_id not in out.token_ids[:first + 2]

@@ -193,3 +193,53 @@ def test_what_cannot_work_is_a_400(client, tiny_model_dir):
         assert ask(plain, max_tokens=5).choices[0].message.tool_calls is None    # tools, no choice: none
     finally:
         stop_server(proc)
+
+
+# Mistral's tokenizers write [TOOL_CALLS] and [ARGS] as special tokens: a scripted model writes them
+MISTRAL_MARKERS = ["[TOOL_CALLS]", "[ARGS]"]
+
+
+@pytest.fixture(scope="module")
+def scripted_mistral(tmp_path_factory):
+    from tests.scripted_model import scripted_model
+    return scripted_model(tmp_path_factory.mktemp("scripted-mistral"), "[TOOL_CALLS]get_time[ARGS]{}",
+                          MISTRAL_MARKERS)
+
+
+def test_a_parser_knows_when_its_tokenizer_writes_its_markers_as_special_tokens(scripted_mistral,
+                                                                              default_model_dir):
+    from transformers import AutoTokenizer
+    special = AutoTokenizer.from_pretrained(scripted_mistral)
+    assert get_parser("mistral").needs_special_tokens(special)
+    assert not get_parser("hermes").needs_special_tokens(special)        # <tool_call> is plain text there
+    assert not get_parser("mistral").needs_special_tokens(AutoTokenizer.from_pretrained(default_model_dir))
+
+
+@pytest.mark.slow
+def test_tool_calls_written_in_special_tokens_are_read(scripted_mistral):
+    """Before, the detokenizer dropped [TOOL_CALLS] (a special token) and the call came back as
+    content "get_time{}"; now an answer that may hold calls keeps special tokens, as vLLM does,
+    and no request shows the EOS that ended it."""
+    proc, url = start_server(scripted_mistral, "--enable-auto-tool-choice", "--tool-call-parser", "mistral")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        for kw in ({}, {"temperature": 0.8, "seed": 3}):
+            out = ask(client, max_tokens=30, **kw).choices[0]
+            assert out.finish_reason == "tool_calls" and out.message.content is None, out
+            assert [(t.function.name, json.loads(t.function.arguments)) for t in out.message.tool_calls] == \
+                [("get_time", {})]
+        chunks = list(ask(client, max_tokens=30, stream=True))
+        deltas = [c.choices[0].delta.model_dump(exclude_none=True) for c in chunks if c.choices]
+        assert reassemble(deltas) == ("", [("get_time", {})])
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        plain = ask(client, max_tokens=30, tools=None).choices[0]     # no tools: special tokens skipped
+        assert plain.message.content == "get_time{}" and plain.finish_reason == "stop"
+        prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        kept = client.completions.create(model="tiny", prompt=prompt, max_tokens=30,
+                                         extra_body={"skip_special_tokens": False}).choices[0]
+        assert kept.text == "[TOOL_CALLS]get_time[ARGS]{}" and kept.finish_reason == "stop"
+        shown = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, extra_body={
+            "skip_special_tokens": False, "include_stop_str_in_output": True}).choices[0]
+        assert shown.text == "[TOOL_CALLS]get_time[ARGS]{}<|im_end|>"
+    finally:
+        stop_server(proc)

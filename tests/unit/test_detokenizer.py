@@ -59,3 +59,14 @@ def test_running_text_holds_back_a_tail_that_may_begin_a_stop_string(tokenizer, 
     d.output_text = text
     assert d.visible_text(finished=False) == visible
     assert d.visible_text(finished=True) == text
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_the_token_that_ends_the_output_shows_no_text_unless_asked(tokenizer, include_stop):
+    """vLLM's rule: the EOS or stop token id that ended an output is not detokenized, so special
+    tokens kept do not end the text with "<|im_end|>"; include_stop_str_in_output shows it."""
+    ids = tokenizer(" one two", add_special_tokens=False).input_ids + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    d = IncrementalDetokenizer(tokenizer, [1], skip_special_tokens=False, include_stop_str_in_output=include_stop)
+    d.update(ids[:1])
+    d.update(ids[1:], ends_with_stop_token=True)
+    assert d.output_text == " one two" + ("<|im_end|>" if include_stop else "")

@@ -108,6 +108,9 @@ class OpenAIServing:
         self.llm = llm
         self.loras = LoRAModules(served_model_names[0])      # adapters a request's model may name
         self.tool_parser = get_parser(tool_parser) if tool_parser else None
+        # answers that may hold tool calls keep special tokens where the calls are written in them
+        self.tool_calls_special = self.tool_parser is not None and llm.tokenizer is not None and \
+            self.tool_parser.needs_special_tokens(llm.tokenizer)
         m = llm.config.model
         self.reasoning = get_reasoning_parser(m.reasoning_parser, m.reasoning_parser_plugin) if m.reasoning_parser \
             else None
@@ -160,7 +163,8 @@ class OpenAIServing:
     def sampling_params(self, req, max_tokens: int | None, prompt_len: int, keep_special_tokens: bool = False,
                         **extra) -> SamplingParams:
         """Streams get deltas (only what is new each step); the others one final output.
-        keep_special_tokens: the output's text keeps them whatever the request says (harmony)."""
+        keep_special_tokens: the output's text keeps them whatever the request says (harmony, tool
+        calls written in special tokens)."""
         try:
             check_max_tokens(prompt_len, max_tokens, self.max_model_len)
         except ValueError as e:
@@ -460,7 +464,7 @@ class OpenAIServing:
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                       prompt_logprobs=req.prompt_logprobs,
                                       tool_constraint=tools.constraint(req, mode, function),
-                                      keep_special_tokens=shape.harmony)
+                                      keep_special_tokens=shape.harmony or (mode == "auto" and self.tool_calls_special))
         created = int(time.time())
         head = {"id": self.response_id(req, "chatcmpl"), "object": "chat.completion", "created": created,
                 "model": model}

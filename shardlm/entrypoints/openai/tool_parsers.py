@@ -43,7 +43,18 @@ class ToolCall:
 
 class ToolParser:
     marker: str = ""      # where tool calls begin, anywhere in the output ("" : at its start only)
+    syntax: tuple[str, ...] = ()      # the format's other fixed texts that a tokenizer may make tokens
     schemas: dict[str, dict] = {}     # the request's tools' parameter schemas by name (with_tools)
+
+    def needs_special_tokens(self, tokenizer) -> bool:
+        """Whether this tokenizer writes the format's marker or syntax as special tokens (Mistral's
+        [TOOL_CALLS], Hermes-2-Pro's <tool_call>), which text decoded without special tokens loses:
+        answers that may hold tool calls then keep them (vLLM's adjust_request does the same)."""
+        for text in filter(None, (self.marker, *self.syntax)):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if text not in tokenizer.decode(ids, skip_special_tokens=True):
+                return True
+        return False
 
     def with_tools(self, tools) -> ToolParser:
         """This parser for one request, knowing its tools' parameter schemas (OpenAI tool objects
@@ -106,7 +117,7 @@ def _json_values(text: str) -> list:
 
 
 class HermesParser(ToolParser):
-    marker = "<tool_call>"
+    marker, syntax = "<tool_call>", ("</tool_call>",)
 
     def calls(self, section: str) -> list[ToolCall]:
         bodies = re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", section, re.DOTALL)
@@ -114,7 +125,7 @@ class HermesParser(ToolParser):
 
 
 class MistralParser(ToolParser):
-    marker = "[TOOL_CALLS]"
+    marker, syntax = "[TOOL_CALLS]", ("[ARGS]",)
 
     def calls(self, section: str) -> list[ToolCall]:
         rest = section[len(self.marker):]
@@ -182,18 +193,20 @@ class RegexCallsParser(ToolParser):
 
 class DeepSeekV3Parser(RegexCallsParser):
     marker = "<｜tool▁calls▁begin｜>"
+    syntax = ("<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>")
     call = re.compile(r"<｜tool▁call▁begin｜>(?P<type>.*?)<｜tool▁sep｜>(?P<name>.*?)\n```json\n(?P<args>.*?)\n```"
                       r"(?:<｜tool▁call▁end｜>|$)", re.DOTALL)
 
 
 class DeepSeekV31Parser(RegexCallsParser):
-    marker = "<｜tool▁calls▁begin｜>"
+    marker, syntax = "<｜tool▁calls▁begin｜>", DeepSeekV3Parser.syntax
     call = re.compile(r"<｜tool▁call▁begin｜>(?P<name>.*?)<｜tool▁sep｜>(?P<args>.*?)(?:<｜tool▁call▁end｜>|$)",
                       re.DOTALL)
 
 
 class KimiK2Parser(RegexCallsParser):
     marker = "<|tool_calls_section_begin|>"
+    syntax = ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
     call = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[^:<]+?)(?::\d+)?\s*"
                       r"<\|tool_call_argument_begin\|>(?P<args>.*?)(?:<\|tool_call_end\|>|$)", re.DOTALL)
 
@@ -219,7 +232,7 @@ class Phi4MiniJsonParser(ToolParser):
 
 
 class Qwen3CoderParser(ToolParser):
-    marker = "<tool_call>"
+    marker, syntax = "<tool_call>", ("</tool_call>",)
     call = re.compile(r"<tool_call>\s*<function=(?P<name>[^>\n]+)>(?P<body>.*?)(?:</function>|$)", re.DOTALL)
     parameter = re.compile(r"<parameter=(?P<key>[^>\n]+)>(?P<value>.*?)(?:</parameter>|(?=<parameter=)|$)",
                            re.DOTALL)
@@ -240,6 +253,7 @@ class Qwen3CoderParser(ToolParser):
 
 
 class Glm45Parser(Qwen3CoderParser):
+    syntax = ("</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
     call = re.compile(r"<tool_call>\s*(?P<name>[^<\n]+)(?P<body>.*?)(?:</tool_call>|$)", re.DOTALL)
     pair = re.compile(r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)(?:</arg_value>|$)", re.DOTALL)
 
