@@ -122,41 +122,51 @@ def _complete(model_dir: str) -> bool:
 
 def convert_gguf(src: str, out: str, declared_dtype: str | None = None, tied: bool = False) -> None:
     import torch
+    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from shardlm.model_loader.gguf_file import GGUFFile
-    from shardlm.model_loader.gguf_weights import llama_state_dict
+    from shardlm.model_loader.gguf_names import moe_config
+    from shardlm.model_loader.gguf_weights import float_state_dict
 
     logger.info("Converting %s to a Hugging Face directory at %s (once).", src, out)
     gguf_dir, gguf_file = os.path.split(src)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    weights = llama_state_dict(GGUFFile(src), config)
+    file = GGUFFile(src)
+    config = moe_config(file.metadata, AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file))
+    weights, model = float_state_dict(file, config), None
     if weights is None:     # another architecture: transformers' loader maps it
-        quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
-        config, weights = quantized.config, quantized.state_dict()
-    # transformers marks a GGUF-loaded model as quantized and will not save it: build a plain
-    # model from the same config and move the (dequantized) weights over.
+        model = _transformers_gguf_model(src, AutoModelForCausalLM, tied or "output.weight" not in file.tensors)
+        config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.rms_norm_eps = float(f"{config.rms_norm_eps:.6g}")   # GGUF stores float32(1e-5)
-    if tied:
+    if tied or (weights is not None and "lm_head.weight" not in weights):    # llama.cpp writes no tied head
         config.tie_word_embeddings = True
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected or set(missing) - ({"lm_head.weight"} if config.tie_word_embeddings else set()):
-        raise RuntimeError(f"GGUF conversion mismatch: missing {missing}, unexpected {unexpected}")
-    if config.tie_word_embeddings:
-        model.tie_weights()
     # The instruct model ends each turn with <|im_end|> (id 2), which the GGUF calls eos.
-    model.generation_config = GenerationConfig(
+    generation = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+
+    def write(folder: str) -> None:
+        if model is None:        # the tensors as a checkpoint holds them (experts one by one)
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            config.architectures = config.architectures or [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+            save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(folder, "model.safetensors"),
+                      metadata={"format": "pt"})
+            config.save_pretrained(folder)
+        else:        # a plain model of the same config and weights: transformers will not save a GGUF-loaded one
+            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            plain.load_state_dict(model.state_dict())
+            if config.tie_word_embeddings:
+                plain.tie_weights()
+            plain.save_pretrained(folder, safe_serialization=True)
+        generation.save_pretrained(folder)
 
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(out))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        write(tmp)
         tokenizer.save_pretrained(tmp)
         _keep_chat_template(tmp, tokenizer.chat_template)
         if declared_dtype:
@@ -172,6 +182,25 @@ def convert_gguf(src: str, out: str, declared_dtype: str | None = None, tied: bo
         if not os.path.isdir(out):
             raise
     logger.info("Default model ready at %s", out)
+
+
+def _transformers_gguf_model(src: str, model_class, tied: bool):
+    """A GGUF file of an architecture gguf_names.py does not map, through transformers' reader
+    (dequantized), refused where that reader leaves weights out (they would be random)."""
+    import torch
+    gguf_dir, gguf_file = os.path.split(src)
+    model, info = model_class.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32,
+                                              output_loading_info=True)
+    missing = set(info["missing_keys"]) - ({"lm_head.weight"} if tied else set())
+    if missing or info.get("mismatched_keys"):
+        raise ValueError(f"{src}: transformers' GGUF reader leaves out {', '.join(sorted(missing)[:4]) or 'nothing'}"
+                         f"{' ...' if len(missing) > 4 else ''} and mis-sizes "
+                         f"{', '.join(str(k) for k in info.get('mismatched_keys', [])[:4]) or 'nothing'} of this "
+                         f"{model.config.model_type} file: serve the model's Hugging Face checkpoint instead.")
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+    return model
 
 
 def _declare_dtype(model_dir: str, dtype: str) -> None:

@@ -17,8 +17,8 @@ Each becomes the integers, scales and minimums of a `QuantizedWeight` (w = q * s
 the same values, bit for bit, as ggml's dequantization (d * sc and dmin * m are exact in
 float32). Q4_K runs on the 4-bit panels, Q6_K (q - 32 in -32..31) on the 8-bit ones; Q5_K
 (asymmetric, 5 bits) is held as 8-bit integers with minimums, which no blocked kernel takes: it
-is dequantized for each product (correct, slow). llama.cpp stores q_proj and k_proj rows permuted
-for its rotary layout; they are put back in the Hugging Face order here. The token embedding and
+is dequantized for each product (correct, slow). Names, the q/k rows llama.cpp permutes and the
+experts' stacked tensors are put in Hugging Face's terms by gguf_names.py. The token embedding and
 the LM head are read too where they are Q8_0 (the embedded default model's tied table is); in
 another type (F16, K-quants, 4-bit) they stay float.
 """
@@ -32,18 +32,15 @@ import numpy as np
 import torch
 
 from shardlm import envs
+from shardlm.model_loader import gguf_names as names
 from shardlm.model_loader.gguf_file import GGUFFile
 
 GROUP = 32
-_CACHE_VERSION = 3        # bump when decoding changes
+_CACHE_VERSION = 4        # bump when decoding changes
 _TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 _BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-_TABLES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
-_HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-             "ffn_down": "mlp.down_proj"}
-_NORMS = {"output_norm.weight": "model.norm.weight"}
-_LAYER_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_QUANTIZED_TABLES = ("token_embd.weight", "output.weight")     # read where Q8_0
+
 
 
 def decode_blocks(raw: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -100,22 +97,6 @@ def _tensors(q: np.ndarray, scales: np.ndarray, mins: np.ndarray, bits: int):
             torch.from_numpy(np.ascontiguousarray(mins)), bits)
 
 
-def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
-    """For each Hugging Face row, its GGUF row: llama.cpp stores row (head, half, i) of a head's
-    [2, head_dim / 2] layout at (head, i, half)."""
-    return torch.arange(n_rows).view(n_head, n_rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
-
-
-def _qk_order(module: str, rows: int, hf_config) -> torch.Tensor | None:
-    """unpermute_rows for a q or k projection (`attn_q`, `attn_k`) of `rows` rows; None for others."""
-    if module not in ("attn_q", "attn_k"):
-        return None
-    heads = hf_config.num_attention_heads
-    if module == "attn_k":
-        heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    return unpermute_rows(rows, heads)
-
-
 def read_linears(path: str, hf_config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
     """Every quantized attention/MLP weight of a llama-architecture GGUF file, and its embedding
     and LM head where Q8_0, by Hugging Face name
@@ -140,43 +121,50 @@ def read_linears(path: str, hf_config) -> dict[str, tuple[torch.Tensor, torch.Te
     return out
 
 
-def llama_state_dict(file: GGUFFile, hf_config) -> dict[str, torch.Tensor] | None:
-    """The float32 weights of a llama-architecture GGUF file by Hugging Face name, dequantized by
-    gguf's decoders and q/k rows put back in Hugging Face order: the tensors transformers' GGUF
-    loader gives, from one read of the file. None for another architecture, or a tensor this
-    mapping does not name (transformers' loader takes those)."""
-    if file.architecture != "llama":
-        return None
-    out = {}
+def float_state_dict(file: GGUFFile, hf_config) -> dict[str, torch.Tensor] | None:
+    """The float32 weights of a GGUF file by Hugging Face name (gguf_names.py), dequantized by
+    gguf's decoders, q/k rows in Hugging Face order, each expert's matrices on their own: the
+    tensors transformers' GGUF loader gives (for the files it reads), from one read of the file.
+    None for an architecture or a tensor that mapping does not know (transformers' loader takes those)."""
+    arch, experts, out = file.architecture, names.expert_count(hf_config), {}
     for name, tensor in file.tensors.items():
-        hf_name = _TABLES.get(name) or _NORMS.get(name)
-        parts = name.split(".")
-        if hf_name is None and len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight":
-            module = _HF_NAMES.get(parts[2]) or _LAYER_NORMS.get(parts[2])
-            hf_name = module and f"model.layers.{parts[1]}.{module}.weight"
-        if hf_name is None:
+        held = names.checkpoint_names(arch, name, experts)
+        if held is None:
             return None
         values = torch.from_numpy(tensor.to_float32().copy())
-        order = _qk_order(parts[-2], values.shape[0], hf_config)
-        out[hf_name] = values if order is None else values[order]
+        order = names.qk_row_order(arch, name.split(".")[-2], values.shape[0], hf_config)
+        values = values if order is None else values[order]
+        if name.endswith("ffn_gate_inp_shexp.weight"):       # GGUF drops the router's single row
+            values = values.view(1, -1)
+        for i, hf_name in enumerate(held):
+            out[hf_name] = values[i].clone() if len(held) > 1 else values     # one storage each
     return out
 
 
 def _decode_file(path: str, hf_config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
-    out = {}
-    for tensor in GGUFFile(path).tensors.values():
-        type_name = tensor.type_name
-        if tensor.name in _TABLES and type_name == "Q8_0":
-            out[_TABLES[tensor.name]] = decode_blocks(tensor.raw, type_name)
-        parts = tensor.name.split(".")
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _HF_NAMES:
+    file = GGUFFile(path)
+    arch, experts, out = file.architecture, names.expert_count(hf_config), {}
+    if arch not in names.ARCHITECTURES:
+        raise ValueError(f"{path}: --quantization gguf reads the architectures {', '.join(names.ARCHITECTURES)}, "
+                         f"not {arch}. Leave out --quantization to run it in float (or --quantization int8/int4).")
+    for tensor in file.tensors.values():
+        type_name, module = tensor.type_name, tensor.name.split(".")[-2]
+        held = names.checkpoint_names(arch, tensor.name, experts)
+        if tensor.name in _QUANTIZED_TABLES:
+            if type_name == "Q8_0" and held:
+                out[held[0]] = decode_blocks(tensor.raw, type_name)
+            continue
+        if held is None or not tensor.name.endswith(".weight") or (module not in names.LINEARS
+                                                                    and module not in names.EXPERT_MATRICES):
             continue
         if type_name not in _TYPES:
             raise ValueError(f"{path}: {tensor.name} is {type_name}; --quantization gguf reads {', '.join(_TYPES)} "
                              "tensors. Leave out --quantization to run it in float.")
         q, scales, mins, bits = decode_blocks(tensor.raw, type_name)
-        order = _qk_order(parts[2], q.shape[0], hf_config)
+        order = names.qk_row_order(arch, module, q.shape[0], hf_config)
         if order is not None:
             q, scales, mins = q[order], scales[order], mins[order]
-        out[f"model.layers.{parts[1]}.{_HF_NAMES[parts[2]]}.weight"] = (q, scales, mins, bits)
+        rows = q.shape[0] // len(held)          # an expert tensor: [experts * rows, columns]
+        for i, hf_name in enumerate(held):
+            out[hf_name] = (*(t[i * rows:(i + 1) * rows].clone() for t in (q, scales, mins)), bits)
     return out

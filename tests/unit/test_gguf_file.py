@@ -1,5 +1,5 @@
 """shardlm's one-pass GGUF reader against gguf's own GGUFReader, and the float weights it gives a
-llama-architecture file against transformers' GGUF loader, on a tiny file written here (float32
+llama- and a qwen2-architecture file against transformers' GGUF loader, on a tiny file written here (float32
 norms, a Q8_0 embedding, Q4_1 and Q8_0 linears, grouped-query q/k rows to un-permute)."""
 
 import gguf
@@ -9,8 +9,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
+from shardlm.layers.quantization import dequantize
 from shardlm.model_loader.gguf_file import GGUFFile
-from shardlm.model_loader.gguf_weights import llama_state_dict
+from shardlm.model_loader.gguf_weights import _decode_file, float_state_dict
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 96, 4, 2, 2, 64
 
@@ -79,22 +80,30 @@ def test_a_file_that_is_not_gguf_is_named(tmp_path):
         GGUFFile(str(path))
 
 
-def test_llama_weights_equal_transformers_gguf_loader_bit_for_bit(tiny_gguf):
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_weights_equal_transformers_gguf_loader_bit_for_bit(tmp_path, tiny_gguf, architecture):
+    """llama's q/k rows come back from llama.cpp's permutation; qwen2's were never permuted (taking
+    them back too scrambled every --quantization gguf Qwen file's attention)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    folder, name = tiny_gguf.parent, tiny_gguf.name
+    path = tiny_gguf if architecture == "llama" else _write_tiny_llama(tmp_path / "q.gguf", architecture)
+    folder, name = path.parent, path.name
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    ours = llama_state_dict(GGUFFile(str(tiny_gguf)), config)
+    ours = float_state_dict(GGUFFile(str(path)), config)
     theirs = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).state_dict()
     theirs.pop("lm_head.weight")        # tied: the embedding's
-    assert ours.keys() == theirs.keys()
-    for key, value in theirs.items():
-        assert ours[key].dtype == torch.float32 and torch.equal(ours[key], value), key
+    assert set(ours) == {k for k in theirs if not k.endswith(".bias")}      # (the tiny qwen2 has no biases)
+    for key, value in ours.items():
+        assert value.dtype == torch.float32 and torch.equal(theirs[key], value), key
+    blocks = _decode_file(str(path), config)        # --quantization gguf's integers, rows as the floats'
+    assert len(blocks) == 7 * 2 + 1                 # the 7 linears of 2 layers, the Q8_0 embedding
+    for key, (q, scales, mins, _) in blocks.items():
+        assert torch.equal(dequantize(q, scales, mins, torch.float32), theirs[key]), key
 
 
 def test_another_architecture_or_an_unknown_tensor_goes_to_transformers(tmp_path, tiny_gguf):
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name)
-    assert llama_state_dict(GGUFFile(str(_write_tiny_llama(tmp_path / "q.gguf", "qwen2"))), config) is None
+    assert float_state_dict(GGUFFile(str(_write_tiny_llama(tmp_path / "g.gguf", "gemma2"))), config) is None
     file = GGUFFile(str(tiny_gguf))
     file.tensors["rope_freqs.weight"] = file.tensors["output_norm.weight"]
-    assert llama_state_dict(file, config) is None
+    assert float_state_dict(file, config) is None

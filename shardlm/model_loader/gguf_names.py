@@ -1,0 +1,88 @@
+"""A GGUF file in Hugging Face's terms: which checkpoint tensor each of its tensors holds, and the
+config it describes, for the architectures shardlm reads itself (llama, with or without experts,
+qwen2, qwen3, qwen2moe, qwen3moe). Other architectures go through transformers' GGUF loader.
+
+llama.cpp's converter writes a layer's expert matrices as one tensor [experts, rows, columns]
+(`blk.L.ffn_gate_exps` ...), which holds one checkpoint tensor per expert. Mixtral is written as
+the `llama` architecture with `llama.expert_count`; transformers reads it as a dense Llama (the
+experts dropped), so its config is made a Mixtral one here. It permutes the q and k rows of the
+`llama` architecture alone (its rotary layout), which are put back in the Hugging Face order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+_TABLES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+           "output_norm.weight": "model.norm.weight"}
+LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+           "ffn_down": "mlp.down_proj", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+           "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+_OTHERS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+           "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+           "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+EXPERT_MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+# per architecture: the router's name, and expert E's gate, up and down matrices
+_MOE = {"llama": ("block_sparse_moe.gate", "block_sparse_moe.experts.{}.", ("w1", "w3", "w2")),
+        "qwen2moe": ("mlp.gate", "mlp.experts.{}.", ("gate_proj", "up_proj", "down_proj")),
+        "qwen3moe": ("mlp.gate", "mlp.experts.{}.", ("gate_proj", "up_proj", "down_proj"))}
+
+
+def checkpoint_names(architecture: str, name: str, experts: int) -> list[str] | None:
+    """The Hugging Face tensors a GGUF tensor holds: one, or one per expert (its first dimension);
+    None where it is not one this mapping knows."""
+    if architecture not in ARCHITECTURES:
+        return None
+    if name in _TABLES:
+        return [_TABLES[name]]
+    parts = name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[3] not in ("weight", "bias"):
+        return None
+    prefix, module, kind = f"model.layers.{parts[1]}.", parts[2], parts[3]
+    moe = _MOE.get(architecture)
+    if module in EXPERT_MATRICES and moe is not None:
+        matrix = moe[2][EXPERT_MATRICES.index(module)]
+        return [f"{prefix}{moe[1].format(e)}{matrix}.{kind}" for e in range(experts)]
+    if module == "ffn_gate_inp" and moe is not None:
+        return [f"{prefix}{moe[0]}.{kind}"]
+    known = LINEARS.get(module) or _OTHERS.get(module)
+    return None if known is None else [f"{prefix}{known}.{kind}"]
+
+
+def qk_row_order(architecture: str, module: str, rows: int, hf_config) -> torch.Tensor | None:
+    """For each Hugging Face row of a q or k projection, its GGUF row (llama's rows only are
+    permuted: llama.cpp stores row (head, half, i) of a head's [2, head_dim / 2] at (head, i, half));
+    None where the rows are in order."""
+    if architecture != "llama" or module not in ("attn_q", "attn_k"):
+        return None
+    heads = hf_config.num_attention_heads
+    if module == "attn_k":
+        heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def expert_count(hf_config) -> int:
+    return getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None) or 0
+
+
+def moe_config(metadata: dict, hf_config):
+    """The config of a GGUF file with experts, completed from its metadata where transformers'
+    reader leaves it out (Mixtral's experts, the Qwen MoEs' expert sizes); hf_config otherwise."""
+    arch = metadata.get("general.architecture")
+    experts = metadata.get(f"{arch}.expert_count")
+    if not experts:
+        return hf_config
+    if arch == "llama":
+        from transformers import MixtralConfig
+        fields = {k: v for k, v in hf_config.to_dict().items() if k not in ("model_type", "architectures")}
+        config = MixtralConfig(**fields, num_local_experts=experts,
+                               num_experts_per_tok=metadata[f"{arch}.expert_used_count"])
+        config.architectures = ["MixtralForCausalLM"]
+        return config
+    if f"{arch}.expert_feed_forward_length" in metadata:
+        hf_config.moe_intermediate_size = metadata[f"{arch}.expert_feed_forward_length"]
+    if f"{arch}.expert_shared_feed_forward_length" in metadata:
+        hf_config.shared_expert_intermediate_size = metadata[f"{arch}.expert_shared_feed_forward_length"]
+    return hf_config
