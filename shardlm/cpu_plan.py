@@ -39,6 +39,7 @@ class CpuPlan:
     kernel_library: str | None = None        # where the kernel library came from, or none
     dtype: str | None = None                 # the model's (--dtype; auto: the dtype_auto choice)
     decode_path: str | None = None           # "one C call per step" or "layer by layer (why)"
+    batch_invariant: bool = True             # --[no-]batch-invariant: products sum a row alike at any row count
     choices: dict[str, dict[str, Any]] = field(default_factory=dict)     # kind -> key -> value
     evidence: dict[str, dict[str, str]] = field(default_factory=dict)    # kind -> key -> how it was decided
 
@@ -57,7 +58,8 @@ class CpuPlan:
         """The plan as the log shows it: one line per choice."""
         lines = [f"CPU plan: kernels {self.isa or 'none'} ({self.kernel_library or 'no library'}); dtype "
                  f"{self.dtype or 'chosen when a model loads'}; decode steps "
-                 f"{self.decode_path or 'chosen when a model loads'}"]
+                 f"{self.decode_path or 'chosen when a model loads'}"
+                 f"{'' if self.batch_invariant else '; --no-batch-invariant'}"]
         for kind in KINDS:
             for key, value in sorted(self.choices.get(kind, {}).items()):
                 lines.append(f"  {kind} {key}: {value} ({self.evidence.get(kind, {}).get(key, '')})")
@@ -106,7 +108,7 @@ def choose(kind: str, key: str, measure: Callable[[], tuple[Any, str]]) -> Any:
 
 
 def record(**facts) -> None:
-    """Choices that are not measured: isa, kernel_library, dtype, decode_path."""
+    """Choices that are not measured: isa, kernel_library, dtype, decode_path, batch_invariant."""
     for name, value in facts.items():
         setattr(_made, name, value)
 

@@ -5,7 +5,8 @@ every product, from one decode row to a whole prompt, runs kernels/blocked_matmu
 broadcast-form GEMM that beats oneDNN on its own packed layout at a few dozen rows and streams
 at memory bandwidth at one row (figures: docs/ARCHITECTURE.md, "Measured choices"). Its
 results do not depend on the batch a row is in. On CPUs with AVX2 only, bfloat16 weights go into
-the same panels (AVX2 tiles; oneDNN has no native bfloat16 there), float32 ones do not.
+the same panels (AVX2 tiles; oneDNN has no native bfloat16 there), and float32 ones unless
+--no-batch-invariant (oneDNN is faster at many rows there, but its sums depend on the row count).
 
 Elsewhere two kernels share the plain row-major weight, chosen per shape by measurement at load:
 - few rows (decode steps): shardlm's skinny kernel (kernels/skinny_matmul.c). oneDNN pays a
@@ -142,12 +143,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def goes_into_panels(weight: torch.Tensor) -> bool:
     """Whether a float weight on CPU is multiplied from blocked_matmul's panels here. AVX-512's
-    panels beat oneDNN from one row to a prompt. AVX2's tiles (a quarter of the rows per tile) do
-    for bfloat16, which oneDNN widens without native instructions, but not for float32 at many
-    rows, which keeps its kernels."""
+    panels beat oneDNN from one row to a prompt. AVX2's do for bfloat16, which oneDNN widens
+    without native instructions; for float32 at many rows oneDNN is faster (1.2-1.3x on a Zen 1),
+    but its sums depend on the row count, and the skinny kernel's differ from it: float32 weights
+    go into the panels too unless --no-batch-invariant."""
     return (weight.device.type == "cpu" and weight.dtype in DTYPE_CODES and weight.dim() == 2
             and blocked_matmul() is not None
-            and (kernels.blocked_vector_bits() == 512 or weight.dtype == torch.bfloat16))
+            and (kernels.blocked_vector_bits() == 512 or weight.dtype == torch.bfloat16
+                 or cpu_plan.current().batch_invariant))
 
 
 def prepare_weight(weight: torch.Tensor) -> tuple[torch.Tensor | None, CpuMatmul | None]:

@@ -86,6 +86,7 @@ class ModelRunner:
     def load_model(self) -> None:
         par = self.config.parallel
         m = self.config.model
+        cpu_plan.record(batch_invariant=m.batch_invariant)       # which float weights go into panels
         if self.device.type == "cpu" and not m.batch_invariant and m.dtype == torch.bfloat16:
             rows = kernels.amx_rows()
             kernels.use_amx(rows)
