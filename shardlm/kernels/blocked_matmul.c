@@ -683,6 +683,81 @@ static inline __attribute__((always_inline)) void store_outputs(void *y, int64_t
 #endif
 }
 
+#if SIMD16_BITS == 256
+// AVX2's float tiles of many rows take a third of a panel at a time (16 features, 2 registers)
+// against 6 rows of x (float32 panels: 12 accumulators + 2 weights + the broadcast x, as BLIS's
+// Haswell kernel) or 5 rows (bfloat16 panels: 10 accumulators + 2 even and 2 odd widened weights).
+// The whole-panel tile of 2 rows needs 19 registers and spills (1.3x slower than oneDNN at 512
+// rows on a Zen 1). The accumulators are named variables: GCC -O3 stores an array of them to the
+// stack at every k. Each output still sums its k in order from zero, as panel_tile does: the same
+// bits at any row count. `ahead` (float32; NULL or not is a constant where it is called): as
+// panel_tile's.
+#define MR_F32 6
+#define MR_BF16 5
+static inline __attribute__((always_inline)) void third_tile(const float *x, int64_t xs, const void *panel, int Kp,
+                                                              const int NM, int third, int dtype, vf16 out[MR_F32],
+                                                              int prefetch, const ahead_t *ahead) {
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0,
+           b4 = a0, a5 = a0, b5 = a0, xb;
+#define ROW(m, w0, w1, kk) if (NM > m) { xb = _mm256_broadcast_ss(x + m * xs + (kk)); \
+                                         a##m = _mm256_fmadd_ps(xb, w0, a##m); b##m = _mm256_fmadd_ps(xb, w1, b##m); }
+#define ROWS(w0, w1, kk) ROW(0, w0, w1, kk) ROW(1, w0, w1, kk) ROW(2, w0, w1, kk) ROW(3, w0, w1, kk) \
+                         ROW(4, w0, w1, kk) ROW(5, w0, w1, kk)
+    if (dtype == 0) {
+        const float *w = (const float *)panel + 16 * third;
+        const char *at = ahead ? ahead->at : NULL;
+        for (int k = 0; k < Kp; k++) {
+            if (ahead && k % AHEAD_SEGMENT == 0) ask_ahead(&at, ahead);
+            if (prefetch) _mm_prefetch((const char *)(w + (int64_t)k * NR) + PF_BYTES, _MM_HINT_T0);
+            const __m256 w0 = _mm256_loadu_ps(w + (int64_t)k * NR), w1 = _mm256_loadu_ps(w + (int64_t)k * NR + 8);
+            ROWS(w0, w1, k)
+        }
+    } else {
+        // a 32-bit word holds k (low half) and k + 1 (high half): a shift or a mask widens each
+        const uint32_t *w = (const uint32_t *)panel + 16 * third;
+        const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+        for (int k = 0; k < Kp; k += 2) {
+            if (prefetch) _mm_prefetch((const char *)(w + (int64_t)(k / 2) * NR) + PF_BYTES, _MM_HINT_T0);
+            const __m256i p0 = _mm256_loadu_si256((const __m256i *)(w + (int64_t)(k / 2) * NR));
+            const __m256i p1 = _mm256_loadu_si256((const __m256i *)(w + (int64_t)(k / 2) * NR + 8));
+            const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(p0, 16));
+            const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(p1, 16));
+            const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(p0, high));
+            const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(p1, high));
+            ROWS(e0, e1, k) ROWS(o0, o1, k + 1)
+        }
+    }
+#undef ROWS
+#undef ROW
+    out[0] = (vf16){a0, b0}, out[1] = (vf16){a1, b1}, out[2] = (vf16){a2, b2};
+    out[3] = (vf16){a3, b3}, out[4] = (vf16){a4, b4}, out[5] = (vf16){a5, b5};
+}
+
+// `rows` (up to MR_F32, or MR_BF16 for a bfloat16 panel) rows of x . one float panel, a third at a
+// time, into y (+ bias)
+static inline __attribute__((always_inline)) void third_tiles(const float *x, int64_t xs, const void *panel, int Kp,
+        int rows, int dtype, int prefetch, const ahead_t *ahead, void *y, int64_t m0, int N, int n0, int width,
+        const void *bias, int out_dtype) {
+    for (int third = 0; third < 3 && 16 * third < width; third++) {
+        vf16 acc[MR_F32];
+        const ahead_t *asks = third == 0 ? ahead : NULL;      // the next panel: asked for in the first third
+#define THIRD(n) third_tile(x, xs, panel, Kp, n, third, dtype, acc, prefetch, asks)
+        if (dtype == 0) {
+            switch (rows) { case 1: THIRD(1); break; case 2: THIRD(2); break; case 3: THIRD(3); break;
+                            case 4: THIRD(4); break; case 5: THIRD(5); break; default: THIRD(MR_F32); }
+        } else {
+            switch (rows) { case 1: THIRD(1); break; case 2: THIRD(2); break; case 3: THIRD(3); break;
+                            case 4: THIRD(4); break; default: THIRD(MR_BF16); }
+        }
+#undef THIRD
+        const int col = 16 * third;
+        for (int m = 0; m < rows; m++)
+            store_outputs(y, (m0 + m) * N + n0 + col, acc[m], bias, n0 + col, width - col < 16 ? width - col : 16,
+                          out_dtype);
+    }
+}
+#endif
+
 #if defined(__AMX_BF16__)
 // bfloat16 products over float panels of at least this many rows run on the AMX tiles (0: none;
 // blocked_set_amx)
@@ -815,7 +890,13 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
     // as the quantized tile's, so the same sums), instead of widened again for every tile: float32
     // weights for the float tile, or the dot tile's integer pairs
     const int rows_q = bits == 4 ? MR4_Q : dot ? MR4_DOT : fp8 ? MR4_FP8 : MR4;
-    const int widen_once = bits == 8 && M > rows_q, step = bits && (dot || !widen_once) ? rows_q : MR;
+    const int widen_once = bits == 8 && M > rows_q;
+#if SIMD16_BITS == 256
+    const int thirds = !bits && M > 1;           // AVX2's float tiles of many rows (third_tile)
+    const int step = thirds ? (dtype == 0 ? MR_F32 : MR_BF16) : bits && (dot || !widen_once) ? rows_q : MR;
+#else
+    const int thirds = 0, step = bits && (dot || !widen_once) ? rows_q : MR;
+#endif
     const int wide_kind = dot ? kind : fp8 ? TILE_FP8_WIDE : TILE_F32;
     // float panels against many rows: the rows in blocks whose x stays in L2 (X_BLOCK_BYTES), every
     // panel run over one block before the next (else each panel streams all of x from memory again;
@@ -865,6 +946,13 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
                 ahead.lines = ahead_lines;
                 tile_kind = tile_kind == TILE_DOT ? TILE_DOT_AHEAD : TILE_F32_AHEAD;
             }
+#if SIMD16_BITS == 256
+            if (thirds) {
+                third_tiles((const float *)xt + m0 * xs, xs, panel, Kp, rows, dtype == 0 ? 0 : 1,
+                           m0 == b0, tile_kind == TILE_F32_AHEAD ? &ahead : NULL, y, m0, N, n0, width, bias, dtype);
+                continue;
+            }
+#endif
             vf16 acc[MR][NV];
             panel_product(tile_kind, (const char *)xt + m0 * xs * (int64_t)x_size, xs,
                           widen_once && !pairs_only ? wide_panel : panel, pairs_only ? wide_panel : NULL,

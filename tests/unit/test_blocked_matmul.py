@@ -1,5 +1,5 @@
 """kernels/blocked_matmul.c (the weight repacked into panels, used for every product on AVX-512
-CPUs), in every ISA variant of this CPU that has it, equals the product in float64 rounded
+CPUs, and on AVX2 ones but for float32 with --no-batch-invariant), in every ISA variant of this CPU that has it, equals the product in float64 rounded
 once, for row counts that fill and do not fill its register tiles, output sizes that do not
 fill a panel, an odd K (bfloat16 packs k in pairs), a bias and strided rows; a row's result
 does not depend on the other rows computed with it; and a Linear prepared at load multiplies
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardlm import kernels
+from shardlm import cpu_plan, kernels
 from shardlm.layers import cpu_matmul
 
 
@@ -69,8 +69,6 @@ def test_many_rows_run_in_blocks_with_the_same_sums(dtype, bf16_products):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prepared_linear_multiplies_through_the_blocked_kernel(dtype):
-    if kernels.blocked_vector_bits() != 512 and dtype == torch.float32:
-        pytest.skip("float32 weights go into panels with AVX-512 only (AVX2: skinny kernel and oneDNN)")
     gen = torch.Generator().manual_seed(0)
     w, b = torch.randn(200, 96, generator=gen).to(dtype), torch.randn(200, generator=gen).to(dtype)
     packed, plan = cpu_matmul.prepare_weight(w)
@@ -80,6 +78,15 @@ def test_a_prepared_linear_multiplies_through_the_blocked_kernel(dtype):
         x = torch.randn(*shape, generator=gen).to(dtype)
         got = cpu_matmul.linear(x, packed, b, plan)
         torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), atol=tol, rtol=tol)
+
+
+def test_float32_weights_leave_the_panels_on_avx2_only_without_batch_invariance(monkeypatch):
+    """AVX2's float32 panels lose to oneDNN at many rows, whose sums depend on the row count."""
+    w = torch.randn(200, 96)
+    assert cpu_matmul.goes_into_panels(w) and cpu_matmul.goes_into_panels(w.bfloat16())
+    monkeypatch.setattr(cpu_plan.current(), "batch_invariant", False)
+    assert cpu_matmul.goes_into_panels(w) == (kernels.blocked_vector_bits() == 512)
+    assert cpu_matmul.goes_into_panels(w.bfloat16())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
