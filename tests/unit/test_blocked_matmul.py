@@ -1,7 +1,8 @@
 """kernels/blocked_matmul.c (the weight repacked into panels, used for every product on AVX-512
-CPUs, and on AVX2 ones but for float32 with --no-batch-invariant), in every ISA variant of this CPU that has it, equals the product in float64 rounded
-once, for row counts that fill and do not fill its register tiles, output sizes that do not
-fill a panel, an odd K (bfloat16 packs k in pairs), a bias and strided rows; a row's result
+CPUs, and on AVX2 ones but for float32 with --no-batch-invariant), in every ISA variant of this
+CPU that has it, equals the product in float64 rounded once, for row counts that fill and do not
+fill its register tiles, output sizes that do not fill a panel, an odd K (bfloat16 packs k in
+pairs), a bias and strided rows; a row's result
 does not depend on the other rows computed with it; and a Linear prepared at load multiplies
 through it."""
 
