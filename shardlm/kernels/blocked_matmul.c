@@ -948,7 +948,7 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
             }
 #if SIMD16_BITS == 256
             if (thirds) {
-                third_tiles((const float *)xt + m0 * xs, xs, panel, Kp, rows, dtype == 0 ? 0 : 1,
+                third_tiles((const float *)xt + m0 * xs, xs, panel, Kp, rows, dtype,
                            m0 == b0, tile_kind == TILE_F32_AHEAD ? &ahead : NULL, y, m0, N, n0, width, bias, dtype);
                 continue;
             }

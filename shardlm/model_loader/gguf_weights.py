@@ -164,7 +164,10 @@ def _decode_file(path: str, hf_config) -> dict[str, tuple[torch.Tensor, torch.Te
         order = names.qk_row_order(arch, module, q.shape[0], hf_config)
         if order is not None:
             q, scales, mins = q[order], scales[order], mins[order]
+        if len(held) == 1:
+            out[held[0]] = (q, scales, mins, bits)
+            continue
         rows = q.shape[0] // len(held)          # an expert tensor: [experts * rows, columns]
-        for i, hf_name in enumerate(held):
+        for i, hf_name in enumerate(held):      # one storage each (the cache file saves them apart)
             out[hf_name] = (*(t[i * rows:(i + 1) * rows].clone() for t in (q, scales, mins)), bits)
     return out
