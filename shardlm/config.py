@@ -142,6 +142,7 @@ class ModelConfig:
     enable_log_outputs: bool = False         # ... and each one's outputs as it finishes
     stream_interval: int = 1                 # streamed outputs carry this many new tokens (but the first, last)
     logprobs_mode: str = "raw_logprobs"      # what logprobs report (layers/sampler.py's LOGPROBS_MODES)
+    logits_processors: list = field(default_factory=list)   # --logits-processors: classes or names
     skip_tokenizer_init: bool = False        # no tokenizer: token ids in, token ids out (text stays empty)
     enable_sleep_mode: bool = False          # LLM.sleep / wake_up, the server's /sleep and /wake_up
     load_format: str = "auto"                # auto: the checkpoint's weights; dummy: random ones (model_loader)

@@ -101,6 +101,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None       # keep the prompt's last k tokens (-1: as many as fit)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None    # constrain the output (shardlm/structured_output)
+    extra_args: dict | None = None     # for custom logits processors (logits_processor.py), as vLLM's
 
     def __post_init__(self):
         if isinstance(self.structured_outputs, dict):
@@ -179,6 +180,9 @@ class SamplingParams:
             bad("stop", self.stop, "stop strings are found in the text, which detokenize=False leaves out")
         if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             bad("bad_words", self.bad_words, "it must be a list of non-empty strings")
+        if self.extra_args is not None and not (isinstance(self.extra_args, dict)
+                                                and all(isinstance(k, str) for k in self.extra_args)):
+            bad("extra_args", self.extra_args, "it must be a dict with string keys (custom logits processors read it)")
         if self.bad_words_token_ids is not None and any(
                 not seq or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT64_MAX for t in seq)
                 for seq in self.bad_words_token_ids):

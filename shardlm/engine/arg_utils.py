@@ -304,6 +304,12 @@ class EngineArgs:
         "what logprobs and prompt_logprobs report, as vLLM's: raw_logprobs (the model's), raw_logits, or "
         "processed_logprobs / processed_logits, after constraints, biases, penalties, temperature and "
         "top-k/top-p/min-p (what the token was drawn from; prompt positions stay raw)")
+    logits_processors: list[str] | list[type] | None = knob(
+        None, "model",
+        "custom logits processors, as vLLM's: classes with vLLM v1's interface (shardlm.logits_processor."
+        "LogitsProcessor), named 'package.module:Class' (LLM() also takes the classes); requests opt in "
+        "through SamplingParams.extra_args (the server's vllm_xargs). Installed ones of the entry-point "
+        "group shardlm.logits_processors load too")
     stream_interval: int = knob(
         1, "model",
         "streams send new tokens once this many have come (the first and the last at once), as vLLM's: fewer, "
@@ -425,7 +431,8 @@ class EngineArgs:
                 self.collect_detailed_traces), disable_log_stats=self.disable_log_stats,
             enable_log_requests=self.enable_log_requests, max_log_len=self.max_log_len,
             enable_log_outputs=self.enable_log_outputs, stream_interval=self.stream_interval,
-            logprobs_mode=_logprobs_mode(self.logprobs_mode), skip_tokenizer_init=self.skip_tokenizer_init,
+            logprobs_mode=_logprobs_mode(self.logprobs_mode),
+            logits_processors=_logits_processors(self.logits_processors), skip_tokenizer_init=self.skip_tokenizer_init,
             enable_sleep_mode=self.enable_sleep_mode,
             max_logprobs=_max_logprobs(self.max_logprobs),
             trust_remote_code=self.trust_remote_code, multimodal=multimodal,
@@ -670,6 +677,15 @@ def _max_logprobs(value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < -1:
         raise ValueError(f"--max-logprobs {value}: give a count >= 0, or -1 for the whole vocabulary.")
     return value
+
+
+def _logits_processors(given) -> list:
+    """The given processors, each checked to import as a LogitsProcessor (a clear error before any
+    process starts)."""
+    from shardlm.logits_processor import load_logits_processors
+    given = [given] if isinstance(given, (str, type)) else list(given or [])
+    load_logits_processors(given)
+    return given
 
 
 def _logprobs_mode(mode: str) -> str:

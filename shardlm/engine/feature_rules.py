@@ -146,6 +146,14 @@ def _vision_language(c: EngineConfig) -> bool:
 
 
 RULES += (
+    Rule("--logits-processors with --speculative-config",
+         lambda c: bool(c.model.logits_processors) and c.speculative is not None,
+         "a custom processor sees one row per request, and a step verifying proposed tokens samples several",
+         "one of the two"),
+    Rule("--logits-processors with --runner pooling",
+         lambda c: bool(c.model.logits_processors) and _pooling(c),
+         "a pooling model samples no tokens, so there are no logits to process",
+         "leave out --logits-processors"),
     Rule("a vision-language model (LLaVA) with a draft model or EAGLE head (--speculative-config method "
          "draft_model, eagle, eagle3, mtp)",
          lambda c: _vision_language(c) and _drafts_on_one_rank(c),

@@ -12,6 +12,7 @@ import time
 
 from shardlm.config import EngineConfig, ModelConfig
 from shardlm.engine.output_processor import ParentRequest
+from shardlm.logits_processor import engine_logits_processors
 from shardlm.lora.peft import read_lora_request
 from shardlm.lora.request import LoRARequest
 from shardlm.messages import EngineCoreRequest
@@ -103,6 +104,8 @@ class InputProcessor:
         self.given_embeddings = GivenEmbeddings(config, tokenizer)    # images, prompt embeds (multimodal/)
         self._grammars: GrammarCompiler | None = None     # checks constraints; made at the first one
         self._checked_loras: set[tuple[int, str]] = set()   # adapters read and found servable
+        # the custom logits processors, which check each request's parameters (extra_args)
+        self._logits_processors = engine_logits_processors(config)
 
     def default_sampling_params(self) -> SamplingParams:
         gen = self.config.model.generation_defaults
@@ -178,6 +181,8 @@ class InputProcessor:
             self._grammars.matcher(params.structured_outputs)
         check_max_tokens(len(prompt_token_ids), params.max_tokens, self.config.model.max_model_len)
         check_logprobs(params, self.config.model)
+        for processor in self._logits_processors:
+            processor.validate_params(params)
         arrival_time = arrival_time or time.time()
         parent = ParentRequest(request_id, text, prompt_token_ids, params,
                                RequestMetrics(arrival_time, max_tokens_param=params.max_tokens, n_param=params.n))

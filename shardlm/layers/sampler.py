@@ -34,12 +34,17 @@ class SamplingBatch:
     biases: list[tuple[int, dict[int, float] | None, list[int] | None]] | None = None
     logprobs_k: list[int | None] | None = None          # per row; None: not asked
     allowed: TokenBitmask | None = None       # structured outputs: the tokens constrained rows may take
+    # custom logits processors (logits_processor.py): those that may change the argmax (run before the
+    # penalties, on every row) and those that may not (after temperature, on the random rows' logits)
+    processors_first: list | None = None
+    processors_after_temperature: list | None = None
 
     @property
     def plain_greedy(self) -> bool:
         """Every row takes the argmax of its raw logits (no penalties, bans, biases, constraints or logprobs)."""
         return (self.temperature is None and self.penalties is None and not self.banned and not self.biases
-                and self.allowed is None and not (self.logprobs_k and any(k is not None for k in self.logprobs_k)))
+                and self.allowed is None and not self.processors_first
+                and not (self.logprobs_k and any(k is not None for k in self.logprobs_k)))
 
 
 class Sampler:
@@ -66,6 +71,11 @@ class Sampler:
             logits = apply_allowed(logits, batch.allowed)
         if batch.biases:
             logits = apply_biases(logits, batch.biases)
+        if batch.processors_first:
+            if not batch.biases and batch.allowed is None:
+                logits = logits.clone()   # processors may write in place: never into the caller's logits
+            for processor in batch.processors_first:
+                logits = processor.apply(logits)
         if batch.penalties is not None:
             logits = apply_penalties(logits, *batch.penalties)
         if batch.banned:
@@ -73,12 +83,12 @@ class Sampler:
             for row, ids in batch.banned:
                 logits[row, ids] = float("-inf")
         sampled = self.argmax_rows(logits)
+        scaled = scaled_and_filtered(logits, batch)     # what random rows draw from (once: processors run once)
         if batch.temperature is not None:
-            random = sample_random(logits, batch)
-            sampled = torch.where(batch.greedy, sampled, random)
+            sampled = torch.where(batch.greedy, sampled, sample_random(scaled, batch))
         tokens = sampled.tolist()
         if wanted and reported is None:
-            reported = self.values(processed_logits(logits, batch))
+            reported = self.values(processed_logits(scaled, batch))
         logprobs = {}
         if reported is not None:
             for row, k in enumerate(batch.logprobs_k):
@@ -203,11 +213,14 @@ def apply_penalties(logits, presence, frequency, repetition, prompt_ids, output_
 
 
 def scaled_and_filtered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Temperature (1 for greedy rows) and top-k/top-p applied: what random rows draw from."""
+    """Temperature (1 for greedy rows), the argmax-invariant processors, and top-k/top-p applied:
+    what random rows draw from."""
     if batch.temperature is None:         # every row greedy
         return logits
     temp = torch.where(batch.greedy, torch.ones_like(batch.temperature), batch.temperature)
     logits = logits / temp[:, None]
+    for processor in batch.processors_after_temperature or ():
+        logits = processor.apply(logits)
     if batch.top_k is not None or batch.top_p is not None:
         logits = _top_k_top_p(logits, batch.top_k, batch.top_p)
     return logits
@@ -217,16 +230,18 @@ def _below_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
 
 
-def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The logits after every processor, min-p's cut as -inf (the processed logprobs modes)."""
-    logits = scaled_and_filtered(logits, batch)
+def processed_logits(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The logits after every processor, min-p's cut as -inf (the processed logprobs modes);
+    scaled: scaled_and_filtered's."""
+    logits = scaled
     if batch.temperature is not None and batch.min_p is not None:
         logits = logits.masked_fill(_below_min_p(torch.softmax(logits, dim=-1), batch.min_p), float("-inf"))
     return logits
 
 
-def sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    probs = torch.softmax(scaled_and_filtered(logits, batch), dim=-1)
+def sample_random(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """scaled: scaled_and_filtered's logits."""
+    probs = torch.softmax(scaled, dim=-1)
     if batch.min_p is not None:
         probs = torch.where(_below_min_p(probs, batch.min_p), 0.0, probs)
     noise = torch.empty_like(probs).exponential_()

@@ -34,6 +34,7 @@ from shardlm.layers.attention import Attention
 from shardlm.layers.moe import FusedMoE, dp_token_counts, redundant_experts
 from shardlm.layers.sampler import Sampler, SamplingBatch, TokenBitmask, completing_bad_words, token_logprobs
 from shardlm.logger import init_logger
+from shardlm.logits_processor import engine_logits_processors
 from shardlm.lora import batch as lora_batch
 from shardlm.lora.manager import LoRAManager
 from shardlm.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
@@ -52,6 +53,7 @@ from shardlm.spec_decode.verify import accepted_tokens
 from shardlm.worker.cpu_tuning import zeroed_buffer
 from shardlm.worker.cuda_graphs import CudaGraphs, graphs_unavailable_reason
 from shardlm.worker.expert_balancer import ExpertBalancer
+from shardlm.worker.logits_processors import CustomLogitsProcessors
 from shardlm.worker.step_builder import RequestState, StepBatch, StepBuilder
 
 logger = init_logger(__name__)
@@ -66,6 +68,10 @@ class ModelRunner:
         self._attention_layers: list[Attention] | None = None
         self._moe_layers: dict[int, FusedMoE] | None = None
         self.sampler = Sampler(config.model.logprobs_mode)
+        # custom logits processors: made on the rank that samples, at its first step (every rank
+        # knows whether there are any: they rule out the TP ranks' shared argmax)
+        self._processor_classes = engine_logits_processors(config)
+        self.logits_processors: CustomLogitsProcessors | None = None
         self.kv_groups = config.kv_groups
         # one backend per KV cache group (each builds its group's metadata; the first is the engine's)
         self.attn_backends = [get_attention_backend(config, device) for _ in range(self.kv_groups.num_groups)]
@@ -319,7 +325,9 @@ class ModelRunner:
         if logits is None:                  # not the rank that samples
             return None
         out = ModelRunnerOutput({})
-        if sample_chunks:
+        if sample_chunks and self._processor_classes:
+            out = self._sample_with_processors(logits, sample_chunks, states, allowed)
+        elif sample_chunks:
             row_states = self.step_builder.sampling_states(sample_chunks)
             mask = allowed(0) if allowed is not None else None
             try:
@@ -330,10 +338,29 @@ class ModelRunner:
         self._prompt_logprobs(logits, prompt_rows, out)
         return out
 
-    def _sample_rows(self, logits: torch.Tensor, row_states: list[RequestState], mask: TokenBitmask | None):
+    def _sample_rows(self, logits: torch.Tensor, row_states: list[RequestState], mask: TokenBitmask | None,
+                     processors: tuple[list, list] = ([], [])):
         batch = self._sampling_batch(row_states)
         batch.allowed = mask
+        batch.processors_first, batch.processors_after_temperature = processors
         return self.sampler(logits, batch)
+
+    def _sample_with_processors(self, logits, sample_chunks, states, allowed) -> ModelRunnerOutput:
+        """Sampling through the custom logits processors (one row per request: speculative
+        decoding refuses them). They see the whole batch, so a step whose sampling raises cannot be
+        sampled again request by request: each of its requests ends with the error."""
+        if self.logits_processors is None:
+            self.logits_processors = CustomLogitsProcessors(self._processor_classes, self.config, self.device)
+        try:
+            processors = self.logits_processors.prepare([c.req_id for c in sample_chunks], self.requests)
+            tokens, logprobs = self._sample_rows(logits[:len(states)], states,
+                                                 allowed(0) if allowed is not None else None, processors)
+        except Exception as e:      # noqa: BLE001 - the requests end with it; the engine goes on
+            logger.exception("Sampling a step of %d request(s) with the logits processors %s failed",
+                             len(sample_chunks), self.logits_processors.names)
+            why = f"sampling failed in the logits processors {self.logits_processors.names} ({type(e).__name__}: {e})"
+            return ModelRunnerOutput({}, failed={c.req_id: why for c in sample_chunks})
+        return self._record(sample_chunks, states, tokens, logprobs)
 
     def _sample_each(self, logits, sample_chunks, states, row_states, mask, fault: Exception) -> ModelRunnerOutput:
         """The step's sampling raised: each request sampled alone. One that raises alone ends with
@@ -371,6 +398,8 @@ class ModelRunner:
     def _greedy_on_vocab_shards(self, states: list[RequestState]) -> bool:
         """TP: every row is a plain argmax (what Sampler does for them), decided from the requests'
         parameters alone so that every rank agrees (only the sampling rank tracks output tokens)."""
+        if self._processor_classes:       # a custom processor sees whole rows of logits
+            return False
         return self.tp.world_size > 1 and hasattr(getattr(self.model, "lm_head", None), "greedy") and all(
             p.greedy and not p.uses_penalties and p.logprobs is None and not p.logit_bias
             and p.allowed_token_ids is None and p.min_tokens == 0 and not p.bad_words_token_ids

@@ -135,6 +135,8 @@ class _SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = checked(None, minimum=-1)
     request_id: str | None = None              # the response's id (after its cmpl- / chatcmpl- prefix)
     cache_salt: str | None = Field(None, min_length=1)     # prefix-cache blocks shared only with the same salt
+    # vLLM's: SamplingParams.extra_args, what custom logits processors (--logits-processors) read
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -182,6 +182,7 @@ class OpenAIServing:
                 include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=req.logit_bias,
                 allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
                 structured_outputs=constrained or tool_constraint,
+                extra_args=req.vllm_xargs,
                 output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY, **values, **extra)
         except ValueError as e:
             raise invalid(e, None) from e
