@@ -120,20 +120,33 @@ def _complete(model_dir: str) -> bool:
     return all(os.path.isfile(os.path.join(model_dir, f)) for f in _NEEDED)
 
 
-def convert_gguf(src: str, out: str, declared_dtype: str | None = None, tied: bool = False) -> None:
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+def gguf_hf_config(src: str, file=None):
+    """A GGUF file's Hugging Face config (from its metadata alone, no weights read): transformers'
+    reading, completed where it leaves experts out (gguf_names.moe_config), with its architecture."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from shardlm.model_loader.gguf_file import GGUFFile
     from shardlm.model_loader.gguf_names import moe_config
+    gguf_dir, gguf_file = os.path.split(src)
+    config = moe_config((file or GGUFFile(src)).metadata, AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file))
+    config.architectures = config.architectures or [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    return config
+
+
+def convert_gguf(src: str, out: str, declared_dtype: str | None = None, tied: bool = False) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from shardlm.model_loader.gguf_file import GGUFFile
     from shardlm.model_loader.gguf_weights import float_state_dict
 
     logger.info("Converting %s to a Hugging Face directory at %s (once).", src, out)
     gguf_dir, gguf_file = os.path.split(src)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     file = GGUFFile(src)
-    config = moe_config(file.metadata, AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file))
+    config = gguf_hf_config(src, file)
     weights, model = float_state_dict(file, config), None
     if weights is None:     # another architecture: transformers' loader maps it
         model = _transformers_gguf_model(src, AutoModelForCausalLM, tied or "output.weight" not in file.tensors)
@@ -150,8 +163,6 @@ def convert_gguf(src: str, out: str, declared_dtype: str | None = None, tied: bo
 
     def write(folder: str) -> None:
         if model is None:        # the tensors as a checkpoint holds them (experts one by one)
-            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-            config.architectures = config.architectures or [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
             save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(folder, "model.safetensors"),
                       metadata={"format": "pt"})
             config.save_pretrained(folder)

@@ -24,7 +24,8 @@ def load_presets() -> dict[str, dict]:
 
 
 def load_config(model: str) -> tuple[str, dict]:
-    """(name, config dict) from a preset name, a model directory or a config.json path."""
+    """(name, config dict) from a preset name, a model directory, a config.json path or a GGUF file
+    (its metadata: the model `shardlm serve FILE.gguf` runs)."""
     presets = load_presets()
     by_lower = {k.lower(): k for k in presets}
     key = by_lower.get(model.lower()) or by_lower.get(model.split("/")[-1].lower())
@@ -32,8 +33,11 @@ def load_config(model: str) -> tuple[str, dict]:
         return key, presets[key]
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model
     if not os.path.isfile(path):
-        raise ValueError(f"{model!r} is neither a model directory, a config.json, nor a preset. "
+        raise ValueError(f"{model!r} is neither a model directory, a config.json, a GGUF file, nor a preset. "
                          f"Presets: {', '.join(presets)}.")
+    if path.endswith(".gguf"):
+        from shardlm.model_loader.default_model import gguf_hf_config
+        return os.path.basename(path)[:-len(".gguf")], gguf_hf_config(path).to_dict()
     with open(path) as f:
         cfg = json.load(f)
     return os.path.basename(os.path.dirname(os.path.abspath(path))) or model, cfg

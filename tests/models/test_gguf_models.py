@@ -67,3 +67,21 @@ def test_gguf_blocks_experts_too_run_as_stored(kind, layout, gguf_files, hf):
         assert experts and set(experts) == {"blocked8"}, experts
     exact = hf.assert_close(hf.greedy(_converted(gguf_files[kind]), _prompts(), MAX_TOKENS), outs, f"{kind} {layout}")
     assert exact >= 4, f"only {exact}/6 sequences equal HF exactly"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3moe"])
+def test_shardlm_plan_reads_a_gguf_file_as_the_model_it_serves(kind, gguf_files):
+    """`shardlm plan FILE.gguf` counts the parameters of the converted model, experts included
+    (it read the file as JSON before and failed on its first binary byte)."""
+    import math
+
+    from safetensors import safe_open
+
+    from shardlm.planner import ModelShape, load_config
+    name, cfg = load_config(gguf_files[kind])
+    shape = ModelShape.from_config(name, cfg)
+    with safe_open(os.path.join(_converted(gguf_files[kind]), "model.safetensors"), "pt") as f:
+        stored = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert name == f"tiny-{kind}" and shape.num_experts == 4
+    assert shape.total_params() == stored

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def register(sub) -> None:
     p = sub.add_parser("plan", help="will a model fit, and how to split it: from config.json, nothing loaded")
-    p.add_argument("model", help="model directory, config.json, or a preset: Llama-3.1-8B, Llama-3.1-70B, "
+    p.add_argument("model", help="model directory, config.json, GGUF file, or a preset: Llama-3.1-8B, Llama-3.1-70B, "
                    "Llama-3.1-405B, Llama-3.1-405B-FP8, Mixtral-8x7B, Qwen2.5-7B, Qwen2.5-72B, DeepSeek-V3 (FP8, as "
                    "published)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: the GPUs of this machine")
