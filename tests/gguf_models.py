@@ -1,7 +1,9 @@
 """Tiny GGUF files written as llama.cpp's converter lays them out, with the embedded default
 model's tokenizer (its tokenizer.* metadata copied): a dense Llama, a Mixtral (architecture
 `llama` with experts), a Qwen2 (q/k/v biases, rows not permuted) and a Qwen3-MoE (q/k norms,
-experts). Expert matrices are single [experts, rows, columns] tensors (`ffn_gate_exps`, ...)."""
+experts). Expert matrices are single [experts, rows, columns] tensors (`ffn_gate_exps`, ...).
+K-quants (which gguf-py reads but does not write) are random blocks of small scales, in files
+whose widths are whole 256-column super-blocks."""
 
 from __future__ import annotations
 
@@ -10,20 +12,44 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-HIDDEN, FFN, EXPERT_FFN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, USED = 64, 128, 64, 4, 2, 16, 4, 2
+HIDDEN, FFN, EXPERT_FFN, HEADS, KV_HEADS, EXPERTS, USED = 64, 128, 64, 4, 2, 4, 2   # head size: HIDDEN / HEADS
 
 
-def write_gguf(path, kind: str, layers: int = 2, qtype=Q.Q8_0, seed: int = 0) -> str:
-    """kind: llama, mixtral, qwen2 or qwen3moe; linears (experts too) in qtype."""
+# K-quant blocks: bytes per 256 columns, and where the float16 scales sit (offset: the d's)
+_K_BLOCKS = {Q.Q4_K: (144, (0, 2)), Q.Q5_K: (176, (0, 2)), Q.Q6_K: (210, (208,))}
+
+
+def _random_k_blocks(rng, shape, qtype) -> np.ndarray:
+    """Random super-blocks of a K-quant: random quants and sub-block scales, float16 d (and dmin)
+    small enough that the weights stay near 0.1."""
+    size, scales = _K_BLOCKS[qtype]
+    blocks = rng.integers(0, 256, (*shape[:-1], shape[-1] // 256, size), dtype=np.uint8)
+    for offset in scales:
+        d = rng.uniform(2e-4, 5e-4, blocks.shape[:-1]).astype(np.float16)
+        blocks[..., offset:offset + 2] = d.view(np.uint8).reshape(*d.shape, 2)
+    return blocks.reshape(*shape[:-1], -1)
+
+
+def write_gguf(path, kind: str, layers: int = 2, qtype=Q.Q8_0, seed: int = 0, expert_qtype=None) -> str:
+    """kind: llama, mixtral, qwen2 or qwen3moe; linears in qtype, experts in expert_qtype (default:
+    qtype; Q4_K experts take Q6_K for their down projections, as llama.cpp's Q4_K_M does). A
+    K-quant makes the model 256 wide (one super-block)."""
+    expert_qtype = expert_qtype or qtype
+    widths = (256, 256, 256) if {qtype, expert_qtype} & set(_K_BLOCKS) else (HIDDEN, FFN, EXPERT_FFN)
+    return _write(path, kind, layers, qtype, seed, expert_qtype, *widths)
+
+
+def _write(path, kind, layers, qtype, seed, expert_qtype, hidden, ffn_size, expert_ffn) -> str:
     from shardlm.model_loader.default_model import gguf_path
     from shardlm.model_loader.gguf_file import GGUFFile
     arch = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3moe": "qwen3moe"}[kind]
     rng = np.random.default_rng(seed)
+    head_dim = hidden // HEADS
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
     writer.add_context_length(512)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn_size)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_freq_base(10000.0)
@@ -32,9 +58,9 @@ def write_gguf(path, kind: str, layers: int = 2, qtype=Q.Q8_0, seed: int = 0) ->
         writer.add_expert_count(EXPERTS)
         writer.add_expert_used_count(USED)
     if kind == "qwen3moe":
-        writer.add_expert_feed_forward_length(EXPERT_FFN)
-        writer.add_key_length(HEAD_DIM)
-        writer.add_value_length(HEAD_DIM)
+        writer.add_expert_feed_forward_length(expert_ffn)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     source = GGUFFile(gguf_path()).metadata
     for key, value in source.items():
         if not key.startswith("tokenizer."):
@@ -55,36 +81,39 @@ def write_gguf(path, kind: str, layers: int = 2, qtype=Q.Q8_0, seed: int = 0) ->
         if kind_of == Q.F32:
             x = 1 + x if name.endswith("norm.weight") else x
             writer.add_tensor(name, x, raw_dtype=Q.F32)
+        elif kind_of in _K_BLOCKS:
+            writer.add_tensor(name, _random_k_blocks(rng, shape, kind_of), raw_dtype=kind_of)
         else:
             writer.add_tensor(name, quants.quantize(x, kind_of), raw_dtype=kind_of)
 
-    add("token_embd.weight", (vocab, HIDDEN), Q.Q8_0, 1.0)
-    add("output_norm.weight", (HIDDEN,), Q.F32)
-    add("output.weight", (vocab, HIDDEN), Q.Q8_0)
+    add("token_embd.weight", (vocab, hidden), Q.Q8_0, 1.0)
+    add("output_norm.weight", (hidden,), Q.F32)
+    add("output.weight", (vocab, hidden), Q.Q8_0)
     for i in range(layers):
         blk = f"blk.{i}."
-        add(blk + "attn_norm.weight", (HIDDEN,), Q.F32)
-        add(blk + "ffn_norm.weight", (HIDDEN,), Q.F32)
-        add(blk + "attn_q.weight", (HEADS * HEAD_DIM, HIDDEN))
-        add(blk + "attn_k.weight", (KV_HEADS * HEAD_DIM, HIDDEN))
-        add(blk + "attn_v.weight", (KV_HEADS * HEAD_DIM, HIDDEN))
-        add(blk + "attn_output.weight", (HIDDEN, HEADS * HEAD_DIM))
+        add(blk + "attn_norm.weight", (hidden,), Q.F32)
+        add(blk + "ffn_norm.weight", (hidden,), Q.F32)
+        add(blk + "attn_q.weight", (HEADS * head_dim, hidden))
+        add(blk + "attn_k.weight", (KV_HEADS * head_dim, hidden))
+        add(blk + "attn_v.weight", (KV_HEADS * head_dim, hidden))
+        add(blk + "attn_output.weight", (hidden, HEADS * head_dim))
         if kind == "qwen2":
             for proj, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
-                add(blk + f"attn_{proj}.bias", (rows * HEAD_DIM,), Q.F32)
+                add(blk + f"attn_{proj}.bias", (rows * head_dim,), Q.F32)
         if kind == "qwen3moe":
-            add(blk + "attn_q_norm.weight", (HEAD_DIM,), Q.F32)
-            add(blk + "attn_k_norm.weight", (HEAD_DIM,), Q.F32)
+            add(blk + "attn_q_norm.weight", (head_dim,), Q.F32)
+            add(blk + "attn_k_norm.weight", (head_dim,), Q.F32)
         if kind in ("mixtral", "qwen3moe"):
-            ffn = FFN if kind == "mixtral" else EXPERT_FFN
-            add(blk + "ffn_gate_inp.weight", (EXPERTS, HIDDEN), Q.F32, 1.0)
-            add(blk + "ffn_gate_exps.weight", (EXPERTS, ffn, HIDDEN))
-            add(blk + "ffn_up_exps.weight", (EXPERTS, ffn, HIDDEN))
-            add(blk + "ffn_down_exps.weight", (EXPERTS, HIDDEN, ffn))
+            ffn = ffn_size if kind == "mixtral" else expert_ffn
+            add(blk + "ffn_gate_inp.weight", (EXPERTS, hidden), Q.F32, 1.0)
+            add(blk + "ffn_gate_exps.weight", (EXPERTS, ffn, hidden), expert_qtype)
+            add(blk + "ffn_up_exps.weight", (EXPERTS, ffn, hidden), expert_qtype)
+            down = Q.Q6_K if expert_qtype == Q.Q4_K else expert_qtype
+            add(blk + "ffn_down_exps.weight", (EXPERTS, hidden, ffn), down)
         else:
-            add(blk + "ffn_gate.weight", (FFN, HIDDEN))
-            add(blk + "ffn_up.weight", (FFN, HIDDEN))
-            add(blk + "ffn_down.weight", (HIDDEN, FFN))
+            add(blk + "ffn_gate.weight", (ffn_size, hidden))
+            add(blk + "ffn_up.weight", (ffn_size, hidden))
+            add(blk + "ffn_down.weight", (hidden, ffn_size))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -167,7 +167,7 @@ class FusedMoE(nn.Module):
         self.panels: dict[str, int] | None = None    # float experts in blocked panels: each matrix's rows
         # a quantized checkpoint's expert matrices as take_quantized keeps them, until use_quantized
         self._taken: dict[tuple[str, int], dict[int, tuple]] = {}
-        self._taken_bits = 0
+        self._taken_bits: dict[str, int] = {}     # w13 / w2: a GGUF's Q4_K_M has 4-bit gate/up, 6-bit down
 
     # ---- EPLB: physical slots ----
     def _place_redundant(self, num_redundant: int | None) -> None:
@@ -262,7 +262,7 @@ class FusedMoE(nn.Module):
             start = self.slice_rank * self.inter
             groups = slice(start // group, (start + self.inter) // group)
             mine = (q[:, start:start + self.inter], scales[:, groups], mins[:, groups])
-        self._taken_bits = bits
+        self._taken_bits[which] = bits
         for local in self._local(expert):
             self._taken.setdefault((which, local), {})[shard_id[1] if which == "w13" else 0] = mine
 
@@ -270,6 +270,7 @@ class FusedMoE(nn.Module):
         """After take_quantized: every local expert's w13 (gate rows, then up rows) and w2 from the
         checkpoint's integers, in the panels as quantize() puts them; False where none were taken."""
         taken, self._taken = self._taken, {}
+        bits, self._taken_bits = self._taken_bits, {}
         if not taken:
             return False
         missing = [f"{which} of slot {local}" for which, halves in (("w13", (0, 1)), ("w2", (0,)))
@@ -279,21 +280,22 @@ class FusedMoE(nn.Module):
                              "this layer's experts: an incomplete checkpoint, or experts quantized only in part.")
         self._stack({which: [[torch.cat([taken[which, local][h][i] for h in sorted(taken[which, local])])
                               for i in range(3)] for local in range(self.num_local)] for which in ("w13", "w2")},
-                    self._taken_bits)
+                    bits)
         if self.quantized is None:
-            raise ValueError(f"{type(self).__name__}: this build has no {self._taken_bits}-bit panels for the "
-                             "checkpoint's quantized experts; run the float checkpoint.")
+            widths = "/".join(map(str, sorted(set(bits.values()))))
+            raise ValueError(f"{type(self).__name__}: this build has no {widths}-bit panels for the checkpoint's "
+                             "quantized experts; run the float checkpoint.")
         return True
 
-    def _stack(self, parts: dict[str, list], bits: int) -> None:
-        """Each matrix's per-expert (q, scales, mins) into panels, stacked as one uint8 tensor (rows
-        viewed by each expert's weight, so EPLB's moves rewrite them in place); nothing where a
-        weight does not go into panels here."""
+    def _stack(self, parts: dict[str, list], bits: dict[str, int]) -> None:
+        """Each matrix's per-expert (q, scales, mins) of bits[which] bits into panels, stacked as one
+        uint8 tensor (rows viewed by each expert's weight, so EPLB's moves rewrite them in place);
+        nothing where a weight does not go into panels here."""
         quantized, stacks = {}, {}
         for which, experts in parts.items():
-            weights = [QuantizedWeight(*qsm, bits, self.dtype, half_tables=False) for qsm in experts]
+            weights = [QuantizedWeight(*qsm, bits[which], self.dtype, half_tables=False) for qsm in experts]
             if not all(w.blocked for w in weights):
-                _log_once(f"the experts stay in {self.dtype} (no {bits}-bit panels in this build)")
+                _log_once(f"the experts stay in {self.dtype} (no {bits[which]}-bit panels in this build)")
                 return
             stacks[which] = torch.stack([w.packed for w in weights])
             for e, w in enumerate(weights):
@@ -325,7 +327,7 @@ class FusedMoE(nn.Module):
                 absmax = self.reduce_group.all_gather(w.float().abs().amax(2, keepdim=True), dim=2).amax(2)
             parts[which] = [quantize_rtn(w[e], config.bits, group, None if absmax is None else absmax[e])
                             for e in range(self.num_local)]
-        self._stack(parts, config.bits)
+        self._stack(parts, dict.fromkeys(parts, config.bits))
 
     def _pack_panels(self) -> None:
         """Float experts on CPU into the blocked kernel's panels, one flat row per expert."""

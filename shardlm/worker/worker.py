@@ -136,10 +136,11 @@ class Worker:
         return counts
 
     def quantized_experts(self) -> list[str]:
-        """Per MoE layer of this rank, the kernel its experts run on ("float": not quantized)."""
+        """Per MoE layer of this rank, the kernel its experts run on ("float": not quantized; two
+        kernels joined by + where gate/up and down differ, as a GGUF Q4_K_M's)."""
         from shardlm.layers.moe import FusedMoE
-        return [m.quantized["w13"][0].kernel if m.quantized else "float" for m in self.runner.model.modules()
-                if isinstance(m, FusedMoE)]
+        return ["+".join(sorted({m.quantized[w][0].kernel for w in ("w13", "w2")})) if m.quantized else "float"
+                for m in self.runner.model.modules() if isinstance(m, FusedMoE)]
 
     # ---- LoRA adapters (LLM.add_lora / remove_lora / list_loras) ----
     def add_lora(self, request: LoRARequest | dict) -> bool:

@@ -70,6 +70,20 @@ def test_gguf_blocks_experts_too_run_as_stored(kind, layout, gguf_files, hf):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", [{}, {"tensor_parallel_size": 2, "enable_expert_parallel": True}],
+                         ids=["one-rank", "ep2"])
+def test_k_quant_experts_run_as_stored(layout, tmp_path_factory, hf):
+    """A Mixtral whose experts are Q4_K (down projections Q6_K, as Q4_K_M files): the experts'
+    blocks go to the 4- and 8-bit panels and the outputs equal transformers on the file's floats."""
+    from gguf import GGMLQuantizationType as Q
+    path = write_gguf(tmp_path_factory.mktemp("k-quants") / "tiny-mixtral-q4k.gguf", "mixtral", expert_qtype=Q.Q4_K)
+    outs, experts = _run(path, quantization="gguf", **layout)
+    assert set(experts) == {"blocked4+blocked8"}, experts
+    exact = hf.assert_close(hf.greedy(_converted(path), _prompts(), MAX_TOKENS), outs, f"Q4_K experts {layout}")
+    assert exact >= 4, f"only {exact}/6 sequences equal HF exactly"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3moe"])
 def test_shardlm_plan_reads_a_gguf_file_as_the_model_it_serves(kind, gguf_files):
     """`shardlm plan FILE.gguf` counts the parameters of the converted model, experts included
