@@ -212,7 +212,7 @@ class EngineArgs:
         "weight-only quantization of the linear layers at load: int8 (one scale per row), int4 "
         "(asymmetric, groups of 128 columns, else 64 or 32 where 128 does not divide), "
         "fp8_per_channel (alias fp8), fp8_per_tensor or fp8_per_block (e4m3, blocks of 128 x 128); "
-        "int8 and int4 quantize MoE experts too; embeddings, LM head and routers stay in --dtype. Faster "
+        "int8, int4 and fp8_* quantize MoE experts too; embeddings, LM head and routers stay in --dtype. Faster "
         "only with --dtype bfloat16. "
         "gguf: a .gguf model's own Q8_0/Q4_0/Q4_1 and Q4_K/Q5_K/Q6_K blocks; GPTQ and AWQ "
         "checkpoints (4-bit), compressed-tensors ones (integer W4A16, W8A16, W8A8, and FP8) and FP8 "

@@ -27,7 +27,8 @@ Experts read from an FP8 checkpoint stay FP8 on CPU: the loaders note each rank'
 place the rows (as the linears do), and after loading each expert's w13 and w2 go into FP8 panels
 (layers/fp8.py), stacked as one uint8 tensor per matrix so that EPLB moves them as it moves floats.
 With `--quantization int8|int4` the experts are quantized at load as the linears are (quantize),
-into 8- or 4-bit panels stacked the same way.
+into 8- or 4-bit panels stacked the same way; with `--quantization fp8*` into FP8 panels (as
+vLLM's online FP8 quantizes experts too), their scales agreed over the TP ranks as the linears'.
 Float experts on CPU go, where the linears' weights do, into the blocked kernel's panels
 (layers/cpu_matmul.py), stacked the same way: at a decode step's few rows torch's product reads
 an expert's weight several times slower than the panels stream it.
@@ -47,7 +48,8 @@ from shardlm.distributed.parallel_state import expert_parallel_enabled, get_dp_g
 from shardlm.layers.activation import silu_and_mul
 from shardlm.layers.cpu_matmul import blocked, goes_into_panels, pack_blocked
 from shardlm.layers.expert_placement import balancedness, default_placement, place_experts_hierarchical
-from shardlm.layers.fp8 import Fp8LinearWeight, from_scales, note_scales, packed_bytes, packs
+from shardlm.layers.fp8 import SCHEMES as FP8_SCHEMES
+from shardlm.layers.fp8 import Fp8LinearWeight, from_scales, note_scales, packed_bytes, packs, quantize_fp8
 from shardlm.layers.linear import load_slice
 from shardlm.layers.quantization import QuantizedWeight, check_group_size, quantize_rtn
 from shardlm.logger import init_logger
@@ -237,15 +239,23 @@ class FusedMoE(nn.Module):
         if any(s is None or s.isnan().any() for s in scales.values()):
             self._pack_panels()
             return
-        weights = {"w13": self.w13.data, "w2": self.w2.data}
-        if not all(packs(w[0], scales[k][0], self.dtype) for k, w in weights.items()):
+        self._stack_fp8({which: [(from_scales(w[e], scales[which][e]), scales[which][e])
+                                 for e in range(self.num_local)]
+                         for which, w in (("w13", self.w13.data), ("w2", self.w2.data))})
+
+    def _stack_fp8(self, parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Each matrix's per-expert FP8 (q, scales) into FP8 panels, stacked as one uint8 tensor;
+        nothing (the experts stay float) where they do not go into panels on this device."""
+        if not all(packs(q, sc, self.dtype) for experts in parts.values() for q, sc in experts[:1]):
+            _log_once(f"the experts stay in {self.dtype} (FP8 experts run in panels, a CPU kernel)")
             return
         self.quantized = {}
-        for which, w in weights.items():
-            group = w.shape[2] // scales[which].shape[2]
-            stack = torch.empty(self.num_local, packed_bytes(w.shape[1], w.shape[2], group), dtype=torch.uint8)
-            self.quantized[which] = [Fp8LinearWeight(from_scales(w[e], scales[which][e]), scales[which][e],
-                                                     self.dtype, into=stack[e]) for e in range(self.num_local)]
+        for which, experts in parts.items():
+            q0, sc0 = experts[0]
+            stack = torch.empty(self.num_local, packed_bytes(*q0.shape, q0.shape[1] // sc0.shape[1]),
+                                dtype=torch.uint8)
+            self.quantized[which] = [Fp8LinearWeight(q, sc, self.dtype, into=stack[e])
+                                     for e, (q, sc) in enumerate(experts)]
             setattr(self, which, nn.Parameter(stack, requires_grad=False))
 
     def take_quantized(self, which: str, shard_id, part: tuple) -> None:
@@ -311,13 +321,14 @@ class FusedMoE(nn.Module):
         panels, stacked as one uint8 tensor per matrix so that EPLB moves them as it moves floats.
         Under tensor parallel, int8's per-row scales of w2 span every rank's columns (as
         RowParallelLinear's). Where the panels do not apply (CUDA, a build without the kernels) or
-        for online FP8, the experts stay in the model's dtype."""
-        if config.method not in ("int8", "int4") or self.num_local == 0 or self.w13.device.type != "cpu":
-            _log_once(f"the experts stay in {self.dtype} (" + ("online FP8 quantizes the linears only)"
-                                                                 if config.method.startswith("fp8") else
-                                                                 "their panels are CPU kernels)"))
+        the experts stay in the model's dtype; FP8 schemes go to _quantize_fp8."""
+        if config.method not in ("int8", "int4", *FP8_SCHEMES) or self.num_local == 0 \
+                or self.w13.device.type != "cpu":
+            _log_once(f"the experts stay in {self.dtype} (their panels are CPU kernels)")
             return
         sliced = not expert_parallel_enabled() and self.reduce_group.world_size > 1
+        if config.method in FP8_SCHEMES:
+            return self._quantize_fp8(config.method, sliced)
         parts = {}
         for which in ("w13", "w2"):
             w = getattr(self, which).data
@@ -328,6 +339,22 @@ class FusedMoE(nn.Module):
             parts[which] = [quantize_rtn(w[e], config.bits, group, None if absmax is None else absmax[e])
                             for e in range(self.num_local)]
         self._stack(parts, dict.fromkeys(parts, config.bits))
+
+    def _quantize_fp8(self, scheme: str, sliced: bool) -> None:
+        """Each local expert's w13 and w2 to FP8 by round to nearest (layers/fp8.py). Sliced by TP,
+        a per-tensor scale is the largest |w| of the whole expert matrix over the ranks, and w2's
+        per-channel scales span every rank's columns, so that every layout has the same values."""
+        parts = {}
+        for which in ("w13", "w2"):
+            w = getattr(self, which).data
+            absmax = None
+            if sliced and scheme == "fp8_per_tensor":
+                absmax = self.reduce_group.all_gather(w.float().abs().amax((1, 2)).view(-1, 1), dim=1).amax(1)
+            elif sliced and scheme == "fp8_per_channel" and which == "w2":
+                absmax = self.reduce_group.all_gather(w.float().abs().amax(2, keepdim=True), dim=2).amax(2)
+            parts[which] = [quantize_fp8(w[e], scheme, None if absmax is None else absmax[e])
+                            for e in range(self.num_local)]
+        self._stack_fp8(parts)
 
     def _pack_panels(self) -> None:
         """Float experts on CPU into the blocked kernel's panels, one flat row per expert."""

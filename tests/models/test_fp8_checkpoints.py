@@ -168,6 +168,10 @@ def _fp8_round_trip(src: str, dst, scheme: str) -> str:
             rows = dequantize_fp8(*quantize_fp8(whole, scheme), torch.float32).split([w.shape[0] for w in weights])
             for w, r in zip(weights, rows):
                 w.copy_(r)
+        for name, param in model.named_parameters():      # stacked experts: gate_up [E, 2I, H], down [E, H, I]
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                for expert in param.data:
+                    expert.copy_(dequantize_fp8(*quantize_fp8(expert, scheme), torch.float32))
     model.save_pretrained(dst, safe_serialization=True)
     for f in os.listdir(src):
         if f.startswith(("tokenizer", "special_tokens")):
@@ -194,6 +198,30 @@ def test_online_fp8_equals_hf_on_the_round_tripped_weights(scheme, layout, tiny_
     finally:
         llm.shutdown()
     assert hf.assert_close(want, outs, f"{scheme} {layout}") >= 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme, layout", [
+    ("fp8_per_channel", {}), ("fp8_per_tensor", {"tensor_parallel_size": 2}),
+    ("fp8_per_channel", {"tensor_parallel_size": 2}),
+    ("fp8_per_tensor", {"tensor_parallel_size": 2, "enable_expert_parallel": True}), ("fp8_per_block", {}),
+    ("fp8_per_channel", {"pipeline_parallel_size": 2})],
+    ids=["channel", "tensor-tp2", "channel-tp2", "tensor-ep2", "block", "channel-pp2"])
+def test_online_fp8_quantizes_the_experts_too(scheme, layout, tiny_model_dir, tmp_path, hf):
+    """As vLLM's online FP8: a Mixtral's experts go to FP8 panels with the linears, and the engine
+    equals transformers on the round-tripped weights; sliced by TP, an expert's per-tensor scale
+    and its down projection's per-row scales span every rank's part, as at one rank (per-block
+    blocks are of each rank's rows, so under TP they are not one rank's: one rank here)."""
+    src = tiny_model_dir("mixtral")
+    want = hf.greedy(_fp8_round_trip(src, tmp_path / scheme, scheme), _prompts(), PARAMS.max_tokens)
+    llm = LLM(src, dtype="float32", kv_cache_memory="16MiB", quantization=scheme, **layout)
+    try:
+        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+        experts = [kernel for rank in llm.collective_rpc("quantized_experts") for kernel in rank]
+    finally:
+        llm.shutdown()
+    assert experts and set(experts) == {"fp8"}, experts
+    assert hf.assert_close(want, outs, f"mixtral {scheme} {layout}") >= 4
 
 
 @pytest.mark.slow
