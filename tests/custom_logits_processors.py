@@ -87,5 +87,10 @@ class RaisingProcessor(LogitsProcessor):
         return logits
 
 
+class BrokenAtStart(RaisingProcessor):
+    def __init__(self, vllm_config, device, is_pin_memory):
+        raise RuntimeError("no such vocabulary file")
+
+
 class NotAProcessor:
     pass

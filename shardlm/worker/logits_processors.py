@@ -53,7 +53,13 @@ def batch_update(slots: list[str | None], order: list[str], added_info) -> tuple
 
 class CustomLogitsProcessors:
     def __init__(self, classes: list[type[LogitsProcessor]], config, device: torch.device):
-        self.processors = [cls(config, device, device.type == "cuda") for cls in classes]
+        self.processors = []
+        for cls in classes:
+            try:
+                self.processors.append(cls(config, device, device.type == "cuda"))
+            except Exception as e:      # noqa: BLE001 - whatever it raises, the user must see it named
+                raise ValueError(f"Logits processor {cls.__module__}.{cls.__qualname__} failed to start: "
+                                 f"{type(e).__name__}: {e}") from e
         self.slots: list[str | None] = []
 
     @property

@@ -68,10 +68,10 @@ class ModelRunner:
         self._attention_layers: list[Attention] | None = None
         self._moe_layers: dict[int, FusedMoE] | None = None
         self.sampler = Sampler(config.model.logprobs_mode)
-        # custom logits processors: made on the rank that samples, at its first step (every rank
-        # knows whether there are any: they rule out the TP ranks' shared argmax)
-        self._processor_classes = engine_logits_processors(config)
-        self.logits_processors: CustomLogitsProcessors | None = None
+        # custom logits processors, made here (one whose __init__ fails stops start-up, named); the
+        # rank that samples uses them, and on every rank they rule out the TP ranks' shared argmax
+        classes = engine_logits_processors(config)
+        self.logits_processors = CustomLogitsProcessors(classes, config, device) if classes else None
         self.kv_groups = config.kv_groups
         # one backend per KV cache group (each builds its group's metadata; the first is the engine's)
         self.attn_backends = [get_attention_backend(config, device) for _ in range(self.kv_groups.num_groups)]
@@ -325,7 +325,7 @@ class ModelRunner:
         if logits is None:                  # not the rank that samples
             return None
         out = ModelRunnerOutput({})
-        if sample_chunks and self._processor_classes:
+        if sample_chunks and self.logits_processors is not None:
             out = self._sample_with_processors(logits, sample_chunks, states, allowed)
         elif sample_chunks:
             row_states = self.step_builder.sampling_states(sample_chunks)
@@ -349,8 +349,6 @@ class ModelRunner:
         """Sampling through the custom logits processors (one row per request: speculative
         decoding refuses them). They see the whole batch, so a step whose sampling raises cannot be
         sampled again request by request: each of its requests ends with the error."""
-        if self.logits_processors is None:
-            self.logits_processors = CustomLogitsProcessors(self._processor_classes, self.config, self.device)
         try:
             processors = self.logits_processors.prepare([c.req_id for c in sample_chunks], self.requests)
             tokens, logprobs = self._sample_rows(logits[:len(states)], states,
@@ -398,7 +396,7 @@ class ModelRunner:
     def _greedy_on_vocab_shards(self, states: list[RequestState]) -> bool:
         """TP: every row is a plain argmax (what Sampler does for them), decided from the requests'
         parameters alone so that every rank agrees (only the sampling rank tracks output tokens)."""
-        if self._processor_classes:       # a custom processor sees whole rows of logits
+        if self.logits_processors is not None:       # a custom processor sees whole rows of logits
             return False
         return self.tp.world_size > 1 and hasattr(getattr(self.model, "lm_head", None), "greedy") and all(
             p.greedy and not p.uses_penalties and p.logprobs is None and not p.logit_bias

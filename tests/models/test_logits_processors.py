@@ -132,6 +132,13 @@ def test_a_processor_that_raises_fails_its_step_and_the_engine_goes_on(tiny_mode
         llm.shutdown()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_processor_that_cannot_start_stops_the_engine_named(tp, tiny_model_dir):
+    with pytest.raises(Exception, match="BrokenAtStart failed to start: RuntimeError: no such vocabulary file"):
+        LLM(tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory="32MiB", tensor_parallel_size=tp,
+            logits_processors=["tests.custom_logits_processors:BrokenAtStart"])
+
+
 def test_logits_processors_refuse_speculative_decoding(tiny_model_dir):
     with pytest.raises(UnsupportedCombination, match="--logits-processors with --speculative-config"):
         LLM(tiny_model_dir("llama-gqa"), dtype="float32", kv_cache_memory="32MiB", logits_processors=[TARGET],
