@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
+from functools import partial
 from importlib.metadata import entry_points
 
 import torch
@@ -82,7 +83,7 @@ class AdapterLogitsProcessor(LogitsProcessor):
     and return each request's processor (or None) from `new_req_logits_processor`."""
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        self.req_info: dict[int, tuple[RequestLogitsProcessor, list[int] | None, list[int]]] = {}
+        self.req_info: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}   # index -> row -> row
 
     @abstractmethod
     def new_req_logits_processor(self, params: SamplingParams) -> RequestLogitsProcessor | None:
@@ -97,22 +98,18 @@ class AdapterLogitsProcessor(LogitsProcessor):
             fn = self.new_req_logits_processor(params)
             if fn is None:
                 self.req_info.pop(index, None)
-            else:
-                self.req_info[index] = (fn, prompt_ids, output_ids)
+            else:       # vLLM's two forms: (output ids, row) or (prompt ids, output ids, row)
+                takes_prompt = len(inspect.signature(fn).parameters) == 3
+                self.req_info[index] = partial(fn, prompt_ids, output_ids) if takes_prompt else partial(fn, output_ids)
         move_entries(self.req_info, batch_update.moved)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        for index, (fn, prompt_ids, output_ids) in self.req_info.items():
+        for index, process in self.req_info.items():
             row = logits[index]
-            new = fn(prompt_ids, output_ids, row) if _takes_prompt(fn) else fn(output_ids, row)
+            new = process(row)
             if new is not row:
                 logits[index] = new
         return logits
-
-
-def _takes_prompt(fn: RequestLogitsProcessor) -> bool:
-    """vLLM's two forms of a request's processor: (output ids, row) or (prompt ids, output ids, row)."""
-    return len(inspect.signature(fn).parameters) == 3
 
 
 def move_entries(entries: dict, moved: Sequence[MovedRequest]) -> None:

@@ -316,12 +316,12 @@ class FusedMoE(nn.Module):
             setattr(self, which, nn.Parameter(stack, requires_grad=False))
 
     def quantize(self, config) -> None:
-        """--quantization int8 | int4 at load, for the experts too (most of a MoE model's weights):
-        each local expert's w13 and w2 (this rank's slice of them) into the linears' 8- or 4-bit
-        panels, stacked as one uint8 tensor per matrix so that EPLB moves them as it moves floats.
-        Under tensor parallel, int8's per-row scales of w2 span every rank's columns (as
-        RowParallelLinear's). Where the panels do not apply (CUDA, a build without the kernels) or
-        the experts stay in the model's dtype; FP8 schemes go to _quantize_fp8."""
+        """--quantization int8 | int4 | fp8_* at load, for the experts too (most of a MoE model's
+        weights): each local expert's w13 and w2 (this rank's slice of them) into the linears' 8- or
+        4-bit panels (FP8: _quantize_fp8), stacked as one uint8 tensor per matrix so that EPLB moves
+        them as it moves floats. Under tensor parallel, int8's per-row scales of w2 span every rank's
+        columns (as RowParallelLinear's). Where the panels do not apply (CUDA, a build without the
+        kernels) the experts stay in the model's dtype."""
         if config.method not in ("int8", "int4", *FP8_SCHEMES) or self.num_local == 0 \
                 or self.w13.device.type != "cpu":
             _log_once(f"the experts stay in {self.dtype} (their panels are CPU kernels)")
@@ -335,10 +335,14 @@ class FusedMoE(nn.Module):
             group = check_group_size(config.method, config.group_size, w.shape[2], f"{type(self).__name__}.{which}")
             absmax = None
             if which == "w2" and sliced and config.bits == 8 and config.group_size == -1:
-                absmax = self.reduce_group.all_gather(w.float().abs().amax(2, keepdim=True), dim=2).amax(2)
+                absmax = self._row_absmax_over_ranks(w)
             parts[which] = [quantize_rtn(w[e], config.bits, group, None if absmax is None else absmax[e])
                             for e in range(self.num_local)]
         self._stack(parts, dict.fromkeys(parts, config.bits))
+
+    def _row_absmax_over_ranks(self, w: torch.Tensor) -> torch.Tensor:
+        """[E, rows]: each expert row's largest |w| over every TP rank's columns (w2 sliced by TP)."""
+        return self.reduce_group.all_gather(w.float().abs().amax(2, keepdim=True), dim=2).amax(2)
 
     def _quantize_fp8(self, scheme: str, sliced: bool) -> None:
         """Each local expert's w13 and w2 to FP8 by round to nearest (layers/fp8.py). Sliced by TP,
@@ -351,7 +355,7 @@ class FusedMoE(nn.Module):
             if sliced and scheme == "fp8_per_tensor":
                 absmax = self.reduce_group.all_gather(w.float().abs().amax((1, 2)).view(-1, 1), dim=1).amax(1)
             elif sliced and scheme == "fp8_per_channel" and which == "w2":
-                absmax = self.reduce_group.all_gather(w.float().abs().amax(2, keepdim=True), dim=2).amax(2)
+                absmax = self._row_absmax_over_ranks(w)
             parts[which] = [quantize_fp8(w[e], scheme, None if absmax is None else absmax[e])
                             for e in range(self.num_local)]
         self._stack_fp8(parts)
