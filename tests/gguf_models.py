@@ -1,7 +1,10 @@
 """Tiny GGUF files written as llama.cpp's converter lays them out, with the embedded default
 model's tokenizer (its tokenizer.* metadata copied): a dense Llama, a Mixtral (architecture
-`llama` with experts), a Qwen2 (q/k/v biases, rows not permuted) and a Qwen3-MoE (q/k norms,
-experts). Expert matrices are single [experts, rows, columns] tensors (`ffn_gate_exps`, ...).
+`llama` with experts), a Qwen2 (q/k/v biases, rows not permuted), a Qwen3-MoE (q/k norms,
+experts), a Gemma 2 (norms stored plus 1, soft-caps other than transformers' defaults), a Gemma 3
+(q/k norms, linear rope scaling) and a Phi-3 (fused q/k/v and gate/up, a partial rotary embedding
+with LongRoPE factors as tensors). Expert matrices are single [experts, rows, columns] tensors
+(`ffn_gate_exps`, ...).
 K-quants (which gguf-py reads but does not write) are random blocks of small scales, in files
 whose widths are whole 256-column super-blocks."""
 
@@ -13,6 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
 HIDDEN, FFN, EXPERT_FFN, HEADS, KV_HEADS, EXPERTS, USED = 64, 128, 64, 4, 2, 4, 2   # head size: HIDDEN / HEADS
+PHI3_ROTARY = 12        # of each head's 16 dims (Phi-4-mini rotates 0.75 of its heads too)
 
 
 # K-quant blocks: bytes per 256 columns, and where the float16 scales sit (offset: the d's)
@@ -31,8 +35,8 @@ def _random_k_blocks(rng, shape, qtype) -> np.ndarray:
 
 
 def write_gguf(path, kind: str, layers: int = 2, qtype=Q.Q8_0, seed: int = 0, expert_qtype=None) -> str:
-    """kind: llama, mixtral, qwen2 or qwen3moe; linears in qtype, experts in expert_qtype (default:
-    qtype; Q4_K experts take Q6_K for their down projections, as llama.cpp's Q4_K_M does). A
+    """kind: llama, mixtral, qwen2, qwen3moe, gemma2, gemma3 or phi3; linears in qtype, experts in
+    expert_qtype (default: qtype; Q4_K experts take Q6_K for their down projections, as llama.cpp's Q4_K_M does). A
     K-quant makes the model 256 wide (one super-block)."""
     expert_qtype = expert_qtype or qtype
     widths = (256, 256, 256) if {qtype, expert_qtype} & set(_K_BLOCKS) else (HIDDEN, FFN, EXPERT_FFN)
@@ -42,7 +46,7 @@ def write_gguf(path, kind: str, layers: int = 2, qtype=Q.Q8_0, seed: int = 0, ex
 def _write(path, kind, layers, qtype, seed, expert_qtype, hidden, ffn_size, expert_ffn) -> str:
     from shardlm.model_loader.default_model import gguf_path
     from shardlm.model_loader.gguf_file import GGUFFile
-    arch = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3moe": "qwen3moe"}[kind]
+    arch = {"mixtral": "llama"}.get(kind, kind)
     rng = np.random.default_rng(seed)
     head_dim = hidden // HEADS
     writer = gguf.GGUFWriter(str(path), arch)
@@ -61,6 +65,19 @@ def _write(path, kind, layers, qtype, seed, expert_qtype, hidden, ffn_size, expe
         writer.add_expert_feed_forward_length(expert_ffn)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if kind.startswith("gemma"):
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_sliding_window(8)        # shorter than the prompts: the sliding layers slide
+    if kind == "gemma2":
+        writer.add_attn_logit_softcapping(5.0)
+        writer.add_final_logit_softcapping(3.0)
+    if kind == "gemma3":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(8.0)
+    if kind == "phi3":
+        writer.add_rope_dimension_count(PHI3_ROTARY)
+        writer.add_rope_scaling_orig_ctx_len(256)       # of its 512 positions
     source = GGUFFile(gguf_path()).metadata
     for key, value in source.items():
         if not key.startswith("tokenizer."):
@@ -86,21 +103,34 @@ def _write(path, kind, layers, qtype, seed, expert_qtype, hidden, ffn_size, expe
         else:
             writer.add_tensor(name, quants.quantize(x, kind_of), raw_dtype=kind_of)
 
-    add("token_embd.weight", (vocab, hidden), Q.Q8_0, 1.0)
+    # Gemma multiplies its embeddings by sqrt(hidden) and reads its logits from them: smaller ones
+    # keep its random outputs from repeating one token
+    add("token_embd.weight", (vocab, hidden), Q.Q8_0, 0.05 if kind.startswith("gemma") else 1.0)
     add("output_norm.weight", (hidden,), Q.F32)
-    add("output.weight", (vocab, hidden), Q.Q8_0)
+    if not kind.startswith("gemma"):        # Gemma's head is its embedding: llama.cpp writes none
+        add("output.weight", (vocab, hidden), Q.Q8_0)
+    if kind == "phi3":
+        for which in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{which}.weight",
+                              rng.uniform(1.0, 4.0, PHI3_ROTARY // 2).astype(np.float32), raw_dtype=Q.F32)
     for i in range(layers):
         blk = f"blk.{i}."
         add(blk + "attn_norm.weight", (hidden,), Q.F32)
         add(blk + "ffn_norm.weight", (hidden,), Q.F32)
-        add(blk + "attn_q.weight", (HEADS * head_dim, hidden))
-        add(blk + "attn_k.weight", (KV_HEADS * head_dim, hidden))
-        add(blk + "attn_v.weight", (KV_HEADS * head_dim, hidden))
+        if kind.startswith("gemma"):
+            add(blk + "post_attention_norm.weight", (hidden,), Q.F32)
+            add(blk + "post_ffw_norm.weight", (hidden,), Q.F32)
+        if kind == "phi3":
+            add(blk + "attn_qkv.weight", ((HEADS + 2 * KV_HEADS) * head_dim, hidden))
+        else:
+            add(blk + "attn_q.weight", (HEADS * head_dim, hidden))
+            add(blk + "attn_k.weight", (KV_HEADS * head_dim, hidden))
+            add(blk + "attn_v.weight", (KV_HEADS * head_dim, hidden))
         add(blk + "attn_output.weight", (hidden, HEADS * head_dim))
         if kind == "qwen2":
             for proj, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
                 add(blk + f"attn_{proj}.bias", (rows * head_dim,), Q.F32)
-        if kind == "qwen3moe":
+        if kind in ("qwen3moe", "gemma3"):
             add(blk + "attn_q_norm.weight", (head_dim,), Q.F32)
             add(blk + "attn_k_norm.weight", (head_dim,), Q.F32)
         if kind in ("mixtral", "qwen3moe"):
@@ -110,6 +140,9 @@ def _write(path, kind, layers, qtype, seed, expert_qtype, hidden, ffn_size, expe
             add(blk + "ffn_up_exps.weight", (EXPERTS, ffn, hidden), expert_qtype)
             down = Q.Q6_K if expert_qtype == Q.Q4_K else expert_qtype
             add(blk + "ffn_down_exps.weight", (EXPERTS, hidden, ffn), down)
+        elif kind == "phi3":        # gate and up as one tensor, gate first
+            add(blk + "ffn_up.weight", (2 * ffn_size, hidden))
+            add(blk + "ffn_down.weight", (hidden, ffn_size))
         else:
             add(blk + "ffn_gate.weight", (ffn_size, hidden))
             add(blk + "ffn_up.weight", (ffn_size, hidden))

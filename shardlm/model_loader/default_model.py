@@ -122,14 +122,15 @@ def _complete(model_dir: str) -> bool:
 
 def gguf_hf_config(src: str, file=None):
     """A GGUF file's Hugging Face config (from its metadata alone, no weights read): transformers'
-    reading, completed where it leaves experts out (gguf_names.moe_config), with its architecture."""
+    reading, completed where it leaves out what llama.cpp runs by (gguf_names.complete_config), with
+    its architecture."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from shardlm.model_loader.gguf_file import GGUFFile
-    from shardlm.model_loader.gguf_names import moe_config
+    from shardlm.model_loader.gguf_names import complete_config
     gguf_dir, gguf_file = os.path.split(src)
-    config = moe_config((file or GGUFFile(src)).metadata, AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file))
+    config = complete_config(file or GGUFFile(src), AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file))
     config.architectures = config.architectures or [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     return config
 

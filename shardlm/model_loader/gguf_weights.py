@@ -20,7 +20,9 @@ float32). Q4_K runs on the 4-bit panels, Q6_K (q - 32 in -32..31) on the 8-bit o
 is dequantized for each product (correct, slow). Names, the q/k rows llama.cpp permutes and the
 experts' stacked tensors are put in Hugging Face's terms by gguf_names.py. The token embedding and
 the LM head are read too where they are Q8_0 (the embedded default model's tied table is); in
-another type (F16, K-quants, 4-bit) they stay float.
+another type (F16, K-quants, 4-bit) they stay float. Phi-3's fused q/k/v and gate/up are read as
+the checkpoint holds them; the model splits their rows as it splits float ones
+(weights.take_quantized_linears).
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def _tensors(q: np.ndarray, scales: np.ndarray, mins: np.ndarray, bits: int):
 
 
 def read_linears(path: str, hf_config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
-    """Every quantized attention/MLP weight of a llama-architecture GGUF file, and its embedding
+    """Every quantized attention/MLP weight of a GGUF file (gguf_names.ARCHITECTURES), and its embedding
     and LM head where Q8_0, by Hugging Face name
     (`model.layers.I.self_attn.q_proj.weight`, `model.embed_tokens.weight`, ...). Decoded once per file and kept in the
     cache directory as safetensors: decoding runs in numpy (0.3 s for the default model, far longer
@@ -131,7 +133,7 @@ def float_state_dict(file: GGUFFile, hf_config) -> dict[str, torch.Tensor] | Non
         held = names.checkpoint_names(arch, name, experts)
         if held is None:
             return None
-        values = torch.from_numpy(tensor.to_float32().copy())
+        values = names.stored_value(arch, name, torch.from_numpy(tensor.to_float32().copy()))
         order = names.qk_row_order(arch, name.split(".")[-2], values.shape[0], hf_config)
         values = values if order is None else values[order]
         if name.endswith("ffn_gate_inp_shexp.weight"):       # GGUF drops the router's single row
@@ -154,8 +156,7 @@ def _decode_file(path: str, hf_config) -> dict[str, tuple[torch.Tensor, torch.Te
             if type_name == "Q8_0" and held:
                 out[held[0]] = decode_blocks(tensor.raw, type_name)
             continue
-        if held is None or not tensor.name.endswith(".weight") or (module not in names.LINEARS
-                                                                    and module not in names.EXPERT_MATRICES):
+        if not held or not tensor.name.endswith(".weight") or module not in names.QUANTIZED_MODULES:
             continue
         if type_name not in _TYPES:
             raise ValueError(f"{path}: {tensor.name} is {type_name}; --quantization gguf reads {', '.join(_TYPES)} "

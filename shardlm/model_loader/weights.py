@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import glob
 import json
 import os
@@ -89,6 +90,7 @@ def take_quantized_linears(model: torch.nn.Module, tensors: dict[str, tuple]) ->
     from shardlm.layers.linear import ColumnParallelLinear, RowParallelLinear
     from shardlm.layers.moe import FusedMoE
     from shardlm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    tensors = _laid_out_by_the_model(model, tensors)
     taken = _take_quantized_experts(model, tensors)
     for name, module in model.named_modules():
         if isinstance(module, VocabParallelEmbedding):
@@ -115,6 +117,31 @@ def take_quantized_linears(model: torch.nn.Module, tensors: dict[str, tuple]) ->
                          "projections; not embeddings or the LM head).")
     return {f"{name}.{which}" for name, module in model.named_modules() if isinstance(module, FusedMoE)
             and module.use_quantized() for which in ("w13", "w2")}
+
+
+def _laid_out_by_the_model(model: torch.nn.Module, tensors: dict[str, tuple]) -> dict[str, tuple]:
+    """Quantized weights renamed, split and reordered as the model's checkpoint_tensors does float
+    ones (Phi-3's fused q/k/v and gate/up, rows of a partial rotary embedding). That moves whole
+    rows only (a model whose map does more reads no quantized checkpoints), so it is run on each
+    tensor's row numbers, and every row's integers, scales and minimums follow their number."""
+    if not hasattr(model, "checkpoint_tensors"):
+        return tensors
+    names, starts, numbered, start = list(tensors), [], [], 0
+    for name in names:
+        rows = tensors[name][0].shape[0]
+        starts.append(start)
+        numbered.append((name, torch.arange(start, start + rows).unsqueeze(1)))
+        start += rows
+    out = {}
+    for name, rows in model.checkpoint_tensors(numbered):
+        rows = rows.reshape(-1)
+        i = bisect.bisect_right(starts, int(rows[0])) - 1
+        q, scales, mins, bits = tensors[names[i]]
+        local = rows - starts[i]
+        if torch.equal(local, torch.arange(int(local[0]), int(local[0]) + len(local))):
+            local = slice(int(local[0]), int(local[0]) + len(local))     # in order: a view, no copy
+        out[name] = (q[local], scales[local], mins[local], bits)
+    return out
 
 
 def _take_quantized_experts(model: torch.nn.Module, tensors: dict[str, tuple]) -> set[str]:
@@ -188,9 +215,10 @@ def load_model(cls: type, model_config: ModelConfig, device: torch.device,
     quant = model_config.quantization
     if quant is not None and quant.method in ("gguf", "gptq", "awq", "compressed-tensors") and not getattr(
             model, "reads_quantized_checkpoints", True):
-        raise ValueError(f"{model_config.architecture} lays out or splits its checkpoint's q/k tensors at load, which "
-                         f"{quant.method.upper()} weights taken as stored cannot follow: run the float checkpoint "
-                         "(with --quantization int8 or int4 to quantize it at load).")
+        raise ValueError(f"{model_config.architecture} reshapes some of its linear weights at load (DeepSeek: the "
+                         f"latent up-projection into per-head blocks), which {quant.method.upper()} weights taken as "
+                         "stored cannot follow: run the float checkpoint (with --quantization int8 or int4 to "
+                         "quantize it at load).")
     packed, stored = None, getattr(model_config.hf_config, "quantization_config", None)
     if quant is not None and quant.method in ("gptq", "awq"):
         packed = PackedLinears(quant.method, quant.group_size, is_v1(stored))

@@ -229,6 +229,10 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
         return deepseek_mlp(config, layer_idx, self.v3)
 
+    # its latent up-projection (kv_b_proj) is split into per-head float blocks, which weights taken
+    # as stored (GGUF, GPTQ, AWQ) do not offer
+    reads_quantized_checkpoints = False
+
     @property
     def interleaved_rope(self) -> bool:
         return True

@@ -271,15 +271,15 @@ class LlamaForCausalLM(nn.Module):
         scaling = self.variant.logits_scaling
         return logits if logits is None or scaling == 1.0 else logits / scaling
 
-    @property
-    def reads_quantized_checkpoints(self) -> bool:
-        """Whether GGUF / GPTQ / AWQ linears, which are taken as stored, may be laid out as this
-        model needs them (not where checkpoint_tensors reorders or splits q and k)."""
-        return self.rotary_dim == self.head_dim and type(self).checkpoint_tensors is LlamaForCausalLM.checkpoint_tensors
+    # Whether GGUF / GPTQ / AWQ linears, which are taken as stored, may be laid out as this model
+    # needs them: checkpoint_tensors moves, splits and renames whole rows of linear weights and no
+    # more, which their integers and scales can follow (weights.take_quantized_linears).
+    reads_quantized_checkpoints = True
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors as Llama names them (a family that stores them otherwise
-        renames or splits them here), q and k laid out for a partial rotary embedding."""
+        renames or splits them here), q and k laid out for a partial rotary embedding. Linear
+        weights have their rows moved only (see reads_quantized_checkpoints)."""
         for name, tensor in weights:
             if self.rotary_dim != self.head_dim and _ROTATED.search(name):
                 tensor = permute_partial_rotary(tensor[:], self.head_dim, self.rotary_dim)    # read whole

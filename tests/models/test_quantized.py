@@ -14,7 +14,8 @@ from tests.models.test_tiny_models_vs_hf import MAX_TOKENS, PARAMS, _prompts
 
 ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-             "w1", "w2", "w3")      # (Mixtral's experts)
+             "w1", "w2", "w3",      # (Mixtral's experts)
+             "qkv_proj", "gate_up_proj")      # (Phi-3's fused ones)
 
 
 def _round_trip_model(src: str, dst, bits: int, group: int) -> str:
@@ -323,6 +324,34 @@ def test_quantized_experts_of_a_checkpoint_run_as_stored(model, method, group, l
     assert experts and set(experts) == {"blocked4"}
     exact = hf.assert_close(hf.greedy(dirs["dequantized"], _prompts(), MAX_TOKENS), outs, f"{model} {method}")
     assert exact >= 4, f"only {exact}/6 sequences equal HF exactly"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, layout", [("gptq", {}), ("awq", {"tensor_parallel_size": 2})],
+                         ids=["gptq", "awq-tp2"])
+def test_a_phi3_checkpoints_fused_packed_linears_split_as_its_float_ones(method, layout, tiny_model_dir, tmp_path,
+                                                                        hf):
+    """Phi-3 stores q/k/v and gate/up fused, and rotates 0.75 of each head: the packed integers
+    and scales are split and their q/k rows reordered as the float checkpoint's (it was refused
+    before), and the engine equals transformers on the dequantized weights."""
+    dirs = _packed_checkpoints(tiny_model_dir("phi3"), tmp_path)
+    llm = LLM(dirs[method], **ENGINE, **layout)
+    try:
+        kernels = llm.collective_rpc("quantized_kernels")
+        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert all(sum(k.values()) == 8 for k in kernels), kernels      # qkv, o, gate/up, down of 2 layers
+    exact = hf.assert_close(hf.greedy(dirs["dequantized"], _prompts(), MAX_TOKENS), outs, f"phi3 {method}")
+    assert exact >= 4, f"only {exact}/6 sequences equal HF exactly"
+
+
+def test_a_deepseek_gptq_checkpoint_is_refused_with_what_to_run(tiny_model_dir, tmp_path):
+    """DeepSeek's latent up-projection becomes per-head float blocks at load, which packed
+    weights taken as stored do not give: refused, naming the float checkpoint."""
+    dirs = _packed_checkpoints(tiny_model_dir("deepseek-v2-lite"), tmp_path)
+    with pytest.raises(ValueError, match="latent up-projection.*run the float checkpoint"):
+        LLM(dirs["gptq"], **ENGINE)
 
 
 def test_packed_checkpoints_refuse_other_quantization_flags(packed_checkpoints, tiny_model_dir):

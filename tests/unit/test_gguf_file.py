@@ -103,7 +103,7 @@ def test_weights_equal_transformers_gguf_loader_bit_for_bit(tmp_path, tiny_gguf,
 def test_another_architecture_or_an_unknown_tensor_goes_to_transformers(tmp_path, tiny_gguf):
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name)
-    assert float_state_dict(GGUFFile(str(_write_tiny_llama(tmp_path / "g.gguf", "gemma2"))), config) is None
+    assert float_state_dict(GGUFFile(str(_write_tiny_llama(tmp_path / "g.gguf", "stablelm"))), config) is None
     file = GGUFFile(str(tiny_gguf))
     file.tensors["rope_freqs.weight"] = file.tensors["output_norm.weight"]
     assert float_state_dict(file, config) is None
