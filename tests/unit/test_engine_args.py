@@ -48,6 +48,9 @@ def test_the_cli_has_one_flag_per_knob_with_its_default():
     # vLLM's other names: --kv-cache-memory-bytes and LLM(kv_cache_memory_bytes=...)
     assert engine_args_from(parser.parse_args(["--kv-cache-memory-bytes", "123456"])).kv_cache_memory == "123456"
     assert engine_args_from(parser.parse_args(["--distributed-timeout-seconds", "60"])).distributed_init_timeout == 60.0
+    # vLLM's --model, which the positional model wins over
+    assert engine_args_from(parser.parse_args(["--model", "org/name", "-tp", "2"])).model == "org/name"
+    assert engine_args_from(parser.parse_args(["pos", "--model", "org/name"])).model == "pos"
 
 
 def test_external_load_balancing_runs_one_replica_of_many(tiny_model_dir):

@@ -8,6 +8,9 @@ import dataclasses
 
 from shardlm.engine.arg_utils import VLLM_ALIASES, EngineArgs
 from shardlm.executor.selection import BACKENDS
+from shardlm.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +21,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineArgs):
         if f.name == "model":
             parser.add_argument("model", nargs="?", default=None, help=f.metadata["help"])
+            group.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                               help="the model, as vLLM's --model (the positional MODEL wins where both are given)")
             continue
         flags = [f"--{f.name.replace('_', '-')}"] + ([f.metadata["short"]] if f.metadata["short"] else [])
         kwargs = {"dest": f.name, "default": f.default, "help": f.metadata["help"]}
@@ -48,7 +53,13 @@ def _flag_type(f: dataclasses.Field):
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+    args = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
+    option = getattr(ns, "model_option", None)
+    if option is not None and args["model"] not in (None, option):
+        logger.warning("The model is given twice (%s, and --model %s): serving the positional one, as vLLM does.",
+                       args["model"], option)
+    args["model"] = args["model"] if args["model"] is not None else option
+    return EngineArgs(**args)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
