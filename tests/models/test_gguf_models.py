@@ -119,11 +119,12 @@ def test_shardlm_plan_reads_a_gguf_file_as_the_model_it_serves(kind, gguf_files)
     assert shape.total_params() == stored
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("kind", ["gemma3", "phi3"])
 def test_the_float_reader_equals_transformers_gguf_reader(kind, gguf_files):
     """shardlm's one-pass reader gives the tensors transformers' GGUF loader gives (Gemma's norms
     less 1, Phi-3's fused tensors whole); the token embedding, which that loader returns scaled in
-    Gemma's case, equals gguf's own dequantization of the file."""
+    Gemma's case, equals gguf's own dequantization of the file. (Gemma 2's names are Gemma 3's
+    without the q/k norms; transformers' reading of a file takes seconds, so it is left out.)"""
     import gguf
     import torch
     from transformers import AutoModelForCausalLM
