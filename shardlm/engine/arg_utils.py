@@ -36,6 +36,7 @@ from shardlm.kv_cache_groups import sliding_window
 from shardlm.logger import init_logger
 from shardlm.model_loader.default_model import locate_model, resolve_tokenizer_path
 from shardlm.model_loader.gptq_awq import checkpoint_method
+from shardlm.model_loader.hub import config_dir
 from shardlm.models.registry import (
     MODEL_REGISTRY,
     get_model_class,
@@ -95,6 +96,11 @@ class EngineArgs:
     tokenizer: str | None = knob(
         None, "model",
         "tokenizer directory, if not the model's")
+    hf_config_path: str | None = knob(
+        None, "model",
+        "the model's config.json from elsewhere, as vLLM's --hf-config-path: a directory, the file, or a hub "
+        "id (its config.json alone fetched); architecture, sizes, rope and quantization_config are read from "
+        "it, the weights, tokenizer and generation config from the model")
     dtype: str = knob(
         "auto", "model",
         "auto (CUDA: the checkpoint's; CPU: float32 for float32 and float16 checkpoints, and for a "
@@ -373,7 +379,9 @@ class EngineArgs:
         # found once (a hub id fetched, a GGUF file converted); what follows reads the local directory
         source = locate_model(self.model, self.revision, self.download_dir)
         path = source.path
-        checkpoint_config = load_hf_config(path, self.trust_remote_code)
+        checkpoint_config = load_hf_config(path if self.hf_config_path is None else
+                                           config_dir(self.hf_config_path, self.revision, self.download_dir),
+                                           self.trust_remote_code)
         if self.hf_overrides:
             for key, value in json_object_flag(self.hf_overrides, "--hf-overrides",
                                                '{"architectures": ["Qwen3ForSequenceClassification"]}').items():

@@ -42,6 +42,17 @@ def local_path(name: str, revision: str | None = None, download_dir: str | None 
         else name
 
 
+def config_dir(name: str, revision: str | None = None, download_dir: str | None = None) -> str:
+    """The directory of the config.json that `name` gives (--hf-config-path): a directory here, a
+    config.json file, or a hub repo, of which config.json alone is fetched."""
+    path = os.path.expanduser(name)
+    if os.path.isfile(path):
+        return os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not names_hub_model(name, download_dir):
+        return path
+    return os.path.dirname(download_model(f"{name}:config.json", revision, download_dir))
+
+
 def offline() -> bool:
     from huggingface_hub import constants
     return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")

@@ -79,6 +79,15 @@ def test_one_gguf_file_of_a_repo(tmp_path, monkeypatch):
     assert found.endswith("model-Q4_1.gguf") and open(found, "rb").read() == b"GGUF not really"
 
 
+def test_hf_config_path_by_hub_id_takes_the_repos_config_json(hub_cache):
+    """--hf-config-path acme/tiny: the directory of that repo's config.json (fetched alone)."""
+    cache, _, main, v1 = hub_cache
+    assert hub.config_dir("acme/tiny", None, str(cache)) == main
+    assert hub.config_dir("acme/tiny", "v1", str(cache)) == v1
+    with pytest.raises(ValueError, match="'acme/other:config.json'.*not in the hub cache"):
+        hub.config_dir("acme/other", None, str(cache))
+
+
 def test_a_model_neither_here_nor_cached_is_one_clear_error(hub_cache):
     cache = hub_cache[0]
     with pytest.raises(ValueError, match=r"'acme/other' is not a local directory, and not in the hub cache .*"

@@ -64,3 +64,29 @@ def test_external_load_balancing_runs_one_replica_of_many(tiny_model_dir):
     with pytest.raises(ValueError, match="--headless"):
         EngineArgs(model=tiny_model_dir("mixtral"), data_parallel_size=2, data_parallel_rank=1,
                    enable_expert_parallel=True).create_engine_config()
+
+
+def test_hf_config_path_reads_the_config_from_elsewhere(tiny_model_dir, tmp_path):
+    """--hf-config-path, as vLLM's: the architecture and sizes come from that config.json (a
+    directory or the file), the weights from the model; a path without one is named."""
+    import json
+
+    import pytest
+
+    from shardlm import LLM, SamplingParams
+    model = tiny_model_dir("llama-gqa")
+    with open(f"{model}/config.json") as f:
+        config = json.load(f)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 48}))
+    for given in (str(tmp_path), str(tmp_path / "config.json")):
+        engine = EngineArgs(model=model, hf_config_path=given).create_engine_config()
+        assert engine.model.max_model_len == 48 and engine.model.hf_config.max_position_embeddings == 48
+    assert EngineArgs(model=model).create_engine_config().model.max_model_len != 48
+    llm = LLM(model, hf_config_path=str(tmp_path), kv_cache_memory="64MiB")
+    try:
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="has no config.json"):
+        EngineArgs(model=model, hf_config_path=str(tmp_path / "elsewhere")).create_engine_config()
