@@ -104,10 +104,11 @@ def complete_config(file, hf_config):
 
     def key(name: str):
         return metadata.get(f"{arch}.{name}")
-    if arch in ("gemma2", "gemma3"):
+    if arch == "gemma2":
         for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if arch == "gemma2" and key(cap) is not None:
+            if key(cap) is not None:
                 setattr(config, cap, float(key(cap)))
+    if arch in ("gemma2", "gemma3"):
         # llama.cpp scales scores by head_dim ** -0.5, and the 27B models by (hidden / heads) ** -0.5
         largest = config.num_hidden_layers == {"gemma2": 46, "gemma3": 62}[arch]
         config.query_pre_attn_scalar = (config.hidden_size // config.num_attention_heads if largest

@@ -60,14 +60,15 @@ def offline() -> bool:
 
 def download_model(name: str, revision: str | None = None, download_dir: str | None = None,
                    require_config: bool = True) -> str:
-    """The local path of a hub model: a snapshot directory, or for `repo:file.gguf` that file.
+    """The local path of a hub model: a snapshot directory, or for `repo:FILE` (one GGUF file, or
+    the config.json of --hf-config-path) that file alone.
     ValueError with what to do when it cannot be had (offline and not cached, gated, missing)."""
     import huggingface_hub
-    repo, _, gguf_file = name.partition(":")
+    repo, _, one_file = name.partition(":")
     where = download_dir and os.path.expanduser(download_dir)
     try:
-        if gguf_file:
-            return huggingface_hub.hf_hub_download(repo, gguf_file, revision=revision, cache_dir=where,
+        if one_file:
+            return huggingface_hub.hf_hub_download(repo, one_file, revision=revision, cache_dir=where,
                                                    local_files_only=offline())
         path = huggingface_hub.snapshot_download(repo, revision=revision, cache_dir=where,
                                                  allow_patterns=MODEL_FILES, local_files_only=offline())
