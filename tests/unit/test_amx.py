@@ -49,3 +49,17 @@ def test_amx_is_off_unless_asked(amx):
     x = torch.randn(64, 64).to(torch.bfloat16)
     packed, plan = prepare_weight(w)
     assert torch.equal(linear(x, packed, None, plan)[5:6], linear(x[5:6], packed, None, plan))
+
+
+def test_amx_rows_sum_alike_from_one_row_up(amx):
+    """A row's AMX sums do not depend on the other rows of its tile nor on how many rows the tile
+    has, down to one: AMX at every row count would keep --batch-invariant's promise (AMX sums in
+    an order of its own, so AMX for many rows and the vector tiles for few cannot)."""
+    torch.manual_seed(3)
+    w = (torch.randn(1536, 576) / 8).to(torch.bfloat16)
+    x = torch.randn(37, 576).to(torch.bfloat16)
+    packed, plan = prepare_weight(w)
+    kernels.use_amx(1)
+    every = linear(x, packed, None, plan)
+    for start, stop in ((0, 1), (20, 21), (3, 8), (16, 32), (5, 37)):
+        assert torch.equal(linear(x[start:stop], packed, None, plan), every[start:stop]), (start, stop)
