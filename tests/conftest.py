@@ -541,6 +541,24 @@ def cpu_isa(request):
     kernels.use_isa(envs.SHARDLM_CPU_ISA)
 
 
+@pytest.fixture(params=["amx", "amx_emulated"])
+def amx_variant(request):
+    """The AMX tiles where this CPU has them, and everywhere with AVX512-BF16 the test-only variant
+    that runs the same code on a plain-C model of the tiles (kernels/amx_emulated.h): its
+    configurations, loads and strides checked on CPUs without AMX."""
+    from shardlm import kernels
+    from shardlm.kernels import build
+    needs = "amx" if request.param == "amx" else build.EMULATED_VARIANTS["amx_emulated"][0]
+    if needs not in kernels.supported_isas():
+        pytest.skip(f"this CPU has no {needs}")
+    kernels.use_isa(request.param)
+    if not kernels.use_amx(0):
+        kernels.use_isa(kernels.envs.SHARDLM_CPU_ISA)
+        pytest.skip("the OS does not grant this process the AMX tile state")
+    yield request.param
+    kernels.use_isa(kernels.envs.SHARDLM_CPU_ISA)
+
+
 @pytest.fixture(params=["widened", "dot"])
 def bf16_products(request):
     """bfloat16 products both ways in the blocked kernel: widened to float32 FMAs, and with the

@@ -67,6 +67,8 @@ def supported_isas() -> list[str]:
 def active_isa() -> str:
     """The variant the kernels are built for: the best this CPU has, at most the cap."""
     cap, supported = _isa_cap[0], supported_isas()
+    if cap in build.EMULATED_VARIANTS:
+        return cap
     if cap == "native" or cap not in ISA_VARIANTS:
         return "native"
     order = list(ISA_VARIANTS)
@@ -85,8 +87,11 @@ def isa_cap() -> str:
 def use_isa(cap: str) -> str:
     """Cap the variant from now on (tests run each kernel under each; SHARDLM_CPU_ISA at start-up):
     libraries are looked up again. -> the variant in use."""
-    if cap != "native" and cap not in ISA_VARIANTS:
+    if cap != "native" and cap not in ISA_VARIANTS and cap not in build.EMULATED_VARIANTS:
         raise ValueError(f"SHARDLM_CPU_ISA={cap!r}: use one of {', '.join([*ISA_VARIANTS, 'native'])}.")
+    if cap in build.EMULATED_VARIANTS and build.EMULATED_VARIANTS[cap][0] not in supported_isas():
+        raise ValueError(f"The test-only variant {cap} builds on {build.EMULATED_VARIANTS[cap][0]}, which this CPU "
+                         "lacks.")
     _isa_cap[0] = cap
     for cache in (_loaded, _functions, _blocked, _fused, _bf16_dot):
         cache.clear()

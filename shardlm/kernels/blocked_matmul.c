@@ -758,7 +758,7 @@ static inline __attribute__((always_inline)) void third_tiles(const float *x, in
 }
 #endif
 
-#if defined(__AMX_BF16__)
+#if SHARDLM_AMX
 // bfloat16 products over float panels of at least this many rows run on the AMX tiles (0: none;
 // blocked_set_amx)
 static int amx_min_rows = 0;
@@ -841,7 +841,7 @@ static int amx_panels(const uint16_t *x, int64_t x_stride, const uint16_t *packe
 // Returns -1 where a work buffer could not be allocated.
 static int run_panels(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M, int N,
                       int K, int bits, int fp8, int group, int tb, int dtype) {
-#if defined(__AMX_BF16__)
+#if SHARDLM_AMX
     if (amx_min_rows && M >= amx_min_rows && dtype == 1 && bits == 0 && K % 32 == 0)
         return amx_panels((const uint16_t *)x, x_stride, (const uint16_t *)packed, bias, y, M, N, K);
 #endif
@@ -978,7 +978,7 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
 // Returns 1 if set, 0 in a build without AMX or where the OS refuses this process the tiles' state
 // (arch_prctl ARCH_REQ_XCOMP_PERM, asked once).
 KERNEL_API int blocked_set_amx(int min_rows) {
-#if defined(__AMX_BF16__)
+#if SHARDLM_AMX
     if (!amx_permitted()) return 0;
     amx_min_rows = min_rows > 0 ? min_rows : 0;
     return 1;

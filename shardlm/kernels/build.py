@@ -39,6 +39,11 @@ for _name, _needs, _flags in _ISA_STEPS:
     _below = list(ISA_VARIANTS.values())[-1] if ISA_VARIANTS else (set(), [])
     ISA_VARIANTS[_name] = (_below[0] | _needs, _below[1] + _flags)
 
+# Test-only variants, never installed nor chosen by themselves: name -> (the variant they build on,
+# their extra flags). amx_emulated runs the AMX code paths on a plain-C model of the tiles
+# (amx_emulated.h), so that CPUs without AMX test them too.
+EMULATED_VARIANTS = {"amx_emulated": ("avx512_bf16", ["-DSHARDLM_EMULATE_AMX"])}
+
 
 def is_x86() -> bool:
     return platform.machine() in ("x86_64", "AMD64")
@@ -54,6 +59,9 @@ def variant_flags(isa: str) -> list[str]:
     instructions (tuned generically: a prebuilt library may run on another CPU)."""
     if isa == "native":
         return ["-march=native"]
+    if isa in EMULATED_VARIANTS:
+        base, extra = EMULATED_VARIANTS[isa]
+        return [*variant_flags(base), *extra]
     if not is_x86():
         return []
     return ["-march=x86-64", *ISA_VARIANTS[isa][1]]

@@ -7,9 +7,27 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_BF16__)
+// SHARDLM_AMX: this build has the AMX code paths: the CPU's tiles, or the test-only plain-C model
+// of them (amx_emulated.h)
+#if defined(__AMX_BF16__) && !defined(SHARDLM_EMULATE_AMX)
+#define SHARDLM_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#elif defined(SHARDLM_EMULATE_AMX) && defined(__AVX512BF16__)
+#define SHARDLM_AMX 1
+#else
+#define SHARDLM_AMX 0
+#endif
+#if SHARDLM_AMX
+// AMX's tile configuration (palette 1): rows and bytes per row of each of the 8 tiles
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+#endif
+#if SHARDLM_AMX && defined(SHARDLM_EMULATE_AMX)
+#include "amx_emulated.h"
 #endif
 
 #include "shardlm_kernels.h"
@@ -186,7 +204,9 @@ static inline void rotary_heads(void *x, const void *cos, const void *signed_sin
 // 1: bfloat16 products with the CPU's bfloat16 dot product (blocked_matmul.c: blocked_set_bf16_dot)
 extern int shardlm_bf16_dot;
 
-#if defined(__AMX_BF16__)
+#if SHARDLM_AMX && defined(SHARDLM_EMULATE_AMX)
+static inline int amx_permitted(void) { return 1; }
+#elif SHARDLM_AMX
 // Whether the OS lets this process use the AMX tiles' state (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XTILEDATA; asked once per kernel file, and granted for the whole process)
 static inline int amx_permitted(void) {
@@ -195,10 +215,4 @@ static inline int amx_permitted(void) {
     return permitted;
 }
 
-// AMX's tile configuration (palette 1): rows and bytes per row of each of the 8 tiles
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config_t;
 #endif

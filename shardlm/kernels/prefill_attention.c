@@ -295,7 +295,7 @@ static void pair_tile(const seq_t *a, const uint16_t *keys, const uint16_t *valu
 }
 #endif
 
-#if defined(__AMX_BF16__)
+#if SHARDLM_AMX
 static void amx_configure_prefill(void) {
     tile_config_t c;
     memset(&c, 0, sizeof(c));
@@ -412,7 +412,7 @@ static void attend_task(const seq_t *a, int h, int64_t i0, int n, const void *ke
         // the tiles with a row at or past the block's first key (the others: above the diagonal)
         int first = 0;
         while (kb * BK > w->pos[first + tile - 1]) first += tile;
-#if defined(__AMX_BF16__)
+#if SHARDLM_AMX
         if (tiles == AMX_TILES) {   // each phase over every tile, so that a tile's stores are done before it is read
             const uint16_t *kp = (const uint16_t *)keys + kb * BK * D, *vp = (const uint16_t *)values + kb * BK * Dv;
             for (int t = first; t < padded; t += 16)
@@ -471,7 +471,7 @@ KERNEL_API int paged_prefill_attention(void *out, const void *q, int64_t q_strid
 #if defined(__AVX512BF16__)
     if (dtype == 1 && cdt == 1 && D % 2 == 0 && Dv % 16 == 0 && shardlm_bf16_dot) tiles = BF16_DOT_TILES;
 #endif
-#if defined(__AMX_BF16__)
+#if SHARDLM_AMX
     if (dtype == 1 && cdt == 1 && D % 32 == 0 && Dv % 16 == 0 && amx_permitted()) tiles = AMX_TILES;
 #endif
     const size_t esize = tiles == FLOAT_TILES ? sizeof(float) : sizeof(uint16_t);
@@ -512,7 +512,7 @@ KERNEL_API int paged_prefill_attention(void *out, const void *q, int64_t q_strid
                 #pragma omp atomic write
                 failed = 1;
             }
-#if defined(__AMX_BF16__)
+#if SHARDLM_AMX
             if (tiles == AMX_TILES) amx_configure_prefill();
 #endif
             // the latest positions (the most keys) first
@@ -525,7 +525,7 @@ KERNEL_API int paged_prefill_attention(void *out, const void *q, int64_t q_strid
                 const char *keys = packed + h * head_bytes;
                 attend_task(&a, h, i0, n, keys, keys + esize * head_keys, tiles, &w);
             }
-#if defined(__AMX_BF16__)
+#if SHARDLM_AMX
             if (tiles == AMX_TILES) _tile_release();
 #endif
             free_scratch(&w);

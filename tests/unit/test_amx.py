@@ -1,7 +1,8 @@
 """AMX tiles for bfloat16 products of many rows (--no-batch-invariant; kernels/blocked_matmul.c:
 amx_panels): equal to the float product within bfloat16's rounding, each row's result the same
-whatever other rows it is computed with at or above the threshold, and off by default. Skipped
-where this CPU (or the OS) has no AMX."""
+whatever other rows it is computed with at or above the threshold, and off by default. On the
+CPU's tiles where it has them (else skipped), and on the plain-C model of them everywhere with
+AVX512-BF16."""
 
 import pytest
 import torch
@@ -12,16 +13,9 @@ from shardlm.layers.cpu_matmul import linear, prepare_weight
 
 
 @pytest.fixture
-def amx():
-    if kernels.active_isa() not in ("amx",) and "amx" not in kernels.supported_isas():
-        pytest.skip("this CPU has no AMX tiles")
-    kernels.use_isa("amx")
-    if not kernels.use_amx(0):
-        kernels.use_isa(kernels.envs.SHARDLM_CPU_ISA)
-        pytest.skip("the OS does not grant this process the AMX tile state")
-    yield
+def amx(amx_variant):
+    yield amx_variant
     kernels.use_amx(0)
-    kernels.use_isa(kernels.envs.SHARDLM_CPU_ISA)
 
 
 @pytest.mark.parametrize("rows, n, k", [(8, 48, 64), (37, 100, 576), (300, 1536, 576), (16, 576, 1536)])

@@ -2,7 +2,8 @@
 float64 over the keys each query may see, for chunks after a cached prefix, GQA, head sizes 64,
 80 and 128, latent attention's values inside the keys and FP8 caches, with each query's
 log-sum-exp; in every ISA variant this CPU runs (native: the AMX tiles where the CPU has them),
-bfloat16 with and without the CPU's bfloat16 dot product;
+bfloat16 with and without the CPU's bfloat16 dot product, and on the AMX tiles (the CPU's, or
+their plain-C model on CPUs with AVX512-BF16);
 and a query's output the same bits however the prompt is chunked and whatever the thread count."""
 
 import pytest
@@ -16,6 +17,10 @@ BS = 16
 LAYOUTS = [(8, 2, 64, 64, False), (4, 4, 128, 128, False), (6, 1, 80, 80, False), (16, 1, 96, 64, True)]
 # (first position, context after the chunk) per sequence: whole prompts, chunks after a prefix,
 # short ones, a chunk of one
+def layout_id(layout):
+    return "H{}-Hkv{}-D{}-Dv{}".format(*layout)
+
+
 SEQUENCES = [(0, 100), (37, 300), (0, 5), (64, 130), (250, 251)]
 
 
@@ -86,9 +91,7 @@ class PagedCase:
         return slice(b * self.width, b * self.width + self.qlens[b])
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"H{x[0]}-Hkv{x[1]}-D{x[2]}-Dv{x[3]}")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_tiled_attention_equals_float64_attention(cpu_isa, dtype, layout, bf16_products):
+def check_equals_float64_attention(dtype, layout):
     case = PagedCase(dtype, layout, SEQUENCES)
     out, lse = case.run()
     # bfloat16: the output's own rounding (2^-8 relative), and the weights in bfloat16 (AMX, dot product)
@@ -97,6 +100,19 @@ def test_tiled_attention_equals_float64_attention(cpu_isa, dtype, layout, bf16_p
         ref, ref_lse = case.reference(b)
         torch.testing.assert_close(out[case.rows(b)].double(), ref, atol=tol, rtol=0)
         torch.testing.assert_close(lse[case.rows(b)].double(), ref_lse, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_tiled_attention_equals_float64_attention(cpu_isa, dtype, layout, bf16_products):
+    check_equals_float64_attention(dtype, layout)
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, (8, 1, 96, 80, True)], ids=layout_id)
+def test_amx_tiles_equal_float64_attention(amx_variant, layout):
+    """bfloat16 on the AMX tiles (the layouts whose head sizes they take: D a multiple of 32; Dv 80
+    runs the values' 16-wide tail)."""
+    check_equals_float64_attention(torch.bfloat16, layout)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
@@ -109,8 +125,7 @@ def test_fp8_caches_are_widened_and_scaled(cpu_isa, cache_dtype):
         torch.testing.assert_close(lse[case.rows(b)].double(), ref_lse, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_query_has_the_same_bits_however_the_prompt_is_chunked(cpu_isa, dtype, bf16_products):
+def check_same_bits_however_chunked(dtype):
     """A 300-token prompt at once, or as chunks of 70, 100 and 130 after their prefixes; and with
     one thread or all."""
     whole = PagedCase(dtype, LAYOUTS[0], [(0, 300)])
@@ -130,3 +145,12 @@ def test_a_query_has_the_same_bits_however_the_prompt_is_chunked(cpu_isa, dtype,
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one_thread, out) and torch.equal(one_thread_lse, lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_query_has_the_same_bits_however_the_prompt_is_chunked(cpu_isa, dtype, bf16_products):
+    check_same_bits_however_chunked(dtype)
+
+
+def test_on_amx_tiles_a_query_has_the_same_bits_however_the_prompt_is_chunked(amx_variant):
+    check_same_bits_however_chunked(torch.bfloat16)
