@@ -775,20 +775,18 @@ static void amx_configure(int rows) {
     _tile_loadconfig(&c);
 }
 
-// y = x . w^T for bfloat16 x and float panels of bfloat16 w, K a multiple of 32, on the AMX tiles:
-// per panel and 16 rows of x (the last zero-padded in a copy), the sum over k in runs of 32, each
-// row's independent of the others (so of the batch it is in). Returns -1 where a buffer could not
-// be allocated.
-static int amx_panels(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const void *bias, void *y, int M,
-                      int N, int K) {
+// y = x . w^T for bfloat16 x (rows of unit column stride) and float panels of bfloat16 w, K a
+// multiple of 32, on the AMX tiles: per panel and 16 rows of x, read in place, the sum over k in
+// runs of 32. Each row's sums are independent of the other rows of its tile and of how many it
+// has (tests/unit/test_amx.py), so a ragged last block is the last 16 rows, those of the block
+// before computed again to the same bits, and fewer than 16 rows in all are a tile of that many.
+static void amx_panels(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const void *bias, void *y, int M,
+                       int N, int K) {
     const int panels = (N + NR - 1) / NR, blocks = (M + 15) / 16, tile_rows = M < 16 ? M : 16;
     const int64_t panel_elements = (int64_t)K * NR;
-    uint16_t *xp = (uint16_t *)calloc((size_t)blocks * 16 * K, sizeof(uint16_t));     // x, padded to 16 rows
-    if (!xp) return -1;
-    for (int m = 0; m < M; m++) memcpy(xp + (int64_t)m * K, x + m * x_stride, sizeof(uint16_t) * K);
     #pragma omp parallel if (panels > 1 && (int64_t)N * K >= 65536)
     {
-    amx_configure(M < 16 ? M : 16);
+    amx_configure(tile_rows);
     float c[16][NR];
     #pragma omp for schedule(static)
     for (int p = 0; p < panels; p++) {
@@ -803,6 +801,8 @@ static int amx_panels(const uint16_t *x, int64_t x_stride, const uint16_t *packe
         const int per_step = (int)((ahead_lines + ahead_steps - 1) / ahead_steps);
         int64_t line = 0;
         for (int b = 0; b < blocks; b++) {
+            const int first = b * 16, r0 = first + tile_rows > M ? M - tile_rows : first;   // the tile's rows
+            const uint16_t *xb = x + (int64_t)r0 * x_stride;
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
@@ -810,7 +810,7 @@ static int amx_panels(const uint16_t *x, int64_t x_stride, const uint16_t *packe
                 if (ahead && (b > 0 || blocks == 1))
                     for (int i = 0; i < per_step && line < ahead_lines; i++, line++)
                         __builtin_prefetch(ahead + line * 64, 0, 2);
-                _tile_loadd(3, xp + (int64_t)b * tile_rows * K + k0, K * 2);
+                _tile_loadd(3, xb + k0, x_stride * 2);
                 const uint16_t *w = panel + (int64_t)k0 * NR;    // k pair k0 / 2: NR words = 2 NR elements
                 _tile_loadd(4, w, NR * 4);
                 _tile_loadd(5, w + 32, NR * 4);
@@ -822,17 +822,14 @@ static int amx_panels(const uint16_t *x, int64_t x_stride, const uint16_t *packe
             _tile_stored(0, &c[0][0], NR * 4);
             _tile_stored(1, &c[0][16], NR * 4);
             _tile_stored(2, &c[0][32], NR * 4);
-            const int rows = M - b * 16 < 16 ? M - b * 16 : 16;
-            for (int m = 0; m < rows; m++)
+            for (int m = first - r0; m < tile_rows; m++)       // the rows not stored by the block before
                 for (int v = 0; v < NV && 16 * v < width; v++)
-                    store_outputs(y, (int64_t)(b * 16 + m) * N + n0 + 16 * v, vf_load(&c[m][16 * v]), bias, n0 + 16 * v,
+                    store_outputs(y, (int64_t)(r0 + m) * N + n0 + 16 * v, vf_load(&c[m][16 * v]), bias, n0 + 16 * v,
                                   width - 16 * v < 16 ? width - 16 * v : 16, 1);
         }
     }
     _tile_release();
     }
-    free(xp);
-    return 0;
 }
 #endif
 
@@ -843,7 +840,7 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
                       int K, int bits, int fp8, int group, int tb, int dtype) {
 #if SHARDLM_AMX
     if (amx_min_rows && M >= amx_min_rows && dtype == 1 && bits == 0 && K % 32 == 0)
-        return amx_panels((const uint16_t *)x, x_stride, (const uint16_t *)packed, bias, y, M, N, K);
+        return amx_panels((const uint16_t *)x, x_stride, (const uint16_t *)packed, bias, y, M, N, K), 0;
 #endif
     const int panels = (N + NR - 1) / NR, Kp = dtype == 0 || bits ? K : K + K % 2;
     const int64_t panel_bytes = bits == 4 ? blocked_int4_size(NR, K, group, tb)
@@ -975,11 +972,11 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
 
 // bfloat16 products over float panels whose K is a multiple of 32 on the AMX tiles from min_rows
 // rows on (0: never). A row's result then depends on whether its product had min_rows rows.
-// Returns 1 if set, 0 in a build without AMX or where the OS refuses this process the tiles' state
-// (arch_prctl ARCH_REQ_XCOMP_PERM, asked once).
+// Returns 1 if set, 0 in a build without AMX, -1 where the OS refuses this process the tiles'
+// state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once).
 KERNEL_API int blocked_set_amx(int min_rows) {
 #if SHARDLM_AMX
-    if (!amx_permitted()) return 0;
+    if (!amx_permitted()) return -1;
     amx_min_rows = min_rows > 0 ? min_rows : 0;
     return 1;
 #else

@@ -89,15 +89,28 @@ class ModelRunner:
         self._kv_tensors: list[tuple[torch.Tensor, torch.Tensor]] = []     # (K, V) per slot (attention_layers)
         self.vision = None          # a vision-language model's vision encoder, on the first stage (multimodal/)
 
+    @staticmethod
+    def _choose_amx(batch_invariant: bool) -> None:
+        """bfloat16 products on the AMX tiles: from the rows the CPU plan measured, where there are
+        tiles (logged where the CPU has them, with why not where it cannot use them)."""
+        why_not = kernels.amx_unavailable()
+        rows = 0 if why_not else kernels.amx_rows(batch_invariant)
+        kernels.use_amx(rows)
+        if why_not and "no AMX tiles" not in why_not:
+            logger.warning("bfloat16 products run on the vector tiles, not AMX: %s.", why_not)
+        elif not why_not:
+            logger.info("bfloat16 products on the AMX tiles: %s", (
+                "none (one row there was slower than on the vector tiles: --no-batch-invariant runs many rows "
+                "there)" if batch_invariant and not rows
+                else "every row count (batch-invariant)" if batch_invariant
+                else f"{rows}+ rows (--no-batch-invariant)" if rows else "none (not faster here)"))
+
     def load_model(self) -> None:
         par = self.config.parallel
         m = self.config.model
         cpu_plan.record(batch_invariant=m.batch_invariant)       # which float weights go into panels
-        if self.device.type == "cpu" and not m.batch_invariant and m.dtype == torch.bfloat16:
-            rows = kernels.amx_rows()
-            kernels.use_amx(rows)
-            logger.info("--no-batch-invariant: bfloat16 products of %s on the AMX tiles", f"{rows}+ rows" if rows
-                        else "no rows (AMX is missing here or not faster)")
+        if self.device.type == "cpu" and m.dtype == torch.bfloat16:
+            self._choose_amx(m.batch_invariant)
         stages = stage_layers(self.config.model, par)
         self.pp, self.tp, self.pcp = get_pp_group(), get_tp_group(), get_pcp_group()
         cp = get_cp_group()
