@@ -238,9 +238,10 @@ class EngineArgs:
     batch_invariant: bool = knob(
         True, "model",
         "CPU: every product sums a row in the same order whatever the rows it is computed with, so a "
-        "request's outputs do not depend on the batch it is in; --no-batch-invariant lets bfloat16 "
-        "products of many rows (prefill, large batches) run on the AMX tiles of Xeons that have them "
-        "(about 2x faster prefill), few rows on the vector kernels")
+        "request's outputs do not depend on the batch it is in (bfloat16 products on the AMX tiles of "
+        "Xeons at every row count, where one row there is as fast as on the vector kernels); "
+        "--no-batch-invariant runs bfloat16 products of many rows (prefill, large batches) on the AMX "
+        "tiles (about 2x faster prefill), few rows on the vector kernels")
     structured_outputs_config: dict | str | None = knob(
         None, "model",
         "structured outputs, as JSON: {\"backend\": \"auto\"} (auto or guidance: llguidance), "

@@ -15,7 +15,8 @@ ISA variants, each a superset of the one before: portable (plain C, vectorized b
 compiler for the baseline), avx2 (+FMA, F16C), avx512 (F, BW, VL, DQ), avx512_bf16 (+BF16,
 VNNI) and native (-march=native; the installed best named one where it cannot be compiled). The
 kernels run the best one this CPU has, at most SHARDLM_CPU_ISA; the C code picks its paths by
-the compiler's __AVX512F__ etc.
+the compiler's __AVX512F__ etc. The test-only variant amx_emulated (build.EMULATED_VARIANTS) runs
+the AMX code on a plain-C model of the tiles, so that CPUs without them test it.
 A library that cannot be built or loaded (no compiler, a bad CC, an unwritable cache, a compile
 error) is logged once and the layers run on torch ops, unless SHARDLM_REQUIRE_KERNELS is set.
 """
