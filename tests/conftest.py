@@ -547,14 +547,15 @@ def amx_variant(request):
     that runs the same code on a plain-C model of the tiles (kernels/amx_emulated.h): its
     configurations, loads and strides checked on CPUs without AMX."""
     from shardlm import kernels
-    from shardlm.kernels import build
+    from shardlm.kernels import amx, build
     needs = "amx" if request.param == "amx" else build.EMULATED_VARIANTS["amx_emulated"][0]
     if needs not in kernels.supported_isas():
         pytest.skip(f"this CPU has no {needs}")
     kernels.use_isa(request.param)
-    if not kernels.use_amx(0):
+    if amx.unavailable():
+        why = amx.unavailable()
         kernels.use_isa(kernels.envs.SHARDLM_CPU_ISA)
-        pytest.skip("the OS does not grant this process the AMX tile state")
+        pytest.skip(why)
     yield request.param
     kernels.use_isa(kernels.envs.SHARDLM_CPU_ISA)
 

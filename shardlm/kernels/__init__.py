@@ -236,7 +236,8 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "blocked_fp8_pack": ([_P, _P, _I, _I, _I, _P], _I),
     "blocked_rows": ([_P, _P, _I, _I, _I, _I, _I, _I, _I, _P], None),
     "blocked_set_bf16_dot": ([_I], _I),
-    "blocked_set_amx": ([_I], _I),
+    "blocked_set_amx": ([_I, _I], _I),
+    "blocked_amx_calls": ([], _I64),
     "blocked_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I),
     "blocked_int4_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I),
     "blocked_int8_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I], _I),
@@ -362,82 +363,6 @@ def _time_bf16_dot(setter, matmul) -> tuple[bool, str]:
         if widened > 1.2 * dot:
             break
     return widened > 1.2 * dot, f"the dot product took {dot / widened:.2f}x widening's time on [{M}, {K}] x [{K}, {N}]"
-
-
-def use_amx(min_rows: int) -> bool:
-    """bfloat16 products of at least min_rows rows (0: none) on the AMX tiles, where this build has
-    them and the OS grants them (blocked_matmul.c: amx_panels); False where not."""
-    setter = _function("blocked_set_amx")
-    return setter(min_rows) == 1 if setter is not None and blocked_vector_bits() else False
-
-
-# Under --batch-invariant every row count runs on the AMX tiles or none does (they sum in an order
-# no vector tile has): on them from one row where a row costs at most this much more there
-AMX_ONE_ROW_TOLERANCE = 1.03
-
-
-def amx_rows(batch_invariant: bool = False) -> int:
-    """The fewest rows from which bfloat16 products run on the AMX tiles (0: never), a CPU plan's
-    choice timed once per process (AMX left off after):
-
-    - batch-invariant: 1 where one row on the tiles takes at most AMX_ONE_ROW_TOLERANCE times the
-      vector tiles' time on a weight streamed from memory (as a decode step's are), so that every
-      row count sums alike and decode keeps its speed; else 0;
-    - otherwise the fewest rows, of 8 to 64, where the tiles are 1.2x faster on a product of the
-      default model's size.
-
-    0 where this build has no AMX or the OS refuses the tiles' state (amx_unavailable says which)."""
-    if not use_amx(0):
-        return 0
-    from shardlm.utils import median_seconds_side_by_side
-    pack_size, pack, matmul = _function("blocked_packed_size"), _function("blocked_pack"), blocked_matmul()
-
-    def product(x, packed, y, N, K, min_rows: int):
-        use_amx(min_rows)
-        matmul(x.data_ptr(), K, packed.data_ptr(), None, y.data_ptr(), x.shape[0], N, K, 1)
-
-    def one_row() -> tuple[int, str]:
-        N, K = 16384, 2048      # 64 MB: beyond the caches of a few cores; its values do not change the time
-        packed = torch.full((pack_size(N, K, 1),), 0.5, dtype=torch.bfloat16)
-        x, y = torch.randn(1, K).to(torch.bfloat16), torch.empty(1, N, dtype=torch.bfloat16)
-        tiles, vectors = median_seconds_side_by_side(lambda: product(x, packed, y, N, K, 1),
-                                                     lambda: product(x, packed, y, N, K, 0), 9)
-        ratio = tiles / vectors
-        return int(ratio <= AMX_ONE_ROW_TOLERANCE), (
-            f"one row took {ratio:.2f}x the vector tiles' time on a [{N}, {K}] weight from memory "
-            f"({'within' if ratio <= AMX_ONE_ROW_TOLERANCE else 'over'} {AMX_ONE_ROW_TOLERANCE}x)")
-
-    def many_rows() -> tuple[int, str]:
-        N, K = 1536, 576
-        w = torch.randn(N, K).to(torch.bfloat16)
-        packed = torch.empty(pack_size(N, K, 1), dtype=torch.bfloat16)
-        pack(w.data_ptr(), N, K, 1, packed.data_ptr())
-        for rows in (8, 16, 32, 64):
-            x, y = torch.randn(rows, K).to(torch.bfloat16), torch.empty(rows, N, dtype=torch.bfloat16)
-            tiles, vectors = median_seconds_side_by_side(lambda: product(x, packed, y, N, K, 1),
-                                                         lambda: product(x, packed, y, N, K, 0), 9)
-            if tiles * 1.2 < vectors:
-                return rows, f"AMX took {tiles / vectors:.2f}x the vector tiles' time at {rows} rows"
-        return 0, "AMX was not 1.2x faster at up to 64 rows"
-    if batch_invariant:
-        rows = cpu_plan.choose("amx_rows", f"bfloat16 products, batch-invariant ({active_isa()})", one_row)
-    else:
-        rows = cpu_plan.choose("amx_rows", f"bfloat16 products ({active_isa()})", many_rows)
-    use_amx(0)
-    return rows
-
-
-def amx_unavailable() -> str | None:
-    """Why bfloat16 products cannot run on the AMX tiles here, or None where they can."""
-    setter = _function("blocked_set_amx") if blocked_vector_bits() else None
-    state = setter(0) if setter is not None else 0
-    if state == 1:
-        return None
-    if state == -1:
-        return "the OS refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: Linux 5.16 or newer)"
-    if "amx" not in supported_isas():
-        return "this CPU has no AMX tiles"
-    return f"the kernel library in use ({active_isa()}: {_source[0] if _source else 'none'}) has no AMX code"
 
 
 def blocked_pack():

@@ -759,9 +759,10 @@ static inline __attribute__((always_inline)) void third_tiles(const float *x, in
 #endif
 
 #if SHARDLM_AMX
-// bfloat16 products over float panels of at least this many rows run on the AMX tiles (0: none;
-// blocked_set_amx)
-static int amx_min_rows = 0;
+// bfloat16 products of at least this many rows run on the AMX tiles (0: none; blocked_set_amx):
+// over float panels, and over 8-bit ones
+static int amx_min_rows = 0, amx_min_rows_8bit = 0;
+static int64_t amx_calls = 0;        // products run on the tiles (blocked_amx_calls)
 
 // The tiles for the products (palette 1): tiles 0-2 the C blocks of a panel's three 16-feature
 // vectors for 16 rows of x, tile 3 16 rows x 32 k of x, tiles 4-6 the panel's 16 k pairs x 16
@@ -831,6 +832,71 @@ static void amx_panels(const uint16_t *x, int64_t x_stride, const uint16_t *pack
     _tile_release();
     }
 }
+
+// The same over 8-bit panels (int8, or FP8 bytes; bfloat16 x), groups a multiple of 32 columns:
+// each panel converted once into the dot tile's bfloat16 pairs (widen_int8_panel: exact, and
+// AMX's B layout), then per 16 rows and group the tiles' sum, its scales applied to it as the dot
+// tile applies them (acc += scale * sum). Returns -1 where a thread's buffer could not be allocated.
+static int amx_8bit_panels(const uint16_t *x, int64_t x_stride, const uint8_t *packed, const void *bias, void *y,
+                           int M, int N, int K, int group, int tb, int fp8) {
+    const int panels = (N + NR - 1) / NR, blocks = (M + 15) / 16, tile_rows = M < 16 ? M : 16;
+    const int64_t panel_bytes = blocked_int8_size(NR, K, group, tb);
+    int failed = 0;
+    #pragma omp parallel if (panels > 1 && (int64_t)N * K >= 65536)
+    {
+    uint32_t *pairs = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(K / 2) * NR);
+    if (!pairs) {
+        #pragma omp atomic write
+        failed = 1;
+    }
+    amx_configure(tile_rows);
+    float part[16][NR], acc[16][NR];
+    #pragma omp for schedule(static)
+    for (int p = 0; p < panels; p++) {
+        if (!pairs) continue;
+        const uint8_t *panel = packed + p * panel_bytes;
+        const int n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
+        widen_int8_panel(panel, K, group, tb, 1, fp8, pairs);
+        for (int b = 0; b < blocks; b++) {
+            const int first = b * 16, r0 = first + tile_rows > M ? M - tile_rows : first;   // as amx_panels
+            const uint16_t *xb = x + (int64_t)r0 * x_stride;
+            for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                for (int k0 = g0; k0 < g0 + group; k0 += 32) {
+                    const uint32_t *w = pairs + (int64_t)(k0 / 2) * NR;
+                    _tile_loadd(3, xb + k0, x_stride * 2);
+                    _tile_loadd(4, w, NR * 4);
+                    _tile_loadd(5, w + 16, NR * 4);
+                    _tile_loadd(6, w + 32, NR * 4);
+                    _tile_dpbf16ps(0, 3, 4);
+                    _tile_dpbf16ps(1, 3, 5);
+                    _tile_dpbf16ps(2, 3, 6);
+                }
+                _tile_stored(0, &part[0][0], NR * 4);
+                _tile_stored(1, &part[0][16], NR * 4);
+                _tile_stored(2, &part[0][32], NR * 4);
+                const uint8_t *tables = int8_tables(panel, group, tb, g);
+                for (int v = 0; v < NV; v++) {
+                    const __m512 scale = load_table(tables, 16 * v, tb);
+                    for (int m = 0; m < tile_rows; m++) {
+                        const __m512 before = g ? _mm512_loadu_ps(&acc[m][16 * v]) : _mm512_setzero_ps();
+                        _mm512_storeu_ps(&acc[m][16 * v], _mm512_fmadd_ps(scale, _mm512_loadu_ps(&part[m][16 * v]), before));
+                    }
+                }
+            }
+            for (int m = first - r0; m < tile_rows; m++)
+                for (int v = 0; v < NV && 16 * v < width; v++)
+                    store_outputs(y, (int64_t)(r0 + m) * N + n0 + 16 * v, vf_load(&acc[m][16 * v]), bias, n0 + 16 * v,
+                                  width - 16 * v < 16 ? width - 16 * v : 16, 1);
+        }
+    }
+    _tile_release();
+    free(pairs);
+    }
+    return failed ? -1 : 0;
+}
 #endif
 
 // The product over all panels, for float panels (bits 0) or 4- or 8-bit ones (group: columns
@@ -839,8 +905,15 @@ static void amx_panels(const uint16_t *x, int64_t x_stride, const uint16_t *pack
 static int run_panels(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M, int N,
                       int K, int bits, int fp8, int group, int tb, int dtype) {
 #if SHARDLM_AMX
-    if (amx_min_rows && M >= amx_min_rows && dtype == 1 && bits == 0 && K % 32 == 0)
+    if (amx_min_rows && M >= amx_min_rows && dtype == 1 && bits == 0 && K % 32 == 0) {
+        __atomic_fetch_add(&amx_calls, 1, __ATOMIC_RELAXED);
         return amx_panels((const uint16_t *)x, x_stride, (const uint16_t *)packed, bias, y, M, N, K), 0;
+    }
+    if (amx_min_rows_8bit && M >= amx_min_rows_8bit && dtype == 1 && bits == 8 && group % 32 == 0) {
+        __atomic_fetch_add(&amx_calls, 1, __ATOMIC_RELAXED);
+        return amx_8bit_panels((const uint16_t *)x, x_stride, (const uint8_t *)packed, bias, y, M, N, K, group, tb,
+                               fp8);
+    }
 #endif
     const int panels = (N + NR - 1) / NR, Kp = dtype == 0 || bits ? K : K + K % 2;
     const int64_t panel_bytes = bits == 4 ? blocked_int4_size(NR, K, group, tb)
@@ -970,17 +1043,28 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
 }
 #endif
 
-// bfloat16 products over float panels whose K is a multiple of 32 on the AMX tiles from min_rows
-// rows on (0: never). A row's result then depends on whether its product had min_rows rows.
+// bfloat16 products on the AMX tiles from min_rows rows on over float panels whose K is a
+// multiple of 32, and from min_rows_8bit over 8-bit panels whose groups are (0: never). A row's
+// result then depends on whether its product had that many rows, unless that is 1.
 // Returns 1 if set, 0 in a build without AMX, -1 where the OS refuses this process the tiles'
 // state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once).
-KERNEL_API int blocked_set_amx(int min_rows) {
+KERNEL_API int blocked_set_amx(int min_rows, int min_rows_8bit) {
 #if SHARDLM_AMX
     if (!amx_permitted()) return -1;
     amx_min_rows = min_rows > 0 ? min_rows : 0;
+    amx_min_rows_8bit = min_rows_8bit > 0 ? min_rows_8bit : 0;
     return 1;
 #else
-    (void)min_rows;
+    (void)min_rows, (void)min_rows_8bit;
+    return 0;
+#endif
+}
+
+// How many products have run on the AMX tiles in this process (0 in a build without them)
+KERNEL_API int64_t blocked_amx_calls(void) {
+#if SHARDLM_AMX
+    return __atomic_load_n(&amx_calls, __ATOMIC_RELAXED);
+#else
     return 0;
 #endif
 }

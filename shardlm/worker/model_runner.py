@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from shardlm import cpu_plan, kernels
+from shardlm import cpu_plan
 from shardlm.attention.backend import KVGroupsMetadata, LastLayerRows
 from shardlm.attention.context_parallel import ContextShard
 from shardlm.attention.selector import get_attention_backend
@@ -30,6 +30,7 @@ from shardlm.distributed.parallel_state import (
     get_pp_group,
     get_tp_group,
 )
+from shardlm.kernels import amx
 from shardlm.layers.attention import Attention
 from shardlm.layers.moe import FusedMoE, dp_token_counts, redundant_experts
 from shardlm.layers.sampler import Sampler, SamplingBatch, TokenBitmask, completing_bad_words, token_logprobs
@@ -91,19 +92,15 @@ class ModelRunner:
 
     @staticmethod
     def _choose_amx(batch_invariant: bool) -> None:
-        """bfloat16 products on the AMX tiles: from the rows the CPU plan measured, where there are
-        tiles (logged where the CPU has them, with why not where it cannot use them)."""
-        why_not = kernels.amx_unavailable()
-        rows = 0 if why_not else kernels.amx_rows(batch_invariant)
-        kernels.use_amx(rows)
+        """bfloat16 products on the AMX tiles from the rows the CPU plan chose (kernels/amx.py),
+        logged where the CPU has the tiles, with why not where this process cannot use them."""
+        why_not = amx.unavailable()
+        rows = amx.AmxRows() if why_not else amx.choose(batch_invariant)
+        amx.use(rows)
         if why_not and "no AMX tiles" not in why_not:
             logger.warning("bfloat16 products run on the vector tiles, not AMX: %s.", why_not)
         elif not why_not:
-            logger.info("bfloat16 products on the AMX tiles: %s", (
-                "none (one row there was slower than on the vector tiles: --no-batch-invariant runs many rows "
-                "there)" if batch_invariant and not rows
-                else "every row count (batch-invariant)" if batch_invariant
-                else f"{rows}+ rows (--no-batch-invariant)" if rows else "none (not faster here)"))
+            logger.info("bfloat16 products on the AMX tiles: %s", amx.describe(rows, batch_invariant))
 
     def load_model(self) -> None:
         par = self.config.parallel

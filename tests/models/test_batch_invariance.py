@@ -4,9 +4,11 @@ tiles from one row; without it, bfloat16 products of many rows run on the AMX ti
 outputs stay within transformers' top 5. The AMX tests run on the CPU's tiles where it has them
 and on their plain-C model (kernels/amx_emulated.h) wherever AVX512-BF16 is."""
 
+import pytest
 import torch
 
-from shardlm import LLM, SamplingParams, cpu_plan, kernels
+from shardlm import LLM, SamplingParams, cpu_plan
+from shardlm.kernels import amx
 from tests.models.test_tiny_models_vs_hf import MAX_TOKENS, PARAMS, _prompts
 
 
@@ -30,49 +32,50 @@ def test_amx_for_many_rows_stays_within_transformers_top5(amx_variant, tiny_mode
     """--no-batch-invariant with the CPU plan's AMX from 8 rows (prefill and batched decode there)."""
     path = tiny_model_dir("llama-gqa")
     plan = tmp_path / "plan.json"
-    key = f"bfloat16 products ({kernels.active_isa()})"
-    plan.write_text(cpu_plan.CpuPlan(choices={"amx_rows": {key: 8}}).to_json())
+    plan.write_text(cpu_plan.CpuPlan(choices={"amx_rows": {amx.plan_key("bfloat16", False): 8,
+                                                           amx.plan_key("eight_bit", False): 8}}).to_json())
     reference = hf.greedy(path, _prompts(), MAX_TOKENS, dtype=torch.float32)
     cpu_plan.forget()
     llm = LLM(path, dtype="bfloat16", kv_cache_memory="32MiB", batch_invariant=False,
               distributed_executor_backend="uni", cpu_plan=str(plan))
     try:
+        before = amx.calls()
         outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+        assert amx.calls() > before
     finally:
         llm.shutdown()
-        kernels.use_amx(0)          # this process's kernels (the engine ran in it)
+        amx.off()          # this process's kernels (the engine ran in it)
         cpu_plan.forget()
     hf.assert_close(reference, outs, "bfloat16 on AMX tiles")
 
 
-def test_amx_at_every_row_count_keeps_batch_invariance(amx_variant, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_amx_at_every_row_count_keeps_batch_invariance(quantization, amx_variant, tiny_model_dir, tmp_path):
     """Where the CPU plan puts bfloat16 products on the AMX tiles from one row (under
     --batch-invariant: where one row costs no more there), a prompt's tokens and log-probabilities
     are the same alone and among others, and the one-call decode step equals the layer-by-layer
-    path, bit for bit; the tiles' sums differ from the vector tiles', so the run shows they ran.
-    On the plain-C model of the tiles where the CPU has none."""
-    key = f"bfloat16 products, batch-invariant ({kernels.active_isa()})"
-    plans = {amx: tmp_path / f"plan-{amx}.json" for amx in (True, False)}
-    for amx, plan in plans.items():
-        plan.write_text(cpu_plan.CpuPlan(choices={"amx_rows": {key: int(amx)}}).to_json())
+    path, bit for bit: for bfloat16 weights and 8-bit ones. On the plain-C model of the tiles where
+    the CPU has none."""
+    kind = "eight_bit" if quantization else "bfloat16"
+    plan = tmp_path / "plan.json"
+    choices = {"amx_rows": {amx.plan_key("bfloat16", True): int(kind == "bfloat16"),
+                            amx.plan_key("eight_bit", True): int(kind == "eight_bit")}}
+    plan.write_text(cpu_plan.CpuPlan(choices=choices).to_json())
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     prompts = [{"prompt_token_ids": [(37 * i + 11 * j) % 30000 + 100 for i in range(20 + 9 * j)]} for j in range(3)]
-    runs = {}
-    for amx in (True, False):
+    cpu_plan.forget()
+    llm = LLM(tiny_model_dir("llama-gqa"), dtype="bfloat16", kv_cache_memory="32MiB", enable_prefix_caching=False,
+              distributed_executor_backend="uni", cpu_plan=str(plan), quantization=quantization,
+              quantization_group_size=-1 if quantization else None)
+    tokens = lambda outs: [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]  # noqa: E731
+    try:
+        before = amx.calls()
+        batched = tokens(llm.generate(prompts, params, use_tqdm=False))
+        assert amx.calls() - before >= 12 * 7      # every decode step's products, at least, ran on the tiles
+        assert [tokens(llm.generate([p], params, use_tqdm=False))[0] for p in prompts] == batched
+        llm.collective_rpc("set_enforce_eager", (True,))
+        assert tokens(llm.generate(prompts, params, use_tqdm=False)) == batched
+    finally:
+        llm.shutdown()
+        amx.off()
         cpu_plan.forget()
-        llm = LLM(tiny_model_dir("llama-gqa"), dtype="bfloat16", kv_cache_memory="32MiB", enable_prefix_caching=False,
-                  distributed_executor_backend="uni", cpu_plan=str(plans[amx]))
-        try:
-            assert cpu_plan.current().choices["amx_rows"][key] == int(amx)
-            tokens = lambda outs: [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]  # noqa: E731
-            batched = tokens(llm.generate(prompts, params, use_tqdm=False))
-            runs[amx] = batched
-            if amx:
-                assert [tokens(llm.generate([p], params, use_tqdm=False))[0] for p in prompts] == batched
-                llm.collective_rpc("set_enforce_eager", (True,))
-                assert tokens(llm.generate(prompts, params, use_tqdm=False)) == batched
-        finally:
-            llm.shutdown()
-            kernels.use_amx(0)
-            cpu_plan.forget()
-    assert runs[True] != runs[False]

@@ -1,59 +1,97 @@
-"""AMX tiles for bfloat16 products of many rows (--no-batch-invariant; kernels/blocked_matmul.c:
-amx_panels): equal to the float product within bfloat16's rounding, each row's result the same
-whatever other rows it is computed with at or above the threshold, and off by default. On the
-CPU's tiles where it has them (else skipped), and on the plain-C model of them everywhere with
-AVX512-BF16."""
+"""bfloat16 products on the AMX tiles (kernels/blocked_matmul.c: amx_panels over bfloat16 panels,
+amx_8bit_panels over int8 and FP8 ones; kernels/amx.py): equal to the float product within
+bfloat16's rounding, each row's result the same whatever other rows it is computed with, from
+one row up, and off unless asked. On the CPU's tiles where it has them (else skipped), and on
+the plain-C model of them everywhere with AVX512-BF16."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from shardlm import kernels
+from shardlm.kernels import amx
+from shardlm.kernels.amx import AmxRows
 from shardlm.layers.cpu_matmul import linear, prepare_weight
+from shardlm.layers.fp8 import FP8_MAX, Fp8LinearWeight, dequantize_fp8, from_scales
+from shardlm.layers.quantization import QuantizedWeight, dequantize, quantize_rtn
 
 
 @pytest.fixture
-def amx(amx_variant):
+def tiles(amx_variant):
     yield amx_variant
-    kernels.use_amx(0)
+    amx.off()
 
 
 @pytest.mark.parametrize("rows, n, k", [(8, 48, 64), (37, 100, 576), (300, 1536, 576), (16, 576, 1536)])
-def test_amx_products_equal_the_float_product(rows, n, k, amx):
+def test_amx_products_equal_the_float_product(rows, n, k, tiles):
     torch.manual_seed(rows)
     w = (torch.randn(n, k) / 8).to(torch.bfloat16)
-    x, bias = torch.randn(rows, 2 * k).to(torch.bfloat16)[:, ::2], torch.randn(n).to(torch.bfloat16)   # strided rows
+    x, bias = torch.randn(rows, 2 * k).to(torch.bfloat16)[:, :k], torch.randn(n).to(torch.bfloat16)   # strided rows
     packed, plan = prepare_weight(w)
     assert plan.blocked
-    kernels.use_amx(8)
+    amx.use(AmxRows(bfloat16=8))
+    before = amx.calls()
     got = linear(x, packed, bias, plan)
-    kernels.use_amx(0)
-    vectors = linear(x, packed, bias, plan)
+    assert amx.calls() == before + 1
     want = F.linear(x.float(), w.float(), bias.float())
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
-    if rows * n >= 300 * 1536:       # another summation order shows in some outputs: the AMX path ran
-        assert not torch.equal(got, vectors)
-    kernels.use_amx(8)
     assert torch.equal(linear(x[3:11], packed, bias, plan), got[3:11])      # 8 rows: the same sums
 
 
-def test_amx_is_off_unless_asked(amx):
-    """Batch invariance is the default: without use_amx, 64 rows and one row sum alike."""
+def eight_bit_weight(n, k, group, fp8, seed=0):
+    """(an 8-bit weight in the panels of a bfloat16 model, its dequantized float32 values)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) / 8
+    if fp8:     # a scale per row and group, as an FP8 checkpoint's blocks give
+        scales = (w.view(n, k // group, group).abs().amax(-1) / FP8_MAX).contiguous()
+        q = from_scales(w, scales)
+        return Fp8LinearWeight(q, scales, torch.bfloat16), dequantize_fp8(q, scales, torch.float32)
+    q, scales, mins = quantize_rtn(w, 8, group)
+    return QuantizedWeight(q, scales, mins, 8, torch.bfloat16), dequantize(q, scales, mins, torch.float32)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8"])
+@pytest.mark.parametrize("rows, n, k, group", [(1, 48, 64, 32), (37, 100, 576, 64), (20, 200, 256, 256)])
+def test_8bit_products_on_amx_equal_the_dequantized_product(rows, n, k, group, fp8, tiles):
+    """Groups of 32 columns, of 64, and one group a row; a ragged last block of rows."""
+    weight, dequantized = eight_bit_weight(n, k, group, fp8)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    amx.use(AmxRows(eight_bit=1))
+    before = amx.calls()
+    got = weight.matmul(x)
+    assert amx.calls() == before + 1
+    torch.testing.assert_close(got.float(), F.linear(x.float(), dequantized), rtol=2e-2, atol=2e-2)
+    for start, stop in ((0, 1), (rows - 1, rows), (2, 19)):
+        if stop <= rows:
+            assert torch.equal(weight.matmul(x[start:stop]), got[start:stop]), (start, stop)
+
+
+def test_amx_is_off_unless_asked(tiles):
+    """Batch invariance is the default: without amx.use, 64 rows and one row sum alike."""
     w = torch.randn(96, 64).to(torch.bfloat16)
     x = torch.randn(64, 64).to(torch.bfloat16)
     packed, plan = prepare_weight(w)
+    before = amx.calls()
     assert torch.equal(linear(x, packed, None, plan)[5:6], linear(x[5:6], packed, None, plan))
+    assert amx.calls() == before
 
 
-def test_amx_rows_sum_alike_from_one_row_up(amx):
+def test_amx_rows_sum_alike_from_one_row_up(tiles):
     """A row's AMX sums do not depend on the other rows of its tile nor on how many rows the tile
-    has, down to one: AMX at every row count would keep --batch-invariant's promise (AMX sums in
-    an order of its own, so AMX for many rows and the vector tiles for few cannot)."""
+    has, down to one: AMX at every row count keeps --batch-invariant's promise (AMX sums in an
+    order of its own, so AMX for many rows and the vector tiles for few cannot)."""
     torch.manual_seed(3)
     w = (torch.randn(1536, 576) / 8).to(torch.bfloat16)
     x = torch.randn(37, 576).to(torch.bfloat16)
     packed, plan = prepare_weight(w)
-    kernels.use_amx(1)
+    amx.use(AmxRows(bfloat16=1))
     every = linear(x, packed, None, plan)
     for start, stop in ((0, 1), (20, 21), (3, 8), (16, 32), (5, 37)):
         assert torch.equal(linear(x[start:stop], packed, None, plan), every[start:stop]), (start, stop)
+
+
+def test_the_choice_is_logged_by_kind(tiles):
+    assert amx.describe(AmxRows(bfloat16=1), True) == (
+        "bfloat16 weights at every row count; 8-bit weights none (one row was slower there)")
+    assert amx.describe(AmxRows(bfloat16=16, eight_bit=8), False) == (
+        "bfloat16 weights from 16 rows; 8-bit weights from 8 rows")
+    assert amx.plan_key("eight_bit", True).startswith("8-bit products (bfloat16 x), batch-invariant (")

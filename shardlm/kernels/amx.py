@@ -1,0 +1,143 @@
+"""bfloat16 products on the AMX tiles of Intel Xeons (kernels/blocked_matmul.c: amx_panels over
+float panels, amx_8bit_panels over int8 / FP8 ones): whether this process can use them, and from
+how many rows, a CPU plan's choice timed once per process.
+
+AMX sums a tile in an order no vector tile has (docs/USER_GUIDE.md, "CPU performance notes"), while
+a row's AMX sums do not depend on the other rows of its tile nor on how many it has. So under
+--batch-invariant (the default) a kind of weight runs on the tiles at every row count or at none:
+at every one where one row costs at most ONE_ROW_TOLERANCE times the vector tiles' time on a
+weight streamed from memory, as a decode step's weights are. With --no-batch-invariant, from the
+fewest rows (8 to 64) where the tiles are MANY_ROWS_GAIN times faster."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardlm import cpu_plan
+
+ONE_ROW_TOLERANCE = 1.03
+MANY_ROWS_GAIN = 1.2
+GROUP = 32           # the 8-bit weights timed: groups of 32 columns (GGUF's Q8_0), float32 scales
+
+
+@dataclass(frozen=True)
+class AmxRows:
+    """The fewest rows of a product on the AMX tiles, per kind of weight (0: never)."""
+    bfloat16: int = 0        # bfloat16 panels (K a multiple of 32)
+    eight_bit: int = 0       # int8 and FP8 panels of a bfloat16 model (groups a multiple of 32)
+
+
+def _setter():
+    from shardlm import kernels
+    return kernels._function("blocked_set_amx") if kernels.blocked_vector_bits() else None
+
+
+def use(rows: AmxRows) -> bool:
+    """Products on the AMX tiles from these rows on, where this build has them and the OS grants
+    them; False where not."""
+    setter = _setter()
+    return setter is not None and setter(rows.bfloat16, rows.eight_bit) == 1
+
+
+def off() -> bool:
+    """No product on the AMX tiles; -> whether they could be used."""
+    return use(AmxRows())
+
+
+def calls() -> int:
+    """How many products have run on the AMX tiles in this process."""
+    from shardlm import kernels
+    return kernels._function("blocked_amx_calls")() if _setter() is not None else 0
+
+
+def unavailable() -> str | None:
+    """Why products cannot run on the AMX tiles here, or None where they can."""
+    from shardlm import kernels
+    setter = _setter()
+    state = setter(0, 0) if setter is not None else 0
+    if state == 1:
+        return None
+    if state == -1:
+        return "the OS refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: Linux 5.16 or newer)"
+    if "amx" not in kernels.supported_isas():
+        return "this CPU has no AMX tiles"
+    return f"the kernel library in use ({kernels.active_isa()}) has no AMX code"
+
+
+def _product(kind: str, N: int, K: int, rows: int):
+    """A product of `rows` bfloat16 rows with a weight [N, K] of `kind` (bfloat16 or eight_bit) in
+    its panels: a call that runs it. The weight's values do not change the time: a constant."""
+    from shardlm import kernels
+    x, y = torch.randn(rows, K).to(torch.bfloat16), torch.empty(rows, N, dtype=torch.bfloat16)
+    if kind == "bfloat16":
+        size, _ = kernels.blocked_pack()
+        packed = torch.full((size(N, K, 1),), 0.5, dtype=torch.bfloat16)
+        matmul = kernels.blocked_matmul()
+        return lambda: matmul(x.data_ptr(), K, packed.data_ptr(), None, y.data_ptr(), rows, N, K, 1)
+    size, _, matmul = kernels.blocked_int8()
+    packed = torch.full((size(N, K, GROUP, 4),), 0x3c, dtype=torch.uint8)      # 60, scales 0.0115
+    return lambda: matmul(x.data_ptr(), K, packed.data_ptr(), None, y.data_ptr(), rows, N, K, GROUP, 4, 1)
+
+
+def _tiles_against_vectors(kind: str, N: int, K: int, rows: int) -> float:
+    """The AMX tiles' median time over the vector tiles', interleaved."""
+    from shardlm.utils import median_seconds_side_by_side
+    run = _product(kind, N, K, rows)
+    on = AmxRows(**{kind: 1})
+
+    def tiles():
+        use(on)
+        run()
+
+    def vectors():
+        off()
+        run()
+    tiles_s, vectors_s = median_seconds_side_by_side(tiles, vectors, 9)
+    return tiles_s / vectors_s
+
+
+def _one_row(kind: str) -> tuple[int, str]:
+    N, K = (16384, 2048) if kind == "bfloat16" else (32768, 2048)    # 64 MB: beyond a few cores' caches
+    ratio = _tiles_against_vectors(kind, N, K, 1)
+    within = ratio <= ONE_ROW_TOLERANCE
+    return int(within), (f"one row took {ratio:.2f}x the vector tiles' time on a [{N}, {K}] weight from memory "
+                         f"({'within' if within else 'over'} {ONE_ROW_TOLERANCE}x)")
+
+
+def _many_rows(kind: str) -> tuple[int, str]:
+    for rows in (8, 16, 32, 64):
+        ratio = _tiles_against_vectors(kind, 1536, 576, rows)
+        if ratio * MANY_ROWS_GAIN < 1:
+            return rows, f"AMX took {ratio:.2f}x the vector tiles' time at {rows} rows"
+    return 0, f"AMX was not {MANY_ROWS_GAIN}x faster at up to 64 rows"
+
+
+def choose(batch_invariant: bool) -> AmxRows:
+    """The rows from which each kind of weight runs on the AMX tiles (AmxRows() where they cannot
+    be used); AMX left off after."""
+    if unavailable():
+        return AmxRows()
+    measure = _one_row if batch_invariant else _many_rows
+    rows = AmxRows(**{kind: cpu_plan.choose("amx_rows", plan_key(kind, batch_invariant),
+                                            lambda kind=kind: measure(kind))
+                      for kind in ("bfloat16", "eight_bit")})
+    off()
+    return rows
+
+
+def plan_key(kind: str, batch_invariant: bool) -> str:
+    """The CPU plan's key of the choice for a kind of weight (AmxRows' field names)."""
+    from shardlm import kernels
+    name = {"bfloat16": "bfloat16 products", "eight_bit": "8-bit products (bfloat16 x)"}[kind]
+    return f"{name}, {'batch-invariant' if batch_invariant else 'from many rows'} ({kernels.active_isa()})"
+
+
+def describe(rows: AmxRows, batch_invariant: bool) -> str:
+    """What the start-up log says of the choice."""
+    def one(name: str, n: int) -> str:
+        if batch_invariant:
+            return f"{name} {'at every row count' if n else 'none (one row was slower there)'}"
+        return f"{name} {f'from {n} rows' if n else 'none (not faster here)'}"
+    return "; ".join([one("bfloat16 weights", rows.bfloat16), one("8-bit weights", rows.eight_bit)])
