@@ -195,7 +195,9 @@ def render(facts: dict, comm: dict, found: list[str]) -> str:
         ck = facts["cpu_kernels"]
         lines.append(f"  CPU kernels: {ck['variant']} (best on this CPU: {ck['best']}; SHARDLM_CPU_ISA={ck['cap']}; "
                      f"library {ck['library']}): "
-                     + ", ".join(f"{name} {state}" for name, state in ck["kernels"].items()))
+                     + ", ".join(f"{name} {state}" for name, state in ck["kernels"].items())
+                     + (f"; AMX tiles {'usable' if ck['amx'] == 'usable' else 'not used: ' + ck['amx']}"
+                        if "amx" in ck else ""))
     if "cpu_plan" in facts:
         from shardlm.cpu_plan import CpuPlan
         lines += ["  " + line for line in CpuPlan(**facts["cpu_plan"]).describe().splitlines()]

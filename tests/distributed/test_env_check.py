@@ -26,12 +26,15 @@ def test_env_check_reports_the_node_and_measures_collectives():
     from shardlm import kernels
     assert node["cpu_kernels"]["variant"] in kernels.supported_isas()
     assert node["cpu_kernels"]["kernels"]["fused_ops"] == "ok"
+    if "amx" not in kernels.supported_isas():
+        assert node["cpu_kernels"]["amx"] == "this CPU has no AMX tiles"
 
 
 @pytest.mark.slow
 def test_env_check_says_which_kernel_variant_runs():
     run = _check(env={"SHARDLM_CPU_ISA": "portable"})
     assert "CPU kernels: portable (best on this CPU: " in run.stdout and "fused_ops ok" in run.stdout, run.stdout
+    assert "AMX tiles " in run.stdout, run.stdout
     assert "blocked_matmul not in this variant" in run.stdout
 
 
