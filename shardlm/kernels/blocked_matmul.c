@@ -881,8 +881,9 @@ static int amx_8bit_panels(const uint16_t *x, int64_t x_stride, const uint8_t *p
                 for (int v = 0; v < NV; v++) {
                     const __m512 scale = load_table(tables, 16 * v, tb);
                     for (int m = 0; m < tile_rows; m++) {
+                        const __m512 sum = _mm512_loadu_ps(&part[m][16 * v]);
                         const __m512 before = g ? _mm512_loadu_ps(&acc[m][16 * v]) : _mm512_setzero_ps();
-                        _mm512_storeu_ps(&acc[m][16 * v], _mm512_fmadd_ps(scale, _mm512_loadu_ps(&part[m][16 * v]), before));
+                        _mm512_storeu_ps(&acc[m][16 * v], _mm512_fmadd_ps(scale, sum, before));
                     }
                 }
             }
