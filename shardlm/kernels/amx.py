@@ -29,15 +29,16 @@ class AmxRows:
     eight_bit: int = 0       # int8 and FP8 panels of a bfloat16 model (groups a multiple of 32)
 
 
-def _setter():
+def _function(name: str):
+    """A kernel of the AMX choice, or None where this variant has no blocked panels."""
     from shardlm import kernels
-    return kernels._function("blocked_set_amx") if kernels.blocked_vector_bits() else None
+    return kernels._function(name) if kernels.blocked_vector_bits() else None
 
 
 def use(rows: AmxRows) -> bool:
     """Products on the AMX tiles from these rows on, where this build has them and the OS grants
     them; False where not."""
-    setter = _setter()
+    setter = _function("blocked_set_amx")
     return setter is not None and setter(rows.bfloat16, rows.eight_bit) == 1
 
 
@@ -48,15 +49,15 @@ def off() -> bool:
 
 def calls() -> int:
     """How many products have run on the AMX tiles in this process."""
-    from shardlm import kernels
-    return kernels._function("blocked_amx_calls")() if _setter() is not None else 0
+    count = _function("blocked_amx_calls")
+    return count() if count is not None else 0
 
 
 def unavailable() -> str | None:
     """Why products cannot run on the AMX tiles here, or None where they can."""
     from shardlm import kernels
-    setter = _setter()
-    state = setter(0, 0) if setter is not None else 0
+    usable = _function("blocked_amx_usable")
+    state = usable() if usable is not None else 0
     if state == 1:
         return None
     if state == -1:

@@ -774,6 +774,31 @@ static void amx_configure(int rows) {
     c.palette = 1;
     for (int t = 0; t < 7; t++) c.rows[t] = t < 4 ? rows : 16, c.colsb[t] = 64;   // C and x: `rows` rows of 16 (or fewer)
     _tile_loadconfig(&c);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+}
+
+// Tiles 0-2 += the configured rows of x at xk (32 columns, rows x_stride elements apart) . the
+// panel's 16 k pairs at w (three vectors of 16 features; pairs NR words apart)
+static inline void amx_step(const uint16_t *xk, int64_t x_stride, const uint32_t *w) {
+    _tile_loadd(3, xk, x_stride * 2);
+    _tile_loadd(4, w, NR * 4);
+    _tile_loadd(5, w + 16, NR * 4);
+    _tile_loadd(6, w + 32, NR * 4);
+    _tile_dpbf16ps(0, 3, 4);
+    _tile_dpbf16ps(1, 3, 5);
+    _tile_dpbf16ps(2, 3, 6);
+}
+
+// Tiles 0-2 (a panel's sums for the configured rows) into c, and zeroed for the next sums
+static inline void amx_store_sums(float c[16][NR]) {
+    _tile_stored(0, &c[0][0], NR * 4);
+    _tile_stored(1, &c[0][16], NR * 4);
+    _tile_stored(2, &c[0][32], NR * 4);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
 }
 
 // y = x . w^T for bfloat16 x (rows of unit column stride) and float panels of bfloat16 w, K a
@@ -804,25 +829,13 @@ static void amx_panels(const uint16_t *x, int64_t x_stride, const uint16_t *pack
         for (int b = 0; b < blocks; b++) {
             const int first = b * 16, r0 = first + tile_rows > M ? M - tile_rows : first;   // the tile's rows
             const uint16_t *xb = x + (int64_t)r0 * x_stride;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
             for (int k0 = 0; k0 < K; k0 += 32) {
                 if (ahead && (b > 0 || blocks == 1))
                     for (int i = 0; i < per_step && line < ahead_lines; i++, line++)
                         __builtin_prefetch(ahead + line * 64, 0, 2);
-                _tile_loadd(3, xb + k0, x_stride * 2);
-                const uint16_t *w = panel + (int64_t)k0 * NR;    // k pair k0 / 2: NR words = 2 NR elements
-                _tile_loadd(4, w, NR * 4);
-                _tile_loadd(5, w + 32, NR * 4);
-                _tile_loadd(6, w + 64, NR * 4);
-                _tile_dpbf16ps(0, 3, 4);
-                _tile_dpbf16ps(1, 3, 5);
-                _tile_dpbf16ps(2, 3, 6);
+                amx_step(xb + k0, x_stride, (const uint32_t *)(panel + (int64_t)k0 * NR));   // k pair k0 / 2
             }
-            _tile_stored(0, &c[0][0], NR * 4);
-            _tile_stored(1, &c[0][16], NR * 4);
-            _tile_stored(2, &c[0][32], NR * 4);
+            amx_store_sums(c);
             for (int m = first - r0; m < tile_rows; m++)       // the rows not stored by the block before
                 for (int v = 0; v < NV && 16 * v < width; v++)
                     store_outputs(y, (int64_t)(r0 + m) * N + n0 + 16 * v, vf_load(&c[m][16 * v]), bias, n0 + 16 * v,
@@ -861,22 +874,8 @@ static int amx_8bit_panels(const uint16_t *x, int64_t x_stride, const uint8_t *p
             const int first = b * 16, r0 = first + tile_rows > M ? M - tile_rows : first;   // as amx_panels
             const uint16_t *xb = x + (int64_t)r0 * x_stride;
             for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                for (int k0 = g0; k0 < g0 + group; k0 += 32) {
-                    const uint32_t *w = pairs + (int64_t)(k0 / 2) * NR;
-                    _tile_loadd(3, xb + k0, x_stride * 2);
-                    _tile_loadd(4, w, NR * 4);
-                    _tile_loadd(5, w + 16, NR * 4);
-                    _tile_loadd(6, w + 32, NR * 4);
-                    _tile_dpbf16ps(0, 3, 4);
-                    _tile_dpbf16ps(1, 3, 5);
-                    _tile_dpbf16ps(2, 3, 6);
-                }
-                _tile_stored(0, &part[0][0], NR * 4);
-                _tile_stored(1, &part[0][16], NR * 4);
-                _tile_stored(2, &part[0][32], NR * 4);
+                for (int k0 = g0; k0 < g0 + group; k0 += 32) amx_step(xb + k0, x_stride, pairs + (int64_t)(k0 / 2) * NR);
+                amx_store_sums(part);
                 const uint8_t *tables = int8_tables(panel, group, tb, g);
                 for (int v = 0; v < NV; v++) {
                     const __m512 scale = load_table(tables, 16 * v, tb);
@@ -1057,6 +1056,16 @@ KERNEL_API int blocked_set_amx(int min_rows, int min_rows_8bit) {
     return 1;
 #else
     (void)min_rows, (void)min_rows_8bit;
+    return 0;
+#endif
+}
+
+// 1 where products can run on the AMX tiles, 0 in a build without them, -1 where the OS refuses
+// this process the tiles' state; changes nothing
+KERNEL_API int blocked_amx_usable(void) {
+#if SHARDLM_AMX
+    return amx_permitted() ? 1 : -1;
+#else
     return 0;
 #endif
 }

@@ -76,6 +76,7 @@ KERNEL_API void blocked_rows(const void *packed, const int64_t *index, int n, in
                              int tb, int dtype, void *out);
 KERNEL_API int blocked_set_bf16_dot(int on);
 KERNEL_API int blocked_set_amx(int min_rows, int min_rows_8bit);
+KERNEL_API int blocked_amx_usable(void);
 KERNEL_API int64_t blocked_amx_calls(void);
 KERNEL_API int blocked_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M,
                               int N, int K, int dtype);
