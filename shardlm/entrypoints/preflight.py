@@ -46,7 +46,8 @@ def node_facts() -> dict:
     except importlib.metadata.PackageNotFoundError:
         pass
     from shardlm import cpu_plan, kernels
-    facts["cpu_kernels"] = kernels.describe()
+    from shardlm.kernels import amx
+    facts["cpu_kernels"] = {**kernels.describe(), "amx": amx.unavailable() or "usable"}
     kernels.blocked_vector_bits()          # makes the bfloat16 product choice, where there is one
     cpu_plan.record(isa=facts["cpu_kernels"]["variant"] if kernels.library() is not None else None,
                     kernel_library=facts["cpu_kernels"]["library"])

@@ -111,18 +111,15 @@ KERNEL_FILES = ("fused_ops", "paged_attention", "prefill_attention", "latent_att
 
 
 def describe() -> dict:
-    """What `shardlm env check` shows: the variant in use, the state of each kernel file's code in it,
-    and whether products can run on the AMX tiles (or why not)."""
+    """What `shardlm env check` shows: the variant in use and the state of each kernel file's code in it."""
     ok = library() is not None
     state = {name: "ok" if ok else "unavailable (torch ops)" for name in KERNEL_FILES}
     if ok and not blocked_vector_bits():
         state["blocked_matmul"] = "not in this variant (AVX2 or AVX-512 only)"
     elif ok and blocked_vector_bits() == 256:
         state["blocked_matmul"] = "ok (AVX2: bfloat16, 4- and 8-bit panels; float32 on skinny_matmul / oneDNN)"
-    from shardlm.kernels import amx
     return {"variant": active_isa(), "best": best_isa(), "cap": _isa_cap[0],
-            "library": _source[0] if ok and _source else "none", "kernels": state,
-            "amx": amx.unavailable() or "usable"}
+            "library": _source[0] if ok and _source else "none", "kernels": state}
 
 
 class KernelBuildError(RuntimeError):

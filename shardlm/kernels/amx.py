@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardlm import cpu_plan
+from shardlm import cpu_plan, kernels
 
 ONE_ROW_TOLERANCE = 1.03
 MANY_ROWS_GAIN = 1.2
@@ -31,7 +31,6 @@ class AmxRows:
 
 def _function(name: str):
     """A kernel of the AMX choice, or None where this variant has no blocked panels."""
-    from shardlm import kernels
     return kernels._function(name) if kernels.blocked_vector_bits() else None
 
 
@@ -55,7 +54,6 @@ def calls() -> int:
 
 def unavailable() -> str | None:
     """Why products cannot run on the AMX tiles here, or None where they can."""
-    from shardlm import kernels
     usable = _function("blocked_amx_usable")
     state = usable() if usable is not None else 0
     if state == 1:
@@ -70,7 +68,6 @@ def unavailable() -> str | None:
 def _product(kind: str, N: int, K: int, rows: int):
     """A product of `rows` bfloat16 rows with a weight [N, K] of `kind` (bfloat16 or eight_bit) in
     its panels: a call that runs it. The weight's values do not change the time: a constant."""
-    from shardlm import kernels
     x, y = torch.randn(rows, K).to(torch.bfloat16), torch.empty(rows, N, dtype=torch.bfloat16)
     if kind == "bfloat16":
         size, _ = kernels.blocked_pack()
@@ -130,7 +127,6 @@ def choose(batch_invariant: bool) -> AmxRows:
 
 def plan_key(kind: str, batch_invariant: bool) -> str:
     """The CPU plan's key of the choice for a kind of weight (AmxRows' field names)."""
-    from shardlm import kernels
     name = {"bfloat16": "bfloat16 products", "eight_bit": "8-bit products (bfloat16 x)"}[kind]
     return f"{name}, {'batch-invariant' if batch_invariant else 'from many rows'} ({kernels.active_isa()})"
 
