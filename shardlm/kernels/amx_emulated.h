@@ -31,6 +31,11 @@ static inline void amx_check_tile(int t) {
 static inline void emulated_tile_loadconfig(const void *config) {
     memcpy(&amx_state.config, config, sizeof(tile_config_t));
     if (amx_state.config.palette != 1) amx_refuse("a palette other than 1", -1);
+    if (amx_state.config.start_row) amx_refuse("a start row other than 0", -1);
+    for (int i = 0; i < 14; i++)
+        if (amx_state.config.reserved[i]) amx_refuse("a reserved byte of the configuration set", -1);
+    for (int t = 8; t < 16; t++)
+        if (amx_state.config.rows[t] || amx_state.config.colsb[t]) amx_refuse("a tile past the 8 of palette 1", t);
     for (int t = 0; t < 8; t++)
         if (amx_state.config.rows[t] > 16 || amx_state.config.colsb[t] > 64 || amx_state.config.colsb[t] % 4)
             amx_refuse("a tile of more than 16 rows or 64 bytes a row", t);
