@@ -20,6 +20,10 @@ from shardlm import cpu_plan, kernels
 ONE_ROW_TOLERANCE = 1.03
 MANY_ROWS_GAIN = 1.2
 GROUP = 32           # the 8-bit weights timed: groups of 32 columns (GGUF's Q8_0), float32 scales
+# the weights [N, K] timed: for one row, 64 MB (beyond a few cores' caches: from memory, as a decode
+# step's); for many rows, an MLP of the default model
+ONE_ROW_WEIGHTS = {"bfloat16": (16384, 2048), "eight_bit": (32768, 2048)}
+MANY_ROWS_WEIGHT = (1536, 576)
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,7 @@ def _tiles_against_vectors(kind: str, N: int, K: int, rows: int) -> float:
 
 
 def _one_row(kind: str) -> tuple[int, str]:
-    N, K = (16384, 2048) if kind == "bfloat16" else (32768, 2048)    # 64 MB: beyond a few cores' caches
+    N, K = ONE_ROW_WEIGHTS[kind]
     ratio = _tiles_against_vectors(kind, N, K, 1)
     within = ratio <= ONE_ROW_TOLERANCE
     return int(within), (f"one row took {ratio:.2f}x the vector tiles' time on a [{N}, {K}] weight from memory "
@@ -106,7 +110,7 @@ def _one_row(kind: str) -> tuple[int, str]:
 
 def _many_rows(kind: str) -> tuple[int, str]:
     for rows in (8, 16, 32, 64):
-        ratio = _tiles_against_vectors(kind, 1536, 576, rows)
+        ratio = _tiles_against_vectors(kind, *MANY_ROWS_WEIGHT, rows)
         if ratio * MANY_ROWS_GAIN < 1:
             return rows, f"AMX took {ratio:.2f}x the vector tiles' time at {rows} rows"
     return 0, f"AMX was not {MANY_ROWS_GAIN}x faster at up to 64 rows"

@@ -3,7 +3,7 @@
 // tile configurations, loads, strides and stores checked, on CPUs without AMX, where the real
 // instructions would fault. The sums are a model of the hardware's, not its bits: compare
 // results within bfloat16's rounding. A shape the hardware would refuse (#UD) aborts with the
-// reason. Slow: tests only, never installed.
+// reason, as does a configuration it would refuse (#GP). Slow: tests only, never installed.
 #pragma once
 #include <stdint.h>
 #include <stdio.h>

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shardlm import cpu_plan
 from shardlm.kernels import amx
 from shardlm.kernels.amx import AmxRows
 from shardlm.layers.cpu_matmul import linear, prepare_weight
@@ -87,6 +88,31 @@ def test_amx_rows_sum_alike_from_one_row_up(tiles):
     every = linear(x, packed, None, plan)
     for start, stop in ((0, 1), (20, 21), (3, 8), (16, 32), (5, 37)):
         assert torch.equal(linear(x[start:stop], packed, None, plan), every[start:stop]), (start, stop)
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_the_cpu_plan_times_each_kind_of_weight(batch_invariant, tiles, monkeypatch):
+    """The start-up measurement runs (small weights here) and records its choice and evidence for
+    both kinds of weight; the tiles are left off."""
+    monkeypatch.setattr(amx, "ONE_ROW_WEIGHTS", {"bfloat16": (480, 256), "eight_bit": (480, 256)})
+    monkeypatch.setattr(amx, "MANY_ROWS_WEIGHT", (96, 64))
+    cpu_plan.forget()
+    try:
+        rows = amx.choose(batch_invariant)
+        made = cpu_plan.current()
+        for kind in ("bfloat16", "eight_bit"):
+            key = amx.plan_key(kind, batch_invariant)
+            assert made.choices["amx_rows"][key] == getattr(rows, kind)
+            assert ("vector tiles' time" in made.evidence["amx_rows"][key]
+                    or "not 1.2x faster" in made.evidence["amx_rows"][key])
+            if batch_invariant:
+                assert getattr(rows, kind) in (0, 1)
+        before = amx.calls()
+        packed, plan = prepare_weight(torch.randn(96, 64).to(torch.bfloat16))
+        linear(torch.randn(64, 64).to(torch.bfloat16), packed, None, plan)
+        assert amx.calls() == before
+    finally:
+        cpu_plan.forget()
 
 
 def test_the_choice_is_logged_by_kind(tiles):
