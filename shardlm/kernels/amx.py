@@ -5,9 +5,10 @@ how many rows, a CPU plan's choice timed once per process.
 AMX sums a tile in an order no vector tile has (docs/USER_GUIDE.md, "CPU performance notes"), while
 a row's AMX sums do not depend on the other rows of its tile nor on how many it has. So under
 --batch-invariant (the default) a kind of weight runs on the tiles at every row count or at none:
-at every one where one row costs at most ONE_ROW_TOLERANCE times the vector tiles' time on a
-weight streamed from memory, as a decode step's weights are. With --no-batch-invariant, from the
-fewest rows (8 to 64) where the tiles are MANY_ROWS_GAIN times faster."""
+at every one where one row costs at most ONE_ROW_TOLERANCE times the vector tiles' time on a 64 MB
+weight, streamed past the cores' own caches as a decode step's weights are. With
+--no-batch-invariant, from the fewest rows (8 to 64) where the tiles are MANY_ROWS_GAIN times
+faster."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from shardlm import cpu_plan, kernels
 ONE_ROW_TOLERANCE = 1.03
 MANY_ROWS_GAIN = 1.2
 GROUP = 32           # the 8-bit weights timed: groups of 32 columns (GGUF's Q8_0), float32 scales
-# the weights [N, K] timed: for one row, 64 MB (beyond a few cores' caches: from memory, as a decode
-# step's); for many rows, an MLP of the default model
+# the weights [N, K] timed: for one row, 64 MB (past the cores' own caches, from a shared L3 or
+# memory, as a decode step's weights come); for many rows, an MLP of the default model
 ONE_ROW_WEIGHTS = {"bfloat16": (16384, 2048), "eight_bit": (32768, 2048)}
 MANY_ROWS_WEIGHT = (1536, 576)
 
@@ -104,7 +105,7 @@ def _one_row(kind: str) -> tuple[int, str]:
     N, K = ONE_ROW_WEIGHTS[kind]
     ratio = _tiles_against_vectors(kind, N, K, 1)
     within = ratio <= ONE_ROW_TOLERANCE
-    return int(within), (f"one row took {ratio:.2f}x the vector tiles' time on a [{N}, {K}] weight from memory "
+    return int(within), (f"one row took {ratio:.2f}x the vector tiles' time on a [{N}, {K}] weight past the caches "
                          f"({'within' if within else 'over'} {ONE_ROW_TOLERANCE}x)")
 
 
