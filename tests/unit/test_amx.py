@@ -1,8 +1,8 @@
 """bfloat16 products on the AMX tiles (kernels/blocked_matmul.c: amx_panels over bfloat16 panels,
 amx_8bit_panels over int8 and FP8 ones; kernels/amx.py): equal to the float product within
 bfloat16's rounding, each row's result the same whatever other rows it is computed with, from
-one row up, and off unless asked. On the CPU's tiles where it has them (else skipped), and on
-the plain-C model of them everywhere with AVX512-BF16."""
+one row up, and whatever the thread count, and off unless asked. On the CPU's tiles where it has
+them (else skipped), and on the plain-C model of them everywhere with AVX512-BF16."""
 
 import pytest
 import torch
@@ -64,6 +64,16 @@ def test_8bit_products_on_amx_equal_the_dequantized_product(rows, n, k, group, f
     for start, stop in ((0, 1), (rows - 1, rows), (2, 19)):
         if stop <= rows:
             assert torch.equal(weight.matmul(x[start:stop]), got[start:stop]), (start, stop)
+    assert torch.equal(one_thread(lambda: weight.matmul(x)), got)
+
+
+def one_thread(product):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return product()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_amx_is_off_unless_asked(tiles):
@@ -88,6 +98,7 @@ def test_amx_rows_sum_alike_from_one_row_up(tiles):
     every = linear(x, packed, None, plan)
     for start, stop in ((0, 1), (20, 21), (3, 8), (16, 32), (5, 37)):
         assert torch.equal(linear(x[start:stop], packed, None, plan), every[start:stop]), (start, stop)
+    assert torch.equal(one_thread(lambda: linear(x, packed, None, plan)), every)      # panels over one thread
 
 
 @pytest.mark.parametrize("batch_invariant", [True, False])
