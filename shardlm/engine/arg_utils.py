@@ -228,8 +228,8 @@ class EngineArgs:
         "input columns per quantization scale (-1: one per row; default: int8 -1, int4 128)")
     cpu_plan: str | None = knob(
         None, "model",
-        "CPU: a JSON file of the CPU path's choices (kernel rows per weight, bfloat16 dot product, --dtype "
-        "auto): where it exists its choices are taken without timing anything (a run repeated exactly, a "
+        "CPU: a JSON file of the CPU path's choices (kernel rows per weight, bfloat16 dot product, AMX "
+        "rows, --dtype auto): where it exists its choices are taken without timing anything (a run repeated exactly, a "
         "machine pinned); where it does not, this run writes its plan there")
     enforce_eager: bool = knob(
         False, "model",
