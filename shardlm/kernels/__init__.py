@@ -236,7 +236,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "blocked_fp8_pack": ([_P, _P, _I, _I, _I, _P], _I),
     "blocked_rows": ([_P, _P, _I, _I, _I, _I, _I, _I, _I, _P], None),
     "blocked_set_bf16_dot": ([_I], _I),
-    "blocked_set_amx": ([_I, _I], _I),
+    "blocked_set_amx": ([_I, _I, _I], _I),
     "blocked_amx_usable": ([], _I),
     "blocked_amx_calls": ([], _I64),
     "blocked_matmul": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I], _I),

@@ -1,6 +1,6 @@
 """bfloat16 products on the AMX tiles of Intel Xeons (kernels/blocked_matmul.c: amx_panels over
-float panels, amx_8bit_panels over int8 / FP8 ones): whether this process can use them, and from
-how many rows, a CPU plan's choice timed once per process.
+float panels, amx_8bit_panels over int8 / FP8 ones, amx_4bit_panels over 4-bit ones): whether
+this process can use them, and from how many rows, a CPU plan's choice timed once per process.
 
 AMX sums a tile in an order no vector tile has (docs/USER_GUIDE.md, "CPU performance notes"), while
 a row's AMX sums do not depend on the other rows of its tile nor on how many it has. So under
@@ -20,10 +20,13 @@ from shardlm import cpu_plan, kernels
 
 ONE_ROW_TOLERANCE = 1.03
 MANY_ROWS_GAIN = 1.2
-GROUP = 32           # the 8-bit weights timed: groups of 32 columns (GGUF's Q8_0), float32 scales
-# the weights [N, K] timed: for one row, 64 MB (past the cores' own caches, from a shared L3 or
-# memory, as a decode step's weights come); for many rows, an MLP of the default model
-ONE_ROW_WEIGHTS = {"bfloat16": (16384, 2048), "eight_bit": (32768, 2048)}
+GROUP = 32           # the 8- and 4-bit weights timed: groups of 32 columns (GGUF's), float32 tables
+# the weights [N, K] timed: for one row, 64-72 MB with their tables (past the cores' own caches,
+# from a shared L3 or memory, as a decode step's weights come); for many rows, an MLP of the
+# default model
+ONE_ROW_WEIGHTS = {"bfloat16": (16384, 2048), "eight_bit": (32768, 2048), "four_bit": (49152, 2048)}
+KINDS = {"bfloat16": "bfloat16 products", "eight_bit": "8-bit products (bfloat16 x)",
+         "four_bit": "4-bit products (bfloat16 x)"}
 MANY_ROWS_WEIGHT = (1536, 576)
 
 
@@ -32,6 +35,7 @@ class AmxRows:
     """The fewest rows of a product on the AMX tiles, per kind of weight (0: never)."""
     bfloat16: int = 0        # bfloat16 panels (K a multiple of 32)
     eight_bit: int = 0       # int8 and FP8 panels of a bfloat16 model (groups a multiple of 32)
+    four_bit: int = 0        # 4-bit panels of a bfloat16 model (groups a multiple of 32)
 
 
 def _function(name: str):
@@ -43,7 +47,7 @@ def use(rows: AmxRows) -> bool:
     """Products on the AMX tiles from these rows on, where this build has them and the OS grants
     them; False where not."""
     setter = _function("blocked_set_amx")
-    return setter is not None and setter(rows.bfloat16, rows.eight_bit) == 1
+    return setter is not None and setter(rows.bfloat16, rows.eight_bit, rows.four_bit) == 1
 
 
 def off() -> bool:
@@ -71,16 +75,16 @@ def unavailable() -> str | None:
 
 
 def _product(kind: str, N: int, K: int, rows: int):
-    """A product of `rows` bfloat16 rows with a weight [N, K] of `kind` (bfloat16 or eight_bit) in
-    its panels: a call that runs it. The weight's values do not change the time: a constant."""
+    """A product of `rows` bfloat16 rows with a weight [N, K] of `kind` (an AmxRows field) in its
+    panels: a call that runs it. The weight's values do not change the time: a constant."""
     x, y = torch.randn(rows, K).to(torch.bfloat16), torch.empty(rows, N, dtype=torch.bfloat16)
     if kind == "bfloat16":
         size, _ = kernels.blocked_pack()
         packed = torch.full((size(N, K, 1),), 0.5, dtype=torch.bfloat16)
         matmul = kernels.blocked_matmul()
         return lambda: matmul(x.data_ptr(), K, packed.data_ptr(), None, y.data_ptr(), rows, N, K, 1)
-    size, _, matmul = kernels.blocked_int8()
-    packed = torch.full((size(N, K, GROUP, 4),), 0x3c, dtype=torch.uint8)      # 60, scales 0.0115
+    size, _, matmul = kernels.blocked_int8() if kind == "eight_bit" else kernels.blocked_int4()
+    packed = torch.full((size(N, K, GROUP, 4),), 0x3c, dtype=torch.uint8)      # tables 0.0115
     return lambda: matmul(x.data_ptr(), K, packed.data_ptr(), None, y.data_ptr(), rows, N, K, GROUP, 4, 1)
 
 
@@ -125,15 +129,14 @@ def choose(batch_invariant: bool) -> AmxRows:
     measure = _one_row if batch_invariant else _many_rows
     rows = AmxRows(**{kind: cpu_plan.choose("amx_rows", plan_key(kind, batch_invariant),
                                             lambda kind=kind: measure(kind))
-                      for kind in ("bfloat16", "eight_bit")})
+                      for kind in KINDS})
     off()
     return rows
 
 
 def plan_key(kind: str, batch_invariant: bool) -> str:
     """The CPU plan's key of the choice for a kind of weight (AmxRows' field names)."""
-    name = {"bfloat16": "bfloat16 products", "eight_bit": "8-bit products (bfloat16 x)"}[kind]
-    return f"{name}, {'batch-invariant' if batch_invariant else 'from many rows'} ({kernels.active_isa()})"
+    return f"{KINDS[kind]}, {'batch-invariant' if batch_invariant else 'from many rows'} ({kernels.active_isa()})"
 
 
 def describe(rows: AmxRows, batch_invariant: bool) -> str:
@@ -142,4 +145,5 @@ def describe(rows: AmxRows, batch_invariant: bool) -> str:
         if batch_invariant:
             return f"{name} {'at every row count' if n else 'none (one row was slower there)'}"
         return f"{name} {f'from {n} rows' if n else 'none (not faster here)'}"
-    return "; ".join([one("bfloat16 weights", rows.bfloat16), one("8-bit weights", rows.eight_bit)])
+    return "; ".join([one("bfloat16 weights", rows.bfloat16), one("8-bit weights", rows.eight_bit),
+                      one("4-bit weights", rows.four_bit)])

@@ -760,8 +760,8 @@ static inline __attribute__((always_inline)) void third_tiles(const float *x, in
 
 #if SHARDLM_AMX
 // bfloat16 products of at least this many rows run on the AMX tiles (0: none; blocked_set_amx):
-// over float panels, and over 8-bit ones
-static int amx_min_rows = 0, amx_min_rows_8bit = 0;
+// over float panels, over 8-bit ones and over 4-bit ones
+static int amx_min_rows = 0, amx_min_rows_8bit = 0, amx_min_rows_4bit = 0;
 static int64_t amx_calls = 0;        // products run on the tiles (blocked_amx_calls)
 
 // The tiles for the products (palette 1): tiles 0-2 the C blocks of a panel's three 16-feature
@@ -897,6 +897,90 @@ static int amx_8bit_panels(const uint16_t *x, int64_t x_stride, const uint8_t *p
     }
     return failed ? -1 : 0;
 }
+
+// A 4-bit panel's integers as bfloat16 pairs ([K / 2][NR] words, AMX's B layout; exact): per 8
+// k's a word per feature holds the pair (k + 2i, k + 2i + 1) at bits 4i and 16 + 4i
+static void widen_int4_panel(const uint8_t *panel, int K, int group, int tb, uint32_t *pairs) {
+    const __m512i nibbles = _mm512_set1_epi32(0x000F000F), low_half = _mm512_set1_epi32(0xFFFF);
+    const __m512i high_half = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int k8 = 0; k8 < K; k8 += 8)
+        for (int v = 0; v < NV; v++) {
+            const __m512i words = _mm512_loadu_si512(int4_words(panel, group, tb, k8) + 16 * v);
+            for (int i = 0; i < 4; i++) {
+                const __m512i pair = _mm512_and_si512(_mm512_srli_epi32(words, 4 * i), nibbles);
+                // each integer as float32, whose upper half is its bfloat16
+                const __m512i even = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_and_si512(pair, low_half)));
+                const __m512i odd = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srli_epi32(pair, 16)));
+                _mm512_storeu_si512(pairs + (int64_t)(k8 / 2 + i) * NR + 16 * v,
+                                    _mm512_or_si512(_mm512_srli_epi32(even, 16), _mm512_and_si512(odd, high_half)));
+            }
+        }
+}
+
+// The same over 4-bit panels (bfloat16 x), groups a multiple of 32 columns: each panel's nibbles
+// turned once into bfloat16 pairs (exact: 0..15), then per 16 rows and group the tiles' sum
+// S = sum_k x[k] q[k], and w = q * scale + min applied as scale * S + min * sum_k x[k] (the
+// group's sum of x in float32, 16 values at a time). x is not quantized, as it is on the vector
+// tiles (int4_tile_q16), so the sums differ from theirs. Returns -1 where a buffer could not be
+// allocated.
+static int amx_4bit_panels(const uint16_t *x, int64_t x_stride, const uint8_t *packed, const void *bias, void *y,
+                           int M, int N, int K, int group, int tb) {
+    const int panels = (N + NR - 1) / NR, blocks = (M + 15) / 16, tile_rows = M < 16 ? M : 16, groups = K / group;
+    const int64_t panel_bytes = blocked_int4_size(NR, K, group, tb);
+    float *x_sums = (float *)malloc(sizeof(float) * (size_t)M * groups);
+    if (!x_sums) return -1;
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < groups; g++) {
+            vf16 sum = vf_zero();
+            for (int k = g * group; k < (g + 1) * group; k += 16) sum = vf_add(sum, vf_load_as(x, m * x_stride + k, 1));
+            x_sums[m * groups + g] = vf_reduce_add(sum);
+        }
+    int failed = 0;
+    #pragma omp parallel if (panels > 1 && (int64_t)N * K >= 65536)
+    {
+    uint32_t *pairs = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(K / 2) * NR);
+    if (!pairs) {
+        #pragma omp atomic write
+        failed = 1;
+    }
+    amx_configure(tile_rows);
+    float part[16][NR], acc[16][NR];
+    #pragma omp for schedule(static)
+    for (int p = 0; p < panels; p++) {
+        if (!pairs) continue;
+        const uint8_t *panel = packed + p * panel_bytes;
+        const int n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
+        widen_int4_panel(panel, K, group, tb, pairs);
+        for (int b = 0; b < blocks; b++) {
+            const int first = b * 16, r0 = first + tile_rows > M ? M - tile_rows : first;   // as amx_panels
+            const uint16_t *xb = x + (int64_t)r0 * x_stride;
+            for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
+                for (int k0 = g0; k0 < g0 + group; k0 += 32) amx_step(xb + k0, x_stride, pairs + (int64_t)(k0 / 2) * NR);
+                amx_store_sums(part);
+                const uint8_t *tables = int4_tables(panel, group, tb, g);
+                for (int v = 0; v < NV; v++) {
+                    const __m512 scale = load_table(tables, 16 * v, tb), min = load_table(tables, NR + 16 * v, tb);
+                    for (int m = 0; m < tile_rows; m++) {
+                        const __m512 sum = _mm512_loadu_ps(&part[m][16 * v]);
+                        const __m512 before = g ? _mm512_loadu_ps(&acc[m][16 * v]) : _mm512_setzero_ps();
+                        const __m512 scaled = _mm512_fmadd_ps(scale, sum, before);
+                        _mm512_storeu_ps(&acc[m][16 * v],
+                                         _mm512_fmadd_ps(min, _mm512_set1_ps(x_sums[(r0 + m) * groups + g]), scaled));
+                    }
+                }
+            }
+            for (int m = first - r0; m < tile_rows; m++)
+                for (int v = 0; v < NV && 16 * v < width; v++)
+                    store_outputs(y, (int64_t)(r0 + m) * N + n0 + 16 * v, vf_load(&acc[m][16 * v]), bias, n0 + 16 * v,
+                                  width - 16 * v < 16 ? width - 16 * v : 16, 1);
+        }
+    }
+    _tile_release();
+    free(pairs);
+    }
+    free(x_sums);
+    return failed ? -1 : 0;
+}
 #endif
 
 // The product over all panels, for float panels (bits 0) or 4- or 8-bit ones (group: columns
@@ -913,6 +997,10 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
         __atomic_fetch_add(&amx_calls, 1, __ATOMIC_RELAXED);
         return amx_8bit_panels((const uint16_t *)x, x_stride, (const uint8_t *)packed, bias, y, M, N, K, group, tb,
                                fp8);
+    }
+    if (amx_min_rows_4bit && M >= amx_min_rows_4bit && dtype == 1 && bits == 4 && group % 32 == 0) {
+        __atomic_fetch_add(&amx_calls, 1, __ATOMIC_RELAXED);
+        return amx_4bit_panels((const uint16_t *)x, x_stride, (const uint8_t *)packed, bias, y, M, N, K, group, tb);
     }
 #endif
     const int panels = (N + NR - 1) / NR, Kp = dtype == 0 || bits ? K : K + K % 2;
@@ -1044,18 +1132,20 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
 #endif
 
 // bfloat16 products on the AMX tiles from min_rows rows on over float panels whose K is a
-// multiple of 32, and from min_rows_8bit over 8-bit panels whose groups are (0: never). A row's
-// result then depends on whether its product had that many rows, unless that is 1.
+// multiple of 32, from min_rows_8bit over 8-bit panels and from min_rows_4bit over 4-bit ones
+// whose groups are (0: never). A row's result then depends on whether its product had that
+// many rows, unless that is 1.
 // Returns 1 if set, 0 in a build without AMX, -1 where the OS refuses this process the tiles'
 // state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once).
-KERNEL_API int blocked_set_amx(int min_rows, int min_rows_8bit) {
+KERNEL_API int blocked_set_amx(int min_rows, int min_rows_8bit, int min_rows_4bit) {
 #if SHARDLM_AMX
     if (!amx_permitted()) return -1;
     amx_min_rows = min_rows > 0 ? min_rows : 0;
     amx_min_rows_8bit = min_rows_8bit > 0 ? min_rows_8bit : 0;
+    amx_min_rows_4bit = min_rows_4bit > 0 ? min_rows_4bit : 0;
     return 1;
 #else
-    (void)min_rows, (void)min_rows_8bit;
+    (void)min_rows, (void)min_rows_8bit, (void)min_rows_4bit;
     return 0;
 #endif
 }

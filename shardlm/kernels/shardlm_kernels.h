@@ -75,7 +75,7 @@ KERNEL_API int blocked_fp8_pack(const uint8_t *q, const float *scales, int N, in
 KERNEL_API void blocked_rows(const void *packed, const int64_t *index, int n, int K, int bits, int fp8, int group,
                              int tb, int dtype, void *out);
 KERNEL_API int blocked_set_bf16_dot(int on);
-KERNEL_API int blocked_set_amx(int min_rows, int min_rows_8bit);
+KERNEL_API int blocked_set_amx(int min_rows, int min_rows_8bit, int min_rows_4bit);
 KERNEL_API int blocked_amx_usable(void);
 KERNEL_API int64_t blocked_amx_calls(void);
 KERNEL_API int blocked_matmul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int M,

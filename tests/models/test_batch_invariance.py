@@ -32,8 +32,7 @@ def test_amx_for_many_rows_stays_within_transformers_top5(amx_variant, tiny_mode
     """--no-batch-invariant with the CPU plan's AMX from 8 rows (prefill and batched decode there)."""
     path = tiny_model_dir("llama-gqa")
     plan = tmp_path / "plan.json"
-    plan.write_text(cpu_plan.CpuPlan(choices={"amx_rows": {amx.plan_key("bfloat16", False): 8,
-                                                           amx.plan_key("eight_bit", False): 8}}).to_json())
+    plan.write_text(cpu_plan.CpuPlan(choices={"amx_rows": {amx.plan_key(k, False): 8 for k in amx.KINDS}}).to_json())
     reference = hf.greedy(path, _prompts(), MAX_TOKENS, dtype=torch.float32)
     cpu_plan.forget()
     llm = LLM(path, dtype="bfloat16", kv_cache_memory="32MiB", batch_invariant=False,
@@ -49,24 +48,23 @@ def test_amx_for_many_rows_stays_within_transformers_top5(amx_variant, tiny_mode
     hf.assert_close(reference, outs, "bfloat16 on AMX tiles")
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_amx_at_every_row_count_keeps_batch_invariance(quantization, amx_variant, tiny_model_dir, tmp_path):
     """Where the CPU plan puts bfloat16 products on the AMX tiles from one row (under
     --batch-invariant: where one row costs no more there), a prompt's tokens and log-probabilities
     are the same alone and among others, and the one-call decode step equals the layer-by-layer
-    path, bit for bit: for bfloat16 weights and 8-bit ones. On the plain-C model of the tiles where
+    path, bit for bit: for bfloat16 weights, 8-bit and 4-bit ones. On the plain-C model of the tiles where
     the CPU has none."""
-    kind = "eight_bit" if quantization else "bfloat16"
+    kind = {None: "bfloat16", "int8": "eight_bit", "int4": "four_bit"}[quantization]
     plan = tmp_path / "plan.json"
-    choices = {"amx_rows": {amx.plan_key("bfloat16", True): int(kind == "bfloat16"),
-                            amx.plan_key("eight_bit", True): int(kind == "eight_bit")}}
+    choices = {"amx_rows": {amx.plan_key(k, True): int(k == kind) for k in amx.KINDS}}
     plan.write_text(cpu_plan.CpuPlan(choices=choices).to_json())
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     prompts = [{"prompt_token_ids": [(37 * i + 11 * j) % 30000 + 100 for i in range(20 + 9 * j)]} for j in range(3)]
     cpu_plan.forget()
     llm = LLM(tiny_model_dir("llama-gqa"), dtype="bfloat16", kv_cache_memory="32MiB", enable_prefix_caching=False,
               distributed_executor_backend="uni", cpu_plan=str(plan), quantization=quantization,
-              quantization_group_size=-1 if quantization else None)
+              quantization_group_size={"int8": -1, "int4": 32}.get(quantization))
     tokens = lambda outs: [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]  # noqa: E731
     try:
         before = amx.calls()

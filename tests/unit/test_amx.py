@@ -1,8 +1,9 @@
 """bfloat16 products on the AMX tiles (kernels/blocked_matmul.c: amx_panels over bfloat16 panels,
-amx_8bit_panels over int8 and FP8 ones; kernels/amx.py): equal to the float product within
-bfloat16's rounding, each row's result the same whatever other rows it is computed with, from
-one row up, and whatever the thread count, and off unless asked. On the CPU's tiles where it has
-them (else skipped), and on the plain-C model of them everywhere with AVX512-BF16."""
+amx_8bit_panels over int8 and FP8 ones, amx_4bit_panels over 4-bit ones; kernels/amx.py): equal
+to the float product within bfloat16's rounding, each row's result the same whatever other rows
+it is computed with, from one row up, and whatever the thread count, and off unless asked. On the
+CPU's tiles where it has them (else skipped), and on the plain-C model of them everywhere with
+AVX512-BF16."""
 
 import pytest
 import torch
@@ -76,6 +77,30 @@ def one_thread(product):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("float16_tables", [False, True])
+@pytest.mark.parametrize("rows, n, k, group", [(1, 48, 64, 32), (37, 100, 576, 64), (20, 200, 256, 256)])
+def test_4bit_products_on_amx_equal_the_dequantized_product(rows, n, k, group, float16_tables, tiles):
+    """4-bit weights (scale and min per group, as int4 and GGUF's Q4 blocks): on the tiles x is not
+    quantized, so the product is the dequantized one to bfloat16's rounding; a row's bits the same
+    alone, in any block and on one thread."""
+    q, scales, mins = quantize_rtn(torch.randn(n, k) / 8, 4, group)
+    if float16_tables:
+        scales, mins = scales.half().float(), mins.half().float()
+    weight = QuantizedWeight(q, scales, mins, 4, torch.bfloat16)
+    assert weight.kernel == "blocked4"
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    amx.use(AmxRows(four_bit=1))
+    before = amx.calls()
+    got = weight.matmul(x)
+    assert amx.calls() == before + 1
+    want = F.linear(x.float(), dequantize(q, scales, mins, torch.float32))
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    for start, stop in ((0, 1), (rows - 1, rows), (2, 19)):
+        if stop <= rows:
+            assert torch.equal(weight.matmul(x[start:stop]), got[start:stop]), (start, stop)
+    assert torch.equal(one_thread(lambda: weight.matmul(x)), got)
+
+
 def test_amx_is_off_unless_asked(tiles):
     """Batch invariance is the default: without amx.use, 64 rows and one row sum alike."""
     w = torch.randn(96, 64).to(torch.bfloat16)
@@ -105,13 +130,13 @@ def test_amx_rows_sum_alike_from_one_row_up(tiles):
 def test_the_cpu_plan_times_each_kind_of_weight(batch_invariant, tiles, monkeypatch):
     """The start-up measurement runs (small weights here) and records its choice and evidence for
     both kinds of weight; the tiles are left off."""
-    monkeypatch.setattr(amx, "ONE_ROW_WEIGHTS", {"bfloat16": (480, 256), "eight_bit": (480, 256)})
+    monkeypatch.setattr(amx, "ONE_ROW_WEIGHTS", {kind: (480, 256) for kind in amx.KINDS})
     monkeypatch.setattr(amx, "MANY_ROWS_WEIGHT", (96, 64))
     cpu_plan.forget()
     try:
         rows = amx.choose(batch_invariant)
         made = cpu_plan.current()
-        for kind in ("bfloat16", "eight_bit"):
+        for kind in amx.KINDS:
             key = amx.plan_key(kind, batch_invariant)
             assert made.choices["amx_rows"][key] == getattr(rows, kind)
             assert ("vector tiles' time" in made.evidence["amx_rows"][key]
@@ -127,8 +152,9 @@ def test_the_cpu_plan_times_each_kind_of_weight(batch_invariant, tiles, monkeypa
 
 
 def test_the_choice_is_logged_by_kind(tiles):
-    assert amx.describe(AmxRows(bfloat16=1), True) == (
-        "bfloat16 weights at every row count; 8-bit weights none (one row was slower there)")
+    assert amx.describe(AmxRows(bfloat16=1, four_bit=1), True) == (
+        "bfloat16 weights at every row count; 8-bit weights none (one row was slower there); 4-bit weights at "
+        "every row count")
     assert amx.describe(AmxRows(bfloat16=16, eight_bit=8), False) == (
-        "bfloat16 weights from 16 rows; 8-bit weights from 8 rows")
+        "bfloat16 weights from 16 rows; 8-bit weights from 8 rows; 4-bit weights none (not faster here)")
     assert amx.plan_key("eight_bit", True).startswith("8-bit products (bfloat16 x), batch-invariant (")
