@@ -1,5 +1,5 @@
 """bfloat16 products on the AMX tiles of Intel Xeons (kernels/blocked_matmul.c: amx_panels over
-float panels, amx_8bit_panels over int8 / FP8 ones, amx_4bit_panels over 4-bit ones): whether
+float panels, amx_integer_panels over 8-bit (int8, FP8) and 4-bit ones): whether
 this process can use them, and from how many rows, a CPU plan's choice timed once per process.
 
 AMX sums a tile in an order no vector tile has (docs/USER_GUIDE.md, "CPU performance notes"), while

@@ -846,58 +846,6 @@ static void amx_panels(const uint16_t *x, int64_t x_stride, const uint16_t *pack
     }
 }
 
-// The same over 8-bit panels (int8, or FP8 bytes; bfloat16 x), groups a multiple of 32 columns:
-// each panel converted once into the dot tile's bfloat16 pairs (widen_int8_panel: exact, and
-// AMX's B layout), then per 16 rows and group the tiles' sum, its scales applied to it as the dot
-// tile applies them (acc += scale * sum). Returns -1 where a thread's buffer could not be allocated.
-static int amx_8bit_panels(const uint16_t *x, int64_t x_stride, const uint8_t *packed, const void *bias, void *y,
-                           int M, int N, int K, int group, int tb, int fp8) {
-    const int panels = (N + NR - 1) / NR, blocks = (M + 15) / 16, tile_rows = M < 16 ? M : 16;
-    const int64_t panel_bytes = blocked_int8_size(NR, K, group, tb);
-    int failed = 0;
-    #pragma omp parallel if (panels > 1 && (int64_t)N * K >= 65536)
-    {
-    uint32_t *pairs = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(K / 2) * NR);
-    if (!pairs) {
-        #pragma omp atomic write
-        failed = 1;
-    }
-    amx_configure(tile_rows);
-    float part[16][NR], acc[16][NR];
-    #pragma omp for schedule(static)
-    for (int p = 0; p < panels; p++) {
-        if (!pairs) continue;
-        const uint8_t *panel = packed + p * panel_bytes;
-        const int n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
-        widen_int8_panel(panel, K, group, tb, 1, fp8, pairs);
-        for (int b = 0; b < blocks; b++) {
-            const int first = b * 16, r0 = first + tile_rows > M ? M - tile_rows : first;   // as amx_panels
-            const uint16_t *xb = x + (int64_t)r0 * x_stride;
-            for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
-                for (int k0 = g0; k0 < g0 + group; k0 += 32) amx_step(xb + k0, x_stride, pairs + (int64_t)(k0 / 2) * NR);
-                amx_store_sums(part);
-                const uint8_t *tables = int8_tables(panel, group, tb, g);
-                for (int v = 0; v < NV; v++) {
-                    const __m512 scale = load_table(tables, 16 * v, tb);
-                    for (int m = 0; m < tile_rows; m++) {
-                        const __m512 sum = _mm512_loadu_ps(&part[m][16 * v]);
-                        const __m512 before = g ? _mm512_loadu_ps(&acc[m][16 * v]) : _mm512_setzero_ps();
-                        _mm512_storeu_ps(&acc[m][16 * v], _mm512_fmadd_ps(scale, sum, before));
-                    }
-                }
-            }
-            for (int m = first - r0; m < tile_rows; m++)
-                for (int v = 0; v < NV && 16 * v < width; v++)
-                    store_outputs(y, (int64_t)(r0 + m) * N + n0 + 16 * v, vf_load(&acc[m][16 * v]), bias, n0 + 16 * v,
-                                  width - 16 * v < 16 ? width - 16 * v : 16, 1);
-        }
-    }
-    _tile_release();
-    free(pairs);
-    }
-    return failed ? -1 : 0;
-}
-
 // A 4-bit panel's integers as bfloat16 pairs ([K / 2][NR] words, AMX's B layout; exact): per 8
 // k's a word per feature holds the pair (k + 2i, k + 2i + 1) at bits 4i and 16 + 4i
 static void widen_int4_panel(const uint8_t *panel, int K, int group, int tb, uint32_t *pairs) {
@@ -917,24 +865,28 @@ static void widen_int4_panel(const uint8_t *panel, int K, int group, int tb, uin
         }
 }
 
-// The same over 4-bit panels (bfloat16 x), groups a multiple of 32 columns: each panel's nibbles
-// turned once into bfloat16 pairs (exact: 0..15), then per 16 rows and group the tiles' sum
-// S = sum_k x[k] q[k], and w = q * scale + min applied as scale * S + min * sum_k x[k] (the
-// group's sum of x in float32, 16 values at a time). x is not quantized, as it is on the vector
-// tiles (int4_tile_q16), so the sums differ from theirs. Returns -1 where a buffer could not be
-// allocated.
-static int amx_4bit_panels(const uint16_t *x, int64_t x_stride, const uint8_t *packed, const void *bias, void *y,
-                           int M, int N, int K, int group, int tb) {
+// The same over 8-bit panels (int8, or FP8 bytes) or 4-bit ones (bits), bfloat16 x, groups a
+// multiple of 32 columns: each panel's integers turned once into bfloat16 pairs (exact; AMX's B
+// layout: the dot tile's for 8 bits, widen_int8_panel), then per 16 rows and group the tiles' sum
+// S = sum_k x[k] q[k], applied as the group's scale * S (8 bits, as the dot tile applies it), or,
+// for w = q * scale + min, scale * S + min * the group's sum of x (float32, 16 values at a time;
+// x is not quantized, as the 4-bit vector tiles quantize it, so their sums differ). Returns -1
+// where a buffer could not be allocated.
+static int amx_integer_panels(const uint16_t *x, int64_t x_stride, const uint8_t *packed, const void *bias, void *y,
+                              int M, int N, int K, int bits, int fp8, int group, int tb) {
     const int panels = (N + NR - 1) / NR, blocks = (M + 15) / 16, tile_rows = M < 16 ? M : 16, groups = K / group;
-    const int64_t panel_bytes = blocked_int4_size(NR, K, group, tb);
-    float *x_sums = (float *)malloc(sizeof(float) * (size_t)M * groups);
-    if (!x_sums) return -1;
-    for (int m = 0; m < M; m++)
-        for (int g = 0; g < groups; g++) {
-            vf16 sum = vf_zero();
-            for (int k = g * group; k < (g + 1) * group; k += 16) sum = vf_add(sum, vf_load_as(x, m * x_stride + k, 1));
-            x_sums[m * groups + g] = vf_reduce_add(sum);
-        }
+    const int64_t panel_bytes = bits == 4 ? blocked_int4_size(NR, K, group, tb) : blocked_int8_size(NR, K, group, tb);
+    float *x_sums = NULL;
+    if (bits == 4) {
+        x_sums = (float *)malloc(sizeof(float) * (size_t)M * groups);
+        if (!x_sums) return -1;
+        for (int m = 0; m < M; m++)
+            for (int g = 0; g < groups; g++) {
+                vf16 sum = vf_zero();
+                for (int k = g * group; k < (g + 1) * group; k += 16) sum = vf_add(sum, vf_load_as(x, m * x_stride + k, 1));
+                x_sums[m * groups + g] = vf_reduce_add(sum);
+            }
+    }
     int failed = 0;
     #pragma omp parallel if (panels > 1 && (int64_t)N * K >= 65536)
     {
@@ -950,22 +902,24 @@ static int amx_4bit_panels(const uint16_t *x, int64_t x_stride, const uint8_t *p
         if (!pairs) continue;
         const uint8_t *panel = packed + p * panel_bytes;
         const int n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
-        widen_int4_panel(panel, K, group, tb, pairs);
+        if (bits == 4) widen_int4_panel(panel, K, group, tb, pairs);
+        else widen_int8_panel(panel, K, group, tb, 1, fp8, pairs);
         for (int b = 0; b < blocks; b++) {
             const int first = b * 16, r0 = first + tile_rows > M ? M - tile_rows : first;   // as amx_panels
             const uint16_t *xb = x + (int64_t)r0 * x_stride;
             for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
                 for (int k0 = g0; k0 < g0 + group; k0 += 32) amx_step(xb + k0, x_stride, pairs + (int64_t)(k0 / 2) * NR);
                 amx_store_sums(part);
-                const uint8_t *tables = int4_tables(panel, group, tb, g);
+                const uint8_t *tables = bits == 4 ? int4_tables(panel, group, tb, g) : int8_tables(panel, group, tb, g);
                 for (int v = 0; v < NV; v++) {
-                    const __m512 scale = load_table(tables, 16 * v, tb), min = load_table(tables, NR + 16 * v, tb);
+                    const __m512 scale = load_table(tables, 16 * v, tb);
+                    const __m512 min = bits == 4 ? load_table(tables, NR + 16 * v, tb) : _mm512_setzero_ps();
                     for (int m = 0; m < tile_rows; m++) {
                         const __m512 sum = _mm512_loadu_ps(&part[m][16 * v]);
                         const __m512 before = g ? _mm512_loadu_ps(&acc[m][16 * v]) : _mm512_setzero_ps();
-                        const __m512 scaled = _mm512_fmadd_ps(scale, sum, before);
-                        _mm512_storeu_ps(&acc[m][16 * v],
-                                         _mm512_fmadd_ps(min, _mm512_set1_ps(x_sums[(r0 + m) * groups + g]), scaled));
+                        __m512 total = _mm512_fmadd_ps(scale, sum, before);
+                        if (bits == 4) total = _mm512_fmadd_ps(min, _mm512_set1_ps(x_sums[(r0 + m) * groups + g]), total);
+                        _mm512_storeu_ps(&acc[m][16 * v], total);
                     }
                 }
             }
@@ -993,14 +947,11 @@ static int run_panels(const void *x, int64_t x_stride, const void *packed, const
         __atomic_fetch_add(&amx_calls, 1, __ATOMIC_RELAXED);
         return amx_panels((const uint16_t *)x, x_stride, (const uint16_t *)packed, bias, y, M, N, K), 0;
     }
-    if (amx_min_rows_8bit && M >= amx_min_rows_8bit && dtype == 1 && bits == 8 && group % 32 == 0) {
+    const int integer_rows = bits == 8 ? amx_min_rows_8bit : bits == 4 ? amx_min_rows_4bit : 0;
+    if (integer_rows && M >= integer_rows && dtype == 1 && group % 32 == 0) {
         __atomic_fetch_add(&amx_calls, 1, __ATOMIC_RELAXED);
-        return amx_8bit_panels((const uint16_t *)x, x_stride, (const uint8_t *)packed, bias, y, M, N, K, group, tb,
-                               fp8);
-    }
-    if (amx_min_rows_4bit && M >= amx_min_rows_4bit && dtype == 1 && bits == 4 && group % 32 == 0) {
-        __atomic_fetch_add(&amx_calls, 1, __ATOMIC_RELAXED);
-        return amx_4bit_panels((const uint16_t *)x, x_stride, (const uint8_t *)packed, bias, y, M, N, K, group, tb);
+        return amx_integer_panels((const uint16_t *)x, x_stride, (const uint8_t *)packed, bias, y, M, N, K, bits, fp8,
+                                  group, tb);
     }
 #endif
     const int panels = (N + NR - 1) / NR, Kp = dtype == 0 || bits ? K : K + K % 2;

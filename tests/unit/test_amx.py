@@ -1,5 +1,5 @@
 """bfloat16 products on the AMX tiles (kernels/blocked_matmul.c: amx_panels over bfloat16 panels,
-amx_8bit_panels over int8 and FP8 ones, amx_4bit_panels over 4-bit ones; kernels/amx.py): equal
+amx_integer_panels over int8, FP8 and 4-bit ones; kernels/amx.py): equal
 to the float product within bfloat16's rounding, each row's result the same whatever other rows
 it is computed with, from one row up, and whatever the thread count, and off unless asked. On the
 CPU's tiles where it has them (else skipped), and on the plain-C model of them everywhere with
