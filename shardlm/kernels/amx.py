@@ -121,15 +121,26 @@ def _many_rows(kind: str) -> tuple[int, str]:
     return 0, f"AMX was not {MANY_ROWS_GAIN}x faster at up to 64 rows"
 
 
-def choose(batch_invariant: bool) -> AmxRows:
-    """The rows from which each kind of weight runs on the AMX tiles (AmxRows() where they cannot
-    be used); AMX left off after."""
+def kinds_of(quantization) -> tuple[str, ...]:
+    """The kinds of weight a model's products may have, by its QuantizationConfig (None: float):
+    bfloat16 always (what stays float: the LM head, adapters), a GGUF file's 8- and 4-bit blocks
+    (Q4_K_M keeps Q6_K and Q8_0 tensors beside its Q4_K ones)."""
+    if quantization is None:
+        return ("bfloat16",)
+    if quantization.method == "gguf":
+        return tuple(KINDS)
+    return ("bfloat16", "eight_bit" if quantization.bits == 8 else "four_bit")
+
+
+def choose(batch_invariant: bool, kinds: tuple[str, ...] = tuple(KINDS)) -> AmxRows:
+    """The rows from which each of these kinds of weight runs on the AMX tiles (the others: never;
+    AmxRows() where the tiles cannot be used); AMX left off after."""
     if unavailable():
         return AmxRows()
     measure = _one_row if batch_invariant else _many_rows
     rows = AmxRows(**{kind: cpu_plan.choose("amx_rows", plan_key(kind, batch_invariant),
                                             lambda kind=kind: measure(kind))
-                      for kind in KINDS})
+                      for kind in kinds})
     off()
     return rows
 

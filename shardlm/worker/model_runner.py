@@ -91,11 +91,12 @@ class ModelRunner:
         self.vision = None          # a vision-language model's vision encoder, on the first stage (multimodal/)
 
     @staticmethod
-    def _choose_amx(batch_invariant: bool) -> None:
-        """bfloat16 products on the AMX tiles from the rows the CPU plan chose (kernels/amx.py),
-        logged where the CPU has the tiles, with why not where this process cannot use them."""
+    def _choose_amx(batch_invariant: bool, quantization) -> None:
+        """bfloat16 products on the AMX tiles from the rows the CPU plan chose for the kinds of
+        weight this model has (kernels/amx.py), logged where the CPU has the tiles, with why not
+        where this process cannot use them."""
         why_not = amx.unavailable()
-        rows = amx.AmxRows() if why_not else amx.choose(batch_invariant)
+        rows = amx.AmxRows() if why_not else amx.choose(batch_invariant, amx.kinds_of(quantization))
         amx.use(rows)
         if why_not and "no AMX tiles" not in why_not:
             logger.warning("bfloat16 products run on the vector tiles, not AMX: %s.", why_not)
@@ -107,7 +108,7 @@ class ModelRunner:
         m = self.config.model
         cpu_plan.record(batch_invariant=m.batch_invariant)       # which float weights go into panels
         if self.device.type == "cpu" and m.dtype == torch.bfloat16:
-            self._choose_amx(m.batch_invariant)
+            self._choose_amx(m.batch_invariant, m.quantization)
         stages = stage_layers(self.config.model, par)
         self.pp, self.tp, self.pcp = get_pp_group(), get_tp_group(), get_pcp_group()
         cp = get_cp_group()

@@ -151,6 +151,22 @@ def test_the_cpu_plan_times_each_kind_of_weight(batch_invariant, tiles, monkeypa
         cpu_plan.forget()
 
 
+def test_a_model_times_only_the_kinds_of_weight_it_has(tiles, monkeypatch):
+    from shardlm.config import QuantizationConfig
+    assert amx.kinds_of(None) == ("bfloat16",)
+    assert amx.kinds_of(QuantizationConfig("int8", -1)) == ("bfloat16", "eight_bit")
+    assert amx.kinds_of(QuantizationConfig("gptq", 128)) == ("bfloat16", "four_bit")
+    assert amx.kinds_of(QuantizationConfig("gguf", 32)) == ("bfloat16", "eight_bit", "four_bit")
+    timed = []
+    monkeypatch.setattr(amx, "_one_row", lambda kind: (timed.append(kind), (1, "timed"))[1])
+    cpu_plan.forget()
+    try:
+        assert amx.choose(True, amx.kinds_of(None)) == AmxRows(bfloat16=1)
+    finally:
+        cpu_plan.forget()
+    assert timed == ["bfloat16"]
+
+
 def test_the_choice_is_logged_by_kind(tiles):
     assert amx.describe(AmxRows(bfloat16=1, four_bit=1), True) == (
         "bfloat16 weights at every row count; 8-bit weights none (one row was slower there); 4-bit weights at "
