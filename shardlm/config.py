@@ -125,7 +125,7 @@ class ModelConfig:
     generation_defaults: dict = field(default_factory=dict)
     quantization: QuantizationConfig | None = None
     enforce_eager: bool = False      # no one-call decode path (models/llama_cpu_decode.py)
-    batch_invariant: bool = True     # False: bfloat16 products of many rows on AMX tiles alone (kernels.amx_rows)
+    batch_invariant: bool = True     # a row sums alike at any row count (AMX: at every one or none; kernels/amx.py)
     cpu_plan: str | None = None      # --cpu-plan: the CPU plan file to follow or write (cpu_plan.py)
     reasoning_parser: str | None = None      # structured outputs constrain what follows the thinking
     reasoning_parser_plugin: str | None = None    # a file registering reasoning parsers (plugins.py)

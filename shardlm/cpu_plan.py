@@ -29,7 +29,8 @@ KINDS = {
     "skinny_rows": "a plain weight [N, K]: the most rows its product runs on the skinny kernel (else oneDNN)",
     "quantized_rows": "a packed 4-/8-bit weight: the most rows torch's packed kernel serves (else dequantized)",
     "dtype_auto": "--dtype auto for a bfloat16 checkpoint: the dtype chosen",
-    "amx_rows": "the fewest rows from which bfloat16 products run on AMX tiles (0: never; batch-invariant: 1 or 0)",
+    "amx_rows": "per kind of weight: the fewest rows from which products run on AMX tiles (0: never; "
+                "batch-invariant: 1 or 0)",
 }
 
 

@@ -61,6 +61,10 @@ def calls() -> int:
     return count() if count is not None else 0
 
 
+def cpu_has_tiles() -> bool:
+    return "amx" in kernels.supported_isas()
+
+
 def unavailable() -> str | None:
     """Why products cannot run on the AMX tiles here, or None where they can."""
     usable = _function("blocked_amx_usable")
@@ -69,7 +73,7 @@ def unavailable() -> str | None:
         return None
     if state == -1:
         return "the OS refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: Linux 5.16 or newer)"
-    if "amx" not in kernels.supported_isas():
+    if not cpu_has_tiles():
         return "this CPU has no AMX tiles"
     return f"the kernel library in use ({kernels.active_isa()}) has no AMX code"
 

@@ -9,7 +9,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-// included by cpu_common.h, after immintrin.h (whose tile intrinsics it replaces) and tile_config_t
+// included by cpu_common.h, after immintrin.h (whose tile intrinsics it replaces), tile_config_t
+// and bf16_to_f32
 
 // each thread's tile registers, as each core has its own
 static __thread struct {
@@ -19,7 +20,7 @@ static __thread struct {
 } amx_state;
 
 static inline void amx_refuse(const char *what, int tile) {
-    fprintf(stderr, "amx_emulated: %s (tile %d): the CPU would raise #UD here\n", what, tile);
+    fprintf(stderr, "amx_emulated: %s (tile %d): the CPU would fault here\n", what, tile);
     abort();
 }
 
@@ -66,13 +67,10 @@ static inline void emulated_tile_zero(int t) {
     memset(amx_state.data[t], 0, sizeof(amx_state.data[t]));
 }
 
-static inline float emulated_bf16(const uint8_t *p) {
+static inline uint16_t emulated_half(const uint8_t *p) {     // a tile's bfloat16 at p (any alignment)
     uint16_t h;
     memcpy(&h, p, 2);
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    return h;
 }
 
 // c (float32, M x N) += a (bfloat16 pairs, M x K pairs) . b (K rows of N bfloat16 pairs): each
@@ -89,8 +87,8 @@ static inline void emulated_tile_dpbf16ps(int c, int a, int b) {
             double sum = 0;
             for (int k = 0; k < K; k++)
                 for (int i = 0; i < 2; i++)
-                    sum += (double)emulated_bf16(&amx_state.data[a][m][4 * k + 2 * i]) *
-                           emulated_bf16(&amx_state.data[b][k][4 * n + 2 * i]);
+                    sum += (double)bf16_to_f32(emulated_half(amx_state.data[a][m] + 4 * k + 2 * i)) *
+                           bf16_to_f32(emulated_half(amx_state.data[b][k] + 4 * n + 2 * i));
             float cv;
             memcpy(&cv, &amx_state.data[c][m][4 * n], 4);
             cv = (float)((double)cv + sum);

@@ -26,9 +26,6 @@ typedef struct {
     uint8_t rows[16];
 } tile_config_t;
 #endif
-#if SHARDLM_AMX && defined(SHARDLM_EMULATE_AMX)
-#include "amx_emulated.h"
-#endif
 
 #include "shardlm_kernels.h"
 #include "simd16.h"
@@ -205,6 +202,7 @@ static inline void rotary_heads(void *x, const void *cos, const void *signed_sin
 extern int shardlm_bf16_dot;
 
 #if SHARDLM_AMX && defined(SHARDLM_EMULATE_AMX)
+#include "amx_emulated.h"
 static inline int amx_permitted(void) { return 1; }
 #elif SHARDLM_AMX
 // Whether the OS lets this process use the AMX tiles' state (arch_prctl ARCH_REQ_XCOMP_PERM for

@@ -98,7 +98,7 @@ class ModelRunner:
         why_not = amx.unavailable()
         rows = amx.AmxRows() if why_not else amx.choose(batch_invariant, amx.kinds_of(quantization))
         amx.use(rows)
-        if why_not and "no AMX tiles" not in why_not:
+        if why_not and amx.cpu_has_tiles():
             logger.warning("bfloat16 products run on the vector tiles, not AMX: %s.", why_not)
         elif not why_not:
             logger.info("bfloat16 products on the AMX tiles: %s", amx.describe(rows, batch_invariant))
