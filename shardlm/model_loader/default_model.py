@@ -128,9 +128,12 @@ def gguf_hf_config(src: str, file=None):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from shardlm.model_loader.gguf_file import GGUFFile
+    from shardlm.model_loader.gguf_metadata import metadata_from
     from shardlm.model_loader.gguf_names import complete_config
     gguf_dir, gguf_file = os.path.split(src)
-    config = complete_config(file or GGUFFile(src), AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file))
+    file = file or GGUFFile(src)
+    with metadata_from(file):
+        config = complete_config(file, AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file))
     config.architectures = config.architectures or [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     return config
 
@@ -141,12 +144,14 @@ def convert_gguf(src: str, out: str, declared_dtype: str | None = None, tied: bo
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from shardlm.model_loader.gguf_file import GGUFFile
+    from shardlm.model_loader.gguf_metadata import metadata_from
     from shardlm.model_loader.gguf_weights import float_state_dict
 
     logger.info("Converting %s to a Hugging Face directory at %s (once).", src, out)
     gguf_dir, gguf_file = os.path.split(src)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     file = GGUFFile(src)
+    with metadata_from(file):
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     config = gguf_hf_config(src, file)
     weights, model = float_state_dict(file, config), None
     if weights is None:     # another architecture: transformers' loader maps it

@@ -43,11 +43,18 @@ class GGUFFile:
         magic, version, n_tensors, n_fields = struct.unpack_from("<4sIQQ", self._buf, 0)
         if magic != b"GGUF" or version not in (2, 3):
             raise ValueError(f"{path} is not a GGUF file of version 2 or 3 (magic {magic!r}, version {version}).")
+        self.path, self.version = path, version
         self._pos = 24
         self.metadata: dict[str, object] = {}
+        self.value_types: dict[str, tuple[int, ...]] = {}     # GGUF's type ids: (type,) or (array, item type)
         for _ in range(n_fields):
             key = self._string()
-            self.metadata[key] = self._value(self._unpack("<I"))
+            value_type = self._unpack("<I")
+            if value_type == _ARRAY:
+                self.value_types[key] = (_ARRAY, struct.unpack_from("<I", self._buf, self._pos)[0])
+            else:
+                self.value_types[key] = (value_type,)
+            self.metadata[key] = self._value(value_type)
         described = [(self._string(), self._dims(), self._unpack("<I"), self._unpack("<Q")) for _ in range(n_tensors)]
         align = int(self.metadata.get("general.alignment", 32))
         start = -(-self._pos // align) * align
