@@ -60,8 +60,10 @@ _CONNECT = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='error
 def test_cluster_refuses_a_client_without_its_token(cluster):
     address, _ = cluster
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    # each refused try is retried a second later, 20 times by default: 2 say the same
     wrong = subprocess.run([sys.executable, "-c", _CONNECT, address], capture_output=True, text=True, timeout=120,
-                           env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64})
+                           env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64,
+                                "RAY_NUM_REDIS_GET_RETRIES": "2"})
     assert wrong.returncode != 0 and "auth" in wrong.stderr.lower()
     token_path = os.environ["RAY_AUTH_TOKEN_PATH"]
     right = subprocess.run([sys.executable, "-c", _CONNECT, address], capture_output=True, text=True, timeout=120,
