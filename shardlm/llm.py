@@ -67,9 +67,7 @@ class LLM:
         if len(params) != len(items):
             raise ValueError(f"Got {len(items)} prompts but {len(params)} sampling params: give one, or one per "
                              "prompt.")
-        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(items)
-        if len(loras) != len(items):
-            raise ValueError(f"Got {len(items)} prompts but {len(loras)} LoRA requests: give one, or one per prompt.")
+        loras = _per_prompt(lora_request, len(items), "LoRA requests")
         priorities = _priorities(priority, len(items))
         ids = []
         try:
@@ -150,10 +148,13 @@ class LLM:
     # ---- pooling models (runner pooling): embeddings, classes, scores ----
     def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | Sequence[PoolingParams]
                | None = None, *, pooling_task: str | None = None, truncate_prompt_tokens: int | None = None,
-               use_tqdm: bool = True, priority: list[int] | None = None) -> list[PoolingRequestOutput]:
+               use_tqdm: bool = True, priority: list[int] | None = None,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[PoolingRequestOutput]:
         """The pooled output of each prompt as a tensor (outputs.data): pooling_task embed, classify,
-        token_embed or token_classify (None: the model's own task)."""
+        token_embed or token_classify (None: the model's own task). lora_request: the LoRA adapter of
+        every prompt, or one per prompt (a decoder model's; None: the base model)."""
         items = _normalize_prompts(prompts)
+        loras = _per_prompt(lora_request, len(items), "LoRA requests")
         given = list(pooling_params) if isinstance(pooling_params, (list, tuple)) else [pooling_params] * len(items)
         if len(given) != len(items):
             raise ValueError(f"Got {len(items)} prompts but {len(given)} pooling params: give one, or one per prompt.")
@@ -167,9 +168,9 @@ class LLM:
             params.append(p.clone(**changes) if changes else p)
         ids = []
         try:
-            for prompt, p, prio in zip(items, params, _priorities(priority, len(items))):
+            for prompt, p, prio, lora in zip(items, params, _priorities(priority, len(items)), loras):
                 rid = str(next(self._counter))
-                self.engine.add_request(rid, prompt, p, priority=prio)
+                self.engine.add_request(rid, prompt, p, lora_request=lora, priority=prio)
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)
@@ -178,28 +179,32 @@ class LLM:
 
     def embed(self, prompts: Prompt | Sequence[Prompt], *, truncate_prompt_tokens: int | None = None,
               use_tqdm: bool = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              priority: list[int] | None = None
+              priority: list[int] | None = None, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
               ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (outputs.embedding)."""
         outs = self.encode(prompts, pooling_params, pooling_task="embed", truncate_prompt_tokens=truncate_prompt_tokens,
-                           use_tqdm=use_tqdm, priority=priority)
+                           use_tqdm=use_tqdm, priority=priority, lora_request=lora_request)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids)
                 for o in outs]
 
     def classify(self, prompts: Prompt | Sequence[Prompt], *, truncate_prompt_tokens: int | None = None,
                  use_tqdm: bool = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-                 priority: list[int] | None = None
+                 priority: list[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt (outputs.probs) from a classification model."""
         outs = self.encode(prompts, pooling_params, pooling_task="classify",
-                           truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm, priority=priority)
+                           truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm, priority=priority,
+                           lora_request=lora_request)
         return [ClassificationRequestOutput(o.request_id, ClassificationOutput(o.outputs.data.tolist()),
                                             o.prompt_token_ids) for o in outs]
 
     def score(self, data_1, data_2, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+              pooling_params: PoolingParams | None = None,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
         """Scores of text pairs: data_1 one text against each of data_2, or both lists pairwise. A
-        cross-encoder reads each pair; an embedding model gives the cosine of their embeddings."""
+        cross-encoder reads each pair; an embedding model gives the cosine of their embeddings
+        (lora_request: the adapter of every text)."""
         pairs = score_pairs(data_1, data_2)
         pooler = self.engine.config.model.pooler
         params = (pooling_params or PoolingParams()).clone(truncate_prompt_tokens=truncate_prompt_tokens)
@@ -208,12 +213,13 @@ class LLM:
             tok = self.get_tokenizer()
             require_tokenizer(tok, "LLM.score of text pairs")
             outs = self.encode([cross_encoder_prompt(tok, a, b, keep) for a, b in pairs],
-                               params.clone(truncate_prompt_tokens=None), pooling_task="score", use_tqdm=use_tqdm)
+                               params.clone(truncate_prompt_tokens=None), pooling_task="score", use_tqdm=use_tqdm,
+                               lora_request=lora_request)
             return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data.flatten()[-1])),
                                          o.prompt_token_ids) for o in outs]
         texts = list({_key(t): t for pair in pairs for t in pair}.values())
         embedded = {_key(t): o for t, o in zip(texts, self.encode(texts, params, pooling_task="embed",
-                                                                  use_tqdm=use_tqdm))}
+                                                                  use_tqdm=use_tqdm, lora_request=lora_request))}
         scores = []
         for a, b in pairs:
             first, second = embedded[_key(a)], embedded[_key(b)]
@@ -230,8 +236,11 @@ class LLM:
             bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
         start, out_tokens = time.perf_counter(), 0
         try:
+            wanted = set(request_ids)
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
+                    if out.request_id not in wanted:    # held from an earlier call that raised
+                        continue
                     done[out.request_id] = out
                     if bar is not None:
                         if isinstance(out, RequestOutput):
@@ -303,6 +312,14 @@ def _normalize_prompts(prompts) -> list:
 def _key(prompt) -> str:
     """A prompt as a dict key (a text is embedded once however often it is scored)."""
     return prompt if isinstance(prompt, str) else repr(prompt)
+
+
+def _per_prompt(given, n: int, what: str) -> list:
+    """One value for every prompt, or a list or tuple of one per prompt -> a list of n."""
+    values = list(given) if isinstance(given, (list, tuple)) else [given] * n
+    if len(values) != n:
+        raise ValueError(f"Got {n} prompts but {len(values)} {what}: give one, or one per prompt.")
+    return values
 
 
 def _priorities(priority: list[int] | None, n: int) -> list[int]:

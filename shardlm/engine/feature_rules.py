@@ -107,6 +107,11 @@ def _pooling(c: EngineConfig) -> bool:
     return c.model.runner == "pooling"
 
 
+def _encoder(c: EngineConfig) -> bool:
+    from shardlm.models.registry import get_model_class
+    return getattr(get_model_class(c.model.architecture, c.model.convert, c.model.model_impl), "is_encoder", False)
+
+
 RULES += (
     Rule("--runner pooling with -pp",
          lambda c: _pooling(c) and c.parallel.pipeline_parallel_size > 1,
@@ -116,10 +121,14 @@ RULES += (
          lambda c: _pooling(c) and c.parallel.context_parallel_size > 1,
          "a pooled prompt is computed whole in one step, where context parallel shares positions over ranks",
          "-tp or -dp"),
-    Rule("--runner pooling with --enable-lora or --speculative-config",
-         lambda c: _pooling(c) and (c.lora is not None or c.speculative is not None),
-         "pooling requests generate no tokens, and adapters are not applied to pooling models yet",
-         "leave out --enable-lora and --speculative-config"),
+    Rule("--runner pooling with --speculative-config",
+         lambda c: _pooling(c) and c.speculative is not None,
+         "pooling requests generate no tokens, so there is nothing to propose",
+         "leave out --speculative-config"),
+    Rule("--enable-lora with an encoder pooling model (BERT, RoBERTa, XLM-RoBERTa)",
+         lambda c: _pooling(c) and c.lora is not None and _encoder(c),
+         "adapters apply to the layers of shardlm's decoders, and an encoder has its own",
+         "a decoder embedding or classification model (e.g. Qwen3-Embedding), or leave out --enable-lora"),
     Rule("--runner pooling with --enable-expert-parallel",
          lambda c: _pooling(c) and c.parallel.enable_expert_parallel,
          "the pooling models served (encoders, dense decoders) have no experts",

@@ -33,6 +33,8 @@ class LLMEngine:
         self.engine_core: EngineCoreClient = make_client(
             config, multiprocess=multiprocess_mode or config.parallel.data_parallel_size > 1)
         self.sleeping = False
+        # the other requests' outputs of a step that raised one request's failure: the next step's
+        self._held_outputs: list[RequestOutput] = []
         logger.info("Engine started in %.2f s (model %s)", time.perf_counter() - t0, config.model.model)
 
     @classmethod
@@ -63,16 +65,21 @@ class LLMEngine:
             self.engine_core.abort_requests(self.output_processor.abort(rid))
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished()
+        return bool(self._held_outputs) or self.output_processor.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
         """One engine step: the outputs of the requests it changed (as each request's output_kind says).
-        Requests that hit a stop string are aborted in the core."""
+        Requests that hit a stop string are aborted in the core. Where a request failed, its error
+        is raised and the step's other outputs come from the next call."""
+        if self._held_outputs:
+            held, self._held_outputs = self._held_outputs, []
+            return held
         core_outputs = self.engine_core.get_output()
         processed = self.output_processor.process(core_outputs.outputs, core_outputs.engine_index)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         if processed.failed:              # its replica died under it (EngineDeadError), or its own part failed
+            self._held_outputs = processed.request_outputs
             raise processed.failed[0][1]
         return processed.request_outputs
 

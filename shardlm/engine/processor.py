@@ -203,7 +203,7 @@ class InputProcessor:
             raise ValueError(f"{name} is a generative model: pooling (embeddings, classes, scores) needs a pooling "
                              "model, or this one run as one with --runner pooling (--convert embed).")
         if lora_request is not None:
-            raise ValueError("LoRA adapters are not applied to pooling models.")
+            self.check_lora(lora_request)
         task = params.task or pooler.task
         if task not in pooler.tasks:
             raise ValueError(f"{name} does not serve the pooling task {task!r}: it serves {', '.join(pooler.tasks)}.")
@@ -228,7 +228,7 @@ class InputProcessor:
         arrival_time = arrival_time or time.time()
         sampling = SamplingParams(max_tokens=None, output_kind=RequestOutputKind.FINAL_ONLY)
         parent = ParentRequest(request_id, text, ids, sampling, RequestMetrics(arrival_time), pooling_params=params)
-        return parent, [EngineCoreRequest(request_id, ids, sampling, arrival_time, None, params,
+        return parent, [EngineCoreRequest(request_id, ids, sampling, arrival_time, lora_request, params,
                                           list(token_type_ids) if token_type_ids is not None else None)]
 
     def _truncated(self, ids: list[int], token_type_ids: list[int] | None, keep: int | None):

@@ -295,12 +295,13 @@ class ModelRunner:
         if self.config.model.pooler is not None:      # pooling requests end with their result
             if self.tp.rank_in_group != 0:             # (the rank that answers: its hidden states are everyone's)
                 return None
-            return ModelRunnerOutput({}, pooled=pool_step(self.model, self.config.model.pooler, hidden, chunks, {
+            out = ModelRunnerOutput({}, pooled=pool_step(self.model, self.config.model.pooler, hidden, chunks, {
                 c.req_id: self.requests[c.req_id].pooling_params for c in chunks}))
-        out = self._sample(so, chunks, hidden, getattr(meta, "last_layer", None) is not None)
+        else:
+            out = self._sample(so, chunks, hidden, getattr(meta, "last_layer", None) is not None)
         if out is not None and self.lora is not None and self.lora.unreadable:
             out.failed |= self.lora.failed_requests({c.req_id: self.requests[c.req_id].lora_int_id for c in chunks})
-        if self.proposer is not None:       # the rank that samples: out is its result
+        if self.proposer is not None:       # the rank that samples: out is its result (never a pooling model's)
             self.proposer.follow(TargetStep(input_ids, positions, meta, hidden, chunks, out.sampled, self.requests,
                                             getattr(getattr(self.model, "model", None), "aux_hidden", None)))
             wanted = so.propose_drafts

@@ -24,6 +24,7 @@ from shardlm.entrypoints.openai.pooling_protocol import (
 )
 from shardlm.entrypoints.openai.protocol import OpenAIError
 from shardlm.entrypoints.openai.serving import OpenAIServing, check_encodable, last_outputs
+from shardlm.lora.request import LoRARequest
 from shardlm.outputs import PoolingRequestOutput
 from shardlm.pooling.params import PoolingParams
 from shardlm.pooling.scoring import cosine, cross_encoder_prompt, score_pairs
@@ -37,11 +38,11 @@ class PoolingServing:
 
     # ---- routes ----
     async def embeddings(self, req: EmbeddingRequest, kind: str = "embedding"):
-        model = self.serving.check_model(req.model)
+        model, lora = self.serving.resolve_model(req.model)
         task = getattr(req, "task", None) or "embed"
         params = self._params(req, task=task, dimensions=req.dimensions, normalize=req.normalize,
                               use_activation=getattr(req, "use_activation", None))
-        outs = await self._run(self._inputs(req.input), params, kind, req.priority)
+        outs = await self._run(self._inputs(req.input), params, kind, req.priority, lora)
         data = [{"index": i, "object": kind, kind if kind == "embedding" else "data":
                  _encoded(o.outputs.data, req.encoding_format)} for i, o in enumerate(outs)]
         return self._answer(model, kind, data, outs)
@@ -50,10 +51,10 @@ class PoolingServing:
         return await self.embeddings(req, kind="pooling")
 
     async def classify(self, req: ClassificationRequest):
-        model = self.serving.check_model(req.model)
+        model, lora = self.serving.resolve_model(req.model)
         outs = await self._run(self._inputs(req.input), self._params(req, task="classify",
                                                                      use_activation=req.use_activation), "classify",
-                               req.priority)
+                               req.priority, lora)
         data = []
         for i, o in enumerate(outs):
             probs = o.outputs.data.tolist()
@@ -62,16 +63,16 @@ class PoolingServing:
         return self._answer(model, "classify", data, outs)
 
     async def score(self, req: ScoreRequest):
-        model = self.serving.check_model(req.model)
-        scores, outs = await self._scores(req.text_1, req.text_2, req)
+        model, lora = self.serving.resolve_model(req.model)
+        scores, outs = await self._scores(req.text_1, req.text_2, req, lora)
         data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
         return self._answer(model, "score", data, outs)
 
     async def rerank(self, req: RerankRequest, api_version: int | None = None):
         """api_version: Cohere's (1, 2) adds its meta; None: vLLM's and Jina's shape."""
-        model = self.serving.check_model(req.model)
+        model, lora = self.serving.resolve_model(req.model)
         texts = [d if isinstance(d, str) else d.text for d in req.documents]
-        scores, outs = await self._scores(req.query, texts, req)
+        scores, outs = await self._scores(req.query, texts, req, lora)
         ranked = sorted(range(len(texts)), key=lambda i: -scores[i])[:req.top_n or len(texts)]
         results = [{"index": i, "relevance_score": scores[i],
                     **({"document": {"text": texts[i]}} if req.return_documents else {})} for i in ranked]
@@ -108,7 +109,7 @@ class PoolingServing:
         return prompts
 
     async def _run(self, prompts: list[dict], params: PoolingParams | list[PoolingParams],
-                   kind: str, priority: int = 0) -> list[PoolingRequestOutput]:
+                   kind: str, priority: int = 0, lora: LoRARequest | None = None) -> list[PoolingRequestOutput]:
         if self.pooler is None:
             raise OpenAIError(f"{self.serving.model_names[0]} is a generative model: /{kind} needs a pooling model "
                               "(start the server with --runner pooling, and --convert embed for a generative "
@@ -116,10 +117,11 @@ class PoolingServing:
         rid = f"{kind}-{uuid.uuid4().hex}"
         all_params = params if isinstance(params, list) else [params] * len(prompts)
         streams = self.serving.submit([(p, q, f"{rid}-{k}") for k, (p, q) in enumerate(zip(prompts, all_params))],
-                                      priority=priority)
+                                      lora=lora, priority=priority)
         return await last_outputs(streams)
 
-    async def _scores(self, first, second, req) -> tuple[list[float], list[PoolingRequestOutput]]:
+    async def _scores(self, first, second, req, lora: LoRARequest | None
+                      ) -> tuple[list[float], list[PoolingRequestOutput]]:
         try:
             pairs = score_pairs(first, second)
         except ValueError as e:
@@ -133,10 +135,10 @@ class PoolingServing:
             self.serving.need_tokenizer("Scoring text pairs", "text_1")
             prompts = [cross_encoder_prompt(self.llm.tokenizer, a, b, keep) for a, b in pairs]
             outs = await self._run(prompts, self._params(req, task="score").clone(truncate_prompt_tokens=None),
-                                   "score", req.priority)
+                                   "score", req.priority, lora)
             return [float(o.outputs.data.flatten()[-1]) for o in outs], outs
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        outs = await self._run(self._inputs(texts), self._params(req, task="embed"), "score", req.priority)
+        outs = await self._run(self._inputs(texts), self._params(req, task="embed"), "score", req.priority, lora)
         vectors = dict(zip(texts, (o.outputs.data for o in outs)))
         return [cosine(vectors[a], vectors[b]) for a, b in pairs], outs
 
