@@ -113,10 +113,10 @@ def _encoder(c: EngineConfig) -> bool:
 
 
 RULES += (
-    Rule("--runner pooling with -pp",
-         lambda c: _pooling(c) and c.parallel.pipeline_parallel_size > 1,
-         "the pooler reads a whole prompt's final hidden states in the step that computes them, on one stage",
-         "-tp or -dp (a pooling model is small enough for one stage)"),
+    Rule("an encoder pooling model (BERT, RoBERTa, XLM-RoBERTa) with -pp",
+         lambda c: _pooling(c) and c.parallel.pipeline_parallel_size > 1 and _encoder(c),
+         "an encoder computes each prompt whole, without a KV cache, in layers that are not split into stages",
+         "-tp or -dp (decoder embedders and rerankers take -pp)"),
     Rule("--runner pooling with -dcp or -pcp",
          lambda c: _pooling(c) and c.parallel.context_parallel_size > 1,
          "a pooled prompt is computed whole in one step, where context parallel shares positions over ranks",

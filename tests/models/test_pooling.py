@@ -207,8 +207,6 @@ def test_runner_and_pooler_flags_are_checked(minilm_dir, tiny_model_dir):
         LLM(tiny_model_dir("llama-gqa"), pooler_config={"pooling_type": "MEAN"})
     with pytest.raises(ValueError, match="CLS pooling reads the first token"):
         LLM(tiny_model_dir("llama-gqa"), runner="pooling", pooler_config={"pooling_type": "CLS"})
-    with pytest.raises(ValueError, match="--runner pooling with -pp"):
-        LLM(minilm_dir, pipeline_parallel_size=2)
     llm = LLM(tiny_model_dir("llama-gqa"))
     try:
         with pytest.raises(ValueError, match="generative model.*--runner pooling"):
@@ -218,16 +216,30 @@ def test_runner_and_pooler_flags_are_checked(minilm_dir, tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_decoder_embedder_tensor_parallel_equals_one_rank(tiny_model_dir):
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2"])
+def test_decoder_embedder_and_reranker_split_equal_one_rank(tiny_model_dir, pooling_model_dir, layout):
+    """A decoder's embeddings (and its per-token states) and a decoder reranker's scores, split by
+    tensor or pipeline parallel, equal one rank's."""
     path = tiny_model_dir("qwen3")
     outs = []
-    for tp in (1, 2):
-        llm = LLM(path, runner="pooling", tensor_parallel_size=tp)
+    for split in ({}, layout):
+        llm = LLM(path, runner="pooling", **split)
         try:
-            outs.append(torch.tensor([o.outputs.embedding for o in llm.embed(SENTENCES, use_tqdm=False)]))
+            outs.append((torch.tensor([o.outputs.embedding for o in llm.embed(SENTENCES, use_tqdm=False)]),
+                         llm.encode(SENTENCES[:1], pooling_task="token_embed", use_tqdm=False)[0].outputs.data))
         finally:
             llm.shutdown()
-    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(outs[1][1], outs[0][1], atol=1e-5, rtol=0)
+    reranker = pooling_model_dir("qwen3-reranker")
+    assert _offline_scores(reranker, **layout) == pytest.approx(_offline_scores(reranker), abs=1e-5)
+
+
+def test_an_encoder_refuses_pipeline_parallel_naming_what_to_use(minilm_dir):
+    from shardlm.engine.feature_rules import UnsupportedCombination
+    with pytest.raises(UnsupportedCombination, match="encoder pooling model.*-pp.*-tp or -dp"):
+        LLM(minilm_dir, pipeline_parallel_size=2)
 
 
 @pytest.mark.slow

@@ -1,9 +1,9 @@
 """LoRA adapters on decoder pooling models (vLLM serves them on its embedding and classification
 models too): each prompt's embedding or class score equals transformers' on the base model with
 its adapter merged into the weights (W + scaling * B A), base and adapter prompts in one batch, on
-every layout pooling runs (one rank, tensor and data parallel); the server picks the adapter by
-the request's model name; an adapter that can no longer be read fails its requests alone;
-encoders refuse --enable-lora."""
+every layout a decoder pooling model runs (one rank, tensor, pipeline and data parallel); the
+server picks the adapter by the request's model name; an adapter that can no longer be read
+fails its requests alone; encoders refuse --enable-lora."""
 
 import shutil
 
@@ -41,8 +41,9 @@ def embedder(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", [{}, pytest.param({"tensor_parallel_size": 2}, marks=pytest.mark.slow),
+                                    pytest.param({"pipeline_parallel_size": 2}, marks=pytest.mark.slow),
                                     pytest.param({"data_parallel_size": 2}, marks=pytest.mark.slow)],
-                         ids=["tp1", "tp2", "dp2"])
+                         ids=["tp1", "tp2", "pp2", "dp2"])
 def test_each_prompts_adapter_gives_the_merged_models_embedding(embedder, layout):
     base, loras, refs = embedder
     names = ["base", "one", "two", "one", "base"]
