@@ -88,21 +88,23 @@ def gather_queries(q: torch.Tensor, group, dcp: int, counts: list[int] | None) -
 
 
 def merge_partials(out: torch.Tensor, lse: torch.Tensor, group, num_heads: int, first: int, dtype: torch.dtype,
-                   rows: slice | None = None) -> torch.Tensor:
+                   rows: slice | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's heads of the exact attention output, from every cp rank's partial.
 
     out: [T, Hall, D] float32 (attention of the gathered queries over this rank's positions),
     lse: [T, Hall] float32. One all-gather carries both; each rank then merges its own
     num_heads heads (from head `first`) of its own rows (None: all). -> [rows, num_heads * D]
     in dtype. On CPU the C kernel merges (the one the one-call decode step uses, so both paths
-    give the same bits)."""
+    give the same bits). sinks: a logit per head of this rank (GPT-OSS), which the softmax runs
+    over beside the keys with a value of zero: one more partial, of output 0 and log-sum-exp
+    its logit."""
     T, heads, D = out.shape
     packed = torch.cat([out.reshape(T, heads * D), lse], dim=1)
     every = group.all_gather(packed.unsqueeze(0), dim=0)                  # [N, T, heads * (D + 1)]
     if rows is not None:
         every = every[:, rows].contiguous()
         T = every.shape[1]
-    kernel = kernels.merge_attention_partials() if every.device.type == "cpu" else None
+    kernel = kernels.merge_attention_partials() if every.device.type == "cpu" and sinks is None else None
     if kernel is not None and dtype in kernels.DTYPE_CODES:
         merged = torch.empty(T, num_heads * D, dtype=dtype)
         kernel(every.data_ptr(), group.world_size, T, heads, D, first, num_heads, merged.data_ptr(),
@@ -110,6 +112,9 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, group, num_heads: int, 
         return merged
     outs = every[:, :, :heads * D].view(-1, T, heads, D)[:, :, first:first + num_heads]
     lses = every[:, :, heads * D:][:, :, first:first + num_heads]
+    if sinks is not None:
+        outs = torch.cat([outs, outs.new_zeros(1, *outs.shape[1:])])
+        lses = torch.cat([lses, sinks.float().expand(1, T, num_heads)])
     return merge(outs, lses).to(dtype).view(T, -1)
 
 

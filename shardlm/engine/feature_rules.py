@@ -35,11 +35,6 @@ def _drafts_on_one_rank(c: EngineConfig) -> bool:
     return c.speculative is not None and c.speculative.method != "ngram"
 
 
-def _attention_sinks(c: EngineConfig) -> bool:
-    from shardlm.models.registry import get_model_class
-    return getattr(get_model_class(c.model.architecture, model_impl=c.model.model_impl), "attention_sinks", False)
-
-
 RULES: tuple[Rule, ...] = (
     Rule("-dp with --distributed-executor-backend ray",
          lambda c: c.parallel.data_parallel_size > 1 and c.parallel.distributed_executor_backend == "ray",
@@ -70,11 +65,6 @@ RULES: tuple[Rule, ...] = (
          lambda c: c.parallel.context_parallel_size > 1 and _drafts_on_one_rank(c),
          "the draft runs on one rank with a KV cache of whole blocks, which context parallel spreads over ranks",
          "method 'ngram' with context parallel, or leave out -dcp and -pcp"),
-    Rule("-dcp or -pcp with a model whose attention has sinks (GPT-OSS)",
-         lambda c: c.parallel.context_parallel_size > 1 and _attention_sinks(c),
-         "each query's output is scaled by its sink after the softmax, which the merge of the ranks' partial "
-         "outputs does not do yet",
-         "leave out -dcp and -pcp (tensor, pipeline, data and expert parallel work)"),
 )
 
 

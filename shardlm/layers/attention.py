@@ -62,15 +62,15 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] (v None where the values are inside the keys) -> [T, H * Dv]"""
         meta = metadata_of(self, meta)
-        if self.sinks is not None:          # the attention with its log-sum-exp, scaled
-            out, lse = self.backend.forward_partial(self, q, k, v, meta)
-            return (out * torch.sigmoid(lse - self.sinks.float()).unsqueeze(-1)).to(q.dtype).view(q.shape[0], -1)
         if self.cp.world_size == 1:
-            return self.backend.forward(self, q, k, v, meta)
+            if self.sinks is None:
+                return self.backend.forward(self, q, k, v, meta)
+            out, lse = self.backend.forward_partial(self, q, k, v, meta)      # scaled by its sink's share
+            return (out * torch.sigmoid(lse - self.sinks.float()).unsqueeze(-1)).to(q.dtype).view(q.shape[0], -1)
         queries = gather_queries(q, self.cp, self.dcp.world_size, meta.pcp_counts)
         out, lse = self.backend.forward_partial(self, queries, k, v, meta)
         return merge_partials(out, lse, self.cp, self.num_heads, self.dcp.rank_in_group * self.num_heads, q.dtype,
-                              meta.pcp_own)
+                              meta.pcp_own, self.sinks)
 
     def forward_qkv(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None, meta,
                     qk_norm=None) -> torch.Tensor:

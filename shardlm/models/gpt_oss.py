@@ -49,8 +49,6 @@ class GptOssMoE(nn.Module):
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
-    attention_sinks = True         # their scaling of the merged output under context parallel: not built
-
     def make_variant(self, config) -> LlamaVariant:
         return dataclasses.replace(super().make_variant(config), sinks=True)
 

@@ -48,6 +48,9 @@ def _ids(outs) -> list[list[int]]:
                                    prefill_context_parallel_size=2, dcp_kv_cache_interleave_size=4)),
     # a sliding window of 8 keys, compared by global position on each rank's share
     ("mistral-window", dict(tensor_parallel_size=4, decode_context_parallel_size=2, prefill_context_parallel_size=2)),
+    # attention sinks (a logit per head beside the keys, merged as one more partial), windows, experts
+    ("gpt-oss", dict(prefill_context_parallel_size=2)),
+    ("gpt-oss", dict(tensor_parallel_size=4, decode_context_parallel_size=2)),
 ])
 def test_context_parallel_matches_hf_on_long_prompts(name, layout, tiny_model_dir, hf):
     """One KV head at tp=2; two KV heads at tp=4 (each replicated on a DCP pair); both kinds
@@ -113,7 +116,6 @@ def test_context_parallel_with_pipeline_or_data_parallel_and_ngram(base, layout,
      r"-dcp or -pcp with a draft model.*Instead: method 'ngram'"),
     (dict(prefill_context_parallel_size=2, enable_lora=True), r"-pcp with --enable-lora is not supported"),
     (dict(prefill_context_parallel_size=2, enable_expert_parallel=True), r"leave out --enable-expert-parallel"),
-    (dict(prefill_context_parallel_size=2, model="gpt-oss"), r"attention has sinks \(GPT-OSS\)"),
 ])
 def test_sizes_that_cannot_work_are_refused_naming_those_that_can(kwargs, message, tiny_model_dir):
     kwargs = {"model": "llama-tied-llama3rope", **kwargs}
