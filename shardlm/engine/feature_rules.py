@@ -57,10 +57,6 @@ RULES: tuple[Rule, ...] = (
          "prefill context parallel splits each step's tokens over groups of ranks, and expert parallel's token "
          "exchange expects every rank to hold the whole step",
          "leave out --enable-expert-parallel (the experts are then sliced by tensor parallel) or -pcp"),
-    Rule("-pcp with --enable-lora",
-         lambda c: c.parallel.prefill_context_parallel_size > 1 and c.lora is not None,
-         "adapter segments are laid out over the whole step, not over each group's share of its tokens",
-         "leave out --enable-lora or -pcp (-dcp works with adapters)"),
     Rule("-dcp or -pcp with a draft model or EAGLE head (--speculative-config method draft_model, eagle, eagle3)",
          lambda c: c.parallel.context_parallel_size > 1 and _drafts_on_one_rank(c),
          "the draft runs on one rank with a KV cache of whole blocks, which context parallel spreads over ranks",

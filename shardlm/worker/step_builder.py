@@ -10,6 +10,8 @@ runs the model and samples.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -108,23 +110,36 @@ class StepBuilder:
         self.pcp_size, self.pcp_rank, self.shard = pcp_size, pcp_rank, shard
 
     def build(self, chunks: list[ScheduledChunk]) -> StepBatch:
-        chunks, lora = self.order_by_adapter(chunks)
+        chunks, slots = self.order_by_adapter(chunks)
         input_ids, positions, attention = self.token_layout(chunks)
         pcp = self.split_over_pcp_groups(positions, attention) if self.pcp_size > 1 else None
-        return StepBatch(chunks, lora, input_ids, positions, attention, pcp)
+        return StepBatch(chunks, self.lora_batch(chunks, slots, pcp), input_ids, positions, attention, pcp)
 
-    def order_by_adapter(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], LoRABatch | None]:
+    def order_by_adapter(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[int] | None]:
         """The chunks ordered by adapter id (the base model's first), so each adapter's tokens are
-        one segment, and which segment runs on which slot (None: all on the base model). The order
-        follows the requests alone, so every pipeline stage orders alike."""
+        one segment, and each chunk's slot (None: all on the base model). The order follows the
+        requests alone, so every pipeline stage and context parallel group orders alike."""
         ids = [self.requests[c.req_id].lora_int_id for c in chunks] if self.lora_slots is not None else []
         if not any(ids):
             return chunks, None
         slots = self.lora_slots(ids)
         order = sorted(range(len(chunks)), key=ids.__getitem__)
-        chunks = [chunks[i] for i in order]
-        return chunks, LoRABatch.of_chunks([slots[i] for i in order], [len(c.token_ids) for c in chunks],
-                                           self.max_loras, self.device)
+        return [chunks[i] for i in order], [slots[i] for i in order]
+
+    def lora_batch(self, chunks: list[ScheduledChunk], slots: list[int] | None,
+                   pcp: ContextParallelSplit | None) -> LoRABatch | None:
+        """Which of the tokens this rank computes run on which slot: the step's, or under prefill
+        context parallel its group's (a subsequence in step order, so each adapter's tokens stay
+        one segment)."""
+        if slots is None:
+            return None
+        counts = [len(c.token_ids) for c in chunks]
+        if pcp is not None:
+            ends = list(itertools.accumulate(counts))
+            counts = [bisect.bisect_left(pcp.mine, end) - bisect.bisect_left(pcp.mine, end - n)
+                      for n, end in zip(counts, ends)]
+            slots, counts = [s for s, n in zip(slots, counts) if n], [n for n in counts if n]
+        return LoRABatch.of_chunks(slots, counts, self.max_loras, self.device)
 
     @staticmethod
     def token_layout(chunks: list[ScheduledChunk]) -> tuple[list[int], list[int], AttentionLayout]:

@@ -36,8 +36,9 @@ def _check(hf, ref, outs, label):
 
 
 @pytest.mark.parametrize("layout", [{}, pytest.param({"tensor_parallel_size": 2}, marks=pytest.mark.slow),
-                                    pytest.param({"pipeline_parallel_size": 2}, marks=pytest.mark.slow)],
-                         ids=["tp1", "tp2", "pp2"])
+                                    pytest.param({"pipeline_parallel_size": 2}, marks=pytest.mark.slow),
+                                    pytest.param({"prefill_context_parallel_size": 2}, marks=pytest.mark.slow)],
+                         ids=["tp1", "tp2", "pp2", "pcp2"])
 def test_adapters_equal_transformers_on_merged_weights(layout, adapters, hf):
     """Each adapter alone, then base and both adapters mixed in one batch: each prompt gets what
     its own model gives (tp=2: A of row-parallel and B of column-parallel layers sliced per rank)."""

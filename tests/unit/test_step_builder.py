@@ -18,10 +18,28 @@ def test_chunks_run_grouped_by_adapter_the_base_model_first():
     requests = {"a": _state(lora=2), "b": _state(), "c": _state(lora=1), "d": _state(lora=2)}
     chunks = [ScheduledChunk(r, [1] * n, 0, [[1]], True) for r, n in zip("abcd", (3, 2, 4, 1))]
     builder = StepBuilder(requests, lora_slots=lambda ids: [{0: -1, 1: 0, 2: 1}[i] for i in ids], max_loras=2)
-    ordered, lora = builder.order_by_adapter(chunks)
-    assert [c.req_id for c in ordered] == ["b", "c", "a", "d"]
-    assert lora.segments == [(0, 2, 6), (1, 6, 10)]          # (slot, first token, end)
+    ordered, slots = builder.order_by_adapter(chunks)
+    assert [c.req_id for c in ordered] == ["b", "c", "a", "d"] and slots == [-1, 0, 1, 1]
+    assert builder.build(chunks).lora.segments == [(0, 2, 6), (1, 6, 10)]          # (slot, first token, end)
     assert StepBuilder(requests).order_by_adapter(chunks) == (chunks, None)      # LoRA off: as scheduled
+
+
+def test_a_prefill_context_parallel_group_runs_its_own_tokens_adapters():
+    """Each group computes the tokens whose positions it owns: its adapter segments count those
+    alone (a chunk with none of them has no segment there)."""
+    requests = {"a": _state(lora=1), "b": _state(), "c": _state(lora=2)}
+    # 2 groups, interleave 2: positions 0-1 group 0, 2-3 group 1, 4-5 group 0, ...
+    chunks = [ScheduledChunk("a", [1] * 5, 0, [[1]], True), ScheduledChunk("b", [1] * 3, 0, [[2]], True),
+              ScheduledChunk("c", [1], 2, [[3]], True)]
+    shard = ContextShard(2, 1, 2, 16, 1)
+    slots = lambda ids: [{0: -1, 1: 0, 2: 1}[i] for i in ids]       # noqa: E731
+    segments = []
+    for rank in (0, 1):
+        batch = StepBuilder(requests, slots, 2, pcp_size=2, pcp_rank=rank, shard=shard).build(chunks)
+        assert [c.req_id for c in batch.chunks] == ["b", "a", "c"]
+        segments.append(batch.lora.segments)
+    # b: positions 0-2 (group 0: 0, 1; group 1: 2); a: 0-4 (0, 1, 4; 2, 3); c: 2 (group 1)
+    assert segments == [[(0, 2, 5)], [(0, 1, 3), (1, 3, 4)]]
 
 
 def test_a_prompt_chunk_is_one_query_and_each_verified_position_a_decode():
