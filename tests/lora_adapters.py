@@ -12,6 +12,7 @@ import shutil
 from safetensors.torch import load_file, save_file
 
 from shardlm.bench.random_lora import ALL_TARGETS, make_random_lora
+from shardlm.model_loader.weights import text_model_name
 
 
 def write_adapter(base_dir: str, out_dir, rank: int = 8, alpha: float = 16, seed: int = 0,
@@ -37,9 +38,12 @@ def merged_model(base_dir: str, adapter_dir: str, out_dir) -> str:
     scaling = config["lora_alpha"] / (math.sqrt(rank) if config.get("use_rslora") else rank)
     lora = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
     weights = _base_weights(base_dir)
+    # a vision-language checkpoint may name its text model in another layout than the adapter
+    as_stored = {text_model_name(k) or k: k for k in weights}
     for key in lora:
         if key.endswith(".lora_A.weight"):
             name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight") + ".weight"
+            name = as_stored[text_model_name(name) or name]
             a, b = lora[key].double(), lora[key.replace("lora_A", "lora_B")].double()
             weights[name] = (weights[name].double() + scaling * b @ a).to(weights[name].dtype)
     for f in os.listdir(out_dir):

@@ -22,13 +22,16 @@ def make_random_lora(model_dir: str, out_dir, rank: int = 16, alpha: float | Non
 
     from shardlm.lora.peft import target_shapes
     config = AutoConfig.from_pretrained(model_dir)
+    # a vision-language model's adapter trains its text model, named as transformers names it
+    prefix = "base_model.model.model." + ("language_model." if hasattr(config, "text_config") else "")
+    config = getattr(config, "text_config", config)
     shapes = target_shapes(config)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config.num_hidden_layers):
         for module in targets:
             in_features, out_features = shapes[module]
-            key = f"base_model.model.model.layers.{layer}.{BLOCK[module]}.{module}"
+            key = f"{prefix}layers.{layer}.{BLOCK[module]}.{module}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_features, generator=g) * std
             tensors[f"{key}.lora_B.weight"] = torch.randn(out_features, rank, generator=g) * std
     os.makedirs(out_dir, exist_ok=True)

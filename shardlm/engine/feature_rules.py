@@ -154,11 +154,10 @@ RULES += (
          lambda c: _vision_language(c) and _drafts_on_one_rank(c),
          "the draft would read an image's placeholder tokens as text: it is not given the images' embeddings",
          "speculative decoding with method 'ngram'"),
-    Rule("a vision-language model (LLaVA) with --enable-lora or --runner pooling",
-         lambda c: _vision_language(c) and (c.lora is not None or _pooling(c)),
-         "its adapters name the text model's modules under language_model., which adapter loading does not map; "
-         "pooling reads text prompts",
-         "the text model alone (its own checkpoint), or generation without adapters"),
+    Rule("a vision-language model (LLaVA) with --runner pooling",
+         lambda c: _vision_language(c) and _pooling(c),
+         "pooling reads text prompts, and the pooling runner has no image inputs",
+         "the text model alone (its own checkpoint) as an embedder"),
     Rule("a vision-language model (LLaVA) with a quantized checkpoint's stored weights (GGUF, GPTQ, AWQ, FP8, "
          "compressed-tensors)",
          lambda c: _vision_language(c) and c.model.quantization is not None and not c.model.quantization.at_load,

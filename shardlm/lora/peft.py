@@ -1,7 +1,8 @@
 """Reading a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) and checking it
 against the base model: every error says what is wrong with the adapter.
 
-PEFT names a weight base_model.model.model.layers.{i}.{self_attn|mlp}.{q_proj|...}.lora_{A|B}.weight;
+PEFT names a weight base_model.model.model.layers.{i}.{self_attn|mlp}.{q_proj|...}.lora_{A|B}.weight
+(a vision-language model's: its text model's prefix before layers.);
 A is [r, in], B is [out, r], and the layer computes W x + scaling * B A x with scaling = lora_alpha / r
 (lora_alpha / sqrt(r) with rsLoRA; rank_pattern and alpha_pattern override r and alpha per module).
 shardlm merges q/k/v into qkv_proj and gate/up into gate_up_proj: each becomes one shard of those.
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from shardlm.layers.rotary import permute_partial_rotary, rotary_dim
+from shardlm.model_loader.weights import text_model_name
 
 # PEFT's module name -> (shardlm's module under the decoder layer, shard of it; None: every shard, a
 # fused module of the checkpoint, as Phi-3's qkv_proj and gate_up_proj, whose B is split by rows)
@@ -28,6 +30,15 @@ TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj",
            "qkv_proj": ("self_attn.qkv_proj", None), "gate_up_proj": ("mlp.gate_up_proj", None)}
 _WEIGHT = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+_VISION_SIDE = re.compile(r"vision_tower|vision_model|multi_modal_projector|\.connector\.")
+
+
+def _text_model_key(key: str) -> str:
+    """A vision-language model's adapter names its text model's modules under that model's own
+    prefix (language_model.model., model.language_model., model.text_model.): as the text model's."""
+    rest = key.removeprefix("base_model.model.")
+    text = None if rest.startswith("model.layers.") else text_model_name(rest)
+    return key if text is None else "base_model.model." + text
 
 
 @dataclass
@@ -78,7 +89,11 @@ def read_adapter(name: str, path: str, hf_config, max_lora_rank: int) -> LoRAAda
     moe = bool(getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None))
     found: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        m = _WEIGHT.match(key)
+        m = _WEIGHT.match(_text_model_key(key))
+        if m is None and _VISION_SIDE.search(key):
+            raise ValueError(f"LoRA adapter {name!r} has a weight on the vision side of the model: {key!r}. shardlm "
+                             "applies adapters to a vision-language model's text model, not to its vision tower or "
+                             "projector.")
         if m is None:
             raise ValueError(f"LoRA adapter {name!r} has a weight shardlm cannot apply: {key!r}. shardlm serves LoRA "
                              f"on the attention and MLP projections ({', '.join(TARGETS)}), not on embeddings, the LM "

@@ -1,8 +1,8 @@
 """Images in prompts (multimodal/): tiny LLaVA, LLaVA-NeXT (tiles by image size) and Idefics3
 (SmolVLM: tiles with text between them) give transformers' greedy tokens with 0, 1 and 2 images of
 different sizes, whole and split over steps; LLaVA also at TP=2, PP=2, PCP=2 and DP=2;
-offline chats read image_url and image_pil parts; the prefix cache tells images apart; bad
-images, counts and models are refused with what to do."""
+offline chats read image_url and image_pil parts; the prefix cache tells images apart; LoRA on
+the text model; bad images, counts and models are refused with what to do."""
 
 import base64
 import io
@@ -64,6 +64,32 @@ def llava(tiny_model_dir):
 @pytest.fixture(scope="module")
 def reference(llava):
     return transformers_greedy(llava, PROMPTS, IMAGES)
+
+
+def test_an_adapter_on_the_text_model_gives_the_merged_models_tokens(llava, tmp_path):
+    """A LoRA adapter of LLaVA (PEFT names its modules under model.language_model.) runs on the
+    text model: image prompts give transformers' tokens on the merged weights, and a weight on
+    the vision tower is refused naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from shardlm import LoRARequest
+    from tests.lora_adapters import merged_model, write_adapter
+    adapter = write_adapter(llava, tmp_path / "adapter", rank=8, seed=4)
+    ref = transformers_greedy(merged_model(llava, adapter, tmp_path / "merged"), PROMPTS, IMAGES)
+    vision = write_adapter(llava, tmp_path / "vision", rank=8, seed=5)
+    tensors = load_file(f"{vision}/adapter_model.safetensors")
+    tensors = {k.replace("language_model.layers", "vision_tower.encoder.layers"): v for k, v in tensors.items()}
+    save_file(tensors, f"{vision}/adapter_model.safetensors")
+    engine = LLM(llava, dtype="float32", enable_lora=True)
+    try:
+        outs = engine.generate(with_images(PROMPTS, IMAGES), GREEDY, lora_request=LoRARequest("a", 1, adapter))
+        with pytest.raises(ValueError, match="vision side.*vision_tower.encoder.layers.0"):
+            engine.generate(with_images(PROMPTS, IMAGES), GREEDY, lora_request=LoRARequest("v", 2, vision))
+    finally:
+        engine.shutdown()
+    assert hf_reference.assert_close(ref, outs, "llava with an adapter") == len(PROMPTS)
+    assert any(r[0] != base[0] for r, base in zip(ref, transformers_greedy(llava, PROMPTS, IMAGES))), \
+        "the adapter changes the tokens it is checked on"
 
 
 @pytest.mark.parametrize("family", FAMILIES[1:])
@@ -180,8 +206,8 @@ def test_combinations_that_cannot_work_are_refused(llava):
 
     from shardlm.engine.arg_utils import EngineArgs
     from shardlm.engine.feature_rules import UnsupportedCombination, check_combinations
-    with pytest.raises(UnsupportedCombination, match="--enable-lora"):
-        LLM(llava, dtype="float32", enable_lora=True)
+    with pytest.raises(UnsupportedCombination, match="with --runner pooling.*no image inputs"):
+        LLM(llava, dtype="float32", runner="pooling")
     config = EngineArgs(model=llava, dtype="float32").create_engine_config()
     config.speculative = SimpleNamespace(method="eagle")        # (a tiny EAGLE head for it is not built)
     with pytest.raises(UnsupportedCombination, match="placeholder tokens as text"):
