@@ -216,11 +216,14 @@ def test_runner_and_pooler_flags_are_checked(minilm_dir, tiny_model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
-                         ids=["tp2", "pp2"])
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
+                                    {"prefill_context_parallel_size": 2},
+                                    {"tensor_parallel_size": 4, "decode_context_parallel_size": 2}],
+                         ids=["tp2", "pp2", "pcp2", "tp4-dcp2"])
 def test_decoder_embedder_and_reranker_split_equal_one_rank(tiny_model_dir, pooling_model_dir, layout):
     """A decoder's embeddings (and its per-token states) and a decoder reranker's scores, split by
-    tensor or pipeline parallel, equal one rank's."""
+    tensor, pipeline or context parallel (each prompt's positions over two groups, or its KV over
+    two ranks), equal one rank's."""
     path = tiny_model_dir("qwen3")
     outs = []
     for split in ({}, layout):
@@ -236,10 +239,12 @@ def test_decoder_embedder_and_reranker_split_equal_one_rank(tiny_model_dir, pool
     assert _offline_scores(reranker, **layout) == pytest.approx(_offline_scores(reranker), abs=1e-5)
 
 
-def test_an_encoder_refuses_pipeline_parallel_naming_what_to_use(minilm_dir):
+def test_an_encoder_refuses_pipeline_and_context_parallel_naming_what_to_use(minilm_dir):
     from shardlm.engine.feature_rules import UnsupportedCombination
     with pytest.raises(UnsupportedCombination, match="encoder pooling model.*-pp.*-tp or -dp"):
         LLM(minilm_dir, pipeline_parallel_size=2)
+    with pytest.raises(UnsupportedCombination, match="encoder pooling model.*-pcp.*no KV cache.*-tp or -dp"):
+        LLM(minilm_dir, prefill_context_parallel_size=2)
 
 
 @pytest.mark.slow

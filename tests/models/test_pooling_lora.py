@@ -1,7 +1,7 @@
 """LoRA adapters on decoder pooling models (vLLM serves them on its embedding and classification
 models too): each prompt's embedding or class score equals transformers' on the base model with
 its adapter merged into the weights (W + scaling * B A), base and adapter prompts in one batch, on
-every layout a decoder pooling model runs (one rank, tensor, pipeline and data parallel); the
+every layout (one rank, tensor, pipeline, data and prefill context parallel); the
 server picks the adapter by the request's model name; an adapter that can no longer be read
 fails its requests alone; encoders refuse --enable-lora."""
 
@@ -42,8 +42,9 @@ def embedder(tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("layout", [{}, pytest.param({"tensor_parallel_size": 2}, marks=pytest.mark.slow),
                                     pytest.param({"pipeline_parallel_size": 2}, marks=pytest.mark.slow),
-                                    pytest.param({"data_parallel_size": 2}, marks=pytest.mark.slow)],
-                         ids=["tp1", "tp2", "pp2", "dp2"])
+                                    pytest.param({"data_parallel_size": 2}, marks=pytest.mark.slow),
+                                    pytest.param({"prefill_context_parallel_size": 2}, marks=pytest.mark.slow)],
+                         ids=["tp1", "tp2", "pp2", "dp2", "pcp2"])
 def test_each_prompts_adapter_gives_the_merged_models_embedding(embedder, layout):
     base, loras, refs = embedder
     names = ["base", "one", "two", "one", "base"]
