@@ -110,12 +110,12 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, group, num_heads: int, 
         kernel(every.data_ptr(), group.world_size, T, heads, D, first, num_heads, merged.data_ptr(),
                kernels.DTYPE_CODES[dtype])
         return merged
-    outs = every[:, :, :heads * D].view(-1, T, heads, D)[:, :, first:first + num_heads]
+    outs = every[:, :, :heads * D].view(group.world_size, T, heads, D)[:, :, first:first + num_heads]
     lses = every[:, :, heads * D:][:, :, first:first + num_heads]
     if sinks is not None:
         outs = torch.cat([outs, outs.new_zeros(1, *outs.shape[1:])])
         lses = torch.cat([lses, sinks.float().expand(1, T, num_heads)])
-    return merge(outs, lses).to(dtype).view(T, -1)
+    return merge(outs, lses).to(dtype).view(T, num_heads * D)      # (T may be 0: a group without tokens)
 
 
 def merge(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:

@@ -99,7 +99,7 @@ class Attention(nn.Module):
             return qkv
         T, H, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qk, v = qkv.split([(H + Hkv) * D, Hkv * D], dim=-1)
-        return torch.cat([qk_norm(qk.reshape(T, H + Hkv, D)).reshape(T, -1), v], dim=-1)
+        return torch.cat([qk_norm(qk.reshape(T, H + Hkv, D)).reshape(T, (H + Hkv) * D), v], dim=-1)
 
     def _rotated(self, qkv: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """qkv [T, (H + 2 Hkv) * D] -> q [T, H, D], k and v [T, Hkv, D], the rotary embedding on q and k."""

@@ -79,7 +79,7 @@ class LlamaAttention(nn.Module):
         each on CPU, the one the one-call decode step makes)."""
         T, H, D = qk.shape[0], self.num_heads, self.head_dim
         q = self.q_norm(qk[:, :H].reshape(-1, D)).view(T, H, D)
-        k = self.k_norm(qk[:, H:].reshape(-1, D)).view(T, -1, D)
+        k = self.k_norm(qk[:, H:].reshape(-1, D)).view(T, qk.shape[1] - H, D)    # (T may be 0)
         return torch.cat([q, k], dim=1)
 
 

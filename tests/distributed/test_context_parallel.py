@@ -104,6 +104,18 @@ def test_context_parallel_with_pipeline_or_data_parallel_and_ngram(base, layout,
     assert stats["spec_num_draft_tokens"] > 0
 
 
+@pytest.mark.parametrize("name", ["qwen3", pytest.param("gpt-oss", marks=pytest.mark.slow),
+                                  pytest.param("gemma3-12-layers", marks=pytest.mark.slow)])
+def test_a_group_without_a_token_in_a_step_runs_it_empty(name, tiny_model_dir):
+    """One request decoding alone under -pcp 2: each decode token belongs to one group and the
+    other computes none. Models with per-head q/k norms (Qwen3, Gemma 3) or attention sinks
+    (GPT-OSS) shaped that empty step by -1 and crashed; each now gives the tokens of one group."""
+    path = tiny_model_dir(name)
+    prompt = [[100, 200, 300]]
+    want = _ids(_run(path, prompt)[0])
+    assert _ids(_run(path, prompt, prefill_context_parallel_size=2)[0]) == want
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(tensor_parallel_size=2, decode_context_parallel_size=3), r"must divide tensor_parallel_size=2.*-dcp can "
                                                                    r"be 1, 2"),
