@@ -126,7 +126,6 @@ def test_a_group_without_a_token_in_a_step_runs_it_empty(name, tiny_model_dir):
     (dict(tensor_parallel_size=2, decode_context_parallel_size=2,
           speculative_config={"method": "draft_model", "model": "llama-draft", "num_speculative_tokens": 2}),
      r"-dcp or -pcp with a draft model.*Instead: method 'ngram'"),
-    (dict(prefill_context_parallel_size=2, enable_expert_parallel=True), r"leave out --enable-expert-parallel"),
 ])
 def test_sizes_that_cannot_work_are_refused_naming_those_that_can(kwargs, message, tiny_model_dir):
     kwargs = {"model": "llama-tied-llama3rope", **kwargs}

@@ -45,14 +45,17 @@ def one_rank_outputs(tiny_model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,dp,tp", [("mixtral", 1, 2), ("qwen2-moe", 1, 2), ("mixtral", 2, 1),
-                                        ("qwen3-moe", 2, 2), ("gpt-oss", 1, 2), ("deepseek-v3", 1, 2),
-                                        ("deepseek-v3", 2, 1)],
+@pytest.mark.parametrize("name,dp,tp,pcp", [("mixtral", 1, 2, 1), ("qwen2-moe", 1, 2, 1), ("mixtral", 2, 1, 1),
+                                            ("qwen3-moe", 2, 2, 1), ("gpt-oss", 1, 2, 1), ("deepseek-v3", 1, 2, 1),
+                                            ("deepseek-v3", 2, 1, 1), ("qwen3-moe", 1, 2, 2), ("gpt-oss", 2, 1, 2)],
                          ids=["mixtral-tp2-ep", "qwen2moe-tp2-ep", "mixtral-dp2-ep", "qwen3moe-dp2-tp2-ep",
-                              "gptoss-tp2-ep", "deepseekv3-tp2-ep", "deepseekv3-dp2-ep"])
-def test_expert_parallel_equals_one_rank_and_hf(name, dp, tp, tiny_model_dir, references, hf, one_rank_outputs):
+                              "gptoss-tp2-ep", "deepseekv3-tp2-ep", "deepseekv3-dp2-ep", "qwen3moe-tp2-pcp2-ep",
+                              "gptoss-dp2-pcp2-ep"])
+def test_expert_parallel_equals_one_rank_and_hf(name, dp, tp, pcp, tiny_model_dir, references, hf, one_rank_outputs):
+    """Under -pcp each prefill context parallel group runs its own tokens through its own
+    expert parallel group (DP x TP of that group)."""
     llm = LLM(tiny_model_dir(name), **ENGINE, data_parallel_size=dp, tensor_parallel_size=tp,
-              enable_expert_parallel=True)
+              prefill_context_parallel_size=pcp, enable_expert_parallel=True)
     try:
         outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
         stats = llm.stats()
@@ -192,15 +195,16 @@ def test_dp2_ep_server_answers_like_the_offline_engine_and_shows_the_expert_load
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp,tp,redundant", [(1, 2, 0), (1, 2, 2), (2, 1, 0)],
-                         ids=["tp2-ep", "tp2-ep-2-copies", "dp2-ep"])
-def test_eplb_evens_a_skewed_routing_and_keeps_the_tokens(dp, tp, redundant, tiny_model_dir, one_rank_outputs):
+@pytest.mark.parametrize("dp,tp,pcp,redundant", [(1, 2, 1, 0), (1, 2, 1, 2), (2, 1, 1, 0), (1, 2, 2, 0)],
+                         ids=["tp2-ep", "tp2-ep-2-copies", "dp2-ep", "tp2-pcp2-ep"])
+def test_eplb_evens_a_skewed_routing_and_keeps_the_tokens(dp, tp, pcp, redundant, tiny_model_dir, one_rank_outputs):
     """GPT-OSS with its router biased towards experts 0 and 1, which start on one rank (without
     copies): placed anew every 4 forward passes from the last 4, with copies of the hot experts or
-    without, the replicas of dp2 balancing together, the ranks' loads even out (2 copies of 4
-    experts start even already) and the tokens do not change."""
+    without, the replicas of dp2 balancing together (under -pcp each group's ranks by its own
+    tokens), the ranks' loads even out (2 copies of 4 experts start even already) and the tokens
+    do not change."""
     llm = LLM(tiny_model_dir("gpt-oss-skewed"), **ENGINE, data_parallel_size=dp, tensor_parallel_size=tp,
-              enable_expert_parallel=True, enable_eplb=True,
+              prefill_context_parallel_size=pcp, enable_expert_parallel=True, enable_eplb=True,
               eplb_config={"step_interval": 4, "window_size": 4, "num_redundant_experts": redundant})
     try:
         outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
