@@ -63,10 +63,7 @@ class LLM:
         items = _normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(items)
-        if len(params) != len(items):
-            raise ValueError(f"Got {len(items)} prompts but {len(params)} sampling params: give one, or one per "
-                             "prompt.")
+        params = _per_prompt(sampling_params, len(items), "sampling params")
         loras = _per_prompt(lora_request, len(items), "LoRA requests")
         priorities = _priorities(priority, len(items))
         ids = []
@@ -155,9 +152,7 @@ class LLM:
         every prompt, or one per prompt (a decoder model's; None: the base model)."""
         items = _normalize_prompts(prompts)
         loras = _per_prompt(lora_request, len(items), "LoRA requests")
-        given = list(pooling_params) if isinstance(pooling_params, (list, tuple)) else [pooling_params] * len(items)
-        if len(given) != len(items):
-            raise ValueError(f"Got {len(items)} prompts but {len(given)} pooling params: give one, or one per prompt.")
+        given = _per_prompt(pooling_params, len(items), "pooling params")
         params = []
         for p in given:
             p = p or PoolingParams()

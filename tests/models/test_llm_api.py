@@ -119,6 +119,7 @@ def test_chat_accepts_one_or_many_conversations(llm):
     ("", SamplingParams(), ValueError, "empty"),
     ([10 ** 9], SamplingParams(), ValueError, "vocabulary"),
     ("x", "not params", TypeError, "SamplingParams"),
+    (["x", "y"], [SamplingParams()] * 3, ValueError, "Got 2 prompts but 3 sampling params: give one, or one per"),
 ])
 def test_bad_input_gives_clear_errors(llm, prompt, params, error, match):
     with pytest.raises(error, match=match):

@@ -215,28 +215,38 @@ def test_runner_and_pooler_flags_are_checked(minilm_dir, tiny_model_dir):
         llm.shutdown()
 
 
+def _decoder_pooling(path: str, reranker: str, **layout):
+    """A Qwen3 embedder's embeddings and one prompt's per-token states, and a reranker's scores."""
+    llm = LLM(path, runner="pooling", **layout)
+    try:
+        embedded = (torch.tensor([o.outputs.embedding for o in llm.embed(SENTENCES, use_tqdm=False)]),
+                    llm.encode(SENTENCES[:1], pooling_task="token_embed", use_tqdm=False)[0].outputs.data)
+    finally:
+        llm.shutdown()
+    return embedded, _offline_scores(reranker, **layout)
+
+
+@pytest.fixture(scope="module")
+def decoder_pooling_one_rank(tiny_model_dir, pooling_model_dir):
+    return _decoder_pooling(tiny_model_dir("qwen3"), pooling_model_dir("qwen3-reranker"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
                                     {"prefill_context_parallel_size": 2},
                                     {"tensor_parallel_size": 4, "decode_context_parallel_size": 2}],
                          ids=["tp2", "pp2", "pcp2", "tp4-dcp2"])
-def test_decoder_embedder_and_reranker_split_equal_one_rank(tiny_model_dir, pooling_model_dir, layout):
+def test_decoder_embedder_and_reranker_split_equal_one_rank(tiny_model_dir, pooling_model_dir, layout,
+                                                            decoder_pooling_one_rank):
     """A decoder's embeddings (and its per-token states) and a decoder reranker's scores, split by
     tensor, pipeline or context parallel (each prompt's positions over two groups, or its KV over
     two ranks), equal one rank's."""
-    path = tiny_model_dir("qwen3")
-    outs = []
-    for split in ({}, layout):
-        llm = LLM(path, runner="pooling", **split)
-        try:
-            outs.append((torch.tensor([o.outputs.embedding for o in llm.embed(SENTENCES, use_tqdm=False)]),
-                         llm.encode(SENTENCES[:1], pooling_task="token_embed", use_tqdm=False)[0].outputs.data))
-        finally:
-            llm.shutdown()
-    torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-5, rtol=0)
-    torch.testing.assert_close(outs[1][1], outs[0][1], atol=1e-5, rtol=0)
-    reranker = pooling_model_dir("qwen3-reranker")
-    assert _offline_scores(reranker, **layout) == pytest.approx(_offline_scores(reranker), abs=1e-5)
+    (embeddings, states), scores = _decoder_pooling(tiny_model_dir("qwen3"), pooling_model_dir("qwen3-reranker"),
+                                                    **layout)
+    (want_embeddings, want_states), want_scores = decoder_pooling_one_rank
+    torch.testing.assert_close(embeddings, want_embeddings, atol=1e-5, rtol=0)
+    torch.testing.assert_close(states, want_states, atol=1e-5, rtol=0)
+    assert scores == pytest.approx(want_scores, abs=1e-5)
 
 
 def test_an_encoder_refuses_pipeline_and_context_parallel_naming_what_to_use(minilm_dir):

@@ -66,7 +66,7 @@ def reference(llava):
     return transformers_greedy(llava, PROMPTS, IMAGES)
 
 
-def test_an_adapter_on_the_text_model_gives_the_merged_models_tokens(llava, tmp_path):
+def test_an_adapter_on_the_text_model_gives_the_merged_models_tokens(llava, reference, tmp_path):
     """A LoRA adapter of LLaVA (PEFT names its modules under model.language_model.) runs on the
     text model: image prompts give transformers' tokens on the merged weights, and a weight on
     the vision tower is refused naming it."""
@@ -88,8 +88,7 @@ def test_an_adapter_on_the_text_model_gives_the_merged_models_tokens(llava, tmp_
     finally:
         engine.shutdown()
     assert hf_reference.assert_close(ref, outs, "llava with an adapter") == len(PROMPTS)
-    assert any(r[0] != base[0] for r, base in zip(ref, transformers_greedy(llava, PROMPTS, IMAGES))), \
-        "the adapter changes the tokens it is checked on"
+    assert any(r[0] != base[0] for r, base in zip(ref, reference)), "the adapter changes the tokens it is checked on"
 
 
 @pytest.mark.parametrize("family", FAMILIES[1:])
