@@ -36,8 +36,7 @@ _VISION_SIDE = re.compile(r"vision_tower|vision_model|multi_modal_projector|\.co
 def _text_model_key(key: str) -> str:
     """A vision-language model's adapter names its text model's modules under that model's own
     prefix (language_model.model., model.language_model., model.text_model.): as the text model's."""
-    rest = key.removeprefix("base_model.model.")
-    text = None if rest.startswith("model.layers.") else text_model_name(rest)
+    text = text_model_name(key.removeprefix("base_model.model."))     # None: a text model's name already
     return key if text is None else "base_model.model." + text
 
 
