@@ -41,12 +41,6 @@ RULES: tuple[Rule, ...] = (
          "each data parallel replica runs its tensor x pipeline ranks with the mp or uni executor",
          "leave out --distributed-executor-backend ray (--data-parallel-backend ray places the replicas on Ray "
          "nodes)"),
-    Rule("--enable-expert-parallel with -dp and -pp",
-         lambda c: c.parallel.enable_expert_parallel and c.parallel.data_parallel_size > 1
-         and c.parallel.pipeline_parallel_size > 1,
-         "expert parallel across data parallel replicas runs their MoE layers in lock-step, which pipeline "
-         "stages do not",
-         "-dp with -tp, or -pp without -dp (expert parallel then spans each stage's tensor parallel ranks)"),
     Rule("--enable-eplb without --enable-expert-parallel",
          lambda c: c.parallel.enable_eplb and not (c.parallel.enable_expert_parallel and c.model.num_experts > 0),
          "load balancing places whole experts over the ranks of expert parallel (a model without experts, or "

@@ -340,14 +340,15 @@ def _expert_parallel_notes(shape: ModelShape, pick: SplitPlan, local_dp: int, hw
                      "rank), and a token's expert work is done only where its experts are (fewer, larger matmuls; "
                      "an uneven routing loads some ranks more): "
                      f"{_serve_command(model, pick.tp, pick.pp, 1, w.max_model_len, expert_parallel=True)}")
-    if local_dp > 1 and pick.pp == 1:
-        ranks = local_dp * pick.tp
-        dpep = evaluate(shape, pick.tp, 1, hw, w, ep=ranks)
-        notes.append(f"Data parallel attention with expert parallel experts ({local_dp} replicas, the experts "
-                     f"spread over all {ranks} ranks: at most {shape.experts_per_rank(ranks)} per rank, "
+    if local_dp > 1:
+        ranks = local_dp * pick.tp       # the EP group: every DP x TP rank of one stage
+        dpep = evaluate(shape, pick.tp, pick.pp, hw, w, ep=ranks)
+        where = f"all {ranks} ranks" if pick.pp == 1 else f"the {ranks} ranks of its stage"
+        notes.append(f"Data parallel attention with expert parallel experts ({local_dp} replicas, a layer's experts "
+                     f"spread over {where}: at most {shape.experts_per_rank(ranks)} per rank, "
                      f"{expert_bytes_per_rank(shape, dpep, w) / GiB:.2f} GiB; {dpep.kv_tokens} KV tokens per "
                      "replica; the replicas run their MoE layers in lock-step): "
-                     f"{_serve_command(model, pick.tp, 1, local_dp, w.max_model_len, expert_parallel=True)}")
+                     f"{_serve_command(model, pick.tp, pick.pp, local_dp, w.max_model_len, expert_parallel=True)}")
     return notes
 
 

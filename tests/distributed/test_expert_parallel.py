@@ -1,8 +1,8 @@
 """Expert parallel (--enable-expert-parallel): whole experts on the ranks of each stage's DP x TP
 group. Outputs equal transformers' and the one-rank engine's over TP ranks, across data parallel
-replicas (which run their MoE layers in lock-step) and both; each rank holds only its experts;
-an idle replica joins the others' steps and all go quiet together; a dead replica fails the
-whole engine; the expert load reaches the stats."""
+replicas (which run their MoE layers in lock-step, with pipeline stages too) and both; each rank
+holds only its experts; an idle replica joins the others' steps and all go quiet together; a
+dead replica fails the whole engine; the expert load reaches the stats."""
 
 import os
 import signal
@@ -45,17 +45,18 @@ def one_rank_outputs(tiny_model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,dp,tp,pcp", [("mixtral", 1, 2, 1), ("qwen2-moe", 1, 2, 1), ("mixtral", 2, 1, 1),
-                                            ("qwen3-moe", 2, 2, 1), ("gpt-oss", 1, 2, 1), ("deepseek-v3", 1, 2, 1),
-                                            ("deepseek-v3", 2, 1, 1), ("qwen3-moe", 1, 2, 2), ("gpt-oss", 2, 1, 2)],
-                         ids=["mixtral-tp2-ep", "qwen2moe-tp2-ep", "mixtral-dp2-ep", "qwen3moe-dp2-tp2-ep",
-                              "gptoss-tp2-ep", "deepseekv3-tp2-ep", "deepseekv3-dp2-ep", "qwen3moe-tp2-pcp2-ep",
-                              "gptoss-dp2-pcp2-ep"])
-def test_expert_parallel_equals_one_rank_and_hf(name, dp, tp, pcp, tiny_model_dir, references, hf, one_rank_outputs):
+@pytest.mark.parametrize("name,dp,tp,pp,pcp", [
+    ("mixtral", 1, 2, 1, 1), ("qwen2-moe", 1, 2, 1, 1), ("mixtral", 2, 1, 1, 1), ("qwen3-moe", 2, 2, 1, 1),
+    ("gpt-oss", 1, 2, 1, 1), ("deepseek-v3", 1, 2, 1, 1), ("deepseek-v3", 2, 1, 2, 1), ("qwen3-moe", 1, 2, 1, 2),
+    ("gpt-oss", 2, 1, 1, 2)],
+    ids=["mixtral-tp2-ep", "qwen2moe-tp2-ep", "mixtral-dp2-ep", "qwen3moe-dp2-tp2-ep", "gptoss-tp2-ep",
+         "deepseekv3-tp2-ep", "deepseekv3-dp2-pp2-ep", "qwen3moe-tp2-pcp2-ep", "gptoss-dp2-pcp2-ep"])
+def test_expert_parallel_equals_one_rank_and_hf(name, dp, tp, pp, pcp, tiny_model_dir, references, hf,
+                                                one_rank_outputs):
     """Under -pcp each prefill context parallel group runs its own tokens through its own
-    expert parallel group (DP x TP of that group)."""
+    expert parallel group (DP x TP of that group); under -pp each stage through its own."""
     llm = LLM(tiny_model_dir(name), **ENGINE, data_parallel_size=dp, tensor_parallel_size=tp,
-              prefill_context_parallel_size=pcp, enable_expert_parallel=True)
+              pipeline_parallel_size=pp, prefill_context_parallel_size=pcp, enable_expert_parallel=True)
     try:
         outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
         stats = llm.stats()
@@ -121,10 +122,13 @@ def _busy_seconds(procs) -> float:
 
 
 @pytest.mark.slow
-def test_an_idle_replica_steps_with_the_busy_one_and_all_go_quiet(tiny_model_dir, one_rank_outputs):
+@pytest.mark.parametrize("pp", [1, 2])
+def test_an_idle_replica_steps_with_the_busy_one_and_all_go_quiet(pp, tiny_model_dir, one_rank_outputs):
     """One long request and a few short ones: the replica whose requests finish early runs dummy
     steps for the other's many decode steps; outputs still equal one rank's, and once everything
-    has finished neither replica uses the CPU (they sleep together)."""
+    has finished neither replica uses the CPU (they sleep together). With -pp 2 the busy replica
+    has two batches in flight while the idle one runs a dummy step at a time, and each stage's
+    forwards still meet the other replica's."""
     path = tiny_model_dir("mixtral")
     prompts = ["Once upon a time", "Hi", "The capital of France is", "1 2 3"]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (120, 2, 3, 2)]
@@ -133,12 +137,13 @@ def test_an_idle_replica_steps_with_the_busy_one_and_all_go_quiet(tiny_model_dir
         expected = _token_ids(ref.generate(prompts, params, use_tqdm=False))
     finally:
         ref.shutdown()
-    llm = LLM(path, **ENGINE, data_parallel_size=2, enable_expert_parallel=True)
+    llm = LLM(path, **ENGINE, data_parallel_size=2, pipeline_parallel_size=pp, enable_expert_parallel=True)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert [e["num_routed"] for e in llm.stats()["engines"]] == [2, 2]
         assert _token_ids(outs) == expected
         cores = [psutil.Process(c.process.pid) for c in llm.engine.engine_core.cores]
+        cores += [worker for core in cores for worker in core.children()]
         time.sleep(0.5)
         before = _busy_seconds(cores)
         time.sleep(2.0)
@@ -172,8 +177,6 @@ def test_a_dead_replica_fails_the_whole_engine(tiny_model_dir):
 
 def test_expert_parallel_layouts_this_version_refuses(tiny_model_dir):
     path = tiny_model_dir("mixtral")
-    with pytest.raises(ValueError, match="--enable-expert-parallel with -dp and -pp is not supported"):
-        LLM(path, **ENGINE, data_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=True)
     with pytest.raises(ValueError, match="needs at least as many experts; this model has 4"):
         LLM(path, **ENGINE, data_parallel_size=2, tensor_parallel_size=4, enable_expert_parallel=True)
 
@@ -195,16 +198,19 @@ def test_dp2_ep_server_answers_like_the_offline_engine_and_shows_the_expert_load
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp,tp,pcp,redundant", [(1, 2, 1, 0), (1, 2, 1, 2), (2, 1, 1, 0), (1, 2, 2, 0)],
-                         ids=["tp2-ep", "tp2-ep-2-copies", "dp2-ep", "tp2-pcp2-ep"])
-def test_eplb_evens_a_skewed_routing_and_keeps_the_tokens(dp, tp, pcp, redundant, tiny_model_dir, one_rank_outputs):
+@pytest.mark.parametrize("dp,tp,pp,pcp,redundant", [(1, 2, 1, 1, 0), (1, 2, 1, 1, 2), (2, 1, 1, 1, 0),
+                                                    (2, 1, 2, 1, 0), (1, 2, 1, 2, 0)],
+                         ids=["tp2-ep", "tp2-ep-2-copies", "dp2-ep", "dp2-pp2-ep", "tp2-pcp2-ep"])
+def test_eplb_evens_a_skewed_routing_and_keeps_the_tokens(dp, tp, pp, pcp, redundant, tiny_model_dir,
+                                                         one_rank_outputs):
     """GPT-OSS with its router biased towards experts 0 and 1, which start on one rank (without
     copies): placed anew every 4 forward passes from the last 4, with copies of the hot experts or
-    without, the replicas of dp2 balancing together (under -pcp each group's ranks by its own
-    tokens), the ranks' loads even out (2 copies of 4 experts start even already) and the tokens
+    without, the replicas of dp2 balancing together (under -pp each stage's ranks, under -pcp each
+    group's, by their own tokens), the ranks' loads even out (2 copies of 4 experts start even already) and the tokens
     do not change."""
     llm = LLM(tiny_model_dir("gpt-oss-skewed"), **ENGINE, data_parallel_size=dp, tensor_parallel_size=tp,
-              prefill_context_parallel_size=pcp, enable_expert_parallel=True, enable_eplb=True,
+              pipeline_parallel_size=pp, prefill_context_parallel_size=pcp, enable_expert_parallel=True,
+              enable_eplb=True,
               eplb_config={"step_interval": 4, "window_size": 4, "num_redundant_experts": redundant})
     try:
         outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)

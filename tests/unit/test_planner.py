@@ -181,6 +181,17 @@ def test_moe_plans_show_experts_per_rank_under_tp_and_ep_with_commands():
     assert "shardlm serve Mixtral-8x7B -tp 2 -dp 4 --enable-expert-parallel" in text
 
 
+def test_dp_ep_note_with_pipeline_stages_spreads_each_stage_over_its_ranks():
+    """TP=2 PP=2 with room for 2 replicas: a stage's 8 experts over its 4 DP x TP ranks (2 each,
+    16 layers per stage), and the command keeps -pp."""
+    from shardlm.planner.plan import _expert_parallel_notes
+    s, hw, w = shape("Mixtral-8x7B"), Hardware("gpu", 8, 1, 80 * GiB), Workload()
+    text = " ".join(_expert_parallel_notes(s, evaluate(s, 2, 2, hw, w), 2, hw, w, "Mixtral-8x7B"))
+    expert_gib = 3 * 4096 * 14336 * 2 * 16 / GiB          # one expert in every layer of a stage
+    assert f"over the 4 ranks of its stage: at most 2 per rank, {2 * expert_gib:.2f} GiB" in text
+    assert "shardlm serve Mixtral-8x7B -tp 2 -pp 2 -dp 2 --enable-expert-parallel" in text
+
+
 def test_expert_parallel_lifts_the_expert_size_divisibility():
     s = shape("Mixtral-8x7B")
     s.expert_intermediate = 14335
