@@ -12,8 +12,10 @@ from shardlm.logger import init_logger
 logger = init_logger(__name__)
 
 
-def get_attention_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
-    block_size, dtype = config.cache.block_size, config.model.dtype
+def get_attention_backend(config: EngineConfig, device: torch.device,
+                          block_size: int | None = None) -> AttentionBackend:
+    """block_size: tokens per block of the cache it reads (default: the target's on each rank)."""
+    block_size, dtype = block_size or config.cache.block_size, config.model.dtype
     if device.type == "cuda":
         from shardlm.attention.cuda import CudaAttention
         backend = CudaAttention(block_size, device, config.scheduler.max_num_seqs, config.model.max_model_len)

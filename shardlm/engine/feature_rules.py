@@ -46,10 +46,6 @@ RULES: tuple[Rule, ...] = (
          "load balancing places whole experts over the ranks of expert parallel (a model without experts, or "
          "experts sliced by tensor parallel, has nothing to place)",
          "add --enable-expert-parallel for a mixture-of-experts model, or leave out --enable-eplb"),
-    Rule("-dcp or -pcp with a draft model or EAGLE head (--speculative-config method draft_model, eagle, eagle3)",
-         lambda c: c.parallel.context_parallel_size > 1 and _drafts_on_one_rank(c),
-         "the draft runs on one rank with a KV cache of whole blocks, which context parallel spreads over ranks",
-         "method 'ngram' with context parallel, or leave out -dcp and -pcp"),
 )
 
 

@@ -6,7 +6,9 @@ The proposer's model runs whole on the rank that samples (parallel_state.alone()
 one-rank groups, so it never joins the target's collectives), with a KV cache of its own in the
 target's block layout: the same block ids and slots. It computes every position the target
 computes (follow), so its cache holds whatever the target's holds, through chunked prefill,
-prefix-cache hits and preemption, with no bookkeeping of its own.
+prefix-cache hits and preemption, with no bookkeeping of its own. Under context parallel the
+target spreads a block id's positions over its ranks; the proposer, on one rank, holds them all
+(blocks of kv_block_tokens) and attends with an unsharded backend and metadata of its own.
 
 To propose, it decodes from each request's newest position. Those positions are not the
 request's yet (the next step verifies them), so it writes them into scratch blocks of its own
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from shardlm.attention.selector import get_attention_backend
 from shardlm.config import EngineConfig
 from shardlm.distributed.parallel_state import alone
 from shardlm.layers.attention import Attention
@@ -35,8 +38,10 @@ class ModelProposer(Proposer):
     def __init__(self, config: EngineConfig, device: torch.device, attn_backend, model: torch.nn.Module):
         self.k = config.speculative.num_speculative_tokens
         self.device = device
-        self.backend = attn_backend
-        self.block_size = config.cache.block_size
+        self.block_size = config.kv_block_tokens        # a block id's tokens on every context parallel rank
+        self.own_layout = attn_backend.shard is not None
+        self.backend = (get_attention_backend(config, device, self.block_size) if self.own_layout
+                        else attn_backend)
         self.max_model_len = config.model.max_model_len
         self.max_rows = config.scheduler.max_num_seqs
         self.dtype = config.model.dtype
@@ -71,6 +76,15 @@ class ModelProposer(Proposer):
     def release_cache(self) -> None:
         for attn in self.attention:
             attn.k_cache = attn.v_cache = None
+
+    def metadata(self, step: TargetStep):
+        """The attention metadata of the step the proposer follows: the target's, or under context
+        parallel (whose metadata lays each sequence over ranks) its own, of whole blocks."""
+        if not self.own_layout:
+            return step.meta
+        return self.backend.build_metadata([len(c.token_ids) for c in step.chunks],
+                                           [c.start_pos for c in step.chunks],
+                                           [c.block_tables[0] for c in step.chunks])
 
     def _rows(self, requests: list[ProposalRequest]) -> list[ProposalRequest]:
         # a request this close to max_model_len gets none: its proposals could not all be verified
@@ -126,7 +140,7 @@ class DraftModelProposer(ModelProposer):
 
     def follow(self, step: TargetStep) -> None:
         with alone():
-            self.model(step.input_ids, step.positions, step.meta)
+            self.model(step.input_ids, step.positions, self.metadata(step))
 
     def propose(self, requests: list[ProposalRequest]) -> dict[str, list[int]]:
         rows = self._rows(requests)

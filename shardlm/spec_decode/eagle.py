@@ -44,8 +44,8 @@ class EagleProposer(ModelProposer):
         rows = torch.tensor(list(self._last_row.values()), dtype=torch.long, device=self.device)
         with alone():
             target_hidden = self.model.combine(step.aux_hidden) if self.eagle3 else step.hidden
-            self._hidden, tokens = self._step(torch.tensor(next_ids, device=self.device), step.positions, step.meta,
-                                              target_hidden, rows)
+            self._hidden, tokens = self._step(torch.tensor(next_ids, device=self.device), step.positions,
+                                              self.metadata(step), target_hidden, rows)
         self._first = dict(zip(self._last_row, tokens.tolist()))
 
     def propose(self, requests: list[ProposalRequest]) -> dict[str, list[int]]:

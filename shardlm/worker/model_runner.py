@@ -286,8 +286,11 @@ class ModelRunner:
             self.balancer.after_forward()
         if hidden is None:                  # not the last pipeline stage: sent on
             return None
+        aux_hidden = getattr(getattr(self.model, "model", None), "aux_hidden", None)    # EAGLE-3's input
         if batch.pcp is not None:           # every group's tokens to the first, which samples
             hidden = self._gather_pcp_hidden(hidden, batch.pcp.groups)
+            if aux_hidden is not None:
+                aux_hidden = self._gather_pcp_hidden(aux_hidden, batch.pcp.groups)
             if hidden is None:
                 return None
             input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
@@ -303,7 +306,7 @@ class ModelRunner:
             out.failed |= self.lora.failed_requests({c.req_id: self.requests[c.req_id].lora_int_id for c in chunks})
         if self.proposer is not None:       # the rank that samples: out is its result (never a pooling model's)
             self.proposer.follow(TargetStep(input_ids, positions, meta, hidden, chunks, out.sampled, self.requests,
-                                            getattr(getattr(self.model, "model", None), "aux_hidden", None)))
+                                            aux_hidden))
             wanted = so.propose_drafts
             if wanted and out.sampled:
                 out.draft_token_ids = self.proposer.propose([

@@ -79,6 +79,28 @@ def test_the_mtp_layer_proposes_and_greedy_outputs_stay_exact(tiny_model_dir):
         assert stats["spec_num_drafts"] > 0         # (a random layer: its proposals are rarely right)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2, decode_context_parallel_size=2),
+                                    dict(prefill_context_parallel_size=2)], ids=["tp2-dcp2", "pcp2"])
+def test_the_mtp_layer_under_context_parallel(layout, tiny_model_dir):
+    """The latent KV cache spread over the context parallel ranks, the MTP layer's own whole on
+    the rank that samples: the same tokens as on one rank, with proposals verified (a random
+    layer's are rarely right: test_spec_decode's draft that is its target checks the cache)."""
+    path = tiny_model_dir("deepseek-v3-mtp")
+    engine = dict(dtype="float32", kv_cache_memory="16MiB", speculative_config={"method": "mtp",
+                                                                                 "num_speculative_tokens": 2})
+    got, stats = {}, {}
+    for name, extra in (("one rank", {}), ("cp", layout)):
+        llm = LLM(path, **engine, **extra)
+        try:
+            got[name] = [o.outputs[0].token_ids for o in llm.generate(_prompts(), PARAMS, use_tqdm=False)]
+            stats[name] = llm.stats()
+        finally:
+            llm.shutdown()
+    assert got["cp"] == got["one rank"]
+    assert stats["cp"]["spec_num_drafts"] > 0
+
+
 def test_mtp_without_the_layer_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="no multi-token-prediction layer"):
         LLM(tiny_model_dir("deepseek-v3"), dtype="float32", kv_cache_memory="16MiB",

@@ -314,3 +314,27 @@ def test_an_eagle3_head_on_a_decoder_it_cannot_read_is_refused(tiny_model_dir, t
     with pytest.raises(ValueError, match="EAGLE-3 head reads the inputs of a Llama-family decoder"):
         EngineArgs(tiny_model_dir("gemma3"), dtype="float32", kv_cache_memory="16MiB",
                    speculative_config={"method": "eagle3", "model": head}).create_engine_config()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2, decode_context_parallel_size=2),
+                                    dict(prefill_context_parallel_size=2)], ids=["tp2-dcp2", "pcp2"])
+def test_a_proposer_with_a_model_under_context_parallel(tiny_model_dir, tmp_path, layout, method):
+    """The target spreads each block's positions over the context parallel ranks; the proposer,
+    on the rank that samples, holds them all. A draft that is the target itself then has every
+    token accepted (its cache must hold what the target's does), and an EAGLE-3 head (reading the
+    residual streams of every -pcp group's tokens) proposes what it proposes on one rank."""
+    target = tiny_model_dir("llama-tied-llama3rope")
+    spec = ({"model": target, "num_speculative_tokens": 3} if method == "draft_model" else
+            {"method": method, "model": make_random_eagle(target, tmp_path / method, eagle3=True),
+             "num_speculative_tokens": 3})
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"] * 3} for p in PROMPTS]     # 60-75 tokens: 3 blocks
+    want, one_rank = generate(target, spec, prompts)
+    got, s = generate(target, spec, prompts, **layout)
+    assert got == want
+    assert s["spec_num_draft_tokens"] > 0
+    if method == "draft_model":
+        assert s["spec_num_accepted_tokens"] == s["spec_num_draft_tokens"]
+    else:
+        assert s["spec_num_accepted_tokens"] == one_rank["spec_num_accepted_tokens"]
