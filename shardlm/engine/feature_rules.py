@@ -143,9 +143,4 @@ RULES += (
          lambda c: _vision_language(c) and _pooling(c),
          "pooling reads text prompts, and the pooling runner has no image inputs",
          "the text model alone (its own checkpoint) as an embedder"),
-    Rule("a vision-language model (LLaVA) with a quantized checkpoint's stored weights (GGUF, GPTQ, AWQ, FP8, "
-         "compressed-tensors)",
-         lambda c: _vision_language(c) and c.model.quantization is not None and not c.model.quantization.at_load,
-         "only float checkpoints of vision-language models are read",
-         "the float checkpoint, with --quantization int8, int4 or fp8_* at load (the text model's linears)"),
 )

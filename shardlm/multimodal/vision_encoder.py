@@ -15,7 +15,12 @@ from torch import nn
 from shardlm.config import MultiModalConfig
 from shardlm.layers.linear import Linear
 from shardlm.messages import MultiModalItem
+from shardlm.model_loader.compressed_tensors import PACKED_SUFFIXES as COMPRESSED_SUFFIXES
+from shardlm.model_loader.gptq_awq import PACKED_SUFFIXES as GPTQ_AWQ_SUFFIXES
 from shardlm.multimodal.processing import as_tensor
+
+# tensors of a linear stored quantized (FP8 weights are dequantized as they are read: model_loader/fp8.py)
+STORED_QUANTIZED = GPTQ_AWQ_SUFFIXES + COMPRESSED_SUFFIXES
 
 # architecture -> transformers' model class (the conditional generation model's .model), and the
 # attribute its text model sits in
@@ -53,15 +58,22 @@ class VisionEncoder(nn.Module):
 
     def load_weights(self, weights) -> None:
         params = {**dict(self.inner.named_parameters()), **dict(self.inner.named_buffers())}
-        loaded = set()
+        loaded, stored_quantized = set(), []
         for name, tensor in weights:
             ours = self.vision_name(name)
             if ours is None or ours not in params:
+                if ours is not None and ours.endswith(STORED_QUANTIZED):
+                    stored_quantized.append(name)
                 continue
             with torch.no_grad():
                 params[ours].copy_(tensor if isinstance(tensor, torch.Tensor) else tensor[:])
             loaded.add(ours)
         missing = {n for n, _ in self.inner.named_parameters()} - loaded
+        if missing and stored_quantized:
+            raise ValueError(f"The checkpoint stores its vision side quantized ({stored_quantized[0]}): shardlm reads "
+                             "the vision tower and projector in float (as GPTQ, AWQ and compressed-tensors tools "
+                             "leave them by default) and the language model as stored. Quantize the language model "
+                             "alone, or run the float checkpoint with --quantization int8 or int4.")
         if missing:
             raise ValueError(f"The checkpoint lacks vision weights: {', '.join(sorted(missing)[:8])}")
 

@@ -236,9 +236,10 @@ def test_gguf_quantization_needs_a_gguf_model(tiny_model_dir):
         LLM(tiny_model_dir("llama-gqa"), **ENGINE, quantization="gguf")
 
 
-def _packed_checkpoints(src: str, root, group: int = 32) -> dict[str, str]:
-    """The tiny model with its linears 4-bit quantized, written three ways: as a GPTQ checkpoint,
-    as an AWQ checkpoint, and as the float model of their dequantized weights (the reference)."""
+def _packed_checkpoints(src: str, root, group: int = 32, quantizes=lambda name: True) -> dict[str, str]:
+    """The tiny model with its linears 4-bit quantized (those whose weight name `quantizes` takes),
+    written three ways: as a GPTQ checkpoint, as an AWQ checkpoint, and as the float model of their
+    dequantized weights (the reference); the tokenizer and processor files beside each."""
     import json
     import shutil
 
@@ -255,7 +256,7 @@ def _packed_checkpoints(src: str, root, group: int = 32) -> dict[str, str]:
     out = {name: {} for name in ("gptq", "awq", "dequantized")}
     for name, w in tensors.items():
         prefix, _, leaf = name.rpartition(".")
-        if leaf != "weight" or prefix.rsplit(".", 1)[-1] not in QUANTIZED:
+        if leaf != "weight" or prefix.rsplit(".", 1)[-1] not in QUANTIZED or not quantizes(name):
             for part in out.values():
                 part[name] = w
             continue
@@ -271,8 +272,8 @@ def _packed_checkpoints(src: str, root, group: int = 32) -> dict[str, str]:
         save_file(weights, str(dst / "model.safetensors"))
         with open(dst / "config.json", "w") as f:
             json.dump({**config, **({"quantization_config": quant_configs[name]} if name in quant_configs else {})}, f)
-        for extra in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-            if os.path.exists(f"{src}/{extra}"):
+        for extra in os.listdir(src):
+            if extra not in ("config.json", "model.safetensors") and os.path.isfile(f"{src}/{extra}"):
                 shutil.copy(f"{src}/{extra}", dst)
         dirs[name] = str(dst)
     return dirs

@@ -2,7 +2,8 @@
 (SmolVLM: tiles with text between them) give transformers' greedy tokens with 0, 1 and 2 images of
 different sizes, whole and split over steps; LLaVA also at TP=2, PP=2, PCP=2 and DP=2;
 offline chats read image_url and image_pil parts; the prefix cache tells images apart; LoRA on
-the text model; bad images, counts and models are refused with what to do."""
+the text model; GPTQ, AWQ and FP8 checkpoints; bad images, counts and models are refused with
+what to do."""
 
 import base64
 import io
@@ -198,6 +199,52 @@ def test_file_urls_are_read_under_the_allowed_path_only(llava, tmp_path):
             engine.generate([{"prompt": "see <image>", "multi_modal_data": {"image": "http://127.0.0.1:9/x.png"}}])
     finally:
         engine.shutdown()
+
+
+class _Dirs:
+    """tmp_path_factory's mktemp, under one test's tmp_path."""
+    def __init__(self, root):
+        self.root = root
+
+    def mktemp(self, name):
+        path = self.root / name
+        path.mkdir()
+        return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,layout", [("gptq", {}), ("awq", {"tensor_parallel_size": 2}), ("fp8-block", {}),
+                                           ("compressed-tensors", {"pipeline_parallel_size": 2})],
+                         ids=["gptq", "awq-tp2", "fp8-block", "compressed-tensors-pp2"])
+def test_a_quantized_checkpoint_runs_its_text_model_as_stored(llava, method, layout, tmp_path):
+    """LLaVA with its language model's linears 4-bit packed (GPTQ, AWQ: the vision side in float,
+    as their tools leave it) or in FP8 (vision attention too, dequantized as it is read): found from
+    config.json without a flag, the text model's 8 linears kept as stored, images give transformers'
+    tokens on the dequantized weights."""
+    from tests.models.test_fp8_checkpoints import _write
+    from tests.models.test_quantized import _packed_checkpoints
+    if method in ("gptq", "awq"):
+        dirs = _packed_checkpoints(llava, tmp_path, quantizes=lambda name: "language_model" in name)
+        stored, dequantized = dirs[method], dirs["dequantized"]
+    else:
+        stored, dequantized = _write(llava, method, _Dirs(tmp_path))
+    engine = LLM(stored, dtype="float32", **layout)
+    try:
+        kernels = engine.collective_rpc("quantized_kernels")
+        outs = engine.generate(with_images(PROMPTS, IMAGES), GREEDY)
+    finally:
+        engine.shutdown()
+    assert sum(sum(k.values()) for k in kernels) == 8 * (2 if "tensor_parallel_size" in layout else 1)
+    ref = transformers_greedy(dequantized, PROMPTS, IMAGES)
+    assert hf_reference.assert_close(ref, outs, method) == len(PROMPTS)
+
+
+def test_a_vision_tower_stored_quantized_is_refused_with_what_to_do(llava, tmp_path):
+    from tests.models.test_quantized import _packed_checkpoints
+    dirs = _packed_checkpoints(llava, tmp_path)
+    with pytest.raises(ValueError, match=r"stores its vision side quantized \(vision_tower.*Quantize the language "
+                                         "model alone"):
+        LLM(dirs["gptq"], dtype="float32")
 
 
 def test_combinations_that_cannot_work_are_refused(llava):
