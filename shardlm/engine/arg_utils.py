@@ -114,7 +114,7 @@ class EngineArgs:
         "auto", "model",
         "which code runs the model, as vLLM's: auto (shardlm's own where it has the architecture, else "
         "transformers'), shardlm (or vllm: its own only), transformers (Hugging Face's modeling code with "
-        "shardlm's paged KV cache and scheduler, one rank per replica)")
+        "shardlm's paged KV cache, scheduler and linears; -tp and -pp split it)")
     disable_sliding_window: bool = knob(
         False, "model",
         "as vLLM's: sequences capped at the model's (smallest) attention window, within which every layer "

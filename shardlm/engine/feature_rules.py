@@ -54,12 +54,11 @@ def _transformers(c: EngineConfig) -> bool:
 
 
 RULES += (
-    Rule("--model-impl transformers with -pp, -dcp, -pcp or --enable-expert-parallel",
-         lambda c: _transformers(c) and (c.parallel.pipeline_parallel_size > 1 or c.parallel.context_parallel_size > 1
-                                         or c.parallel.enable_expert_parallel),
-         "transformers' decoder runs whole on each rank: its layers cannot be split into stages, nor its "
-         "attention over ranks by position",
-         "-tp (its linears split as the model's tensor parallel plan says) and -dp"),
+    Rule("--model-impl transformers with -dcp, -pcp or --enable-expert-parallel",
+         lambda c: _transformers(c) and (c.parallel.context_parallel_size > 1 or c.parallel.enable_expert_parallel),
+         "transformers' attention and MoE modules run whole on each rank: its attention cannot be split over "
+         "ranks by position, nor its experts placed whole",
+         "-tp (its linears split as the model's tensor parallel plan says), -pp and -dp"),
     Rule("--model-impl transformers with a quantized checkpoint's stored weights (GGUF, GPTQ, AWQ, FP8, "
          "compressed-tensors), --enable-lora or a draft model or EAGLE head",
          lambda c: _transformers(c) and ((c.model.quantization is not None and not c.model.quantization.at_load)

@@ -14,8 +14,14 @@ Its linear layers become shardlm's (as vLLM's backend does): those the model's t
 (`base_model_tp_plan`) marks colwise or rowwise are split across the tensor parallel ranks, the others
 stay whole on every rank; so the CPU kernels' weight panels and --quantization apply as in shardlm's
 own models. The LM head becomes a whole shardlm linear on every rank (a tied one holds a copy of the
-embedding, which stays transformers' own, whole on every rank). Pipeline and
-context parallel need shardlm's own decoder: refused (feature_rules.py).
+embedding, which stays transformers' own, whole on every rank).
+
+Pipeline parallel (as vLLM's backend): a stage keeps its own decoder layers; the others become
+pass-throughs (their indices kept, since modeling code looks layers up by them), the embedding
+of a later stage gives zeros and the first layer it holds takes the previous stage's hidden
+states instead of what the model's forward made of them (so whatever it does between embedding
+and layers, such as Gemma's scale, is not done twice); an earlier stage skips the final norms
+and has no LM head. Context parallel needs shardlm's own decoder: refused (feature_rules.py).
 """
 
 from __future__ import annotations
@@ -82,6 +88,8 @@ class TransformersForCausalLM(nn.Module):
             self.hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=NAME)
         self.hf.tie_weights()           # (skipped with the initialization)
         self.tp = get_tp_group()
+        self.start, self.end = layer_range or (0, config.num_hidden_layers)
+        self.is_last_stage = self.end == config.num_hidden_layers
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -89,16 +97,58 @@ class TransformersForCausalLM(nn.Module):
             raise ValueError(f"Tensor parallel size {self.tp.world_size} must divide the attention heads ({heads}) "
                              f"and the KV heads ({kv_heads}) under --model-impl transformers.")
         self._use_shardlm_linears()
+        self.elsewhere: tuple[str, ...] = ()        # names of what other pipeline stages hold
+        self._received: torch.Tensor | None = None   # the previous stage's hidden states, during a step
+        if (self.start, self.end) != (0, config.num_hidden_layers):
+            self._keep_this_stage_only(dtype)
         self.num_attention_layers = 0
         for module in self.hf.modules():
             if type(module).__name__.endswith("Attention") and isinstance(getattr(module, "layer_idx", None), int):
                 module.shardlm_attn = Attention(heads // self.tp.world_size, kv_heads // self.tp.world_size, head_dim,
-                                                head_dim ** -0.5, sliding_window(config, module.layer_idx))
+                                                head_dim ** -0.5, sliding_window(config, module.layer_idx),
+                                                logit_softcap=getattr(config, "attn_logit_softcapping", None))
                 self.num_attention_layers += 1
-        if self.num_attention_layers != config.num_hidden_layers:
+        if self.num_attention_layers != self.end - self.start:
             raise ValueError(f"{type(self.hf).__name__}: found {self.num_attention_layers} attention modules for "
-                             f"{config.num_hidden_layers} layers, so the Transformers backend cannot place its KV "
+                             f"{self.end - self.start} layers, so the Transformers backend cannot place its KV "
                              "cache.")
+
+    def _keep_this_stage_only(self, dtype: torch.dtype) -> None:
+        """Pipeline parallel: replace what other stages hold (see the module's docstring)."""
+        base = self.hf.base_model
+        prefix = self.hf.base_model_prefix
+        found = [(name, m) for name, m in base.named_children()
+                 if isinstance(m, nn.ModuleList) and len(m) == self.config.num_hidden_layers]
+        if len(found) != 1:
+            raise ValueError(f"{type(self.hf).__name__}: its decoder layers could not be found (one list of "
+                             f"{self.config.num_hidden_layers} modules), so the Transformers backend cannot split it "
+                             "into pipeline stages: leave out -pp.")
+        layers_name, layers = found[0]
+        elsewhere = [f"{prefix}.{layers_name}.{i}." for i in range(len(layers)) if not self.start <= i < self.end]
+        for i in range(len(layers)):
+            if not self.start <= i < self.end:
+                layers[i] = _OnAnotherStage()
+        if self.start > 0:
+            embedding = self.hf.get_input_embeddings()
+            elsewhere += [f"{prefix}.{n}." for n, m in base.named_children() if m is embedding]
+            self.hf.set_input_embeddings(_Zeros(self.config.hidden_size, dtype))
+            layers[self.start].register_forward_pre_hook(self._take_received, with_kwargs=True)
+        if not self.is_last_stage:
+            children = [n for n, _ in base.named_children()]
+            for name in children[children.index(layers_name) + 1:]:      # the final norms come after the layers
+                if "norm" in type(getattr(base, name)).__name__.lower():
+                    elsewhere.append(f"{prefix}.{name}.")
+                    setattr(base, name, nn.Identity())
+            if self.head_name is not None:
+                elsewhere.append(self.head_name)
+                self.hf.set_output_embeddings(nn.Identity())
+                self.head_name = None
+        self.elsewhere = tuple(elsewhere)
+
+    def _take_received(self, module, args, kwargs):
+        """The first layer of a later stage: the previous stage's hidden states as its input."""
+        hidden = self._received[None]
+        return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
 
     def _use_shardlm_linears(self) -> None:
         """Every nn.Linear becomes shardlm's: column or row parallel as the model's tensor
@@ -106,8 +156,9 @@ class TransformersForCausalLM(nn.Module):
         the embedding's where they were tied)."""
         plan = getattr(self.config, "base_model_tp_plan", None) or {}
         prefix = self.hf.base_model_prefix
-        head = self.hf.get_output_embeddings()
-        self.tied_head = head is not None and head.weight is self.hf.get_input_embeddings().weight
+        head, embedding = self.hf.get_output_embeddings(), self.hf.get_input_embeddings()
+        self.tied_head = head is not None and head.weight is embedding.weight
+        self.embedding_name = next(n for n, p in self.hf.named_parameters() if p is embedding.weight)
         self.head_name: str | None = None
         for name, module in list(self.hf.named_modules()):
             if not isinstance(module, nn.Linear):
@@ -130,13 +181,15 @@ class TransformersForCausalLM(nn.Module):
             setattr(self.hf.get_submodule(parent) if parent else self.hf, leaf, new)
 
     def forward(self, input_ids, positions, meta, intermediate=None):
+        """-> the final hidden states, or on an earlier pipeline stage [its last layer's output]."""
         global _step_meta
-        _step_meta = meta
+        _step_meta, self._received = meta, intermediate[0] if intermediate else None
         try:
             out = self.hf.base_model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
         finally:
-            _step_meta = None
-        return out.last_hidden_state[0]
+            _step_meta = self._received = None
+        hidden = out.last_hidden_state[0]
+        return hidden if self.is_last_stage else [hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The LM head and what the architectures' own heads do after it: a logit scale (Cohere),
@@ -158,7 +211,6 @@ class TransformersForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.hf.named_parameters())
-        embedding = next(n for n, p in params.items() if p is self.hf.get_input_embeddings().weight)
         renames = _renames(self.hf)
         loaded = set()
         for name, tensor in weights:
@@ -166,14 +218,36 @@ class TransformersForCausalLM(nn.Module):
                 name = rename(name)
             if name.endswith("rotary_emb.inv_freq") or (self.tied_head and name == self.head_name):
                 continue                 # a buffer made at init; a tied head: loaded with the embedding
-            if name not in params:
+            # a tied head takes the embedding's table too (on the last stage, maybe without the embedding)
+            names = [n for n in (name, self.head_name if self.tied_head and name == self.embedding_name else None)
+                     if n is not None and n in params]
+            if not names:
+                if name.startswith(self.elsewhere):
+                    continue             # another pipeline stage's
                 raise ValueError(f"The checkpoint has a tensor {name!r} that transformers' {type(self.hf).__name__} "
                                  "does not have: is the config's architecture right for these weights?")
-            names = [name, self.head_name] if self.tied_head and name == embedding else [name]
-            for target in names:         # a tied head: the embedding's table again
+            for target in names:
                 getattr(params[target], "weight_loader", default_weight_loader)(params[target], tensor)
                 loaded.add(f"hf.{target}")
         return loaded
+
+
+class _OnAnotherStage(nn.Module):
+    """A decoder layer another pipeline stage holds: the hidden states pass through."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+class _Zeros(nn.Module):
+    """A later pipeline stage's embedding: its output is replaced (_take_received), so no table."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.hidden_size, self.dtype = hidden_size, dtype
+
+    def forward(self, input_ids):
+        return torch.zeros(*input_ids.shape, self.hidden_size, dtype=self.dtype, device=input_ids.device)
 
 
 def _renames(model) -> list:

@@ -1,7 +1,7 @@
 """The Transformers backend (--model-impl, as vLLM's): architectures shardlm has no model of its
 own for run on transformers' modeling code with shardlm's paged KV cache, scheduler, sampler and
-linear layers, and give transformers' tokens, also split by tensor parallel and quantized at load;
-what needs shardlm's own decoder is refused, saying so."""
+linear layers, and give transformers' tokens, also split by tensor and pipeline parallel and
+quantized at load; what needs shardlm's own decoder is refused, saying so."""
 
 import pytest
 
@@ -36,11 +36,29 @@ def tokens(model_dir, **engine) -> list[list[int]]:
         llm.shutdown()
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_a_model_shardlm_has_runs_on_either_with_the_same_tokens(quantization, tiny_model_dir):
-    """Its linears are shardlm's: int8 at load quantizes them as in shardlm's own Llama."""
-    assert tokens(tiny_model_dir("llama-gqa"), model_impl="vllm", quantization=quantization) == \
-        tokens(tiny_model_dir("llama-gqa"), model_impl="transformers", quantization=quantization)
+@pytest.mark.parametrize("name,quantization", [("llama-gqa", None), ("llama-gqa", "int8"), ("gemma2", None)],
+                         ids=["llama", "llama-int8", "gemma2"])
+def test_a_model_shardlm_has_runs_on_either_with_the_same_tokens(name, quantization, tiny_model_dir):
+    """Its linears are shardlm's: int8 at load quantizes them as in shardlm's own Llama; Gemma 2's
+    attention logit soft cap reaches shardlm's attention (it was left out)."""
+    assert tokens(tiny_model_dir(name), model_impl="vllm", quantization=quantization) == \
+        tokens(tiny_model_dir(name), model_impl="transformers", quantization=quantization)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,layout", [("starcoder2", dict(pipeline_parallel_size=2)),
+                                         ("gpt-neox", dict(pipeline_parallel_size=2, tensor_parallel_size=2)),
+                                         ("granite", dict(pipeline_parallel_size=2)),
+                                         ("llama-5-layers", dict(pipeline_parallel_size=3))],
+                         ids=["starcoder2-pp2", "gpt-neox-tp2-pp2", "granite-pp2", "llama-pp3"])
+def test_pipeline_parallel_gives_each_stage_its_layers(name, layout, tiny_model_dir):
+    """Each stage keeps its layers (a middle one at pp3: neither embedding nor head); a later stage
+    takes the previous one's hidden states in place of what the model's forward makes of its
+    embedding (Granite multiplies it there: done twice, the tokens change). Tokens as on one rank
+    (GPT-NeoX: its own names for embedding and final norm), and for models shardlm has, as its own."""
+    engine = dict(model_impl="transformers") if name in ("granite", "llama-5-layers") else {}
+    want = tokens(tiny_model_dir(name), model_impl="vllm") if engine else tokens(tiny_model_dir(name))
+    assert tokens(tiny_model_dir(name), **engine, **layout) == want
 
 
 @pytest.mark.slow
@@ -59,8 +77,8 @@ def test_tensor_parallel_splits_its_linears_as_the_models_plan_says(tiny_model_d
 def test_what_needs_shardlms_own_layers_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match=r"\['Starcoder2ForCausalLM'\] are not supported"):
         EngineArgs(model=tiny_model_dir("starcoder2"), model_impl="shardlm").create_engine_config()
-    with pytest.raises(ValueError, match="--model-impl transformers with -pp"):
-        EngineArgs(model=tiny_model_dir("starcoder2"), pipeline_parallel_size=2).create_engine_config()
+    with pytest.raises(ValueError, match="--model-impl transformers with -dcp, -pcp or --enable-expert-parallel"):
+        EngineArgs(model=tiny_model_dir("starcoder2"), prefill_context_parallel_size=2).create_engine_config()
     with pytest.raises(ValueError, match="--model-impl transformers with a quantized checkpoint's stored weights"):
         EngineArgs(model=tiny_model_dir("cohere"), enable_lora=True).create_engine_config()
     with pytest.raises(ValueError, match="--model-impl 'hf': give auto, shardlm, vllm, transformers"):
