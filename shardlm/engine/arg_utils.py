@@ -499,9 +499,11 @@ class EngineArgs:
         if limit < target.max_model_len:
             raise ValueError(f"The draft model {draft} covers {limit} positions, fewer than max_model_len="
                              f"{target.max_model_len}: lower --max-model-len to at most {limit}.")
-        return dataclasses.replace(target, model=path, hf_config=hf_config,
-                                   architecture=resolve_architecture(hf_config, "shardlm")[0], quantization=None,
-                                   hub_source=source.hub)
+        # a draft model runs on shardlm's own code where it has the architecture, else on transformers'
+        architecture, model_impl = resolve_architecture(hf_config, "shardlm" if spec.method != "draft_model"
+                                                        else "auto")
+        return dataclasses.replace(target, model=path, hf_config=hf_config, architecture=architecture,
+                                   model_impl=model_impl, quantization=None, hub_source=source.hub)
 
 
 def _mtp_config(target: ModelConfig) -> ModelConfig:

@@ -35,6 +35,11 @@ def _drafts_on_one_rank(c: EngineConfig) -> bool:
     return c.speculative is not None and c.speculative.method != "ngram"
 
 
+def _reads_the_targets_layers(c: EngineConfig) -> bool:
+    """An EAGLE head or MTP layer: built on the target's own layers and hidden states."""
+    return c.speculative is not None and c.speculative.method not in ("ngram", "draft_model")
+
+
 RULES: tuple[Rule, ...] = (
     Rule("-dp with --distributed-executor-backend ray",
          lambda c: c.parallel.data_parallel_size > 1 and c.parallel.distributed_executor_backend == "ray",
@@ -60,12 +65,12 @@ RULES += (
          "ranks by position, nor its experts placed whole",
          "-tp (its linears split as the model's tensor parallel plan says), -pp and -dp"),
     Rule("--model-impl transformers with a quantized checkpoint's stored weights (GGUF, GPTQ, AWQ, FP8, "
-         "compressed-tensors), --enable-lora or a draft model or EAGLE head",
+         "compressed-tensors), --enable-lora or an EAGLE head or MTP layer",
          lambda c: _transformers(c) and ((c.model.quantization is not None and not c.model.quantization.at_load)
-                                         or c.lora is not None or _drafts_on_one_rank(c)),
+                                         or c.lora is not None or _reads_the_targets_layers(c)),
          "those read their tensors into shardlm's own model layout, which transformers' modeling code does not have",
          "the float checkpoint, with --quantization int8, int4 or fp8_* at load if you like; speculative decoding "
-         "with method 'ngram'"),
+         "with method 'ngram' or a draft model"),
     Rule("--model-impl transformers with --runner pooling",
          lambda c: _transformers(c) and _pooling(c),
          "the Transformers backend runs causal LMs for generation",

@@ -135,7 +135,7 @@ class DraftModelProposer(ModelProposer):
     def __init__(self, config: EngineConfig, device: torch.device, attn_backend):
         with alone():
             draft = config.speculative.draft_model_config
-            model = load_model(get_model_class(draft.architecture), draft, device)
+            model = load_model(get_model_class(draft.architecture, None, draft.model_impl), draft, device)
         super().__init__(config, device, attn_backend, model)
 
     def follow(self, step: TargetStep) -> None:

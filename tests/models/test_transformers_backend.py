@@ -81,6 +81,9 @@ def test_what_needs_shardlms_own_layers_is_refused(tiny_model_dir):
         EngineArgs(model=tiny_model_dir("starcoder2"), prefill_context_parallel_size=2).create_engine_config()
     with pytest.raises(ValueError, match="--model-impl transformers with a quantized checkpoint's stored weights"):
         EngineArgs(model=tiny_model_dir("cohere"), enable_lora=True).create_engine_config()
+    with pytest.raises(ValueError, match="an EAGLE head or MTP layer is not supported"):
+        EngineArgs(model=tiny_model_dir("llama-gqa"), model_impl="transformers",
+                   speculative_config={"method": "eagle", "model": tiny_model_dir("llama-gqa")}).create_engine_config()
     with pytest.raises(ValueError, match="--model-impl 'hf': give auto, shardlm, vllm, transformers"):
         EngineArgs(model=tiny_model_dir("cohere"), model_impl="hf").create_engine_config()
 
@@ -98,3 +101,26 @@ def test_ngram_speculative_decoding_keeps_its_tokens(tiny_model_dir):
             assert llm.stats()["spec_num_drafts"] > 0
         llm.shutdown()
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("target,draft", [("starcoder2", "starcoder2"), ("llama-gqa", "llama-draft")],
+                         ids=["starcoder2-drafts-itself", "llama-on-transformers-llama-draft"])
+def test_a_draft_model_proposes_for_it(target, draft, tiny_model_dir):
+    """The draft runs on transformers' code too where shardlm lacks its architecture: a target that
+    drafts for itself has every proposal accepted; a shardlm draft for a target on transformers'
+    code keeps the target's tokens."""
+    engine = dict(model_impl="transformers") if target == "llama-gqa" else {}
+    spec = {"model": tiny_model_dir(draft), "num_speculative_tokens": 3}
+    llm = LLM(tiny_model_dir(target), **ENGINE, **engine, speculative_config=spec)
+    try:
+        assert llm.engine.config.speculative.draft_model_config.model_impl == (
+            "transformers" if draft == "starcoder2" else "shardlm")
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                                                             use_tqdm=False)]
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    assert got == tokens(tiny_model_dir(target), **engine)
+    assert stats["spec_num_draft_tokens"] > 0
+    if target == draft:
+        assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
