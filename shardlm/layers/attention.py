@@ -6,6 +6,8 @@ group's partial outputs (attention/context_parallel.py)."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -108,3 +110,15 @@ class Attention(nn.Module):
         qk = qk.view(T, H + Hkv, D)
         q, k = (qk if cos_sin is None else self.rotary(qk, cos_sin)).split([H, Hkv], dim=1)
         return q, k, v.view(T, Hkv, D)
+
+
+# a checkpoint's FP8 KV cache scale for one layer: k_scale, v_scale or kv_scale (both), wherever under
+# its self_attn the checkpoint puts it
+KV_SCALE = re.compile(r"\.self_attn\.(?:[a-z_]+\.)?(k|v|kv)_scale$")
+
+
+def take_kv_scale(attn: Attention, found: re.Match, tensor) -> None:
+    """The scale KV_SCALE found in a checkpoint tensor's name onto the layer's attention."""
+    value = float((tensor if isinstance(tensor, torch.Tensor) else tensor[...]).float().reshape(-1)[0])
+    for which in ("k", "v") if found.group(1) == "kv" else (found.group(1),):
+        setattr(attn, f"{which}_scale", value)

@@ -19,7 +19,7 @@ from shardlm.attention.backend import LastLayerRows
 from shardlm.distributed.parallel_state import get_pp_group
 from shardlm.kv_cache_groups import sliding_window
 from shardlm.layers.activation import SiluAndMul
-from shardlm.layers.attention import Attention
+from shardlm.layers.attention import KV_SCALE, Attention, take_kv_scale
 from shardlm.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -291,9 +291,9 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in self.checkpoint_tensors(weights):
             if "rotary_emb.inv_freq" in name:
                 continue
-            if _KV_SCALE.search(name):
+            if found := KV_SCALE.search(name):
                 if self._on_this_stage(name):
-                    self._set_kv_scale(name, tensor)
+                    take_kv_scale(self.get_submodule(name[:found.start()] + ".self_attn").attn, found, tensor)
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
@@ -310,15 +310,6 @@ class LlamaForCausalLM(nn.Module):
             getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
             loaded.add(name)
         return loaded
-
-    def _set_kv_scale(self, name: str, tensor) -> None:
-        """A layer's FP8 KV cache scale (k_scale, v_scale or both from kv_scale, wherever under its
-        self_attn the checkpoint puts it) onto its attention layer."""
-        found = _KV_SCALE.search(name)
-        attn = self.get_submodule(name[:found.start()] + ".self_attn").attn
-        value = float((tensor if isinstance(tensor, torch.Tensor) else tensor[...]).float().reshape(-1)[0])
-        for which in ("k", "v") if found.group(1) == "kv" else (found.group(1),):
-            setattr(attn, f"{which}_scale", value)
 
     def map_checkpoint_name(self, name: str) -> tuple[str, object]:
         """A checkpoint tensor's parameter here, and which part of it the tensor is (or None)."""
@@ -339,7 +330,6 @@ class LlamaForCausalLM(nn.Module):
 
 
 # an FP8 KV cache's scales, wherever under a layer's self_attn they are stored
-_KV_SCALE = re.compile(r"\.self_attn\.(?:[a-z_]+\.)?(k|v|kv)_scale$")
 # the tensors whose rows are q or k head dims: projections, their biases, per-head norms
 _ROTATED = re.compile(r"\.self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
 

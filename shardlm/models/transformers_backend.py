@@ -34,7 +34,7 @@ from torch import nn
 
 from shardlm.distributed.parallel_state import get_tp_group
 from shardlm.kv_cache_groups import sliding_window
-from shardlm.layers.attention import Attention
+from shardlm.layers.attention import KV_SCALE, Attention, take_kv_scale
 from shardlm.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, default_weight_loader
 
 NAME = "shardlm"
@@ -209,6 +209,23 @@ class TransformersForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    # stored quantized weights (GPTQ, AWQ, compressed-tensors; model_loader/weights.py) find their
+    # linears by module name: one checkpoint tensor each, none merged
+    stacked_params = ()
+
+    def checkpoint_tensors(self, weights):
+        """Checkpoint tensors named as this module's linears: transformers' renames, under hf."""
+        renames = _renames(self.hf)
+        for name, tensor in weights:
+            for rename in renames:
+                name = rename(name)
+            yield f"hf.{name}", tensor
+
+    def _on_this_stage(self, name: str) -> bool:
+        """Whether a checkpoint tensor (or one named as checkpoint_tensors names it) is this stage's."""
+        name = next(iter(self.checkpoint_tensors([(name.removeprefix("hf."), None)])))[0].removeprefix("hf.")
+        return not name.startswith(self.elsewhere) if self.elsewhere else True
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.hf.named_parameters())
         renames = _renames(self.hf)
@@ -218,6 +235,11 @@ class TransformersForCausalLM(nn.Module):
                 name = rename(name)
             if name.endswith("rotary_emb.inv_freq") or (self.tied_head and name == self.head_name):
                 continue                 # a buffer made at init; a tied head: loaded with the embedding
+            if found := KV_SCALE.search(name):      # an FP8 KV cache's scale, for shardlm's attention
+                if self._on_this_stage(name):
+                    take_kv_scale(self.hf.get_submodule(name[:found.start()] + ".self_attn").shardlm_attn, found,
+                                  tensor)
+                continue
             # a tied head takes the embedding's table too (on the last stage, maybe without the embedding)
             names = [n for n in (name, self.head_name if self.tied_head and name == self.embedding_name else None)
                      if n is not None and n in params]

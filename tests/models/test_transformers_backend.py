@@ -1,7 +1,8 @@
 """The Transformers backend (--model-impl, as vLLM's): architectures shardlm has no model of its
 own for run on transformers' modeling code with shardlm's paged KV cache, scheduler, sampler and
-linear layers, and give transformers' tokens, also split by tensor and pipeline parallel and
-quantized at load; what needs shardlm's own decoder is refused, saying so."""
+linear layers, and give transformers' tokens, also split by tensor and pipeline parallel,
+quantized at load or as stored (GPTQ, AWQ, FP8), with a draft model; what needs shardlm's own
+decoder is refused, saying so."""
 
 import pytest
 
@@ -74,12 +75,62 @@ def test_tensor_parallel_splits_its_linears_as_the_models_plan_says(tiny_model_d
         llm.shutdown()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method,layout", [("gptq", {}), ("awq", dict(tensor_parallel_size=2)),
+                                           ("gptq", dict(pipeline_parallel_size=2))],
+                         ids=["gptq", "awq-tp2", "gptq-pp2"])
+def test_a_packed_checkpoint_runs_as_stored(method, layout, tiny_model_dir, tmp_path, hf):
+    """Cohere (not one of shardlm's own) as a 4-bit GPTQ or AWQ checkpoint: each of its 14 linears
+    (per stage: 7) takes its packed weights as stored, and the tokens are transformers' on the
+    dequantized weights."""
+    from tests.models.test_quantized import _packed_checkpoints
+    dirs = _packed_checkpoints(tiny_model_dir("cohere"), tmp_path, group=16)
+    llm = LLM(dirs[method], **ENGINE, **layout)
+    try:
+        assert (llm.engine.config.model.model_impl, llm.engine.config.model.quantization.method) == (
+            "transformers", method)
+        kernels = llm.collective_rpc("quantized_kernels")
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    per_rank = [7, 7] if "pipeline_parallel_size" in layout else [14] * layout.get("tensor_parallel_size", 1)
+    assert [sum(k.values()) for k in kernels] == per_rank
+    assert hf.assert_close(hf.greedy(dirs["dequantized"], PROMPTS, 8), outs, method) == 3
+
+
+class _Dirs:
+    """tmp_path_factory's mktemp under one test's tmp_path."""
+    def __init__(self, root):
+        self.root = root
+
+    def mktemp(self, name):
+        (self.root / name).mkdir()
+        return self.root / name
+
+
+def test_an_fp8_checkpoint_and_its_kv_cache_scales(tiny_model_dir, tmp_path):
+    """Cohere in compressed-tensors FP8 with k_scale / v_scale per layer: its linears in FP8, the
+    scales on shardlm's attention layers, the dequantized model's tokens."""
+    from tests.models.test_fp8_checkpoints import _write
+    stored, dequantized = _write(tiny_model_dir("cohere"), "compressed-tensors", _Dirs(tmp_path))
+    llm = LLM(stored, **ENGINE)
+    try:
+        assert llm.collective_rpc("quantized_kernels") == [{"fp8": 14}]
+        layers = llm.engine.engine_core.engine_core.executor.worker.runner.attention_layers()   # tp=1: here
+        assert all((a.k_scale, a.v_scale) == (pytest.approx(0.05), pytest.approx(0.02)) for a in layers)
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                                                             use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert got == tokens(dequantized)
+
+
 def test_what_needs_shardlms_own_layers_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match=r"\['Starcoder2ForCausalLM'\] are not supported"):
         EngineArgs(model=tiny_model_dir("starcoder2"), model_impl="shardlm").create_engine_config()
     with pytest.raises(ValueError, match="--model-impl transformers with -dcp, -pcp or --enable-expert-parallel"):
         EngineArgs(model=tiny_model_dir("starcoder2"), prefill_context_parallel_size=2).create_engine_config()
-    with pytest.raises(ValueError, match="--model-impl transformers with a quantized checkpoint's stored weights"):
+    with pytest.raises(ValueError, match="--model-impl transformers with a GGUF file, --enable-lora"):
         EngineArgs(model=tiny_model_dir("cohere"), enable_lora=True).create_engine_config()
     with pytest.raises(ValueError, match="an EAGLE head or MTP layer is not supported"):
         EngineArgs(model=tiny_model_dir("llama-gqa"), model_impl="transformers",
