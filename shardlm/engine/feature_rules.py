@@ -103,10 +103,6 @@ RULES += (
          lambda c: _pooling(c) and c.lora is not None and _encoder(c),
          "adapters apply to the layers of shardlm's decoders, and an encoder has its own",
          "a decoder embedding or classification model (e.g. Qwen3-Embedding), or leave out --enable-lora"),
-    Rule("--runner pooling with --enable-expert-parallel",
-         lambda c: _pooling(c) and c.parallel.enable_expert_parallel,
-         "the pooling models served (encoders, dense decoders) have no experts",
-         "-tp or -dp"),
 )
 
 

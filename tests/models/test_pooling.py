@@ -249,6 +249,26 @@ def test_decoder_embedder_and_reranker_split_equal_one_rank(tiny_model_dir, pool
     assert scores == pytest.approx(want_scores, abs=1e-5)
 
 
+@pytest.mark.slow
+def test_a_mixture_of_experts_embedder_with_expert_parallel_equals_one_rank(tiny_model_dir):
+    """Qwen3-MoE as an embedder (--convert embed): its experts placed whole over tp2's ranks, and
+    over dp2's replicas in lock-step, give one rank's embeddings."""
+    path, got = tiny_model_dir("qwen3-moe"), {}
+    for name, layout in (("one rank", {}), ("tp2", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+                         ("dp2", dict(data_parallel_size=2, enable_expert_parallel=True))):
+        llm = LLM(path, runner="pooling", convert="embed", **layout)
+        try:
+            got[name] = torch.tensor([o.outputs.embedding for o in llm.embed(SENTENCES, use_tqdm=False)])
+            if name != "one rank":
+                load = llm.stats()
+                load = load["engines"][0] if "engines" in load else load
+                assert load["expert_load"], "the experts ran"
+        finally:
+            llm.shutdown()
+    for name in ("tp2", "dp2"):
+        torch.testing.assert_close(got[name], got["one rank"], atol=1e-5, rtol=0)
+
+
 def test_an_encoder_refuses_pipeline_and_context_parallel_naming_what_to_use(minilm_dir):
     from shardlm.engine.feature_rules import UnsupportedCombination
     with pytest.raises(UnsupportedCombination, match="encoder pooling model.*-pp.*-tp or -dp"):
