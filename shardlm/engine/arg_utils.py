@@ -43,8 +43,9 @@ from shardlm.models.registry import (
     is_pooling_architecture,
     language_model_config,
     resolve_architecture,
+    text_config_named,
 )
-from shardlm.multimodal.config import multimodal_config, text_architecture, text_config_of
+from shardlm.multimodal.config import multimodal_config, text_architecture
 from shardlm.planner.startup import check_fits, check_parallel_layout
 from shardlm.pooling.config import classifier_from_token, resolve_pooler_config, resolve_runner
 from shardlm.sampling_params import DEFAULT_MAX_LOGPROBS, GENERATION_CONFIG_FIELDS, LOGPROBS_MODES
@@ -391,7 +392,7 @@ class EngineArgs:
                                        self.mm_processor_kwargs, self.allowed_media_domains)
         if multimodal is not None:      # a vision-language checkpoint: its text model, its images beside
             architecture, model_impl = _text_model_of(multimodal, self.model_impl)
-            hf_config = text_config_of(checkpoint_config, architecture)
+            hf_config = text_config_named(checkpoint_config, architecture)
         else:
             architecture, model_impl = resolve_architecture(checkpoint_config, self.model_impl)
             if model_impl == "transformers":

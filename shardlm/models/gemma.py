@@ -155,7 +155,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """A Gemma 3 4B/12B/27B checkpoint: its text model (built from config.text_config, which the
     engine resolves: models/registry.py), with the tensors of language_model.* read as the text
-    model's and the vision tower's left out."""
+    model's and the vision tower's left out (for float and stored quantized weights alike)."""
 
-    def load_weights(self, weights) -> set[str]:
-        return super().load_weights(text_model_weights(weights))
+    def checkpoint_tensors(self, weights):
+        return super().checkpoint_tensors(text_model_weights(weights))

@@ -95,8 +95,17 @@ def language_model_config(hf_config, architecture: str):
     architecture named), else the config itself."""
     if architecture not in TEXT_MODEL_OF_MULTIMODAL:
         return hf_config
-    text = hf_config.get_text_config()
+    return text_config_named(hf_config, architecture)
+
+
+def text_config_named(checkpoint_config, architecture: str):
+    """A multimodal checkpoint's text config, named as `architecture` (what the model class is built
+    from), with the checkpoint's quantization_config (a GPTQ/AWQ/FP8 checkpoint's is at its top level)."""
+    text = checkpoint_config.get_text_config()
     text.architectures = [architecture]
+    stored = getattr(checkpoint_config, "quantization_config", None)
+    if stored is not None and getattr(text, "quantization_config", None) is None:
+        text.quantization_config = stored
     return text
 
 

@@ -25,17 +25,6 @@ def text_architecture(checkpoint_config) -> str:
     return archs[0] if archs else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(text.model_type, text.model_type)
 
 
-def text_config_of(checkpoint_config, architecture: str):
-    """The text model's config, named as its architecture (what the model class is built from),
-    with the checkpoint's quantization_config (a GPTQ/AWQ/FP8 checkpoint's is at its top level)."""
-    text = checkpoint_config.get_text_config()
-    text.architectures = [architecture]
-    stored = getattr(checkpoint_config, "quantization_config", None)
-    if stored is not None and getattr(text, "quantization_config", None) is None:
-        text.quantization_config = stored
-    return text
-
-
 def parse_limits(flag: str | dict | None) -> dict[str, int]:
     """--limit-mm-per-prompt '{"image": 2}' -> {"image": 2}."""
     if flag is None or flag == "":

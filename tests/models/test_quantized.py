@@ -77,6 +77,28 @@ def test_quantized_engine_equals_hf_on_the_round_tripped_weights(method, group, 
 
 @pytest.mark.slow
 @pytest.mark.slow
+@pytest.mark.parametrize("method, layout", [("gptq", {}), ("awq", {"pipeline_parallel_size": 2})],
+                         ids=["gptq", "awq-pp2"])
+def test_a_multimodal_checkpoint_run_as_its_text_model_reads_its_packed_linears(method, layout, tiny_model_dir,
+                                                                                tmp_path, hf):
+    """A Gemma 3 4B+ checkpoint (Gemma3ForConditionalGeneration) runs as its text model. As GPTQ or
+    AWQ (quantization_config at the top of config.json, tensors under language_model.) it used to
+    load as float and fail on the first g_idx; its 16 linears now keep their packed weights (split
+    over the stages) and the tokens are transformers' on the dequantized weights."""
+    dirs = _packed_checkpoints(tiny_model_dir("gemma3-multimodal"), tmp_path, group=16,
+                               quantizes=lambda name: "language_model" in name)
+    llm = LLM(dirs[method], **ENGINE, **layout)
+    try:
+        kernels = llm.collective_rpc("quantized_kernels")
+        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    per_rank = [sum(k.values()) for k in kernels]
+    assert sum(per_rank) == 16 and len(per_rank) == (2 if layout else 1)
+    assert hf.assert_close(hf.greedy(dirs["dequantized"], _prompts(), MAX_TOKENS), outs, method) >= 4
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("model, method, group, layout", [
     ("mixtral", "int4", 32, {}), ("mixtral", "int8", -1, {"tensor_parallel_size": 2}),
     ("mixtral", "int4", 32, {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
