@@ -1,7 +1,8 @@
 """`shardlm bench throughput` and `shardlm bench latency`: the offline engine on a workload.
 
-Throughput: every prompt submitted at once, exactly output_len new tokens each (greedy, EOS
-ignored), repeated after a warm-up with the prefix cache cleared between runs; medians.
+Throughput: every prompt submitted at once, exactly output_len new tokens each (greedy, or
+sampled at --temperature, each request seeded with --seeded; EOS ignored), repeated after a
+warm-up with the prefix cache cleared between runs; medians.
 Latency: one prompt alone (or --batch-size copies of it, all decoding together); in each run
 the time to the first token and to the last, decode step time = (T(last) - T(first)) / (n - 1)
 (median over runs), decode tok/s = batch size / step time. With
@@ -16,6 +17,7 @@ import resource
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 from shardlm.bench.workload import load_workload
 from shardlm.sampling_params import RequestOutputKind, SamplingParams
@@ -64,12 +66,26 @@ def _start(engine_args):
     return llm, time.perf_counter() - t0
 
 
-def _timed(llm, prompts, n, structured_outputs=None, loras=None, ignore_eos=True) -> tuple[float, int]:
+@dataclass(frozen=True)
+class Sampling:
+    """How the throughput benchmark's requests sample: greedy (temperature 0), or at a temperature,
+    each request with a seed of its own or none."""
+    temperature: float = 0.0
+    seeded: bool = False
+
+    def params(self, count: int, **kwargs) -> SamplingParams | list[SamplingParams]:
+        if not self.seeded:
+            return SamplingParams(temperature=self.temperature, **kwargs)
+        return [SamplingParams(temperature=self.temperature, seed=i, **kwargs) for i in range(count)]
+
+
+def _timed(llm, prompts, n, structured_outputs=None, loras=None, ignore_eos=True,
+           sampling: Sampling = Sampling()) -> tuple[float, int]:
     """(seconds, output tokens) to generate n tokens for each prompt; a constrained output may
     end sooner, when its constraint is complete, and without ignore_eos at EOS. loras: LoRA
     adapters the prompts take in turn."""
     llm.reset_prefix_cache()
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos, structured_outputs=structured_outputs)
+    params = sampling.params(len(prompts), max_tokens=n, ignore_eos=ignore_eos, structured_outputs=structured_outputs)
     lora_requests = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
@@ -100,14 +116,15 @@ def _timed_first_and_last(llm, prompts, n, loras=None, ignore_eos=True) -> tuple
 
 
 def run_throughput(engine_args, workload_path, num_prompts, output_len, reps, structured_outputs=None,
-                   loras=None) -> dict:
+                   loras=None, sampling: Sampling = Sampling()) -> dict:
     """structured_outputs: a StructuredOutputsParams every request is constrained by, or None;
     loras: LoRARequests the requests take in turn, or None."""
     llm, startup_s = _start(engine_args)
     w = load_workload(workload_path, llm.get_tokenizer(), num_prompts, output_len,
                       llm.engine.config.model.max_model_len)
     _timed(llm, w.prompts[:4], 8, structured_outputs, loras)   # warm-up
-    runs = [_timed(llm, w.prompts, w.output_len, structured_outputs, loras, w.ignore_eos) for _ in range(reps)]
+    runs = [_timed(llm, w.prompts, w.output_len, structured_outputs, loras, w.ignore_eos, sampling)
+            for _ in range(reps)]
     times = [t for t, _ in runs]
     rates = [tokens / t for t, tokens in runs]
     out_tokens = statistics.median(tokens for _, tokens in runs)
@@ -118,6 +135,7 @@ def run_throughput(engine_args, workload_path, num_prompts, output_len, reps, st
             "total_tok_s": (out_tokens + w.num_prompt_tokens) / med,
             "output_tok_s_all": rates, "startup_s": startup_s,
             "structured_outputs": None if structured_outputs is None else structured_outputs.kinds()[0],
+            "temperature": sampling.temperature, "seeded": sampling.seeded,
             "lora_adapters": len(loras or []),
             "peak_rss_bytes": _peak_rss_bytes(llm), **_engine_facts(llm), **_expert_load(llm), **_speculation(llm)}
 
@@ -181,8 +199,10 @@ def report(result: dict, as_json: bool) -> None:
         return
     gib = result["peak_rss_bytes"] / (1 << 30)
     if result["benchmark"] == "throughput":
+        sampled = (f", sampled at temperature {result['temperature']:g}{', seeded' if result.get('seeded') else ''}"
+                   if result.get("temperature") else "")
         print(f"Throughput ({result['workload']}, {result['num_prompts']} prompts, {result['prompt_tokens']} prompt "
-              f"tokens, {result['output_tokens']} output tokens, dtype {result['dtype']}, "
+              f"tokens, {result['output_tokens']} output tokens, dtype {result['dtype']}{sampled}, "
               f"median of {result['reps']}):\n"
               f"  output tokens/s: {result['output_tok_s']:.1f}\n  total tokens/s:  {result['total_tok_s']:.1f}\n"
               f"  start-up: {result['startup_s']:.1f} s, peak memory (RSS): {gib:.2f} GiB")

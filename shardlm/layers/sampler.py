@@ -3,9 +3,9 @@ and logprobs: of the raw model output, or (--logprobs-mode, as vLLM's) the raw l
 logprobs or logits after every processor (constraints, biases, penalties, bans, temperature,
 top-k/top-p/min-p), what the token was drawn from.
 
-Random sampling uses the exponential race (argmax of p / Exp(1)), which draws exactly
-from p; a request with a seed draws its noise from its own generator, so its tokens do
-not depend on what else is in the batch.
+Random sampling inverts each row's cumulative distribution at one uniform draw, which draws
+exactly from p (up to float64 rounding of the sums); a request with a seed draws its uniform
+from its own generator, so its tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -240,14 +240,22 @@ def processed_logits(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 
 
 def sample_random(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """scaled: scaled_and_filtered's logits."""
+    """scaled: scaled_and_filtered's logits. Inverse transform sampling: a row's token is the
+    first whose cumulative probability passes u x the row's total, u uniform in [0, 1). One random
+    number a row, where the exponential race (argmax of p / Exp(1), vLLM's) draws one a token:
+    at 64 rows of a 49,152-token vocabulary 3.5 ms instead of 63 on a 2-core Zen 4, and a seeded
+    row 0.01 ms instead of 1. Sums in float64, so the last tokens' intervals keep their width."""
     probs = torch.softmax(scaled, dim=-1)
     if batch.min_p is not None:
         probs = torch.where(_below_min_p(probs, batch.min_p), 0.0, probs)
-    noise = torch.empty_like(probs).exponential_()
+    cumulative = probs.to(torch.float64).cumsum(dim=-1)
+    uniform = torch.rand(len(probs), 1, dtype=torch.float64, device=probs.device)
     for row, gen in (batch.generators or {}).items():
-        noise[row].exponential_(generator=gen)
-    return (probs / noise).argmax(dim=-1)
+        uniform[row] = torch.rand(1, dtype=torch.float64, device=probs.device, generator=gen)
+    # right=True: the first token whose sum exceeds the target, so never one of probability 0; a
+    # target is below the total (u <= 1 - 2^-53 takes at least half a unit in the last place off
+    # it, and rounds down unless the total is a power of two, where the product is exact)
+    return torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True).squeeze(1)
 
 
 def _top_k_top_p(logits, top_k, top_p):

@@ -67,6 +67,18 @@ def test_throughput_report_prints(capsys):
             "dtype": "float32", "reps": 1, "output_tok_s": 12.5, "total_tok_s": 15.0, "startup_s": 1.0,
             "peak_rss_bytes": 1 << 30}, as_json=False)
     assert "output tokens/s: 12.5" in capsys.readouterr().out
+    report({"benchmark": "throughput", "workload": "w", "num_prompts": 2, "prompt_tokens": 10, "output_tokens": 20,
+            "dtype": "float32", "reps": 1, "output_tok_s": 12.5, "total_tok_s": 15.0, "startup_s": 1.0,
+            "peak_rss_bytes": 1 << 30, "temperature": 1.0, "seeded": True}, as_json=False)
+    assert "dtype float32, sampled at temperature 1, seeded, median" in capsys.readouterr().out
+
+
+def test_throughput_sampling_gives_greedy_sampled_or_seeded_requests():
+    from shardlm.bench.offline import Sampling
+    assert Sampling().params(3, max_tokens=4).greedy
+    sampled = Sampling(1.0).params(3, max_tokens=4)
+    assert sampled.temperature == 1.0 and sampled.seed is None
+    assert [p.seed for p in Sampling(0.7, seeded=True).params(3, max_tokens=4)] == [0, 1, 2]
 
 
 def test_latency_over_each_prompt_reports_every_prompt(capsys):

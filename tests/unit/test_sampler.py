@@ -24,6 +24,34 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     assert others[3] == alone[0]
 
 
+def test_random_rows_draw_from_the_softmax():
+    """Inverse transform sampling: 40,000 rows of one distribution (tokens from 0.45 down to 1e-4,
+    and two of probability 0) give counts that fit it (chi-square, p > 0.001; a token at 1e-4 is
+    seen), never a token of probability 0."""
+    from tests.models.test_spec_decode import chi2_contingency_p
+    torch.manual_seed(3)
+    probs = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.0499, 0.0, 1e-4, 0.0])
+    logits = probs.log().repeat(40000, 1)            # log 0 = -inf: probability 0
+    tokens, _ = Sampler()(logits, batch_for(40000))
+    counts = torch.bincount(torch.tensor(tokens), minlength=8)
+    assert counts[5] == counts[7] == 0 and counts[6] > 0
+    expected = (probs * 40000).round().long()
+    keep = [i for i in range(8) if probs[i] > 0]
+    assert chi2_contingency_p([[int(counts[i]) for i in keep], [int(expected[i]) for i in keep]]) > 0.001
+
+
+def test_a_uniform_draw_at_either_end_takes_a_token_of_the_row(monkeypatch):
+    """u = 0 gives the first token of probability > 0; u just below 1 the last, also where min-p
+    leaves a total of 0.5, a power of two (u x total is then exact, just below it): never a token
+    of probability 0."""
+    import math
+    logits = torch.tensor([[float("-inf"), 0.0, 1.0, float("-inf")]] * 2 + [[math.log(2), 0.0, 0.0, float("-inf")]])
+    edges = torch.tensor([[0.0], [1.0 - 2.0 ** -53], [1.0 - 2.0 ** -53]], dtype=torch.float64)
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: edges.clone())
+    tokens, _ = Sampler()(logits, batch_for(3, min_p=torch.tensor([0.0, 0.0, 0.6])))
+    assert tokens == [1, 2, 0]
+
+
 def test_top_k_only_samples_the_top_k():
     torch.manual_seed(0)
     logits = torch.randn(1, V).repeat(200, 1)

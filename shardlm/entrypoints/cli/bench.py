@@ -21,6 +21,10 @@ def register(sub) -> None:
             b.add_argument("--num-prompts", type=int, default=None, help="repeat/cut the workload to this many")
             b.add_argument("--structured-outputs", default=None, help="constrain every request: a "
                            "StructuredOutputsParams as JSON, e.g. '{\"json\": SCHEMA}' or '{\"regex\": \"...\"}'")
+            b.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (vLLM's "
+                           "throughput benchmark samples at 1.0); default 0: greedy, as the shared workload")
+            b.add_argument("--seeded", action="store_true", help="with --temperature: a seed of its own for each "
+                           "request (its own random generator)")
         else:
             b.add_argument("--batch-size", type=int, default=1, help="copies of the prompt decoding together")
             b.add_argument("--images", type=int, default=0, help="a vision-language model: this many random images "
@@ -201,7 +205,7 @@ def run(ns) -> None:
         report_embed(run_embed_bench(args, [int(b) for b in ns.batch_sizes.split(",")], ns.num_sentences, ns.reps,
                                      ns.compare), ns.json)
         return
-    from shardlm.bench.offline import report, run_latency, run_throughput
+    from shardlm.bench.offline import Sampling, report, run_latency, run_throughput
     args = engine_args_from(ns)
     loras = None
     if ns.lora_path:
@@ -213,7 +217,8 @@ def run(ns) -> None:
 
         from shardlm.sampling_params import StructuredOutputsParams
         constraint = ns.structured_outputs and StructuredOutputsParams(**json.loads(ns.structured_outputs))
-        result = run_throughput(args, ns.workload, ns.num_prompts, ns.output_len, ns.reps, constraint or None, loras)
+        result = run_throughput(args, ns.workload, ns.num_prompts, ns.output_len, ns.reps, constraint or None, loras,
+                                Sampling(ns.temperature, ns.seeded))
     else:
         width, _, height = ns.image_size.partition("x")
         result = run_latency(args, ns.workload, ns.output_len, ns.reps, ns.batch_size, loras, ns.each_prompt,
