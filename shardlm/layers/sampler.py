@@ -255,7 +255,13 @@ def sample_random(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     # right=True: the first token whose sum exceeds the target, so never one of probability 0; a
     # target is below the total (u <= 1 - 2^-53 takes at least half a unit in the last place off
     # it, and rounds down unless the total is a power of two, where the product is exact)
-    return torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True).squeeze(1)
+    tokens = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True).squeeze(1)
+    # a row of infinite logits (a repetition penalty of 5e-324 divides by it) has no probabilities
+    # to sum: it takes its largest logit, as the exponential race's argmax did
+    no_sum = cumulative[:, -1].isnan()
+    if no_sum.any():
+        tokens = torch.where(no_sum, scaled.argmax(dim=-1), tokens)
+    return tokens
 
 
 def _top_k_top_p(logits, top_k, top_p):

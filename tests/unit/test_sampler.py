@@ -52,6 +52,15 @@ def test_a_uniform_draw_at_either_end_takes_a_token_of_the_row(monkeypatch):
     assert tokens == [1, 2, 0]
 
 
+def test_a_row_of_infinite_logits_takes_its_largest(monkeypatch):
+    """A repetition penalty of 5e-324 (valid: above 0) divides logits into infinities, whose
+    softmax is not a number: that row takes its largest logit (the first +inf), the others sample
+    as ever (a schema fuzz case that failed its request with an IndexError)."""
+    logits = torch.tensor([[-1.0, 2.0, float("inf"), float("inf")], [0.0, 0.0, 0.0, 0.0]])
+    tokens, _ = Sampler()(logits, batch_for(2))
+    assert tokens[0] == 2 and 0 <= tokens[1] < 4
+
+
 def test_top_k_only_samples_the_top_k():
     torch.manual_seed(0)
     logits = torch.randn(1, V).repeat(200, 1)
