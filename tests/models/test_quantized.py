@@ -77,8 +77,7 @@ def test_quantized_engine_equals_hf_on_the_round_tripped_weights(method, group, 
 
 @pytest.mark.slow
 @pytest.mark.slow
-@pytest.mark.parametrize("method, layout", [("gptq", {}), ("awq", {"pipeline_parallel_size": 2})],
-                         ids=["gptq", "awq-pp2"])
+@pytest.mark.parametrize("method, layout", [("awq", {"pipeline_parallel_size": 2})], ids=["awq-pp2"])
 def test_a_multimodal_checkpoint_run_as_its_text_model_reads_its_packed_linears(method, layout, tiny_model_dir,
                                                                                 tmp_path, hf):
     """A Gemma 3 4B+ checkpoint (Gemma3ForConditionalGeneration) runs as its text model. As GPTQ or

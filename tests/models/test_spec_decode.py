@@ -316,6 +316,10 @@ def test_an_eagle3_head_on_a_decoder_it_cannot_read_is_refused(tiny_model_dir, t
                    speculative_config={"method": "eagle3", "model": head}).create_engine_config()
 
 
+CP_PROMPTS = [{"prompt_token_ids": p["prompt_token_ids"] * 3} for p in PROMPTS]     # 60-75 tokens: 3 blocks
+_ONE_RANK: dict = {}        # method -> (its speculative config, one rank's tokens and stats)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2, decode_context_parallel_size=2),
@@ -326,12 +330,13 @@ def test_a_proposer_with_a_model_under_context_parallel(tiny_model_dir, tmp_path
     token accepted (its cache must hold what the target's does), and an EAGLE-3 head (reading the
     residual streams of every -pcp group's tokens) proposes what it proposes on one rank."""
     target = tiny_model_dir("llama-tied-llama3rope")
-    spec = ({"model": target, "num_speculative_tokens": 3} if method == "draft_model" else
-            {"method": method, "model": make_random_eagle(target, tmp_path / method, eagle3=True),
-             "num_speculative_tokens": 3})
-    prompts = [{"prompt_token_ids": p["prompt_token_ids"] * 3} for p in PROMPTS]     # 60-75 tokens: 3 blocks
-    want, one_rank = generate(target, spec, prompts)
-    got, s = generate(target, spec, prompts, **layout)
+    if method not in _ONE_RANK:             # (the head is random: one per method, for both layouts)
+        head = tmp_path / method
+        spec = ({"model": target, "num_speculative_tokens": 3} if method == "draft_model" else
+                {"method": method, "model": make_random_eagle(target, head, eagle3=True), "num_speculative_tokens": 3})
+        _ONE_RANK[method] = spec, generate(target, spec, CP_PROMPTS)
+    spec, (want, one_rank) = _ONE_RANK[method]
+    got, s = generate(target, spec, CP_PROMPTS, **layout)
     assert got == want
     assert s["spec_num_draft_tokens"] > 0
     if method == "draft_model":
