@@ -76,6 +76,15 @@ def test_quantized_engine_equals_hf_on_the_round_tripped_weights(method, group, 
 
 
 @pytest.mark.slow
+def _kernels_and_outputs(path: str, layout: dict):
+    """(each rank's quantized kernels, the outputs for _prompts()) of an engine on this checkpoint."""
+    llm = LLM(path, **ENGINE, **layout)
+    try:
+        return llm.collective_rpc("quantized_kernels"), llm.generate(_prompts(), PARAMS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method, layout", [("awq", {"pipeline_parallel_size": 2})], ids=["awq-pp2"])
 def test_a_multimodal_checkpoint_run_as_its_text_model_reads_its_packed_linears(method, layout, tiny_model_dir,
@@ -86,12 +95,7 @@ def test_a_multimodal_checkpoint_run_as_its_text_model_reads_its_packed_linears(
     over the stages) and the tokens are transformers' on the dequantized weights."""
     dirs = _packed_checkpoints(tiny_model_dir("gemma3-multimodal"), tmp_path, group=16,
                                quantizes=lambda name: "language_model" in name)
-    llm = LLM(dirs[method], **ENGINE, **layout)
-    try:
-        kernels = llm.collective_rpc("quantized_kernels")
-        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
-    finally:
-        llm.shutdown()
+    kernels, outs = _kernels_and_outputs(dirs[method], layout)
     per_rank = [sum(k.values()) for k in kernels]
     assert sum(per_rank) == 16 and len(per_rank) == (2 if layout else 1)
     assert hf.assert_close(hf.greedy(dirs["dequantized"], _prompts(), MAX_TOKENS), outs, method) >= 4
@@ -357,12 +361,7 @@ def test_a_phi3_checkpoints_fused_packed_linears_split_as_its_float_ones(method,
     and scales are split and their q/k rows reordered as the float checkpoint's (it was refused
     before), and the engine equals transformers on the dequantized weights."""
     dirs = _packed_checkpoints(tiny_model_dir("phi3"), tmp_path)
-    llm = LLM(dirs[method], **ENGINE, **layout)
-    try:
-        kernels = llm.collective_rpc("quantized_kernels")
-        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
-    finally:
-        llm.shutdown()
+    kernels, outs = _kernels_and_outputs(dirs[method], layout)
     assert all(sum(k.values()) == 8 for k in kernels), kernels      # qkv, o, gate/up, down of 2 layers
     exact = hf.assert_close(hf.greedy(dirs["dequantized"], _prompts(), MAX_TOKENS), outs, f"phi3 {method}")
     assert exact >= 4, f"only {exact}/6 sequences equal HF exactly"
