@@ -108,6 +108,7 @@ class TransformersForCausalLM(nn.Module):
                                                 head_dim ** -0.5, sliding_window(config, module.layer_idx),
                                                 logit_softcap=getattr(config, "attn_logit_softcapping", None))
                 self.num_attention_layers += 1
+        self.renames = _renames(self.hf)        # checkpoint names as transformers renames them on load
         if self.num_attention_layers != self.end - self.start:
             raise ValueError(f"{type(self.hf).__name__}: found {self.num_attention_layers} attention modules for "
                              f"{self.end - self.start} layers, so the Transformers backend cannot place its KV "
@@ -213,30 +214,30 @@ class TransformersForCausalLM(nn.Module):
     # linears by module name: one checkpoint tensor each, none merged
     stacked_params = ()
 
+    def _hf_name(self, name: str) -> str:
+        """A checkpoint tensor's name in transformers' model (its renames applied)."""
+        for rename in self.renames:
+            name = rename(name)
+        return name
+
     def checkpoint_tensors(self, weights):
-        """Checkpoint tensors named as this module's linears: transformers' renames, under hf."""
-        renames = _renames(self.hf)
+        """Checkpoint tensors named as this module's linears: transformers' names, under hf."""
         for name, tensor in weights:
-            for rename in renames:
-                name = rename(name)
-            yield f"hf.{name}", tensor
+            yield f"hf.{self._hf_name(name)}", tensor
 
     def _on_this_stage(self, name: str) -> bool:
         """Whether a checkpoint tensor (or one named as checkpoint_tensors names it) is this stage's."""
-        name = next(iter(self.checkpoint_tensors([(name.removeprefix("hf."), None)])))[0].removeprefix("hf.")
-        return not name.startswith(self.elsewhere) if self.elsewhere else True
+        return not self._hf_name(name.removeprefix("hf.")).startswith(self.elsewhere)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.hf.named_parameters())
-        renames = _renames(self.hf)
         loaded = set()
         for name, tensor in weights:
-            for rename in renames:
-                name = rename(name)
+            name = self._hf_name(name)
             if name.endswith("rotary_emb.inv_freq") or (self.tied_head and name == self.head_name):
                 continue                 # a buffer made at init; a tied head: loaded with the embedding
             if found := KV_SCALE.search(name):      # an FP8 KV cache's scale, for shardlm's attention
-                if self._on_this_stage(name):
+                if not name.startswith(self.elsewhere):
                     take_kv_scale(self.hf.get_submodule(name[:found.start()] + ".self_attn").shardlm_attn, found,
                                   tensor)
                 continue
