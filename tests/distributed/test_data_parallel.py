@@ -188,25 +188,26 @@ def test_a_dead_replica_fails_its_streams_and_the_other_serves_on(dp_server):
 
 
 @pytest.mark.slow
-def test_headless_node_joins_the_head_and_both_serve(tiny_model_dir):
-    """Two "nodes" on this machine: the head runs the API server and replica 0; a headless
-    `shardlm serve` runs replica 1 and joins it over TCP. Outputs equal the offline engine's and
-    both replicas serve; stopping the head ends the headless node too."""
+def test_headless_node_joins_the_head_and_both_serve(tiny_model_dir, second_host):
+    """Two nodes: the head (this host, told its address with SHARDLM_HOST_IP) runs the API server
+    and replica 0; a headless `shardlm serve` on the second host (its own network namespace where
+    the machine allows) runs replica 1 and joins it over TCP. Outputs equal the offline engine's
+    and both replicas serve; stopping the head ends the headless node too."""
     import subprocess
     import sys
 
     from tests.helpers import free_port
     path = tiny_model_dir("llama-gqa")
     rpc = free_port()
-    common = ["-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+    common = ["-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address", second_host.head_ip,
               "--data-parallel-rpc-port", str(rpc)]
-    node = subprocess.Popen([sys.executable, "-m", "shardlm.entrypoints.cli", "serve", path, "--dtype", "float32",
-                             "--kv-cache-memory", "64MiB", "--max-model-len", "256", *common,
-                             "--data-parallel-start-rank", "1", "--headless"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    node = subprocess.Popen(second_host.command(
+        sys.executable, "-m", "shardlm.entrypoints.cli", "serve", path, "--dtype", "float32", "--kv-cache-memory",
+        "64MiB", "--max-model-len", "256", *common, "--data-parallel-start-rank", "1", "--headless"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     node_children = []
     try:
-        proc, url = start_server(path, *common)
+        proc, url = start_server(path, *common, env={"SHARDLM_HOST_IP": second_host.head_ip})
         node_children = psutil.Process(node.pid).children(recursive=True)
         try:
             assert_server_answers_like_llm(url, path)
@@ -217,6 +218,7 @@ def test_headless_node_joins_the_head_and_both_serve(tiny_model_dir):
         finally:
             stop_server(proc)
         assert node.wait(timeout=30) == 0, node.stderr.read()[-3000:]
+        assert f"Data parallel replica 1 joined from node {second_host.ip}" in proc.stderr.read()
     finally:
         if node.poll() is None:
             node.kill()

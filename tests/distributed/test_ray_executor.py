@@ -129,37 +129,30 @@ def test_stopped_actor_fails_the_engine_within_the_step_timeout(cluster, tiny_mo
 
 
 @pytest.mark.slow
-def test_server_on_two_ray_nodes(cluster, tiny_model_dir):
+def test_server_on_two_ray_nodes_and_its_end_when_an_idle_actor_dies(cluster, tiny_model_dir):
+    import psutil
+
     from tests.distributed.test_parallel_server import assert_server_answers_like_llm
-    from tests.helpers import start_server, stop_server
+    from tests.helpers import start_server, stop_server, wait_gone
     path = tiny_model_dir("llama-gqa")
-    proc, url = start_server(path, "--distributed-executor-backend", "ray", "-pp", "2",
+    proc, url = start_server(path, "--distributed-executor-backend", "ray", "-pp", "2", "--max-engine-restarts", "0",
                              env={"RAY_ADDRESS": cluster.address})
     try:
         assert_server_answers_like_llm(url, path)
         assert ray.available_resources().get("CPU", 0) == 0, "both nodes' CPUs held by the server's ranks"
+        children = psutil.Process(proc.pid).children(recursive=True)
+        actors = [p for p in psutil.process_iter(["cmdline"])
+                  if " ".join(p.info["cmdline"] or []).startswith("ray::RayWorker")]
+        assert len(actors) == 2
+        actors[0].kill()                     # while idle: noticed without any request
+        assert proc.wait(timeout=15) != 0
+        err = proc.stderr.read()
+        assert "Worker rank" in err and "on node" in err and "died" in err, err[-2000:]
+        alive = wait_gone(children, 10)
+        assert not alive, f"processes left: {[p.pid for p in alive]}"
     finally:
-        stop_server(proc)        # SIGTERM leaves no local process behind
-    assert_nothing_left()
-
-
-@pytest.mark.slow
-def test_server_ends_when_an_idle_actor_dies(cluster, tiny_model_dir):
-    import psutil
-
-    from tests.helpers import start_server, wait_gone
-    proc, _ = start_server(tiny_model_dir("llama-gqa"), "--distributed-executor-backend", "ray", "-pp", "2",
-                           "--max-engine-restarts", "0", env={"RAY_ADDRESS": cluster.address})
-    children = psutil.Process(proc.pid).children(recursive=True)
-    actors = [p for p in psutil.process_iter(["cmdline"])
-              if " ".join(p.info["cmdline"] or []).startswith("ray::RayWorker")]
-    assert len(actors) == 2
-    actors[0].kill()                     # while idle: noticed without any request
-    assert proc.wait(timeout=15) != 0
-    err = proc.stderr.read()
-    assert "Worker rank" in err and "on node" in err and "died" in err, err[-2000:]
-    alive = wait_gone(children, 10)
-    assert not alive, f"processes left: {[p.pid for p in alive]}"
+        if proc.poll() is None:
+            stop_server(proc)
     assert_nothing_left()
 
 

@@ -1,0 +1,80 @@
+"""A second host on this machine for multi-node tests: its own network namespace with its own IP
+address, joined to this one by a veth pair (10.213.N.1 here, 10.213.N.2 there), where the machine
+allows it (root and `ip netns`); elsewhere the "second host" is this one, at the same address."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import subprocess
+
+from shardlm.distributed.network import host_ip
+
+SUBNET = f"10.213.{os.getpid() % 200 + 1}"
+NS = f"shardlm-{os.getpid()}"
+HOST_IF, NODE_IF = f"shl{os.getpid() % 100000}h", f"shl{os.getpid() % 100000}n"
+
+
+@dataclasses.dataclass(frozen=True)
+class SecondHost:
+    head_ip: str            # this host's address, as the second host reaches it
+    ip: str                 # the second host's address
+    prefix: tuple[str, ...]  # what runs a command there
+    why_not_separate: str | None = None    # None: a network of its own
+
+    @property
+    def separate(self) -> bool:
+        return self.why_not_separate is None
+
+    def command(self, *cmd: str) -> list[str]:
+        return [*self.prefix, *cmd]
+
+    @contextlib.contextmanager
+    def without_route(self):
+        """The second host has no route to anything but its own subnet for the duration."""
+        sh(*self.command("ip", "route", "del", "default"))
+        try:
+            yield
+        finally:
+            sh(*self.command("ip", "route", "add", "default", "via", self.head_ip), check=False)
+
+
+def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if check and run.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {run.stderr}")
+    return run
+
+
+@contextlib.contextmanager
+def second_host():
+    if os.geteuid() != 0 or not shutil.which("ip") or sh("ip", "netns", "add", NS, check=False).returncode != 0:
+        yield _this_host("needs root and `ip netns`")
+        return
+    try:
+        try:
+            _veth_pair()
+        except RuntimeError as e:
+            yield _this_host(f"this machine cannot build a veth pair: {e}")
+            return
+        yield SecondHost(f"{SUBNET}.1", f"{SUBNET}.2", ("ip", "netns", "exec", NS))
+    finally:
+        sh("ip", "netns", "del", NS, check=False)          # and its end of the veth pair, with it the other
+
+
+def _this_host(why: str) -> SecondHost:
+    here = host_ip()
+    return SecondHost(here, here, (), why)
+
+
+def _veth_pair() -> None:
+    head, node = f"{SUBNET}.1", f"{SUBNET}.2"
+    sh("ip", "link", "add", HOST_IF, "type", "veth", "peer", "name", NODE_IF)
+    sh("ip", "link", "set", NODE_IF, "netns", NS)
+    sh("ip", "addr", "add", f"{head}/24", "dev", HOST_IF)
+    sh("ip", "link", "set", HOST_IF, "up")
+    for cmd in (["ip", "addr", "add", f"{node}/24", "dev", NODE_IF], ["ip", "link", "set", NODE_IF, "up"],
+                ["ip", "link", "set", "lo", "up"], ["ip", "route", "add", "default", "via", head]):
+        sh("ip", "netns", "exec", NS, *cmd)
