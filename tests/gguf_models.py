@@ -34,16 +34,18 @@ def _random_k_blocks(rng, shape, qtype) -> np.ndarray:
     return blocks.reshape(*shape[:-1], -1)
 
 
-def write_gguf(path, kind: str, layers: int = 2, qtype=Q.Q8_0, seed: int = 0, expert_qtype=None) -> str:
+def write_gguf(path, kind: str, layers: int = 2, qtype=Q.Q8_0, seed: int = 0, expert_qtype=None,
+               tokenizer: bool = True) -> str:
     """kind: llama, mixtral, qwen2, qwen3moe, gemma2, gemma3 or phi3; linears in qtype, experts in
     expert_qtype (default: qtype; Q4_K experts take Q6_K for their down projections, as llama.cpp's Q4_K_M does). A
-    K-quant makes the model 256 wide (one super-block)."""
+    K-quant makes the model 256 wide (one super-block). tokenizer=False: the weights alone (no
+    tokenizer.* metadata, whose 49,152 strings gguf's own reader takes seconds to parse)."""
     expert_qtype = expert_qtype or qtype
     widths = (256, 256, 256) if {qtype, expert_qtype} & set(_K_BLOCKS) else (HIDDEN, FFN, EXPERT_FFN)
-    return _write(path, kind, layers, qtype, seed, expert_qtype, *widths)
+    return _write(path, kind, layers, qtype, seed, expert_qtype, tokenizer, *widths)
 
 
-def _write(path, kind, layers, qtype, seed, expert_qtype, hidden, ffn_size, expert_ffn) -> str:
+def _write(path, kind, layers, qtype, seed, expert_qtype, tokenizer, hidden, ffn_size, expert_ffn) -> str:
     from shardlm.model_loader.default_model import gguf_path
     from shardlm.model_loader.gguf_file import GGUFFile
     arch = {"mixtral": "llama"}.get(kind, kind)
@@ -80,7 +82,7 @@ def _write(path, kind, layers, qtype, seed, expert_qtype, hidden, ffn_size, expe
         writer.add_rope_scaling_orig_ctx_len(256)       # of its 512 positions
     source = GGUFFile(gguf_path()).metadata
     for key, value in source.items():
-        if not key.startswith("tokenizer."):
+        if not (tokenizer and key.startswith("tokenizer.")):
             continue
         if isinstance(value, list):
             writer.add_array(key, value)

@@ -120,7 +120,7 @@ def test_shardlm_plan_reads_a_gguf_file_as_the_model_it_serves(kind, gguf_files)
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "phi3"])
-def test_the_float_reader_equals_transformers_gguf_reader(kind, gguf_files):
+def test_the_float_reader_equals_transformers_gguf_reader(kind, tmp_path):
     """shardlm's one-pass reader gives the tensors transformers' GGUF loader gives (Gemma's norms
     less 1, Phi-3's fused tensors whole); the token embedding, which that loader returns scaled in
     Gemma's case, equals gguf's own dequantization of the file. (Gemma 2's names are Gemma 3's
@@ -132,7 +132,7 @@ def test_the_float_reader_equals_transformers_gguf_reader(kind, gguf_files):
     from shardlm.model_loader.default_model import gguf_hf_config
     from shardlm.model_loader.gguf_file import GGUFFile
     from shardlm.model_loader.gguf_weights import float_state_dict
-    path = gguf_files[kind]
+    path = write_gguf(tmp_path / f"tiny-{kind}.gguf", kind, layers=6 if kind == "gemma3" else 2, tokenizer=False)
     ours = float_state_dict(GGUFFile(path), gguf_hf_config(path))
     folder, name = os.path.split(path)
     theirs = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).state_dict()
