@@ -18,7 +18,7 @@ def test_a_short_soak_reports_each_interval_and_forces_preemption(tiny_model_dir
     try:
         png = tmp_path / "soak.png"
         run = subprocess.run([sys.executable, "-m", "shardlm.entrypoints.cli", "bench", "serve", "--base-url", url,
-                              "--duration", "8s", "--ramp", "2s", "--interval", "2s", "--concurrency", "16",
+                              "--duration", "5s", "--ramp", "1.25s", "--interval", "1.25s", "--concurrency", "16",
                               "--output-len", "48", "--server-pid", str(proc.pid), "--plot", str(png), "--json"],
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
