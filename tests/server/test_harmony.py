@@ -11,7 +11,7 @@ import pytest
 from shardlm.entrypoints.openai.tool_parsers import get_parser
 from shardlm.entrypoints.openai.tools import HarmonyChoiceStream
 from shardlm.entrypoints.openai.tools import harmony_message as chat_message
-from tests.helpers import start_server, stop_server
+from tests.helpers import server_in_this_process
 from tests.server.test_tool_calling import reassemble
 
 ANSWER = ("<|channel|>analysis<|message|>The user asks 2+2. Easy.<|end|><|start|>assistant<|channel|>final"
@@ -64,8 +64,8 @@ def test_without_tools_a_calls_arguments_stay_content_and_a_cut_answer_keeps_wha
 def test_a_gpt_oss_server_answers_chats_through_harmony(tiny_model_dir):
     """The tiny random GPT-OSS writes no harmony of its own: its text, read with special tokens
     kept, comes back whole as content, with a reasoning_content field, streamed and not."""
-    proc, url = start_server(tiny_model_dir("gpt-oss"), "--enable-auto-tool-choice", "--tool-call-parser", "openai")
-    try:
+    with server_in_this_process(tiny_model_dir("gpt-oss"), "--enable-auto-tool-choice", "--tool-call-parser",
+                                "openai") as (_, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         ask = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=0)
         whole = client.chat.completions.create(**ask).choices[0].message
@@ -74,5 +74,3 @@ def test_a_gpt_oss_server_answers_chats_through_harmony(tiny_model_dir):
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.content
         completion = client.completions.create(model="tiny", prompt="Hi", max_tokens=12, temperature=0)
         assert completion.choices[0].text                 # completions stay plain text
-    finally:
-        stop_server(proc)

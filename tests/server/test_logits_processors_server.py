@@ -4,16 +4,15 @@ client's extra_body), on completions and chat; parameters the processor refuses 
 import openai
 import pytest
 
-from tests.helpers import start_server, stop_server
+from tests.helpers import server_in_this_process
 
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir):
-    proc, url = start_server(tiny_model_dir("llama-gqa"), "--logits-processors",
-                             "tests.custom_logits_processors:TargetTokenProcessor",
-                             "tests.custom_logits_processors:CountingAdapter")
-    yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    stop_server(proc)
+    with server_in_this_process(tiny_model_dir("llama-gqa"), "--logits-processors",
+                                "tests.custom_logits_processors:TargetTokenProcessor",
+                                "tests.custom_logits_processors:CountingAdapter") as (_, url):
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
 
 
 def _ids(client, xargs, **kw):

@@ -12,7 +12,7 @@ from shardlm.model_loader.default_model import default_model_dir
 from shardlm.reasoning import ReasoningStream, get_reasoning_parser
 from shardlm.sampling_params import SamplingParams, StructuredOutputsParams
 from shardlm.structured_output.manager import StructuredOutputManager, thinking_closed
-from tests.helpers import start_server, stop_server
+from tests.helpers import server_in_this_process
 
 SPLITS = [("deepseek_r1", "Two and two.\nSo four.</think>\n\nIt is 4.", ("Two and two.\nSo four.", "\n\nIt is 4.")),
           ("deepseek_r1", " Still thinking", (" Still thinking", None)),
@@ -84,8 +84,7 @@ def test_the_constraint_starts_after_the_end_of_the_thinking():
 @pytest.mark.slow
 def test_the_server_returns_reasoning_content_streamed_and_not(tiny_model_dir):
     """A random model never closes its thinking: with deepseek_r1 it is all reasoning_content."""
-    proc, url = start_server(tiny_model_dir("llama-gqa"), "--reasoning-parser", "deepseek_r1")
-    try:
+    with server_in_this_process(tiny_model_dir("llama-gqa"), "--reasoning-parser", "deepseek_r1") as (_, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         kw = dict(model="tiny", messages=[{"role": "user", "content": "Think."}], max_tokens=20, seed=1)
         whole = client.chat.completions.create(**kw).choices[0].message
@@ -110,5 +109,3 @@ def test_the_server_returns_reasoning_content_streamed_and_not(tiny_model_dir):
             deltas = [e.delta for e in stream if e.type == "response.reasoning_text.delta"]
             final = stream.get_final_response()
         assert "".join(deltas) == item.content[0].text == final.output[0].content[0].text
-    finally:
-        stop_server(proc)

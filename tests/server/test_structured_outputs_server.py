@@ -10,7 +10,7 @@ import pytest
 
 from shardlm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
 from shardlm.entrypoints.openai.serving import structured_outputs_params
-from tests.helpers import start_server, stop_server
+from tests.helpers import server_in_this_process
 from tests.models.test_structured_outputs import SCHEMA, valid_json
 
 
@@ -34,9 +34,8 @@ def test_each_request_field_becomes_one_constraint_and_two_are_refused():
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir):
-    proc, url = start_server(tiny_model_dir("llama-gqa"))
-    yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    stop_server(proc)
+    with server_in_this_process(tiny_model_dir("llama-gqa")) as (_, url):
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
 
 
 def chat(client, **kw):

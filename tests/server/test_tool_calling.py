@@ -12,7 +12,7 @@ import pytest
 
 from shardlm.entrypoints.openai.tool_parsers import get_parser
 from shardlm.entrypoints.openai.tools import ToolCallStream
-from tests.helpers import start_server, stop_server
+from tests.helpers import server_in_this_process
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -119,9 +119,9 @@ def test_text_valued_arguments_take_the_types_the_tool_schema_gives():
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir):
-    proc, url = start_server(tiny_model_dir("llama-gqa"), "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    stop_server(proc)
+    with server_in_this_process(tiny_model_dir("llama-gqa"), "--enable-auto-tool-choice", "--tool-call-parser",
+                                "hermes") as (_, url):
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
 
 
 def ask(client, **kw):
@@ -185,14 +185,11 @@ def test_what_cannot_work_is_a_400(client, tiny_model_dir):
     for kw in bad:
         with pytest.raises(openai.BadRequestError):
             ask(client, **kw)
-    proc, url = start_server(tiny_model_dir("llama-gqa"))      # auto tool choice not enabled
-    try:
+    with server_in_this_process(tiny_model_dir("llama-gqa")) as (_, url):      # auto tool choice not enabled
         plain = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
             ask(plain, tool_choice="auto")
         assert ask(plain, max_tokens=5).choices[0].message.tool_calls is None    # tools, no choice: none
-    finally:
-        stop_server(proc)
 
 
 # Mistral's tokenizers write [TOOL_CALLS] and [ARGS] as special tokens: a scripted model writes them
@@ -220,8 +217,8 @@ def test_tool_calls_written_in_special_tokens_are_read(scripted_mistral):
     """Before, the detokenizer dropped [TOOL_CALLS] (a special token) and the call came back as
     content "get_time{}"; now an answer that may hold calls keeps special tokens, as vLLM does,
     and no request shows the EOS that ended it."""
-    proc, url = start_server(scripted_mistral, "--enable-auto-tool-choice", "--tool-call-parser", "mistral")
-    try:
+    with server_in_this_process(scripted_mistral, "--enable-auto-tool-choice", "--tool-call-parser",
+                                "mistral") as (_, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         for kw in ({}, {"temperature": 0.8, "seed": 3}):
             out = ask(client, max_tokens=30, **kw).choices[0]
@@ -241,5 +238,3 @@ def test_tool_calls_written_in_special_tokens_are_read(scripted_mistral):
         shown = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, extra_body={
             "skip_special_tokens": False, "include_stop_str_in_output": True}).choices[0]
         assert shown.text == "[TOOL_CALLS]get_time[ARGS]{}<|im_end|>"
-    finally:
-        stop_server(proc)
