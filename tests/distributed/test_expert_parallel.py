@@ -19,7 +19,7 @@ from shardlm.engine.core_client import EngineDeadError
 from shardlm.layers.cpu_matmul import goes_into_panels
 from shardlm.layers.moe import local_experts
 from tests.distributed.test_parallel_server import assert_server_answers_like_llm
-from tests.helpers import start_server, stop_server
+from tests.helpers import server_in_this_process, start_server, stop_server
 from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts
 
 ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
@@ -184,12 +184,9 @@ def test_expert_parallel_layouts_this_version_refuses(tiny_model_dir):
 @pytest.mark.slow
 def test_dp2_ep_server_answers_like_the_offline_engine_and_shows_the_expert_load(tiny_model_dir):
     path = tiny_model_dir("mixtral")
-    proc, url = start_server(path, "-dp", "2", "--enable-expert-parallel")
-    try:
+    with server_in_this_process(path, "-dp", "2", "--enable-expert-parallel") as (_, url):
         assert_server_answers_like_llm(url, path)
         metrics = httpx.get(url + "/metrics").text
-    finally:
-        stop_server(proc)
     series = [line for line in metrics.splitlines() if line.startswith("shardlm:moe_expert_tokens{")]
     # 2 MoE layers x 4 experts, for each replica and their total
     assert len(series) == 2 * 4 * 3

@@ -84,11 +84,10 @@ def test_a_reranker_adapter_gives_the_merged_models_scores(pooling_model_dir, tm
 def test_the_server_embeds_with_the_adapter_its_model_names(embedder):
     from openai import NotFoundError, OpenAI
 
-    from tests.helpers import start_server, stop_server
+    from tests.helpers import server_in_this_process
     base, loras, refs = embedder
-    proc, url = start_server(base, "--runner", "pooling", "--enable-lora", "--kv-cache-memory", "64MiB",
-                             "--lora-modules", f"one={loras['one'].lora_path}")
-    try:
+    with server_in_this_process(base, "--runner", "pooling", "--enable-lora", "--kv-cache-memory", "64MiB",
+                                "--lora-modules", f"one={loras['one'].lora_path}") as (_, url):
         client = OpenAI(base_url=url + "/v1", api_key="none")
         for name in ("one", client.models.list().data[0].id):
             got = client.embeddings.create(model=name, input=SENTENCES[:2]).data
@@ -96,8 +95,6 @@ def test_the_server_embeds_with_the_adapter_its_model_names(embedder):
             torch.testing.assert_close(torch.tensor([d.embedding for d in got]), want, atol=1e-4, rtol=0)
         with pytest.raises(NotFoundError, match="two"):
             client.embeddings.create(model="two", input="x")
-    finally:
-        stop_server(proc)
 
 
 def test_an_adapter_that_can_no_longer_be_read_fails_its_requests_alone(embedder, tmp_path):

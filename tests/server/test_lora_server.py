@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from shardlm import LLM, LoRARequest, SamplingParams
-from tests.helpers import server_in_this_process, start_server, stop_server
+from tests.helpers import ServerThread, server_in_this_process
 from tests.lora_adapters import write_adapter
 
 PROMPTS = ["The capital of", "One two three"]
@@ -88,11 +88,8 @@ def test_adapters_load_and_unload_at_run_time(lora_server, tmp_path):
 @pytest.mark.slow
 def test_runtime_updates_need_the_opt_in_and_modules_need_enable_lora(lora_server):
     base, _, paths = lora_server
-    proc, url = start_server(base, "--enable-lora", "--lora-modules", f"one={paths['one']}")
-    try:
+    with server_in_this_process(base, "--enable-lora", "--lora-modules", f"one={paths['one']}") as (_, url):
         r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": paths["two"]})
         assert r.status_code == 404
-    finally:
-        stop_server(proc)
-    with pytest.raises(RuntimeError, match="--lora-modules needs --enable-lora"):
-        start_server(base, "--lora-modules", f"one={paths['one']}")
+    with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
+        ServerThread(base, "--lora-modules", f"one={paths['one']}")          # refused before it serves

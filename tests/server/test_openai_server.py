@@ -155,8 +155,7 @@ def test_prompts_longer_than_the_step_budget(tiny_model_dir):
     ref = LLM(path, dtype="float32", kv_cache_memory="64MiB", max_model_len=256, max_num_batched_tokens=2048).generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
         use_tqdm=False)
-    proc, url = start_server(path, "--max-num-batched-tokens", "32")
-    try:
+    with server_in_this_process(path, "--max-num-batched-tokens", "32") as (_, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         alone = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=8, temperature=0,
                                           extra_body={"ignore_eos": True})
@@ -168,8 +167,6 @@ def test_prompts_longer_than_the_step_budget(tiny_model_dir):
                                              stream=True, extra_body={"ignore_eos": True})
         assert "".join(c.choices[0].text for c in streamed if c.choices) == ref[1].outputs[0].text
         assert httpx.get(url + "/health").status_code == 200
-    finally:
-        stop_server(proc)
 
 
 # Loaded by every Python process of the server below (sitecustomize): a step holding token 31337 raises.
