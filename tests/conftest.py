@@ -486,9 +486,18 @@ def _qwen3_reranker(path, minilm):
     return _save_pooling(path, Qwen3ForSequenceClassification, config, _tokenizer_dir())
 
 
+def _gpt_neox_classifier(path, minilm):
+    """A sequence classifier of a family shardlm has no model of (the Transformers backend runs it)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForSequenceClassification
+    config = GPTNeoXConfig(**{k: v for k, v in TINY.items() if k != "num_key_value_heads"}, rotary_pct=0.5,
+                           num_labels=3, pad_token_id=0, architectures=["GPTNeoXForSequenceClassification"])
+    return _save_pooling(path, GPTNeoXForSequenceClassification, config, _tokenizer_dir())
+
+
 POOLING_MODELS = {"bert-cross-encoder": lambda path, tok: _bert_classifier(path, tok, 1),
                   "bert-classifier": lambda path, tok: _bert_classifier(path, tok, 3),
-                  "xlmr-reranker": _xlmr_reranker, "qwen3-reranker": _qwen3_reranker}
+                  "xlmr-reranker": _xlmr_reranker, "qwen3-reranker": _qwen3_reranker,
+                  "gpt-neox-classifier": _gpt_neox_classifier}
 
 
 @pytest.fixture(scope="session")

@@ -406,7 +406,7 @@ class EngineArgs:
         if runner == "pooling":
             if getattr(hf_config, "classifier_from_token", None):
                 classifier_from_token(hf_config, self.tokenizer or path, self.trust_remote_code)
-            pooler = resolve_pooler_config(path, hf_config, get_model_class(architecture, convert),
+            pooler = resolve_pooler_config(path, hf_config, get_model_class(architecture, convert, model_impl),
                                            self.pooler_config)
             max_model_len = _pooling_max_model_len(hf_config, pooler, self.max_model_len)
         else:

@@ -70,10 +70,6 @@ RULES += (
          "those read their tensors into shardlm's own model layout, which transformers' modeling code does not have",
          "a safetensors checkpoint (float, GPTQ, AWQ, FP8 or compressed-tensors; --quantization int8, int4 or "
          "fp8_* at load if you like); speculative decoding with method 'ngram' or a draft model"),
-    Rule("--model-impl transformers with --runner pooling",
-         lambda c: _transformers(c) and _pooling(c),
-         "the Transformers backend runs causal LMs for generation",
-         "an embedding or classification architecture shardlm has"),
 )
 
 

@@ -324,9 +324,15 @@ class LlamaForCausalLM(nn.Module):
             return self.model.start <= int(layer.group(1)) < self.model.end
         if name.startswith("model.embed_tokens."):
             return self.model.embed_tokens is not None
-        if name.startswith(("model.norm.", "lm_head.")):
+        if name.startswith("model.norm."):
+            return self.model.norm is not None
+        if name.startswith("lm_head."):
             return self.lm_head is not None
         return True
+
+    def drop_lm_head(self) -> None:
+        """A pooling model's: its final hidden states are the output (pooling/decoder.py)."""
+        self.lm_head = None
 
 
 # an FP8 KV cache's scales, wherever under a layer's self_attn they are stored

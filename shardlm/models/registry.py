@@ -83,7 +83,8 @@ def resolve_architecture(hf_config, model_impl: str = "auto") -> tuple[str, str]
 
 
 def is_pooling_architecture(architecture: str) -> bool:
-    return architecture in POOLING_REGISTRY
+    """Encoders and sequence classifiers (shardlm's, or a causal LM family's on the Transformers backend)."""
+    return architecture in POOLING_REGISTRY or architecture.endswith("ForSequenceClassification")
 
 
 # checkpoints of a multimodal model that run as their language model (config.text_config)
@@ -109,7 +110,7 @@ def text_config_named(checkpoint_config, architecture: str):
     return text
 
 
-_CONVERTED: dict[tuple[str, str], type] = {}
+_CONVERTED: dict[tuple[type, str], type] = {}
 
 
 def get_model_class(architecture: str, convert: str | None = None, model_impl: str = "shardlm"):
@@ -117,13 +118,19 @@ def get_model_class(architecture: str, convert: str | None = None, model_impl: s
     model_impl: "transformers" for transformers' own modeling code (ModelConfig.model_impl)."""
     if model_impl == "transformers":
         from shardlm.models.transformers_backend import TransformersForCausalLM
-        return TransformersForCausalLM
+        if architecture.endswith("ForSequenceClassification"):
+            convert = "classify"
+        return TransformersForCausalLM if convert is None else _converted(TransformersForCausalLM, convert)
     if architecture in POOLING_REGISTRY:
         return POOLING_REGISTRY[architecture]
     if convert is None:
         return MODEL_REGISTRY[architecture]
-    key = (architecture, convert)
-    if key not in _CONVERTED:       # one class per pair: pickled and compared by identity
+    return _converted(MODEL_REGISTRY[architecture], convert)
+
+
+def _converted(cls: type, convert: str) -> type:
+    """cls as an embedder or classifier: one class per pair (pickled and compared by identity)."""
+    if (cls, convert) not in _CONVERTED:
         as_pooling = as_embedding_model if convert == "embed" else as_classification_model
-        _CONVERTED[key] = as_pooling(MODEL_REGISTRY[architecture])
-    return _CONVERTED[key]
+        _CONVERTED[cls, convert] = as_pooling(cls)
+    return _CONVERTED[cls, convert]

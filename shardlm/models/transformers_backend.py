@@ -22,6 +22,9 @@ of a later stage gives zeros and the first layer it holds takes the previous sta
 states instead of what the model's forward made of them (so whatever it does between embedding
 and layers, such as Gemma's scale, is not done twice); an earlier stage skips the final norms
 and has no LM head. Context parallel needs shardlm's own decoder: refused (feature_rules.py).
+
+As a pooling model (pooling/decoder.py: an embedder, or a ...ForSequenceClassification checkpoint of
+a family it runs) it has no LM head either; its output is the final hidden states.
 """
 
 from __future__ import annotations
@@ -42,8 +45,12 @@ _step_meta = None          # the running step's attention metadata (one step at 
 
 
 def can_run(architecture: str) -> bool:
-    """Whether transformers has this architecture as a causal LM that uses the attention interface."""
+    """Whether transformers has this architecture as a causal LM that uses the attention interface,
+    or as a sequence classifier (a `score` matrix over the last token) of such a causal LM's family."""
     import transformers
+    if architecture.endswith("ForSequenceClassification"):
+        family = architecture.removesuffix("ForSequenceClassification")
+        return any(can_run(family + suffix) for suffix in ("ForCausalLM", "LMHeadModel"))
     cls = getattr(transformers, architecture, None)
     return (isinstance(cls, type) and architecture.endswith(("ForCausalLM", "LMHeadModel"))
             and bool(getattr(cls, "_supports_attention_backend", False)))
@@ -140,11 +147,18 @@ class TransformersForCausalLM(nn.Module):
                 if "norm" in type(getattr(base, name)).__name__.lower():
                     elsewhere.append(f"{prefix}.{name}.")
                     setattr(base, name, nn.Identity())
-            if self.head_name is not None:
-                elsewhere.append(self.head_name)
-                self.hf.set_output_embeddings(nn.Identity())
-                self.head_name = None
         self.elsewhere = tuple(elsewhere)
+        if not self.is_last_stage:
+            self.drop_lm_head()
+
+    def drop_lm_head(self) -> None:
+        """No LM head: on an earlier pipeline stage, and in a pooling model (pooling/decoder.py), whose
+        output is the final hidden states. Its checkpoint tensor is skipped as another stage's is."""
+        if self.head_name is not None:
+            self.elsewhere += (self.head_name,)
+            self.hf.set_output_embeddings(nn.Identity())
+            self.head_name = None
+        self.tied_head = False
 
     def _take_received(self, module, args, kwargs):
         """The first layer of a later stage: the previous stage's hidden states as its input."""

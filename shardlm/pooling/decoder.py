@@ -1,6 +1,7 @@
 """Decoder models as embedders and classifiers: the family's decoder unchanged (causal attention,
 paged KV cache, tensor parallel), without the LM head; the pooler reads the final hidden states
-(the last token's, by default).
+(the last token's, by default). Any decoder with shardlm's model interface and a drop_lm_head():
+shardlm's own (models/llama.py) and the Transformers backend's (models/transformers_backend.py).
 
     as_embedding_model(cls)      --convert embed: e.g. Qwen3-Embedding, GTE-Qwen2 (checkpoints of a
                                  ...ForCausalLM; their LM head is not loaded)
@@ -27,18 +28,12 @@ def _pooling_decoder(cls: type, task: str, name: str, make_score: bool) -> type:
 
         def __init__(self, config, max_position, dtype, layer_range=None):
             super().__init__(config, max_position, dtype, layer_range)
-            self.lm_head = None
+            self.drop_lm_head()
             self.score = nn.Linear(config.hidden_size, getattr(config, "num_labels", 1), bias=False) \
                 if make_score else None
 
         def pool_head(self, pooled: torch.Tensor) -> torch.Tensor:
             return pooled if self.score is None else self.score(pooled.to(self.score.weight.dtype))
-
-        def _on_this_stage(self, name: str) -> bool:
-            # without an LM head the final norm still belongs to the last stage (the base ties the two)
-            if name.startswith("model.norm."):
-                return self.model.norm is not None
-            return super()._on_this_stage(name)
 
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
             loaded, vocab_rows = set(), {}

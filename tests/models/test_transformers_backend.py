@@ -137,6 +137,43 @@ def test_what_needs_shardlms_own_layers_is_refused(tiny_model_dir):
         EngineArgs(model=tiny_model_dir("cohere"), model_impl="hf").create_engine_config()
 
 
+@pytest.mark.slow
+def test_pooling_models_run_on_it(tiny_model_dir, pooling_model_dir):
+    """A causal LM as an embedder (--runner pooling: its last token's final hidden state,
+    normalized) and a ...ForSequenceClassification checkpoint of its family (a `score` matrix over
+    the last token) give transformers' embeddings and classes; split by tp2 x pp2, one rank's."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer, GPTNeoXForSequenceClassification
+    texts = ["The cat sits on the mat.", "A man is playing a guitar in the park.", "Hi"]
+    path, classifier = tiny_model_dir("gpt-neox"), pooling_model_dir("gpt-neox-classifier")
+    tok = AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        model = AutoModel.from_pretrained(path).eval()
+        want = torch.stack([torch.nn.functional.normalize(model(**tok(t, return_tensors="pt")).last_hidden_state[0, -1],
+                                                          dim=-1) for t in texts])
+        model = GPTNeoXForSequenceClassification.from_pretrained(classifier).eval()
+        classes = torch.stack([model(**tok(t, return_tensors="pt")).logits[0].softmax(-1) for t in texts])
+
+    def embeddings(**layout):
+        llm = LLM(path, runner="pooling", **ENGINE, **layout)
+        try:
+            assert llm.engine.config.model.model_impl == "transformers"
+            return torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+        finally:
+            llm.shutdown()
+    one_rank = embeddings()
+    torch.testing.assert_close(one_rank, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(embeddings(tensor_parallel_size=2, pipeline_parallel_size=2), one_rank, atol=1e-5,
+                               rtol=0)
+    llm = LLM(classifier, **ENGINE)
+    try:
+        assert llm.engine.config.model.runner == "pooling"
+        got = torch.tensor([o.outputs.probs for o in llm.classify(texts, use_tqdm=False)])
+    finally:
+        llm.shutdown()
+    torch.testing.assert_close(got, classes, atol=1e-5, rtol=0)
+
+
 def test_ngram_speculative_decoding_keeps_its_tokens(tiny_model_dir):
     """Proposed tokens are verified through transformers' modeling code as through shardlm's."""
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
