@@ -134,8 +134,4 @@ RULES += (
          lambda c: _vision_language(c) and _drafts_on_one_rank(c),
          "the draft would read an image's placeholder tokens as text: it is not given the images' embeddings",
          "speculative decoding with method 'ngram'"),
-    Rule("a vision-language model (LLaVA) with --runner pooling",
-         lambda c: _vision_language(c) and _pooling(c),
-         "pooling reads text prompts, and the pooling runner has no image inputs",
-         "the text model alone (its own checkpoint) as an embedder"),
 )

@@ -217,19 +217,27 @@ class InputProcessor:
                 raise ValueError(f"dimensions={params.dimensions} is more than the model's {hidden}.")
         text, ids = split_prompt(prompt)
         token_type_ids = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        mm_items = None
+        if self.given_embeddings.given(prompt):      # images (a vision-language model), as in generation
+            ids, mm_items = self.given_embeddings.read(prompt, text, ids, params)
         if ids is None:
             if not isinstance(text, str):
                 raise TypeError(f"A prompt must be a string or a list of token ids, not {type(text).__name__}.")
             require_tokenizer(self.tokenizer, "A text prompt")
             encoded = self.tokenizer(text)
             ids, token_type_ids = encoded.input_ids, encoded.get("token_type_ids")
-        ids, token_type_ids = self._truncated(ids, token_type_ids, params.truncate_prompt_tokens)
+        kept, token_type_ids = self._truncated(ids, token_type_ids, params.truncate_prompt_tokens)
+        if mm_items and len(kept) < len(ids):
+            raise ValueError("truncate_prompt_tokens would cut a prompt with images or embeddings: leave it out, or "
+                             "shorten the prompt.")
+        ids = kept
         self._validate(ids, room_for_output=False)
         arrival_time = arrival_time or time.time()
         sampling = SamplingParams(max_tokens=None, output_kind=RequestOutputKind.FINAL_ONLY)
         parent = ParentRequest(request_id, text, ids, sampling, RequestMetrics(arrival_time), pooling_params=params)
         return parent, [EngineCoreRequest(request_id, ids, sampling, arrival_time, lora_request, params,
-                                          list(token_type_ids) if token_type_ids is not None else None)]
+                                          list(token_type_ids) if token_type_ids is not None else None,
+                                          mm_items=mm_items)]
 
     def _truncated(self, ids: list[int], token_type_ids: list[int] | None, keep: int | None):
         """A pooling prompt cut to `keep` tokens (-1: max_model_len) on the tokenizer's truncation side."""

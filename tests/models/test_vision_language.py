@@ -2,8 +2,8 @@
 (SmolVLM: tiles with text between them) give transformers' greedy tokens with 0, 1 and 2 images of
 different sizes, whole and split over steps; LLaVA also at TP=2, PP=2, PCP=2 and DP=2;
 offline chats read image_url and image_pil parts; the prefix cache tells images apart; LoRA on
-the text model; GPTQ, AWQ and FP8 checkpoints; bad images, counts and models are refused with
-what to do."""
+the text model; GPTQ, AWQ and FP8 checkpoints; as an embedder (--runner pooling); bad images, counts
+and models are refused with what to do."""
 
 import base64
 import io
@@ -246,13 +246,36 @@ def test_a_vision_tower_stored_quantized_is_refused_with_what_to_do(llava, tmp_p
         LLM(dirs["gptq"], dtype="float32")
 
 
+@pytest.mark.slow
+def test_as_an_embedder_it_embeds_images_as_transformers_does(llava):
+    """--runner pooling (E5-V's way: the last token's final hidden state, normalized), with 0, 1 and
+    2 images: transformers' LLaVA's last hidden state; split by tp2 x pp2 (the vision tower on the
+    first stage), one rank's."""
+    import torch
+    import transformers
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(llava)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(llava, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = torch.stack([torch.nn.functional.normalize(model.model(**processor(
+            images=ims or None, text=text, return_tensors="pt")).last_hidden_state[0, -1], dim=-1)
+            for text, ims in zip(PROMPTS, IMAGES)])
+
+    def embeddings(**layout):
+        llm = LLM(llava, dtype="float32", kv_cache_memory="16MiB", runner="pooling", **layout)
+        try:
+            return torch.tensor([o.outputs.embedding for o in llm.embed(with_images(PROMPTS, IMAGES), use_tqdm=False)])
+        finally:
+            llm.shutdown()
+    torch.testing.assert_close(embeddings(), want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(embeddings(tensor_parallel_size=2, pipeline_parallel_size=2), want, atol=1e-5, rtol=0)
+
+
 def test_combinations_that_cannot_work_are_refused(llava):
     from types import SimpleNamespace
 
     from shardlm.engine.arg_utils import EngineArgs
     from shardlm.engine.feature_rules import UnsupportedCombination, check_combinations
-    with pytest.raises(UnsupportedCombination, match="with --runner pooling.*no image inputs"):
-        LLM(llava, dtype="float32", runner="pooling")
     config = EngineArgs(model=llava, dtype="float32").create_engine_config()
     config.speculative = SimpleNamespace(method="eagle")        # (a tiny EAGLE head for it is not built)
     with pytest.raises(UnsupportedCombination, match="placeholder tokens as text"):
