@@ -111,3 +111,30 @@ def test_a_string_content_format_puts_placeholders_before_the_text(tiny_model_di
     parts = [{"type": "text", "text": "what is "}, {"type": "image"}, {"type": "text", "text": "this"}]
     assert as_content_format(parts, "string", "<image>") == "<image>\nwhat is this"
     assert as_content_format(parts, "openai", "<image>") == parts
+
+
+@pytest.mark.slow
+def test_a_pooling_server_embeds_a_chat_with_images(tiny_model_dir):
+    """/v1/embeddings with vLLM's `messages` (no generation prompt, as vLLM renders them for
+    embeddings): the rendered chat and its image give transformers' last hidden state, normalized;
+    a text-only chat too; input and messages together are a 400."""
+    import torch
+    import transformers
+    from transformers import LlavaProcessor
+    path = tiny_model_dir("llava")
+    processor = LlavaProcessor.from_pretrained(path)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    chats = [(ask(picture(image(21)), text("What is this?")), ask({"type": "image"}, text("What is this?")),
+              [image(21)]), (ask(text("Plain words")), ask(text("Plain words")), None)]
+    with server_in_this_process(path, "--dtype", "float32", "--runner", "pooling") as (_, url):
+        for messages, hf_messages, images in chats:
+            rendered = processor.apply_chat_template(hf_messages, add_generation_prompt=False)
+            with torch.inference_mode():
+                hidden = model.model(**processor(images=images, text=rendered, return_tensors="pt",
+                                                 add_special_tokens=False)).last_hidden_state[0, -1]
+            r = httpx.post(url + "/v1/embeddings", json={"model": "tiny", "messages": messages}, timeout=60)
+            assert r.status_code == 200, r.text
+            torch.testing.assert_close(torch.tensor(r.json()["data"][0]["embedding"]),
+                                       torch.nn.functional.normalize(hidden, dim=-1), atol=1e-5, rtol=0)
+        both = httpx.post(url + "/v1/embeddings", json={"input": "x", "messages": chats[1][0]}, timeout=60)
+        assert both.status_code == 400 and "one of the two" in both.json()["error"]["message"]

@@ -21,7 +21,7 @@ async def with_images(llm, req, text: str, pool) -> tuple[list[int], list]:
     urls = [url for m in req.messages for url in m.image_urls()]
     try:
         processor = llm.processor.given_embeddings.images            # a text model: ValueError
-        if req.use_beam_search:
+        if getattr(req, "use_beam_search", False):
             raise ValueError("Beam search is not run on prompts with images: leave out use_beam_search.")
         mm = llm.config.model.multimodal
         images = await asyncio.gather(*(asyncio.to_thread(load_image, url, mm) for url in urls))

@@ -3,19 +3,19 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shardlm.entrypoints.openai.protocol import checked
+from shardlm.entrypoints.openai.protocol import ChatMessage, checked
 from shardlm.sampling_params import INT64_MAX
 
 # one input, or a batch: texts or token ids
 PoolingInput = str | list[str] | list[int] | list[list[int]]
 
 
-def _input():
-    return Field(json_schema_extra={"minLength": 1, "minItems": 1})
+def _input(*default):
+    return Field(*default, json_schema_extra={"minLength": 1, "minItems": 1})
 
 
 class _PoolingFields(BaseModel):
@@ -27,10 +27,20 @@ class _PoolingFields(BaseModel):
 
 
 class EmbeddingRequest(_PoolingFields):
-    input: PoolingInput = _input()
+    """OpenAI's input, or (vLLM's) a chat's messages, rendered by the chat template as one prompt
+    (with image_url parts for a vision-language model)."""
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "anyOf": [{"required": ["input"]}, {"required": ["messages"]}]})
+    input: PoolingInput | None = _input(None)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = checked(None, minimum=1, maximum=INT64_MAX)
     normalize: bool | None = None
+    # messages render with these (vLLM's defaults for embeddings: no generation prompt)
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class PoolingRequest(EmbeddingRequest):

@@ -15,6 +15,7 @@ import uuid
 
 import numpy as np
 
+from shardlm.entrypoints.openai.chat_images import with_images
 from shardlm.entrypoints.openai.pooling_protocol import (
     ClassificationRequest,
     EmbeddingRequest,
@@ -42,7 +43,10 @@ class PoolingServing:
         task = getattr(req, "task", None) or "embed"
         params = self._params(req, task=task, dimensions=req.dimensions, normalize=req.normalize,
                               use_activation=getattr(req, "use_activation", None))
-        outs = await self._run(self._inputs(req.input), params, kind, req.priority, lora)
+        if (req.input is None) == (req.messages is None):
+            raise OpenAIError("Give the input or a chat's messages (one of the two).", 400, "input")
+        prompts = self._inputs(req.input) if req.messages is None else [await self._chat_prompt(req)]
+        outs = await self._run(prompts, params, kind, req.priority, lora)
         data = [{"index": i, "object": kind, kind if kind == "embedding" else "data":
                  _encoded(o.outputs.data, req.encoding_format)} for i, o in enumerate(outs)]
         return self._answer(model, kind, data, outs)
@@ -107,6 +111,22 @@ class PoolingServing:
             else:
                 prompts.append({"prompt_token_ids": list(item)})
         return prompts
+
+    async def _chat_prompt(self, req: EmbeddingRequest) -> dict:
+        """A chat's messages as one prompt, rendered as the chat route renders them; a
+        vision-language model's images read with it."""
+        if req.continue_final_message and req.add_generation_prompt:
+            raise OpenAIError("continue_final_message goes on in the last message, add_generation_prompt starts a new "
+                              "one: leave one out.", 400, "continue_final_message")
+        serving = self.serving
+        extra = {"continue_final_message": True} if req.continue_final_message else {}
+        text = await serving._off_loop(serving.render_chat, req.messages, None, req.add_generation_prompt,
+                                       {**extra, **(req.chat_template_kwargs or {})})
+        if any(m.image_urls() for m in req.messages):
+            ids, items = await with_images(self.llm, req, text, serving._pool)
+            return {"prompt": text, "prompt_token_ids": ids, "mm_items": items}
+        ids = (await serving._off_loop(self.llm.tokenizer, text, add_special_tokens=req.add_special_tokens)).input_ids
+        return {"prompt": text, "prompt_token_ids": ids}
 
     async def _run(self, prompts: list[dict], params: PoolingParams | list[PoolingParams],
                    kind: str, priority: int = 0, lora: LoRARequest | None = None) -> list[PoolingRequestOutput]:
