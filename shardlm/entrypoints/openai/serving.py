@@ -199,6 +199,14 @@ class OpenAIServing:
                                self.chat_template, tools=tool_specs, add_generation_prompt=add_generation_prompt,
                                **{**self.options.default_chat_template_kwargs, **(template_kwargs or {})})
 
+    async def chat_tokens(self, req, text: str) -> tuple[list[int], list | None]:
+        """A rendered chat's token ids, and its images' items where its messages have image_url
+        parts (a vision-language model's processor expands their placeholders)."""
+        if any(m.image_urls() for m in req.messages):
+            return await with_images(self.llm, req, text, self._pool)
+        encoded = await self.off_loop(self.llm.tokenizer, text, add_special_tokens=req.add_special_tokens)
+        return encoded.input_ids, None
+
     def need_tokenizer(self, what: str, param: str) -> None:
         """A 400 where `what` needs text and the server runs without a tokenizer (--skip-tokenizer-init)."""
         try:
@@ -237,7 +245,7 @@ class OpenAIServing:
             return list(prompt)
         self.need_tokenizer("A text prompt", param)
         check_encodable(prompt, param)
-        return (await self._off_loop(self.llm.tokenizer, prompt, add_special_tokens=add_special_tokens)).input_ids
+        return (await self.off_loop(self.llm.tokenizer, prompt, add_special_tokens=add_special_tokens)).input_ids
 
     def truncated(self, ids: list[int], keep: int | None, images=None) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len)."""
@@ -262,7 +270,7 @@ class OpenAIServing:
         """The response's id: the request's request_id (vLLM's field) or a new one."""
         return f"{kind}-{req.request_id if req.request_id else uuid.uuid4().hex}"
 
-    async def _off_loop(self, fn, *args, **kwargs):
+    async def off_loop(self, fn, *args, **kwargs):
         """Tokenizing or rendering a large input runs on a worker thread (the tokenizer releases
         the GIL), so other clients' streams go on meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
@@ -348,7 +356,7 @@ class OpenAIServing:
         # with prompt_embeds, an empty prompt is none (vLLM's clients send prompt="": the openai client needs one)
         given = req.prompt if not (req.prompt_embeds and req.prompt in ("", [])) else None
         prompts = _completion_prompts(given) if given is not None else []
-        embedded = await self._off_loop(embeds_prompts, req, self.llm.config.model) if req.prompt_embeds else []
+        embedded = await self.off_loop(embeds_prompts, req, self.llm.config.model) if req.prompt_embeds else []
         if len(prompts) + len(embedded) > self.limits.max_prompts:
             raise OpenAIError(f"{len(prompts) + len(embedded)} prompts are more than this server allows in one "
                               f"request ({self.limits.max_prompts}, --max-prompts).", 400, "prompt")
@@ -446,15 +454,11 @@ class OpenAIServing:
             tools.template_tools(req)
         extra = {k: v for k, v in (("continue_final_message", req.continue_final_message),
                                    ("documents", req.documents)) if v}
-        text = await self._off_loop(self.render_chat, req.messages, tool_specs, req.add_generation_prompt,
+        text = await self.off_loop(self.render_chat, req.messages, tool_specs, req.add_generation_prompt,
                                     {**extra, **(req.chat_template_kwargs or {})})
         shape = tools.AnswerShape(mode, function, self.tool_parser.with_tools(req.tools) if self.tool_parser else None,
                                   self.reasoning_for(text), self.harmony and mode in ("auto", "none"))
-        images = None
-        if any(m.image_urls() for m in req.messages):
-            ids, images = await with_images(self.llm, req, text, self._pool)
-        else:
-            ids = (await self._off_loop(self.llm.tokenizer, text, add_special_tokens=req.add_special_tokens)).input_ids
+        ids, images = await self.chat_tokens(req, text)
         ids = self.truncated(ids, req.truncate_prompt_tokens, images)
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true.", 400, "top_logprobs")

@@ -15,7 +15,6 @@ import uuid
 
 import numpy as np
 
-from shardlm.entrypoints.openai.chat_images import with_images
 from shardlm.entrypoints.openai.pooling_protocol import (
     ClassificationRequest,
     EmbeddingRequest,
@@ -118,15 +117,11 @@ class PoolingServing:
         if req.continue_final_message and req.add_generation_prompt:
             raise OpenAIError("continue_final_message goes on in the last message, add_generation_prompt starts a new "
                               "one: leave one out.", 400, "continue_final_message")
-        serving = self.serving
         extra = {"continue_final_message": True} if req.continue_final_message else {}
-        text = await serving._off_loop(serving.render_chat, req.messages, None, req.add_generation_prompt,
+        text = await self.serving.off_loop(self.serving.render_chat, req.messages, None, req.add_generation_prompt,
                                        {**extra, **(req.chat_template_kwargs or {})})
-        if any(m.image_urls() for m in req.messages):
-            ids, items = await with_images(self.llm, req, text, serving._pool)
-            return {"prompt": text, "prompt_token_ids": ids, "mm_items": items}
-        ids = (await serving._off_loop(self.llm.tokenizer, text, add_special_tokens=req.add_special_tokens)).input_ids
-        return {"prompt": text, "prompt_token_ids": ids}
+        ids, images = await self.serving.chat_tokens(req, text)
+        return {"prompt": text, "prompt_token_ids": ids, **({"mm_items": images} if images else {})}
 
     async def _run(self, prompts: list[dict], params: PoolingParams | list[PoolingParams],
                    kind: str, priority: int = 0, lora: LoRARequest | None = None) -> list[PoolingRequestOutput]:
