@@ -455,7 +455,7 @@ class OpenAIServing:
         extra = {k: v for k, v in (("continue_final_message", req.continue_final_message),
                                    ("documents", req.documents)) if v}
         text = await self.off_loop(self.render_chat, req.messages, tool_specs, req.add_generation_prompt,
-                                    {**extra, **(req.chat_template_kwargs or {})})
+                                   {**extra, **(req.chat_template_kwargs or {})})
         shape = tools.AnswerShape(mode, function, self.tool_parser.with_tools(req.tools) if self.tool_parser else None,
                                   self.reasoning_for(text), self.harmony and mode in ("auto", "none"))
         ids, images = await self.chat_tokens(req, text)

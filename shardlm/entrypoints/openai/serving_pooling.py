@@ -119,7 +119,7 @@ class PoolingServing:
                               "one: leave one out.", 400, "continue_final_message")
         extra = {"continue_final_message": True} if req.continue_final_message else {}
         text = await self.serving.off_loop(self.serving.render_chat, req.messages, None, req.add_generation_prompt,
-                                       {**extra, **(req.chat_template_kwargs or {})})
+                                           {**extra, **(req.chat_template_kwargs or {})})
         ids, images = await self.serving.chat_tokens(req, text)
         return {"prompt": text, "prompt_token_ids": ids, **({"mm_items": images} if images else {})}
 
