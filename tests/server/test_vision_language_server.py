@@ -1,5 +1,5 @@
 """A vision-language model served: chats with image_url parts through the official openai client
-give transformers' tokens, streamed or not; a content format of strings puts each image's
+give transformers' tokens, streamed or not, and /tokenize counts their images' tokens; a content format of strings puts each image's
 placeholder before the text; bad images are a 400 that says why, and the server goes on."""
 
 import httpx
@@ -42,6 +42,8 @@ def test_a_chat_with_images_gives_transformers_tokens(server, tiny_model_dir):
                                             extra_body={"return_token_ids": True})
     assert answer.choices[0].token_ids == ref
     assert answer.usage.prompt_tokens > 32          # two images of 16 tokens each
+    tokenized = httpx.post(server + "/tokenize", json={"model": "tiny", "messages": messages}, timeout=60).json()
+    assert tokenized["count"] == answer.usage.prompt_tokens, "/tokenize expands the images' placeholders too"
     streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
                                               stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \

@@ -15,7 +15,7 @@ def image_placeholder(llm) -> str | None:
     return llm.processor.given_embeddings.images.placeholder if llm.config.model.multimodal is not None else None
 
 
-async def with_images(llm, req, text: str, pool) -> tuple[list[int], list]:
+async def with_images(llm, req, text: str, pool, add_special_tokens: bool) -> tuple[list[int], list]:
     """-> the rendered chat's token ids, each image's placeholder expanded, and its images' items.
     Images are fetched on threads of their own (a slow URL holds no one else's tokenizing)."""
     urls = [url for m in req.messages for url in m.image_urls()]
@@ -26,7 +26,7 @@ async def with_images(llm, req, text: str, pool) -> tuple[list[int], list]:
         mm = llm.config.model.multimodal
         images = await asyncio.gather(*(asyncio.to_thread(load_image, url, mm) for url in urls))
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(pool, lambda: processor.process(text, list(images), req.add_special_tokens))
+        return await loop.run_in_executor(pool, lambda: processor.process(text, list(images), add_special_tokens))
     except ValueError as e:
         raise OpenAIError(str(e), 400, "messages") from None
 

@@ -199,12 +199,16 @@ class OpenAIServing:
                                self.chat_template, tools=tool_specs, add_generation_prompt=add_generation_prompt,
                                **{**self.options.default_chat_template_kwargs, **(template_kwargs or {})})
 
-    async def chat_tokens(self, req, text: str) -> tuple[list[int], list | None]:
+    async def chat_tokens(self, req, text: str, add_special_tokens: bool | None = None
+                          ) -> tuple[list[int], list | None]:
         """A rendered chat's token ids, and its images' items where its messages have image_url
-        parts (a vision-language model's processor expands their placeholders)."""
+        parts (a vision-language model's processor expands their placeholders). add_special_tokens:
+        to the rendered text (None: the request's)."""
+        if add_special_tokens is None:
+            add_special_tokens = req.add_special_tokens
         if any(m.image_urls() for m in req.messages):
-            return await with_images(self.llm, req, text, self._pool)
-        encoded = await self.off_loop(self.llm.tokenizer, text, add_special_tokens=req.add_special_tokens)
+            return await with_images(self.llm, req, text, self._pool, add_special_tokens)
+        encoded = await self.off_loop(self.llm.tokenizer, text, add_special_tokens=add_special_tokens)
         return encoded.input_ids, None
 
     def need_tokenizer(self, what: str, param: str) -> None:

@@ -18,10 +18,10 @@ async def tokenize(req: TokenizeRequest, state: ServerState = Depends(server_sta
     serving.check_model(req.model)
     serving.need_tokenizer("/tokenize", "prompt")
     tok = state.llm.tokenizer
-    if req.messages is not None:
+    if req.messages is not None:       # as the chat route gives them to the engine (images' placeholders expanded)
         text = serving.render_chat(req.messages, tools.template_tools(req), req.add_generation_prompt,
                                    req.chat_template_kwargs)
-        ids = tok(text, add_special_tokens=False).input_ids
+        ids, _ = await serving.chat_tokens(req, text, add_special_tokens=False)
     elif req.prompt is not None:
         check_encodable(req.prompt, "prompt")
         ids = tok(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
