@@ -53,15 +53,23 @@ def second_host():
     if os.geteuid() != 0 or not shutil.which("ip") or sh("ip", "netns", "add", NS, check=False).returncode != 0:
         yield _this_host("needs root and `ip netns`")
         return
+    resolver = f"/etc/netns/{NS}"
     try:
         try:
             _veth_pair()
         except RuntimeError as e:
             yield _this_host(f"this machine cannot build a veth pair: {e}")
             return
+        # `ip netns exec` mounts this over /etc/resolv.conf: no name server, so a lookup fails at once.
+        # This host's name server cannot be reached from there, and each lookup (torch's store looks
+        # up its peers' names) would wait out the resolver's timeout: 10 s a process.
+        os.makedirs(resolver, exist_ok=True)
+        with open(os.path.join(resolver, "resolv.conf"), "w") as f:
+            f.write("# the second host of shardlm's tests: no name server\n")
         yield SecondHost(f"{SUBNET}.1", f"{SUBNET}.2", ("ip", "netns", "exec", NS))
     finally:
         sh("ip", "netns", "del", NS, check=False)          # and its end of the veth pair, with it the other
+        shutil.rmtree(resolver, ignore_errors=True)
 
 
 def _this_host(why: str) -> SecondHost:

@@ -1,6 +1,7 @@
 """A vision-language model served: chats with image_url parts through the official openai client
-give transformers' tokens, streamed or not, and /tokenize counts their images' tokens; a content format of strings puts each image's
-placeholder before the text; bad images are a 400 that says why, and the server goes on."""
+give transformers' tokens, streamed or not, and /tokenize counts their images' tokens; a content
+format of strings puts each image's placeholder before the text; bad images are a 400 that says
+why, and the server goes on; a pooling server embeds chats with images."""
 
 import httpx
 import openai
