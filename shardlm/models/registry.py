@@ -118,7 +118,7 @@ def get_model_class(architecture: str, convert: str | None = None, model_impl: s
     model_impl: "transformers" for transformers' own modeling code (ModelConfig.model_impl)."""
     if model_impl == "transformers":
         from shardlm.models.transformers_backend import TransformersForCausalLM
-        if architecture.endswith("ForSequenceClassification"):
+        if is_pooling_architecture(architecture):     # on this backend: a causal LM family's classifier
             convert = "classify"
         return TransformersForCausalLM if convert is None else _converted(TransformersForCausalLM, convert)
     if architecture in POOLING_REGISTRY:

@@ -451,9 +451,7 @@ class OpenAIServing:
         self.check_request(req)
         mode, function = tools.tool_mode(req, self.tool_parser)
         self.check_prompt_logprobs(req)
-        if req.continue_final_message and req.add_generation_prompt:
-            raise OpenAIError("continue_final_message goes on in the last message, add_generation_prompt starts a new "
-                              "one: set add_generation_prompt to false.", 400, "continue_final_message")
+        check_continuation(req)
         tool_specs = None if mode == "none" and self.options.exclude_tools_when_tool_choice_none else \
             tools.template_tools(req)
         extra = {k: v for k, v in (("continue_final_message", req.continue_final_message),
@@ -582,6 +580,14 @@ def render_messages(tokenizer, messages: list[dict], chat_template: str | None, 
         return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template, **kwargs)
     except Exception as e:
         raise OpenAIError(f"The chat template could not render these messages: {e}", 400, "messages") from e
+
+
+def check_continuation(req) -> None:
+    """A chat request (chat completions, or embeddings of messages) does not both go on in its last
+    message and start a new one."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise OpenAIError("continue_final_message goes on in the last message, add_generation_prompt starts a new "
+                          "one: set add_generation_prompt to false.", 400, "continue_final_message")
 
 
 def check_encodable(text: str, param: str) -> None:

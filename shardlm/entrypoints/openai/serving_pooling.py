@@ -23,7 +23,7 @@ from shardlm.entrypoints.openai.pooling_protocol import (
     ScoreRequest,
 )
 from shardlm.entrypoints.openai.protocol import OpenAIError
-from shardlm.entrypoints.openai.serving import OpenAIServing, check_encodable, last_outputs
+from shardlm.entrypoints.openai.serving import OpenAIServing, check_continuation, check_encodable, last_outputs
 from shardlm.lora.request import LoRARequest
 from shardlm.outputs import PoolingRequestOutput
 from shardlm.pooling.params import PoolingParams
@@ -114,9 +114,7 @@ class PoolingServing:
     async def _chat_prompt(self, req: EmbeddingRequest) -> dict:
         """A chat's messages as one prompt, rendered as the chat route renders them; a
         vision-language model's images read with it."""
-        if req.continue_final_message and req.add_generation_prompt:
-            raise OpenAIError("continue_final_message goes on in the last message, add_generation_prompt starts a new "
-                              "one: leave one out.", 400, "continue_final_message")
+        check_continuation(req)
         extra = {"continue_final_message": True} if req.continue_final_message else {}
         text = await self.serving.off_loop(self.serving.render_chat, req.messages, None, req.add_generation_prompt,
                                            {**extra, **(req.chat_template_kwargs or {})})
