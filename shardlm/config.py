@@ -301,6 +301,18 @@ class EPLBConfig:
             raise ValueError(f"--eplb-config num_redundant_experts={n!r} must be a non-negative integer.")
 
 
+@dataclass(frozen=True)
+class RayBundles:
+    """-dp with the ray executor: where one replica's ranks run, in the placement group the DP
+    client made for every replica's ranks (so that replicas sharing a machine share its cores)."""
+    address: str                     # the Ray cluster (its GCS address), which the replica's executor joins
+    namespace: str                   # the Ray namespace the placement group is named in
+    group: str                       # the placement group's name
+    bundles: tuple[int, ...]         # per rank of this replica, in rank order: its bundle
+    local_ranks: tuple[int, ...]     # per rank: its index among every replica's ranks on its machine
+    local_sizes: tuple[int, ...]     # per rank: how many ranks of all replicas share its machine
+
+
 @dataclass
 class ParallelConfig:
     """Sizes are per replica (TP x PCP x PP ranks) and across replicas (DP). A replica's ranks are
@@ -345,6 +357,7 @@ class ParallelConfig:
     # a replica started again after it died (engine/core_client.py): the others' DP groups still
     # count its old ranks, so its ranks form a world of their own (replicas that do not step together)
     data_parallel_own_world: bool = False
+    ray_bundles: RayBundles | None = None     # -dp with the ray executor (set per replica by the DP client)
     enable_expert_parallel: bool = knob(
         False, "MoE models: place whole experts on the ranks of each stage's DP x TP group (each loads only its "
         "experts) instead of slicing every expert across TP; with -dp the replicas run their MoE layers "
@@ -386,7 +399,7 @@ class ParallelConfig:
             raise ValueError(f"data_parallel_size_local={self.data_parallel_size_local} replicas from start rank "
                              f"{self.data_parallel_start_rank} do not fit in data_parallel_size="
                              f"{self.data_parallel_size}.")
-        if self.data_parallel_backend == "ray":
+        if self.data_parallel_backend == "ray" and self.distributed_executor_backend != "ray":
             self.data_parallel_size_local = 0                  # Ray places every replica
         elif self.data_parallel_size_local < self.data_parallel_size and not (
                 self.data_parallel_address and self.data_parallel_rpc_port):

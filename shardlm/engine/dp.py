@@ -19,7 +19,7 @@ import itertools
 import threading
 from collections import OrderedDict
 
-from shardlm.config import EngineConfig
+from shardlm.config import EngineConfig, RayBundles
 from shardlm.messages import EngineCoreOutputs
 from shardlm.spec_decode.stats import SpecDecodingStats
 
@@ -29,13 +29,16 @@ _PREFIX_BLOCKS_TRACKED = 4096  # per replica: recent prompt-block hashes (an LRU
 _PREFIX_BLOCKS_LOOKED_AT = 64  # leading blocks of a prompt that count
 
 
-def replica_configs(config: EngineConfig, master: tuple[str, int] | None) -> list[EngineConfig]:
-    """One config per replica this node runs: its DP rank, and the store every rank meets at."""
+def replica_configs(config: EngineConfig, master: tuple[str, int] | None,
+                    ray_bundles: list[RayBundles] | None = None) -> list[EngineConfig]:
+    """One config per replica this node runs: its DP rank, the store every rank meets at, and
+    (with the ray executor) where its ranks run."""
     par = config.parallel
     if par.data_parallel_size == 1:
         return [config]
-    return [dataclasses.replace(config, parallel=dataclasses.replace(par, data_parallel_rank=rank,
-                                                                     data_parallel_master=master))
+    return [dataclasses.replace(config, parallel=dataclasses.replace(
+                par, data_parallel_rank=rank, data_parallel_master=master,
+                ray_bundles=None if ray_bundles is None else ray_bundles[rank]))
             for rank in range(par.data_parallel_start_rank, par.data_parallel_start_rank
                               + par.data_parallel_size_local)]
 

@@ -1,7 +1,14 @@
-"""--data-parallel-backend ray: each replica's engine core runs in a Ray actor, placed with all
-of its TP x PP ranks on one node (one placement-group bundle per replica, PACK), and joins the
+"""Data parallel on Ray, two ways.
+
+--data-parallel-backend ray: each replica's engine core runs in a Ray actor, placed with all of
+its TP x PP ranks on one node (one placement-group bundle per replica, PACK), and joins the
 client over TCP exactly as a headless node's engine core does (engine/dp_remote.py). Inside the
 actor the replica's ranks run as processes of that node (the uni or mp executor).
+
+--distributed-executor-backend ray: the engine cores run on this node and every rank of every
+replica is a Ray actor (executor/ray_executor.py), so a replica may span nodes. The client makes
+one placement group for all of them, which tells each replica where its ranks go and which
+ranks of other replicas share a machine's cores.
 """
 
 from __future__ import annotations
@@ -9,10 +16,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import uuid
 
-from shardlm.config import EngineConfig
-from shardlm.executor.ray_placement import describe_nodes, forwarded_env
-from shardlm.executor.selection import require_ray
+from shardlm.config import EngineConfig, RayBundles
+from shardlm.executor.ray_placement import (
+    create_placement_group,
+    describe_nodes,
+    forwarded_env,
+    split_among_replicas,
+)
+from shardlm.executor.selection import init_ray, require_ray
 from shardlm.logger import init_logger
 
 ray = require_ray()
@@ -38,7 +51,7 @@ class RayReplicas:
     def __init__(self, config: EngineConfig, head: tuple[str, int]):
         self._owns_ray_connection = not ray.is_initialized()
         if self._owns_ray_connection:
-            ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level="warning")
+            init_ray(address=os.environ.get("RAY_ADDRESS"), logging_level="warning")
         self.pg, self.actors, self.replicas = None, [], []
         try:
             self._start(config, head)
@@ -98,5 +111,43 @@ class RayReplicas:
         if self.pg is not None:
             ray.util.remove_placement_group(self.pg)
             self.pg = None
+        if self._owns_ray_connection and ray.is_initialized():
+            ray.shutdown()
+
+
+class ReplicaRanksOnRay:
+    """-dp with the ray executor: one placement group for every replica's ranks; `bundles[k]`
+    says where replica k's ranks go. Removed (with them) on shutdown."""
+
+    def __init__(self, config: EngineConfig):
+        par = config.parallel
+        self._owns_ray_connection = not ray.is_initialized()
+        if self._owns_ray_connection:
+            init_ray(address=os.environ.get("RAY_ADDRESS"), logging_level="warning")
+        self.pg = None
+        try:
+            name = f"shardlm-dp-{uuid.uuid4().hex[:12]}"
+            ranks = par.data_parallel_size * par.world_size
+            self.pg = create_placement_group(ray, ranks, config.device.type, par.distributed_init_timeout, name)
+            placed = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
+            nodes = {n["NodeID"]: n for n in ray.nodes()}
+            bundle_nodes = [placed[i] for i in range(ranks)]
+            context = ray.get_runtime_context()
+            hosts = {node: nodes[node].get("NodeManagerHostname", node) for node in set(bundle_nodes)}
+            self.bundles = [RayBundles(context.gcs_address, context.namespace, name, tuple(b), tuple(local),
+                                       tuple(sizes))
+                            for b, local, sizes in split_among_replicas(bundle_nodes, hosts, context.get_node_id(),
+                                                                         par.data_parallel_size)]
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("Data parallel ranks on Ray: %s", "; ".join(
+            f"replica {k}: " + ", ".join(nodes[bundle_nodes[b]]["NodeManagerAddress"] for b in r.bundles)
+            for k, r in enumerate(self.bundles)))
+
+    def shutdown(self) -> None:
+        if self.pg is not None and ray.is_initialized():
+            ray.util.remove_placement_group(self.pg)
+        self.pg = None
         if self._owns_ray_connection and ray.is_initialized():
             ray.shutdown()

@@ -41,11 +41,14 @@ def _reads_the_targets_layers(c: EngineConfig) -> bool:
 
 
 RULES: tuple[Rule, ...] = (
-    Rule("-dp with --distributed-executor-backend ray",
-         lambda c: c.parallel.data_parallel_size > 1 and c.parallel.distributed_executor_backend == "ray",
-         "each data parallel replica runs its tensor x pipeline ranks with the mp or uni executor",
-         "leave out --distributed-executor-backend ray (--data-parallel-backend ray places the replicas on Ray "
-         "nodes)"),
+    Rule("--distributed-executor-backend ray with replicas on other nodes' servers (--headless, "
+         "--data-parallel-size-local)",
+         lambda c: c.parallel.distributed_executor_backend == "ray"
+         and c.parallel.data_parallel_size_local < c.parallel.data_parallel_size,
+         "with the ray executor, Ray places the ranks of every replica from the one server that runs their engine "
+         "cores",
+         "start one server with -dp N and the ray executor (the replicas' ranks go wherever the Ray cluster has "
+         "room), or the mp executor on each node"),
     Rule("--enable-eplb without --enable-expert-parallel",
          lambda c: c.parallel.enable_eplb and not (c.parallel.enable_expert_parallel and c.model.num_experts > 0),
          "load balancing places whole experts over the ranks of expert parallel (a model without experts, or "

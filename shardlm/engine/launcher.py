@@ -21,21 +21,27 @@ class LaunchedCores:
 
     def __init__(self, config: EngineConfig):
         par = config.parallel
-        self._store, self._ray_replicas, self._door = None, None, None
+        self._store, self._ray_replicas, self._ray_ranks, self._door = None, None, None, None
         master, listener, node_address = None, None, None
+        on_ray = par.data_parallel_size > 1 and "ray" in (par.data_parallel_backend, par.distributed_executor_backend)
         if par.data_parallel_size > 1:
             # the Ray actors may be on other nodes: they reach this node by its address
-            host = par.data_parallel_address or (host_ip() if par.data_parallel_backend == "ray" else "127.0.0.1")
+            host = par.data_parallel_address or (host_ip() if on_ray else "127.0.0.1")
             if par.data_parallel_size_local < par.data_parallel_size:
                 listener = JoinListener(host, par.data_parallel_rpc_port or 0)   # before anything can join
                 node_address = host        # our replicas' DP groups cross nodes: gloo/NCCL bind to it
             self._store = host_store(host, par.world_size_across_dp, par.distributed_init_timeout)
             master = (host, self._store.port)
+        bundles = None
+        if par.data_parallel_size > 1 and par.distributed_executor_backend == "ray":
+            from shardlm.engine.dp_ray import ReplicaRanksOnRay
+            self._ray_ranks = ReplicaRanksOnRay(config)
+            bundles = self._ray_ranks.bundles
         # all start before any is waited for: their ranks rendezvous together
-        local = replica_configs(config, master) if par.data_parallel_size_local else []
+        local = replica_configs(config, master, bundles) if par.data_parallel_size_local else []
         self.cores: list[CoreChannel] = [CoreProcess(c, k, node_address) for k, c in enumerate(local)]
         try:
-            if par.data_parallel_backend == "ray" and par.data_parallel_size > 1:
+            if par.data_parallel_backend == "ray" and par.data_parallel_size > 1 and not bundles:
                 from shardlm.engine.dp_ray import RayReplicas
                 self._ray_replicas = RayReplicas(config, listener.address)
             if listener is not None:
@@ -86,6 +92,9 @@ class LaunchedCores:
         if self._ray_replicas is not None:
             self._ray_replicas.shutdown()
             self._ray_replicas = None
+        if self._ray_ranks is not None:
+            self._ray_ranks.shutdown()
+            self._ray_ranks = None
         self._store = None
 
 

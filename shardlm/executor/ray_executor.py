@@ -36,7 +36,7 @@ from shardlm.executor.ray_placement import (
     node_versions,
     rank_order,
 )
-from shardlm.executor.selection import require_ray
+from shardlm.executor.selection import init_ray, require_ray
 from shardlm.logger import init_logger, set_log_prefix
 from shardlm.messages import ModelRunnerOutput, SchedulerOutput
 from shardlm.model_loader.hub import model_on_this_node
@@ -123,9 +123,11 @@ class RayExecutor(Executor):
         t0 = time.perf_counter()
         self._owns_ray_connection = not ray.is_initialized()
         if self._owns_ray_connection:
-            # RAY_ADDRESS or a cluster started on this node (`shardlm cluster head`, `ray start`);
-            # else Ray starts a local one
-            ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level="warning")
+            # a -dp replica: the cluster its client placed it in; else RAY_ADDRESS or a cluster
+            # started on this node (`shardlm cluster head`, `ray start`); else Ray starts a local one
+            shared = par.ray_bundles
+            init_ray(address=shared.address if shared else os.environ.get("RAY_ADDRESS"),
+                     namespace=shared.namespace if shared else None, logging_level="warning")
         t_connect = time.perf_counter() - t0
         self._shutdown_at_exit()
         try:
@@ -142,35 +144,54 @@ class RayExecutor(Executor):
         env = forwarded_env()
         if env:
             logger.info("Forwarding to the workers on every node: %s", ", ".join(sorted(env)))
-        self.pg = create_placement_group(ray, self.world_size, config.device.type, par.distributed_init_timeout)
+        shared = par.ray_bundles            # -dp: the client placed every replica's ranks (engine/dp_ray.py)
+        if shared is None:
+            self.pg = create_placement_group(ray, self.world_size, config.device.type, par.distributed_init_timeout)
+            pg, bundles = self.pg, range(self.world_size)
+        else:
+            pg, bundles = ray.util.get_placement_group(shared.group), shared.bundles
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         on_gpu = config.device.type == "cuda"
         actors = [RayWorker.options(
             num_cpus=1, num_gpus=1 if on_gpu else 0, runtime_env={"env_vars": env} if env else None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-        ).remote() for i in range(self.world_size)]
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
+        ).remote() for b in bundles]
         self.actors = actors            # killed on shutdown even if start-up stops here
         infos = ray.get([a.node_info.remote(config.model.model, config.model.hub_source) for a in actors],
                         timeout=par.distributed_init_timeout)
-        order = rank_order(infos, ray.get_runtime_context().get_node_id())
+        order = (rank_order(infos, ray.get_runtime_context().get_node_id()) if shared is None
+                 else range(self.world_size))        # the client ordered them
         self.actors, self.infos = [actors[i] for i in order], [infos[i] for i in order]
         self._watch_refs = [a.watch.remote() for a in self.actors]
         self._start_watcher(self._watch_workers, "shardlm-ray-watch")
         check_placement(self.infos, par.tensor_parallel_size, par.pipeline_parallel_size, config.model.model,
                         node_versions(), par.allow_cross_node_tp)
-        driver_ip = host_ip(ray)
-        store = host_store(driver_ip, self.world_size, par.distributed_init_timeout)
-        local, local_sizes = local_ranks([i.hostname for i in self.infos])
+        store = None
+        if par.data_parallel_master is not None:        # the replicas' world: the DP client's store
+            rendezvous = par.data_parallel_master
+        else:
+            store = host_store(host_ip(ray), self.world_size, par.distributed_init_timeout)
+            rendezvous = (host_ip(ray), store.port)
+        local, local_sizes = (local_ranks([i.hostname for i in self.infos]) if shared is None
+                              else (shared.local_ranks, shared.local_sizes))
         visible = [None] * self.world_size
         if on_gpu:          # the local rank picks the device: its own GPU among its node's
             visible, local = zip(*cuda_devices(self.infos))
-        starts = [a.start.remote(config, r, local[r], local_sizes[r], (driver_ip, store.port), self.infos[r].ip,
+        starts = [a.start.remote(config, r, local[r], local_sizes[r], rendezvous, self.infos[r].ip,
                                  visible[r]) for r, a in enumerate(self.actors)]
         deadline = time.monotonic() + par.distributed_init_timeout
         try:
             self._gather(starts, deadline=deadline)
         except TimeoutError:
             timeout = par.distributed_init_timeout
+            if store is None:       # the DP client holds the store: which of ours did not finish starting
+                late = [r for r, ref in enumerate(starts) if not ray.wait([ref], timeout=0)[0]]
+                raise TimeoutError(
+                    f"Distributed init timed out after {timeout:.0f} s: rank(s) "
+                    + ", ".join(f"{r} on {self.infos[r].describe()}" for r in late)
+                    + f" did not finish starting. Every replica's ranks meet at {rendezvous[0]}:{rendezvous[1]} (a "
+                    "replica that failed says why in its own error) and then load the model; raise "
+                    "--distributed-init-timeout if it is only slow.") from None
             missing = missing_ranks(store, self.world_size)
             if not missing:
                 raise TimeoutError(f"Every rank joined, but loading the model did not finish within {timeout:.0f} s: "
@@ -178,7 +199,7 @@ class RayExecutor(Executor):
             raise TimeoutError(
                 f"Distributed init timed out after {timeout:.0f} s: rank(s) "
                 + ", ".join(f"{r} on {self.infos[r].describe()}" for r in missing)
-                + f" did not join the rendezvous at {driver_ip}:{store.port}. Check that those nodes reach that "
+                + f" did not join the rendezvous at {rendezvous[0]}:{rendezvous[1]}. Check that those nodes reach that "
                 "address (`shardlm env check --address HEAD:PORT`), or raise --distributed-init-timeout.") from None
         self._store = store
 

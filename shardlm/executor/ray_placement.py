@@ -60,7 +60,7 @@ def bundle_resources(device_type: str) -> dict[str, float]:
     return {"GPU": 1.0, "CPU": 1.0} if device_type == "cuda" else {"CPU": 1.0}
 
 
-def create_placement_group(ray, world_size: int, device_type: str, timeout_s: float):
+def create_placement_group(ray, world_size: int, device_type: str, timeout_s: float, name: str = ""):
     """A placement group of one bundle per rank, or an error that lists what the cluster has."""
     from ray.util.placement_group import placement_group
 
@@ -77,7 +77,7 @@ def create_placement_group(ray, world_size: int, device_type: str, timeout_s: fl
     driver_node = next((n for n in nodes if n["NodeManagerAddress"] == driver_ip), None)
     if driver_node is not None and driver_node["Resources"].get(kind, 0) >= 1:
         bundles[0][f"node:{driver_ip}"] = 0.001           # the first rank on the driver's node
-    pg = placement_group(bundles, strategy="PACK")
+    pg = placement_group(bundles, strategy="PACK", name=name)
     deadline = time.monotonic() + timeout_s
     while not ray.wait([pg.ready()], timeout=min(10.0, max(0.1, deadline - time.monotonic())))[0]:
         if time.monotonic() > deadline:
@@ -108,6 +108,20 @@ def local_ranks(hosts: list[str]) -> tuple[list[int], list[int]]:
         local.append(seen.get(h, 0))
         seen[h] = seen.get(h, 0) + 1
     return local, [seen[h] for h in hosts]
+
+
+def split_among_replicas(bundle_nodes: list[str], node_hosts: dict[str, str], driver_node: str,
+                         replicas: int) -> list[tuple[list[int], list[int], list[int]]]:
+    """-dp with the ray executor: one placement group holds every replica's ranks (bundle i on
+    node bundle_nodes[i]). Per replica: its bundles in rank order, and for each of its ranks the
+    index and count of all replicas' ranks on that machine (who shares the cores). Bundles go
+    driver's node first, node by node, so a replica's TP group (consecutive ranks) shares a node
+    where one can hold it."""
+    order = sorted(range(len(bundle_nodes)), key=lambda i: (bundle_nodes[i] != driver_node, bundle_nodes[i], i))
+    local, sizes = local_ranks([node_hosts[bundle_nodes[i]] for i in order])
+    world = len(order) // replicas
+    return [(order[k * world:(k + 1) * world], local[k * world:(k + 1) * world], sizes[k * world:(k + 1) * world])
+            for k in range(replicas)]
 
 
 def cuda_devices(infos: list[NodeInfo]) -> list[tuple[str, int]]:

@@ -70,6 +70,26 @@ def require_ray():
     return ray
 
 
+def init_ray(**kwargs) -> None:
+    """ray.init, keeping this process's SIGTERM and SIGINT handlers. Ray puts its own in (exit at
+    once, after a C++ stack print), which would cut a server's drain short and make an engine
+    core that leaves those signals to its parent die before its parent stops it."""
+    import signal
+    import threading
+
+    ray = require_ray()
+    if threading.current_thread() is not threading.main_thread():       # Ray touches no handler there
+        ray.init(**kwargs)
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        ray.init(**kwargs)
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:        # None: not set from Python, nothing to put back
+                signal.signal(sig, handler)
+
+
 def ray_auth_token_path() -> str:
     """Where Ray reads its token (and `cluster head` writes it)."""
     return os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")

@@ -118,7 +118,9 @@ def test_status_and_env_check_see_both_nodes(cluster, second_host):
 
 
 @pytest.mark.slow
-def test_pp2_across_the_two_hosts_equals_one_rank(cluster, second_host, tiny_model_dir):
+def test_pp2_and_dp2_across_the_two_hosts_equal_one_rank(cluster, second_host, tiny_model_dir):
+    """Ray places one rank per host: -pp 2's two stages, then -dp 2's two replicas (the ray
+    executor; their engine cores run in the client's process tree, their ranks form one DP group)."""
     from shardlm import LLM, SamplingParams
     address, model, env = cluster
     prompts, params = ["Hello there", [5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -129,16 +131,24 @@ def test_pp2_across_the_two_hosts_equals_one_rank(cluster, second_host, tiny_mod
     finally:
         one_rank.shutdown()
     script = textwrap.dedent(f"""
-        import json
+        import json, signal
         from shardlm import LLM, SamplingParams
         if __name__ == "__main__":
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
             llm = LLM({model!r}, dtype="float32", kv_cache_memory="64MiB",
                       pipeline_parallel_size=2, distributed_executor_backend="ray")
-            outs = llm.generate({prompts!r}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                                use_tqdm=False)
+            outs = llm.generate({prompts!r}, params, use_tqdm=False)
             out = {{"ray": [o.outputs[0].token_ids for o in outs],
                     "ips": [i.ip for i in llm.engine.engine_core.engine_core.executor.infos],
                     "gloo": llm.collective_rpc("environment", (["GLOO_SOCKET_IFNAME"],))}}
+            llm.shutdown()
+            def drain(signum, frame): ...
+            signal.signal(signal.SIGTERM, drain)      # a server's drain handler outlives ray.init
+            llm = LLM({model!r}, dtype="float32", kv_cache_memory="64MiB",
+                      data_parallel_size=2, distributed_executor_backend="ray")
+            out["sigterm_kept"] = signal.getsignal(signal.SIGTERM) is drain
+            out["dp"] = [o.outputs[0].token_ids for o in llm.generate({prompts!r} * 2, params, use_tqdm=False)]
+            out["dp_layout"] = llm.collective_rpc("parallel_layout")
             llm.shutdown()
             print(json.dumps(out))
     """)
@@ -152,6 +162,9 @@ def test_pp2_across_the_two_hosts_equals_one_rank(cluster, second_host, tiny_mod
     if second_host.separate:
         assert gloo == [HOST_IF, NODE_IF]
     assert out["ray"] == want
+    assert out["dp"] == want * 2 and out["sigterm_kept"]
+    assert [(r["world_rank"], r["dp"]) for r in out["dp_layout"]] == [(0, [0, 1]), (1, [0, 1])]
+    assert f"Data parallel ranks on Ray: replica 0: {second_host.head_ip}; replica 1: {second_host.ip}" in run.stderr
 
 
 @pytest.mark.slow

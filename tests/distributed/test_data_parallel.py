@@ -16,7 +16,7 @@ import pytest
 from shardlm import LLM, SamplingParams
 from shardlm.engine.core_client import EngineDeadError
 from tests.distributed.test_parallel_server import assert_server_answers_like_llm
-from tests.helpers import engine_core_processes, labelled_metric, start_server, stop_server, wait_gone
+from tests.helpers import engine_core_processes, free_port, labelled_metric, start_server, stop_server, wait_gone
 from tests.models.test_tiny_models_vs_hf import PARAMS, _prompts
 from tests.server.test_openai_server import assert_concurrent_streams_equal_offline
 
@@ -85,8 +85,9 @@ def test_dp_options_this_version_does_not_run_are_clear_errors(tiny_model_dir):
         LLM(path, **ENGINE, data_parallel_size=2, data_parallel_size_local=1)
     with pytest.raises(ValueError, match="data_parallel_backend='spark': use 'mp' or 'ray'"):
         LLM(path, **ENGINE, data_parallel_size=2, data_parallel_backend="spark")
-    with pytest.raises(ValueError, match="leave out --distributed-executor-backend ray"):
-        LLM(path, **ENGINE, data_parallel_size=2, distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match="Ray places the ranks of every replica from the one server"):
+        LLM(path, **ENGINE, data_parallel_size=2, data_parallel_size_local=1, data_parallel_address="127.0.0.1",
+            data_parallel_rpc_port=free_port(), distributed_executor_backend="ray")
     with pytest.raises(ValueError, match="data_parallel_start_rank=2 must be within the 2 replicas"):
         LLM(path, **ENGINE, data_parallel_size=2, data_parallel_start_rank=2)
 
@@ -196,7 +197,6 @@ def test_headless_node_joins_the_head_and_both_serve(tiny_model_dir, second_host
     import subprocess
     import sys
 
-    from tests.helpers import free_port
     path = tiny_model_dir("llama-gqa")
     rpc = free_port()
     common = ["-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address", second_host.head_ip,
@@ -228,7 +228,6 @@ def test_headless_node_joins_the_head_and_both_serve(tiny_model_dir, second_host
 
 @pytest.mark.slow
 def test_a_head_without_its_remote_replicas_names_them(tiny_model_dir):
-    from tests.helpers import free_port
     env_before = dict(os.environ)
     with pytest.raises(TimeoutError, match=r"replica\(s\) 1 did not join within 3 s"):
         LLM(tiny_model_dir("llama-gqa"), **ENGINE, data_parallel_size=2, data_parallel_size_local=1,

@@ -13,6 +13,7 @@ from shardlm.executor.ray_placement import (
     forwarded_env,
     local_ranks,
     rank_order,
+    split_among_replicas,
 )
 from shardlm.executor.selection import choose_backend
 
@@ -46,6 +47,17 @@ def test_ranks_start_on_the_driver_node_then_go_node_by_node():
 
 def test_cpu_cores_are_shared_per_machine():
     assert local_ranks(["a", "a", "b", "a"]) == ([0, 1, 0, 2], [3, 3, 1, 3])
+
+
+def test_replicas_take_bundles_driver_node_first_and_share_each_machines_cores():
+    """-dp 2 x 2 ranks on the ray executor: bundles 0-4 on nodes B, A, A, B (A the driver's; B's
+    two Ray nodes b1, b2 on one machine). Replica 0 gets A's two bundles, replica 1 B's; the
+    ranks on machine b count one another across nodes."""
+    split = split_among_replicas(["b1", "A", "A", "b2"], {"A": "a", "b1": "b", "b2": "b"}, driver_node="A",
+                                 replicas=2)
+    assert split == [([1, 2], [0, 1], [2, 2]), ([0, 3], [0, 1], [2, 2])]
+    # a machine shared by both replicas: its cores split four ways
+    assert split_among_replicas(["A"] * 4, {"A": "a"}, "A", 2) == [([0, 1], [0, 1], [4, 4]), ([2, 3], [2, 3], [4, 4])]
 
 
 def test_each_cuda_rank_sees_its_nodes_gpus_and_picks_its_own():

@@ -135,8 +135,6 @@ def test_engine_errors(tiny_model_dir, tmp_path):
         LLM(path, dtype="float16", device="cpu")
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(path, dtype="float32", kv_cache_memory=8192 * 4, max_model_len=512)
-    with pytest.raises(ValueError, match="leave out --distributed-executor-backend ray"):
-        LLM(path, data_parallel_size=2, distributed_executor_backend="ray")
     cfg = json.load(open(os.path.join(path, "config.json")))
     cfg["architectures"] = ["FancyNewForCausalLM"]
     os.makedirs(tmp_path / "m")
