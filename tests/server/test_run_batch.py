@@ -3,12 +3,11 @@ order, the good ones as the offline engine answers them, the bad ones with their
 again, the lines already answered are not run again."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from shardlm import LLM, SamplingParams
+from shardlm.entrypoints.cli import main
 from tests.helpers import SERVE_FLAGS
 
 PROMPTS = ["The capital of France is", "One, two, three,"]
@@ -18,16 +17,16 @@ def _line(custom_id, url, body, method="POST"):
     return json.dumps({"custom_id": custom_id, "method": method, "url": url, "body": body})
 
 
-def _run(model, source, output):
+def _run(model, source, output, capsys):
+    """The CLI's main, in this process (a new interpreter would add its imports, ~3.5 s a run)."""
     flags = [f for f in SERVE_FLAGS if f not in ("--uvicorn-log-level", "warning")]
-    done = subprocess.run([sys.executable, "-m", "shardlm.entrypoints.cli", "run-batch", "-i", str(source), "-o",
-                           str(output), "--no-progress", model, *flags], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout, [json.loads(line) for line in open(output)]
+    capsys.readouterr()
+    main(["run-batch", "-i", str(source), "-o", str(output), "--no-progress", model, *flags])
+    return capsys.readouterr().out, [json.loads(line) for line in open(output)]
 
 
 @pytest.mark.slow
-def test_run_batch_answers_each_line_in_order_and_resumes(tiny_model_dir, tmp_path):
+def test_run_batch_answers_each_line_in_order_and_resumes(tiny_model_dir, tmp_path, capsys):
     model = tiny_model_dir("llama-gqa")
     ref = LLM(model, dtype="float32", max_model_len=256).generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -44,7 +43,7 @@ def test_run_batch_answers_each_line_in_order_and_resumes(tiny_model_dir, tmp_pa
     ]
     source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("\n".join(lines) + "\n")
-    printed, results = _run(model, source, output)
+    printed, results = _run(model, source, output, capsys)
     assert "8 lines: 3 answered 200, 5 failed" in printed
     assert [r["custom_id"] for r in results] == ["c0", None, "chat", "bad-param", "nowhere", "stream", "get", "c1"]
     for r, out in ((results[0], ref[0]), (results[7], ref[1])):
@@ -61,7 +60,7 @@ def test_run_batch_answers_each_line_in_order_and_resumes(tiny_model_dir, tmp_pa
     # again with the same output: the answered lines are kept as they are (marked here), not run again
     results[0]["response"]["body"]["marker"] = "kept"
     output.write_text("".join(json.dumps(r) + "\n" for r in results))
-    printed, again = _run(model, source, output)
+    printed, again = _run(model, source, output, capsys)
     assert "3 answered by an earlier run" in printed
     assert again[0]["response"]["body"]["marker"] == "kept"
     assert [r["custom_id"] for r in again] == [r["custom_id"] for r in results]
