@@ -61,6 +61,37 @@ def connect_error(host: str, port: int, timeout_s: float = 3) -> OSError | None:
         return e
 
 
+# torch's store looks up the name of each peer it connects to (for its log lines): a resolver
+# that does not answer stalls every rank that long at start-up
+SLOW_LOOKUP_S = 0.5
+
+
+def reverse_lookup_seconds(addresses: list[str]) -> dict[str, float]:
+    """How long this node's resolver takes to name each address (as torch's getnameinfo does),
+    answered or not; the lookups run at once, so this takes the slowest one's time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def timed(address: str) -> float:
+        t0 = time.perf_counter()
+        try:
+            socket.getnameinfo((address, 0), socket.NI_NUMERICSERV)
+        except OSError:           # no name (or no answer): what matters is how long it took to say so
+            pass
+        return time.perf_counter() - t0
+
+    unique = sorted(set(addresses))
+    with ThreadPoolExecutor(max_workers=max(1, len(unique))) as pool:
+        return dict(zip(unique, pool.map(timed, unique)))
+
+
+def slow_lookups(seconds: dict[str, float]) -> list[str]:
+    """env check's problems for the lookups that took SLOW_LOOKUP_S or more."""
+    return [f"naming {address} (a reverse DNS lookup) took {s:.1f} s. torch looks up the name of each "
+            "peer as it connects, so every rank waits that long at start-up: give this node a name server that "
+            "answers for the cluster's addresses, or list them in /etc/hosts"
+            for address, s in sorted(seconds.items()) if s >= SLOW_LOOKUP_S]
+
+
 def interface_of(ip: str) -> str | None:
     """The name of the network interface that holds `ip` on this node, or None."""
     for name, addrs in psutil.net_if_addrs().items():

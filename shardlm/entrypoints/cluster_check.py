@@ -29,6 +29,11 @@ class NodeProbe:
         facts["host_ip"] = host_ip(require_ray())  # SHARDLM_HOST_IP, else Ray's view of this node
         return facts
 
+    def lookups(self, addresses: list[str]) -> dict[str, float]:
+        """Seconds this node's resolver takes to name each address (every node's, the head's too)."""
+        from shardlm.distributed.network import reverse_lookup_seconds
+        return reverse_lookup_seconds(addresses)
+
     def reach(self, host: str, port: int) -> str | None:
         """None if this node can open a connection to host:port, else why not."""
         from shardlm.distributed.network import connect_error
@@ -85,8 +90,9 @@ def cluster_check(address: str | None, timeout_s: float = 60) -> dict:
                                     ).remote() for n in placement]
         facts = ray.get([p.facts.remote() for p in probes], timeout=timeout_s)
         names = [f"node {f['host_ip']} ({f['hostname']})" for f in facts]
-        for f, n in zip(facts, placement):
-            f["ray_node_id"] = n["NodeID"]
+        lookups = ray.get([p.lookups.remote([f["host_ip"] for f in facts]) for p in probes], timeout=timeout_s)
+        for f, n, seconds in zip(facts, placement, lookups):
+            f["ray_node_id"], f["reverse_lookup_s"] = n["NodeID"], seconds
         found = []
         versions = facts[0]["versions"]
         for name, f in zip(names, facts):

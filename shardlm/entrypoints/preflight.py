@@ -22,7 +22,7 @@ import time
 import psutil
 
 from shardlm import envs
-from shardlm.distributed.network import host_ip
+from shardlm.distributed.network import host_ip, reverse_lookup_seconds, slow_lookups
 
 
 def node_facts() -> dict:
@@ -30,8 +30,9 @@ def node_facts() -> dict:
     import transformers
 
     import shardlm
+    address = host_ip()
     facts = {
-        "hostname": socket.gethostname(), "host_ip": host_ip(),
+        "hostname": socket.gethostname(), "host_ip": address, "reverse_lookup_s": reverse_lookup_seconds([address]),
         "interfaces": {name: [a.address for a in addrs if a.family == socket.AF_INET]
                        for name, addrs in psutil.net_if_addrs().items()},
         "versions": {"shardlm": shardlm.__version__, "torch": torch.__version__,
@@ -178,6 +179,7 @@ def problems(facts: dict, comm: dict) -> list[str]:
     if facts["host_ip"].startswith("127.") and not envs.SHARDLM_HOST_IP:
         found.append("no outward interface found: this node can only run single-node layouts "
                      "(set SHARDLM_HOST_IP to its cluster address for multi-node)")
+    found += slow_lookups(facts.get("reverse_lookup_s", {}))
     if "error" in comm:
         found.append(f"communication check failed: {comm['error']}")
     return found

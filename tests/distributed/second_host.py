@@ -8,12 +8,14 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import socket
 import subprocess
 
 from shardlm.distributed.network import host_ip
 
 SUBNET = f"10.213.{os.getpid() % 200 + 1}"
 NS = f"shardlm-{os.getpid()}"
+RESOLVER_DIR = f"/etc/netns/{NS}"        # `ip netns exec` mounts its resolv.conf over /etc/resolv.conf
 HOST_IF, NODE_IF = f"shl{os.getpid() % 100000}h", f"shl{os.getpid() % 100000}n"
 
 
@@ -41,6 +43,25 @@ class SecondHost:
             sh(*self.command("ip", "route", "add", "default", "via", self.head_ip), check=False)
 
 
+    @contextlib.contextmanager
+    def name_server_that_does_not_answer(self):
+        """For the duration, the second host asks a name server (on this host, port 53) that takes
+        each query and never answers: each lookup there waits out its 1 s timeout."""
+        resolv_conf = os.path.join(RESOLVER_DIR, "resolv.conf")
+        quiet = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)     # a bound port: no "refused" reply
+        quiet.bind((self.head_ip, 53))
+        with open(resolv_conf) as f:
+            before = f.read()
+        try:
+            with open(resolv_conf, "w") as f:          # in place: the namespace's mount shows it at once
+                f.write(f"nameserver {self.head_ip}\noptions timeout:1 attempts:1\n")
+            yield
+        finally:
+            with open(resolv_conf, "w") as f:
+                f.write(before)
+            quiet.close()
+
+
 def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     run = subprocess.run(cmd, capture_output=True, text=True)
     if check and run.returncode != 0:
@@ -53,7 +74,6 @@ def second_host():
     if os.geteuid() != 0 or not shutil.which("ip") or sh("ip", "netns", "add", NS, check=False).returncode != 0:
         yield _this_host("needs root and `ip netns`")
         return
-    resolver = f"/etc/netns/{NS}"
     try:
         try:
             _veth_pair()
@@ -63,13 +83,13 @@ def second_host():
         # `ip netns exec` mounts this over /etc/resolv.conf: no name server, so a lookup fails at once.
         # This host's name server cannot be reached from there, and each lookup (torch's store looks
         # up its peers' names) would wait out the resolver's timeout: 10 s a process.
-        os.makedirs(resolver, exist_ok=True)
-        with open(os.path.join(resolver, "resolv.conf"), "w") as f:
+        os.makedirs(RESOLVER_DIR, exist_ok=True)
+        with open(os.path.join(RESOLVER_DIR, "resolv.conf"), "w") as f:
             f.write("# the second host of shardlm's tests: no name server\n")
         yield SecondHost(f"{SUBNET}.1", f"{SUBNET}.2", ("ip", "netns", "exec", NS))
     finally:
         sh("ip", "netns", "del", NS, check=False)          # and its end of the veth pair, with it the other
-        shutil.rmtree(resolver, ignore_errors=True)
+        shutil.rmtree(RESOLVER_DIR, ignore_errors=True)
 
 
 def _this_host(why: str) -> SecondHost:

@@ -5,6 +5,7 @@ with several networks is; the other node finds its own. Then `shardlm cluster st
 env check --address`, the engine with the ray executor (one pipeline stage per node), and what a
 node that cannot join or reach the rendezvous is told."""
 
+import contextlib
 import json
 import os
 import re
@@ -105,14 +106,24 @@ def test_status_and_env_check_see_both_nodes(cluster, second_host):
     text = render_status(report)          # what the command prints without --json
     assert text.startswith("2 node(s) alive") and "head " in text and "worker " in text
 
-    report = json.loads(_cli("env", "check", "--address", address, "--json", env=env).stdout)
+    # the second host's name server takes each query and never answers: env check names the wait
+    with second_host.name_server_that_does_not_answer() if second_host.separate else contextlib.nullcontext():
+        check = _cli("env", "check", "--address", address, "--json", env=env, check=False)
+    assert check.returncode == (1 if second_host.separate else 0), check.stderr[-2000:]       # 1: problems found
+    report = json.loads(check.stdout)
     assert len({n["ray_node_id"] for n in report["nodes"]}) == 2
     assert sorted(n["host_ip"] for n in report["nodes"]) == sorted([second_host.head_ip, second_host.ip])
     comm = report["communication"]
     assert comm["ranks"] == 2 and comm["backend"] == "gloo" and comm["all_reduce_ok"] and comm["send_recv_ok"]
     assert comm["address"].startswith(second_host.head_ip + ":")
     assert comm["all_reduce_GBps"] > 0 and comm["send_recv_GBps"] > 0
-    assert report["problems"] == []
+    if not second_host.separate:
+        assert report["problems"] == []
+        return
+    assert len(report["problems"]) == 2, report["problems"]          # the second host naming each node
+    for problem, ip in zip(report["problems"], sorted([second_host.head_ip, second_host.ip])):
+        assert re.match(rf"node {re.escape(second_host.ip)} \(.+\): naming {re.escape(ip)} \(a reverse DNS lookup\) "
+                        r"took [12]\.\d s\. torch looks up the name of each peer", problem), problem
     text = render_cluster(report)
     assert text.startswith("2 node(s):") and "Across nodes (2 ranks, one per node, gloo" in text
 
