@@ -67,9 +67,9 @@ RULES += (
          "transformers' attention and MoE modules run whole on each rank: its attention cannot be split over "
          "ranks by position, nor its experts placed whole",
          "-tp (its linears split as the model's tensor parallel plan says), -pp and -dp"),
-    Rule("--model-impl transformers with a GGUF file, --enable-lora or an EAGLE head or MTP layer",
+    Rule("--model-impl transformers with a GGUF file or an EAGLE head or MTP layer",
          lambda c: _transformers(c) and ((c.model.quantization is not None and c.model.quantization.method == "gguf")
-                                         or c.lora is not None or _reads_the_targets_layers(c)),
+                                         or _reads_the_targets_layers(c)),
          "those read their tensors into shardlm's own model layout, which transformers' modeling code does not have",
          "a safetensors checkpoint (float, GPTQ, AWQ, FP8 or compressed-tensors; --quantization int8, int4 or "
          "fp8_* at load if you like); speculative decoding with method 'ngram' or a draft model"),

@@ -13,7 +13,7 @@ import time
 from shardlm.config import EngineConfig, ModelConfig
 from shardlm.engine.output_processor import ParentRequest
 from shardlm.logits_processor import engine_logits_processors
-from shardlm.lora.peft import read_lora_request
+from shardlm.lora.peft import front_end_check
 from shardlm.lora.request import LoRARequest
 from shardlm.messages import EngineCoreRequest
 from shardlm.multimodal.inputs import GivenEmbeddings
@@ -260,8 +260,7 @@ class InputProcessor:
                              "engine with enable_lora=True (--enable-lora).")
         key = (lora_request.lora_int_id, lora_request.lora_path)
         if key not in self._checked_loras:
-            read_lora_request(lora_request, self.config.model.hf_config, lora.max_lora_rank,
-                              self.config.model.download_dir)
+            front_end_check(lora_request, self.config.model, lora.max_lora_rank)
             self._checked_loras.add(key)
 
     def _validate(self, ids: list[int], room_for_output: bool = True) -> None:

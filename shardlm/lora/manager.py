@@ -31,12 +31,14 @@ class LoRAManager:
         """download_dir: where adapters named by hub id are fetched (None: the hub's cache)."""
         from shardlm.layers.linear import Linear
         self.config, self.hf_config, self.download_dir = config, hf_config, download_dir
-        self.layers: dict[tuple[int, str], LoRASlots] = {}
-        for name, module in model.named_modules():
-            m = _ADAPTED.match(name)
-            if m and isinstance(module, Linear):
-                module.lora = LoRASlots(module, config.max_loras, config.max_lora_rank, dtype, device)
-                self.layers[(int(m.group(1)), m.group(2))] = module.lora
+        # the Transformers backend: adapters name its own modules; shardlm's models: merged ones
+        self.own_modules = model.lora_modules() if hasattr(model, "lora_modules") else None
+        adapted = (self.own_modules.linears if self.own_modules is not None else
+                   {name: m for name, m in model.named_modules() if _ADAPTED.match(name) and isinstance(m, Linear)})
+        self.layers: dict[str, LoRASlots] = {}          # module name -> its slots
+        for name, module in adapted.items():
+            module.lora = LoRASlots(module, config.max_loras, config.max_lora_rank, dtype, device)
+            self.layers[name] = module.lora
         self.requests: dict[int, LoRARequest] = {}          # every adapter named to this worker, by id
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()     # least recently used first
         self.slots: list[int | None] = [None] * config.max_loras    # the adapter id in each slot
@@ -126,7 +128,8 @@ class LoRAManager:
         request = self.requests.get(lora_id)
         if request is None:
             raise RuntimeError(f"LoRA adapter id {lora_id} was never named to this worker; a bug in shardlm.")
-        adapter = read_lora_request(request, self.hf_config, self.config.max_lora_rank, self.download_dir)
+        adapter = read_lora_request(request, self.hf_config, self.config.max_lora_rank, self.download_dir,
+                                    self.own_modules)
         adapter.weights = {key: parts for key, parts in adapter.weights.items() if key in self.layers}
         while len(self.cpu) >= self.config.max_cpu_loras:
             evicted, _ = self.cpu.popitem(last=False)

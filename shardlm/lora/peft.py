@@ -29,6 +29,7 @@ TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj",
            "down_proj": ("mlp.down_proj", 0),
            "qkv_proj": ("self_attn.qkv_proj", None), "gate_up_proj": ("mlp.gate_up_proj", None)}
 _WEIGHT = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_ANY_WEIGHT = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _VISION_SIDE = re.compile(r"vision_tower|vision_model|multi_modal_projector|\.connector\.")
 
@@ -42,11 +43,11 @@ def _text_model_key(key: str) -> str:
 
 @dataclass
 class LoRAAdapter:
-    """An adapter's weights on the CPU in float32: (layer, module) -> {shard: (A [r, in], B [out, r])},
-    B already multiplied by the module's scaling."""
+    """An adapter's weights on the CPU in float32: the model's module name -> {shard: (A [r, in],
+    B [out, r])}, B already multiplied by the module's scaling."""
     name: str
     rank: int                      # the largest of its modules' ranks
-    weights: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]]
+    weights: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]
 
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for parts in self.weights.values() for a, b in parts.values())
@@ -65,22 +66,120 @@ def target_shapes(hf_config) -> dict[str, tuple[int, int]]:
             "gate_up_proj": (hidden, 2 * inter)}
 
 
-def read_lora_request(request, hf_config, max_lora_rank: int, download_dir: str | None = None) -> LoRAAdapter:
+@dataclass(frozen=True)
+class OwnModules:
+    """A model whose linears are its checkpoint's own modules (the Transformers backend): an
+    adapter's weight names its module as the model does."""
+    linears: dict[str, torch.nn.Module]      # the module name -> the linear adapters may target, on this rank
+    shapes: dict[str, tuple[int, int]]       # the module name -> its (in, out), whole
+    elsewhere: tuple[str, ...] = ()          # name prefixes of other pipeline stages' modules
+
+
+def own_modules_of(hf_config) -> OwnModules:
+    """The linears of transformers' model for hf_config (built on the meta device: no memory) and
+    their shapes, where no model of shardlm's is at hand (the front end checking an adapter)."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    head = model.get_output_embeddings()
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+    return OwnModules({}, {name: (m.in_features, m.out_features) for name, m in linears.items()})
+
+
+def front_end_check(request, model_config, max_lora_rank: int) -> LoRAAdapter:
+    """The adapter a request names, read and checked as the workers will (the front end's check)."""
+    own = own_modules_of(model_config.hf_config) if model_config.model_impl == "transformers" else None
+    return read_lora_request(request, model_config.hf_config, max_lora_rank, model_config.download_dir, own)
+
+
+def read_lora_request(request, hf_config, max_lora_rank: int, download_dir: str | None = None,
+                      own_modules: OwnModules | None = None) -> LoRAAdapter:
     """The adapter a LoRARequest names: its directory, or its hub id fetched (into download_dir)."""
     from shardlm.model_loader import hub
     path = hub.local_path(request.lora_path, download_dir=download_dir, require_config=False)
+    if own_modules is not None:
+        return read_adapter_of_own_modules(request.lora_name, path, own_modules, max_lora_rank)
     return read_adapter(request.lora_name, path, hf_config, max_lora_rank)
+
+
+def read_adapter_of_own_modules(name: str, path: str, modules: OwnModules, max_lora_rank: int) -> LoRAAdapter:
+    """The adapter in directory `path` for a model of OwnModules: each weight on the module it
+    names (one shard, rows as the checkpoint's); ValueError with what to do where it cannot be served."""
+    config = _read_config(name, path)
+    settings = _Settings.of(name, config)
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in _read_tensors(name, path).items():
+        m = _ANY_WEIGHT.match(key)
+        module = m.group(1) if m else None
+        if module is not None and module.startswith(modules.elsewhere):
+            continue                                    # another pipeline stage's
+        if module not in modules.shapes:
+            some = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in modules.shapes}))
+            raise ValueError(f"LoRA adapter {name!r} has a weight shardlm cannot apply: {key!r}. It serves LoRA on "
+                             f"the model's linear layers ({some}), not on embeddings, the LM head or extra trained "
+                             "modules (modules_to_save).")
+        found.setdefault(module, {})[m.group(2)] = tensor
+    weights = {}
+    for module, pair in sorted(found.items()):
+        a, b = _checked_pair(name, module, pair, modules.shapes[module], max_lora_rank, config)
+        weights[module] = {0: (a.contiguous(), (b * settings.scaling(module)).contiguous())}
+    if not weights and not modules.elsewhere:
+        raise ValueError(f"LoRA adapter {name!r} holds no LoRA weights in {WEIGHTS_FILE}.")
+    return LoRAAdapter(name, max((a.shape[0] for parts in weights.values() for a, _ in parts.values()), default=0),
+                       weights)
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """adapter_config.json's rank and scaling: lora_alpha / r (/ sqrt(r) with rsLoRA), per module
+    where rank_pattern or alpha_pattern name it."""
+    rank: int
+    alpha: float | None
+    rslora: bool
+    ranks: dict
+    alphas: dict
+
+    @classmethod
+    def of(cls, name: str, config: dict) -> _Settings:
+        rank = config.get("r")
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"LoRA adapter {name!r}: adapter_config.json has r={rank!r}; it must be a positive "
+                             "integer.")
+        return cls(rank, config.get("lora_alpha"), bool(config.get("use_rslora")), config.get("rank_pattern") or {},
+                   config.get("alpha_pattern") or {})
+
+    def scaling(self, module: str) -> float:
+        r = _pattern_value(self.ranks, module, self.rank)
+        alpha = _pattern_value(self.alphas, module, self.alpha if self.alpha is not None else r)
+        return alpha / (math.sqrt(r) if self.rslora else r)
+
+
+def _checked_pair(name: str, module: str, pair: dict[str, torch.Tensor], shape: tuple[int, int], max_lora_rank: int,
+                  config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """A module's (A, B) in float32, checked against its (in, out) in the base model."""
+    if set(pair) != {"A", "B"}:
+        raise ValueError(f"LoRA adapter {name!r}: {module} has lora_{'A' if 'B' in pair else 'B'} missing; the file "
+                         "is incomplete.")
+    a, b = pair["A"].float(), pair["B"].float()
+    in_features, out_features = shape
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+        raise ValueError(f"LoRA adapter {name!r}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
+                         "which do not form a product B A; the file is corrupt.")
+    if a.shape[1] != in_features or b.shape[0] != out_features:
+        raise ValueError(f"LoRA adapter {name!r}: {module} is {b.shape[0]} x {a.shape[1]} in the adapter but "
+                         f"{out_features} x {in_features} in the base model: the adapter was trained for another "
+                         f"base model{_base_of(config)}.")
+    if a.shape[0] > max_lora_rank:
+        raise ValueError(f"LoRA adapter {name!r} has rank {a.shape[0]} ({module}), above max_lora_rank="
+                         f"{max_lora_rank}: start the engine with --max-lora-rank {_next_rank(a.shape[0])} or more.")
+    return a, b
 
 
 def read_adapter(name: str, path: str, hf_config, max_lora_rank: int) -> LoRAAdapter:
     """The adapter in directory `path`, checked against the base model's config; ValueError with
     what to do where it cannot be served."""
     config = _read_config(name, path)
-    rank, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"LoRA adapter {name!r}: adapter_config.json has r={rank!r}; it must be a positive integer.")
-    rslora = bool(config.get("use_rslora"))
-    ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    settings = _Settings.of(name, config)
     tensors = _read_tensors(name, path)
     shapes, layers = target_shapes(hf_config), hf_config.num_hidden_layers
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -111,31 +210,14 @@ def read_adapter(name: str, path: str, hf_config, max_lora_rank: int) -> LoRAAda
         found.setdefault((layer, block, module), {})[which] = tensor
     if not found:
         raise ValueError(f"LoRA adapter {name!r} holds no LoRA weights in {WEIGHTS_FILE}.")
-    weights: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    weights: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
     largest = 0
     for (layer, block, module), pair in sorted(found.items()):
-        if set(pair) != {"A", "B"}:
-            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has lora_{'A' if 'B' in pair else 'B'} "
-                             "missing; the file is incomplete.")
-        a, b = pair["A"].float(), pair["B"].float()
         full = f"model.layers.{layer}.{block}.{module}"
-        r = _pattern_value(ranks, full, rank)
-        in_features, out_features = shapes[module]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
-            raise ValueError(f"LoRA adapter {name!r}: {full} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
-                             "which do not form a product B A; the file is corrupt.")
-        if a.shape[1] != in_features or b.shape[0] != out_features:
-            raise ValueError(f"LoRA adapter {name!r}: {full} is {b.shape[0]} x {a.shape[1]} in the adapter but "
-                             f"{out_features} x {in_features} in the base model: the adapter was trained for another "
-                             f"base model{_base_of(config)}.")
-        if a.shape[0] > max_lora_rank:
-            raise ValueError(f"LoRA adapter {name!r} has rank {a.shape[0]} ({full}), above max_lora_rank="
-                             f"{max_lora_rank}: start the engine with --max-lora-rank {_next_rank(a.shape[0])} or "
-                             "more.")
-        scaling = _pattern_value(alphas, full, alpha if alpha is not None else r) / (math.sqrt(r) if rslora else r)
+        a, b = _checked_pair(name, full, pair, shapes[module], max_lora_rank, config)
         target, shard = TARGETS[module]
-        parts = weights.setdefault((layer, target), {})
-        for shard, part, rows in _shards(module, shard, b * scaling, shapes):
+        parts = weights.setdefault(f"model.layers.{layer}.{target}", {})
+        for shard, part, rows in _shards(module, shard, b * settings.scaling(full), shapes):
             if part in ("q_proj", "k_proj"):      # the base model's q and k rows, as laid out at load
                 rows = permute_partial_rotary(rows, head_dim, rot)
             parts[shard] = (a.contiguous(), rows.contiguous())

@@ -175,6 +175,7 @@ class TransformersForCausalLM(nn.Module):
         self.tied_head = head is not None and head.weight is embedding.weight
         self.embedding_name = next(n for n, p in self.hf.named_parameters() if p is embedding.weight)
         self.head_name: str | None = None
+        self.linear_shapes: dict[str, tuple[int, int]] = {}     # each linear's (in, out), whole
         for name, module in list(self.hf.named_modules()):
             if not isinstance(module, nn.Linear):
                 continue
@@ -192,8 +193,17 @@ class TransformersForCausalLM(nn.Module):
                                  "Transformers backend does not do: leave out -tp.")
             else:
                 new = Linear(module.in_features, module.out_features, bias)
+            self.linear_shapes[name] = (module.in_features, module.out_features)
             parent, _, leaf = name.rpartition(".")
             setattr(self.hf.get_submodule(parent) if parent else self.hf, leaf, new)
+
+    def lora_modules(self):
+        """--enable-lora: the linears an adapter may target, named as the model names them (as PEFT
+        does): each of this stage's but the LM head."""
+        from shardlm.lora.peft import OwnModules
+        head = self.hf.get_output_embeddings()
+        linears = {name: m for name, m in self.hf.named_modules() if isinstance(m, Linear) and m is not head}
+        return OwnModules(linears, {n: s for n, s in self.linear_shapes.items() if n in linears}, self.elsewhere)
 
     def forward(self, input_ids, positions, meta, intermediate=None):
         """-> the final hidden states, or on an earlier pipeline stage [its last layer's output]."""

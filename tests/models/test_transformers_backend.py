@@ -123,13 +123,35 @@ def test_an_fp8_checkpoint_and_its_kv_cache_scales(tiny_model_dir, tmp_path):
     assert got == tokens(dequantized)
 
 
+@pytest.mark.parametrize("layout", [{}, pytest.param(dict(tensor_parallel_size=2, pipeline_parallel_size=2),
+                                                       marks=pytest.mark.slow)], ids=["one-rank", "tp2-pp2"])
+def test_lora_adapters_on_its_own_modules(layout, tiny_model_dir, tmp_path, hf):
+    """A GPT-NeoX adapter names transformers' modules (query_key_value, dense, ...): the base model
+    and the adapter in one batch each give transformers' tokens, the adapter's on the merged
+    weights; split, each rank adapts its slice of its stage's linears."""
+    from shardlm import LoRARequest
+    from tests.lora_adapters import merged_model, write_adapter
+    base = tiny_model_dir("gpt-neox")
+    adapter = write_adapter(base, tmp_path / "adapter", rank=8, seed=3,
+                            targets=("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"))
+    merged = merged_model(base, adapter, tmp_path / "merged")
+    llm = LLM(base, **ENGINE, enable_lora=True, **layout)
+    try:
+        lora = LoRARequest("neox", 1, adapter)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2] * 2], GREEDY, use_tqdm=False,
+                            lora_request=[None, None, lora, lora])
+    finally:
+        llm.shutdown()
+    assert hf.assert_close(hf.greedy(base, PROMPTS[:2], 8), outs[:2], "base") == 2
+    assert hf.assert_close(hf.greedy(merged, PROMPTS[:2], 8), outs[2:], "adapter") == 2
+    assert [o.outputs[0].token_ids for o in outs[:2]] != [o.outputs[0].token_ids for o in outs[2:]]
+
+
 def test_what_needs_shardlms_own_layers_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match=r"\['Starcoder2ForCausalLM'\] are not supported"):
         EngineArgs(model=tiny_model_dir("starcoder2"), model_impl="shardlm").create_engine_config()
     with pytest.raises(ValueError, match="--model-impl transformers with -dcp, -pcp or --enable-expert-parallel"):
         EngineArgs(model=tiny_model_dir("starcoder2"), prefill_context_parallel_size=2).create_engine_config()
-    with pytest.raises(ValueError, match="--model-impl transformers with a GGUF file, --enable-lora"):
-        EngineArgs(model=tiny_model_dir("cohere"), enable_lora=True).create_engine_config()
     with pytest.raises(ValueError, match="an EAGLE head or MTP layer is not supported"):
         EngineArgs(model=tiny_model_dir("llama-gqa"), model_impl="transformers",
                    speculative_config={"method": "eagle", "model": tiny_model_dir("llama-gqa")}).create_engine_config()

@@ -115,7 +115,8 @@ def test_the_reader_scales_b_by_alpha_over_rank_per_module(rslora, tmp_path, tin
     raw = load_file(tmp_path / "a" / "adapter_model.safetensors")
     scale = (lambda alpha: alpha / math.sqrt(4)) if rslora else (lambda alpha: alpha / 4)
     key = "base_model.model.model.layers.1.{}.lora_B.weight"
-    parts = adapter.weights[(1, "self_attn.qkv_proj")]
+    parts = adapter.weights["model.layers.1.self_attn.qkv_proj"]
     assert set(parts) == {0, 2} and adapter.rank == 4
     torch.testing.assert_close(parts[2][1], raw[key.format("self_attn.v_proj")] * scale(8))
-    torch.testing.assert_close(adapter.weights[(1, "mlp.down_proj")][0][1], raw[key.format("mlp.down_proj")] * scale(2))
+    torch.testing.assert_close(adapter.weights["model.layers.1.mlp.down_proj"][0][1],
+                               raw[key.format("mlp.down_proj")] * scale(2))

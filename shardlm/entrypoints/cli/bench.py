@@ -52,7 +52,8 @@ def register(sub) -> None:
     b.add_argument("out_dir")
     b.add_argument("--rank", type=int, default=16)
     b.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-                   help="projections it adapts, comma-separated")
+                   help="projections it adapts, comma-separated (another architecture's linears by their own "
+                   "names, e.g. GPT-NeoX's query_key_value,dense)")
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(func=run)
     b = bsub.add_parser("make-draft", help="write a draft model made of a model's first layers (speculative decoding)")

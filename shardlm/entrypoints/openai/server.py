@@ -46,7 +46,7 @@ from shardlm.entrypoints.openai.state import ServerState
 from shardlm.entrypoints.openai.tracing import RequestTracer, TraceHeaders
 from shardlm.entrypoints.openai.transport import TransportGuard, guarded_protocol
 from shardlm.logger import init_logger
-from shardlm.lora.peft import read_lora_request
+from shardlm.lora.peft import front_end_check
 from shardlm.lora.request import LoRARequest
 from shardlm.processes import start_fork_server_early
 
@@ -143,7 +143,7 @@ def make_server(engine_args: EngineArgs, host: str, port: int, api_key: str | No
         if lora_modules and config.lora is None:
             raise ValueError("--lora-modules needs --enable-lora.")
         for module in lora_modules or []:      # a bad adapter fails here too, before any process starts
-            read_lora_request(module, config.model.hf_config, config.lora.max_lora_rank, config.model.download_dir)
+            front_end_check(module, config.model, config.lora.max_lora_rank)
         app = build_app(config, api_key, chat_template, limits, metrics_require_key, tool_parser, lora_modules,
                         restarts, otlp_traces_endpoint, http, frontend)
         limits = limits or RequestLimits()
