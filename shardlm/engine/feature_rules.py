@@ -62,11 +62,13 @@ def _transformers(c: EngineConfig) -> bool:
 
 
 RULES += (
-    Rule("--model-impl transformers with -dcp, -pcp or --enable-expert-parallel",
-         lambda c: _transformers(c) and (c.parallel.context_parallel_size > 1 or c.parallel.enable_expert_parallel),
-         "transformers' attention and MoE modules run whole on each rank: its attention cannot be split over "
-         "ranks by position, nor its experts placed whole",
-         "-tp (its linears split as the model's tensor parallel plan says), -pp and -dp"),
+    Rule("--model-impl transformers with -dcp or --enable-expert-parallel",
+         lambda c: _transformers(c) and (c.parallel.decode_context_parallel_size > 1
+                                         or c.parallel.enable_expert_parallel),
+         "transformers' projections give each tensor parallel rank its own KV heads, where decode context parallel "
+         "needs them replicated over the ranks that split a sequence's KV cache; its MoE modules run whole on each "
+         "rank, so experts cannot be placed whole",
+         "-tp (its linears split as the model's tensor parallel plan says), -pp, -pcp and -dp"),
     Rule("--model-impl transformers with a GGUF file or an EAGLE head or MTP layer",
          lambda c: _transformers(c) and ((c.model.quantization is not None and c.model.quantization.method == "gguf")
                                          or _reads_the_targets_layers(c)),

@@ -49,13 +49,16 @@ def test_a_model_shardlm_has_runs_on_either_with_the_same_tokens(name, quantizat
 @pytest.mark.slow
 @pytest.mark.parametrize("name,layout", [("gpt-neox", dict(pipeline_parallel_size=2, tensor_parallel_size=2)),
                                          ("granite", dict(pipeline_parallel_size=2)),
-                                         ("llama-5-layers", dict(pipeline_parallel_size=3))],
-                         ids=["gpt-neox-tp2-pp2", "granite-pp2", "llama-pp3"])
-def test_pipeline_parallel_gives_each_stage_its_layers(name, layout, tiny_model_dir):
+                                         ("llama-5-layers", dict(pipeline_parallel_size=3)),
+                                         ("starcoder2", dict(prefill_context_parallel_size=2, tensor_parallel_size=2))],
+                         ids=["gpt-neox-tp2-pp2", "granite-pp2", "llama-pp3", "starcoder2-tp2-pcp2"])
+def test_pipeline_and_context_parallel_give_one_ranks_tokens(name, layout, tiny_model_dir):
     """Each stage keeps its layers (a middle one at pp3: neither embedding nor head); a later stage
     takes the previous one's hidden states in place of what the model's forward makes of its
     embedding (Granite multiplies it there: done twice, the tokens change). Tokens as on one rank
-    (GPT-NeoX: its own names for embedding and final norm), and for models shardlm has, as its own."""
+    (GPT-NeoX: its own names for embedding and final norm), and for models shardlm has, as its own.
+    Prefill context parallel too: each group runs the model on the prompt positions it owns, and
+    shardlm's attention, which transformers' attention calls, merges over the groups."""
     engine = dict(model_impl="transformers") if name in ("granite", "llama-5-layers") else {}
     want = tokens(tiny_model_dir(name), model_impl="vllm") if engine else tokens(tiny_model_dir(name))
     assert tokens(tiny_model_dir(name), **engine, **layout) == want
@@ -150,8 +153,9 @@ def test_lora_adapters_on_its_own_modules(layout, tiny_model_dir, tmp_path, hf):
 def test_what_needs_shardlms_own_layers_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match=r"\['Starcoder2ForCausalLM'\] are not supported"):
         EngineArgs(model=tiny_model_dir("starcoder2"), model_impl="shardlm").create_engine_config()
-    with pytest.raises(ValueError, match="--model-impl transformers with -dcp, -pcp or --enable-expert-parallel"):
-        EngineArgs(model=tiny_model_dir("starcoder2"), prefill_context_parallel_size=2).create_engine_config()
+    with pytest.raises(ValueError, match="--model-impl transformers with -dcp or --enable-expert-parallel"):
+        EngineArgs(model=tiny_model_dir("starcoder2"), tensor_parallel_size=2,
+                   decode_context_parallel_size=2).create_engine_config()
     with pytest.raises(ValueError, match="an EAGLE head or MTP layer is not supported"):
         EngineArgs(model=tiny_model_dir("llama-gqa"), model_impl="transformers",
                    speculative_config={"method": "eagle", "model": tiny_model_dir("llama-gqa")}).create_engine_config()
