@@ -112,12 +112,64 @@ def compile_library(cc: str, flags: list[str], path: str, workers: int | None = 
         result = subprocess.run([cc, *LINK_FLAGS, *objects, "-o", tmp, "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed to link the kernels:\n{result.stderr[-2000:]}")
+        os.chmod(tmp, 0o755)        # the linker keeps mkstemp's owner-only mode (0711): others could not load it
         os.replace(tmp, path)
         return path
     finally:
         for leftover in (*objects, tmp):
             if os.path.exists(leftover):
                 os.unlink(leftover)
+
+
+def build_through_cache(cc: str, flags: list[str], path: str, workers: int | None = None) -> str:
+    """compile_library, through a cache of install-time builds ($SHARDLM_CACHE_DIR/kernels/install,
+    as ccache): installing the same sources again with the same compiler and flags (an editable
+    reinstall, a wheel built beside it) copies the library instead of compiling it, 30 s or more
+    on two cores. A cache that cannot be read or written changes nothing but the time."""
+    cached = os.path.join(_cache_dir(), "kernels", "install",
+                          f"{os.path.basename(path).removesuffix('.so')}-{_compile_key(cc, flags)}.so")
+    if os.path.isfile(cached):
+        try:
+            return _copy_atomically(cached, path)
+        except OSError:
+            pass
+    compile_library(cc, flags, path, workers)
+    try:
+        _copy_atomically(path, cached)
+    except OSError:
+        pass
+    return path
+
+
+def _cache_dir() -> str:
+    """envs.SHARDLM_CACHE_DIR (this file imports nothing of shardlm's: setup.py loads it alone)."""
+    return os.environ.get("SHARDLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardlm")
+
+
+def _compile_key(cc: str, flags: list[str]) -> str:
+    """What else than the sources decides the library: the compiler (its file and its version),
+    the flags and the machine's architecture."""
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    what = [os.path.realpath(shutil.which(cc) or cc), version, *flags, *LINK_FLAGS, platform.machine()]
+    return hashlib.sha256("\0".join(what).encode()).hexdigest()[:16]
+
+
+def _copy_atomically(source: str, path: str) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        shutil.copyfile(source, tmp)
+        shutil.copymode(source, tmp)       # readable by every user, as the library built (not mkstemp's 0600)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
 
 
 def build_prebuilt(cc: str, out_dir: str) -> dict[str, str]:
@@ -130,8 +182,8 @@ def build_prebuilt(cc: str, out_dir: str) -> dict[str, str]:
 
     def build_one(isa: str) -> str:
         try:
-            return compile_library(cc, [*FLAGS, *variant_flags(isa)], os.path.join(out_dir, prebuilt_name(isa)),
-                                   workers=max(1, cpus // at_once))
+            return build_through_cache(cc, [*FLAGS, *variant_flags(isa)], os.path.join(out_dir, prebuilt_name(isa)),
+                                       workers=max(1, cpus // at_once))
         except (OSError, RuntimeError) as e:
             return f"not built: {str(e).splitlines()[0]}"
 

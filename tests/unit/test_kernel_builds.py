@@ -81,6 +81,29 @@ def test_a_library_built_at_install_time_needs_no_compiler(fresh_kernels, monkey
     assert "unavailable" not in caplog.text
 
 
+def test_an_install_time_build_is_copied_from_the_cache_the_second_time(tmp_path, monkeypatch):
+    """The same sources, compiler and flags again (a reinstall, a wheel built beside an editable
+    install): the library is copied from the cache, with its mode; other flags compile anew."""
+    calls = tmp_path / "calls"
+    cc = tmp_path / "cc"            # the real compiler, each call written down
+    cc.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec {build.find_compiler()} "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("SHARDLM_CACHE_DIR", str(tmp_path / "cache"))
+    flags = [*build.FLAGS, *build.variant_flags("portable")]
+
+    def compiles() -> int:
+        return calls.read_text().count(" -c ")
+    first = build.build_through_cache(str(cc), flags, str(tmp_path / "a" / "lib.so"))
+    assert compiles() == len(build.sources())
+    second = build.build_through_cache(str(cc), flags, str(tmp_path / "b" / "lib.so"))
+    assert compiles() == len(build.sources()), "copied, not compiled"
+    with open(first, "rb") as a, open(second, "rb") as b:
+        assert a.read() == b.read()
+    assert os.stat(second).st_mode & 0o777 == os.stat(first).st_mode & 0o777 and os.stat(second).st_mode & 0o044
+    build.build_through_cache(str(cc), [*flags, "-DSHARDLM_ANOTHER_FLAG"], str(tmp_path / "c" / "lib.so"))
+    assert compiles() == 2 * len(build.sources())
+
+
 @pytest.mark.slow
 def test_an_unwritable_cache_builds_in_a_temporary_directory(fresh_kernels, monkeypatch, caplog):
     blocker = fresh_kernels / "a-file"
@@ -108,8 +131,9 @@ def test_the_isa_cap_selects_the_variant(fresh_kernels):
 @pytest.mark.slow
 def test_a_built_wheel_carries_the_kernels_and_they_load_from_the_install(tmp_path):
     """pip wheel, installed into a fresh environment (beside this one's torch): it holds a library
-    per ISA variant, built at install time, and the kernels load from it with no compiler (CC
-    names none) and SHARDLM_REQUIRE_KERNELS set; under the portable cap as well."""
+    per ISA variant, built at install time (copied from the install-time cache where this
+    checkout's editable install built the same ones), and the kernels load from it with no
+    compiler (CC names none) and SHARDLM_REQUIRE_KERNELS set; under the portable cap as well."""
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(wheels), ROOT], check=True, capture_output=True)
