@@ -50,9 +50,9 @@ def test_cpu_cores_are_shared_per_machine():
 
 
 def test_replicas_take_bundles_driver_node_first_and_share_each_machines_cores():
-    """-dp 2 x 2 ranks on the ray executor: bundles 0-4 on nodes B, A, A, B (A the driver's; B's
-    two Ray nodes b1, b2 on one machine). Replica 0 gets A's two bundles, replica 1 B's; the
-    ranks on machine b count one another across nodes."""
+    """-dp 2 x 2 ranks on the ray executor: bundles 0-3 on Ray nodes b1, A, A, b2 (A the driver's;
+    b1 and b2 on one machine, b). Replica 0 gets A's two bundles, replica 1 b1's and b2's; the
+    ranks on machine b count one another across its two Ray nodes."""
     split = split_among_replicas(["b1", "A", "A", "b2"], {"A": "a", "b1": "b", "b2": "b"}, driver_node="A",
                                  replicas=2)
     assert split == [([1, 2], [0, 1], [2, 2]), ([0, 3], [0, 1], [2, 2])]
