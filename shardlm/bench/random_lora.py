@@ -46,7 +46,6 @@ def make_random_lora(model_dir: str, out_dir, rank: int = 16, alpha: float | Non
     return str(out_dir)
 
 
-
 def _linears_named(config, targets) -> dict[str, tuple[int, int]]:
     """(in, out) of each linear of transformers' model for `config` whose last name is one of
     `targets` (any architecture: GPT-NeoX's query_key_value, dense, ...), by module name."""

@@ -49,9 +49,7 @@ class RayReplicas:
     """The actors of every replica, in a placement group; they connect to `head` (host, port)."""
 
     def __init__(self, config: EngineConfig, head: tuple[str, int]):
-        self._owns_ray_connection = not ray.is_initialized()
-        if self._owns_ray_connection:
-            init_ray(address=os.environ.get("RAY_ADDRESS"), logging_level="warning")
+        self._owns_ray_connection = init_ray(address=os.environ.get("RAY_ADDRESS"), logging_level="warning")
         self.pg, self.actors, self.replicas = None, [], []
         try:
             self._start(config, head)
@@ -121,9 +119,7 @@ class ReplicaRanksOnRay:
 
     def __init__(self, config: EngineConfig):
         par = config.parallel
-        self._owns_ray_connection = not ray.is_initialized()
-        if self._owns_ray_connection:
-            init_ray(address=os.environ.get("RAY_ADDRESS"), logging_level="warning")
+        self._owns_ray_connection = init_ray(address=os.environ.get("RAY_ADDRESS"), logging_level="warning")
         self.pg = None
         try:
             name = f"shardlm-dp-{uuid.uuid4().hex[:12]}"

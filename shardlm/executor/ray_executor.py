@@ -121,13 +121,11 @@ class RayExecutor(Executor):
         self.actors, self.infos, self._watch_refs, self.pg = [], [], [], None
         self._death_recv, self._death_send = multiprocessing.Pipe(duplex=False)
         t0 = time.perf_counter()
-        self._owns_ray_connection = not ray.is_initialized()
-        if self._owns_ray_connection:
-            # a -dp replica: the cluster its client placed it in; else RAY_ADDRESS or a cluster
-            # started on this node (`shardlm cluster head`, `ray start`); else Ray starts a local one
-            shared = par.ray_bundles
-            init_ray(address=shared.address if shared else os.environ.get("RAY_ADDRESS"),
-                     namespace=shared.namespace if shared else None, logging_level="warning")
+        # a -dp replica: the cluster its client placed it in; else RAY_ADDRESS or a cluster started
+        # on this node (`shardlm cluster head`, `ray start`); else Ray starts a local one
+        shared = par.ray_bundles
+        self._owns_ray_connection = init_ray(address=shared.address if shared else os.environ.get("RAY_ADDRESS"),
+                                             namespace=shared.namespace if shared else None, logging_level="warning")
         t_connect = time.perf_counter() - t0
         self._shutdown_at_exit()
         try:
@@ -170,8 +168,9 @@ class RayExecutor(Executor):
         if par.data_parallel_master is not None:        # the replicas' world: the DP client's store
             rendezvous = par.data_parallel_master
         else:
-            store = host_store(host_ip(ray), self.world_size, par.distributed_init_timeout)
-            rendezvous = (host_ip(ray), store.port)
+            driver_ip = host_ip(ray)
+            store = host_store(driver_ip, self.world_size, par.distributed_init_timeout)
+            rendezvous = (driver_ip, store.port)
         local, local_sizes = (local_ranks([i.hostname for i in self.infos]) if shared is None
                               else (shared.local_ranks, shared.local_sizes))
         visible = [None] * self.world_size

@@ -70,17 +70,20 @@ def require_ray():
     return ray
 
 
-def init_ray(**kwargs) -> None:
-    """ray.init, keeping this process's SIGTERM and SIGINT handlers. Ray puts its own in (exit at
-    once, after a C++ stack print), which would cut a server's drain short and make an engine
-    core that leaves those signals to its parent die before its parent stops it."""
+def init_ray(**kwargs) -> bool:
+    """ray.init unless this process is connected already; -> whether this call connected it (and
+    so its caller disconnects). It keeps this process's SIGTERM and SIGINT handlers: Ray puts its
+    own in (exit at once, after a C++ stack print), which would cut a server's drain short and
+    make an engine core that leaves those signals to its parent die before its parent stops it."""
     import signal
     import threading
 
     ray = require_ray()
+    if ray.is_initialized():
+        return False
     if threading.current_thread() is not threading.main_thread():       # Ray touches no handler there
         ray.init(**kwargs)
-        return
+        return True
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         ray.init(**kwargs)
@@ -88,6 +91,7 @@ def init_ray(**kwargs) -> None:
         for sig, handler in saved.items():
             if handler is not None:        # None: not set from Python, nothing to put back
                 signal.signal(sig, handler)
+    return True
 
 
 def ray_auth_token_path() -> str:
