@@ -313,6 +313,9 @@ class RayBundles:
     local_sizes: tuple[int, ...]     # per rank: how many ranks of all replicas share its machine
 
 
+DEFAULT_DP_RPC_PORT = 29550      # vLLM's: where the servers of one data parallel deployment meet
+
+
 @dataclass
 class ParallelConfig:
     """Sizes are per replica (TP x PCP x PP ranks) and across replicas (DP). A replica's ranks are
@@ -352,6 +355,10 @@ class ParallelConfig:
         None, "address of the node that runs the API server (multi-node data parallel)")
     data_parallel_rpc_port: int | None = knob(
         None, "port on that address where remote replicas join (multi-node data parallel)")
+    data_parallel_hybrid_lb: bool = knob(
+        False, "hybrid load balancing, as vLLM's: this server balances its requests over its own replicas "
+        "(--data-parallel-size-local from --data-parallel-start-rank) and a load balancer in front spreads "
+        "them over the nodes' servers; expert parallel replicas still step together across the servers")
     data_parallel_rank: int = 0                       # this replica (set per engine core by the DP client)
     data_parallel_master: tuple[str, int] | None = None   # the DP-wide rendezvous store (set by the DP client)
     # a replica started again after it died (engine/core_client.py): the others' DP groups still
@@ -399,7 +406,9 @@ class ParallelConfig:
             raise ValueError(f"data_parallel_size_local={self.data_parallel_size_local} replicas from start rank "
                              f"{self.data_parallel_start_rank} do not fit in data_parallel_size="
                              f"{self.data_parallel_size}.")
-        if self.data_parallel_backend == "ray" and self.distributed_executor_backend != "ray":
+        if self.data_parallel_hybrid_lb:
+            self._check_front_end()
+        elif self.data_parallel_backend == "ray" and self.distributed_executor_backend != "ray":
             self.data_parallel_size_local = 0                  # Ray places every replica
         elif self.data_parallel_size_local < self.data_parallel_size and not (
                 self.data_parallel_address and self.data_parallel_rpc_port):
@@ -422,6 +431,21 @@ class ParallelConfig:
             self.eplb = EPLBConfig.from_json(self.eplb_config or {})
         elif self.eplb_config and not self.enable_eplb:
             raise ValueError("--eplb-config is given without --enable-eplb: add --enable-eplb (or leave it out).")
+
+    def _check_front_end(self) -> None:
+        """--data-parallel-hybrid-lb (or --data-parallel-rank): this server runs its own replicas."""
+        if self.data_parallel_backend == "ray":
+            raise ValueError("--data-parallel-hybrid-lb with --data-parallel-backend ray: Ray places every replica "
+                             "from one server. Run one server per node with the mp backend, or leave out "
+                             "--data-parallel-hybrid-lb.")
+        if self.data_parallel_size_local < 1:
+            raise ValueError("--data-parallel-hybrid-lb: this server serves its own replicas, so give "
+                             "--data-parallel-size-local 1 or more (a server without replicas: leave out "
+                             "--data-parallel-hybrid-lb).")
+        # where the servers of expert parallel replicas meet (engine/dp_front_ends.py): the
+        # server of replica 0 listens there; on one node the defaults do
+        self.data_parallel_address = self.data_parallel_address or "127.0.0.1"
+        self.data_parallel_rpc_port = self.data_parallel_rpc_port or DEFAULT_DP_RPC_PORT
 
     @property
     def world_size(self) -> int:

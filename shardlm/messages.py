@@ -201,11 +201,12 @@ class Failed(msgspec.Struct, tag=True):
     in_failed_steps: list[str] = msgspec.field(default_factory=list)   # the requests of the steps it ran
 
 
-# ---- a headless node's engine core joining the head (data parallel across nodes) ----
+# ---- a headless node's engine core, or another server's replicas, joining the head (data parallel across nodes) ----
 class JoinRequest(msgspec.Struct):
     dp_rank: int
     node: str
     fingerprint: dict[str, str]      # what it runs (engine/dp_remote.py: fingerprint)
+    replicas: int = 1                # a server of hybrid load balancing: its replicas from dp_rank on
 
 
 class JoinAccepted(msgspec.Struct, tag=True):

@@ -140,11 +140,11 @@ class EngineArgs:
     data_parallel_rank: int | None = knob(
         None, "engine",
         "external load balancing, as vLLM's: this server is replica RANK of --data-parallel-size, with its "
-        "own API server, and a load balancer in front spreads the requests (replicas of a dense model do "
-        "not meet; with --enable-expert-parallel, which runs replicas in lock-step, refused: use --headless)")
+        "own API server, and a load balancer in front spreads the requests (--data-parallel-hybrid-lb with "
+        "one local replica from RANK; expert parallel replicas step together across the servers)")
     data_parallel_external_lb: bool = knob(
         False, "engine",
-        "accepted for vLLM's command lines: --data-parallel-rank alone makes this server one replica")
+        "accepted for vLLM's command lines: --data-parallel-rank alone makes this server one replica of many")
     disable_custom_all_reduce: bool = knob(
         False, "engine",
         "accepted for vLLM's command lines: shardlm's CUDA all-reduce is NCCL's (gloo's on CPU) in any case")
@@ -202,6 +202,7 @@ class EngineArgs:
     data_parallel_address: str | None = knob_of(ParallelConfig, "data_parallel_address")
     data_parallel_rpc_port: int | None = knob_of(ParallelConfig, "data_parallel_rpc_port")
     data_parallel_backend: str = knob_of(ParallelConfig, "data_parallel_backend")
+    data_parallel_hybrid_lb: bool = knob_of(ParallelConfig, "data_parallel_hybrid_lb")
     distributed_executor_backend: str | None = knob_of(ParallelConfig, "distributed_executor_backend")
     distributed_init_timeout: float = knob_of(ParallelConfig, "distributed_init_timeout")
     cpu_threads_bind: str = knob_of(ParallelConfig, "cpu_threads_bind")
@@ -371,6 +372,8 @@ class EngineArgs:
                                      "pp_layer_partition": _parse_partition(self.pp_layer_partition)})
         if self.data_parallel_rank is not None:
             parallel = _one_replica_of_many(parallel, self.data_parallel_rank)
+        if parallel.data_parallel_hybrid_lb:
+            _check_own_replicas(parallel)
         # on Ray a core list is per node (checked when the ranks are placed)
         validate_binding(parallel.cpu_threads_bind, None if parallel.distributed_executor_backend == "ray"
                          else parallel.data_parallel_size_local * parallel.world_size)
@@ -465,6 +468,8 @@ class EngineArgs:
         if speculative is not None and speculative.method == "mtp":
             speculative.draft_model_config = _mtp_config(model_cfg)
         config = EngineConfig(model_cfg, cache, scheduler, parallel, device, lora, speculative)
+        if parallel.data_parallel_hybrid_lb:
+            config.parallel = _own_replicas_alone(parallel, config.dp_lockstep)
         check_combinations(config)
         check_parallel_layout(config)
         check_fits(config)   # before any weights are loaded
@@ -830,17 +835,35 @@ def _pooling_max_model_len(hf_config, pooler, requested: int | None) -> int:
 
 
 def _one_replica_of_many(parallel: ParallelConfig, rank: int) -> ParallelConfig:
-    """--data-parallel-rank: this server runs that one replica, on its own."""
+    """--data-parallel-rank: this server runs that one replica, behind its own API server (hybrid
+    load balancing with one replica a server)."""
     size = parallel.data_parallel_size
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
         raise ValueError(f"--data-parallel-rank {rank!r}: give a replica in [0, {size}) (--data-parallel-size {size}).")
-    if parallel.enable_expert_parallel and size > 1:
-        raise ValueError("--data-parallel-rank with --enable-expert-parallel: expert parallel runs the replicas in "
-                         "lock-step through one front end here. Start one server with -dp and the other nodes with "
-                         "--headless --data-parallel-start-rank (docs/MULTI_NODE.md).")
-    logger.info("External load balancing: this server is replica %d of %d, on its own (--data-parallel-rank)", rank,
-                size)
-    return dataclasses.replace(parallel, data_parallel_size=1, data_parallel_size_local=1, data_parallel_start_rank=0)
+    return dataclasses.replace(parallel, data_parallel_size_local=1, data_parallel_start_rank=rank,
+                               data_parallel_hybrid_lb=True)
+
+
+def _check_own_replicas(parallel: ParallelConfig) -> None:
+    if parallel.distributed_executor_backend == "ray":
+        raise ValueError("--data-parallel-hybrid-lb (or --data-parallel-rank) with --distributed-executor-backend "
+                         "ray: Ray places every replica's ranks from one server. Use the mp executor on each node, "
+                         "or one server with -dp N and the ray executor.")
+
+
+def _own_replicas_alone(parallel: ParallelConfig, lockstep: bool) -> ParallelConfig:
+    """A server of hybrid or external load balancing (engine/dp_front_ends.py). Replicas that do not
+    step together never meet: this server's run as a -dp of their own. Expert parallel ones keep
+    their place in the whole deployment's DP world."""
+    first, count = parallel.data_parallel_start_rank, parallel.data_parallel_size_local
+    ranks = f"replica {first}" if count == 1 else f"replicas {first}-{first + count - 1}"
+    logger.info("%s load balancing: this server serves %s of %d%s", "External" if count == 1 else "Hybrid", ranks,
+                parallel.data_parallel_size, ", stepping together with the other servers' (expert parallel)"
+                if lockstep else ", on its own" if count == 1 else ", on their own")
+    if lockstep:
+        return parallel
+    return dataclasses.replace(parallel, data_parallel_size=count, data_parallel_size_local=count,
+                               data_parallel_start_rank=0, data_parallel_hybrid_lb=False)
 
 
 def _within_the_window(hf_config, max_model_len: int, requested: int | None) -> int:

@@ -38,6 +38,7 @@ import msgspec
 from shardlm.config import EngineConfig
 from shardlm.engine.core_process import call_utility, check_utility
 from shardlm.engine.dp import LoadBalancer, combine_utility
+from shardlm.engine.dp_front_ends import front_ends_of
 from shardlm.engine.errors import EngineDeadError, RequestFailedError  # noqa: F401 - the callers' errors
 from shardlm.engine.launcher import LaunchedCores
 from shardlm.engine.restarts import Restarter, RestartPolicy
@@ -49,7 +50,6 @@ from shardlm.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     Shutdown,
-    StartWave,
     UtilityCall,
     UtilityResult,
     WaveStarted,
@@ -134,7 +134,16 @@ class MPClient(EngineCoreClient):
         self._call_ids = itertools.count()
         self._gathers: dict[int, tuple[_Gather, int]] = {}     # call id -> (its gather, replica)
         self._state_lock = threading.Lock()
-        self.launched = LaunchedCores(config)
+        self.restarter: Restarter | None = None
+        self.front_ends = front_ends_of(config)     # other servers' replicas step with ours
+        if self.front_ends is not None:
+            self.front_ends.on_lost = self._on_world_lost
+        try:
+            self.launched = LaunchedCores(config, self.front_ends)
+        except BaseException:
+            if self.front_ends is not None:
+                self.front_ends.close()
+            raise
         self.cores = self.launched.cores
         self.num_blocks_per_engine = self.launched.num_blocks
         self.num_blocks = self.num_blocks_per_engine[0]
@@ -164,12 +173,9 @@ class MPClient(EngineCoreClient):
     # ---- from the engine cores (reader threads) ----
     def _on_core_message(self, index: int, msg: EngineCoreOutputs | UtilityResult | WaveStarted) -> None:
         if isinstance(msg, WaveStarted):        # DP + EP lock-step: every replica joins (core/wave.py)
-            for core in self.cores:
-                if core.index != index and core.dead_reason is None:
-                    try:
-                        core.send(self._encode(StartWave(msg.number)))
-                    except EngineDeadError:
-                        pass             # its death is reported by its reader
+            self.launched.start_wave(msg.number, but=index)
+            if self.front_ends is not None:      # and the other servers' replicas
+                self.front_ends.send_wave(msg.number)
             return
         if isinstance(msg, EngineCoreOutputs):
             self.balancer.on_outputs(index, msg)
@@ -187,13 +193,8 @@ class MPClient(EngineCoreClient):
         live = [c.index for c in self.cores if c.dead_reason is None]
         if live and self.cores[index].config.dp_lockstep:
             # the replicas run their MoE layers together: the others cannot step without it
-            self.die(f"{reason} Expert parallel replicas run every step together, so the engine cannot go on "
-                      "without it.")
-            for core in self.cores:
-                if core.index != index and core.dead_reason is None:
-                    core.closing = True
-                    threading.Thread(target=core.shutdown, args=(self._encode(Shutdown()), 1.0), daemon=True).start()
-            return
+            return self._end_lockstep(f"{reason} Expert parallel replicas run every step together, so the engine "
+                                      "cannot go on without it.")
         if not live:
             self.die(reason if len(self.cores) == 1 else
                       "Every data parallel replica has died; the last: " + reason)
@@ -204,6 +205,23 @@ class MPClient(EngineCoreClient):
         self._fail_calls(self._take_gathers([index]), EngineDeadError(reason))
         if lost:
             self._deliver(EngineCoreOutputs([EngineCoreOutput(rid, [], error=reason) for rid in lost]))
+
+    def _on_world_lost(self, reason: str) -> None:
+        """Another server of our lock-step replicas' world is gone (dp_front_ends.py)."""
+        if self._closing or not hasattr(self, "cores"):
+            return                # (while starting: the launch fails, saying why)
+        if self.restarter is not None:
+            self.restarter.on_death(0, reason)
+        else:
+            self._end_lockstep(reason)
+
+    def _end_lockstep(self, reason: str) -> None:
+        """Lock-step replicas cannot step without one of theirs: dead, the live ones shut down."""
+        self.die(reason)
+        for core in self.cores:
+            if core.dead_reason is None:
+                core.closing = True
+                threading.Thread(target=core.shutdown, args=(self._encode(Shutdown()), 1.0), daemon=True).start()
 
     def die(self, reason: str) -> None:
         """Dead for good: every waiting caller gets EngineDeadError(reason)."""
@@ -398,6 +416,8 @@ class MPClient(EngineCoreClient):
             return
         atexit.unregister(self.shutdown)
         self._closing = True
+        if self.front_ends is not None:
+            self.front_ends.close()
         self._stop_cores(timeout)
 
     def _stop_cores(self, timeout: float) -> None:

@@ -45,7 +45,8 @@ def fingerprint(config: EngineConfig) -> dict[str, str]:
             "block_size": str(c.block_size), "kv_block_tokens": str(config.kv_block_tokens),
             "tensor_parallel_size": str(par.tensor_parallel_size),
             "pipeline_parallel_size": str(par.pipeline_parallel_size),
-            "data_parallel_size": str(par.data_parallel_size), "device": config.device.type}
+            "data_parallel_size": str(par.data_parallel_size), "device": config.device.type,
+            "data_parallel_hybrid_lb": str(par.data_parallel_hybrid_lb)}
 
 
 def node_name() -> str:
@@ -90,7 +91,7 @@ class JoinListener:
             if arrived is None:
                 continue
             conn, join = arrived
-            problem = _join_problem(join, expected, joined, ours)
+            problem = join_problem(join, expected, joined, ours)
             if problem:
                 refuse(conn, problem)
                 raise RuntimeError(f"Data parallel replica {join.dp_rank} from node {join.node} cannot join: "
@@ -175,7 +176,7 @@ class RejoinDoor:
                 if arrived is None:
                     continue
                 conn, join = arrived
-                problem = _join_problem(join, self.ranks, {}, self.ours)
+                problem = join_problem(join, self.ranks, {}, self.ours)
                 if problem:
                     refuse(conn, problem)
                     continue
@@ -195,12 +196,15 @@ class RejoinDoor:
         self.listener.close()
 
 
-def _join_problem(join: JoinRequest, expected: list[int], joined: dict, ours: dict[str, str]) -> str | None:
-    if join.dp_rank not in expected:
-        return (f"replica {join.dp_rank} is not one this head waits for ({', '.join(map(str, expected))}): "
+def join_problem(join: JoinRequest, expected: list[int], joined, ours: dict[str, str]) -> str | None:
+    """Why the head cannot take `join` (its replicas from join.dp_rank on), or None."""
+    ranks = range(join.dp_rank, join.dp_rank + join.replicas)
+    if join.replicas < 1 or any(r not in expected for r in ranks):
+        return (f"replica(s) {replica_span(ranks)} are not ones this head waits for ({', '.join(map(str, expected))}): "
                 "check --data-parallel-start-rank and --data-parallel-size-local on that node")
-    if join.dp_rank in joined:
-        return f"replica {join.dp_rank} has already joined (two nodes with the same --data-parallel-start-rank?)"
+    if any(r in joined for r in ranks):
+        return (f"replica(s) {replica_span(ranks)} have already joined (two nodes with the same "
+                "--data-parallel-start-rank?)")
     differs = [f"{k} {join.fingerprint.get(k)} there, {v} here" for k, v in ours.items()
                if join.fingerprint.get(k) != v]
     if differs:
@@ -208,10 +212,15 @@ def _join_problem(join: JoinRequest, expected: list[int], joined: dict, ours: di
     return None
 
 
+def replica_span(ranks: range) -> str:
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+
+
 # ---- headless node side ----
-def join_head(config: EngineConfig, timeout_s: float) -> tuple[Connection, tuple[str, int] | None]:
-    """Connect to the head (retrying until it listens), say who we are; returns the connection
-    and the rendezvous store's address (None: a replica joining again, in a world of its own)."""
+def join_head(config: EngineConfig, timeout_s: float, replicas: int = 1) -> tuple[Connection, tuple[str, int] | None]:
+    """Connect to the head (retrying until it listens), say who we are (replica
+    data_parallel_rank, or `replicas` of them from there on); returns the connection and the
+    rendezvous store's address (None: a replica joining again, in a world of its own)."""
     par = config.parallel
     address = (par.data_parallel_address, par.data_parallel_rpc_port)
     deadline = time.monotonic() + timeout_s
@@ -220,7 +229,7 @@ def join_head(config: EngineConfig, timeout_s: float) -> tuple[Connection, tuple
             sock = socket.create_connection(address, timeout=5)
             sock.settimeout(None)
             conn = Connection(sock.detach())
-            conn.send_bytes(_encode(JoinRequest(par.data_parallel_rank, node_name(), fingerprint(config))))
+            conn.send_bytes(_encode(JoinRequest(par.data_parallel_rank, node_name(), fingerprint(config), replicas)))
             if not conn.poll(max(1.0, deadline - time.monotonic())):
                 reply = None
                 break

@@ -7,24 +7,35 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
+
 from shardlm.config import EngineConfig
 from shardlm.distributed.network import host_ip
 from shardlm.distributed.parallel_state import host_store
 from shardlm.engine.core_channel import CoreChannel, CoreProcess, RemoteCore
 from shardlm.engine.dp import replica_configs
+from shardlm.engine.dp_front_ends import FrontEnds
 from shardlm.engine.dp_remote import JoinListener, RejoinDoor, fingerprint
+from shardlm.engine.errors import EngineDeadError
+from shardlm.messages import StartWave
+
+_encode = msgspec.msgpack.Encoder().encode
 
 
 class LaunchedCores:
     """The started engine cores, ready (num_blocks: each one's KV cache blocks), and what keeps
     their world together (the rendezvous store, the Ray replicas) until stop()."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, front_ends: FrontEnds | None = None):
+        """front_ends: this server's link to the other servers of its replicas' world (expert
+        parallel replicas under hybrid load balancing: dp_front_ends.py)."""
         par = config.parallel
         self._store, self._ray_replicas, self._ray_ranks, self._door = None, None, None, None
         master, listener, node_address = None, None, None
         on_ray = par.data_parallel_size > 1 and "ray" in (par.data_parallel_backend, par.distributed_executor_backend)
-        if par.data_parallel_size > 1:
+        if front_ends is not None:       # the world is the deployment's, its store the head server's
+            master, node_address = front_ends.new_world(), front_ends.node_address
+        elif par.data_parallel_size > 1:
             # the Ray actors may be on other nodes: they reach this node by its address
             host = par.data_parallel_address or (host_ip() if on_ray else "127.0.0.1")
             if par.data_parallel_size_local < par.data_parallel_size:
@@ -52,9 +63,21 @@ class LaunchedCores:
                 listener.close()
             self.stop(b"", timeout=5)
             raise
+        if front_ends is not None:
+            front_ends.serve_waves(self.start_wave)
         if listener is not None:      # open for the other nodes' replicas that start again
             remote = [c.config.parallel.data_parallel_rank for c in self.cores if isinstance(c, RemoteCore)]
             self._door = RejoinDoor(listener, remote, fingerprint(config))
+
+    def start_wave(self, number: int, but: int | None = None) -> None:
+        """Lock-step wave `number` began elsewhere: every (other) live replica joins it (core/wave.py)."""
+        msg = _encode(StartWave(number))
+        for core in self.cores:
+            if core.index != but and core.dead_reason is None:
+                try:
+                    core.send(msg)
+                except EngineDeadError:
+                    pass             # its death is reported by its reader
 
     def restart_replica(self, k: int) -> CoreChannel:
         """Data parallel replica k, which died, started again and ready: a process of this node, a

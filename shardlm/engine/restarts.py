@@ -112,7 +112,7 @@ class Restarter:
                 return
             self.engine_budget.spend()
             try:
-                launched = type(old)(client.config)      # a new LaunchedCores, as the client began with
+                launched = type(old)(client.config, client.front_ends)   # as the client began with
                 break
             except Exception as e:           # it failed to start: counts as a restart
                 reason = f"{reason} Starting it again failed: {e}"

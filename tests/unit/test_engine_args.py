@@ -53,17 +53,34 @@ def test_the_cli_has_one_flag_per_knob_with_its_default():
     assert engine_args_from(parser.parse_args(["pos", "--model", "org/name"])).model == "pos"
 
 
-def test_external_load_balancing_runs_one_replica_of_many(tiny_model_dir):
-    """--data-parallel-rank (vLLM's external load balancing): this server is that replica alone."""
+def test_external_and_hybrid_load_balancing_run_this_servers_replicas(tiny_model_dir):
+    """--data-parallel-rank (vLLM's external load balancing) and --data-parallel-hybrid-lb: a server
+    of its own replicas. A dense model's run on their own; expert parallel ones keep their place
+    in the deployment (they step with the other servers': engine/dp_front_ends.py)."""
     import pytest
-    config = EngineArgs(model=tiny_model_dir("llama-gqa"), data_parallel_size=4, data_parallel_rank=2,
-                        data_parallel_external_lb=True).create_engine_config()
-    assert (config.parallel.data_parallel_size, config.parallel.data_parallel_size_local) == (1, 1)
+    dense, moe = tiny_model_dir("llama-gqa"), tiny_model_dir("mixtral")
+    par = EngineArgs(model=dense, data_parallel_size=4, data_parallel_rank=2,
+                     data_parallel_external_lb=True).create_engine_config().parallel
+    assert (par.data_parallel_size, par.data_parallel_size_local, par.data_parallel_hybrid_lb) == (1, 1, False)
+    par = EngineArgs(model=dense, data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2,
+                     data_parallel_hybrid_lb=True).create_engine_config().parallel
+    assert (par.data_parallel_size, par.data_parallel_size_local, par.data_parallel_start_rank) == (2, 2, 0)
+    par = EngineArgs(model=moe, data_parallel_size=2, data_parallel_rank=1,
+                     enable_expert_parallel=True).create_engine_config().parallel
+    assert (par.data_parallel_size, par.data_parallel_size_local, par.data_parallel_start_rank) == (2, 1, 1)
+    assert par.data_parallel_hybrid_lb and (par.data_parallel_address, par.data_parallel_rpc_port) == (
+        "127.0.0.1", 29550)       # vLLM's defaults, for servers on one node
     with pytest.raises(ValueError, match=r"give a replica in \[0, 4\)"):
-        EngineArgs(model=tiny_model_dir("llama-gqa"), data_parallel_size=4, data_parallel_rank=4).create_engine_config()
-    with pytest.raises(ValueError, match="--headless"):
-        EngineArgs(model=tiny_model_dir("mixtral"), data_parallel_size=2, data_parallel_rank=1,
-                   enable_expert_parallel=True).create_engine_config()
+        EngineArgs(model=dense, data_parallel_size=4, data_parallel_rank=4).create_engine_config()
+    with pytest.raises(ValueError, match="Ray places every replica"):
+        EngineArgs(model=moe, data_parallel_size=2, data_parallel_rank=1, enable_expert_parallel=True,
+                   data_parallel_backend="ray").create_engine_config()
+    with pytest.raises(ValueError, match="Use the mp executor on each node"):
+        EngineArgs(model=moe, data_parallel_size=2, data_parallel_rank=1, enable_expert_parallel=True,
+                   distributed_executor_backend="ray").create_engine_config()
+    with pytest.raises(ValueError, match="--data-parallel-size-local 1 or more"):
+        EngineArgs(model=dense, data_parallel_size=2, data_parallel_size_local=0,
+                   data_parallel_hybrid_lb=True).create_engine_config()
 
 
 def test_hf_config_path_reads_the_config_from_elsewhere(tiny_model_dir, tmp_path):

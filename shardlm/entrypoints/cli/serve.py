@@ -146,6 +146,10 @@ def http_options(ns):
 def run(ns) -> None:
     if ns.headless:
         from shardlm.engine.headless import run_headless
+        if ns.data_parallel_hybrid_lb or ns.data_parallel_rank is not None:
+            raise ValueError("--headless with --data-parallel-hybrid-lb or --data-parallel-rank: each server of "
+                             "hybrid or external load balancing has an API server of its own. Leave out "
+                             "--headless, or those (a head with -dp and headless nodes: internal balancing).")
         config = engine_args_from(ns).create_engine_config()
         par = config.parallel
         if par.data_parallel_size_local == par.data_parallel_size or par.data_parallel_start_rank == 0:
