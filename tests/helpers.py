@@ -40,13 +40,19 @@ def start_server(model_dir, *extra, env=None, stderr=subprocess.PIPE, new_sessio
                             stdout=subprocess.DEVNULL, stderr=stderr, text=True,
                             env={**os.environ, **(env or {})}, start_new_session=new_session)
     url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url)
+    return proc, url
+
+
+def wait_healthy(proc: subprocess.Popen, url: str) -> None:
+    """Until the server `proc` at `url` answers /health; raises if it exits or hangs instead."""
     deadline = time.time() + START_HANG_GUARD_S
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited: {proc.stderr.read()[-3000:] if proc.stderr else proc.returncode}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.3)

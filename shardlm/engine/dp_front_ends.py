@@ -64,8 +64,8 @@ class _Link:
         try:
             with self.send_lock:
                 self.conn.send_bytes(_encode(StartWave(number)))
-        except OSError:
-            pass                # its reader reports the loss
+        except (OSError, TypeError):
+            pass                # closed: its reader reports the loss
 
     def read(self, on_wave: OnWave, on_eof: Callable[[_Link], None]) -> None:
         threading.Thread(target=self._read, args=(on_wave, on_eof), name="shardlm-dp-front-end",
