@@ -434,10 +434,6 @@ class ParallelConfig:
 
     def _check_front_end(self) -> None:
         """--data-parallel-hybrid-lb (or --data-parallel-rank): this server runs its own replicas."""
-        if self.data_parallel_backend == "ray":
-            raise ValueError("--data-parallel-hybrid-lb with --data-parallel-backend ray: Ray places every replica "
-                             "from one server. Run one server per node with the mp backend, or leave out "
-                             "--data-parallel-hybrid-lb.")
         if self.data_parallel_size_local < 1:
             raise ValueError("--data-parallel-hybrid-lb: this server serves its own replicas, so give "
                              "--data-parallel-size-local 1 or more (a server without replicas: leave out "

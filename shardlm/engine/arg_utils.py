@@ -372,8 +372,6 @@ class EngineArgs:
                                      "pp_layer_partition": _parse_partition(self.pp_layer_partition)})
         if self.data_parallel_rank is not None:
             parallel = _one_replica_of_many(parallel, self.data_parallel_rank)
-        if parallel.data_parallel_hybrid_lb:
-            _check_own_replicas(parallel)
         # on Ray a core list is per node (checked when the ranks are placed)
         validate_binding(parallel.cpu_threads_bind, None if parallel.distributed_executor_backend == "ray"
                          else parallel.data_parallel_size_local * parallel.world_size)
@@ -842,13 +840,6 @@ def _one_replica_of_many(parallel: ParallelConfig, rank: int) -> ParallelConfig:
         raise ValueError(f"--data-parallel-rank {rank!r}: give a replica in [0, {size}) (--data-parallel-size {size}).")
     return dataclasses.replace(parallel, data_parallel_size_local=1, data_parallel_start_rank=rank,
                                data_parallel_hybrid_lb=True)
-
-
-def _check_own_replicas(parallel: ParallelConfig) -> None:
-    if parallel.distributed_executor_backend == "ray":
-        raise ValueError("--data-parallel-hybrid-lb (or --data-parallel-rank) with --distributed-executor-backend "
-                         "ray: Ray places every replica's ranks from one server. Use the mp executor on each node, "
-                         "or one server with -dp N and the ray executor.")
 
 
 def _own_replicas_alone(parallel: ParallelConfig, lockstep: bool) -> ParallelConfig:

@@ -41,6 +41,14 @@ def _reads_the_targets_layers(c: EngineConfig) -> bool:
 
 
 RULES: tuple[Rule, ...] = (
+    Rule("--data-parallel-hybrid-lb or --data-parallel-rank for expert parallel replicas, with Ray "
+         "(--data-parallel-backend ray, --distributed-executor-backend ray)",
+         lambda c: c.parallel.data_parallel_hybrid_lb
+         and "ray" in (c.parallel.data_parallel_backend, c.parallel.distributed_executor_backend),
+         "each of those servers starts its own replicas, which meet the other servers' at the store of the server "
+         "of replica 0, where Ray places every replica's ranks from one server",
+         "the mp backend and executor on each node, or one server with -dp N on Ray (dense models' replicas behind "
+         "their own servers take Ray: they never meet)"),
     Rule("--distributed-executor-backend ray with replicas on other nodes' servers (--headless, "
          "--data-parallel-size-local)",
          lambda c: c.parallel.distributed_executor_backend == "ray"

@@ -231,12 +231,12 @@ def test_a_full_queue_answers_429_with_retry_after_and_keeps_serving(tiny_model_
     import asyncio
     proc, url = start_server(tiny_model_dir("llama-gqa"), "--max-num-waiting", "8", "--max-num-seqs", "2")
     try:
-        async def one(client):      # two run at a time, 100 steps each: the queue fills however fast we are
+        async def one(client):      # two run at a time, 100 steps each: 60 fill the queue however fast we are
             return await client.post(url + CMPL, json=_c(max_tokens=100, ignore_eos=True), timeout=300)
 
         async def main():
-            async with httpx.AsyncClient(limits=httpx.Limits(max_connections=300)) as client:
-                return await asyncio.gather(*(one(client) for _ in range(300)))
+            async with httpx.AsyncClient(limits=httpx.Limits(max_connections=60)) as client:
+                return await asyncio.gather(*(one(client) for _ in range(60)))
 
         responses = asyncio.run(main())
         codes = [r.status_code for r in responses]
