@@ -22,6 +22,7 @@ the head then closes every connection, and each server's engine ends, to start a
 from __future__ import annotations
 
 import dataclasses
+import socket
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -59,6 +60,7 @@ class _Link:
     def __init__(self, conn: Connection, ranks: range, node: str, world: int):
         self.conn, self.ranks, self.node, self.world = conn, ranks, node, world
         self.send_lock = threading.Lock()
+        self.gone = threading.Event()        # its reader saw it close, and said so
 
     def send(self, number: int) -> None:
         try:
@@ -77,12 +79,17 @@ class _Link:
                 on_wave(_wave_decoder.decode(self.conn.recv_bytes()).number)
         except (EOFError, OSError, TypeError, msgspec.DecodeError):    # (TypeError: closed here meanwhile)
             on_eof(self)
+            self.gone.set()
 
     def close(self) -> None:
+        """Close it for both sides: shut down first, as a close alone neither wakes this side's
+        reader (blocked in recv) nor tells the other side while that read holds the socket."""
         try:
-            self.conn.close()
+            with socket.fromfd(self.conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
         except OSError:
-            pass
+            pass                # closed already
+        self.conn.close()
 
 
 class FrontEnds:
@@ -131,6 +138,8 @@ class FrontEnds:
 class HeadFrontEnd(FrontEnds):
     """The server of replica 0: it hosts each world's store and relays the waves."""
 
+    REJOIN_S = 1.0        # how long a join waits for the connection of the same replicas to close
+
     def __init__(self, config: EngineConfig):
         super().__init__()
         par = config.parallel
@@ -174,11 +183,12 @@ class HeadFrontEnd(FrontEnds):
             if arrived is None:
                 continue
             conn, join = arrived
+            wanted = range(join.dp_rank, join.dp_rank + join.replicas)
             with self._lock:
-                again = [link for link in self._links if link.ranks.start == join.dp_rank and link.node == join.node]
-                if again:          # that server started again: its replicas of this world are gone
-                    self._break(again[0], f"The server of data parallel replica(s) {replica_span(again[0].ranks)} on "
-                                          f"{join.node} started again.")
+                holders = [link for link in self._links if set(link.ranks) & set(wanted)]
+            for link in holders:     # a server that starts again closed its old connection before joining
+                link.gone.wait(self.REJOIN_S)
+            with self._lock:
                 taken = [r for link in self._links for r in link.ranks]
                 taken += [r for _, j in self._parked for r in range(j.dp_rank, j.dp_rank + j.replicas)]
                 problem = join_problem(join, self.others, taken, self.ours)
