@@ -3,7 +3,7 @@ with expert parallel replicas: each server runs its own replicas and balances it
 while their MoE layers step together across the servers (engine/dp_front_ends.py). Answers equal
 one rank's whichever server is busy (an idle server's replica joins the other's waves); a server
 that goes away stops the other's engine, which names it, starts again and serves once a new
-server has joined."""
+server has joined; a server whose engine waits for the head's world still stops on SIGTERM."""
 
 import os
 import signal
@@ -70,6 +70,10 @@ def test_hybrid_servers_step_together_and_start_again_when_one_comes_back(tiny_m
             time.sleep(0.5)
         assert _texts(r) == expected
         assert _texts(_completions(second_url)) == expected
+        stop_server(head)
+        head = None
+        os.killpg(second.pid, signal.SIGTERM)      # (its engine waits to join the head's world again)
+        assert second.wait(30) == 0
     finally:
         if head is not None:
             stop_server(head)
