@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from shardlm import LLM, SamplingParams
-from tests.helpers import SERVE_FLAGS, free_port, start_server, stop_server, wait_healthy
+from tests.helpers import SERVE_FLAGS, ServerThread, free_port, wait_healthy
 
 PROMPTS = ["Once upon a time", "The capital of France is", "1 2 3 4", "Hello, my name is"]
 
@@ -53,8 +53,10 @@ def test_hybrid_servers_step_together_and_start_again_when_one_comes_back(tiny_m
     second, second_url = second_server()
     head = None
     try:
-        # it joins the head as the head starts: the head is healthy once both replicas are ready
-        head, head_url = start_server(path, *flags, "--cpu-threads-bind", "0", stderr=subprocess.DEVNULL)
+        # it joins the head as the head starts (in this process: its signals and exit are not tested
+        # here); the head serves once both replicas are ready
+        head = ServerThread(path, *flags, "--cpu-threads-bind", "0")
+        head_url = head.url
         wait_healthy(second, second_url)
         assert _texts(_completions(second_url)) == expected       # the head's replica idle: it joins
         assert _texts(_completions(head_url)) == expected         # and the other way round
@@ -70,13 +72,13 @@ def test_hybrid_servers_step_together_and_start_again_when_one_comes_back(tiny_m
             time.sleep(0.5)
         assert _texts(r) == expected
         assert _texts(_completions(second_url)) == expected
-        stop_server(head)
+        head.stop()
         head = None
         os.killpg(second.pid, signal.SIGTERM)      # (its engine waits to join the head's world again)
         assert second.wait(30) == 0
     finally:
         if head is not None:
-            stop_server(head)
+            head.stop()
         if second.poll() is None:
             os.killpg(second.pid, signal.SIGTERM)
             try:
