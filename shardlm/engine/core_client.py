@@ -134,10 +134,7 @@ class MPClient(EngineCoreClient):
         self._call_ids = itertools.count()
         self._gathers: dict[int, tuple[_Gather, int]] = {}     # call id -> (its gather, replica)
         self._state_lock = threading.Lock()
-        self.restarter: Restarter | None = None
         self.front_ends = front_ends_of(config)     # other servers' replicas step with ours
-        if self.front_ends is not None:
-            self.front_ends.on_lost = self._on_world_lost
         try:
             self.launched = LaunchedCores(config, self.front_ends)
         except BaseException:
@@ -155,6 +152,8 @@ class MPClient(EngineCoreClient):
         self.adapters: dict[int, LoRARequest] = {}            # loaded at run time: loaded again on a new core
         for core in self.cores:
             core.start_reader(self._on_core_message, self._on_core_death)
+        if self.front_ends is not None:       # (a world lost while starting fails the launch itself)
+            self.front_ends.on_lost = self._on_world_lost
         atexit.register(self.shutdown)
 
     @property
@@ -208,8 +207,8 @@ class MPClient(EngineCoreClient):
 
     def _on_world_lost(self, reason: str) -> None:
         """Another server of our lock-step replicas' world is gone (dp_front_ends.py)."""
-        if self._closing or not hasattr(self, "cores"):
-            return                # (while starting: the launch fails, saying why)
+        if self._closing:
+            return
         if self.restarter is not None:
             self.restarter.on_death(0, reason)
         else:
