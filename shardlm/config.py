@@ -476,6 +476,11 @@ class ParallelConfig:
         return self.data_parallel_rank * self.world_size
 
     @property
+    def local_dp_ranks(self) -> range:
+        """The replicas this node (or server) runs."""
+        return range(self.data_parallel_start_rank, self.data_parallel_start_rank + self.data_parallel_size_local)
+
+    @property
     def local_replica_index(self) -> int:
         """This replica among those on its node (for sharing the node's cores)."""
         return self.data_parallel_rank - self.data_parallel_start_rank

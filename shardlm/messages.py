@@ -208,6 +208,10 @@ class JoinRequest(msgspec.Struct):
     fingerprint: dict[str, str]      # what it runs (engine/dp_remote.py: fingerprint)
     replicas: int = 1                # a server of hybrid load balancing: its replicas from dp_rank on
 
+    @property
+    def ranks(self) -> range:
+        return range(self.dp_rank, self.dp_rank + self.replicas)
+
 
 class JoinAccepted(msgspec.Struct, tag=True):
     store_host: str                  # the rendezvous store every rank joins

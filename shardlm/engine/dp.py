@@ -39,8 +39,7 @@ def replica_configs(config: EngineConfig, master: tuple[str, int] | None,
     return [dataclasses.replace(config, parallel=dataclasses.replace(
                 par, data_parallel_rank=rank, data_parallel_master=master,
                 ray_bundles=None if ray_bundles is None else ray_bundles[rank]))
-            for rank in range(par.data_parallel_start_rank, par.data_parallel_start_rank
-                              + par.data_parallel_size_local)]
+            for rank in par.local_dp_ranks]
 
 
 class LoadBalancer:

@@ -146,8 +146,7 @@ class HeadFrontEnd(FrontEnds):
         self.config, self.host = config, par.data_parallel_address
         self.node_address = self.host
         self.ours = fingerprint(config)
-        own = range(par.data_parallel_start_rank, par.data_parallel_start_rank + par.data_parallel_size_local)
-        self.others = [r for r in range(par.data_parallel_size) if r not in own]
+        self.others = [r for r in range(par.data_parallel_size) if r not in par.local_dp_ranks]
         self.listener = JoinListener(self.host, par.data_parallel_rpc_port)
         self._lock = threading.Lock()
         self._world = 0                       # the world's number; 0: none yet
@@ -183,14 +182,13 @@ class HeadFrontEnd(FrontEnds):
             if arrived is None:
                 continue
             conn, join = arrived
-            wanted = range(join.dp_rank, join.dp_rank + join.replicas)
             with self._lock:
-                holders = [link for link in self._links if set(link.ranks) & set(wanted)]
+                holders = [link for link in self._links if set(link.ranks) & set(join.ranks)]
             for link in holders:     # a server that starts again closed its old connection before joining
                 link.gone.wait(self.REJOIN_S)
             with self._lock:
                 taken = [r for link in self._links for r in link.ranks]
-                taken += [r for _, j in self._parked for r in range(j.dp_rank, j.dp_rank + j.replicas)]
+                taken += [r for _, parked in self._parked for r in parked.ranks]
                 problem = join_problem(join, self.others, taken, self.ours)
                 if problem:
                     refuse(conn, problem)
@@ -201,7 +199,7 @@ class HeadFrontEnd(FrontEnds):
 
     def _welcome(self, conn: Connection, join: JoinRequest) -> None:
         conn.send_bytes(_encode(JoinAccepted(self.host, self._store.port)))
-        link = _Link(conn, range(join.dp_rank, join.dp_rank + join.replicas), join.node, self._world)
+        link = _Link(conn, join.ranks, join.node, self._world)
         self._links.append(link)
         logger.info("The server of data parallel replica(s) %s joined from node %s", replica_span(link.ranks),
                     join.node)
@@ -260,8 +258,7 @@ class PeerFrontEnd(FrontEnds):
         first = dataclasses.replace(self.config, parallel=dataclasses.replace(
             par, data_parallel_rank=par.data_parallel_start_rank))
         conn, store = join_head(first, par.distributed_init_timeout, replicas=par.data_parallel_size_local)
-        self._link = _Link(conn, range(par.data_parallel_start_rank, par.data_parallel_start_rank
-                                       + par.data_parallel_size_local), self.head, 0)
+        self._link = _Link(conn, par.local_dp_ranks, self.head, 0)
         self._link.read(self._wave_arrived, self._lost)
         return store
 

@@ -198,7 +198,7 @@ class RejoinDoor:
 
 def join_problem(join: JoinRequest, expected: list[int], joined, ours: dict[str, str]) -> str | None:
     """Why the head cannot take `join` (its replicas from join.dp_rank on), or None."""
-    ranks = range(join.dp_rank, join.dp_rank + join.replicas)
+    ranks = join.ranks
     if join.replicas < 1 or any(r not in expected for r in ranks):
         return (f"replica(s) {replica_span(ranks)} are not ones this head waits for ({', '.join(map(str, expected))}): "
                 "check --data-parallel-start-rank and --data-parallel-size-local on that node")
